@@ -1,0 +1,28 @@
+"""moe_eplb_jax: an expert-parallel load balancer for Mixture-of-Experts models in JAX.
+
+Subpackages (one concern each):
+  placement  -- Placement tables (phy2log / log2phy / logcnt), validation, files
+  policy     -- placement (L1) policies and their registry ("deepseek", ...)
+  routing    -- replica (L2) routing rules and online quota planning
+  metrics    -- rank loads, balancedness, rank imbalance
+  state      -- EplbConfig / EplbState: load window, trigger, rearrangement
+  sharding   -- move planning and the uint8 collective transport on a Mesh
+  pallas     -- fused replica routing + load counting kernels
+  quant      -- quantized expert formats and EP-consistent scales
+  flax       -- Flax NNX MoE layer, protocol, discovery and controller
+"""
+
+from moe_eplb_jax import metrics
+from moe_eplb_jax.metrics import balancedness, rank_imbalance, rank_load, rank_load_from_logical
+from moe_eplb_jax.placement import Placement
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Placement",
+    "balancedness",
+    "metrics",
+    "rank_imbalance",
+    "rank_load",
+    "rank_load_from_logical",
+]

@@ -1,0 +1,42 @@
+"""Test configuration: 8 simulated CPU devices and a strict JAX.
+
+The device count must be set before JAX initialises its backends, so this runs
+at import time, before any test module imports jax. On a GPU machine run
+``JAX_PLATFORMS=cuda pytest -m gpu`` to run the GPU-only tests.
+"""
+import os
+import zlib
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+_flags = os.environ.get("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in _flags:
+    os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+# Strict JAX: no implicit rank promotion, no silent dtype promotion.
+jax.config.update("jax_numpy_rank_promotion", "raise")
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+settings.register_profile("ci", deadline=None, max_examples=25, derandomize=True, print_blob=True)
+settings.register_profile("dev", deadline=None, max_examples=100)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_collection_modifyitems(config, items):
+    """GPU-only tests (marked ``gpu``) skip cleanly when JAX has no GPU backend."""
+    if jax.default_backend() == "gpu":
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def rng():
+    """A numpy Generator per test, seeded from the test's id (reproducible, never all zeros)."""
+    return np.random.default_rng(zlib.crc32(os.environ.get("PYTEST_CURRENT_TEST", "").encode()))
