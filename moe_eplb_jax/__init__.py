@@ -15,10 +15,13 @@ Subpackages (one concern each):
 from moe_eplb_jax import metrics
 from moe_eplb_jax.metrics import balancedness, rank_imbalance, rank_load, rank_load_from_logical
 from moe_eplb_jax.placement import Placement
+from moe_eplb_jax.state import EplbConfig, EplbState
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "EplbConfig",
+    "EplbState",
     "Placement",
     "balancedness",
     "metrics",

@@ -1,0 +1,254 @@
+"""EPLB state: load recording, the load window, the rearrangement trigger.
+
+``EplbConfig`` is static configuration (hashable, safe as a ``jit`` static
+argument). ``EplbState`` is a pytree of arrays that lives next to the model and
+is updated every step::
+
+    state = init_state(config, num_layers=L, num_physical=P)
+    for each step:
+        for each forward pass (micro-batch) of the step:
+            state = record(state, load)          # load [L, P]: tokens per slot, padding excluded
+        state = end_step(state)                  # or end_step(state, dummy=True) on a rank with no data
+        if should_rearrange(state, config):
+            logical = window_logical_load(state, phy2log, E)      # psum over EP inside shard_map
+            placement = compute_placement(np.asarray(logical), config, old_phy2log=phy2log)
+            ... move the experts (moe_eplb_jax.sharding) ...
+            state = mark_rearranged(state)
+
+Every rank calls ``end_step`` every step (a rank without data passes
+``dummy=True``), so the step counters of all ranks stay in lock-step and every
+rank decides to rearrange at the same step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moe_eplb_jax import policy as _policy
+from moe_eplb_jax.placement import Placement
+
+__all__ = [
+    "EplbConfig",
+    "EplbState",
+    "init_state",
+    "record",
+    "end_step",
+    "should_rearrange",
+    "window_logical_load",
+    "compute_placement",
+    "mark_rearranged",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class EplbConfig:
+    """Static EPLB configuration.
+
+    Attributes:
+      num_redundant_experts: ``R`` extra physical slots; ``P = E + R``.
+      window_size: number of past steps whose loads decide the next placement.
+      step_interval: steps between rearrangements. The first rearrangement comes
+        after ``step_interval // 4`` steps, so a fresh model is balanced early.
+      policy: name of the placement (L1) policy in ``moe_eplb_jax.policy``.
+      num_groups, num_nodes, num_gpus: topology handed to the policy (expert
+        groups, hosts, EP ranks).
+      log_interval: steps between balance logs (``None``: never).
+      routing: replica (L2) routing mode for ``map_and_count``.
+    """
+
+    num_redundant_experts: int = 0
+    window_size: int = 1000
+    step_interval: int = 3000
+    policy: str = "deepseek"
+    num_groups: int = 1
+    num_nodes: int = 1
+    num_gpus: int = 1
+    log_interval: int | None = None
+    routing: str = "hash"
+
+    def __post_init__(self):
+        for name in ("window_size", "step_interval", "num_groups", "num_nodes", "num_gpus"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"EplbConfig.{name} must be a positive integer, got {value!r}")
+        r = self.num_redundant_experts
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            raise ValueError(f"EplbConfig.num_redundant_experts must be a non-negative integer, got {r!r}")
+        if self.log_interval is not None and (not isinstance(self.log_interval, int) or self.log_interval < 1):
+            raise ValueError(f"EplbConfig.log_interval must be None or a positive integer, got {self.log_interval!r}")
+        if self.num_gpus % self.num_nodes:
+            raise ValueError(f"EplbConfig: num_gpus ({self.num_gpus}) is not divisible by num_nodes ({self.num_nodes})")
+        if not isinstance(self.policy, str) or not self.policy:
+            raise ValueError(f"EplbConfig.policy must be a policy name, got {self.policy!r}")
+
+    @property
+    def first_rearrangement_step(self) -> int:
+        return max(1, self.step_interval // 4)
+
+    def num_physical(self, num_logical: int) -> int:
+        """``P = E + R`` for ``E`` logical experts, checked against the topology."""
+        num_physical = num_logical + self.num_redundant_experts
+        if num_physical % self.num_gpus:
+            raise ValueError(
+                f"{num_logical} experts + {self.num_redundant_experts} redundant = {num_physical} slots, "
+                f"not divisible by num_gpus={self.num_gpus}"
+            )
+        if num_logical % self.num_groups:
+            raise ValueError(f"{num_logical} experts are not divisible by num_groups={self.num_groups}")
+        return num_physical
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class EplbState:
+    """Load bookkeeping of every MoE layer (all fields are arrays).
+
+    Attributes:
+      pass_load: ``[L, P]`` int32, tokens per slot recorded during the current step.
+      window: ``[W, L, P]`` int32 ring buffer of per-step loads.
+      window_pos: index of the window row the next step writes.
+      window_filled: number of valid window rows (``<= W``).
+      step: steps since the last rearrangement (or since the start).
+      total_steps: steps since the start.
+      num_rearrangements: rearrangements done so far.
+    """
+
+    pass_load: jax.Array
+    window: jax.Array
+    window_pos: jax.Array
+    window_filled: jax.Array
+    step: jax.Array
+    total_steps: jax.Array
+    num_rearrangements: jax.Array
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.pass_load.shape[0])
+
+    @property
+    def num_physical(self) -> int:
+        return int(self.pass_load.shape[1])
+
+    @property
+    def window_size(self) -> int:
+        return int(self.window.shape[0])
+
+
+def init_state(config: EplbConfig, num_layers: int, num_physical: int) -> EplbState:
+    """A fresh state with an empty window of ``config.window_size`` steps."""
+    if num_layers < 1 or num_physical < 1:
+        raise ValueError(f"need num_layers >= 1 and num_physical >= 1, got {num_layers}, {num_physical}")
+    if num_physical % config.num_gpus:
+        raise ValueError(f"{num_physical} slots are not divisible by num_gpus={config.num_gpus}")
+    zero = jnp.zeros((), jnp.int32)
+    return EplbState(
+        pass_load=jnp.zeros((num_layers, num_physical), jnp.int32),
+        window=jnp.zeros((config.window_size, num_layers, num_physical), jnp.int32),
+        window_pos=zero,
+        window_filled=zero,
+        step=zero,
+        total_steps=zero,
+        num_rearrangements=zero,
+    )
+
+
+def record(state: EplbState, load) -> EplbState:
+    """Adds one forward pass's per-slot load ``[L, P]`` (padding already excluded) to the current step."""
+    load = jnp.asarray(load)
+    if load.shape != state.pass_load.shape:
+        raise ValueError(f"load must have shape [L, P] = {tuple(state.pass_load.shape)}, got {tuple(load.shape)}")
+    if not jnp.issubdtype(load.dtype, jnp.integer):
+        raise ValueError(f"load must hold integer token counts, got dtype {load.dtype}")
+    return dataclasses.replace(state, pass_load=state.pass_load + load.astype(jnp.int32))
+
+
+def end_step(state: EplbState, *, dummy=False) -> EplbState:
+    """Closes a step: pushes the step's load into the window (unless ``dummy``) and advances the counters.
+
+    ``dummy`` may be a traced boolean. A dummy step records nothing but still
+    advances ``step`` so that every rank stays in lock-step.
+    """
+    dummy = jnp.asarray(dummy, jnp.bool_)
+    written = state.window.at[state.window_pos].set(state.pass_load)
+    window = jnp.where(dummy, state.window, written)
+    advance = jnp.where(dummy, 0, 1).astype(jnp.int32)
+    return dataclasses.replace(
+        state,
+        pass_load=jnp.zeros_like(state.pass_load),
+        window=window,
+        window_pos=(state.window_pos + advance) % state.window.shape[0],
+        window_filled=jnp.minimum(state.window_filled + advance, state.window.shape[0]),
+        step=state.step + 1,
+        total_steps=state.total_steps + 1,
+    )
+
+
+def should_rearrange(state: EplbState, config: EplbConfig):
+    """True when a rearrangement is due: first after ``step_interval // 4`` steps, then every ``step_interval``."""
+    due = jnp.where(state.num_rearrangements == 0, config.first_rearrangement_step, config.step_interval)
+    return state.step >= due
+
+
+def window_logical_load(state: EplbState, phy2log, num_logical: int, *, axis_name=None):
+    """Total load of each logical expert over the window, ``[L, E]`` float32.
+
+    Slot loads are summed over the window rows, then into the logical expert
+    each slot holds (``phy2log [L, P]``). Inside ``jax.shard_map`` pass
+    ``axis_name`` (the EP axis): each rank's locally counted loads are then
+    summed over ranks, so every rank gets the same global load and computes the
+    same placement.
+    """
+    phy2log = jnp.asarray(phy2log, jnp.int32)
+    if phy2log.shape != state.pass_load.shape:
+        raise ValueError(f"phy2log must have shape [L, P] = {tuple(state.pass_load.shape)}, got {tuple(phy2log.shape)}")
+    valid_rows = jnp.arange(state.window.shape[0]) < state.window_filled
+    slot_load = jnp.where(valid_rows[:, None, None], state.window, 0).sum(0, dtype=jnp.int32)
+    if axis_name is not None:
+        slot_load = jax.lax.psum(slot_load, axis_name)
+    onehot = phy2log[..., None] == jnp.arange(num_logical, dtype=jnp.int32)[None, None, :]
+    return jnp.einsum("lp,lpe->le", slot_load.astype(jnp.float32), onehot.astype(jnp.float32))
+
+
+def compute_placement(logical_load, config: EplbConfig, *, old_phy2log=None) -> Placement:
+    """Runs the configured policy on host loads ``[L, E]`` and returns a validated ``Placement``.
+
+    With ``old_phy2log`` the policy keeps experts that stay on a rank in their
+    old slot, so the rearrangement moves as few bytes as possible.
+    """
+    load = np.asarray(logical_load, dtype=np.float64)
+    if load.ndim != 2:
+        raise ValueError(f"logical_load must have shape [L, E], got {load.shape}")
+    if not np.all(np.isfinite(load)) or np.any(load < 0):
+        raise ValueError("logical_load must be finite and non-negative")
+    num_logical = load.shape[1]
+    num_physical = config.num_physical(num_logical)
+    if old_phy2log is not None:
+        old_phy2log = np.asarray(old_phy2log)
+        if old_phy2log.shape != (load.shape[0], num_physical):
+            raise ValueError(f"old_phy2log must have shape {(load.shape[0], num_physical)}, got {old_phy2log.shape}")
+    fn = _policy.get(config.policy)
+    phy2log, log2phy, logcnt = fn(
+        load, num_physical, config.num_groups, config.num_nodes, config.num_gpus, old_phy2log=old_phy2log
+    )
+    return Placement.from_tables(phy2log, log2phy, logcnt, num_ranks=config.num_gpus)
+
+
+def mark_rearranged(state: EplbState) -> EplbState:
+    """Resets the step counter and empties the window after a rearrangement.
+
+    Window rows count tokens per physical slot under the placement they were
+    recorded with; once slots hold other experts those rows would be charged to
+    the wrong experts, so they are dropped rather than misread.
+    """
+    return dataclasses.replace(
+        state,
+        pass_load=jnp.zeros_like(state.pass_load),
+        window_pos=jnp.zeros_like(state.window_pos),
+        window_filled=jnp.zeros_like(state.window_filled),
+        step=jnp.zeros_like(state.step),
+        num_rearrangements=state.num_rearrangements + 1,
+    )

@@ -1,0 +1,123 @@
+"""EplbState: recording, the window ring buffer, the trigger, logical loads."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from moe_eplb_jax import EplbConfig, Placement, policy
+from moe_eplb_jax import state as st
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="window_size"):
+        EplbConfig(window_size=0)
+    with pytest.raises(ValueError, match="num_redundant_experts"):
+        EplbConfig(num_redundant_experts=-1)
+    with pytest.raises(ValueError, match="num_gpus .* num_nodes"):
+        EplbConfig(num_gpus=6, num_nodes=4)
+    with pytest.raises(ValueError, match="not divisible by num_gpus=8"):
+        EplbConfig(num_redundant_experts=3, num_gpus=8).num_physical(16)
+    with pytest.raises(ValueError, match="num_groups=3"):
+        EplbConfig(num_groups=3).num_physical(16)
+    assert EplbConfig(num_redundant_experts=8, num_gpus=8).num_physical(16) == 24
+
+
+def test_record_and_window_ring_buffer(rng):
+    cfg = EplbConfig(window_size=3, step_interval=8)
+    s = st.init_state(cfg, num_layers=2, num_physical=4)
+    loads = [rng.integers(1, 100, size=(2, 4)).astype(np.int32) for _ in range(5)]
+    record, end_step = jax.jit(st.record), jax.jit(st.end_step)
+    for load in loads:
+        half = load // 2
+        s = end_step(record(record(s, half), load - half))  # two passes make one step
+    assert int(s.window_filled) == 3 and int(s.step) == 5 and int(s.total_steps) == 5
+    # the window holds the last three steps
+    np.testing.assert_array_equal(np.sort(np.asarray(s.window).reshape(3, -1), 0),
+                                  np.sort(np.stack(loads[-3:]).reshape(3, -1), 0))
+    np.testing.assert_array_equal(np.asarray(s.pass_load), 0)
+    phy2log = np.array([[0, 1, 2, 0], [2, 2, 1, 0]])
+    logical = np.asarray(st.window_logical_load(s, phy2log, 3))
+    total = np.sum(loads[-3:], axis=0)
+    expected = np.zeros((2, 3))
+    for layer in range(2):
+        np.add.at(expected[layer], phy2log[layer], total[layer])
+    np.testing.assert_allclose(logical, expected)
+
+
+def test_dummy_steps_advance_without_recording(rng):
+    cfg = EplbConfig(window_size=4, step_interval=8)
+    s = st.init_state(cfg, 1, 2)
+    s = st.end_step(st.record(s, jnp.asarray([[5, 7]], jnp.int32)))
+    s = st.end_step(st.record(s, jnp.asarray([[100, 100]], jnp.int32)), dummy=True)
+    s = st.end_step(s, dummy=jnp.asarray(True))
+    assert int(s.step) == 3 and int(s.window_filled) == 1
+    np.testing.assert_allclose(np.asarray(st.window_logical_load(s, np.array([[0, 1]]), 2)), [[5, 7]])
+
+
+def test_trigger_first_after_quarter_then_every_interval():
+    cfg = EplbConfig(window_size=2, step_interval=8)
+    s = st.init_state(cfg, 1, 2)
+    fired = []
+    for step in range(1, 21):
+        s = st.end_step(s)
+        if bool(st.should_rearrange(s, cfg)):
+            fired.append(step)
+            s = st.mark_rearranged(s)
+    assert fired == [2, 10, 18]
+    # the window restarts at each rearrangement: steps 19 and 20 only
+    assert int(s.num_rearrangements) == 3 and int(s.window_filled) == 2 and int(s.step) == 2
+
+
+def test_record_rejects_bad_loads():
+    s = st.init_state(EplbConfig(window_size=2), 2, 4)
+    with pytest.raises(ValueError, match="shape"):
+        st.record(s, jnp.zeros((2, 5), jnp.int32))
+    with pytest.raises(ValueError, match="integer"):
+        st.record(s, jnp.ones((2, 4), jnp.float32))
+    with pytest.raises(ValueError, match="not divisible by num_gpus"):
+        st.init_state(EplbConfig(num_gpus=3), 2, 4)
+
+
+def test_window_logical_load_psums_over_the_ep_axis(rng):
+    mesh = jax.make_mesh((8,), ("ep",), axis_types=(jax.sharding.AxisType.Explicit,))
+    cfg = EplbConfig(window_size=2)
+    local = rng.integers(1, 50, size=(8, 3, 16)).astype(np.int32)  # each rank's own counts [L, P]
+    phy2log = np.stack([rng.permutation(np.r_[np.arange(12), np.arange(4)]) for _ in range(3)]).astype(np.int32)
+
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("ep"), P()), out_specs=P("ep"))
+    def per_rank(load, table):
+        s = st.end_step(st.record(st.init_state(cfg, 3, 16), load[0]))
+        return st.window_logical_load(s, table, 12, axis_name="ep")[None]
+
+    out = jax.jit(per_rank)(jax.device_put(local, jax.NamedSharding(mesh, P("ep"))), phy2log)
+    expected = np.zeros((3, 12))
+    for layer in range(3):
+        np.add.at(expected[layer], phy2log[layer], local.sum(0)[layer])
+    for rank in range(8):  # every rank sees the same global load
+        np.testing.assert_allclose(np.asarray(out)[rank], expected)
+
+
+def test_compute_placement_uses_the_registered_policy(rng):
+    calls = []
+
+    def sort_policy(weight, num_replicas, num_groups, num_nodes, num_gpus, old_phy2log=None):
+        calls.append((weight.shape, num_replicas, num_gpus, old_phy2log is not None))
+        order = np.argsort(-weight, axis=1, kind="stable")
+        extra = order[:, : num_replicas - weight.shape[1]]  # hottest experts get the spare slots
+        return Placement.from_phy2log(np.concatenate([order, extra], axis=1), weight.shape[1])._tables()
+
+    policy.register("test_sort", sort_policy, overwrite=True)
+    cfg = EplbConfig(num_redundant_experts=2, num_gpus=2, policy="test_sort")
+    load = rng.gamma(1.0, 10.0, size=(2, 6))
+    p = st.compute_placement(load, cfg, old_phy2log=np.zeros((2, 8), np.int32))
+    assert calls == [((2, 6), 8, 2, True)]
+    assert p.num_physical == 8 and np.all(p.logcnt[np.arange(2), np.argmax(load, 1)] == 2)
+    with pytest.raises(ValueError, match="non-negative"):
+        st.compute_placement(-load, cfg)
+    with pytest.raises(ValueError, match="old_phy2log must have shape"):
+        st.compute_placement(load, cfg, old_phy2log=np.zeros((2, 7), np.int32))
+    with pytest.raises(ValueError, match="unknown placement policy 'nope'"):
+        st.compute_placement(load, EplbConfig(policy="nope"))
