@@ -1,8 +1,31 @@
 """Placement (L1) policies behind one interface and a name registry.
 
-``get("deepseek")`` is DeepSeek's hierarchical / global EPLB algorithm.
+* ``get("deepseek")`` -- DeepSeek's hierarchical / global EPLB algorithm
+  (:func:`rebalance_experts`), vectorised over layers and nodes;
+* ``get("balanced")`` -- the same replication, with each node's GPU packing
+  refined by swaps (:func:`rebalance_balanced`); never less balanced, the
+  recommended default.
+
+Every policy takes ``old_phy2log`` to keep experts in their old slots.
 """
 
+from moe_eplb_jax.policy._preserve import moved_slots, preserve_slots
 from moe_eplb_jax.policy._registry import PlacementPolicy, available, get, register
+from moe_eplb_jax.policy.balanced import rebalance_balanced
+from moe_eplb_jax.policy.deepseek import rebalance_experts
+from moe_eplb_jax.policy.deepseek_reference import rebalance_experts_reference
 
-__all__ = ["PlacementPolicy", "available", "get", "register"]
+register("deepseek", rebalance_experts)
+register("balanced", rebalance_balanced)
+
+__all__ = [
+    "PlacementPolicy",
+    "available",
+    "get",
+    "moved_slots",
+    "preserve_slots",
+    "rebalance_balanced",
+    "rebalance_experts",
+    "rebalance_experts_reference",
+    "register",
+]

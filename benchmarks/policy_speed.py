@@ -1,0 +1,116 @@
+"""Placement policy speed and quality on DeepSeek-V3-like shapes (CPU).
+
+Times, side by side in one run:
+  * ``loop``     -- :func:`moe_eplb_jax.policy.rebalance_experts_reference`, the plain-loop algorithm;
+  * ``deepseek`` -- :func:`moe_eplb_jax.policy.rebalance_experts`, the vectorised version (asserted to
+                    return exactly the loop's tables);
+  * ``balanced`` -- :func:`moe_eplb_jax.policy.rebalance_balanced`.
+and the balancedness (sum of mean / sum of max GPU load, 1.0 is perfect) of each, next to ``bound``: the
+best balancedness any placement can reach with DeepSeek's node of each group and replicas per expert
+(the busiest GPU of a layer carries at least its node's mean GPU load and at least the largest
+replica). ``sigma`` is the log-normal spread of the synthetic per-expert loads.
+
+Run: ``python benchmarks/policy_speed.py [--repeats N]``. Times are medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+import numpy as np
+
+from moe_eplb_jax import metrics
+from moe_eplb_jax.policy import rebalance_balanced, rebalance_experts, rebalance_experts_reference
+
+# (label, layers, experts, slots, groups, nodes, gpus)
+CASES = [
+    ("V3 288/32 hier", 58, 256, 288, 8, 4, 32),
+    ("320/64 hier", 58, 256, 320, 8, 8, 64),
+    ("V3 288/32 global", 58, 256, 288, 1, 1, 32),
+]
+
+
+def _median_ms(fn, repeats: int) -> float:
+    return _interleaved_median_ms([fn], repeats)[0]
+
+
+def _interleaved_median_ms(fns, repeats: int) -> list[float]:
+    """Median time of each function, run in turn ``repeats`` times (so load changes hit all alike)."""
+    times = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, spent in zip(fns, times):
+            start = time.perf_counter()
+            out = fn()
+            spent.append(time.perf_counter() - start)
+            del out
+    return [statistics.median(spent) * 1e3 for spent in times]
+
+
+def _balancedness(weight, phy2log, num_gpus) -> float:
+    return float(metrics.balancedness(metrics.rank_load_from_logical(weight, phy2log, num_gpus)))
+
+
+def _bound(weight, phy2log, logcnt, num_nodes, num_gpus) -> float:
+    rank_load = metrics.rank_load_from_logical(weight, phy2log, num_gpus)
+    node_mean = rank_load.reshape(rank_load.shape[0], num_nodes, -1).mean(axis=2).max(axis=1)
+    biggest_replica = (weight / logcnt).max(axis=1)
+    return float(rank_load.mean(axis=1).sum() / np.maximum(node_mean, biggest_replica).sum())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=15, help="timed runs of each policy per case")
+    args = parser.parse_args()
+    print(f"# {platform.processor() or platform.machine()}, numpy {np.__version__}, Python {platform.python_version()}")
+    header = (f"{'case':<18}{'sigma':>6}{'loop ms':>9}{'deepseek ms':>12}{'speed-up':>9}{'balanced ms':>12}"
+              f"{'bal loop':>9}{'bal deepseek':>13}{'bal balanced':>13}{'bound':>7}")
+    print(header)
+    print("-" * len(header))
+    for label, num_layers, num_experts, num_slots, num_groups, num_nodes, num_gpus in CASES:
+        for sigma in (0.5, 1.0):
+            weight = np.random.default_rng(0).lognormal(0.0, sigma, (num_layers, num_experts))
+            topology = (num_slots, num_groups, num_nodes, num_gpus)
+            loop = rebalance_experts_reference(weight, *topology)
+            fast = rebalance_experts(weight, *topology)
+            balanced = rebalance_balanced(weight, *topology)
+            for got, want in zip(fast, loop):
+                np.testing.assert_array_equal(got, want)  # same placement, bit for bit
+            t_loop, t_fast, t_bal = _interleaved_median_ms(
+                [lambda: rebalance_experts_reference(weight, *topology), lambda: rebalance_experts(weight, *topology),
+                 lambda: rebalance_balanced(weight, *topology)], args.repeats)
+            nodes = num_nodes if num_groups % num_nodes == 0 else 1
+            print(f"{label:<18}{sigma:>6.1f}{t_loop:>9.2f}{t_fast:>12.2f}{t_loop / t_fast:>8.1f}x{t_bal:>12.2f}"
+                  f"{_balancedness(weight, loop[0], num_gpus):>9.4f}"
+                  f"{_balancedness(weight, fast[0], num_gpus):>13.4f}"
+                  f"{_balancedness(weight, balanced[0], num_gpus):>13.4f}"
+                  f"{_bound(weight, fast[0], fast[2], nodes, num_gpus):>7.4f}")
+
+    # Slot preservation: after a load change (loads times log-normal noise of spread "drift"), the
+    # share of slots whose expert changes (each is one expert's weights to copy), with and without
+    # old_phy2log, and the balancedness of both.
+    print()
+    header = (f"{'policy':<10}{'drift':>6}{'moved (fresh)':>15}{'moved (old_phy2log)':>21}{'bal fresh':>11}"
+              f"{'bal old_phy2log':>17}{'ms with old':>12}")
+    print(header)
+    print("-" * len(header))
+    _, num_layers, num_experts, num_slots, num_groups, num_nodes, num_gpus = CASES[0]
+    rng = np.random.default_rng(1)
+    weight = rng.lognormal(0.0, 1.0, (num_layers, num_experts))
+    topology = (num_slots, num_groups, num_nodes, num_gpus)
+    for name, fn in (("deepseek", rebalance_experts), ("balanced", rebalance_balanced)):
+        old = fn(weight, *topology)[0]
+        for drift in (0.0, 0.1, 0.3):
+            new_weight = weight * rng.lognormal(0.0, drift, weight.shape) if drift else weight
+            fresh = fn(new_weight, *topology)[0]
+            kept = fn(new_weight, *topology, old_phy2log=old)[0]
+            t_old = _median_ms(lambda: fn(new_weight, *topology, old_phy2log=old), max(3, args.repeats // 3))
+            print(f"{name:<10}{drift:>6.1f}{np.mean(fresh != old):>15.1%}{np.mean(kept != old):>21.1%}"
+                  f"{_balancedness(new_weight, fresh, num_gpus):>11.4f}{_balancedness(new_weight, kept, num_gpus):>17.4f}"
+                  f"{t_old:>12.2f}")
+
+
+if __name__ == "__main__":
+    main()

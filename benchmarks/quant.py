@@ -1,0 +1,230 @@
+"""Quantized experts: quantization throughput and expert-MLP step time per format, vs bf16 and the floors.
+
+Run:  PYTHONPATH=. python3 benchmarks/quant.py            (GPU if present, plus the host CPU)
+      PYTHONPATH=. python3 benchmarks/quant.py --small    (tiny shapes, a quick CPU smoke run)
+
+Prints, side by side in one run:
+1. checks: GPU bytes == CPU bytes of every leaf for every format; each fast MLP path vs the float32
+   reference on the GPU (relative error);
+2. measured ceilings: an elementwise bf16 pass (read + write) and the bf16 / fp8 GEMM rates;
+3. quantization throughput per format (bf16 weights in) on the GPU and the CPU, against the floor
+   (bytes read + written at the measured elementwise rate);
+4. expert-MLP step time per format and implementation against bf16 on the same shapes, with the
+   floor max(weight bytes / bandwidth, FLOPs / GEMM rate) for a decode-sized and a prefill-sized T.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moe_eplb_jax import quant
+
+
+def timed(fn, *args, iters=10, warmup=2):
+    """Median wall time (s) of ``fn(*args)`` with the device synchronised after each call."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def leaf_bytes(tree) -> int:
+    return sum(x.size * jax.dtypes.itemsize_bits(x.dtype) // 8 for x in jax.tree.leaves(tree))
+
+
+def u8(x) -> np.ndarray:
+    x = np.asarray(x)
+    return x.view(np.uint8).reshape(x.shape[0], -1)
+
+
+def check_cross_backend(gpu, cpu, log):
+    """Quantizes the same random weights on both backends; every leaf must match byte for byte."""
+    rng = np.random.default_rng(1)
+    w = (rng.standard_normal((4, 256, 512)) * np.exp2(rng.uniform(-6, 6, (4, 256, 1)))).astype(np.float32)
+    w[0, 0, :64] *= 1e-39  # subnormal float32 values in some blocks
+    w[3, 5, 7], w[3, 9, 40] = np.nan, -np.inf  # non-finite values follow each format's documented rule
+    ok = True
+    for fmt in quant.FORMATS:
+        out = {}
+        for name, dev in (("gpu", gpu), ("cpu", cpu)):
+            with jax.default_device(dev):
+                q = quant.quantize_experts(jax.device_put(w, dev), fmt, nonfinite="propagate")
+                out[name] = [u8(x) for x in jax.tree.leaves(q)]
+        same = all(np.array_equal(a, b) for a, b in zip(out["gpu"], out["cpu"], strict=True))
+        ok &= same
+        log(f"  bytes gpu == cpu  {fmt:10s} {'OK' if same else 'MISMATCH'}")
+    return ok
+
+
+def mlp_variants():
+    yield "bf16", None, "auto"
+    yield "fp8", "fp8", "auto"
+    yield "fp8 via bf16", "fp8", "dequant"
+    yield "fp8_block", "fp8_block", "auto"
+    yield "mxfp8", "mxfp8", "auto"
+    yield "mxfp8 scaled_mm", "mxfp8", "scaled_matmul"
+    yield "mxfp4", "mxfp4", "auto"
+    yield "mxfp4 scaled_mm", "mxfp4", "scaled_matmul"
+    yield "nvfp4", "nvfp4", "auto"
+
+
+def make_layer(key, e, h, i, dtype):
+    kg, ku, kd = jax.random.split(key, 3)
+    return [(jax.random.normal(k, s, jnp.float32) * 0.02).astype(dtype)
+            for k, s in ((kg, (e, i, h)), (ku, (e, i, h)), (kd, (e, h, i)))]
+
+
+def quantized_layer(weights, fmt, x):
+    if fmt is None:
+        return weights
+    s_x = float(quant.activation_scale(x))
+    return quant.quantize_mlp(*weights, fmt, input_scale=s_x, down_input_scale=s_x * 0.05, nonfinite="propagate")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    lines: list[str] = []
+
+    def log(msg=""):
+        print(msg, flush=True)
+        lines.append(msg)
+
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    cpu = jax.devices("cpu")[0]
+    dev = gpus[0] if gpus else cpu
+    log(f"jax {jax.__version__}, device {dev.device_kind}, cpu cores {os.cpu_count()}, "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    results = {"device": dev.device_kind}
+
+    # 1. checks
+    ok = True
+    if gpus:
+        log("checks:")
+        ok &= check_cross_backend(dev, cpu, log)
+    e, h, i = (4, 256, 128) if args.small else (8, 7168, 2048)
+    t_small, t_large = (8, 32) if args.small else (64, 2048)
+    key = jax.random.PRNGKey(0)
+    with jax.default_device(dev):
+        weights = make_layer(key, e, h, i, jnp.bfloat16)
+        xs = {t: jax.random.normal(jax.random.fold_in(key, t), (e, t, h), jnp.float32).astype(jnp.bfloat16)
+              for t in (t_small, t_large)}
+        layers = {}
+        for name, fmt, impl in mlp_variants():
+            if fmt not in layers:
+                layers[fmt] = quantized_layer(weights, fmt, xs[t_small])
+        xc = xs[t_small][:, :8].astype(jnp.float32)
+        failed = set()
+        for name, fmt, impl in mlp_variants():
+            try:
+                ref = quant.expert_mlp_reference(xc, *layers[fmt])
+                out = quant.expert_mlp(xc, *layers[fmt], impl=impl)
+            except Exception as err:  # noqa: BLE001 -- report what does not compile here, go on
+                failed.add(name)
+                ok = False
+                log(f"  mlp {name:16s} FAILED {type(err).__name__}: {str(err).splitlines()[0][:160]}")
+                continue
+            rel = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+            good = np.isfinite(rel) and rel < (1e-3 if name == "fp8" else 2e-2)
+            if "scaled_mm" in name:  # activations MX-quantized too: compare to bf16 end to end
+                ref_bf16 = quant.expert_mlp_reference(xc, *layers[None])
+                rel = float(jnp.linalg.norm(out - ref_bf16) / jnp.linalg.norm(ref_bf16))
+                good = np.isfinite(rel) and rel < 0.3
+            ok &= bool(good)
+            log(f"  mlp {name:16s} vs reference rel err {rel:.2e} {'OK' if good else 'BAD'}")
+
+        # 2. ceilings
+        big = jax.random.normal(key, (256 * 1024 * 1024 // (64 if args.small else 1),), jnp.bfloat16)
+        elementwise = jax.jit(lambda v: v * jnp.bfloat16(1.5))
+        bw = 2 * big.nbytes / timed(elementwise, big)
+        n = 1024 if args.small else 8192
+        a = jax.random.normal(key, (n, n), jnp.bfloat16)
+        b = jax.random.normal(jax.random.fold_in(key, 1), (n, n), jnp.bfloat16)
+        mm = jax.jit(lambda p, q: jnp.dot(p, q, preferred_element_type=jnp.float32))
+        bf16_rate = 2 * n**3 / timed(mm, a, b)
+        a8, b8 = a.astype(jnp.float8_e4m3fn), b.astype(jnp.float8_e4m3fn)
+        try:
+            fp8_rate = 2 * n**3 / timed(mm, a8, b8)
+        except Exception as err:  # noqa: BLE001
+            fp8_rate = 2 * bf16_rate
+            log(f"  fp8 GEMM ceiling FAILED ({type(err).__name__}); using 2x bf16")
+        del big, a, b, a8, b8
+        log(f"ceilings: elementwise bf16 r+w {bw / 1e12:.2f} TB/s; GEMM {n}^3 bf16 {bf16_rate / 1e12:.0f} TFLOP/s, "
+            f"fp8 {fp8_rate / 1e12:.0f} TFLOP/s")
+        results["ceilings"] = {"bw_Bps": bw, "bf16_flops": bf16_rate, "fp8_flops": fp8_rate}
+
+    # 3. quantization throughput
+    log("")
+    log(f"quantize_experts, bf16 w [{e}, {i}, {h}] ({weights[0].nbytes / 2**20:.0f} MiB):")
+    log(f"{'format':10s} {'where':5s} {'time ms':>9s} {'in GB/s':>9s} {'floor ms':>9s} {'floor/time':>10s}")
+    results["quantize"] = []
+    cpu_w = jax.device_put(weights[0][: max(1, e // 8)], cpu)  # a slice: a CPU pass over all takes seconds
+    for fmt in quant.FORMATS:
+        for where, device in (("gpu", dev), ("cpu", cpu)) if gpus else (("cpu", cpu),):
+            with jax.default_device(device):
+                w = cpu_w if where == "cpu" else weights[0]
+                fn = lambda v, f=fmt: quant.quantize_experts(v, f, nonfinite="propagate")  # noqa: E731
+                try:
+                    sec = timed(fn, w, iters=3 if where == "cpu" else 10, warmup=1)
+                except Exception as err:  # noqa: BLE001
+                    ok = False
+                    log(f"{fmt:10s} {where:5s} FAILED {type(err).__name__}: {str(err).splitlines()[0][:160]}")
+                    continue
+                moved = w.nbytes + leaf_bytes(fn(w))
+                floor = moved / bw if where == "gpu" else float("nan")
+                log(f"{fmt:10s} {where:5s} {sec * 1e3:9.3f} {w.nbytes / sec / 1e9:9.1f} {floor * 1e3:9.3f} "
+                    f"{floor / sec:10.2f}")
+                results["quantize"].append({"fmt": fmt, "where": where, "shape": list(w.shape), "s": sec,
+                                            "floor_s": floor})
+
+    # 4. MLP step time
+    with jax.default_device(dev):
+        results["mlp"] = []
+        for t in (t_small, t_large):
+            flops = 6 * e * t * h * i
+            log("")
+            log(f"expert MLP step, E={e} slots x T={t} tokens, H={h}, I={i} ({flops / 1e9:.0f} GFLOP):")
+            log(f"{'variant':16s} {'ms':>8s} {'vs bf16':>8s} {'weight MiB':>10s} {'floor ms':>9s} {'floor/time':>10s}")
+            base = None
+            for name, fmt, impl in mlp_variants():
+                if name in failed:
+                    continue
+                layer = layers[fmt]
+                fn = jax.jit(lambda v, *q, m=impl: quant.expert_mlp(v, *q, impl=m))
+                sec = timed(fn, xs[t], *layer)
+                base = sec if base is None else base
+                rate = fp8_rate if name == "fp8" else bf16_rate
+                wbytes = leaf_bytes(layer)
+                io = xs[t].nbytes + e * t * h * 4  # tokens in (bf16), float32 out
+                floor = max((wbytes + io) / bw, flops / rate)  # bw counts bytes read + written
+                log(f"{name:16s} {sec * 1e3:8.3f} {base / sec:8.2f} {wbytes / 2**20:10.0f} {floor * 1e3:9.3f} "
+                    f"{floor / sec:10.2f}")
+                results["mlp"].append({"variant": name, "T": t, "s": sec, "floor_s": floor, "weight_bytes": wbytes})
+
+    log("")
+    log(f"checks {'PASSED' if ok else 'FAILED'}")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "quant_bench.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(os.path.join(args.out, "quant_bench.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

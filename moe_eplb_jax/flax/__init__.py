@@ -1,0 +1,28 @@
+"""The Flax NNX side of moe_eplb_jax.
+
+* ``MoELayer`` -- a reference expert-parallel MoE layer with physical slots;
+  ``moe_apply`` / ``route`` / ``expert_mlp`` are its pure functions.
+* ``EplbMoE`` -- the protocol any Flax NNX MoE module implements to be balanced.
+* ``find_moe_layers`` -- discovery of every MoE layer, however nested.
+* ``EplbController`` -- wraps a model + mesh + ``EplbConfig``: records loads,
+  rebalances, moves parameters and optimizer state, saves placements.
+"""
+
+from moe_eplb_jax.flax.controller import EplbController
+from moe_eplb_jax.flax.discovery import MoELayerRef, find_moe_layers
+from moe_eplb_jax.flax.layer import EplbTable, ExpertLoad, MoELayer, expert_mlp, moe_apply, route, tie_replicas
+from moe_eplb_jax.flax.protocol import EplbMoE
+
+__all__ = [
+    "EplbController",
+    "EplbMoE",
+    "EplbTable",
+    "ExpertLoad",
+    "MoELayer",
+    "MoELayerRef",
+    "expert_mlp",
+    "find_moe_layers",
+    "moe_apply",
+    "route",
+    "tie_replicas",
+]

@@ -1,0 +1,350 @@
+"""The EPLB controller: wraps a Flax NNX MoE model, records loads, rebalances.
+
+    controller = EplbController(model, mesh, config, optimizer=optimizer)
+    for batch in data:
+        train_step(model, optimizer, batch)     # the MoE layers add their loads
+        info = controller.step()                 # record; rearrange when due
+
+``step`` reads every layer's load ``[P]`` into the ``EplbState`` window (one
+small jitted update, no host sync) and, every ``config.step_interval`` steps,
+rearranges: window -> logical load ``[L, E]`` -> policy -> new ``Placement``
+(a pure function of replicated loads: every process computes the same one) ->
+the transport moves each layer's expert variables and the matching optimizer
+moments -> the layers get the new tables. Outputs are unchanged by a
+rearrangement (same expert bytes, same math per token), and nothing
+recompiles (the tables are variables).
+
+Everything is validated when the controller is built and before any byte
+moves: a model with no MoE layer, expert variables without a ``[P]`` slot axis
+sharded over the EP axis, an EP size that does not divide ``P``, a placement
+file for another model shape -- each raises ``ValueError`` and leaves the model
+untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as PS
+
+from moe_eplb_jax import metrics
+from moe_eplb_jax import state as eplb_state
+from moe_eplb_jax.flax.discovery import MoELayerRef, find_moe_layers, variable_paths
+from moe_eplb_jax.placement import Placement
+from moe_eplb_jax.state import EplbConfig, EplbState
+
+__all__ = ["EplbController"]
+
+_log = logging.getLogger("moe_eplb_jax")
+_CHECKPOINT_FORMAT = "moe_eplb_jax.controller"
+
+
+def _replicated(mesh, value):
+    value = np.asarray(value)
+    sharding = NamedSharding(mesh, PS())
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
+@jax.jit
+def _close_step(state: EplbState, loads):
+    load = jnp.stack([l.astype(jnp.int32) for l in loads])
+    state = eplb_state.end_step(eplb_state.record(state, load))
+    return state, load, [jnp.zeros_like(l) for l in loads]
+
+
+class EplbController:
+    """Keeps the experts of every MoE layer of ``model`` balanced over the EP axis of ``mesh``.
+
+    Args:
+      model: an ``nnx.Module`` holding one or more modules that implement
+        :class:`~moe_eplb_jax.flax.EplbMoE` (found anywhere in the graph). All
+        layers share ``E`` and ``P``.
+      mesh: the device mesh; ``axis`` is its EP axis (``G`` ranks).
+      config: ``EplbConfig``; ``num_redundant_experts`` must be ``P - E`` and
+        ``num_gpus`` must be ``G``.
+      optimizer: an ``nnx.Optimizer`` of ``model`` (training): its per-expert
+        state (Adam moments, ...) moves with the parameters.
+      placement: a ``Placement`` or a placement file (``.json`` / ``.npz``) to
+        start from (the experts are moved to it now), e.g. one fitted earlier.
+      rebalance: ``False`` holds the placement (serving with a fitted
+        placement): loads are still recorded, nothing moves.
+    """
+
+    def __init__(
+        self,
+        model,
+        mesh: jax.sharding.Mesh,
+        config: EplbConfig,
+        *,
+        axis: str = "ep",
+        optimizer=None,
+        placement: Placement | str | os.PathLike | None = None,
+        rebalance: bool = True,
+    ):
+        if not isinstance(config, EplbConfig):
+            raise ValueError(f"config must be an EplbConfig, got {type(config).__name__}")
+        if axis not in mesh.shape:
+            raise ValueError(f"mesh has no axis {axis!r}; its axes are {tuple(mesh.shape)}")
+        self.model, self.mesh, self.axis, self.config = model, mesh, axis, config
+        self.optimizer, self.rebalance = optimizer, bool(rebalance)
+        self.layers: list[MoELayerRef] = find_moe_layers(model)
+        self.num_ranks = int(mesh.shape[axis])
+        self.num_logical, self.num_physical = self._check_layers()
+        if config.num_redundant_experts != self.num_physical - self.num_logical:
+            raise ValueError(
+                f"config.num_redundant_experts={config.num_redundant_experts} but the model has "
+                f"P - E = {self.num_physical} - {self.num_logical} = {self.num_physical - self.num_logical}"
+            )
+        if config.num_gpus != self.num_ranks:
+            raise ValueError(f"config.num_gpus={config.num_gpus} but mesh axis {axis!r} has {self.num_ranks} ranks")
+        self._opt_vars = self._optimizer_variables() if optimizer is not None else [[] for _ in self.layers]
+        start = None
+        if placement is not None:
+            start = placement if isinstance(placement, Placement) else Placement.load(placement)
+            self._check_placement(start)
+        self.state = jax.tree.map(lambda a: _replicated(mesh, a), eplb_state.init_state(config, len(self.layers), self.num_physical))
+        self._steps_since = 0
+        self._total_steps = 0
+        self._num_rearrangements = 0
+        self.last_report: dict[str, Any] | None = None
+        self._placement = self._read_placement()
+        if start is not None:
+            self.apply_placement(start)
+
+    # ------------------------------------------------------------ checks
+    def _check_layers(self) -> tuple[int, int]:
+        sizes = set()
+        for ref in self.layers:
+            num_logical = int(ref.module.eplb_num_logical_experts())
+            variables = dict(ref.module.eplb_expert_variables())
+            if not variables:
+                raise ValueError(f"MoE layer {ref.name} lists no expert variables")
+            leading = set()
+            for name, var in variables.items():
+                value = var.get_value() if isinstance(var, nnx.Variable) else None
+                if not isinstance(value, jax.Array) or value.ndim < 1:
+                    raise ValueError(f"expert variable {ref.name}/{name} must hold a jax.Array with a leading slot axis [P, ...]")
+                spec = value.sharding.spec if isinstance(value.sharding, NamedSharding) else None
+                first = spec[0] if spec is not None and len(spec) else None
+                names = first if isinstance(first, tuple) else (first,)
+                if self.num_ranks > 1 and self.axis not in names:
+                    raise ValueError(
+                        f"expert variable {ref.name}/{name} (shape {value.shape}) has no slot axis sharded over "
+                        f"mesh axis {self.axis!r} (sharding {value.sharding}); expected a leading [P, ...] axis "
+                        f"with PartitionSpec({self.axis!r}, ...)"
+                    )
+                leading.add(int(value.shape[0]))
+            if len(leading) != 1:
+                raise ValueError(f"expert variables of {ref.name} disagree on the slot axis size: {sorted(leading)}")
+            num_physical = leading.pop()
+            if num_physical < num_logical:
+                raise ValueError(f"{ref.name}: {num_physical} slots for {num_logical} logical experts")
+            if num_physical % self.num_ranks:
+                raise ValueError(f"{ref.name}: P={num_physical} slots are not divisible by EP size {self.num_ranks}")
+            load = ref.module.eplb_load_variable().get_value()
+            if tuple(load.shape) != (num_physical,):
+                raise ValueError(f"{ref.name}: load variable must have shape [P]=({num_physical},), got {load.shape}")
+            sizes.add((num_logical, num_physical))
+        if len(sizes) != 1:
+            raise ValueError(f"MoE layers disagree on (E, P): {sorted(sizes)}")
+        return sizes.pop()
+
+    def _check_placement(self, placement: Placement) -> None:
+        want = (len(self.layers), self.num_logical, self.num_physical)
+        got = (placement.num_layers, placement.num_logical, placement.num_physical)
+        if got != want:
+            raise ValueError(f"placement is for (L, E, P) = {got} but the model has (L, E, P) = {want}")
+        placement.validate(num_ranks=self.num_ranks)
+
+    def _optimizer_variables(self) -> list[list[nnx.Variable]]:
+        """Per layer, the optimizer-state variables that mirror its expert variables (same path suffix, [P] axis)."""
+        model_paths = variable_paths(self.model)
+        expert_paths = []
+        for ref in self.layers:
+            expert_paths.append({model_paths[id(v)] for v in ref.module.eplb_expert_variables().values()})
+        found: list[list[nnx.Variable]] = [[] for _ in self.layers]
+        for path, node in nnx.iter_graph(self.optimizer):
+            if not isinstance(node, nnx.Variable) or isinstance(node, nnx.Param):
+                continue
+            value = node.get_value()
+            if not isinstance(value, jax.Array) or value.ndim < 1 or value.shape[0] != self.num_physical:
+                continue
+            for layer, paths in enumerate(expert_paths):
+                if any(len(path) > len(p) and tuple(path[-len(p):]) == p for p in paths):
+                    found[layer].append(node)
+                    break
+        return found
+
+    # ---------------------------------------------------------- placement
+    def _read_placement(self) -> Placement:
+        tables = [[np.asarray(t) for t in ref.module.eplb_get_placement()] for ref in self.layers]
+        return Placement.from_tables(*(np.stack(t) for t in zip(*tables)), num_ranks=self.num_ranks)
+
+    @property
+    def placement(self) -> Placement:
+        """The current placement of every layer (host numpy tables)."""
+        return self._placement
+
+    def apply_placement(self, placement: Placement) -> dict[str, int]:
+        """Moves every layer's experts (and optimizer state) to ``placement`` and hands the layers its tables.
+
+        Validated before any byte moves. Returns ``{"slots_moved": n}``.
+        """
+        from moe_eplb_jax.sharding import rearrange_experts
+
+        placement = placement.to_numpy()
+        self._check_placement(placement)
+        old = self._placement
+        moved = int(np.sum(old.phy2log != placement.phy2log))
+        for layer, ref in enumerate(self.layers):
+            if np.array_equal(old.phy2log[layer], placement.phy2log[layer]):
+                continue
+            variables = dict(ref.module.eplb_expert_variables())
+            opt_vars = self._opt_vars[layer]
+            tree = {"experts": {k: v.get_value() for k, v in variables.items()}, "opt": [v.get_value() for v in opt_vars]}
+            tree = rearrange_experts(
+                tree, old.phy2log[layer], placement.phy2log[layer], mesh=self.mesh, axis=self.axis,
+                num_logical=self.num_logical,
+            )
+            for k, v in variables.items():
+                v.set_value(tree["experts"][k])
+            for v, value in zip(opt_vars, tree["opt"]):
+                v.set_value(value)
+            ref.module.eplb_set_placement(placement.phy2log[layer], placement.log2phy[layer], placement.logcnt[layer])
+        self._placement = placement
+        return {"slots_moved": moved}
+
+    # --------------------------------------------------------------- steps
+    def step(self) -> dict[str, Any] | None:
+        """Closes one step: records every layer's load, rearranges when due.
+
+        Call it once per training / serving step on every process. Returns a
+        report dict on steps that log (``config.log_interval``) or rearrange,
+        else ``None``.
+        """
+        variables = [ref.module.eplb_load_variable() for ref in self.layers]
+        self.state, load, zeros = _close_step(self.state, [v.get_value() for v in variables])
+        for v, z in zip(variables, zeros):
+            v.set_value(z)
+        self._steps_since += 1
+        self._total_steps += 1
+        report = None
+        interval = self.config.log_interval
+        if interval is not None and self._total_steps % interval == 0:
+            report = self._report(np.asarray(load), "step")
+        if self.rebalance and self._due():
+            report = dict(report or {}, **self.rearrange())
+        if report is not None:
+            self.last_report = report
+        return report
+
+    @property
+    def total_steps(self) -> int:
+        """Steps closed so far (a host mirror of ``state.total_steps``)."""
+        return self._total_steps
+
+    @property
+    def num_rearrangements(self) -> int:
+        return self._num_rearrangements
+
+    def _due(self) -> bool:
+        # Host mirror of state.should_rearrange (no device sync): all processes step in lock-step.
+        due = self.config.first_rearrangement_step if self._num_rearrangements == 0 else self.config.step_interval
+        return self._steps_since >= due
+
+    def window_slot_load(self) -> np.ndarray:
+        """``[L, P]`` tokens per slot summed over the load window (under the current placement)."""
+        valid = jnp.arange(self.state.window.shape[0]) < self.state.window_filled
+        return np.asarray(jnp.where(valid[:, None, None], self.state.window, 0).sum(0))
+
+    def rearrange(self) -> dict[str, Any]:
+        """Computes a placement from the load window, moves the experts to it, resets the window."""
+        logical = np.asarray(
+            eplb_state.window_logical_load(self.state, jnp.asarray(self._placement.phy2log), self.num_logical)
+        )
+        before = self._report(self.window_slot_load(), "window")
+        new = eplb_state.compute_placement(logical, self.config, old_phy2log=self._placement.phy2log)
+        moved = self.apply_placement(new)
+        predicted = metrics.rank_load_from_logical(logical, new.phy2log, self.num_ranks)
+        self._steps_since = 0
+        self._num_rearrangements += 1
+        self.state = eplb_state.mark_rearranged(self.state)
+        report = {
+            "rearranged": True,
+            "num_rearrangements": self._num_rearrangements,
+            "balancedness_before": before["balancedness"],
+            "balancedness_after": float(metrics.balancedness(predicted)),
+            "max_rank_imbalance_after": float(np.max(metrics.rank_imbalance(predicted))),
+            **moved,
+        }
+        _log.info("EPLB rearrangement %d: balancedness %.4f -> %.4f, %d slots moved", self._num_rearrangements,
+                  report["balancedness_before"], report["balancedness_after"], moved["slots_moved"])
+        return report
+
+    def _report(self, slot_load: np.ndarray, what: str) -> dict[str, Any]:
+        ranks = metrics.rank_load(np.asarray(slot_load, np.float64), self.num_ranks)
+        report = {
+            "step": self._total_steps,
+            "balancedness": float(metrics.balancedness(ranks)),
+            "rank_imbalance": metrics.rank_imbalance(ranks).tolist(),
+        }
+        if what == "step":
+            _log.info("EPLB step %d: balancedness %.4f, max rank imbalance %.3f", report["step"],
+                      report["balancedness"], max(report["rank_imbalance"]))
+        return report
+
+    # ----------------------------------------------------- files and state
+    def save_placement(self, path) -> None:
+        """Writes the current placement (``.json`` / ``.npz``), e.g. to serve with it later."""
+        self._placement.save(path)
+
+    def save(self, path) -> None:
+        """Checkpoints the EPLB state and placement as ``.npz`` (restore next to the model's own checkpoint)."""
+        fields = {f.name: np.asarray(getattr(self.state, f.name)) for f in dataclasses.fields(EplbState)}
+        p = self._placement
+        host = np.asarray([self._total_steps, self._steps_since, self._num_rearrangements], np.int64)
+        path = os.fspath(path)
+        if not path.endswith(".npz"):
+            raise ValueError(f"controller checkpoint must end in .npz, got {path!r}")
+        np.savez(path, format=np.asarray(_CHECKPOINT_FORMAT), phy2log=p.phy2log, log2phy=p.log2phy, logcnt=p.logcnt,
+                 host_counters=host, **{f"state_{k}": v for k, v in fields.items()})
+
+    def restore(self, path) -> None:
+        """Restores :meth:`save` output: the state, and the tables the layers route with.
+
+        The model's expert variables must come from the checkpoint saved with it
+        (they already follow that placement): nothing moves here.
+        """
+        try:
+            with np.load(os.fspath(path), allow_pickle=False) as z:
+                doc = {k: z[k] for k in z.files}
+        except (OSError, ValueError, EOFError) as e:
+            raise ValueError(f"{path}: not a readable controller checkpoint ({e})") from e
+        if str(doc.get("format", "")) != _CHECKPOINT_FORMAT:
+            raise ValueError(f"{path}: field 'format' is not {_CHECKPOINT_FORMAT!r}")
+        try:
+            placement = Placement.from_tables(doc["phy2log"], doc["log2phy"], doc["logcnt"], num_ranks=self.num_ranks)
+        except KeyError as e:
+            raise ValueError(f"{path}: missing field {e}") from None
+        self._check_placement(placement)
+        fields = {}
+        for f in dataclasses.fields(EplbState):
+            value = doc[f"state_{f.name}"]
+            want = np.shape(getattr(self.state, f.name))
+            if value.shape != want:
+                raise ValueError(f"{path}: state field {f.name} has shape {value.shape}, expected {want}")
+            fields[f.name] = _replicated(self.mesh, value.astype(np.int32))
+        total, since, count = (int(v) for v in doc["host_counters"])
+        self.state = EplbState(**fields)
+        for layer, ref in enumerate(self.layers):
+            ref.module.eplb_set_placement(placement.phy2log[layer], placement.log2phy[layer], placement.logcnt[layer])
+        self._placement = placement
+        self._total_steps, self._steps_since, self._num_rearrangements = total, since, count

@@ -1,0 +1,42 @@
+"""The protocol a Flax NNX MoE module implements to be balanced by EPLB.
+
+A module is an EPLB MoE layer when it has these five methods (checked with
+``isinstance(module, EplbMoE)``; no base class needed):
+
+* ``eplb_num_logical_experts() -> int`` -- ``E``, what the router picks from;
+* ``eplb_expert_variables() -> Mapping[str, nnx.Variable]`` -- every
+  per-expert variable (weights, quantisation scales, ...), each with a leading
+  physical-slot axis ``[P, ...]`` sharded over the EP mesh axis. Everything
+  derived from per-expert state must live here (nothing cached elsewhere), so
+  that moving these moves the expert;
+* ``eplb_load_variable() -> nnx.Variable`` -- ``[P]`` int32, tokens the layer
+  routed to each slot since the controller last reset it (padding excluded);
+  the layer adds to it in every forward pass;
+* ``eplb_get_placement() -> (phy2log [P], log2phy [E, S], logcnt [E])`` -- the
+  tables the layer routes with (``S = P - E + 1``);
+* ``eplb_set_placement(phy2log, log2phy, logcnt) -> None`` -- the hook that
+  receives new tables. The layer must read them as inputs of its compiled
+  function (variables), never bake them in, so a new placement never
+  recompiles.
+
+``moe_eplb_jax.flax.MoELayer`` is the reference implementation.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Protocol, runtime_checkable
+
+__all__ = ["EplbMoE"]
+
+
+@runtime_checkable
+class EplbMoE(Protocol):
+    def eplb_num_logical_experts(self) -> int: ...
+
+    def eplb_expert_variables(self) -> Mapping[str, Any]: ...
+
+    def eplb_load_variable(self) -> Any: ...
+
+    def eplb_get_placement(self) -> tuple[Any, Any, Any]: ...
+
+    def eplb_set_placement(self, phy2log, log2phy, logcnt) -> None: ...

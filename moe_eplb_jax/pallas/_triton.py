@@ -1,0 +1,231 @@
+"""Pallas (Triton backend) kernels of ``map_and_count``.
+
+One program maps one *tile* of ``tile`` consecutive flat (token, k) entries,
+in a loop over *sub-tiles* of ``sub`` entries: load ids, gather ``logcnt`` and
+``log2phy`` (tiny tables, cached), pick the replica, store the slot.
+
+Counting without atomics. A slot ``p`` is split into ``(p >> lo_bits, p & lo)``
+and each sub-tile builds two small one-hot matrices, ``[HI, sub]`` and
+``[sub, LO]`` (int8); their product is the sub-tile's ``[HI, LO]`` histogram,
+accumulated in int32 on the tensor cores. That costs ``HI + LO`` compares per
+entry instead of ``P`` for a plain one-hot histogram, is exact (int32
+accumulation), and runs unchanged in interpret mode, where vector atomics with
+duplicate indices lose updates. Each program writes its tile's histogram; the
+wrapper sums the ``[num_tiles, HI * LO]`` partials.
+
+``resolved`` needs each entry's rank among earlier entries of the same expert
+(an exclusive per-expert cumsum in flat order) and Triton-Pallas has no
+cross-program look-back, so it runs two kernels:
+
+1. ``_expert_histogram_kernel``: per-tile histograms of logical ids
+   (quota-consuming entries only); the wrapper turns them into per-tile bases
+   with an exclusive cumsum over tiles (``[num_tiles, E_pad]``, tiny).
+2. ``_map_kernel``: rank = base[tile, e] + count of ``e`` in earlier sub-tiles of
+   this tile (a running ``[EHI, ELO]`` histogram gathered through one more small
+   matmul, exact in float16 because it stays below 2048) + count of ``e`` at
+   earlier positions of this sub-tile (a ``[sub, sub]`` pairwise compare).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from moe_eplb_jax.pallas._reference import GOLDEN
+
+__all__ = ["map_and_count_triton", "default_tile"]
+
+_INT32_MAX = np.iinfo(np.int32).max
+_SUB = 256  # entries per sub-tile (hash, round_robin, shares)
+_SUB_RESOLVED = 64  # resolved: the in-sub-tile rank is a [sub, sub] compare
+_MAX_TILE_RESOLVED = 2048  # running per-expert counts stay exact in float16 (< 2049)
+
+
+def _split_bins(num_bins: int) -> tuple[int, int]:
+    """``(hi_bits, lo_bits)`` with ``2**(hi+lo) >= num_bins`` and both factors >= 16 (tensor-core minimum)."""
+    bits = max(8, int(num_bins - 1).bit_length())
+    lo_bits = (bits + 1) // 2
+    return bits - lo_bits, lo_bits
+
+
+def default_tile(num_flat: int) -> int:
+    """Entries per program: about 512 programs for large inputs, between 256 and 8192 entries each."""
+    target = pl.next_power_of_2(max(1, pl.cdiv(num_flat, 512)))
+    return int(min(max(target, _SUB), 8192))
+
+
+def _iota(shape, dim):
+    return jax.lax.broadcasted_iota(jnp.int32, shape, dim)
+
+
+def _onehot_rows(bins, num, dtype):
+    """``[num, n]``: row b marks entries whose bin is b (bins of -1 mark nothing)."""
+    return (bins[None, :] == _iota((num, bins.shape[0]), 0)).astype(dtype)
+
+
+def _onehot_cols(bins, num, dtype):
+    """``[n, num]``: column b marks entries whose bin is b."""
+    return (bins[:, None] == _iota((bins.shape[0], num), 1)).astype(dtype)
+
+
+def _pair_histogram(bins, hi_bits, lo_bits, dtype, acc_dtype):
+    """``[2**hi_bits, 2**lo_bits]`` counts of ``bins [n]`` (entries with bin < 0 are not counted)."""
+    hi = jnp.where(bins >= 0, bins >> lo_bits, -1)
+    lo = bins & ((1 << lo_bits) - 1)
+    rows = _onehot_rows(hi, 1 << hi_bits, dtype)
+    cols = _onehot_cols(lo, 1 << lo_bits, dtype)
+    return jnp.dot(rows, cols, preferred_element_type=acc_dtype)
+
+
+def _upper_bound(thresholds_ref, row_start, point, width):
+    """``#{j < width : thresholds[row_start + j] <= point}`` for non-decreasing rows (binary search)."""
+    low = jnp.zeros_like(point)
+    high = jnp.full_like(point, width)
+    for _ in range(int(width).bit_length()):
+        active = low < high
+        mid = (low + high) // 2
+        value = thresholds_ref[row_start + jnp.minimum(mid, width - 1)]
+        passed = value <= point
+        low = jnp.where(active & passed, mid + 1, low)
+        high = jnp.where(active & ~passed, mid, high)
+    return low
+
+
+def _map_kernel(ids_ref, log2phy_ref, logcnt_ref, thresholds_ref, base_ref, limits_ref, phys_ref, hist_ref, *,
+                mode, num_flat, top_k, num_logical, width, num_physical, tile, sub, bins, expert_bins):
+    program = pl.program_id(0)
+    count_limit = limits_ref[0]
+    rank_limit = limits_ref[1]
+    hi_bits, lo_bits = bins
+    e_hi_bits, e_lo_bits = expert_bins
+
+    def step(index, carry):
+        hist, running = carry
+        start = program * tile + index * sub
+        flat = start + jnp.arange(sub, dtype=jnp.int32)
+        inside = flat < num_flat
+        ids = plgpu.load(ids_ref.at[pl.ds(start, sub)], mask=inside, other=-1)
+        valid_id = (ids >= 0) & (ids < num_logical)
+        expert = jnp.where(valid_id, ids, 0)
+        count = jnp.maximum(logcnt_ref[expert], 1)
+        token = flat // top_k
+        hashed = token.astype(jnp.uint32) * jnp.uint32(GOLDEN)
+        by_hash = (hashed % count.astype(jnp.uint32)).astype(jnp.int32)
+
+        if mode == "hash":
+            replica = by_hash
+        elif mode == "round_robin":
+            replica = token % count
+        else:
+            if mode == "shares":
+                point = (hashed >> 8).astype(jnp.int32)
+            else:
+                rank_valid = valid_id & (flat < rank_limit)
+                e_bins = jnp.where(rank_valid, expert, -1)
+                e_hi = jnp.where(rank_valid, expert >> e_lo_bits, -1)
+                e_lo = expert & ((1 << e_lo_bits) - 1)
+                # Earlier sub-tiles of this tile: gather running[e_hi, e_lo] as (onehot_hi @ running) . onehot_lo.
+                picked_hi = _onehot_cols(e_hi, 1 << e_hi_bits, jnp.float16)
+                picked_lo = _onehot_cols(e_lo, 1 << e_lo_bits, jnp.float16)
+                by_hi = jnp.dot(picked_hi, running.astype(jnp.float16), preferred_element_type=jnp.float32)
+                earlier = jnp.sum(by_hi * picked_lo.astype(jnp.float32), axis=1).astype(jnp.int32)
+                # Earlier positions of this sub-tile.
+                same = (e_bins[:, None] == e_bins[None, :]) & (_iota((sub, sub), 1) < _iota((sub, sub), 0))
+                within = jnp.sum(same.astype(jnp.int32), axis=1)
+                before = base_ref[program * (1 << (e_hi_bits + e_lo_bits)) + expert]
+                point = jnp.where(flat < rank_limit, before + earlier + within, _INT32_MAX)
+                running = running + _pair_histogram(e_bins, e_hi_bits, e_lo_bits, jnp.float16, jnp.float32)
+            passed = _upper_bound(thresholds_ref, expert * width, point, width)
+            replica = jnp.where(passed < count, passed, by_hash)
+
+        replica = jnp.clip(replica, 0, width - 1)
+        slot = log2phy_ref[expert * width + replica]
+        mapped = valid_id & (slot >= 0) & (slot < num_physical)
+        phys = jnp.where(mapped, slot, -1)
+        plgpu.store(phys_ref.at[pl.ds(start, sub)], phys, mask=inside)
+        counted = jnp.where(mapped & (flat < count_limit), phys, -1)
+        hist = hist + _pair_histogram(counted, hi_bits, lo_bits, jnp.int8, jnp.int32)
+        return hist, running
+
+    hist = jnp.zeros((1 << hi_bits, 1 << lo_bits), jnp.int32)
+    running = jnp.zeros((1 << e_hi_bits, 1 << e_lo_bits), jnp.float32)
+    hist, _ = jax.lax.fori_loop(0, tile // sub, step, (hist, running))
+    hist_ref[0] = hist
+
+
+def _expert_histogram_kernel(ids_ref, limits_ref, hist_ref, *, num_flat, num_logical, tile, sub, expert_bins):
+    program = pl.program_id(0)
+    rank_limit = limits_ref[1]
+    e_hi_bits, e_lo_bits = expert_bins
+
+    def step(index, hist):
+        start = program * tile + index * sub
+        flat = start + jnp.arange(sub, dtype=jnp.int32)
+        inside = flat < num_flat
+        ids = plgpu.load(ids_ref.at[pl.ds(start, sub)], mask=inside, other=-1)
+        rank_valid = (ids >= 0) & (ids < num_logical) & (flat < rank_limit)
+        return hist + _pair_histogram(jnp.where(rank_valid, ids, -1), e_hi_bits, e_lo_bits, jnp.int8, jnp.int32)
+
+    hist = jnp.zeros((1 << e_hi_bits, 1 << e_lo_bits), jnp.int32)
+    hist_ref[0] = jax.lax.fori_loop(0, tile // sub, step, hist)
+
+
+def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_physical: int, mode: str,
+                         interpret: bool = False, tile: int | None = None, num_warps: int = 4):
+    """Same contract as ``_reference.map_and_count_reference``; ``tile`` (a power of two) is a tuning knob."""
+    num_tokens, top_k = topk_ids.shape
+    num_logical, width = log2phy.shape
+    num_flat = num_tokens * top_k
+    sub = _SUB_RESOLVED if mode == "resolved" else _SUB
+    tile = default_tile(num_flat) if tile is None else int(tile)
+    if mode == "resolved":
+        tile = min(tile, _MAX_TILE_RESOLVED)
+    tile = max(tile, sub)
+    if tile & (tile - 1):
+        raise ValueError(f"tile must be a power of two, got {tile}")
+    num_tiles = pl.cdiv(num_flat, tile)
+    bins = _split_bins(num_physical)
+    expert_bins = _split_bins(num_logical) if mode == "resolved" else (0, 0)
+    ids = topk_ids.reshape(num_flat)
+    params = plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
+    whole = pl.no_block_spec
+
+    if mode == "resolved":
+        e_hi, e_lo = 1 << expert_bins[0], 1 << expert_bins[1]
+        per_tile = pl.pallas_call(
+            functools.partial(_expert_histogram_kernel, num_flat=num_flat, num_logical=num_logical,
+                              tile=tile, sub=_SUB, expert_bins=expert_bins),
+            grid=(num_tiles,),
+            in_specs=[whole, whole],
+            out_specs=pl.BlockSpec((1, e_hi, e_lo), lambda i: (i, 0, 0)),
+            out_shape=jax.ShapeDtypeStruct((num_tiles, e_hi, e_lo), jnp.int32),
+            compiler_params=params,
+            interpret=interpret,
+            name="expert_histogram",
+        )(ids, limits).reshape(num_tiles, e_hi * e_lo)
+        base = (jnp.cumsum(per_tile, axis=0, dtype=jnp.int32) - per_tile).reshape(-1)
+    else:
+        base = jnp.zeros((1,), jnp.int32)
+
+    hi, lo = 1 << bins[0], 1 << bins[1]
+    kernel = functools.partial(
+        _map_kernel, mode=mode, num_flat=num_flat, top_k=top_k, num_logical=num_logical, width=width,
+        num_physical=num_physical, tile=tile, sub=sub, bins=bins, expert_bins=expert_bins)
+    phys, partial = pl.pallas_call(
+        kernel,
+        grid=(num_tiles,),
+        in_specs=[whole] * 6,
+        out_specs=[whole, pl.BlockSpec((1, hi, lo), lambda i: (i, 0, 0))],
+        out_shape=[jax.ShapeDtypeStruct((num_flat,), jnp.int32),
+                   jax.ShapeDtypeStruct((num_tiles, hi, lo), jnp.int32)],
+        compiler_params=params,
+        interpret=interpret,
+        name="map_and_count",
+    )(ids, log2phy.reshape(-1), logcnt, thresholds.reshape(-1), base, limits)
+    load = jnp.sum(partial.reshape(num_tiles, hi * lo), axis=0, dtype=jnp.int32)[:num_physical]
+    return phys.reshape(num_tokens, top_k), load

@@ -1,0 +1,194 @@
+"""DeepSeek's EPLB placement policy, vectorised over layers and nodes.
+
+The algorithm (see :mod:`moe_eplb_jax.policy.deepseek_reference` for the
+plain-loop version it must equal):
+
+1. pack expert groups onto nodes (heaviest group first, to the least-loaded
+   node with room);
+2. within each node, replicate experts greedily: each redundant slot goes to
+   the expert with the highest load per replica;
+3. within each node, pack the replicas onto the node's GPUs (heaviest replica
+   first, to the least-loaded GPU with a free slot).
+
+When ``num_groups % num_nodes != 0`` the global variant runs with one group and
+one node. Every greedy step loops over items only; each iteration works on all
+layers and nodes at once.
+
+With ``old_phy2log`` the result is relabelled to move as few experts as
+possible (see :mod:`moe_eplb_jax.policy._preserve`); loads per GPU, and so
+balancedness, are unchanged.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+from moe_eplb_jax.policy import _packing
+from moe_eplb_jax.policy._preserve import preserve_slots
+
+__all__ = ["rebalance_experts", "check_inputs", "hierarchical_layout", "log2phy_from_ranks", "node_major_order",
+           "topology"]
+
+
+def _check_count(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def check_inputs(weight, num_replicas, num_groups, num_nodes, num_gpus, old_phy2log=None):
+    """Validates a policy call; returns ``(weight float64 [L, E], old_phy2log int64 [L, P] or None)``.
+
+    Raises ``ValueError`` naming the problem: weight not a finite, non-negative
+    2-D array; ``num_replicas < E``; ``num_replicas % num_gpus``;
+    ``E % num_groups``; ``num_gpus % num_nodes``; ``old_phy2log`` of the wrong
+    shape or holding ids outside ``[0, E)``.
+    """
+    num_replicas = _check_count("num_replicas", num_replicas)
+    num_groups = _check_count("num_groups", num_groups)
+    num_nodes = _check_count("num_nodes", num_nodes)
+    num_gpus = _check_count("num_gpus", num_gpus)
+    try:
+        weight = np.asarray(weight)
+    except ValueError as e:  # ragged nested lists
+        raise ValueError(f"weight must be a rectangular [L, E] array ({e})") from e
+    if weight.ndim != 2:
+        raise ValueError(f"weight must have shape [L, E] (2-D), got shape {weight.shape}")
+    if weight.shape[0] < 1 or weight.shape[1] < 1:
+        raise ValueError(f"weight must have at least one layer and one expert, got shape {weight.shape}")
+    if weight.dtype == bool or not (np.issubdtype(weight.dtype, np.integer) or np.issubdtype(weight.dtype, np.floating)):
+        raise ValueError(f"weight must hold real numbers, got dtype {weight.dtype}")
+    weight = weight.astype(np.float64) + 0.0  # + 0.0 turns -0.0 into 0.0 (sorts use the bit patterns)
+    with np.errstate(over="ignore", invalid="ignore"):
+        row_total = weight.sum(axis=1)  # NaN or inf anywhere makes a total non-finite: one cheap check
+    if not np.isfinite(row_total).all() or weight.min() < 0:
+        for problem, bad in (("NaN", np.isnan(weight)), ("an infinite value", np.isinf(weight)),
+                             ("a negative load", weight < 0)):
+            if bad.any():
+                layer, expert = (int(i) for i in np.argwhere(bad)[0])
+                raise ValueError(f"weight holds {problem} at [layer {layer}, expert {expert}]")
+        raise ValueError("weight is too large: a layer's total load overflows float64")
+    num_layers, num_experts = weight.shape
+    if num_replicas < num_experts:
+        raise ValueError(f"num_replicas ({num_replicas}) is smaller than the number of experts ({num_experts})")
+    if num_replicas % num_gpus:
+        raise ValueError(f"num_replicas ({num_replicas}) is not divisible by num_gpus ({num_gpus})")
+    if num_experts % num_groups:
+        raise ValueError(f"the number of experts ({num_experts}) is not divisible by num_groups ({num_groups})")
+    if num_gpus % num_nodes:
+        raise ValueError(f"num_gpus ({num_gpus}) is not divisible by num_nodes ({num_nodes})")
+    if old_phy2log is not None:
+        old = np.asarray(old_phy2log)
+        if old.shape != (num_layers, num_replicas):
+            raise ValueError(f"old_phy2log must have shape [L, P] = {(num_layers, num_replicas)}, got {old.shape}")
+        if not np.issubdtype(old.dtype, np.integer):
+            raise ValueError(f"old_phy2log must hold integer expert ids, got dtype {old.dtype}")
+        bad = (old < 0) | (old >= num_experts)
+        if bad.any():
+            layer, slot = (int(i) for i in np.argwhere(bad)[0])
+            raise ValueError(f"old_phy2log[{layer}, {slot}] = {old[layer, slot]} is outside the expert range "
+                             f"[0, {num_experts})")
+        old_phy2log = old.astype(np.int64)
+    return weight, old_phy2log
+
+
+def log2phy_from_ranks(phy2log: np.ndarray, phyrank: np.ndarray, num_logical: int) -> np.ndarray:
+    """``log2phy [L, E, P - E + 1]``: ``log2phy[l, phy2log[l, p], phyrank[l, p]] = p``, ``-1`` elsewhere."""
+    num_layers, num_physical = phy2log.shape
+    width = num_physical - num_logical + 1
+    log2phy = np.full(num_layers * num_logical * width, -1, dtype=np.int32)
+    cell = phy2log * width + phyrank + (np.arange(num_layers) * (num_logical * width))[:, None]
+    log2phy[cell.ravel()] = np.tile(np.arange(num_physical, dtype=np.int32), num_layers)
+    return log2phy.reshape(num_layers, num_logical, width)
+
+
+def node_major_order(group_slot: np.ndarray, group_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Expert order that lists each node's experts together.
+
+    ``group_slot [L, groups]`` is a permutation per layer: group ``g`` takes
+    position ``group_slot[l, g]`` (node ``n`` owns positions ``[n * groups /
+    N, (n + 1) * groups / N)``). Returns ``(expert_to_local, local_to_expert)``,
+    ``[L, E]`` inverse permutations: expert ``j`` of group ``g`` is local
+    expert ``group_slot[l, g] * group_size + j``.
+    """
+    num_layers, num_groups = group_slot.shape
+    group_at = _packing.inverse_permutation(group_slot)
+    within = np.arange(group_size)
+    expert_to_local = (group_slot[:, :, None] * group_size + within).reshape(num_layers, -1)
+    local_to_expert = (group_at[:, :, None] * group_size + within).reshape(num_layers, -1)
+    return expert_to_local, local_to_expert
+
+
+def hierarchical_layout(weight: np.ndarray, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int):
+    """Steps 1-3 on all layers at once; the building block of every policy here.
+
+    Returns ``(phy2log [L, P], phyrank [L, P], logcnt [L, E])`` int64, where
+    ``phyrank`` is each slot's replica rank (0 for an expert's first replica).
+    Assumes validated inputs; callers pick the global variant by passing one
+    group and one node.
+    """
+    num_layers, num_experts = weight.shape
+    group_size = num_experts // num_groups
+    groups_per_node = num_groups // num_nodes
+    experts_per_node = num_experts // num_nodes
+    slots_per_node = num_replicas // num_nodes
+    gpus_per_node = num_gpus // num_nodes
+    slots_per_gpu = num_replicas // num_gpus
+
+    # Step 1: groups onto nodes. Expert j of the group at position r of node n gets the
+    # node-major index (n * groups_per_node + r) * group_size + j.
+    group_load = weight.reshape(num_layers, num_groups, group_size).sum(axis=2)
+    node_of_group, rank_in_node = _packing.balanced_packing(group_load, num_nodes)
+    group_slot = node_of_group * groups_per_node + rank_in_node
+    expert_to_local, local_to_expert = node_major_order(group_slot, group_size)
+
+    # Step 2: replicate within each node; rows are (layer, node) pairs.
+    local_weight = _packing.gather_rows(weight, local_to_expert).reshape(-1, experts_per_node)
+    slot_expert, slot_rank, count = _packing.replicate(local_weight, slots_per_node)
+
+    # Step 3: replicas onto the node's GPUs, by load per replica.
+    replica_load = _packing.gather_rows(local_weight / count, slot_expert)
+    order, gpu, rank_in_gpu = _packing.balanced_packing_sorted(replica_load, gpus_per_node)
+    slot_in_node = gpu * slots_per_gpu + rank_in_gpu
+    node_expert = _packing.scatter_rows(_packing.gather_rows(slot_expert, order), slot_in_node)
+    node_rank = _packing.scatter_rows(_packing.gather_rows(slot_rank, order), slot_in_node)
+
+    node_offset = (np.arange(num_nodes) * experts_per_node)[None, :, None]
+    local_ids = (node_expert.reshape(num_layers, num_nodes, slots_per_node) + node_offset).reshape(num_layers, -1)
+    phy2log = _packing.gather_rows(local_to_expert, local_ids)
+    phyrank = node_rank.reshape(num_layers, num_replicas)
+    logcnt = _packing.gather_rows(count.reshape(num_layers, num_experts), expert_to_local)
+    return phy2log, phyrank, logcnt
+
+
+def topology(num_groups: int, num_nodes: int) -> tuple[int, int]:
+    """``(groups, nodes)`` the algorithm runs with: the global variant when groups do not split over nodes."""
+    return (num_groups, num_nodes) if num_groups % num_nodes == 0 else (1, 1)
+
+
+def rebalance_experts(weight, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int,
+                      old_phy2log=None):
+    """DeepSeek EPLB placement of ``num_replicas`` slots for per-expert loads ``weight [L, E]``.
+
+    ``num_groups`` expert groups (contiguous blocks of ``E / num_groups``
+    experts) are kept on one of ``num_nodes`` nodes when ``num_groups %
+    num_nodes == 0`` (hierarchical); otherwise the global variant ignores
+    groups and nodes. ``num_gpus`` GPUs hold ``num_replicas / num_gpus`` slots
+    each (slot ``p`` is on GPU ``p // (P / G)``).
+
+    Returns numpy int32 ``phy2log [L, P]``, ``log2phy [L, E, P - E + 1]``
+    (replicas in the order the algorithm created them, ``-1`` padded) and
+    ``logcnt [L, E]``. Without ``old_phy2log`` this is exactly DeepSeek's
+    placement (ties broken by lowest index). With ``old_phy2log [L, P]`` the
+    same per-GPU contents are relabelled (nodes and GPUs permuted, slots within
+    a GPU reordered) to keep as many experts as possible in their old slot.
+    """
+    weight, old = check_inputs(weight, num_replicas, num_groups, num_nodes, num_gpus, old_phy2log)
+    groups, nodes = topology(num_groups, num_nodes)
+    phy2log, phyrank, logcnt = hierarchical_layout(weight, num_replicas, groups, nodes, num_gpus)
+    if old is not None:
+        phy2log, phyrank = preserve_slots(phy2log, phyrank, old, num_gpus=num_gpus, num_nodes=nodes)
+    log2phy = log2phy_from_ranks(phy2log, phyrank, weight.shape[1])
+    return phy2log.astype(np.int32), log2phy, logcnt.astype(np.int32)

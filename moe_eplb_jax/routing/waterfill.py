@@ -1,0 +1,105 @@
+"""Waterfill for a shared expert: send shared-expert work where the routed load left slack.
+
+Every rank holds one copy of the shared expert (one extra slot per rank), so a
+token's shared-expert work may run on any rank. The routed experts already
+load the ranks unevenly (``routed_load [G]``); Waterfill pours the batch's
+shared-expert work (``total`` token units) into the ranks like water into a
+vessel with an uneven floor: the level ``λ`` solves
+``sum_r max(λ - routed_load[r], 0) = total`` and rank ``r`` gets the share
+``max(λ - routed_load[r], 0) / total`` of the work.
+
+Each token then picks one of its candidate ranks (``candidates [T, C]``: e.g.
+its own rank and the ranks its top-k experts went to, so no extra transfer is
+needed) by a deterministic hash of its index, weighted by those ranks' shares.
+A token whose candidates all have zero share keeps its first candidate.
+Batches with fewer than ``min_tokens`` tokens skip balancing (first candidate).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["waterfill_shares", "waterfill_assign", "waterfill_reference_level"]
+
+
+def waterfill_shares(routed_load, total):
+    """Share ``[G]`` float32 of the shared-expert work each rank should take (sums to 1 when ``total > 0``).
+
+    ``routed_load [G]`` is each rank's routed-expert load; ``total`` the shared
+    work (a scalar). Exact: sorts the floor and finds the level in closed form.
+    """
+    if np.ndim(routed_load) != 1:
+        raise ValueError(f"routed_load must have shape [G], got {np.shape(routed_load)}")
+    if np.ndim(total) != 0:
+        raise ValueError(f"total must be a scalar, got shape {np.shape(total)}")
+    floor = jnp.asarray(routed_load).astype(jnp.float32)
+    total = jnp.asarray(total).astype(jnp.float32)
+    num_ranks = floor.shape[0]
+    ordered = jnp.sort(floor)
+    k = jnp.arange(1, num_ranks + 1, dtype=jnp.float32)
+    # With the k lowest ranks under water the level is (total + sum of their floors) / k. Every k whose level
+    # covers the k-th floor gives a level at or above the true one (a floor under water only lowers it), and
+    # the true k attains it: the level is the smallest such candidate.
+    level_k = (total + jnp.cumsum(ordered)) / k
+    fits = level_k >= ordered
+    level = jnp.min(jnp.where(fits, level_k, jnp.inf))
+    fill = jnp.maximum(level - floor, 0.0)
+    return jnp.where(total > 0, fill / jnp.where(total > 0, total, 1.0), 1.0 / num_ranks)
+
+
+def _hash_unit(index):
+    """A deterministic per-token uniform in [0, 1) (multiplicative hash, 24 high bits)."""
+    h = index.astype(jnp.uint32) * jnp.uint32(0x9E3779B1)
+    h = h ^ (h >> jnp.uint32(15))
+    h = h * jnp.uint32(0x85EBCA77)
+    h = h ^ (h >> jnp.uint32(13))
+    return (h >> jnp.uint32(8)).astype(jnp.float32) / jnp.float32(1 << 24)
+
+
+def waterfill_assign(candidates, routed_load, *, min_tokens: int = 0, token_offset=0):
+    """Rank ``[T]`` int32 that computes each token's shared expert, and the shared load ``[G]`` int32.
+
+    ``candidates [T, C]`` int32 rank ids (the first is the fallback, usually the
+    token's own rank); ``routed_load [G]`` the routed load of the batch.
+    ``token_offset`` shifts the hash index (use the global token index so that
+    ranks agree). Jit-able with ``min_tokens`` static.
+    """
+    if np.ndim(candidates) != 2:
+        raise ValueError(f"candidates must have shape [T, C], got {np.shape(candidates)}")
+    if min_tokens < 0:
+        raise ValueError(f"min_tokens must be >= 0, got {min_tokens}")
+    candidates = jnp.asarray(candidates).astype(jnp.int32)
+    num_tokens = candidates.shape[0]
+    num_ranks = np.shape(routed_load)[0]
+    if not isinstance(candidates, jax.core.Tracer):
+        if np.any((np.asarray(candidates) < 0) | (np.asarray(candidates) >= num_ranks)):
+            raise ValueError(f"candidates must be rank ids in [0, {num_ranks})")
+    share = waterfill_shares(routed_load, jnp.float32(num_tokens))
+    if num_tokens < min_tokens or num_tokens == 0:
+        dest = candidates[:, 0]
+    else:
+        weight = share[candidates]  # [T, C]
+        cum = jnp.cumsum(weight, axis=1)
+        total = cum[:, -1:]
+        u = _hash_unit(jnp.arange(num_tokens, dtype=jnp.int32) + jnp.asarray(token_offset, jnp.int32))
+        pick = jnp.sum((cum <= u[:, None] * total).astype(jnp.int32), axis=1)
+        pick = jnp.minimum(pick, candidates.shape[1] - 1)
+        chosen = jnp.take_along_axis(candidates, pick[:, None], axis=1)[:, 0]
+        dest = jnp.where(total[:, 0] > 0, chosen, candidates[:, 0])
+    load = jnp.zeros((num_ranks,), jnp.int32).at[dest].add(1)
+    return dest, load
+
+
+def waterfill_reference_level(routed_load, total) -> float:
+    """Numpy bisection for the water level (test oracle for :func:`waterfill_shares`)."""
+    floor = np.asarray(routed_load, dtype=np.float64)
+    lo, hi = floor.min(), floor.max() + float(total)
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if np.maximum(mid - floor, 0).sum() < total:
+            lo = mid
+        else:
+            hi = mid
+    return 0.5 * (lo + hi)

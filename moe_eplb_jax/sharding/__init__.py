@@ -1,0 +1,47 @@
+"""Expert transport on a Mesh: move planning, uint8 packing and the collective executor.
+
+``rearrange_experts(experts, old_phy2log, new_phy2log, mesh=mesh)`` moves every
+leaf of an expert pytree (weights, quantisation scales, optimizer state) to a
+new placement, bit-exactly, sending only the slots whose expert changes, as one
+packed ``uint8`` row per slot. The lower-level pieces:
+
+* ``plan_rearrangement`` -> ``TransportPlan`` (host numpy index tables, the
+  same on every process) and ``execute_plan`` (the jitted ``shard_map``);
+* ``packing`` -- byte views of any dtype (fp4 in pairs) and row packing;
+* ``mesh`` -- an EP mesh, the slot sharding, placing host arrays on it.
+"""
+
+from moe_eplb_jax.sharding.mesh import axis_size, ep_mesh, shard_slots, slot_sharding
+from moe_eplb_jax.sharding.packing import (
+    LeafLayout,
+    from_byte_rows,
+    leaf_layout,
+    pack_rows,
+    pack_rows_numpy,
+    to_byte_rows,
+    unpack_rows,
+)
+from moe_eplb_jax.sharding.plan import TransportPlan, bucket_capacity, plan_rearrangement, validate_placements
+from moe_eplb_jax.sharding.transport import execute_plan, executor_trace_count, rearrange_experts, row_bytes
+
+__all__ = [
+    "LeafLayout",
+    "TransportPlan",
+    "axis_size",
+    "bucket_capacity",
+    "ep_mesh",
+    "execute_plan",
+    "executor_trace_count",
+    "from_byte_rows",
+    "leaf_layout",
+    "pack_rows",
+    "pack_rows_numpy",
+    "plan_rearrangement",
+    "rearrange_experts",
+    "row_bytes",
+    "shard_slots",
+    "slot_sharding",
+    "to_byte_rows",
+    "unpack_rows",
+    "validate_placements",
+]

@@ -1,0 +1,153 @@
+"""Dropless token dispatch and combine over an expert-parallel mesh axis.
+
+Every function here runs per rank, inside ``jax.shard_map`` over the EP axis
+``axis_name`` with ``G`` ranks. A rank holds ``T`` tokens, each routed to ``k``
+physical slots (``physical_ids [T, k]``); slot ``p`` lives on rank
+``p // slots_per_rank``. The ``A = T * k`` assignments are sent to the ranks that
+own their slots with one dense ``all_to_all``; results come back the same way
+and each token sums its ``k`` results in router order.
+
+Dropless by construction: the buffer for each destination rank has room for
+all ``A`` assignments (the worst case, every assignment to one rank), so no
+token is ever dropped, whatever the skew. Shapes depend only on ``T, k, G`` --
+never on the routing or the placement, so nothing recompiles when either
+changes.
+
+Placement-invariant numerics: an assignment's row is the token's unchanged
+activation, it meets the same expert bytes wherever the expert lives, and the
+combine adds the ``k`` results in router order (``k = 0, 1, ...``), never in an
+order that depends on slots or ranks.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["DispatchPlan", "plan_dispatch", "dispatch", "combine", "sort_by_slot", "unsort"]
+
+
+class DispatchPlan(NamedTuple):
+    """Where each of the ``A = T * k`` assignments of this rank went.
+
+    Attributes:
+      dest: ``[A]`` int32, destination rank of each assignment.
+      pos: ``[A]`` int32, its row in the destination's receive buffer.
+      send_src: ``[G, A]`` int32, the assignment sent in each row of the send
+        buffer (``-1`` for an empty row).
+      send_slot: ``[G, A]`` int32, the destination-local slot of each row
+        (``-1`` for an empty row).
+    """
+
+    dest: jax.Array
+    pos: jax.Array
+    send_src: jax.Array
+    send_slot: jax.Array
+
+
+def _check(physical_ids, slots_per_rank: int, num_ranks: int) -> None:
+    if physical_ids.ndim != 2:
+        raise ValueError(f"physical_ids must have shape [T, k], got {physical_ids.shape}")
+    if not jnp.issubdtype(physical_ids.dtype, jnp.integer):
+        raise ValueError(f"physical_ids must be integers, got dtype {physical_ids.dtype}")
+    if slots_per_rank < 1 or num_ranks < 1:
+        raise ValueError(f"need slots_per_rank >= 1 and num_ranks >= 1, got {slots_per_rank}, {num_ranks}")
+
+
+def plan_dispatch(physical_ids, *, slots_per_rank: int, num_ranks: int) -> DispatchPlan:
+    """Plans the send buffer of one rank from its ``physical_ids [T, k]`` (ids in ``[0, G * slots_per_rank)``).
+
+    Rows for destination ``g`` hold the assignments bound for ``g`` in
+    assignment order (token-major, then ``k``), packed at the front.
+    """
+    _check(physical_ids, slots_per_rank, num_ranks)
+    flat = physical_ids.reshape(-1).astype(jnp.int32)
+    num_assign = flat.shape[0]
+    dest = flat // jnp.int32(slots_per_rank)
+    local = flat % jnp.int32(slots_per_rank)
+    # Stable sort by destination: each destination's assignments become one contiguous run, in order.
+    order = jnp.argsort(dest, stable=True).astype(jnp.int32)
+    onehot = dest[:, None] == jnp.arange(num_ranks, dtype=jnp.int32)[None, :]
+    counts = onehot.sum(0, dtype=jnp.int32)  # [G]
+    starts = jnp.cumsum(counts) - counts
+    row = jnp.arange(num_assign, dtype=jnp.int32)
+    valid = row[None, :] < counts[:, None]  # [G, A]
+    src = order[jnp.clip(starts[:, None] + row[None, :], 0, num_assign - 1)]
+    send_src = jnp.where(valid, src, -1)
+    send_slot = jnp.where(valid, local[jnp.maximum(send_src, 0)], -1)
+    # pos of assignment order[i] is i - starts[dest]: invert the sort with a scatter of unique indices.
+    sorted_pos = row - starts[dest[order]]
+    pos = jnp.zeros((num_assign,), jnp.int32).at[order].set(sorted_pos, unique_indices=True)
+    return DispatchPlan(dest=dest, pos=pos, send_src=send_src, send_slot=send_slot)
+
+
+def dispatch(x, physical_ids, *, slots_per_rank: int, axis_name, num_ranks: int):
+    """Sends every assignment's token row to the rank owning its slot.
+
+    Args:
+      x: ``[T, D]`` tokens of this rank.
+      physical_ids: ``[T, k]`` physical slot of each assignment.
+      slots_per_rank: ``P / G``.
+      axis_name: the EP mesh axis (``G`` ranks).
+      num_ranks: ``G``, the size of ``axis_name``.
+
+    Returns:
+      ``(recv_x [G * A, D], recv_slot [G * A] int32, plan)``: the rows this rank
+      must compute, each with its local slot (``-1``: an empty row, whose
+      content is zero), and the plan ``combine`` needs.
+    """
+    if x.ndim != 2 or x.shape[0] != physical_ids.shape[0]:
+        raise ValueError(f"x must have shape [T={physical_ids.shape[0]}, D], got {x.shape}")
+    plan = plan_dispatch(physical_ids, slots_per_rank=slots_per_rank, num_ranks=num_ranks)
+    top_k = physical_ids.shape[1]
+    token = jnp.maximum(plan.send_src, 0) // jnp.int32(top_k)
+    send_x = jnp.where((plan.send_src >= 0)[..., None], x[token], jnp.zeros((), x.dtype))  # [G, A, D]
+    recv_x = jax.lax.all_to_all(send_x, axis_name, 0, 0)
+    recv_slot = jax.lax.all_to_all(plan.send_slot, axis_name, 0, 0)
+    return recv_x.reshape(-1, x.shape[1]), recv_slot.reshape(-1), plan
+
+
+def combine(y, plan: DispatchPlan, weights, *, axis_name, out_dtype=None):
+    """Returns expert outputs to their tokens and sums them with the router weights.
+
+    Args:
+      y: ``[G * A, D]`` expert output of every received row (rows as ``dispatch`` returned them).
+      plan: the ``DispatchPlan`` from ``dispatch``.
+      weights: ``[T, k]`` router weight of each assignment (summed in float32).
+      axis_name: the EP mesh axis.
+      out_dtype: dtype of the result (default: ``y.dtype``).
+
+    Returns:
+      ``[T, D]``: ``sum_j weights[t, j] * y_j`` added in router order ``j = 0..k-1``.
+    """
+    num_ranks, num_assign = plan.send_src.shape
+    tokens, top_k = weights.shape
+    if y.shape[0] != num_ranks * num_assign:
+        raise ValueError(f"y must have {num_ranks * num_assign} rows (G * A), got shape {y.shape}")
+    back = jax.lax.all_to_all(y.reshape(num_ranks, num_assign, -1), axis_name, 0, 0)
+    per_assign = back[plan.dest, plan.pos].reshape(tokens, top_k, -1).astype(jnp.float32)
+    w = weights.astype(jnp.float32)
+    out = w[:, 0, None] * per_assign[:, 0]
+    for j in range(1, top_k):  # fixed order: the sum never depends on where experts live
+        out = out + w[:, j, None] * per_assign[:, j]
+    return out.astype(out_dtype or y.dtype)
+
+
+def sort_by_slot(recv_slot, num_slots: int):
+    """Groups received rows by local slot for a grouped matmul.
+
+    Returns ``(order [N], group_sizes [num_slots])``: ``rows[order]`` lists the
+    rows of slot 0, then slot 1, ... in arrival order, empty rows (slot ``-1``)
+    last; ``group_sizes`` counts each slot's rows.
+    """
+    key = jnp.where(recv_slot < 0, jnp.int32(num_slots), recv_slot.astype(jnp.int32))
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    onehot = key[:, None] == jnp.arange(num_slots, dtype=jnp.int32)[None, :]
+    return order, onehot.sum(0, dtype=jnp.int32)
+
+
+def unsort(sorted_rows, order):
+    """Inverse of ``rows[order]``: puts sorted rows back in arrival order."""
+    return jnp.zeros_like(sorted_rows).at[order].set(sorted_rows, unique_indices=True)

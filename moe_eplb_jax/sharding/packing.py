@@ -1,0 +1,188 @@
+"""Slot rows as bytes: every slot of every leaf becomes one ``uint8`` row.
+
+A leaf with leading slot axes ``[N, *row_shape]`` is handled as a *row view*
+``[N, m]`` (``m`` elements per row): a reshape, which costs nothing. Gathers
+and scatters of the row view move bytes exactly for every dtype (tested with
+random bytes, NaN payloads included) except float8_e5m2, whose NaN payloads
+XLA:CPU rewrites: e5m2 leaves are viewed as ``uint8`` instead. The view keeps
+the leaf's dtype otherwise because XLA materialises ``bitcast_convert_type``
+of a whole leaf as a copy, which would double the memory of a move.
+
+Only rows that move become bytes: :func:`to_byte_rows` turns gathered rows
+``[C, m]`` into ``uint8 [C, row_bytes]`` (bitcast; 4-bit dtypes in pairs,
+element ``2i`` in the low nibble of byte ``i``, so a row needs an even element
+count) and :func:`from_byte_rows` turns them back. :func:`pack_rows` gathers
+the requested rows of several leaves into one ``uint8 [C, B]`` buffer, ``B``
+the sum of the leaves' row bytes. ``pack_rows_numpy`` is its host reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "BYTE_VIEW_DTYPES",
+    "LeafLayout",
+    "leaf_layout",
+    "row_view",
+    "from_row_view",
+    "to_byte_rows",
+    "from_byte_rows",
+    "pack_rows",
+    "unpack_rows",
+    "pack_rows_numpy",
+    "byte_rows_numpy",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafLayout:
+    """How one leaf's slot row maps to bytes.
+
+    ``dtype`` is the leaf's dtype, ``row_shape`` the shape of one slot's row,
+    ``row_bytes`` its size in bytes and ``view_dtype`` the dtype of the row
+    view (``uint8`` for dtypes in ``BYTE_VIEW_DTYPES``, else ``dtype``).
+    """
+
+    dtype: np.dtype
+    row_shape: tuple[int, ...]
+    row_bytes: int
+    view_dtype: np.dtype
+
+    @property
+    def row_elements(self) -> int:
+        return math.prod(self.row_shape)
+
+
+# Dtypes whose gathers / scatters are not byte-exact on some backend: moved through uint8 views.
+BYTE_VIEW_DTYPES = frozenset({np.dtype(jnp.float8_e5m2)})
+
+
+# ml_dtypes floats report numpy kind 'V'.
+_ML_DTYPE_KINDS = frozenset(np.dtype(d) for d in (
+    jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float8_e8m0fnu, jnp.float4_e2m1fn,
+    jnp.float8_e4m3fnuz, jnp.float8_e5m2fnuz, jnp.float8_e4m3b11fnuz, jnp.int4, jnp.uint4,
+) + tuple(getattr(jnp, n) for n in ("float8_e3m4", "float8_e4m3") if hasattr(jnp, n)))
+
+
+def _bits(dtype) -> int:
+    return int(jax.dtypes.itemsize_bits(np.dtype(dtype)))
+
+
+def leaf_layout(dtype, row_shape: Sequence[int], *, name: str = "leaf") -> LeafLayout:
+    """The byte layout of one row of ``row_shape`` elements of ``dtype``.
+
+    Raises ``ValueError`` for dtypes that cannot be viewed as bytes and for
+    4-bit rows with an odd element count.
+    """
+    dtype = np.dtype(dtype)
+    row_shape = tuple(int(d) for d in row_shape)
+    count = math.prod(row_shape)
+    if dtype.kind not in "biuf" and dtype not in _ML_DTYPE_KINDS:
+        raise ValueError(f"{name}: dtype {dtype} cannot be moved as bytes (need bool, integer or float)")
+    bits = _bits(dtype)
+    if bits == 4:
+        if count % 2:
+            raise ValueError(
+                f"{name}: a {dtype} row of shape {row_shape} has {count} elements; 4-bit rows are moved as "
+                "byte pairs and need an even element count per slot"
+            )
+        return LeafLayout(dtype, row_shape, count // 2, dtype)
+    if bits not in (8, 16, 32, 64):
+        raise ValueError(f"{name}: dtype {dtype} ({bits} bits) cannot be moved as bytes")
+    view = np.dtype(np.uint8) if dtype in BYTE_VIEW_DTYPES else dtype
+    return LeafLayout(dtype, row_shape, count * bits // 8, view)
+
+
+def row_view(x: jax.Array, layout: LeafLayout, num_rows: int) -> jax.Array:
+    """``x [.., *row_shape]`` with ``num_rows`` rows as the row view ``[num_rows, m]`` of ``layout.view_dtype``."""
+    flat = x.reshape(num_rows, layout.row_elements)
+    if layout.view_dtype != layout.dtype:
+        flat = jax.lax.bitcast_convert_type(flat, jnp.uint8)  # same width: a free bitcast
+    return flat
+
+
+def from_row_view(rows: jax.Array, layout: LeafLayout, shape: Sequence[int]) -> jax.Array:
+    """Inverse of :func:`row_view`: back to ``layout.dtype`` and ``shape``."""
+    if layout.view_dtype != layout.dtype:
+        rows = jax.lax.bitcast_convert_type(rows, layout.dtype)
+    return rows.reshape(tuple(shape))
+
+
+def to_byte_rows(rows: jax.Array, layout: LeafLayout) -> jax.Array:
+    """Row view ``[C, m]`` to ``uint8 [C, row_bytes]`` (bitcast; 4-bit dtypes in pairs)."""
+    num_rows = rows.shape[0]
+    if rows.dtype == jnp.uint8:
+        return rows
+    if rows.dtype == jnp.bool_:
+        return rows.astype(jnp.uint8)  # bool is one 0/1 byte: exact
+    if _bits(rows.dtype) == 4:
+        rows = rows.reshape(num_rows, layout.row_bytes, 2)
+    return jax.lax.bitcast_convert_type(rows, jnp.uint8).reshape(num_rows, layout.row_bytes)
+
+
+def from_byte_rows(rows: jax.Array, layout: LeafLayout) -> jax.Array:
+    """Inverse of :func:`to_byte_rows`: ``uint8 [C, row_bytes]`` to the row view ``[C, m]``."""
+    num_rows = rows.shape[0]
+    view = layout.view_dtype
+    if view == np.uint8:
+        return rows
+    if view == np.bool_:
+        return rows != jnp.uint8(0)
+    bits = _bits(view)
+    if bits == 4:
+        return jax.lax.bitcast_convert_type(rows, view).reshape(num_rows, layout.row_elements)
+    if bits == 8:
+        return jax.lax.bitcast_convert_type(rows, view)
+    return jax.lax.bitcast_convert_type(rows.reshape(num_rows, -1, bits // 8), view)
+
+
+def pack_rows(row_views: Sequence[jax.Array], layouts: Sequence[LeafLayout], rows: jax.Array) -> jax.Array:
+    """Gathers ``rows [C]`` of every row view into one ``uint8 [C, sum(row_bytes)]`` buffer.
+
+    Row indices must be in ``[0, N)``; only the ``C`` requested rows are read.
+    """
+    return jnp.concatenate([to_byte_rows(v[rows], lay) for v, lay in zip(row_views, layouts)], axis=1)
+
+
+def unpack_rows(packed: jax.Array, layouts: Sequence[LeafLayout]) -> list[jax.Array]:
+    """Splits ``uint8 [C, B]`` from :func:`pack_rows` into the leaves' row views ``[C, m_i]``."""
+    widths = [lay.row_bytes for lay in layouts]
+    if packed.shape[1] != sum(widths):
+        raise ValueError(f"packed rows have {packed.shape[1]} bytes, the leaves need {sum(widths)}")
+    out, start = [], 0
+    for width, lay in zip(widths, layouts):
+        out.append(from_byte_rows(packed[:, start : start + width], lay))
+        start += width
+    return out
+
+
+# ------------------------------------------------------------- host reference
+def byte_rows_numpy(x: np.ndarray, num_lead: int = 1) -> np.ndarray:
+    """Host reference of :func:`to_byte_rows` for numpy (ml_dtypes) arrays with ``num_lead`` row axes.
+
+    ml_dtypes stores one 4-bit element per byte (low nibble); pairs are packed
+    here exactly as on device.
+    """
+    x = np.asarray(x)
+    lead = x.shape[:num_lead]
+    num_rows = math.prod(lead)
+    layout = leaf_layout(x.dtype, x.shape[num_lead:])
+    flat = np.ascontiguousarray(x).reshape(num_rows, -1)
+    if _bits(x.dtype) == 4:
+        nibbles = flat.view(np.uint8) & np.uint8(0x0F)
+        packed = nibbles[:, 0::2] | (nibbles[:, 1::2] << np.uint8(4))
+        return packed.reshape(lead + (layout.row_bytes,))
+    return flat.view(np.uint8).reshape(lead + (layout.row_bytes,))
+
+
+def pack_rows_numpy(leaves: Sequence[np.ndarray], rows: np.ndarray) -> np.ndarray:
+    """Host reference of :func:`pack_rows` starting from typed ``[N, *row_shape]`` leaves."""
+    rows = np.asarray(rows)
+    return np.concatenate([byte_rows_numpy(leaf, 1)[rows] for leaf in leaves], axis=1)

@@ -1,0 +1,267 @@
+"""The collective executor: move expert slots between EP ranks as packed uint8 rows.
+
+``rearrange_experts`` validates the placements and the expert pytree, plans
+the move on the host (:func:`plan_rearrangement`) and runs one jitted
+``shard_map``. Per rank, inside it:
+
+1. every leaf's local shard ``[L, P / G, ...]`` is viewed as rows
+   ``[L * P / G, m_i]`` (a reshape; 8-bit dtypes as ``uint8``, see ``packing``);
+2. for each round ``d = 1 .. G - 1`` the rows to send to rank ``(r + d) % G``
+   are gathered from every leaf, bitcast to bytes and concatenated into one
+   ``uint8 [C, B]`` buffer (only the rows that move) and ``ppermute``-d, in
+   chunks of at most ``max_chunk_bytes`` sent one after another;
+3. local copies are gathered from the old rows; an optimisation barrier ends
+   all reads of the old rows before any write;
+4. every written row is scattered in place: local copies, then received rows
+   (one received row may fill several slots holding the same expert).
+
+All index tables are array arguments with bucketed shapes, so a later plan
+with the same capacities reuses the compiled executor. The expert buffers are
+donated (after validation), so the rows are updated in place.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from moe_eplb_jax.sharding.mesh import axis_size
+from moe_eplb_jax.sharding.packing import LeafLayout, from_byte_rows, from_row_view, leaf_layout, pack_rows, row_view
+from moe_eplb_jax.sharding.plan import TransportPlan, plan_rearrangement
+
+__all__ = ["rearrange_experts", "execute_plan", "executor_trace_count", "row_bytes", "DEFAULT_MAX_CHUNK_BYTES"]
+
+# Packed bytes sent per collective; larger moves are split into chunks sent one after another, which
+# bounds the extra memory to the received rows plus one chunk in flight.
+DEFAULT_MAX_CHUNK_BYTES = None
+
+
+def rearrange_experts(
+    experts: Any,
+    old_phy2log,
+    new_phy2log,
+    *,
+    mesh: Mesh,
+    axis: str = "ep",
+    layer: int | None = None,
+    num_logical: int | None = None,
+    donate: bool = True,
+    max_chunk_bytes: int | None = DEFAULT_MAX_CHUNK_BYTES,
+    compiler_options: dict | None = None,
+) -> Any:
+    """Moves expert slots so that ``experts`` follows ``new_phy2log`` instead of ``old_phy2log``.
+
+    ``experts`` is a pytree of ``jax.Array`` leaves with a leading slot axis
+    ``[P, ...]`` (tables ``[P]``) or leading ``[L, P, ...]`` axes (tables
+    ``[L, P]``), the slot axis sharded over mesh axis ``axis``. Parameters,
+    quantisation scales and optimizer state can go in one pytree: one plan
+    moves them all. Afterwards slot ``p`` holds the bytes some slot ``q`` with
+    ``old_phy2log[q] == new_phy2log[p]`` held before (bit for bit, any dtype);
+    slots whose expert is unchanged are not written. With ``layer`` set, only
+    that layer of an ``[L, P]`` placement moves.
+
+    Everything is validated before any device work; on ``ValueError`` the input
+    is untouched. With ``donate`` (default) the input buffers are reused for
+    the result and must not be used afterwards. ``max_chunk_bytes`` splits each
+    round's transfer into chunks of at most that many packed bytes (less peak
+    memory, more collectives); ``compiler_options`` go to XLA for the executor.
+    Returns a pytree of the same structure, shapes, dtypes and shardings.
+    """
+    num_ranks = axis_size(mesh, axis)
+    plan = plan_rearrangement(old_phy2log, new_phy2log, num_ranks, layer=layer, num_logical=num_logical)
+    return execute_plan(experts, plan, mesh=mesh, axis=axis, donate=donate, max_chunk_bytes=max_chunk_bytes,
+                        compiler_options=compiler_options)
+
+
+def row_bytes(experts: Any, plan: TransportPlan, *, mesh: Mesh, axis: str = "ep") -> int:
+    """Bytes of one packed slot row of ``experts`` (the sum over leaves of one slot's bytes)."""
+    _, layouts, _ = _check_leaves(experts, plan, mesh, axis)
+    return sum(layout.row_bytes for layout in layouts)
+
+
+def execute_plan(
+    experts: Any,
+    plan: TransportPlan,
+    *,
+    mesh: Mesh,
+    axis: str = "ep",
+    donate: bool = True,
+    max_chunk_bytes: int | None = DEFAULT_MAX_CHUNK_BYTES,
+    compiler_options: dict | None = None,
+) -> Any:
+    """Runs a precomputed :class:`TransportPlan` on ``experts`` (see :func:`rearrange_experts`)."""
+    if max_chunk_bytes is not None and (not isinstance(max_chunk_bytes, (int, np.integer)) or max_chunk_bytes < 1):
+        raise ValueError(f"max_chunk_bytes must be a positive integer or None, got {max_chunk_bytes!r}")
+    if not isinstance(plan, TransportPlan):
+        raise ValueError(f"plan must be a TransportPlan, got {type(plan).__name__}")
+    num_ranks = axis_size(mesh, axis)
+    if plan.num_ranks != num_ranks:
+        raise ValueError(f"plan is for {plan.num_ranks} ranks but mesh axis {axis!r} has {num_ranks}")
+    leaves, layouts, specs = _check_leaves(experts, plan, mesh, axis)
+    if plan.is_empty or not leaves:
+        return experts
+    treedef = jax.tree_util.tree_structure(experts)
+    table_sharding = NamedSharding(mesh, PartitionSpec(axis))
+    tables = {
+        name: jax.make_array_from_callback(t.shape, table_sharding, lambda index, t=t: t[index])
+        for name, t in plan.device_tables().items()
+    }
+    num_chunks = _num_chunks(plan, layouts, max_chunk_bytes)
+    options = tuple(sorted((compiler_options or {}).items()))
+    run = _executor(mesh, axis, tuple(specs), tuple(layouts), 2 if plan.layered else 1, bool(donate), num_chunks,
+                    options)
+    return jax.tree_util.tree_unflatten(treedef, run(tables, list(leaves)))
+
+
+def _num_chunks(plan: TransportPlan, layouts, max_chunk_bytes: int | None) -> int:
+    """Chunks per round: enough that one chunk's packed rows fit in ``max_chunk_bytes``."""
+    capacity = plan.capacities[0]
+    if max_chunk_bytes is None or capacity == 0:
+        return 1
+    row = max(1, sum(layout.row_bytes for layout in layouts))
+    rows_per_chunk = max(1, int(max_chunk_bytes) // row)
+    return max(1, min(capacity, -(-capacity // rows_per_chunk)))
+
+
+def executor_trace_count() -> int:
+    """How many times an executor has been traced (= compiled) in this process: a recompilation probe."""
+    return _TRACES[0]
+
+
+# ----------------------------------------------------------------- validation
+def _spec_entry(spec: PartitionSpec, dim: int):
+    entries = tuple(spec) + (None,) * max(0, dim + 1 - len(spec))
+    entry = entries[dim]
+    if isinstance(entry, tuple) and len(entry) == 1:
+        entry = entry[0]
+    return entry
+
+
+def _names(entry) -> tuple:
+    if entry is None:
+        return ()
+    return entry if isinstance(entry, tuple) else (entry,)
+
+
+def _same_mesh(a: Mesh, b: Mesh) -> bool:
+    return tuple(a.axis_names) == tuple(b.axis_names) and a.devices.shape == b.devices.shape and all(
+        x.id == y.id for x, y in zip(a.devices.flat, b.devices.flat)
+    )
+
+
+def _check_leaves(experts: Any, plan: TransportPlan, mesh: Mesh, axis: str):
+    """Validates every leaf against the plan and mesh; returns (leaves, layouts, specs)."""
+    with_path, _ = jax.tree_util.tree_flatten_with_path(experts)
+    lead_shape = (plan.num_layers, plan.num_slots) if plan.layered else (plan.num_slots,)
+    slot_dim = len(lead_shape) - 1
+    leaves, layouts, specs = [], [], []
+    for path, leaf in with_path:
+        name = "experts" + jax.tree_util.keystr(path)
+        if not isinstance(leaf, jax.Array) or isinstance(leaf, jax.core.Tracer):
+            raise ValueError(f"{name} must be a concrete jax.Array, got {type(leaf).__name__}")
+        if leaf.is_deleted():
+            raise ValueError(f"{name} was deleted (donated to an earlier call?)")
+        if leaf.shape[: len(lead_shape)] != lead_shape:
+            raise ValueError(
+                f"{name} has shape {leaf.shape}; its leading axes must be the slot axes {lead_shape} of the placement"
+            )
+        sharding = leaf.sharding
+        if not isinstance(sharding, NamedSharding) or not _same_mesh(sharding.mesh, mesh):
+            raise ValueError(f"{name} must be sharded with a NamedSharding on the given mesh, got {sharding}")
+        spec = sharding.spec
+        if _spec_entry(spec, slot_dim) != axis:
+            raise ValueError(f"{name}: slot axis {slot_dim} must be sharded over mesh axis {axis!r}, spec is {spec}")
+        if plan.layered and _spec_entry(spec, 0) is not None:
+            raise ValueError(f"{name}: the layer axis must not be sharded, spec is {spec}")
+        for dim in range(len(lead_shape), leaf.ndim):
+            if axis in _names(_spec_entry(spec, dim)):
+                raise ValueError(f"{name}: only the slot axis may be sharded over {axis!r}, spec is {spec}")
+        local_shape = sharding.shard_shape(leaf.shape)
+        layouts.append(leaf_layout(leaf.dtype, local_shape[len(lead_shape) :], name=name))
+        entries = [_spec_entry(spec, d) for d in range(leaf.ndim)]
+        while entries and entries[-1] is None:  # one spelling per sharding
+            entries.pop()
+        specs.append(PartitionSpec(*entries))
+        leaves.append(leaf)
+    return leaves, layouts, specs
+
+
+# ------------------------------------------------------------------ executor
+_EXECUTORS: dict = {}
+PIPELINE_DEPTH = 2  # transfers in flight (packed send chunks alive) per rank
+_TRACES = [0]
+
+
+def _executor(mesh, axis, specs, layouts, num_lead, donate, num_chunks, options=()):
+    key = (mesh, axis, specs, layouts, num_lead, donate, num_chunks, options, PIPELINE_DEPTH)
+    if key not in _EXECUTORS:
+        _EXECUTORS[key] = _build_executor(*key)
+    return _EXECUTORS[key]
+
+
+def _build_executor(mesh, axis, specs, layouts, num_lead, donate, num_chunks, options, depth):
+    num_ranks = int(mesh.shape[axis])
+    widths = [layout.row_bytes for layout in layouts]
+    offsets = np.cumsum([0] + widths)
+
+    def local(tables, leaves):
+        _TRACES[0] += 1
+        send_rows, recv_dst = tables["send_rows"][0], tables["recv_dst"][0]  # [G - 1, C]
+        dup_dst, dup_src = tables["dup_dst"][0], tables["dup_src"][0]  # [D]
+        copy_dst, copy_src = tables["copy_dst"][0], tables["copy_src"][0]  # [K]
+        local_shapes = [leaf.shape for leaf in leaves]
+        num_rows = int(np.prod(local_shapes[0][:num_lead]))
+        rows = [row_view(leaf, layout, num_rows) for leaf, layout in zip(leaves, layouts)]
+
+        # Transfers: round by round, chunk by chunk. The gather of transfer j waits for transfer
+        # j - depth to arrive: at most `depth` packed send chunks are alive, and with depth 2 packing
+        # the next chunk may overlap the current transfer.
+        capacity = send_rows.shape[-1]
+        chunk = -(-capacity // num_chunks) if capacity else 0
+        steps = [(d, start) for d in range(1, num_ranks) for start in range(0, capacity, chunk or 1)]
+        gate, outgoing, incoming, dsts = rows, [], [], []
+        for j, (d, start) in enumerate(steps):
+            if j >= depth:
+                _, gate = jax.lax.optimization_barrier((incoming[j - depth], gate))
+            perm = [(r, (r + d) % num_ranks) for r in range(num_ranks)]
+            outgoing.append(pack_rows(gate, layouts, send_rows[d - 1, start : start + chunk]))  # moving rows only
+            incoming.append(jax.lax.ppermute(outgoing[-1], axis, perm))
+            dsts.append(recv_dst[d - 1, start : start + chunk])
+        copied = [r[copy_src] for r in gate] if copy_dst.shape[0] else None
+        # Every read of the old rows (the last sends, local copies) happens before any row is written;
+        # earlier sends precede the gate already. Writes may overlap the last transfers.
+        _, copied, rows = jax.lax.optimization_barrier((outgoing[-depth:], copied, gate))
+
+        out = []
+        for i, (r, layout) in enumerate(zip(rows, layouts)):
+            if copied is not None:
+                r = r.at[copy_dst].set(copied[i], mode="drop", unique_indices=True)
+            for dst, buf in zip(dsts, incoming):
+                update = from_byte_rows(buf[:, offsets[i] : offsets[i + 1]], layout)
+                r = r.at[dst].set(update, mode="drop", unique_indices=True)
+            if dup_dst.shape[0]:  # further slots of a received expert, from its first (just written) slot
+                r = r.at[dup_dst].set(r[dup_src], mode="drop", unique_indices=True)
+            out.append(from_row_view(r, layout, local_shapes[i]))
+        return out
+
+    table_spec = PartitionSpec(axis)
+    tables_specs = {k: table_spec for k in _TABLES}
+    mapped = jax.shard_map(local, mesh=mesh, in_specs=(tables_specs, list(specs)), out_specs=list(specs))
+    # Explicit shardings: leaves whose specs differ only in spelling (trailing None) hit the same cache entry.
+    leaf_shardings = [NamedSharding(mesh, spec) for spec in specs]
+    table_shardings = {k: NamedSharding(mesh, table_spec) for k in _TABLES}
+    return jax.jit(
+        mapped,
+        in_shardings=(table_shardings, leaf_shardings),
+        out_shardings=leaf_shardings,
+        donate_argnums=(1,) if donate else (),
+        compiler_options=dict(options) or None,
+    )
+
+
+_TABLES = ("send_rows", "recv_dst", "dup_dst", "dup_src", "copy_dst", "copy_src")

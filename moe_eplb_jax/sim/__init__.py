@@ -1,0 +1,37 @@
+"""Policy simulator: synthetic and recorded load traces, per-policy reports, plots.
+
+* generators: :func:`zipf_counts`, :func:`zipf_topk`, :func:`zipf_popularity`,
+  :func:`lognormal_load`, :func:`drifting_load`;
+* recorded loads: :func:`read_load` / :func:`save_load` (format ``moe_eplb_jax.load``);
+* :func:`simulate` -> :class:`PolicyReport` list, :func:`format_table`, :func:`plot_reports`.
+"""
+
+from moe_eplb_jax.sim.generators import (
+    drifting_load,
+    home_rank_imbalance,
+    lognormal_load,
+    zipf_counts,
+    zipf_popularity,
+    zipf_topk,
+)
+from moe_eplb_jax.sim.loadfile import LOAD_FORMAT, LOAD_VERSION, LoadTrace, read_load, save_load
+from moe_eplb_jax.sim.report import PolicyReport, format_table, plot_reports, resolve_policy, simulate
+
+__all__ = [
+    "LOAD_FORMAT",
+    "LOAD_VERSION",
+    "LoadTrace",
+    "PolicyReport",
+    "drifting_load",
+    "format_table",
+    "home_rank_imbalance",
+    "lognormal_load",
+    "plot_reports",
+    "read_load",
+    "resolve_policy",
+    "save_load",
+    "simulate",
+    "zipf_counts",
+    "zipf_popularity",
+    "zipf_topk",
+]

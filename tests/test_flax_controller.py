@@ -1,0 +1,164 @@
+"""Discovery and the controller: loads, rearrangement with optimizer state, files, bad input."""
+
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as PS
+
+from moe_eplb_jax.flax import EplbController, find_moe_layers
+from moe_eplb_jax.placement import Placement
+from moe_eplb_jax.state import EplbConfig
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+from _model import MoELM, VisionLanguageModel, synthetic_batch  # noqa: E402
+
+G, E, P, L = 4, 8, 12, 2
+MESH = jax.make_mesh((G,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
+CONFIG = EplbConfig(num_redundant_experts=P - E, window_size=8, step_interval=8, num_gpus=G)
+
+
+def _model(seed=0):
+    lm = MoELM(vocab=64, dim=16, heads=2, hidden=16, num_layers=L, num_experts=E, top_k=2, num_physical=P,
+               mesh=MESH, skew=1.5, rngs=nnx.Rngs(seed))
+    return VisionLanguageModel(lm, rngs=nnx.Rngs(seed + 1))
+
+
+def _tokens(rng):
+    return jnp.asarray(synthetic_batch(rng, G, 8, 64))
+
+
+@nnx.jit
+def _forward(model, tokens):
+    return model(tokens)
+
+
+@nnx.jit
+def _train_step(model, optimizer, tokens):
+    def loss_fn(model):
+        logits = model(tokens[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+
+def _train(model, optimizer, tokens):
+    with jax.numpy_dtype_promotion("standard"):  # optax's Adam mixes int and float scalars
+        return _train_step(model, optimizer, tokens)
+
+
+def test_discovery_finds_nested_layers_in_order():
+    layers = find_moe_layers(_model())
+    assert [ref.name for ref in layers] == ["language_model/blocks/0/moe", "language_model/blocks/1/moe"]
+    with pytest.raises(ValueError, match="holds no MoE layer"):
+        find_moe_layers(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match="nnx.Module"):
+        find_moe_layers({"not": "a module"})
+
+
+def test_training_rearranges_moves_optimizer_state_and_keeps_outputs(rng):
+    model = _model(int(rng.integers(100)))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    ctl = EplbController(model, MESH, CONFIG, optimizer=optimizer)
+    assert [len(v) for v in ctl._opt_vars] == [4, 4]  # mu and nu of w_in and w_out per layer
+    tokens = _tokens(rng)
+    report = None
+    for _ in range(CONFIG.first_rearrangement_step):
+        _train(model, optimizer, tokens)
+        report = ctl.step()
+    assert report is not None and report["rearranged"] and ctl.num_rearrangements == 1
+    assert report["balancedness_after"] >= report["balancedness_before"]
+    assert not np.array_equal(ctl.placement.phy2log, Placement.linear(L, E, P).phy2log)
+    # Replicas stayed identical through training (tied gradients), so moved slots equal any old replica.
+    layer = ctl.layers[0].module
+    old_phy = ctl.placement.phy2log[0].copy()
+    w_before = np.asarray(layer.w_in.get_value())
+    mu_before = np.asarray(ctl._opt_vars[0][0].get_value())
+    logits_before = np.asarray(_forward(model, tokens))
+    ctl.step()
+    new = ctl.rearrange()["num_rearrangements"]
+    assert new == 2
+    new_phy = ctl.placement.phy2log[0]
+    w_after = np.asarray(layer.w_in.get_value())
+    mu_after = np.asarray(ctl._opt_vars[0][0].get_value())
+    for p in range(P):
+        q = np.nonzero(old_phy == new_phy[p])[0]
+        assert any(np.array_equal(w_after[p], w_before[s]) for s in q)
+        assert any(np.array_equal(mu_after[p], mu_before[s]) for s in q)
+        assert all(np.array_equal(w_before[q[0]], w_before[s]) for s in q)
+    assert np.array_equal(np.asarray(_forward(model, tokens)), logits_before)
+    loss = _train(model, optimizer, tokens)  # training continues on the moved state
+    assert np.isfinite(float(loss))
+
+
+def test_controller_records_load_and_logs(rng):
+    model = _model(3)
+    config = EplbConfig(num_redundant_experts=P - E, window_size=4, step_interval=100, num_gpus=G, log_interval=1)
+    ctl = EplbController(model, MESH, config)
+    tokens = _tokens(rng)
+    _forward(model, tokens)
+    report = ctl.step()
+    assert 0 < report["balancedness"] <= 1 and len(report["rank_imbalance"]) == L
+    assert int(np.asarray(ctl.state.window_filled)) == 1 and ctl.total_steps == 1
+    window = ctl.window_slot_load()
+    assert window.shape == (L, P) and np.all(window.sum(1) == tokens.size * 2)
+    assert int(ctl.layers[0].module.expert_load.get_value().sum()) == 0  # reset after reading
+
+
+def test_fitted_placement_file_round_trip(rng, tmp_path):
+    model = _model(5)
+    ctl = EplbController(model, MESH, CONFIG)
+    tokens = _tokens(rng)
+    for _ in range(CONFIG.first_rearrangement_step):
+        _forward(model, tokens)
+        ctl.step()
+    path = tmp_path / "placement.json"
+    ctl.save_placement(path)
+    served = _model(5)  # same weights, fresh linear placement
+    held = EplbController(served, MESH, CONFIG, placement=str(path), rebalance=False)
+    assert held.placement == ctl.placement
+    assert np.array_equal(np.asarray(_forward(served, tokens)), np.asarray(_forward(model, tokens)))
+    for _ in range(CONFIG.step_interval + 1):
+        held.step()
+    assert held.num_rearrangements == 0
+    ckpt = tmp_path / "eplb.npz"
+    ctl.save(ckpt)
+    twin = EplbController(_model(5), MESH, CONFIG)
+    twin.restore(ckpt)
+    assert twin.placement == ctl.placement and twin.total_steps == ctl.total_steps
+    assert np.array_equal(np.asarray(twin.state.window), np.asarray(ctl.state.window))
+
+
+def test_bad_input_raises_before_anything_changes(tmp_path):
+    model = _model(7)
+    w_before = np.asarray(model.language_model.blocks[0].moe.w_in.get_value())
+    with pytest.raises(ValueError, match="num_gpus"):
+        EplbController(model, MESH, EplbConfig(num_redundant_experts=P - E, num_gpus=2))
+    with pytest.raises(ValueError, match="num_redundant_experts"):
+        EplbController(model, MESH, EplbConfig(num_redundant_experts=0, num_gpus=G))
+    with pytest.raises(ValueError, match="no axis"):
+        EplbController(model, MESH, CONFIG, axis="tp")
+    other = tmp_path / "other.json"
+    Placement.linear(L + 1, E, P).save(other)
+    with pytest.raises(ValueError, match="model has"):
+        EplbController(model, MESH, CONFIG, placement=str(other))
+    assert np.array_equal(np.asarray(model.language_model.blocks[0].moe.w_in.get_value()), w_before)
+    # Expert weights without a slot axis sharded over EP.
+    layer = model.language_model.blocks[1].moe
+    layer.w_out.set_value(jax.device_put(np.asarray(layer.w_out.get_value()), NamedSharding(MESH, PS())))
+    with pytest.raises(ValueError, match="no slot axis"):
+        EplbController(model, MESH, CONFIG)
+    with pytest.raises(ValueError, match="holds no MoE layer"):
+        EplbController(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), MESH, CONFIG)
+    # An EP size that does not divide P.
+    mesh8 = jax.make_mesh((8,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
+    with pytest.raises(ValueError, match="not divisible by EP size"):
+        EplbController(_model(8), mesh8, EplbConfig(num_redundant_experts=P - E, num_gpus=8))

@@ -1,0 +1,179 @@
+"""The reference MoE layer: dispatch, numerics against a per-token oracle, placement invariance."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as PS
+
+from moe_eplb_jax.flax import MoELayer, layer as layer_mod, route, tie_replicas
+from moe_eplb_jax.flax import grouped_matmul
+from moe_eplb_jax.placement import Placement
+from moe_eplb_jax.sharding import dispatch as disp
+
+G, E, P, D, H, K = 4, 8, 12, 16, 8, 2
+MESH = jax.make_mesh((G,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def _apply_fn(top_k=K, num_groups=1, topk_groups=None, matmul="dense"):
+    return jax.jit(functools.partial(layer_mod.moe_apply, top_k=top_k, mesh=MESH, num_groups=num_groups,
+                                     topk_groups=topk_groups, matmul=matmul))
+
+
+APPLY = _apply_fn()
+BIAS = np.linspace(-1, 1, E).astype(np.float32)
+
+
+def _weights(rng, dtype=np.float32):
+    w_in = rng.standard_normal((E, D, 2 * H)).astype(dtype)
+    w_out = rng.standard_normal((E, H, D)).astype(dtype)
+    router = rng.standard_normal((D, E)).astype(np.float32)
+    return w_in, w_out, router
+
+
+def _random_placement(rng):
+    phy2log = np.concatenate([np.arange(E), rng.integers(0, E, P - E)])
+    return Placement.from_phy2log(rng.permutation(phy2log)[None], E)
+
+
+def _oracle(x, router, w_in, w_out, *, top_k=K, **route_kw):
+    ids, weights = route(jnp.asarray(x), jnp.asarray(router), top_k=top_k, bias=jnp.asarray(BIAS), **route_kw)
+    ids, weights = np.asarray(ids), np.asarray(weights, np.float64)
+    out = np.zeros(x.shape, np.float64)
+    for t in range(x.shape[0]):
+        for j in range(top_k):
+            h = x[t].astype(np.float64) @ w_in[ids[t, j]].astype(np.float64)
+            act = h[:H] / (1 + np.exp(-h[:H])) * h[H:]
+            out[t] += weights[t, j] * (act @ w_out[ids[t, j]].astype(np.float64))
+    return out, ids
+
+
+def test_dispatch_is_dropless_under_total_skew(rng):
+    """Every assignment to one rank (worst case): nothing is dropped, each row comes back to its token."""
+    tokens = 6
+
+    def per_rank(x, ids, w):
+        rows, slot, plan = disp.dispatch(x, ids, slots_per_rank=P // G, axis_name="ep", num_ranks=G)
+        valid = (slot >= 0).sum()
+        return disp.combine(rows, plan, w, axis_name="ep"), valid[None], slot
+
+    f = jax.jit(jax.shard_map(per_rank, mesh=MESH, in_specs=(PS("ep"),) * 3, out_specs=(PS("ep"),) * 3))
+    x = rng.standard_normal((G * tokens, D)).astype(np.float32)
+    ids = rng.integers(0, P // G, (G * tokens, K)).astype(np.int32)  # all slots of rank 0
+    w = rng.random((G * tokens, K)).astype(np.float32)
+    out, valid, slot = f(x, ids, w)
+    np.testing.assert_allclose(np.asarray(out), x * w.sum(1, keepdims=True), rtol=1e-6)
+    assert np.asarray(valid).tolist() == [G * tokens * K, 0, 0, 0]
+    # Rank 0 received every assignment with the right local slot.
+    slots0 = np.asarray(slot).reshape(G, -1)[0]
+    assert np.array_equal(np.sort(slots0[slots0 >= 0]), np.sort(ids.reshape(-1)))
+
+
+@pytest.mark.parametrize("groups", [None, (4, 2)])
+def test_layer_matches_per_token_oracle(rng, groups):
+    w_in, w_out, router = _weights(rng)
+    placement = _random_placement(rng)
+    phy = placement.phy2log[0]
+    x = rng.standard_normal((G * 5, D)).astype(np.float32)
+    route_kw = {} if groups is None else {"num_groups": groups[0], "topk_groups": groups[1]}
+    fn = APPLY if groups is None else _apply_fn(**route_kw)
+    out, load = fn(x, router, BIAS, w_in[phy], w_out[phy], placement.log2phy[0], placement.logcnt[0])
+    ref, ids = _oracle(x, router, w_in, w_out, **route_kw)
+    np.testing.assert_allclose(np.asarray(out), ref, rtol=2e-4, atol=2e-4)
+    load = np.asarray(load)
+    assert load.sum() == x.shape[0] * K
+    # Each expert's load is split over its replicas only.
+    per_expert = np.bincount(phy, weights=load, minlength=E)
+    assert np.array_equal(per_expert, np.bincount(ids.reshape(-1), minlength=E))
+    if groups is not None:  # group-limited: every token's experts lie in at most 2 of the 4 groups
+        assert all(len(set(row // (E // 4))) <= 2 for row in ids)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_outputs_do_not_depend_on_placement(rng, dtype):
+    """Bit-identical outputs for the same logical weights under any placement (invariant 8)."""
+    w_in, w_out, router = _weights(rng, dtype)
+    x = rng.standard_normal((G * 6, D)).astype(dtype)
+    outs = []
+    for placement in [Placement.linear(1, E, P), _random_placement(rng), _random_placement(rng)]:
+        phy = placement.phy2log[0]
+        out, _ = APPLY(x, router, BIAS, w_in[phy], w_out[phy], placement.log2phy[0], placement.logcnt[0])
+        outs.append(np.asarray(out))
+    assert outs[0].dtype == np.dtype(dtype)
+    for other in outs[1:]:
+        assert np.array_equal(outs[0].view(np.uint8), other.view(np.uint8))
+
+
+def test_module_forward_records_load_and_never_recompiles(rng):
+    model = MoELayer(D, H, E, K, mesh=MESH, num_physical=P, shared_hidden=4, rngs=nnx.Rngs(int(rng.integers(1 << 30))))
+    fwd = nnx.jit(lambda m, x: m(x))
+    x = jnp.asarray(rng.standard_normal((2, G * 3, D)).astype(np.float32))
+    y0 = fwd(model, x)
+    assert y0.shape == x.shape
+    assert int(model.expert_load.get_value().sum()) == 2 * G * 3 * K
+    before = fwd._cache_size() if hasattr(fwd, "_cache_size") else None
+    # Permute the slots by hand: weights follow the tables.
+    new = _random_placement(rng)
+    logical_in = np.asarray(model.w_in.get_value())[:E]  # linear start: slot e holds expert e
+    logical_out = np.asarray(model.w_out.get_value())[:E]
+    model.w_in.set_value(layer_mod._put(logical_in[new.phy2log[0]], MESH, PS("ep")))
+    model.w_out.set_value(layer_mod._put(logical_out[new.phy2log[0]], MESH, PS("ep")))
+    model.eplb_set_placement(new.phy2log[0], new.log2phy[0], new.logcnt[0])
+    y1 = fwd(model, x)
+    assert np.array_equal(np.asarray(y0), np.asarray(y1))
+    assert int(model.expert_load.get_value().sum()) == 2 * 2 * G * 3 * K
+    if before is not None:
+        assert fwd._cache_size() == before
+
+
+def test_tie_replicas_sums_gradients_over_replicas(rng):
+    phy2log = jnp.asarray([0, 1, 2, 0, 0, 1], jnp.int32)
+    w = jnp.asarray(rng.standard_normal((6, 3)).astype(np.float32))
+    coef = jnp.asarray(rng.standard_normal((6, 3)).astype(np.float32))
+    grad = jax.grad(lambda w: jnp.sum(tie_replicas(w, phy2log) * coef))(w)
+    expected = np.asarray(coef)[[0, 1, 2, 0, 0, 1]]
+    totals = {e: np.asarray(coef)[np.asarray(phy2log) == e].sum(0) for e in range(3)}
+    expected = np.stack([totals[int(e)] for e in np.asarray(phy2log)])
+    np.testing.assert_allclose(np.asarray(grad), expected, rtol=1e-6)
+    assert np.array_equal(np.asarray(grad)[0], np.asarray(grad)[3])
+
+
+def test_grouped_matmuls_agree(rng):
+    x = jnp.asarray(rng.standard_normal((40, D)).astype(np.float32))
+    w = jnp.asarray(rng.standard_normal((3, D, 24)).astype(np.float32))
+    sizes = jnp.asarray([7, 0, 21], jnp.int32)  # 12 padding rows at the end
+    ref = np.concatenate([np.asarray(x[:7] @ w[0]), np.asarray(x[7:28] @ w[2])])
+    for name in ("dense", "ragged_dot"):
+        out = np.asarray(grouped_matmul.get(name)(x, w, sizes))
+        np.testing.assert_allclose(out[:28], ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="unknown grouped matmul"):
+        grouped_matmul.get("nope")
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"top_k": E + 1}, "top_k"),
+        ({"num_physical": 10}, "divisible by the EP size"),
+        ({"num_physical": E - 1}, "num_physical"),
+        ({"axis": "tp"}, "no axis"),
+        ({"num_groups": 3}, "num_groups"),
+        ({"num_groups": 4, "topk_groups": 5}, "topk_groups"),
+        ({"matmul": "magic"}, "unknown grouped matmul"),
+    ],
+)
+def test_layer_rejects_bad_configuration(kwargs, match):
+    args = {"top_k": K, "num_physical": P, "axis": "ep"} | kwargs
+    with pytest.raises(ValueError, match=match):
+        MoELayer(D, H, E, mesh=MESH, rngs=nnx.Rngs(0), **args)
+
+
+def test_layer_rejects_tokens_not_divisible_by_ep(rng):
+    model = MoELayer(D, H, E, K, mesh=MESH, num_physical=P, rngs=nnx.Rngs(1))
+    with pytest.raises(ValueError, match="not divisible by the EP size"):
+        model(jnp.asarray(rng.standard_normal((G + 1, D)).astype(np.float32)))
+    with pytest.raises(ValueError, match="placement table must have shape"):
+        model.eplb_set_placement(np.arange(P + 1), np.zeros((E, P - E + 1)), np.ones(E))

@@ -1,0 +1,110 @@
+"""Byte views and row packing: exact for every dtype, NaN payloads included."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from moe_eplb_jax.sharding import packing
+
+DTYPES = [
+    np.float32,
+    ml_dtypes.bfloat16,
+    np.float16,
+    ml_dtypes.float8_e4m3fn,
+    ml_dtypes.float8_e5m2,
+    ml_dtypes.float8_e8m0fnu,
+    ml_dtypes.float4_e2m1fn,
+    np.int8,
+    np.uint8,
+    np.int32,
+    np.bool_,
+]
+
+
+def random_rows(rng, dtype, num_rows, row_shape):
+    """Random bytes viewed as ``dtype`` (NaNs with payloads, infinities, denormals all likely)."""
+    dtype = np.dtype(dtype)
+    bits = jax.dtypes.itemsize_bits(dtype)
+    raw = rng.integers(0, 256, (num_rows,) + tuple(row_shape) + (max(1, bits // 8),), dtype=np.uint8)
+    if bits == 4:
+        raw &= np.uint8(0x0F)  # ml_dtypes keeps one 4-bit value per byte, in the low nibble
+    if dtype == np.bool_:
+        raw &= np.uint8(1)
+    return raw.view(dtype).reshape((num_rows,) + tuple(row_shape))
+
+
+@pytest.fixture(scope="module")
+def roundtrip():
+    """(pack of gathered rows, unpack back to the row view) jitted once per layout."""
+
+    def run(x, layout, rows):
+        view = packing.row_view(x, layout, x.shape[0])
+        packed = packing.pack_rows([view], [layout], rows)
+        (back,) = packing.unpack_rows(packed, [layout])
+        return packed, packing.from_row_view(back, layout, (rows.shape[0],) + layout.row_shape)
+
+    return jax.jit(run, static_argnums=1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_pack_unpack_bytes_exact(dtype, rng, roundtrip):
+    x = random_rows(rng, dtype, 12, (3, 4))
+    layout = packing.leaf_layout(x.dtype, x.shape[1:])
+    assert layout.row_bytes == 12 * jax.dtypes.itemsize_bits(np.dtype(dtype)) // 8
+    rows = rng.permutation(12)[:7].astype(np.int32)
+    packed, back = roundtrip(jax.device_put(x), layout, jnp.asarray(rows))
+    expected = packing.pack_rows_numpy([x], rows)
+    assert packed.dtype == jnp.uint8 and packed.shape == (7, layout.row_bytes)
+    np.testing.assert_array_equal(np.asarray(packed), expected)
+    np.testing.assert_array_equal(packing.byte_rows_numpy(np.asarray(back)), packing.byte_rows_numpy(x[rows]))
+
+
+def test_fp4_pairs_low_nibble_first(roundtrip):
+    values = np.array([[0.5, -6.0, 1.0, 3.0]], dtype=ml_dtypes.float4_e2m1fn)
+    codes = values.view(np.uint8)  # one code per byte on the host
+    layout = packing.leaf_layout(values.dtype, values.shape[1:])
+    packed, _ = roundtrip(jax.device_put(values), layout, jnp.asarray([0], dtype=jnp.int32))
+    expected = [codes[0, 0] | (codes[0, 1] << 4), codes[0, 2] | (codes[0, 3] << 4)]
+    np.testing.assert_array_equal(np.asarray(packed)[0], np.array(expected, dtype=np.uint8))
+
+
+def test_several_leaves_concatenate_in_order(rng):
+    leaves = [random_rows(rng, np.float32, 6, (2,)), random_rows(rng, ml_dtypes.float8_e5m2, 6, (3,)),
+              random_rows(rng, ml_dtypes.float4_e2m1fn, 6, (4,))]
+    layouts = [packing.leaf_layout(x.dtype, x.shape[1:]) for x in leaves]
+    rows = np.array([5, 0, 3], dtype=np.int32)
+
+    @jax.jit
+    def pack(a, b, c):
+        views = [packing.row_view(x, lay, 6) for x, lay in zip((a, b, c), layouts)]
+        return packing.pack_rows(views, layouts, jnp.asarray(rows))
+
+    packed = np.asarray(pack(*[jax.device_put(x) for x in leaves]))
+    assert packed.shape == (3, 8 + 3 + 2)
+    np.testing.assert_array_equal(packed, packing.pack_rows_numpy(leaves, rows))
+    np.testing.assert_array_equal(packed[:, 8:11], leaves[1][rows].view(np.uint8))
+
+
+def test_e5m2_moves_through_uint8_view():
+    layout = packing.leaf_layout(ml_dtypes.float8_e5m2, (4,))
+    assert layout.view_dtype == np.uint8
+    assert packing.leaf_layout(ml_dtypes.bfloat16, (4,)).view_dtype == np.dtype(ml_dtypes.bfloat16)
+
+
+def test_odd_fp4_row_is_an_error():
+    with pytest.raises(ValueError, match="even element count"):
+        packing.leaf_layout(ml_dtypes.float4_e2m1fn, (3, 1), name="experts['w']")
+
+
+@pytest.mark.parametrize("dtype", [np.complex64, ml_dtypes.int2], ids=lambda d: np.dtype(d).name)
+def test_unsupported_dtypes_are_errors(dtype):
+    with pytest.raises(ValueError, match="cannot be moved as bytes"):
+        packing.leaf_layout(dtype, (4,))
+
+
+def test_unpack_checks_width(rng):
+    layout = packing.leaf_layout(np.float32, (2,))
+    with pytest.raises(ValueError, match="5 bytes, the leaves need 8"):
+        packing.unpack_rows(jnp.zeros((3, 5), jnp.uint8), [layout])

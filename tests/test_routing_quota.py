@@ -1,0 +1,189 @@
+"""plan_quotas: JAX == numpy reference, feasibility, quality, bad input, determinism, end-to-end routing."""
+
+import functools
+import hashlib
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from moe_eplb_jax.routing import plan_quotas
+from moe_eplb_jax.routing._quota_reference import plan_quotas_reference, simulate_resolved_routing
+from moe_eplb_jax.sim import zipf_counts, zipf_topk
+
+FIELDS = ("phy2log", "log2phy", "logcnt", "replica_load", "quota", "rank_load", "target")
+# A few fixed shapes so hypothesis examples share compiled functions: (G, H, S).
+SHAPES = [(2, 1, 1), (4, 2, 2), (6, 3, 1)]
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted(num_home, num_spare, min_replica_tokens=1):
+    return jax.jit(functools.partial(plan_quotas, num_home=num_home, num_spare=num_spare,
+                                     min_replica_tokens=min_replica_tokens))
+
+
+def _skewed_counts(rng, num_ranks, num_home):
+    scale = rng.integers(1, 50)
+    return (rng.pareto(1.2, size=(num_ranks, num_ranks * num_home)) * scale).astype(np.int32)
+
+
+def check_plan(plan, counts, num_home, num_spare):
+    """Every invariant a plan must satisfy, whatever its quality."""
+    counts = np.asarray(counts)
+    num_ranks, num_experts = counts.shape
+    spr = num_home + num_spare
+    phy2log = np.asarray(plan.phy2log).reshape(num_ranks, spr)
+    log2phy, logcnt = np.asarray(plan.log2phy), np.asarray(plan.logcnt)
+    quota, replica_load = np.asarray(plan.quota), np.asarray(plan.replica_load)
+    # Home experts never move.
+    np.testing.assert_array_equal(phy2log[:, :num_home], np.arange(num_experts).reshape(num_ranks, num_home))
+    # At most the spare slots used; no duplicate expert on a rank.
+    for rank in range(num_ranks):
+        held = phy2log[rank][phy2log[rank] >= 0]
+        assert len(set(held.tolist())) == held.size, f"rank {rank} holds an expert twice: {held}"
+    # Replica table agrees with phy2log, ascending slots, home among them.
+    width = log2phy.shape[1]
+    valid = np.arange(width)[None, :] < logcnt[:, None]
+    assert np.all(log2phy[~valid] == -1) and np.all(replica_load[~valid] == 0)
+    flat = np.asarray(plan.phy2log)
+    for e in range(num_experts):
+        slots = log2phy[e, :logcnt[e]]
+        np.testing.assert_array_equal(slots, np.sort(np.flatnonzero(flat == e)))
+        assert (e // num_home) * spr + e % num_home in slots
+    # Every token routed exactly once: quotas sum to the counts; replica loads to the expert loads.
+    np.testing.assert_array_equal(quota.sum(2), counts)
+    np.testing.assert_array_equal(quota.sum(0), replica_load)
+    assert np.all(quota >= 0) and np.all(replica_load >= 0)
+    # Rank loads are what the replicas on each rank compute.
+    rank = np.where(valid, log2phy // spr, 0)
+    np.testing.assert_array_equal(np.bincount(rank[valid], replica_load[valid], minlength=num_ranks),
+                                  np.asarray(plan.rank_load))
+    assert int(plan.target) == int(np.asarray(plan.rank_load).max())
+
+
+@given(st.integers(0, 2**32 - 1), st.sampled_from(SHAPES), st.sampled_from([1, 40]))
+def test_matches_reference(seed, shape, min_tokens):
+    rng = np.random.default_rng(seed)
+    num_ranks, num_home, num_spare = shape
+    counts = _skewed_counts(rng, num_ranks, num_home)
+    plan = _jitted(num_home, num_spare, min_tokens)(jnp.asarray(counts))
+    ref = plan_quotas_reference(counts, num_home=num_home, num_spare=num_spare, min_replica_tokens=min_tokens)
+    for field in FIELDS:
+        np.testing.assert_array_equal(np.asarray(getattr(plan, field)), ref[field], err_msg=field)
+    check_plan(plan, counts, num_home, num_spare)
+    home_max = counts.sum(0).reshape(num_ranks, num_home).sum(1).max()
+    assert int(plan.target) <= home_max  # never worse than not balancing
+
+
+def test_routing_follows_quotas_exactly(rng):
+    """Token-level: resolved routing with each source's quota row sends each replica exactly its tokens."""
+    num_ranks, num_home, num_spare, top_k = 8, 2, 2, 4
+    ids = zipf_topk(num_ranks, num_ranks * num_home, 64, top_k, 2.5, seed=int(rng.integers(1000)))
+    counts = np.stack([np.bincount(ids[g].ravel(), minlength=num_ranks * num_home) for g in range(num_ranks)])
+    plan = _jitted(num_home, num_spare)(jnp.asarray(counts, jnp.int32))
+    check_plan(plan, counts, num_home, num_spare)
+    slot_load = np.zeros(num_ranks * (num_home + num_spare), np.int64)
+    for g in range(num_ranks):
+        phys = simulate_resolved_routing(ids[g], np.asarray(plan.log2phy), np.asarray(plan.logcnt),
+                                         np.asarray(plan.quota[g]))
+        assert np.all(np.asarray(plan.phy2log)[phys] == ids[g])  # each entry went to a replica of its expert
+        slot_load += np.bincount(phys.ravel(), minlength=slot_load.size)
+    np.testing.assert_array_equal(slot_load.reshape(num_ranks, -1).sum(1), np.asarray(plan.rank_load))
+
+
+def test_map_and_count_resolved_end_to_end(rng):
+    pallas = pytest.importorskip("moe_eplb_jax.pallas")
+    num_ranks, num_home, num_spare, top_k = 8, 2, 2, 4
+    ids = zipf_topk(num_ranks, num_ranks * num_home, 64, top_k, 3.0, seed=int(rng.integers(1000)))
+    counts = np.stack([np.bincount(ids[g].ravel(), minlength=num_ranks * num_home) for g in range(num_ranks)])
+    plan = _jitted(num_home, num_spare)(jnp.asarray(counts, jnp.int32))
+    num_physical = num_ranks * (num_home + num_spare)
+    total = np.zeros(num_physical, np.int64)
+    for g in range(num_ranks):
+        phys, load = pallas.map_and_count(jnp.asarray(ids[g]), plan.log2phy, plan.logcnt, num_physical=num_physical,
+                                          mode="resolved", resolved=plan.quota[g], implementation="xla")
+        assert np.all(np.asarray(plan.phy2log)[np.asarray(phys)] == ids[g])
+        total += np.asarray(load)
+    used = np.asarray(plan.phy2log) >= 0
+    expected = np.zeros(num_physical, np.int64)
+    log2phy, replica_load = np.asarray(plan.log2phy), np.asarray(plan.replica_load)
+    valid = log2phy >= 0
+    expected[log2phy[valid]] = replica_load[valid]
+    np.testing.assert_array_equal(total, expected)
+    assert np.all(total[~used] == 0)
+
+
+@pytest.mark.parametrize("imbalance", [1.5, 2.0, 3.0])
+def test_ultraep_setting_reaches_target(imbalance):
+    """EP64, 256 experts, 4 home + 2 spare, top-8, 8192 tokens/rank: rank imbalance <= 1.01."""
+    counts = zipf_counts(64, 256, 8192, 8, imbalance, seed=3)
+    plan = _jitted(4, 2)(jnp.asarray(counts))
+    rank_load = np.asarray(plan.rank_load)
+    home = counts.sum(0).reshape(64, 4).sum(1)
+    assert home.max() / home.mean() > imbalance - 0.1
+    assert rank_load.max() / rank_load.mean() <= 1.01
+    assert 0 < int(plan.replicas_used) <= 128
+    np.testing.assert_array_equal(np.asarray(plan.quota).sum(2), counts)
+
+
+def test_ample_spares_reach_the_mean(rng):
+    """With enough spare slots the plan is optimal: max rank load == ceil(mean) (the LP bound)."""
+    for _ in range(5):
+        counts = _skewed_counts(rng, 4, 2)
+        plan = _jitted(2, 4)(jnp.asarray(counts))
+        assert int(plan.target) == -(-int(counts.sum()) // 4)
+
+
+def test_too_few_spares_is_best_effort(rng):
+    """One spare slot and a single very hot expert: no exception, the imbalance left is reported."""
+    counts = rng.integers(1, 10, size=(4, 8)).astype(np.int32)
+    counts[:, [0, 2, 4]] += 1000  # three hot ranks, one cold rank with a single spare slot
+    plan = _jitted(2, 1)(jnp.asarray(counts))
+    check_plan(plan, counts, 2, 1)
+    assert float(plan.rank_imbalance) > 1.2
+    no_spare = _jitted(2, 0)(jnp.asarray(counts))
+    np.testing.assert_array_equal(np.asarray(no_spare.rank_load), counts.sum(0).reshape(4, 2).sum(1))
+    assert int(no_spare.replicas_used) == 0
+
+
+def test_bad_input():
+    good = np.ones((4, 8), np.int32)
+    with pytest.raises(ValueError, match="non-negative"):
+        plan_quotas(np.where(np.arange(8) == 3, -1, good).astype(np.int32), num_home=2, num_spare=1)
+    with pytest.raises(ValueError, match="E = G \\* num_home"):
+        plan_quotas(good, num_home=3, num_spare=1)
+    with pytest.raises(ValueError, match="integer"):
+        plan_quotas(good.astype(np.float32), num_home=2, num_spare=1)
+    with pytest.raises(ValueError, match="shape"):
+        plan_quotas(good.reshape(-1), num_home=2, num_spare=1)
+    with pytest.raises(ValueError, match="num_spare"):
+        plan_quotas(good, num_home=2, num_spare=-1)
+    with pytest.raises(ValueError, match="min_replica_tokens"):
+        plan_quotas(good, num_home=2, num_spare=1, min_replica_tokens=0)
+    # Traced negative counts never raise: they count as zero.
+    negative = np.where(np.arange(8) == 3, -5, good).astype(np.int32)
+    plan = _jitted(2, 1)(jnp.asarray(negative))
+    np.testing.assert_array_equal(np.asarray(plan.quota).sum(2), np.maximum(negative, 0))
+
+
+_CHILD = """
+import hashlib, numpy as np, jax, jax.numpy as jnp
+from moe_eplb_jax.routing import plan_quotas
+from moe_eplb_jax.sim import zipf_counts
+p = jax.jit(lambda c: plan_quotas(c, num_home=2, num_spare=2))(jnp.asarray(zipf_counts(8, 16, 512, 4, 2.0, seed=5)))
+print(hashlib.sha256(b"".join(np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(p))).hexdigest())
+"""
+
+
+def test_deterministic_across_processes():
+    plan = _jitted(2, 2)(jnp.asarray(zipf_counts(8, 16, 512, 4, 2.0, seed=5)))
+    digest = hashlib.sha256(b"".join(np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(plan))).hexdigest()
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip().splitlines()[-1] == digest

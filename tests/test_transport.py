@@ -1,0 +1,308 @@
+"""Expert transport on a CPU mesh: rearranging equals loading the permuted checkpoint, byte for byte."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from moe_eplb_jax import sharding as eps
+from moe_eplb_jax.sharding.packing import byte_rows_numpy
+
+DTYPES = [
+    np.float32,
+    ml_dtypes.bfloat16,
+    ml_dtypes.float8_e4m3fn,
+    ml_dtypes.float8_e5m2,
+    ml_dtypes.float8_e8m0fnu,
+    ml_dtypes.float4_e2m1fn,
+    np.int8,
+    np.uint8,
+    np.int32,
+]
+E5M2_NANS = np.array([0x7D, 0x7E, 0x7F, 0xFD, 0xFE, 0xFF], dtype=np.uint8)  # rewritten by XLA:CPU float ops
+
+
+def random_bytes(rng, dtype, shape):
+    bits = jax.dtypes.itemsize_bits(np.dtype(dtype))
+    raw = rng.integers(0, 256, tuple(shape) + (max(1, bits // 8),), dtype=np.uint8)
+    if bits == 4:
+        raw &= np.uint8(0x0F)
+    if np.dtype(dtype) == np.dtype(ml_dtypes.float8_e5m2):  # make sure NaN payloads are there
+        raw.reshape(-1)[: E5M2_NANS.size] = E5M2_NANS
+    return raw.view(dtype).reshape(shape)
+
+
+def checkpoint(rng, layers, experts, dtypes=DTYPES, row=(2, 4)):
+    """``{name: [L, E, *row]}``: one random row of bytes per (layer, logical expert)."""
+    return {f"{np.dtype(d).name}": random_bytes(rng, d, (layers, experts) + row) for d in dtypes}
+
+
+def load(ckpt, phy2log):
+    """The expert arrays a placement gives when loaded from the checkpoint: ``[L, P, ...]`` or ``[P, ...]``."""
+    table = np.atleast_2d(phy2log)
+    out = {k: v[np.arange(table.shape[0])[:, None], table] for k, v in ckpt.items()}
+    return out if np.ndim(phy2log) == 2 else {k: v[0] for k, v in out.items()}
+
+
+def assert_bytes_equal(actual, expected, num_lead):
+    assert set(actual) == set(expected)
+    for k in expected:
+        got = np.asarray(actual[k])
+        assert got.dtype == expected[k].dtype and got.shape == expected[k].shape, k
+        np.testing.assert_array_equal(byte_rows_numpy(got, num_lead), byte_rows_numpy(expected[k], num_lead), k)
+
+
+def random_placement(rng, layers, experts, slots):
+    extra = rng.integers(0, experts, slots - experts)
+    return np.stack([rng.permutation(np.concatenate([np.arange(experts), extra])) for _ in range(layers)])
+
+
+@functools.cache
+def mesh_of(num_ranks):
+    return eps.ep_mesh(num_ranks)
+
+
+# ------------------------------------------------------------------ contract
+@st.composite
+def moves(draw):
+    num_ranks = draw(st.sampled_from([1, 2, 4, 8]))
+    layered = draw(st.booleans())
+    num_slots = 3 * num_ranks
+    num_experts = draw(st.integers(max(1, num_slots // 3), num_slots))
+    seed = draw(st.integers(0, 2**31 - 1))
+    keep = draw(st.floats(0, 0.9))
+    return num_ranks, layered, num_experts, seed, keep
+
+
+@settings(max_examples=12)
+@given(moves())
+def test_rearranged_bytes_equal_permuted_checkpoint(case):
+    num_ranks, layered, num_experts, seed, keep = case
+    rng = np.random.default_rng(seed)
+    layers, num_slots = (2 if layered else 1), 3 * num_ranks
+    ckpt = checkpoint(rng, layers, num_experts)
+    old = random_placement(rng, layers, num_experts, num_slots)
+    new = random_placement(rng, layers, num_experts, num_slots)
+    new = np.where(rng.random(new.shape) < keep, old, new)
+    if not layered:
+        old, new = old[0], new[0]
+    mesh = mesh_of(num_ranks)
+    experts = eps.shard_slots(load(ckpt, old), mesh, layered=layered)
+    # one compiled executor per (ranks, layered): pad every plan to the largest possible capacities
+    rows = layers * 3
+    plan = eps.plan_rearrangement(old, new, num_ranks).padded(send=rows, dup=rows, copy=rows)
+    moved = eps.execute_plan(experts, plan, mesh=mesh)
+    assert_bytes_equal(moved, load(ckpt, new), 2 if layered else 1)
+    for k, leaf in moved.items():
+        assert leaf.sharding.spec == experts[k].sharding.spec or leaf.sharding.is_equivalent_to(
+            experts[k].sharding, leaf.ndim)
+
+
+@pytest.mark.parametrize("num_ranks", [1, 2, 4, 8])
+def test_rearrange_experts_on_every_mesh_size(num_ranks, rng):
+    layers, num_experts, num_slots = 3, 3 * num_ranks, 4 * num_ranks
+    ckpt = checkpoint(rng, layers, num_experts, dtypes=[ml_dtypes.bfloat16, ml_dtypes.float8_e5m2,
+                                                        ml_dtypes.float4_e2m1fn, np.float32], row=(3, 2))
+    old = random_placement(rng, layers, num_experts, num_slots)
+    new = random_placement(rng, layers, num_experts, num_slots)
+    mesh = mesh_of(num_ranks)
+    experts = eps.shard_slots(load(ckpt, old), mesh, layered=True)
+    plan = eps.plan_rearrangement(old, new, num_ranks)
+    assert plan.bytes_moved(eps.row_bytes(experts, plan, mesh=mesh)) == (
+        max(plan.rows_sent.max(), plan.rows_received.max()) * (12 + 6 + 3 + 24) if num_ranks > 1 else 0)
+    # small chunks: several collectives per round
+    moved = eps.rearrange_experts(experts, old, new, mesh=mesh, max_chunk_bytes=2 * 45)
+    assert_bytes_equal(moved, load(ckpt, new), 2)
+
+
+def test_unchanged_placement_moves_nothing(rng):
+    ckpt = checkpoint(rng, 2, 8, dtypes=[np.float32])
+    old = random_placement(rng, 2, 8, 8)
+    experts = eps.shard_slots(load(ckpt, old), mesh_of(4), layered=True)
+    before = eps.executor_trace_count()
+    plan = eps.plan_rearrangement(old, old.copy(), 4)
+    assert plan.is_empty and plan.bytes_moved(32) == 0
+    moved = eps.rearrange_experts(experts, old, old.copy(), mesh=mesh_of(4))
+    assert moved["float32"] is experts["float32"] and not experts["float32"].is_deleted()
+    assert eps.executor_trace_count() == before
+    assert_bytes_equal(moved, load(ckpt, old), 2)
+
+
+def swaps(rng, phy2log, per_rank, count):
+    """Swaps ``count`` random slot pairs between rank 0 and rank 1 in every layer."""
+    new = phy2log.copy()
+    for layer in range(phy2log.shape[0]):
+        a = rng.choice(per_rank, count, replace=False)
+        b = per_rank + rng.choice(per_rank, count, replace=False)
+        new[layer, a], new[layer, b] = phy2log[layer, b], phy2log[layer, a]
+    return new
+
+
+def test_same_buckets_do_not_recompile(rng):
+    mesh = mesh_of(2)
+    ckpt = checkpoint(rng, 2, 16, dtypes=[ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn])
+    old = np.stack([rng.permutation(16) for _ in range(2)])
+    experts = eps.shard_slots(load(ckpt, old), mesh, layered=True)
+    new = swaps(rng, old, 8, 3)
+    experts = eps.rearrange_experts(experts, old, new, mesh=mesh)
+    traces = eps.executor_trace_count()
+    for _ in range(3):  # different plans, same capacities
+        old, new = new, swaps(rng, new, 8, 3)
+        experts = eps.rearrange_experts(experts, old, new, mesh=mesh)
+    assert eps.executor_trace_count() == traces
+    assert_bytes_equal(experts, load(ckpt, new), 2)
+
+
+def test_layer_by_layer_equals_all_at_once(rng):
+    mesh = mesh_of(4)
+    layers = 3
+    ckpt = checkpoint(rng, layers, 6, dtypes=[ml_dtypes.float8_e5m2, np.int32])
+    old, new = random_placement(rng, layers, 6, 8), random_placement(rng, layers, 6, 8)
+    experts = eps.shard_slots(load(ckpt, old), mesh, layered=True)
+    for layer in range(layers):
+        experts = eps.rearrange_experts(experts, old, new, mesh=mesh, layer=layer)
+        partial = np.where(np.arange(layers)[:, None] <= layer, new, old)
+        assert_bytes_equal(experts, load(ckpt, partial), 2)
+    everything = eps.rearrange_experts(eps.shard_slots(load(ckpt, old), mesh, layered=True), old, new, mesh=mesh)
+    for k in ckpt:
+        np.testing.assert_array_equal(byte_rows_numpy(np.asarray(experts[k]), 2),
+                                      byte_rows_numpy(np.asarray(everything[k]), 2))
+
+
+def test_donation_and_keep(rng):
+    mesh = mesh_of(2)
+    ckpt = checkpoint(rng, 1, 4, dtypes=[np.float32])
+    old, new = np.array([0, 1, 2, 3]), np.array([2, 1, 0, 3])
+    kept = eps.shard_slots(load(ckpt, old), mesh)
+    moved = eps.rearrange_experts(kept, old, new, mesh=mesh, donate=False)
+    assert not kept["float32"].is_deleted()
+    assert_bytes_equal(kept, load(ckpt, old), 1)
+    assert_bytes_equal(moved, load(ckpt, new), 1)
+    donated = eps.shard_slots(load(ckpt, old), mesh)
+    eps.rearrange_experts(donated, old, new, mesh=mesh)
+    assert donated["float32"].is_deleted()
+
+
+def test_two_axis_mesh(rng):
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("dp", "ep"),
+                axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    ckpt = checkpoint(rng, 2, 8, dtypes=[ml_dtypes.bfloat16], row=(4, 2))
+    old, new = random_placement(rng, 2, 8, 8), random_placement(rng, 2, 8, 8)
+    # slots over "ep", a trailing axis over "dp"
+    sharding = NamedSharding(mesh, PartitionSpec(None, "ep", "dp"))
+    host = load(ckpt, old)["bfloat16"]
+    leaf = jax.make_array_from_callback(host.shape, sharding, lambda i: host[i])
+    moved = eps.rearrange_experts({"bfloat16": leaf}, old, new, mesh=mesh)
+    assert moved["bfloat16"].sharding.is_equivalent_to(sharding, 4)
+    assert_bytes_equal(moved, load(ckpt, new), 2)
+
+
+# -------------------------------------------------------------- bad input
+def bad_cases(mesh):
+    good = np.array([[0, 1, 2, 3, 0, 1, 2, 3]])
+    return {
+        "wrong placement shape": (dict(new_phy2log=good[:, :4]), "has shape"),
+        "ids out of range": (dict(new_phy2log=np.array([[0, 1, 2, 3, 0, 1, 2, 9]]), num_logical=4),
+                             r"new_phy2log\[0, 7\] = 9"),
+        "expert held by no old slot": (dict(old_phy2log=np.array([[0, 1, 2, 2, 0, 1, 2, 2]]),
+                                            new_phy2log=np.array([[0, 1, 2, 3, 0, 1, 2, 3]])),
+                                       "no slot of old_phy2log holds"),
+        "placement for another P": (dict(old_phy2log=good[:, :4], new_phy2log=good[:, :4]), "leading axes"),
+        "not divisible": (dict(mesh=Mesh(np.array(jax.devices()[:3]), ("ep",)),
+                               old_phy2log=good, new_phy2log=good[:, ::-1]), "not divisible by 3 ranks"),
+        "no such axis": (dict(axis="tp"), "no axis 'tp'"),
+        "one layer tables for [L, P] leaves": (dict(old_phy2log=good[0], new_phy2log=good[0, ::-1]),
+                                              "leading axes"),
+    }
+
+
+@pytest.mark.parametrize("case", ["wrong placement shape", "ids out of range", "expert held by no old slot",
+                                  "placement for another P", "not divisible", "no such axis",
+                                  "one layer tables for [L, P] leaves"])
+def test_bad_input_raises_and_leaves_experts_untouched(case, rng):
+    mesh = mesh_of(2)
+    ckpt = checkpoint(rng, 1, 4, dtypes=[ml_dtypes.float8_e5m2, np.float32])
+    good = np.array([[0, 1, 2, 3, 0, 1, 2, 3]])
+    experts = eps.shard_slots(load(ckpt, good), mesh, layered=True)
+    overrides, match = bad_cases(mesh)[case]
+    kwargs = dict(old_phy2log=good, new_phy2log=good[:, ::-1], mesh=mesh)
+    kwargs.update(overrides)
+    traces = eps.executor_trace_count()
+    with pytest.raises(ValueError, match=match):
+        eps.rearrange_experts(experts, **kwargs)
+    assert eps.executor_trace_count() == traces
+    assert not any(leaf.is_deleted() for leaf in experts.values())
+    assert_bytes_equal(experts, load(ckpt, good), 2)
+
+
+def test_bad_leaves_raise_and_nothing_is_donated(rng):
+    mesh = mesh_of(2)
+    old, new = np.array([0, 1, 2, 3]), np.array([3, 2, 1, 0])
+    good = eps.shard_slots({"w": random_bytes(rng, np.float32, (4, 3))}, mesh)["w"]
+    replicated = jax.device_put(np.ones((4, 3), np.float32), NamedSharding(mesh, PartitionSpec()))
+    on_trailing = jax.device_put(np.ones((4, 2), np.float32), NamedSharding(mesh, PartitionSpec(None, "ep")))
+    cases = {
+        "slot axis .* sharded over mesh axis 'ep'": replicated,
+        "only the slot axis may be sharded|slot axis": on_trailing,
+        "leading axes must be the slot axes": eps.shard_slots({"w": np.ones((8, 3), np.float32)}, mesh)["w"],
+        "even element count": eps.shard_slots({"w": random_bytes(rng, ml_dtypes.float4_e2m1fn, (4, 3))}, mesh)["w"],
+        "concrete jax.Array": np.ones((4, 3), np.float32),
+        "NamedSharding on the given mesh": jax.device_put(np.ones((4, 3), np.float32), jax.devices()[0]),
+    }
+    for match, bad in cases.items():
+        with pytest.raises(ValueError, match=match):
+            eps.rearrange_experts({"good": good, "bad": bad}, old, new, mesh=mesh)
+        assert not good.is_deleted()
+    with pytest.raises(ValueError, match="max_chunk_bytes"):
+        eps.rearrange_experts({"good": good}, old, new, mesh=mesh, max_chunk_bytes=0)
+    assert not good.is_deleted()
+
+
+# ---------------------------------------------------------- optimizer state
+def test_adam_state_moves_with_params(rng):
+    """Moving params and Adam moments gives the next update of a model built from the permuted checkpoint."""
+    mesh = mesh_of(4)
+    layers, num_experts, num_slots = 2, 6, 8
+    ckpt = {"w": rng.standard_normal((layers, num_experts, 3, 4)).astype(np.float32),
+            "b": rng.standard_normal((layers, num_experts, 4)).astype(np.float32)}
+    old = random_placement(rng, layers, num_experts, num_slots)
+    new = random_placement(rng, layers, num_experts, num_slots)
+    opt = optax.adam(1e-2)
+
+    def loss(params):  # per-slot terms only: a slot's gradient depends on its own expert
+        return jnp.sum(jnp.sin(params["w"]) * params["w"]) + jnp.sum(params["b"] ** 2)
+
+    @jax.jit
+    def step(params, state):
+        updates, state = opt.update(jax.grad(loss)(params), state, params)
+        return optax.apply_updates(params, updates), state, updates
+
+    def model(phy2log):
+        params = eps.shard_slots(load(ckpt, phy2log), mesh, layered=True)
+        params, state, _ = step(params, opt.init(params))
+        return params, state
+
+    with jax.numpy_dtype_promotion("standard"):  # optax relies on implicit promotion
+        check_adam(mesh, ckpt, old, new, model, step)
+
+
+def check_adam(mesh, ckpt, old, new, model, step):
+    params, state = model(old)
+    adam, rest = state[0], state[1:]
+    moved = eps.rearrange_experts({"params": params, "mu": adam.mu, "nu": adam.nu}, old, new, mesh=mesh)
+    state = (adam._replace(mu=moved["mu"], nu=moved["nu"]),) + rest  # the step count is not per expert
+    _, _, updates = step(moved["params"], state)
+
+    ref_params, ref_state = model(new)
+    _, _, ref_updates = step(ref_params, ref_state)
+    ours, ref = jax.tree.leaves((moved["params"], updates, state)), jax.tree.leaves((ref_params, ref_updates, ref_state))
+    assert len(ours) == len(ref) == 2 + 2 + 5
+    for a, b in zip(ours, ref):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

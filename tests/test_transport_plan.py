@@ -1,0 +1,165 @@
+"""Host move planning: minimal, correct, spread, bucketed, validated."""
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from moe_eplb_jax.sharding import TransportPlan, bucket_capacity, plan_rearrangement
+
+
+def apply_plan(plan: TransportPlan, content: np.ndarray) -> np.ndarray:
+    """Pure numpy oracle of the executor: ``content [L, P, ...]`` after the plan's sends, copies, duplicates."""
+    g, per_rank, rows = plan.num_ranks, plan.slots_per_rank, plan.num_local_rows
+    layers = content.shape[0]
+    local = [content[:, r * per_rank : (r + 1) * per_rank].reshape((rows,) + content.shape[2:]) for r in range(g)]
+    new = [x.copy() for x in local]
+    for r in range(g):  # every read is of the old rows
+        for d in range(1, g):
+            sender = (r - d) % g
+            got = local[sender][plan.send_rows[sender, d - 1]]
+            keep = plan.recv_dst[r, d - 1] < rows
+            new[r][plan.recv_dst[r, d - 1][keep]] = got[keep]
+        keep = plan.copy_dst[r] < rows
+        new[r][plan.copy_dst[r][keep]] = local[r][plan.copy_src[r][keep]]
+    for r in range(g):  # duplicates read the rows just written
+        keep = plan.dup_dst[r] < rows
+        new[r][plan.dup_dst[r][keep]] = new[r][plan.dup_src[r][keep]]
+    out = np.stack([x.reshape((layers, per_rank) + content.shape[2:]) for x in new], axis=1)
+    return out.reshape(content.shape)
+
+
+@st.composite
+def placements(draw):
+    num_ranks = draw(st.sampled_from([1, 2, 4, 8]))
+    per_rank = draw(st.integers(1, 4))
+    num_slots = num_ranks * per_rank
+    num_experts = draw(st.integers(1, num_slots))
+    num_layers = draw(st.integers(1, 3))
+    seed = draw(st.integers(0, 2**31 - 1))
+    rng = np.random.default_rng(seed)
+
+    def placement():
+        extra = rng.integers(0, num_experts, num_slots - num_experts)
+        return np.stack([rng.permutation(np.concatenate([np.arange(num_experts), extra])) for _ in range(num_layers)])
+
+    old, new = placement(), placement()
+    keep = rng.random(new.shape) < draw(st.floats(0, 1))  # some slots keep their expert
+    return num_ranks, old, np.where(keep, old, new)
+
+
+@given(placements())
+def test_plan_reaches_the_new_placement(case):
+    num_ranks, old, new = case
+    plan = plan_rearrangement(old, new, num_ranks)
+    # content of a slot = its expert id: after the plan every slot holds the new expert
+    np.testing.assert_array_equal(apply_plan(plan, old), new)
+    np.testing.assert_array_equal(plan.written, old != new)
+    per_rank = old.shape[1] // num_ranks
+    # each rank receives each (layer, expert) at most once, only if it held none, from a rank that held it
+    seen = set()
+    for layer, expert, src_slot, dst_rank in plan.moves:
+        assert (layer, expert, dst_rank) not in seen
+        seen.add((layer, expert, dst_rank))
+        assert old[layer, src_slot] == expert
+        assert src_slot // per_rank != dst_rank
+        assert expert not in old[layer, dst_rank * per_rank : (dst_rank + 1) * per_rank]
+    assert plan.rows_sent.sum() == plan.rows_received.sum() == len(plan.moves)
+    # slots are written once and unchanged slots never
+    written = np.concatenate([plan.recv_dst.reshape(num_ranks, -1), plan.copy_dst, plan.dup_dst], axis=1)
+    for r in range(num_ranks):
+        rows = written[r][written[r] < plan.num_local_rows]
+        assert len(rows) == len(set(rows.tolist())) == plan.written[:, r * per_rank : (r + 1) * per_rank].sum()
+
+
+@given(placements())
+def test_moving_layer_by_layer_equals_moving_all(case):
+    num_ranks, old, new = case
+    content = old.copy()
+    for layer in range(old.shape[0]):
+        plan = plan_rearrangement(old, new, num_ranks, layer=layer)
+        assert not plan.written[np.arange(old.shape[0]) != layer].any()
+        content = apply_plan(plan, content)
+    np.testing.assert_array_equal(content, new)
+
+
+def test_unchanged_placement_moves_nothing(rng):
+    old = np.stack([rng.permutation(np.arange(16) % 12) for _ in range(3)])
+    plan = plan_rearrangement(old, old, 4)
+    assert plan.is_empty and plan.capacities == (0, 0, 0)
+    assert plan.moves.shape == (0, 4) and plan.bytes_moved(1000) == 0
+    assert not plan.written.any()
+
+
+def test_local_copy_instead_of_send():
+    # rank 0 holds expert 2 in slot 1 and needs it in slot 0 as well: a local copy, nothing sent
+    old = np.array([0, 2, 1, 3])
+    new = np.array([2, 2, 1, 3])
+    plan = plan_rearrangement(old, new, 2)
+    assert plan.rows_sent.sum() == 0 and plan.copy_count.tolist() == [1, 0]
+    assert plan.copy_dst[0, 0] == 0 and plan.copy_src[0, 0] == 1
+
+
+def test_received_once_then_duplicated():
+    # rank 1 needs expert 0 in both of its slots; it arrives once and is copied
+    old = np.array([0, 1, 2, 3])
+    new = np.array([0, 1, 0, 0])
+    plan = plan_rearrangement(old, new, 2)
+    assert plan.rows_received.tolist() == [0, 1]
+    assert plan.dup_count.tolist() == [0, 1]
+    np.testing.assert_array_equal(apply_plan(plan, old[None])[0], new)
+
+
+def test_senders_spread_over_holders():
+    # expert 0 lives on ranks 0 and 1; ranks 2 and 3 both need it: one row from each holder
+    old = np.array([0, 1, 0, 2, 3, 4, 5, 6])
+    new = np.array([0, 1, 0, 2, 0, 4, 0, 6])
+    plan = plan_rearrangement(old, new, 4)
+    assert sorted(plan.moves[:, 2] // 2) == [0, 1]
+    assert plan.rows_sent.tolist() == [1, 1, 0, 0]
+
+
+def test_bucket_capacity():
+    sizes = np.arange(0, 5000)
+    caps = np.array([bucket_capacity(n) for n in sizes])
+    assert np.all(caps >= sizes) and np.all(np.diff(caps) >= 0)
+    np.testing.assert_array_equal(caps[:32], sizes[:32])
+    assert np.all(caps[32:] <= sizes[32:] * 17 / 16)
+    assert len(set(caps[1000:2000].tolist())) <= 17  # few shapes per octave
+
+
+def test_plans_are_deterministic_and_padded(rng):
+    old = np.stack([rng.permutation(32) for _ in range(4)])
+    new = np.stack([rng.permutation(32) for _ in range(4)])
+    a, b = plan_rearrangement(old, new, 4), plan_rearrangement(old.copy(), new.copy(), 4)
+    for name in ("send_rows", "recv_dst", "dup_dst", "dup_src", "copy_dst", "copy_src", "moves"):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+    c, d, k = a.capacities
+    big = a.padded(send=c + 7, dup=d + 3, copy=k + 5)
+    assert big.capacities == (c + 7, d + 3, k + 5)
+    assert a.padded(send=1) is a
+    content = old[..., None] * 10 + np.arange(3)  # rows that identify their expert
+    np.testing.assert_array_equal(apply_plan(big, content), apply_plan(a, content))
+    for table in (big.recv_dst.reshape(4, -1), big.dup_dst, big.copy_dst):  # padding: distinct, out of range
+        for row in table:
+            assert len(set(row.tolist())) == row.size
+
+
+@pytest.mark.parametrize(
+    "old, new, ranks, kwargs, match",
+    [
+        (np.zeros((2, 4)), np.zeros((2, 4)), 2, {}, "integer expert ids"),
+        (np.zeros((2, 2, 4), int), np.zeros((2, 2, 4), int), 2, {}, r"shape \[P\] or \[L, P\]"),
+        (np.arange(4), np.arange(8), 2, {}, "has shape"),
+        (np.arange(6), np.arange(6), 4, {}, "not divisible by 4 ranks"),
+        (np.array([0, 1, 2, -1]), np.array([0, 1, 2, 0]), 2, {}, r"old_phy2log\[3\] = -1"),
+        (np.array([0, 1, 2, 3]), np.array([0, 1, 2, 7]), 2, {"num_logical": 4}, r"new_phy2log\[3\] = 7"),
+        (np.array([[0, 1, 2, 3]]), np.array([[0, 1, 2, 2]]), 2, {"num_logical": 3}, r"old_phy2log\[0, 3\] = 3"),
+        (np.array([[0, 1, 1, 3]]), np.array([[0, 1, 2, 3]]), 2, {}, r"no slot of old_phy2log holds in layer 0"),
+        (np.arange(4), np.arange(4), 0, {}, "num_ranks must be a positive integer"),
+        (np.arange(4)[None], np.arange(4)[None], 2, {"layer": 1}, r"layer must be an integer in \[0, 1\)"),
+    ],
+)
+def test_bad_placements_raise(old, new, ranks, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        plan_rearrangement(old, new, ranks, **kwargs)
