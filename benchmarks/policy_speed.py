@@ -10,7 +10,9 @@ best balancedness any placement can reach with DeepSeek's node of each group and
 (the busiest GPU of a layer carries at least its node's mean GPU load and at least the largest
 replica). ``sigma`` is the log-normal spread of the synthetic per-expert loads.
 
-Run: ``python benchmarks/policy_speed.py [--repeats N]``. Times are medians.
+Run: ``python benchmarks/policy_speed.py [--repeats N]``. Times are medians of interleaved runs, in a
+process whose allocator is warm (see ``_warm_allocator``); ``(cold)`` is the speed-up measured first,
+in the fresh process, where every vectorised call page-faults its temporaries.
 """
 
 from __future__ import annotations
@@ -60,33 +62,55 @@ def _bound(weight, phy2log, logcnt, num_nodes, num_gpus) -> float:
     return float(rank_load.mean(axis=1).sum() / np.maximum(node_mean, biggest_replica).sum())
 
 
+def _warm_allocator() -> None:
+    """Allocates and frees one 16 MiB buffer, as any long-running process has.
+
+    glibc's malloc then raises its mmap and trim thresholds (they adapt to the
+    largest buffer freed). Before that, a fresh process hands the temporaries of
+    every call (a few 100 kB arrays) back to the OS and page-faults them in
+    again on the next call -- about 1000 faults per DeepSeek-V3 call here.
+    """
+    buffer = np.ones(2 * 1024 * 1024)
+    del buffer
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15, help="timed runs of each policy per case")
     args = parser.parse_args()
     print(f"# {platform.processor() or platform.machine()}, numpy {np.__version__}, Python {platform.python_version()}")
-    header = (f"{'case':<18}{'sigma':>6}{'loop ms':>9}{'deepseek ms':>12}{'speed-up':>9}{'balanced ms':>12}"
-              f"{'bal loop':>9}{'bal deepseek':>13}{'bal balanced':>13}{'bound':>7}")
-    print(header)
-    print("-" * len(header))
+    cases = []
     for label, num_layers, num_experts, num_slots, num_groups, num_nodes, num_gpus in CASES:
         for sigma in (0.5, 1.0):
             weight = np.random.default_rng(0).lognormal(0.0, sigma, (num_layers, num_experts))
-            topology = (num_slots, num_groups, num_nodes, num_gpus)
-            loop = rebalance_experts_reference(weight, *topology)
-            fast = rebalance_experts(weight, *topology)
-            balanced = rebalance_balanced(weight, *topology)
-            for got, want in zip(fast, loop):
-                np.testing.assert_array_equal(got, want)  # same placement, bit for bit
-            t_loop, t_fast, t_bal = _interleaved_median_ms(
-                [lambda: rebalance_experts_reference(weight, *topology), lambda: rebalance_experts(weight, *topology),
-                 lambda: rebalance_balanced(weight, *topology)], args.repeats)
-            nodes = num_nodes if num_groups % num_nodes == 0 else 1
-            print(f"{label:<18}{sigma:>6.1f}{t_loop:>9.2f}{t_fast:>12.2f}{t_loop / t_fast:>8.1f}x{t_bal:>12.2f}"
-                  f"{_balancedness(weight, loop[0], num_gpus):>9.4f}"
-                  f"{_balancedness(weight, fast[0], num_gpus):>13.4f}"
-                  f"{_balancedness(weight, balanced[0], num_gpus):>13.4f}"
-                  f"{_bound(weight, fast[0], fast[2], nodes, num_gpus):>7.4f}")
+            cases.append((label, sigma, weight, (num_slots, num_groups, num_nodes, num_gpus)))
+
+    def timings(weight, topology):
+        return _interleaved_median_ms(
+            [lambda: rebalance_experts_reference(weight, *topology), lambda: rebalance_experts(weight, *topology),
+             lambda: rebalance_balanced(weight, *topology)], args.repeats)
+
+    cold = [timings(weight, topology) for _, _, weight, topology in cases]  # fresh process first
+    _warm_allocator()
+    header = (f"{'case':<18}{'sigma':>6}{'loop ms':>9}{'deepseek ms':>12}{'speed-up':>9}{'(cold)':>8}"
+              f"{'balanced ms':>12}{'bal loop':>9}{'bal deepseek':>13}{'bal balanced':>13}{'bound':>7}")
+    print(header)
+    print("-" * len(header))
+    for (label, sigma, weight, topology), (cold_loop, cold_fast, _) in zip(cases, cold):
+        num_slots, num_groups, num_nodes, num_gpus = topology
+        loop = rebalance_experts_reference(weight, *topology)
+        fast = rebalance_experts(weight, *topology)
+        balanced = rebalance_balanced(weight, *topology)
+        for got, want in zip(fast, loop):
+            np.testing.assert_array_equal(got, want)  # same placement, bit for bit
+        t_loop, t_fast, t_bal = timings(weight, topology)
+        nodes = num_nodes if num_groups % num_nodes == 0 else 1
+        print(f"{label:<18}{sigma:>6.1f}{t_loop:>9.2f}{t_fast:>12.2f}{t_loop / t_fast:>8.1f}x"
+              f"{cold_loop / cold_fast:>7.1f}x{t_bal:>12.2f}"
+              f"{_balancedness(weight, loop[0], num_gpus):>9.4f}"
+              f"{_balancedness(weight, fast[0], num_gpus):>13.4f}"
+              f"{_balancedness(weight, balanced[0], num_gpus):>13.4f}"
+              f"{_bound(weight, fast[0], fast[2], nodes, num_gpus):>7.4f}")
 
     # Slot preservation: after a load change (loads times log-normal noise of spread "drift"), the
     # share of slots whose expert changes (each is one expert's weights to copy), with and without

@@ -16,6 +16,7 @@ Prints, side by side in one run:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -94,10 +95,117 @@ def quantized_layer(weights, fmt, x):
     return quant.quantize_mlp(*weights, fmt, input_scale=s_x, down_input_scale=s_x * 0.05, nonfinite="propagate")
 
 
+def diagnose(dev, cpu, log):
+    """--diag: cross-backend byte differences in detail, FP8 GEMM accumulation, fp4 decoding, ceilings."""
+    import dataclasses
+    import re
+
+    from moe_eplb_jax.quant import mlp as qmlp
+
+    rng = np.random.default_rng(1)
+    w = (rng.standard_normal((4, 256, 512)) * np.exp2(rng.uniform(-6, 6, (4, 256, 1)))).astype(np.float32)
+    w[0, 0, :64] *= 1e-39
+    w_bad = w.copy()
+    w_bad[3, 5, 7], w_bad[3, 9, 40] = np.nan, -np.inf
+    for case, weights in (("finite", w), ("nan/inf", w_bad)):
+        for fmt in quant.FORMATS:
+            qs = {}
+            for name, device in (("gpu", dev), ("cpu", cpu)):
+                with jax.default_device(device):
+                    qs[name] = quant.quantize_experts(jax.device_put(weights, device), fmt, nonfinite="propagate")
+            for field in dataclasses.fields(qs["gpu"]):
+                a = np.asarray(getattr(qs["gpu"], field.name))
+                b = np.asarray(getattr(qs["cpu"], field.name))
+                a8, b8 = a.view(np.uint8).reshape(-1), b.view(np.uint8).reshape(-1)
+                bad = np.flatnonzero(a8 != b8)
+                if bad.size == 0:
+                    continue
+                idx = np.unravel_index(bad[:3] // max(1, a8.size // a.size), a.shape)
+                log(f"  {case:7s} {fmt:9s} {field.name:13s} {bad.size} of {a8.size} bytes differ; first "
+                    f"gpu {a8[bad[:3]].tolist()} cpu {b8[bad[:3]].tolist()} at {[tuple(int(v) for v in i) for i in zip(*idx)]}"
+                    f" values gpu {a[idx].astype(np.float32).tolist()} cpu {b[idx].astype(np.float32).tolist()}")
+            log(f"  {case:7s} {fmt:9s} checked")
+
+    ne, ni, nh = (2, 256, 512) if dev.platform == "cpu" else (8, 2048, 7168)
+    ts = (16, 64) if dev.platform == "cpu" else (64, 2048)
+    with jax.default_device(dev):
+        key = jax.random.PRNGKey(3)
+        dims = (((2,), (2,)), ((0,), (0,)))
+        w8 = (jax.random.normal(key, (ne, ni, nh), jnp.float32) * 64).astype(jnp.float8_e4m3fn)
+        for t in ts:
+            x8 = (jax.random.normal(jax.random.fold_in(key, t), (ne, t, nh), jnp.float32) * 64).astype(jnp.float8_e4m3fn)
+            exact = np.asarray(x8[0, :32]).astype(np.float64) @ np.asarray(w8[0, :256]).astype(np.float64).T
+            for label, prec, cast in (("fp8 DEFAULT", "default", None), ("fp8 HIGHEST", "highest", None),
+                                      ("bf16 of fp8", "default", jnp.bfloat16)):
+                fn = jax.jit(lambda a, b, p=prec, c=cast: jax.lax.dot_general(
+                    a if c is None else a.astype(c), b if c is None else b.astype(c), dims, precision=p,
+                    preferred_element_type=jnp.float32))
+                out = fn(x8, w8)
+                err = np.linalg.norm(np.asarray(out[0, :32, :256]) - exact) / np.linalg.norm(exact)
+                hlo = fn.lower(x8, w8).compile().as_text()
+                calls = sorted(set(re.findall(r'custom_call_target="([^"]+)"', hlo)))
+                sec = timed(fn, x8, w8)
+                log(f"  T={t:5d} {label:12s} {sec * 1e3:7.3f} ms  {2 * ne * t * ni * nh / sec / 1e12:6.0f} TFLOP/s"
+                    f"  rel err {err:.1e}  calls {calls}")
+        del w8
+
+        packed = jax.random.randint(key, (ne, ni, nh // 2), 0, 256, jnp.int32).astype(jnp.uint8)
+        big = jax.random.normal(key, (256 * 1024 * 1024 // (64 if dev.platform == 'cpu' else 1),), jnp.float32)
+        bw = 2 * big.nbytes / timed(jax.jit(lambda v: v * jnp.float32(1.5)), big)
+        log(f"  elementwise f32 r+w {bw / 1e12:.2f} TB/s")
+        del big
+        variants = {
+            "arith": lambda p: qmlp._fp4_values(p).astype(jnp.bfloat16),
+            "float4": lambda p: jax.lax.bitcast_convert_type(p, jnp.float4_e2m1fn).reshape(
+                *p.shape[:-1], p.shape[-1] * 2).astype(jnp.bfloat16),
+        }
+        ref = None
+        for name, fn in variants.items():
+            try:
+                fn = jax.jit(fn)
+                out = fn(packed)
+                same = ref is None or bool(jnp.all(out == ref))
+                ref = out if ref is None else ref
+                sec = timed(fn, packed)
+                floor = (packed.nbytes + out.nbytes) / bw
+                log(f"  fp4 decode {name:6s} {sec * 1e3:7.3f} ms floor {floor * 1e3:.3f} ms ({floor / sec:.2f}) same {same}")
+            except Exception as err:  # noqa: BLE001
+                log(f"  fp4 decode {name} FAILED {type(err).__name__}: {str(err).splitlines()[0][:160]}")
+        del packed
+
+        weights = make_layer(key, ne, nh, ni, jnp.bfloat16)
+        for t in ts:
+            x = jax.random.normal(jax.random.fold_in(key, t), (ne, t, nh), jnp.float32).astype(jnp.bfloat16)
+            layer = quantized_layer(weights, "fp8", x)
+            ref = quant.expert_mlp_reference(x[:, :8].astype(jnp.float32), *layer)
+            for fast in (False, True):
+                fn = jax.jit(lambda v, *q, f=fast: quant.expert_mlp(v, *q, fast_accumulation=f))
+                out = fn(x, *layer)[:, :8]
+                rel = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+                log(f"  fp8 MLP T={t:5d} fast_accumulation={fast!s:5s} {timed(fn, x, *layer) * 1e3:7.3f} ms rel err {rel:.1e}")
+            for fmt in ("mxfp4", "nvfp4"):
+                layer = quantized_layer(weights, fmt, x)
+                for name, values in (("arith", None), ("float4", variants["float4"])):
+                    saved = qmlp._fp4_values
+                    if values is not None:
+                        qmlp._fp4_values = lambda p: jax.lax.bitcast_convert_type(p, jnp.float4_e2m1fn).reshape(
+                            *p.shape[:-1], p.shape[-1] * 2).astype(jnp.float32)
+                    try:
+                        fn = jax.jit(functools.partial(qmlp._mlp.__wrapped__, impl="auto", activation_scaling="static",
+                                                       axis_name=None, compute_dtype=jnp.dtype(jnp.bfloat16),
+                                                       fast_accumulation=False))
+                        log(f"  {fmt} MLP T={t:5d} decode {name:6s} {timed(fn, x, *layer) * 1e3:7.3f} ms")
+                    except Exception as err:  # noqa: BLE001
+                        log(f"  {fmt} MLP decode {name} FAILED {type(err).__name__}: {str(err).splitlines()[0][:120]}")
+                    finally:
+                        qmlp._fp4_values = saved
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--diag", action="store_true", help="only the diagnostics (see diagnose)")
     args = parser.parse_args()
     lines: list[str] = []
 
@@ -111,6 +219,12 @@ def main():
     log(f"jax {jax.__version__}, device {dev.device_kind}, cpu cores {os.cpu_count()}, "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     results = {"device": dev.device_kind}
+    if args.diag:
+        diagnose(dev, cpu, log)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "quant_diag.txt"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+        return 0
 
     # 1. checks
     ok = True

@@ -49,9 +49,9 @@ def parse_args():
     p.add_argument("--fractions", type=float, nargs="+", default=[0.1, 0.5])
     p.add_argument("--chunks", type=int, nargs="+", default=[8, 4, 2, 1], help="chunks per round (memory order)")
     p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--variants", nargs="+", default=["depth2", "depth2+lhs", "depth1"],
-                   help="executor variants: depth1|depth2 (transfers in flight) [+lhs: XLA latency-hiding "
-                        "scheduler] [+bytes: every 8-bit float moved through a uint8 view]")
+    p.add_argument("--variants", nargs="+", default=["default"],
+                   help="executor variants, '+'-joined: own|words (rows in their dtype / as uint32 words), "
+                        "d1|d2 (transfers in flight), lhs (XLA latency-hiding scheduler); default: the library's")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the table rows here")
     return p.parse_args()
@@ -189,7 +189,7 @@ def dtype_check(mesh, rng):
 
 
 def component_times(mesh, experts, capacity, iters):
-    """Median ms of the local parts alone: packing ``capacity`` rows, scattering them back."""
+    """Median ms of the local parts alone: packing ``capacity`` rows, scattering them back (donates experts)."""
     names = sorted(experts)
     leaves = [experts[k] for k in names]
     probe = eps.plan_rearrangement(np.zeros((leaves[0].shape[0], leaves[0].shape[1]), np.int32),
@@ -203,11 +203,10 @@ def component_times(mesh, experts, capacity, iters):
         return packing.pack_rows(rows, layouts, idx)
 
     def scatter(buf, *ls):
-        out, start = [], 0
-        for x, lay in zip(ls, layouts):
+        out = []
+        for i, (x, lay) in enumerate(zip(ls, layouts)):
             r = packing.row_view(x, lay, num_rows)
-            upd = packing.from_byte_rows(buf[:, start : start + lay.row_bytes], lay)
-            start += lay.row_bytes
+            upd = packing.unpack_leaf(buf, layouts, i)
             out.append(packing.from_row_view(r.at[idx].set(upd, unique_indices=True), lay, x.shape))
         return out
 
@@ -231,7 +230,7 @@ def component_times(mesh, experts, capacity, iters):
         jax.block_until_ready(leaves)
         ts.append(time.perf_counter() - t)
     out["scatter"] = statistics.median(ts[1:]) * 1e3
-    return out
+    return out, dict(zip(names, leaves))
 
 
 def mem_in_use(devices):
@@ -257,13 +256,12 @@ def main():
     print(f"row {row} B/slot, experts {per_rank / 2**30:.2f} GiB per rank", flush=True)
 
     results = []
-    default_views = packing.BYTE_VIEW_DTYPES
-    all_8bit = frozenset(np.dtype(d) for d in (jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float8_e8m0fnu))
+    default_word_view, default_depth = _transport.WORD_VIEW, _transport.PIPELINE_DEPTH
     configs = [(v, f, c) for v in args.variants for f in args.fractions for c in args.chunks]
     for view, fraction, chunks in configs:
         parts = view.split("+")
-        packing.BYTE_VIEW_DTYPES = default_views | all_8bit if "bytes" in parts else default_views
-        _transport.PIPELINE_DEPTH = 1 if "depth1" in parts else 2
+        _transport.WORD_VIEW = True if "words" in parts else False if "own" in parts else default_word_view
+        _transport.PIPELINE_DEPTH = 1 if "d1" in parts else 2 if "d2" in parts else default_depth
         options = {"xla_gpu_enable_latency_hiding_scheduler": True} if "lhs" in parts else None
         times, plan_s, compiles, checked, extra_measured, temp = [], [], [], None, None, None
         for it in range(args.iters + 1):
@@ -313,10 +311,15 @@ def main():
             raw_by_size[r["moved"]] = raw_ppermute(mesh, r["moved"], max(5, args.iters))
         raw = raw_by_size[r["moved"]]
         r.update(raw_ms=raw * 1e3, raw_gbps=r["moved"] / raw / 1e9, ratio=raw / (r["time_ms"] / 1e3))
-    packing.BYTE_VIEW_DTYPES = default_views
-    _transport.PIPELINE_DEPTH = 2
+    _transport.WORD_VIEW, _transport.PIPELINE_DEPTH = default_word_view, default_depth
     dtype_ok = dtype_check(mesh, rng)
-    components = component_times(mesh, experts, results[-1]["capacity"], max(5, args.iters))
+    components = {}
+    for words in (False, True):
+        _transport.WORD_VIEW = words
+        times, experts = component_times(mesh, experts, results[-1]["capacity"], max(5, args.iters))
+        for k, v in times.items():
+            components[f"{k} ({'words' if words else 'own dtype'})"] = v
+    _transport.WORD_VIEW = default_word_view
 
     print(f"\n## transport: {num_ranks} x {devices[0].device_kind}, {args.layers} layers x {args.slots} slots, "
           f"row {row} B (fp8 w13 + e8m0 scales + bf16 w2), iters {args.iters}")

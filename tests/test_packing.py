@@ -48,16 +48,19 @@ def roundtrip():
     return jax.jit(run, static_argnums=1)
 
 
+@pytest.mark.parametrize("word_view", [False, True], ids=["own-dtype", "words"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-def test_pack_unpack_bytes_exact(dtype, rng, roundtrip):
-    x = random_rows(rng, dtype, 12, (3, 4))
-    layout = packing.leaf_layout(x.dtype, x.shape[1:])
-    assert layout.row_bytes == 12 * jax.dtypes.itemsize_bits(np.dtype(dtype)) // 8
+def test_pack_unpack_bytes_exact(dtype, word_view, rng, roundtrip):
+    x = random_rows(rng, dtype, 12, (4, 4))
+    layout = packing.leaf_layout(x.dtype, x.shape[1:], word_view=word_view)
+    if word_view and dtype != np.bool_:
+        assert layout.view_dtype == np.uint32
+    assert layout.row_bytes == 16 * jax.dtypes.itemsize_bits(np.dtype(dtype)) // 8
     rows = rng.permutation(12)[:7].astype(np.int32)
     packed, back = roundtrip(jax.device_put(x), layout, jnp.asarray(rows))
     expected = packing.pack_rows_numpy([x], rows)
-    assert packed.dtype == jnp.uint8 and packed.shape == (7, layout.row_bytes)
-    np.testing.assert_array_equal(np.asarray(packed), expected)
+    assert packed.shape[0] == 7 and packed.nbytes == 7 * layout.row_bytes
+    np.testing.assert_array_equal(np.asarray(packed).view(np.uint8).reshape(7, -1), expected)
     np.testing.assert_array_equal(packing.byte_rows_numpy(np.asarray(back)), packing.byte_rows_numpy(x[rows]))
 
 
@@ -68,6 +71,14 @@ def test_fp4_pairs_low_nibble_first(roundtrip):
     packed, _ = roundtrip(jax.device_put(values), layout, jnp.asarray([0], dtype=jnp.int32))
     expected = [codes[0, 0] | (codes[0, 1] << 4), codes[0, 2] | (codes[0, 3] << 4)]
     np.testing.assert_array_equal(np.asarray(packed)[0], np.array(expected, dtype=np.uint8))
+
+
+def test_words_only_when_every_leaf_is_words(rng):
+    four = packing.leaf_layout(np.float32, (3,), word_view=True)
+    odd = packing.leaf_layout(ml_dtypes.float8_e5m2, (3,), word_view=True)
+    assert four.view_dtype == np.uint32 and odd.view_dtype == np.uint8
+    assert packing.wire_dtype([four, four]) == np.uint32 and packing.wire_dtype([four, odd]) == np.uint8
+    assert packing.wire_offsets([four, four]) == [0, 3, 6] and packing.wire_offsets([four, odd]) == [0, 12, 15]
 
 
 def test_several_leaves_concatenate_in_order(rng):
@@ -106,5 +117,5 @@ def test_unsupported_dtypes_are_errors(dtype):
 
 def test_unpack_checks_width(rng):
     layout = packing.leaf_layout(np.float32, (2,))
-    with pytest.raises(ValueError, match="5 bytes, the leaves need 8"):
+    with pytest.raises(ValueError, match=r"uint8 \[\*, 5\], the leaves need uint8 \[\*, 8\]"):
         packing.unpack_rows(jnp.zeros((3, 5), jnp.uint8), [layout])

@@ -78,13 +78,14 @@ def moves(draw):
     num_experts = draw(st.integers(max(1, num_slots // 3), num_slots))
     seed = draw(st.integers(0, 2**31 - 1))
     keep = draw(st.floats(0, 0.9))
-    return num_ranks, layered, num_experts, seed, keep
+    word_view = draw(st.booleans())
+    return num_ranks, layered, num_experts, seed, keep, word_view
 
 
-@settings(max_examples=12)
+@settings(max_examples=16)
 @given(moves())
 def test_rearranged_bytes_equal_permuted_checkpoint(case):
-    num_ranks, layered, num_experts, seed, keep = case
+    num_ranks, layered, num_experts, seed, keep, word_view = case
     rng = np.random.default_rng(seed)
     layers, num_slots = (2 if layered else 1), 3 * num_ranks
     ckpt = checkpoint(rng, layers, num_experts)
@@ -98,15 +99,26 @@ def test_rearranged_bytes_equal_permuted_checkpoint(case):
     # one compiled executor per (ranks, layered): pad every plan to the largest possible capacities
     rows = layers * 3
     plan = eps.plan_rearrangement(old, new, num_ranks).padded(send=rows, dup=rows, copy=rows)
-    moved = eps.execute_plan(experts, plan, mesh=mesh)
+    saved, eps.transport.WORD_VIEW = eps.transport.WORD_VIEW, word_view  # both row views (CPU / GPU default)
+    try:
+        moved = eps.execute_plan(experts, plan, mesh=mesh)
+    finally:
+        eps.transport.WORD_VIEW = saved
     assert_bytes_equal(moved, load(ckpt, new), 2 if layered else 1)
     for k, leaf in moved.items():
         assert leaf.sharding.spec == experts[k].sharding.spec or leaf.sharding.is_equivalent_to(
             experts[k].sharding, leaf.ndim)
 
 
+@pytest.fixture(params=[False, True], ids=["own-dtype", "words"])
+def word_view(request, monkeypatch):
+    """Both row views: leaves in their own dtype (the CPU default) and as uint32 words (the GPU default)."""
+    monkeypatch.setattr(eps.transport, "WORD_VIEW", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("num_ranks", [1, 2, 4, 8])
-def test_rearrange_experts_on_every_mesh_size(num_ranks, rng):
+def test_rearrange_experts_on_every_mesh_size(num_ranks, word_view, rng):
     layers, num_experts, num_slots = 3, 3 * num_ranks, 4 * num_ranks
     ckpt = checkpoint(rng, layers, num_experts, dtypes=[ml_dtypes.bfloat16, ml_dtypes.float8_e5m2,
                                                         ml_dtypes.float4_e2m1fn, np.float32], row=(3, 2))

@@ -21,24 +21,26 @@ from __future__ import annotations
 
 import numpy as np
 
-from moe_eplb_jax.policy._packing import gather_rows, scatter_rows
+from moe_eplb_jax.policy._packing import gather_rows
 
 __all__ = ["preserve_slots", "moved_slots"]
 
 
 def _occurrence(ids: np.ndarray) -> np.ndarray:
-    """``occ[m, b]``: how many earlier entries of row ``m`` of ``ids [M, B]`` equal ``ids[m, b]``."""
+    """``occ[m, b]``: how many earlier entries of row ``m`` of non-negative ``ids [M, B]`` equal ``ids[m, b]``."""
     num_rows, width = ids.shape
-    if width <= 32:  # short rows (one GPU's slots): an all-pairs comparison beats sorting
-        earlier = np.tri(width, k=-1, dtype=bool)
-        return ((ids[:, :, None] == ids[:, None, :]) & earlier).sum(axis=2)
-    order = np.argsort(ids, axis=1, kind="stable")
-    sorted_ids = gather_rows(ids, order)
-    position = np.broadcast_to(np.arange(width), ids.shape)
-    run_start = np.zeros(ids.shape, dtype=np.int64)
-    run_start[:, 1:] = np.where(sorted_ids[:, 1:] != sorted_ids[:, :-1], position[:, 1:], 0)
-    run_start = np.maximum.accumulate(run_start, axis=1)
-    return scatter_rows(position - run_start, order)
+    # One flat sort by (row, id): equal ids of a row become one run, in slot order (stable). The keys
+    # ascend with the row, and merge sort is fast on such presorted runs.
+    keys = (ids + np.arange(num_rows, dtype=np.int64)[:, None] * (int(ids.max()) + 1)).ravel()
+    order = np.argsort(keys, kind="stable")
+    sorted_keys = keys[order]
+    position = np.arange(keys.size)
+    run_start = np.zeros(keys.size, dtype=np.int64)
+    run_start[1:] = np.where(sorted_keys[1:] != sorted_keys[:-1], position[1:], 0)
+    np.maximum.accumulate(run_start, out=run_start)
+    occurrence = np.empty(keys.size, dtype=np.int64)
+    occurrence[order] = position - run_start
+    return occurrence.reshape(num_rows, width)
 
 
 def _row_keys(ids: np.ndarray, num_logical: int, *, row_offset: bool = True) -> np.ndarray:
@@ -68,7 +70,9 @@ def _block_overlap(new: np.ndarray, old: np.ndarray, num_logical: int) -> np.nda
     old_keys = _row_keys(old.reshape(-1, width), num_logical, row_offset=False).reshape(old.shape)
     new_keys = (new_keys + row_offset).ravel()
     old_keys = (old_keys + row_offset).ravel()
-    old_order = np.argsort(old_keys)  # the order among equal keys does not matter: all pairs count
+    # Keys ascend with the row, so the input is made of sorted-ish runs: a stable (merge) sort is
+    # about ten times faster here than the default one.
+    old_order = np.argsort(old_keys, kind="stable")
     old_sorted = old_keys[old_order]
     lo = np.searchsorted(old_sorted, new_keys, side="left")
     hi = np.searchsorted(old_sorted, new_keys, side="right")
@@ -120,7 +124,7 @@ def _keep_slots(new: np.ndarray, rank: np.ndarray, old: np.ndarray, num_logical:
     """Within each row of ``[M, B]`` tables, keeps old experts in their slot (see the module docstring)."""
     new_keys = _row_keys(new, num_logical).ravel()
     old_keys = _row_keys(old, num_logical).ravel()
-    old_order = np.argsort(old_keys)  # keys are unique: no tie to break
+    old_order = np.argsort(old_keys, kind="stable")  # row-major runs: merge sort is fastest
     old_sorted = old_keys[old_order]
     found = np.minimum(np.searchsorted(old_sorted, new_keys), old_sorted.size - 1)
     matched = old_sorted[found] == new_keys

@@ -126,13 +126,15 @@ def _with_sign_of(codes_u8: jax.Array, magnitude_mask: int, sign_bit: int, x: ja
 
 
 def encode_e4m3(v: jax.Array) -> jax.Array:
-    """Saturating round-to-nearest-even float32 -> ``float8_e4m3fn``; NaN stays NaN.
+    """Saturating round-to-nearest-even float32 -> ``float8_e4m3fn``; NaN becomes the code 0x7F.
 
     ``astype`` alone turns values past 464 into NaN, hence the clip first.
     """
     q = jnp.clip(v.astype(jnp.float32), -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
     codes = jax.lax.bitcast_convert_type(q, jnp.uint8)
     codes = _with_sign_of(codes, 0x7F, 0x80, v)
+    # One NaN code (0x7F) whatever the NaN's sign bit: backends differ in the sign of generated NaNs.
+    codes = jnp.where(jnp.isnan(v), jnp.uint8(0x7F), codes)
     return jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn)
 
 

@@ -42,6 +42,7 @@ from moe_eplb_jax.quant._api import _TYPES, _check_finite, _check_weights, _per_
 from moe_eplb_jax.quant._elements import INV_E4M3_MAX, decode_e2m1, e8m0_to_float32, unpack_fp4
 from moe_eplb_jax.quant.fp8 import Fp8Experts, expert_amax, quantize_fp8
 from moe_eplb_jax.quant.mx import MX_BLOCK, Mxfp4Experts, Mxfp8Experts, quantize_mxfp8
+from moe_eplb_jax.quant.nvfp4 import NVFP4_BLOCK, Nvfp4Experts
 from moe_eplb_jax.quant.scales import activation_scale, quantize_activation_fp8
 
 __all__ = ["IMPLS", "expert_mlp", "expert_mlp_reference", "quantize_mlp", "share_weight_scale"]
@@ -141,7 +142,7 @@ def _unpack_fp4_to_float4(packed):
     return pairs.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
-def _project(x, q, *, impl, activation_scaling, axis_name, compute_dtype):
+def _project(x, q, *, impl, activation_scaling, axis_name, compute_dtype, fast_accumulation=False):
     """``x [E, T, K]`` times the weights ``[E, N, K]`` of ``q`` -> float32 ``[E, T, N]``."""
     if isinstance(q, Fp8Experts):
         input_scale, alpha = _fp8_scales(x, q, activation_scaling, axis_name)
@@ -150,11 +151,12 @@ def _project(x, q, *, impl, activation_scaling, axis_name, compute_dtype):
         if impl == "reference":
             acc = jnp.einsum("etk,enk->etn", x_q.astype(jnp.float32), q.weight.astype(jnp.float32),
                              precision=jax.lax.Precision.HIGHEST)
-        elif impl == "auto":
-            acc = jax.lax.dot_general(x_q, q.weight, _BATCHED, preferred_element_type=jnp.float32)
         else:
-            acc = jax.lax.dot_general(x_q.astype(compute_dtype), q.weight.astype(compute_dtype), _BATCHED,
-                                      preferred_element_type=jnp.float32)
+            # DEFAULT precision lets XLA pick cuBLASLt's FP8 fast accumulation (lower-precision partial
+            # sums on Hopper); HIGHEST keeps float32 accumulation of the exact e4m3 products.
+            precision = jax.lax.Precision.DEFAULT if fast_accumulation else jax.lax.Precision.HIGHEST
+            lhs, rhs = (x_q, q.weight) if impl == "auto" else (x_q.astype(compute_dtype), q.weight.astype(compute_dtype))
+            acc = jax.lax.dot_general(lhs, rhs, _BATCHED, precision=precision, preferred_element_type=jnp.float32)
         return acc * alpha
     if impl == "reference":
         w = q.dequantize() if isinstance(q, _TYPES) else q.astype(jnp.float32)
@@ -175,36 +177,46 @@ def _dequantize_fast(q, dtype):
     """
     if isinstance(q, (Mxfp8Experts, Mxfp4Experts)):
         e, n, k = q.shape
-        if isinstance(q, Mxfp8Experts):
-            values = q.elements.astype(jnp.float32)
-        else:
-            values = decode_e2m1(unpack_fp4(q.elements))
+        values = q.elements.astype(jnp.float32) if isinstance(q, Mxfp8Experts) else _fp4_values(q.elements)
         scale = e8m0_to_float32(q.scales)[..., None]
         return (values.reshape(e, n, k // MX_BLOCK, MX_BLOCK) * scale).reshape(e, n, k).astype(dtype)
+    if isinstance(q, Nvfp4Experts):
+        e, n, k = q.shape
+        values = _fp4_values(q.elements).reshape(e, n, k // NVFP4_BLOCK, NVFP4_BLOCK)
+        scale = q.block_scales.astype(jnp.float32) * q.global_scale[:, None, None]
+        return (values * scale[..., None]).reshape(e, n, k).astype(dtype)
     return q.dequantize().astype(dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("impl", "activation_scaling", "axis_name", "compute_dtype"))
-def _mlp(x, gate, up, down, *, impl, activation_scaling, axis_name, compute_dtype):
+def _fp4_values(packed):
+    """Packed e2m1 pairs ``[..., K // 2]`` -> float32 ``[..., K]`` (elementwise, fusable)."""
+    return decode_e2m1(unpack_fp4(packed))
+
+
+@functools.partial(jax.jit, static_argnames=("impl", "activation_scaling", "axis_name", "compute_dtype",
+                                             "fast_accumulation"))
+def _mlp(x, gate, up, down, *, impl, activation_scaling, axis_name, compute_dtype, fast_accumulation):
     project = functools.partial(_project, impl=impl, activation_scaling=activation_scaling, axis_name=axis_name,
-                                compute_dtype=compute_dtype)
+                                compute_dtype=compute_dtype, fast_accumulation=fast_accumulation)
     hidden = jax.nn.silu(project(x, gate)) * project(x, up)
     return project(hidden, down)
 
 
 def expert_mlp(x, gate, up, down, *, impl: str = "auto", activation_scaling: str = "static",
-               axis_name: str | None = None, compute_dtype=jnp.bfloat16) -> jax.Array:
+               axis_name: str | None = None, compute_dtype=jnp.bfloat16, fast_accumulation: bool = False) -> jax.Array:
     """Expert MLP ``down(silu(gate(x)) * up(x))`` per expert slot -> float32 ``[E, T, H]``.
 
     ``x`` is float ``[E, T, H]``; ``gate``/``up`` are ``[E, I, H]`` and ``down``
     ``[E, H, I]`` weights, each a quantized pytree or a float array. ``impl`` is
     one of ``IMPLS`` (see the module docstring for what runs where);
     ``activation_scaling`` applies to ``fp8`` projections; ``axis_name`` is the
-    EP mesh axis for dynamic scales inside ``shard_map``.
+    EP mesh axis for dynamic scales inside ``shard_map``. ``fast_accumulation``
+    lets ``fp8`` GEMMs use the GPU's reduced-precision FP8 accumulation (faster,
+    less accurate at large K); off by default.
     """
     _check_mlp(x, gate, up, down, impl, activation_scaling)
     return _mlp(x, gate, up, down, impl=impl, activation_scaling=activation_scaling, axis_name=axis_name,
-                compute_dtype=jnp.dtype(compute_dtype))
+                compute_dtype=jnp.dtype(compute_dtype), fast_accumulation=bool(fast_accumulation))
 
 
 def expert_mlp_reference(x, gate, up, down, *, activation_scaling: str = "static", axis_name: str | None = None):

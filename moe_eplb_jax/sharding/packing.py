@@ -35,7 +35,10 @@ __all__ = [
     "to_byte_rows",
     "from_byte_rows",
     "pack_rows",
+    "unpack_leaf",
     "unpack_rows",
+    "wire_dtype",
+    "wire_offsets",
     "pack_rows_numpy",
     "byte_rows_numpy",
 ]
@@ -75,9 +78,11 @@ def _bits(dtype) -> int:
     return int(jax.dtypes.itemsize_bits(np.dtype(dtype)))
 
 
-def leaf_layout(dtype, row_shape: Sequence[int], *, name: str = "leaf") -> LeafLayout:
+def leaf_layout(dtype, row_shape: Sequence[int], *, name: str = "leaf", word_view: bool = False) -> LeafLayout:
     """The byte layout of one row of ``row_shape`` elements of ``dtype``.
 
+    With ``word_view`` a row whose size is a multiple of 4 bytes is handled as
+    ``uint32`` words (gathers and scatters then move 4 bytes per element).
     Raises ``ValueError`` for dtypes that cannot be viewed as bytes and for
     4-bit rows with an odd element count.
     """
@@ -93,25 +98,35 @@ def leaf_layout(dtype, row_shape: Sequence[int], *, name: str = "leaf") -> LeafL
                 f"{name}: a {dtype} row of shape {row_shape} has {count} elements; 4-bit rows are moved as "
                 "byte pairs and need an even element count per slot"
             )
-        return LeafLayout(dtype, row_shape, count // 2, dtype)
-    if bits not in (8, 16, 32, 64):
+        row_bytes = count // 2
+    elif bits in (8, 16, 32, 64):
+        row_bytes = count * bits // 8
+    else:
         raise ValueError(f"{name}: dtype {dtype} ({bits} bits) cannot be moved as bytes")
-    view = np.dtype(np.uint8) if dtype in BYTE_VIEW_DTYPES else dtype
-    return LeafLayout(dtype, row_shape, count * bits // 8, view)
+    if word_view and row_bytes % 4 == 0 and bits <= 32 and dtype != np.bool_:
+        view = np.dtype(np.uint32)
+    elif dtype in BYTE_VIEW_DTYPES:
+        view = np.dtype(np.uint8)
+    else:
+        view = dtype
+    return LeafLayout(dtype, row_shape, row_bytes, view)
 
 
 def row_view(x: jax.Array, layout: LeafLayout, num_rows: int) -> jax.Array:
     """``x [.., *row_shape]`` with ``num_rows`` rows as the row view ``[num_rows, m]`` of ``layout.view_dtype``."""
     flat = x.reshape(num_rows, layout.row_elements)
-    if layout.view_dtype != layout.dtype:
-        flat = jax.lax.bitcast_convert_type(flat, jnp.uint8)  # same width: a free bitcast
-    return flat
+    if layout.view_dtype == layout.dtype:
+        return flat
+    ratio = _bits(layout.view_dtype) // _bits(layout.dtype)
+    if ratio > 1:  # several elements per view element: group them on a trailing axis
+        flat = flat.reshape(num_rows, layout.row_elements // ratio, ratio)
+    return jax.lax.bitcast_convert_type(flat, layout.view_dtype)
 
 
 def from_row_view(rows: jax.Array, layout: LeafLayout, shape: Sequence[int]) -> jax.Array:
     """Inverse of :func:`row_view`: back to ``layout.dtype`` and ``shape``."""
     if layout.view_dtype != layout.dtype:
-        rows = jax.lax.bitcast_convert_type(rows, layout.dtype)
+        rows = jax.lax.bitcast_convert_type(rows, layout.dtype)  # [N, w] or [N, w, ratio]
     return rows.reshape(tuple(shape))
 
 
@@ -143,24 +158,43 @@ def from_byte_rows(rows: jax.Array, layout: LeafLayout) -> jax.Array:
     return jax.lax.bitcast_convert_type(rows.reshape(num_rows, -1, bits // 8), view)
 
 
+def wire_dtype(layouts: Sequence[LeafLayout]) -> np.dtype:
+    """The element type of packed rows: ``uint32`` words when every leaf is viewed as words, else ``uint8``."""
+    if layouts and all(lay.view_dtype == np.uint32 for lay in layouts):
+        return np.dtype(np.uint32)
+    return np.dtype(np.uint8)
+
+
+def wire_offsets(layouts: Sequence[LeafLayout]) -> list[int]:
+    """Column offsets of each leaf in a packed row (in ``wire_dtype`` elements), plus the total."""
+    unit = np.dtype(wire_dtype(layouts)).itemsize
+    return [int(o) // unit for o in np.cumsum([0] + [lay.row_bytes for lay in layouts])]
+
+
 def pack_rows(row_views: Sequence[jax.Array], layouts: Sequence[LeafLayout], rows: jax.Array) -> jax.Array:
-    """Gathers ``rows [C]`` of every row view into one ``uint8 [C, sum(row_bytes)]`` buffer.
+    """Gathers ``rows [C]`` of every row view into one packed ``[C, B]`` buffer of ``wire_dtype`` bytes/words.
 
     Row indices must be in ``[0, N)``; only the ``C`` requested rows are read.
     """
+    if wire_dtype(layouts) == np.uint32:
+        return jnp.concatenate([v[rows] for v in row_views], axis=1)
     return jnp.concatenate([to_byte_rows(v[rows], lay) for v, lay in zip(row_views, layouts)], axis=1)
 
 
+def unpack_leaf(packed: jax.Array, layouts: Sequence[LeafLayout], index: int) -> jax.Array:
+    """Leaf ``index``'s row view ``[C, m]`` from packed rows made by :func:`pack_rows`."""
+    offsets = wire_offsets(layouts)
+    part = packed[:, offsets[index] : offsets[index + 1]]
+    return part if packed.dtype == jnp.uint32 else from_byte_rows(part, layouts[index])
+
+
 def unpack_rows(packed: jax.Array, layouts: Sequence[LeafLayout]) -> list[jax.Array]:
-    """Splits ``uint8 [C, B]`` from :func:`pack_rows` into the leaves' row views ``[C, m_i]``."""
-    widths = [lay.row_bytes for lay in layouts]
-    if packed.shape[1] != sum(widths):
-        raise ValueError(f"packed rows have {packed.shape[1]} bytes, the leaves need {sum(widths)}")
-    out, start = [], 0
-    for width, lay in zip(widths, layouts):
-        out.append(from_byte_rows(packed[:, start : start + width], lay))
-        start += width
-    return out
+    """Splits packed ``[C, B]`` rows from :func:`pack_rows` into the leaves' row views ``[C, m_i]``."""
+    width = wire_offsets(layouts)[-1]
+    if packed.shape[1] != width or packed.dtype != wire_dtype(layouts):
+        raise ValueError(f"packed rows are {packed.dtype} [*, {packed.shape[1]}], the leaves need "
+                         f"{wire_dtype(layouts)} [*, {width}]")
+    return [unpack_leaf(packed, layouts, i) for i in range(len(layouts))]
 
 
 # ------------------------------------------------------------- host reference

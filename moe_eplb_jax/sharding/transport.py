@@ -31,7 +31,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from moe_eplb_jax.sharding.mesh import axis_size
-from moe_eplb_jax.sharding.packing import LeafLayout, from_byte_rows, from_row_view, leaf_layout, pack_rows, row_view
+from moe_eplb_jax.sharding.packing import LeafLayout, from_row_view, leaf_layout, pack_rows, row_view, unpack_leaf
 from moe_eplb_jax.sharding.plan import TransportPlan, plan_rearrangement
 
 __all__ = ["rearrange_experts", "execute_plan", "executor_trace_count", "row_bytes", "DEFAULT_MAX_CHUNK_BYTES"]
@@ -160,6 +160,7 @@ def _check_leaves(experts: Any, plan: TransportPlan, mesh: Mesh, axis: str):
     lead_shape = (plan.num_layers, plan.num_slots) if plan.layered else (plan.num_slots,)
     slot_dim = len(lead_shape) - 1
     leaves, layouts, specs = [], [], []
+    word_view = WORD_VIEW if WORD_VIEW is not None else mesh.devices.flat[0].platform == "gpu"
     for path, leaf in with_path:
         name = "experts" + jax.tree_util.keystr(path)
         if not isinstance(leaf, jax.Array) or isinstance(leaf, jax.core.Tracer):
@@ -182,7 +183,7 @@ def _check_leaves(experts: Any, plan: TransportPlan, mesh: Mesh, axis: str):
             if axis in _names(_spec_entry(spec, dim)):
                 raise ValueError(f"{name}: only the slot axis may be sharded over {axis!r}, spec is {spec}")
         local_shape = sharding.shard_shape(leaf.shape)
-        layouts.append(leaf_layout(leaf.dtype, local_shape[len(lead_shape) :], name=name))
+        layouts.append(leaf_layout(leaf.dtype, local_shape[len(lead_shape) :], name=name, word_view=word_view))
         entries = [_spec_entry(spec, d) for d in range(leaf.ndim)]
         while entries and entries[-1] is None:  # one spelling per sharding
             entries.pop()
@@ -193,6 +194,8 @@ def _check_leaves(experts: Any, plan: TransportPlan, mesh: Mesh, axis: str):
 
 # ------------------------------------------------------------------ executor
 _EXECUTORS: dict = {}
+# Move rows as uint32 words (True), in their own dtype (False), or words on GPU only (None).
+WORD_VIEW: bool | None = None
 PIPELINE_DEPTH = 2  # transfers in flight (packed send chunks alive) per rank
 _TRACES = [0]
 
@@ -206,8 +209,6 @@ def _executor(mesh, axis, specs, layouts, num_lead, donate, num_chunks, options=
 
 def _build_executor(mesh, axis, specs, layouts, num_lead, donate, num_chunks, options, depth):
     num_ranks = int(mesh.shape[axis])
-    widths = [layout.row_bytes for layout in layouts]
-    offsets = np.cumsum([0] + widths)
 
     def local(tables, leaves):
         _TRACES[0] += 1
@@ -242,8 +243,7 @@ def _build_executor(mesh, axis, specs, layouts, num_lead, donate, num_chunks, op
             if copied is not None:
                 r = r.at[copy_dst].set(copied[i], mode="drop", unique_indices=True)
             for dst, buf in zip(dsts, incoming):
-                update = from_byte_rows(buf[:, offsets[i] : offsets[i + 1]], layout)
-                r = r.at[dst].set(update, mode="drop", unique_indices=True)
+                r = r.at[dst].set(unpack_leaf(buf, layouts, i), mode="drop", unique_indices=True)
             if dup_dst.shape[0]:  # further slots of a received expert, from its first (just written) slot
                 r = r.at[dup_dst].set(r[dup_src], mode="drop", unique_indices=True)
             out.append(from_row_view(r, layout, local_shapes[i]))

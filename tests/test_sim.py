@@ -1,0 +1,107 @@
+"""Simulator: generators, load files, per-policy reports, the online L1 policy."""
+
+import json
+
+import numpy as np
+import pytest
+
+from moe_eplb_jax import policy
+from moe_eplb_jax.placement import Placement
+from moe_eplb_jax.policy.online import refresh_phy2log
+from moe_eplb_jax.sim import (drifting_load, format_table, home_rank_imbalance, lognormal_load, plot_reports,
+                              read_load, save_load, simulate, zipf_counts, zipf_popularity, zipf_topk)
+
+
+@pytest.mark.parametrize("imbalance", [1.5, 3.0])
+def test_zipf_hits_target_imbalance(imbalance):
+    p = zipf_popularity(128, 32, imbalance, seed=4)
+    assert abs(home_rank_imbalance(p, 32) - imbalance) < 1e-6 and abs(p.sum() - 1) < 1e-12
+    counts = zipf_counts(32, 128, 2048, 8, imbalance, seed=4)
+    assert counts.shape == (32, 128) and np.all(counts.sum(1) == 2048 * 8)
+    ids = zipf_topk(4, 16, 64, 4, imbalance, seed=4)
+    assert ids.shape == (4, 64, 4) and all(len(set(row)) == 4 for row in ids.reshape(-1, 4).tolist())
+
+
+def test_generators_shapes_and_bad_input():
+    assert lognormal_load(3, 16, tokens=1000).sum(1).tolist() == [1000] * 3
+    trace = drifting_load(6, 2, 16, 4, imbalance=2.0, tokens=4096, seed=1)
+    assert trace.shape == (6, 2, 16) and np.all(trace.sum(-1) == 4096)
+    assert not np.array_equal(trace[0].argmax(-1), trace[-1].argmax(-1))  # the hot experts moved
+    with pytest.raises(ValueError, match="imbalance"):
+        zipf_popularity(16, 4, 5.0)
+    with pytest.raises(ValueError, match="multiple"):
+        zipf_popularity(15, 4, 2.0)
+
+
+@pytest.mark.parametrize("suffix", [".npz", ".json"])
+def test_load_file_round_trip(tmp_path, rng, suffix):
+    load = rng.integers(0, 100, size=(3, 2, 8))
+    path = tmp_path / f"load{suffix}"
+    save_load(path, load, num_ranks=4, top_k=2, note="x")
+    trace = read_load(path)
+    np.testing.assert_array_equal(trace.load, load)
+    assert trace.meta["num_ranks"] == 4 and trace.meta["top_k"] == 2
+    single = tmp_path / f"single{suffix}"
+    save_load(single, load[0])
+    assert read_load(single).load.shape == (1, 2, 8)
+
+
+def test_load_file_errors(tmp_path, rng):
+    with pytest.raises(ValueError, match="non-negative"):
+        save_load(tmp_path / "a.npz", -np.ones((2, 4)))
+    with pytest.raises(ValueError, match="unknown metadata"):
+        save_load(tmp_path / "a.npz", np.ones((2, 4)), colour="red")
+    (tmp_path / "b.json").write_text(json.dumps({"format": "other", "version": 1, "load": [[1]]}))
+    with pytest.raises(ValueError, match="'format'"):
+        read_load(tmp_path / "b.json")
+    (tmp_path / "c.json").write_text(json.dumps({"format": "moe_eplb_jax.load", "version": 1}))
+    with pytest.raises(ValueError, match="missing field 'load'"):
+        read_load(tmp_path / "c.json")
+    (tmp_path / "d.json").write_text("{not json")
+    with pytest.raises(ValueError, match="JSON"):
+        read_load(tmp_path / "d.json")
+    with pytest.raises(ValueError, match=".npz or .json"):
+        read_load(tmp_path / "e.txt")
+
+
+def test_simulate_reports(tmp_path):
+    trace = drifting_load(8, 2, 32, 8, imbalance=2.0, tokens=65536, seed=2)
+    reports = simulate(trace, num_ranks=8, num_spare=2, policies=("none", "deepseek", "deepseek+lp", "online"),
+                       step_interval=4, window=4)
+    by = {r.name: r for r in reports}
+    assert set(by) == {"none", "deepseek", "deepseek+lp", "online"}
+    for r in reports:
+        assert r.rank_load.shape == (8, 2, 8)
+        np.testing.assert_allclose(r.rank_load.sum(-1), trace.sum(-1), rtol=1e-4)  # no token lost
+    assert by["none"].replicas_used == 0 and by["deepseek"].replicas_used == 16
+    assert by["deepseek"].num_rebalances == 1 and by["deepseek"].bytes_moved > 0
+    assert by["online"].balancedness > by["deepseek+lp"].balancedness >= by["deepseek"].balancedness - 1e-9
+    assert by["deepseek"].balancedness > by["none"].balancedness
+    assert by["online"].layer_imbalance.max() < 1.02
+    table = format_table(reports)
+    assert all(name in table for name in by)
+    plot_reports(reports, tmp_path / "sim.png")
+    assert (tmp_path / "sim.png").read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ValueError, match="unknown placement policy"):
+        simulate(trace, num_ranks=8, num_spare=2, policies=("nope",))
+    with pytest.raises(ValueError, match="divisible"):
+        simulate(trace, num_ranks=5, num_spare=2)
+
+
+def test_online_policy_registered(rng):
+    import moe_eplb_jax.policy.online  # noqa: F401
+
+    weight = rng.lognormal(0.0, 1.0, size=(3, 32))
+    tables = policy.get("online")(weight, 48, 1, 1, 8)
+    placement = Placement.from_tables(*tables, num_ranks=8)
+    phy2log = placement.phy2log.reshape(3, 8, 6)
+    np.testing.assert_array_equal(phy2log[:, :, :4], np.broadcast_to(np.arange(32).reshape(8, 4), (3, 8, 4)))
+    for layer in range(3):
+        for rank in range(8):
+            assert len(set(phy2log[layer, rank].tolist())) == 6  # no expert twice on a rank
+    assert policy.get("quota") is policy.get("online")
+    with pytest.raises(ValueError, match="divisible"):
+        policy.get("online")(weight, 50, 1, 1, 8)
+    old = np.arange(12) % 5
+    new = np.where(np.arange(12) % 3 == 2, -1, np.arange(12) % 4)
+    np.testing.assert_array_equal(refresh_phy2log(old, new), np.where(new >= 0, new, old))
