@@ -1,15 +1,22 @@
 """MoE layer step time under Zipf-skewed routing: initial placement vs EPLB placement vs uniform routing.
 
-    PYTHONPATH=. python3 benchmarks/moe_step.py --ranks 2            # 2 GPUs
-    PYTHONPATH=. python3 benchmarks/moe_step.py --cpu-devices 8 --small   # smoke run on CPU
+    PYTHONPATH=. python3 benchmarks/moe_step.py --ranks 2                       # 2 GPUs
+    PYTHONPATH=. python3 benchmarks/moe_step.py --ranks 8 --matmul dense,pallas # EP8 (issue 8)
+    PYTHONPATH=. python3 benchmarks/moe_step.py --cpu-devices 8 --small --matmul dense,pallas_interpret
 
-Prints, side by side in one run: the forward step time of one expert-parallel
-MoE layer (dispatch all_to_all + grouped expert matmul + combine) with the
-initial (linear) placement, with the EPLB placement fitted to the measured
-load, and with uniform routing (the ideal); the balancedness of each; and the
-EPLB bookkeeping (map_and_count + load psum + EplbState record/end_step) as a
-fraction of the layer step. Also checks that the outputs under the two
-placements are bit-identical (placement invariance on this backend).
+Prints, side by side in one run and for each grouped-matmul implementation:
+the forward step time of one expert-parallel MoE layer (route + map_and_count
++ dispatch all_to_all + grouped expert MLP + combine) with the initial
+placement (experts in id order, redundant slots on the coldest experts: the
+hot experts share the first rank), with the EPLB placement (the ``deepseek``
+policy on the measured load) and with perfectly uniform routing on an even
+placement (the ideal: every expert gets ``T*k/E`` tokens); the measured balancedness of each; the EPLB bookkeeping
+(map_and_count + load psum + EplbState record/end_step) as a fraction of the
+EPLB step; and whether the outputs under the two placements are bit-identical.
+
+``dense`` costs the worst case whatever the routing, so only an implementation
+whose cost follows the rows a rank received (``pallas``) can show the balance
+in step time.
 """
 
 from __future__ import annotations
@@ -18,21 +25,22 @@ import argparse
 import os
 import sys
 import time
+import traceback
 
 
 def _args():
     p = argparse.ArgumentParser()
-    p.add_argument("--ranks", type=int, default=None)
-    p.add_argument("--cpu-devices", type=int, default=0)
-    p.add_argument("--small", action="store_true")
+    p.add_argument("--ranks", type=int, default=None, help="EP ranks (default: every device)")
+    p.add_argument("--cpu-devices", type=int, default=0, help="simulate this many CPU devices")
+    p.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
     p.add_argument("--tokens", type=int, default=8192, help="tokens per rank")
     p.add_argument("--dim", type=int, default=1024)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--experts", type=int, default=32)
     p.add_argument("--redundant", type=int, default=16)
     p.add_argument("--top-k", type=int, default=4)
-    p.add_argument("--zipf", type=float, default=1.2)
-    p.add_argument("--matmul", default="dense")
+    p.add_argument("--zipf", type=float, default=1.2, help="router bias -4*zipf*log(1+e)")
+    p.add_argument("--matmul", default="dense,pallas", help="comma-separated grouped matmul implementations")
     p.add_argument("--map-impl", default=None, help="map_and_count implementation (None: its default)")
     p.add_argument("--iters", type=int, default=20)
     return p.parse_args()
@@ -48,6 +56,7 @@ def main():
     import jax
     import jax.numpy as jnp
     import numpy as np
+    from jax.sharding import PartitionSpec as PS
 
     from moe_eplb_jax import metrics, state as eplb_state
     from moe_eplb_jax.flax import layer as L
@@ -63,25 +72,29 @@ def main():
     dtype = jnp.bfloat16
     w_in = rng.standard_normal((E, D, 2 * H)).astype(np.float32) * D**-0.5
     w_out = rng.standard_normal((E, H, D)).astype(np.float32) * H**-0.5
-    router = rng.standard_normal((D, E)).astype(np.float32) * D**-0.5
-    zipf_bias = (-args.zipf * np.log1p(np.arange(E))).astype(np.float32) * 4.0
-    flat_bias = np.zeros(E, np.float32)
-    x = L._put(rng.standard_normal((T, D)).astype(np.float32).astype(dtype), mesh, jax.sharding.PartitionSpec("ep"))
+    router = L._put(rng.standard_normal((D, E)).astype(np.float32) * D**-0.5, mesh, PS())
+    zipf_bias = L._put((-4.0 * args.zipf * np.log1p(np.arange(E))).astype(np.float32), mesh, PS())
+    flat_bias = L._put(np.zeros(E, np.float32), mesh, PS())
+    x = L._put(rng.standard_normal((T, D)).astype(np.float32).astype(dtype), mesh, PS("ep"))
+    # The ideal: token t picks experts (t*k + j) mod E exactly (a one-hot router), so every expert gets
+    # T*k/E tokens, under a placement that spreads E equal loads evenly (linear: replicas of 0..R-1 last).
+    if D < E:
+        raise ValueError(f"--dim ({D}) must be at least --experts ({E}) for the uniform routing case")
+    picks = (np.arange(T)[:, None] * K + np.arange(K)[None, :]) % E
+    x_uni_host = 0.01 * rng.standard_normal((T, D)).astype(np.float32)
+    np.put_along_axis(x_uni_host, picks, 8.0, axis=1)
+    x_uni = L._put(x_uni_host.astype(dtype), mesh, PS("ep"))
+    router_uni = L._put(np.eye(D, E, dtype=np.float32), mesh, PS())
 
-    apply = jax.jit(lambda *a: L.moe_apply(*a, top_k=K, mesh=mesh, matmul=args.matmul,
-                                                 map_implementation=args.map_impl))
-
-    def operands(placement, bias):
+    def operands(placement, bias, tokens=x, router=router):
         phy = placement.phy2log[0]
-        slots = jax.sharding.PartitionSpec("ep")
-        return (x, L._put(router, mesh, jax.sharding.PartitionSpec()), L._put(bias, mesh, jax.sharding.PartitionSpec()),
-                L._put(w_in[phy].astype(dtype), mesh, slots), L._put(w_out[phy].astype(dtype), mesh, slots),
-                L._put(placement.log2phy[0], mesh, jax.sharding.PartitionSpec()),
-                L._put(placement.logcnt[0], mesh, jax.sharding.PartitionSpec()))
+        experts = {"w_in": L._put(w_in[phy].astype(dtype), mesh, PS("ep")),
+                   "w_out": L._put(w_out[phy].astype(dtype), mesh, PS("ep"))}
+        return (tokens, router, bias, experts, L._put(placement.log2phy[0], mesh, PS()),
+                L._put(placement.logcnt[0], mesh, PS()))
 
     def bench(fn, ops):
-        out = fn(*ops)
-        jax.block_until_ready(out)
+        out = jax.block_until_ready(fn(*ops))
         times = []
         for _ in range(args.iters):
             t0 = time.perf_counter()
@@ -89,57 +102,73 @@ def main():
             times.append(time.perf_counter() - t0)
         return float(np.median(times)), out
 
-    # Initial placement: experts in id order, redundant slots on the coldest experts (hot ones share rank 0).
-    initial = np.concatenate([np.arange(E), np.arange(E - 1, E - 1 - (P - E), -1)])
-    linear = Placement.from_phy2log(initial[None], E, num_ranks=ranks)
-    ops_lin = operands(linear, zipf_bias)
-    t_lin, (y_lin, load_lin) = bench(apply, ops_lin)
-    load_lin = np.asarray(load_lin)[None]
-    logical = np.bincount(linear.phy2log[0], weights=load_lin[0], minlength=E)[None]
-    config = EplbConfig(num_redundant_experts=P - E, num_gpus=ranks)
-    fitted = eplb_state.compute_placement(logical, config)
-    ops_fit = operands(fitted, zipf_bias)
-    t_fit, (y_fit, load_fit) = bench(apply, ops_fit)
-    ops_uni = operands(linear, flat_bias)
-    t_uni, (_, load_uni) = bench(apply, ops_uni)
-    same = bool(np.array_equal(np.asarray(y_lin).view(np.uint16), np.asarray(y_fit).view(np.uint16)))
-    bal = {name: float(metrics.balancedness(metrics.rank_load(np.asarray(l)[None], ranks)))
-           for name, l in (("initial", load_lin), ("eplb", load_fit), ("uniform", load_uni))}
+    def balancedness(load):
+        return float(metrics.balancedness(metrics.rank_load(np.asarray(load)[None], ranks)))
 
-    # Bookkeeping: routing map + count per rank, load psum, EplbState update (one layer).
+    initial = np.concatenate([np.arange(E), np.arange(E - 1, E - 1 - (P - E), -1)])
+    start = Placement.from_phy2log(initial[None], E, num_ranks=ranks)
+    uniform = Placement.linear(1, E, P, num_ranks=ranks)
+    config = EplbConfig(num_redundant_experts=P - E, num_gpus=ranks)
+    fitted = None
+
+    # Bookkeeping: routing map + count per rank, load psum, EplbState update (one layer), minus routing alone.
     def book(x, router, bias, log2phy, logcnt, state):
         def per_rank(x, router, bias, log2phy, logcnt):
             ids, _ = L.route(x, router, top_k=K, bias=bias)
             _, load = map_and_count(ids, log2phy, logcnt, num_physical=P, implementation=args.map_impl)
             return jax.lax.psum(load, "ep")
-        sm = jax.shard_map(per_rank, mesh=mesh, in_specs=(jax.sharding.PartitionSpec("ep"),) + (jax.sharding.PartitionSpec(),) * 4,
-                           out_specs=jax.sharding.PartitionSpec(), check_vma=False)
-        load = sm(x, router, bias, log2phy, logcnt)
+
+        load = jax.shard_map(per_rank, mesh=mesh, in_specs=(PS("ep"),) + (PS(),) * 4, out_specs=PS(),
+                             check_vma=False)(x, router, bias, log2phy, logcnt)
         return eplb_state.end_step(eplb_state.record(state, load[None]))
 
     def route_only(x, router, bias):
-        def per_rank(x, router, bias):
-            return L.route(x, router, top_k=K, bias=bias)[0]
-        return jax.shard_map(per_rank, mesh=mesh, in_specs=(jax.sharding.PartitionSpec("ep"),) + (jax.sharding.PartitionSpec(),) * 2,
-                             out_specs=jax.sharding.PartitionSpec("ep"), check_vma=False)(x, router, bias)
+        return jax.shard_map(lambda x, r, b: L.route(x, r, top_k=K, bias=b)[0], mesh=mesh,
+                             in_specs=(PS("ep"), PS(), PS()), out_specs=PS("ep"), check_vma=False)(x, router, bias)
 
-    st = eplb_state.init_state(EplbConfig(num_gpus=ranks, num_redundant_experts=P - E, window_size=64), 1, P)
-    st = jax.tree.map(lambda a: L._put(np.asarray(a), mesh, jax.sharding.PartitionSpec()), st)
-    t_book_route, _ = bench(jax.jit(book), (ops_fit[0], ops_fit[1], ops_fit[2], ops_fit[5], ops_fit[6], st))
+    rows = []
+    for matmul in args.matmul.split(","):
+        apply = jax.jit(lambda *a, matmul=matmul: L.moe_apply(*a, top_k=K, mesh=mesh, matmul=matmul,
+                                                              map_implementation=args.map_impl))
+        try:
+            t_init, (y_init, load_init) = bench(apply, operands(start, zipf_bias))
+            if fitted is None:
+                logical = np.bincount(start.phy2log[0], weights=np.asarray(load_init), minlength=E)[None]
+                fitted = eplb_state.compute_placement(logical, config)
+            ops_fit = operands(fitted, zipf_bias)
+            t_fit, (y_fit, load_fit) = bench(apply, ops_fit)
+            t_uni, (_, load_uni) = bench(apply, operands(uniform, flat_bias, x_uni, router_uni))
+        except Exception:  # one implementation failing must not hide the others' figures
+            traceback.print_exc()
+            rows.append((matmul, None))
+            continue
+        same = bool(np.array_equal(np.asarray(y_init).view(np.uint16), np.asarray(y_fit).view(np.uint16)))
+        loads_ok = int(np.asarray(load_init).sum()) == T * K == int(np.asarray(load_fit).sum())
+        rows.append((matmul, dict(t_init=t_init, t_fit=t_fit, t_uni=t_uni, b_init=balancedness(load_init),
+                                  b_fit=balancedness(load_fit), b_uni=balancedness(load_uni), same=same,
+                                  loads_ok=loads_ok)))
+
+    state = eplb_state.init_state(EplbConfig(num_gpus=ranks, num_redundant_experts=P - E, window_size=64), 1, P)
+    state = jax.tree.map(lambda a: L._put(np.asarray(a), mesh, PS()), state)
+    ops_fit = operands(fitted or start, zipf_bias)
+    t_book_route, _ = bench(jax.jit(book), (ops_fit[0], ops_fit[1], ops_fit[2], ops_fit[4], ops_fit[5], state))
     t_route, _ = bench(jax.jit(route_only), ops_fit[:3])
     t_book = max(t_book_route - t_route, 0.0)
 
-    dev = jax.devices()[0].device_kind
-    print(f"\n=== MoE step ({ranks} x {dev}; T={args.tokens}/rank, D={D}, H={H}, E={E}, P={P}, top-{K}, bf16, "
-          f"matmul={args.matmul}, map_and_count={args.map_impl or 'default'}) ===")
-    print(f"{'routing / placement':28s} {'step ms':>9s} {'vs ideal':>9s} {'balancedness':>13s}")
-    for name, t, b in (("zipf / initial", t_lin, bal["initial"]), ("zipf / EPLB", t_fit, bal["eplb"]),
-                       ("uniform / initial (ideal)", t_uni, bal["uniform"])):
-        print(f"{name:28s} {t * 1e3:9.3f} {t / t_uni:9.3f} {b:13.3f}")
-    print(f"EPLB bookkeeping (map+count+psum+state): {t_book * 1e3:.3f} ms = {100 * t_book / t_fit:.2f}% of the EPLB step "
+    print(f"\n=== MoE step ({ranks} x {jax.devices()[0].device_kind}; T={args.tokens}/rank, D={D}, H={H}, E={E}, "
+          f"P={P}, top-{K}, bf16, map_and_count={args.map_impl or 'default'}) ===")
+    print(f"{'matmul':8s} {'routing / placement':22s} {'step ms':>9s} {'vs ideal':>9s} {'balancedness':>13s}")
+    for matmul, r in rows:
+        if r is None:
+            print(f"{matmul:8s} FAILED (traceback above)")
+            continue
+        for name, t, b in (("zipf / initial", r["t_init"], r["b_init"]), ("zipf / EPLB", r["t_fit"], r["b_fit"]),
+                           ("uniform (ideal)", r["t_uni"], r["b_uni"])):
+            print(f"{matmul:8s} {name:22s} {t * 1e3:9.3f} {t / r['t_uni']:9.3f} {b:13.3f}")
+        print(f"{matmul:8s} outputs bit-identical across placements: {r['same']}; load sums exact: {r['loads_ok']}; "
+              f"bookkeeping {100 * t_book / r['t_fit']:.2f}% of the EPLB step")
+    print(f"EPLB bookkeeping (map+count+psum+state): {t_book * 1e3:.3f} ms "
           f"(route+bookkeeping {t_book_route * 1e3:.3f} ms, route alone {t_route * 1e3:.3f} ms)")
-    print(f"outputs bit-identical under initial and EPLB placement: {same}")
-    print(f"load sums: {int(np.asarray(load_lin).sum())} {int(np.asarray(load_fit).sum())} (expect {T * K})")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 
@@ -51,7 +50,7 @@ def parse_args():
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--variants", nargs="+", default=["default"],
                    help="executor variants, '+'-joined: own|words (rows in their dtype / as uint32 words), "
-                        "d1|d2 (transfers in flight), lhs (XLA latency-hiding scheduler); default: the library's")
+                        "dN (N transfers in flight), lhs (XLA latency-hiding scheduler); default: the library's")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the table rows here")
     return p.parse_args()
@@ -261,7 +260,8 @@ def main():
     for view, fraction, chunks in configs:
         parts = view.split("+")
         _transport.WORD_VIEW = True if "words" in parts else False if "own" in parts else default_word_view
-        _transport.PIPELINE_DEPTH = 1 if "d1" in parts else 2 if "d2" in parts else default_depth
+        depths = [int(x[1:]) for x in parts if x[:1] == "d" and x[1:].isdigit()]
+        _transport.PIPELINE_DEPTH = depths[0] if depths else default_depth
         options = {"xla_gpu_enable_latency_hiding_scheduler": True} if "lhs" in parts else None
         times, plan_s, compiles, checked, extra_measured, temp = [], [], [], None, None, None
         for it in range(args.iters + 1):

@@ -1,7 +1,8 @@
 """A small MoE language model shared by the examples (and the controller tests).
 
 Token embedding -> ``num_layers`` blocks of (RMS norm, causal self-attention,
-RMS norm, expert-parallel ``MoELayer``) -> tied output projection. Routing is
+RMS norm, expert-parallel ``MoELayer``) -> tied output projection
+(``attention=False`` drops the attention: a cheaper model for tests). Routing is
 skewed on purpose: each router starts with a Zipf-like bias (expert ``e`` gets
 ``-skew * log(e + 1)``), the way real routers favour a few experts.
 """
@@ -17,9 +18,10 @@ from moe_eplb_jax.flax import MoELayer
 
 
 class Block(nnx.Module):
-    def __init__(self, dim, heads, hidden, num_experts, top_k, *, mesh, num_physical, skew, dtype, rngs):
+    def __init__(self, dim, heads, hidden, num_experts, top_k, *, mesh, num_physical, skew, dtype, attention, rngs):
         self.norm1 = nnx.RMSNorm(dim, rngs=rngs)
-        self.attn = nnx.MultiHeadAttention(heads, dim, qkv_features=dim, decode=False, dtype=dtype, rngs=rngs)
+        self.attn = (nnx.MultiHeadAttention(heads, dim, qkv_features=dim, decode=False, dtype=dtype, rngs=rngs)
+                     if attention else None)
         self.norm2 = nnx.RMSNorm(dim, rngs=rngs)
         self.moe = MoELayer(dim, hidden, num_experts, top_k, mesh=mesh, num_physical=num_physical,
                             shared_hidden=hidden, dtype=dtype, rngs=rngs)
@@ -27,7 +29,8 @@ class Block(nnx.Module):
         self.moe.router_bias.set_value(jax.device_put(bias, self.moe.router_bias.get_value().sharding))
 
     def __call__(self, x, mask):
-        x = x + self.attn(self.norm1(x), mask=mask)
+        if self.attn is not None:
+            x = x + self.attn(self.norm1(x), mask=mask)
         return x + self.moe(self.norm2(x))
 
 
@@ -35,11 +38,11 @@ class MoELM(nnx.Module):
     """``tokens [B, T] int32 -> logits [B, T, vocab] float32``."""
 
     def __init__(self, *, vocab=256, dim=64, heads=4, hidden=64, num_layers=2, num_experts=16, top_k=2,
-                 num_physical=None, mesh, skew=1.0, dtype=jnp.float32, rngs):
+                 num_physical=None, mesh, skew=1.0, dtype=jnp.float32, attention=True, rngs):
         self.embed = nnx.Embed(vocab, dim, rngs=rngs)
         self.blocks = nnx.List([
             Block(dim, heads, hidden, num_experts, top_k, mesh=mesh, num_physical=num_physical, skew=skew,
-                  dtype=dtype, rngs=rngs)
+                  dtype=dtype, attention=attention, rngs=rngs)
             for _ in range(num_layers)
         ])
         self.norm = nnx.RMSNorm(dim, rngs=rngs)

@@ -30,6 +30,7 @@ import numpy as np
 
 from moe_eplb_jax import policy as _policy
 from moe_eplb_jax.placement import Placement
+from moe_eplb_jax.routing import map_and_count_mode
 
 __all__ = [
     "EplbConfig",
@@ -53,17 +54,22 @@ class EplbConfig:
       window_size: number of past steps whose loads decide the next placement.
       step_interval: steps between rearrangements. The first rearrangement comes
         after ``step_interval // 4`` steps, so a fresh model is balanced early.
-      policy: name of the placement (L1) policy in ``moe_eplb_jax.policy``.
+      policy: name of the placement (L1) policy in ``moe_eplb_jax.policy``:
+        ``"balanced"`` (default; DeepSeek's replication with a refined GPU
+        packing, never less balanced), ``"deepseek"``, ``"online"``, or any
+        name registered with ``moe_eplb_jax.policy.register``.
       num_groups, num_nodes, num_gpus: topology handed to the policy (expert
         groups, hosts, EP ranks).
       log_interval: steps between balance logs (``None``: never).
-      routing: replica (L2) routing mode for ``map_and_count``.
+      routing: replica (L2) routing: ``"hash"`` (stateless), ``"lp"`` (LP
+        replica shares) or ``"quota"`` (per-batch quotas); see
+        ``moe_eplb_jax.routing.ROUTING_MODES``.
     """
 
     num_redundant_experts: int = 0
     window_size: int = 1000
     step_interval: int = 3000
-    policy: str = "deepseek"
+    policy: str = "balanced"
     num_groups: int = 1
     num_nodes: int = 1
     num_gpus: int = 1
@@ -84,6 +90,10 @@ class EplbConfig:
             raise ValueError(f"EplbConfig: num_gpus ({self.num_gpus}) is not divisible by num_nodes ({self.num_nodes})")
         if not isinstance(self.policy, str) or not self.policy:
             raise ValueError(f"EplbConfig.policy must be a policy name, got {self.policy!r}")
+        try:
+            map_and_count_mode(self.routing)
+        except ValueError as e:
+            raise ValueError(f"EplbConfig.routing: {e}") from None
 
     @property
     def first_rearrangement_step(self) -> int:

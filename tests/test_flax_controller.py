@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as PS
 
-from moe_eplb_jax.flax import EplbController, find_moe_layers
+from moe_eplb_jax.flax import EplbController, MoELayer, find_moe_layers
 from moe_eplb_jax.placement import Placement
 from moe_eplb_jax.state import EplbConfig
 
@@ -26,7 +26,7 @@ CONFIG = EplbConfig(num_redundant_experts=P - E, window_size=8, step_interval=8,
 
 def _model(seed=0):
     lm = MoELM(vocab=64, dim=16, heads=2, hidden=16, num_layers=L, num_experts=E, top_k=2, num_physical=P,
-               mesh=MESH, skew=1.5, rngs=nnx.Rngs(seed))
+               mesh=MESH, skew=1.5, attention=False, rngs=nnx.Rngs(seed))
     return VisionLanguageModel(lm, rngs=nnx.Rngs(seed + 1))
 
 
@@ -162,3 +162,41 @@ def test_bad_input_raises_before_anything_changes(tmp_path):
     mesh8 = jax.make_mesh((8,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
     with pytest.raises(ValueError, match="not divisible by EP size"):
         EplbController(_model(8), mesh8, EplbConfig(num_redundant_experts=P - E, num_gpus=8))
+
+
+class _OneLayer(nnx.Module):
+    def __init__(self, dim, seed):
+        self.moe = MoELayer(dim, 32, E, 2, mesh=MESH, num_physical=P, rngs=nnx.Rngs(seed))
+        skew = -1.5 * np.log1p(np.arange(E, dtype=np.float32))
+        self.moe.router_bias.set_value(jax.device_put(skew, self.moe.router_bias.get_value().sharding))
+
+    def __call__(self, x):
+        return self.moe(x)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_quantized_experts_move_with_their_scales(rng, fmt):
+    dim = 32  # MX formats need contraction sizes that are multiples of 32
+    model = _OneLayer(dim, int(rng.integers(100)))
+    x = jnp.asarray(rng.standard_normal((G * 4, dim)).astype(np.float32))
+    y_float = np.asarray(_forward(model, x))
+    model.moe.quantize(fmt)
+    assert model.moe.w_in is None and set(model.moe.eplb_expert_variables()) == {"gate", "up", "down"}
+    y0 = np.asarray(_forward(model, x))
+    rel = np.linalg.norm(y0 - y_float) / np.linalg.norm(y_float)
+    assert rel < (0.1 if fmt == "fp8" else 0.35), rel
+    ctl = EplbController(model, MESH, CONFIG)
+    before = [np.asarray(leaf) for leaf in jax.tree.leaves({k: v.get_value() for k, v in model.moe.eplb_expert_variables().items()})]
+    old = ctl.placement.phy2log[0].copy()
+    for _ in range(CONFIG.first_rearrangement_step):
+        _forward(model, x)
+        ctl.step()
+    assert ctl.num_rearrangements == 1
+    new = ctl.placement.phy2log[0]
+    after = [np.asarray(leaf) for leaf in jax.tree.leaves({k: v.get_value() for k, v in model.moe.eplb_expert_variables().items()})]
+    source = np.array([np.nonzero(old == e)[0][0] for e in new])  # linear start: one old slot per expert
+    for b, a in zip(before, after):  # every leaf (fp8/fp4 codes and their scales) moved byte for byte
+        assert np.array_equal(a.view(np.uint8), b[source].view(np.uint8))
+    assert np.array_equal(np.asarray(_forward(model, x)), y0)
+    with pytest.raises(ValueError, match="already quantized"):
+        model.moe.quantize(fmt)

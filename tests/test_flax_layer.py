@@ -80,7 +80,7 @@ def test_layer_matches_per_token_oracle(rng, groups):
     x = rng.standard_normal((G * 5, D)).astype(np.float32)
     route_kw = {} if groups is None else {"num_groups": groups[0], "topk_groups": groups[1]}
     fn = APPLY if groups is None else _apply_fn(**route_kw)
-    out, load = fn(x, router, BIAS, w_in[phy], w_out[phy], placement.log2phy[0], placement.logcnt[0])
+    out, load = fn(x, router, BIAS, {"w_in": w_in[phy], "w_out": w_out[phy]}, placement.log2phy[0], placement.logcnt[0])
     ref, ids = _oracle(x, router, w_in, w_out, **route_kw)
     np.testing.assert_allclose(np.asarray(out), ref, rtol=2e-4, atol=2e-4)
     load = np.asarray(load)
@@ -100,7 +100,8 @@ def test_outputs_do_not_depend_on_placement(rng, dtype):
     outs = []
     for placement in [Placement.linear(1, E, P), _random_placement(rng), _random_placement(rng)]:
         phy = placement.phy2log[0]
-        out, _ = APPLY(x, router, BIAS, w_in[phy], w_out[phy], placement.log2phy[0], placement.logcnt[0])
+        experts = {"w_in": w_in[phy], "w_out": w_out[phy]}
+        out, _ = APPLY(x, router, BIAS, experts, placement.log2phy[0], placement.logcnt[0])
         outs.append(np.asarray(out))
     assert outs[0].dtype == np.dtype(dtype)
     for other in outs[1:]:
@@ -177,3 +178,36 @@ def test_layer_rejects_tokens_not_divisible_by_ep(rng):
         model(jnp.asarray(rng.standard_normal((G + 1, D)).astype(np.float32)))
     with pytest.raises(ValueError, match="placement table must have shape"):
         model.eplb_set_placement(np.arange(P + 1), np.zeros((E, P - E + 1)), np.ones(E))
+
+
+def test_pallas_grouped_matmul_in_interpret_mode(rng):
+    """The Triton grouped matmul (run by the interpreter on CPU) against plain products, straddling tiles."""
+    from moe_eplb_jax.flax import _gmm_pallas
+
+    x = jnp.asarray(rng.standard_normal((150, 32)).astype(np.float32))
+    w = jnp.asarray(rng.standard_normal((4, 32, 64)).astype(np.float32))
+    sizes = np.array([10, 0, 70, 45], np.int32)  # 25 padding rows; groups straddle 64-row tiles
+    out = np.asarray(_gmm_pallas.grouped_matmul(x, w, jnp.asarray(sizes), block_k=16, block_cols=32, interpret=True))
+    start = 0
+    for s, n in enumerate(sizes):
+        np.testing.assert_allclose(out[start:start + n], np.asarray(x[start:start + n] @ w[s]), rtol=1e-5, atol=1e-5)
+        start += n
+    with pytest.raises(ValueError, match="multiples"):
+        _gmm_pallas.grouped_matmul(x[:, :24], w[:, :24], jnp.asarray(sizes), interpret=True)
+
+
+def test_pallas_path_is_placement_invariant(rng):
+    dim, hidden = 32, 16  # Triton blocks need powers of two >= 16
+    w_in = rng.standard_normal((E, dim, 2 * hidden)).astype(np.float32)
+    w_out = rng.standard_normal((E, hidden, dim)).astype(np.float32)
+    router = rng.standard_normal((dim, E)).astype(np.float32)
+    x = rng.standard_normal((G * 4, dim)).astype(np.float32)
+    outs = []
+    for matmul, placement in [("pallas_interpret", Placement.linear(1, E, P)), ("pallas_interpret", _random_placement(rng)),
+                              ("dense", Placement.linear(1, E, P))]:
+        phy = placement.phy2log[0]
+        out, _ = _apply_fn(matmul=matmul)(x, router, BIAS, {"w_in": w_in[phy], "w_out": w_out[phy]},
+                                          placement.log2phy[0], placement.logcnt[0])
+        outs.append(np.asarray(out))
+    assert np.array_equal(outs[0], outs[1])
+    np.testing.assert_allclose(outs[0], outs[2], rtol=1e-5, atol=1e-5)

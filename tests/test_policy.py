@@ -255,6 +255,18 @@ def test_preserve_slots_only_reorders_within_gpus_and_relabels(rng):
         assert before == after  # every GPU's (expert, replica rank) contents survive, only relabelled
 
 
+def test_preserve_slots_and_moved_slots_reject_bad_input():
+    table = np.zeros((2, 8), dtype=np.int64)
+    with pytest.raises(ValueError, match="old_phy2log must both have shape"):
+        policy.preserve_slots(table, table, np.zeros((2, 9), np.int64), num_gpus=4)
+    with pytest.raises(ValueError, match="non-negative integers"):
+        policy.preserve_slots(table, table, table - 1, num_gpus=4)
+    with pytest.raises(ValueError, match="slots must divide"):
+        policy.preserve_slots(table, table, table, num_gpus=3)
+    with pytest.raises(ValueError, match="different shapes"):
+        policy.moved_slots(table, table[:1])
+
+
 # ---------------------------------------------------------------------------------------- registry
 def test_registry_names():
     assert policy.get("deepseek") is policy.rebalance_experts

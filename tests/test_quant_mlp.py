@@ -27,7 +27,8 @@ def _rel(a, b):
 @pytest.mark.parametrize("fmt", quant.FORMATS)
 def test_fast_paths_match_reference(fmt, rng):
     x, (wg, wu, wd) = _layer(rng)
-    gate, up, down = quant.quantize_mlp(wg, wu, wd, fmt, input_scale=float(np.abs(x).max() / 448), down_input_scale=0.005)
+    gate, up, down = quant.quantize_mlp(wg, wu, wd, fmt, input_scale=float(np.abs(x).max() / 448),
+                                        down_input_scale=0.005)
     ref = quant.expert_mlp_reference(x, gate, up, down)
     f32 = quant.expert_mlp_reference(x, wg, wu, wd)
     assert 1e-4 < _rel(ref, f32) < {"mxfp4": 0.3, "nvfp4": 0.3}.get(fmt, 0.1)  # quantization is visible, bounded

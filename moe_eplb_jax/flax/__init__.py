@@ -10,7 +10,16 @@
 
 from moe_eplb_jax.flax.controller import EplbController
 from moe_eplb_jax.flax.discovery import MoELayerRef, find_moe_layers
-from moe_eplb_jax.flax.layer import EplbTable, ExpertLoad, MoELayer, expert_mlp, moe_apply, route, tie_replicas
+from moe_eplb_jax.flax.layer import (
+    EplbTable,
+    ExpertLoad,
+    MoELayer,
+    QuantizedExperts,
+    expert_mlp,
+    moe_apply,
+    route,
+    tie_replicas,
+)
 from moe_eplb_jax.flax.protocol import EplbMoE
 
 __all__ = [
@@ -20,6 +29,7 @@ __all__ = [
     "ExpertLoad",
     "MoELayer",
     "MoELayerRef",
+    "QuantizedExperts",
     "expert_mlp",
     "find_moe_layers",
     "moe_apply",

@@ -129,19 +129,12 @@ class EplbController:
                 raise ValueError(f"MoE layer {ref.name} lists no expert variables")
             leading = set()
             for name, var in variables.items():
-                value = var.get_value() if isinstance(var, nnx.Variable) else None
-                if not isinstance(value, jax.Array) or value.ndim < 1:
-                    raise ValueError(f"expert variable {ref.name}/{name} must hold a jax.Array with a leading slot axis [P, ...]")
-                spec = value.sharding.spec if isinstance(value.sharding, NamedSharding) else None
-                first = spec[0] if spec is not None and len(spec) else None
-                names = first if isinstance(first, tuple) else (first,)
-                if self.num_ranks > 1 and self.axis not in names:
-                    raise ValueError(
-                        f"expert variable {ref.name}/{name} (shape {value.shape}) has no slot axis sharded over "
-                        f"mesh axis {self.axis!r} (sharding {value.sharding}); expected a leading [P, ...] axis "
-                        f"with PartitionSpec({self.axis!r}, ...)"
-                    )
-                leading.add(int(value.shape[0]))
+                leaves = jax.tree.leaves(var.get_value()) if isinstance(var, nnx.Variable) else []
+                if not leaves:
+                    raise ValueError(f"expert variable {ref.name}/{name} must be an nnx.Variable holding arrays")
+                for value in leaves:  # a variable may hold a pytree (quantized weights and scales)
+                    self._check_slot_leaf(f"{ref.name}/{name}", value)
+                    leading.add(int(value.shape[0]))
             if len(leading) != 1:
                 raise ValueError(f"expert variables of {ref.name} disagree on the slot axis size: {sorted(leading)}")
             num_physical = leading.pop()
@@ -156,6 +149,19 @@ class EplbController:
         if len(sizes) != 1:
             raise ValueError(f"MoE layers disagree on (E, P): {sorted(sizes)}")
         return sizes.pop()
+
+    def _check_slot_leaf(self, name: str, value) -> None:
+        if not isinstance(value, jax.Array) or value.ndim < 1:
+            raise ValueError(f"expert variable {name} must hold jax.Arrays with a leading slot axis [P, ...]")
+        spec = value.sharding.spec if isinstance(value.sharding, NamedSharding) else None
+        first = spec[0] if spec is not None and len(spec) else None
+        names = first if isinstance(first, tuple) else (first,)
+        if self.num_ranks > 1 and self.axis not in names:
+            raise ValueError(
+                f"expert variable {name} (shape {value.shape}) has no slot axis sharded over mesh axis "
+                f"{self.axis!r} (sharding {value.sharding}); expected a leading [P, ...] axis with "
+                f"PartitionSpec({self.axis!r}, ...)"
+            )
 
     def _check_placement(self, placement: Placement) -> None:
         want = (len(self.layers), self.num_logical, self.num_physical)

@@ -12,10 +12,14 @@ them).
 * ``"ragged_dot"`` -- ``jax.lax.ragged_dot``. Its portable lowering contracts
   over ``(slot, K)`` jointly, so a row's rounding can depend on its slot index:
   NOT placement-invariant. On GPU XLA (0.11) also expands it densely.
+* ``"pallas"`` -- a Triton grouped matmul (GPU; ``_gmm_pallas``): work items
+  of ``64`` rows inside one group, items past the real row count return at
+  once, so the cost follows the rows the rank received. Placement-invariant
+  by construction (one instruction sequence per row). Checked in interpret
+  mode on CPU (``"pallas_interpret"``); NOT yet run on a GPU.
 
-Neither skips work for rows a rank did not receive: compute per rank is that
-of the worst case. A grouped kernel whose cost follows the real row count
-(GPU) is not written yet.
+``dense`` and ``ragged_dot`` do not skip work for rows a rank did not
+receive: per-rank compute is that of the worst case, whatever the balance.
 """
 
 from __future__ import annotations
@@ -25,17 +29,32 @@ import functools
 import jax
 import jax.numpy as jnp
 
-__all__ = ["dense", "ragged_dot", "get", "available"]
+__all__ = ["dense", "ragged_dot", "select_own_slot", "slot_of_row", "get", "available"]
+
+
+def slot_of_row(group_sizes, num_rows: int):
+    """``[num_rows]`` int32 slot of each row of a slot-sorted buffer (``S`` for padding rows)."""
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
+    row = jnp.arange(num_rows, dtype=jnp.int32)
+    return jnp.sum(row[:, None] >= ends[None, :], axis=1, dtype=jnp.int32)
+
+
+def select_own_slot(every, group_sizes):
+    """From ``every [S, N, M]`` (each row's result under every slot) keeps each row's own slot -> ``[N, M]``.
+
+    Row ``n`` belongs to slot ``s`` when it lies in that slot's run of
+    ``group_sizes``; padding rows (past the last run) get zero.
+    """
+    num_slots = every.shape[0]
+    slot = slot_of_row(group_sizes, every.shape[1])
+    mine = jnp.take_along_axis(every, jnp.minimum(slot, num_slots - 1)[None, :, None], axis=0)[0]
+    return jnp.where((slot < num_slots)[:, None], mine, jnp.zeros((), every.dtype))
 
 
 def dense(x, w, group_sizes):
     """Exact grouped matmul: ``x @ w[s]`` for every slot ``s``, each row keeping its own slot's result."""
-    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
-    row = jnp.arange(x.shape[0], dtype=jnp.int32)
-    slot = jnp.sum(row[:, None] >= ends[None, :], axis=1, dtype=jnp.int32)  # [N]; S for padding rows
     every = jnp.einsum("nk,skm->snm", x, w, preferred_element_type=jnp.float32)
-    mine = jnp.take_along_axis(every, jnp.minimum(slot, w.shape[0] - 1)[None, :, None], axis=0)[0]
-    return jnp.where((slot < w.shape[0])[:, None], mine, 0.0)
+    return select_own_slot(every, group_sizes)
 
 
 def ragged_dot(x, w, group_sizes):
@@ -43,7 +62,20 @@ def ragged_dot(x, w, group_sizes):
     return jax.lax.ragged_dot(x, w, group_sizes.astype(jnp.int32), preferred_element_type=jnp.float32)
 
 
-_IMPLEMENTATIONS = {"dense": dense, "ragged_dot": ragged_dot}
+def _pallas(x, w, group_sizes):
+    from moe_eplb_jax.flax import _gmm_pallas
+
+    return _gmm_pallas.grouped_matmul(x, w, group_sizes)
+
+
+def _pallas_interpret(x, w, group_sizes):
+    from moe_eplb_jax.flax import _gmm_pallas
+
+    return _gmm_pallas.grouped_matmul(x, w, group_sizes, interpret=True)
+
+
+_IMPLEMENTATIONS = {"dense": dense, "ragged_dot": ragged_dot, "pallas": _pallas,
+                    "pallas_interpret": _pallas_interpret}
 
 
 def available() -> list[str]:

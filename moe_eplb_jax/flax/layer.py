@@ -36,11 +36,15 @@ from moe_eplb_jax.flax import grouped_matmul as _gmm
 from moe_eplb_jax.placement import Placement
 from moe_eplb_jax.sharding import dispatch as _dispatch
 
-__all__ = ["EplbTable", "ExpertLoad", "MoELayer", "route", "expert_mlp", "moe_apply", "tie_replicas"]
+__all__ = ["EplbTable", "ExpertLoad", "QuantizedExperts", "MoELayer", "route", "expert_mlp", "moe_apply", "tie_replicas"]
 
 
 class EplbTable(nnx.Variable):
     """A placement table of one MoE layer (int32). Not a parameter: optimizers skip it."""
+
+
+class QuantizedExperts(nnx.Variable):
+    """A quantized expert projection (a ``moe_eplb_jax.quant`` pytree, every leaf ``[P, ...]``). Frozen."""
 
 
 class ExpertLoad(nnx.Variable):
@@ -111,26 +115,43 @@ def route(x, router_w, *, top_k: int, num_groups: int = 1, topk_groups: int | No
 
 
 # ----------------------------------------------------------------- experts
-def expert_mlp(x, w_in, w_out, group_sizes, *, implementation: str = "dense"):
+def expert_mlp(x, experts, group_sizes, *, implementation: str = "dense", quant_impl: str = "auto",
+               activation_scaling: str = "dynamic", axis_name=None):
     """Gated (SwiGLU) MLP of rows grouped by slot.
 
     Args:
-      x: ``[N, D]`` rows sorted by slot; rows past ``sum(group_sizes)`` are padding.
-      w_in: ``[S, D, 2H]`` gate and up projections of the ``S`` local slots.
-      w_out: ``[S, H, D]`` down projections.
+      x: ``[N, D]`` rows sorted by slot; rows past ``sum(group_sizes)`` are padding (zero).
+      experts: the ``S`` local slots' weights: ``{"w_in": [S, D, 2H], "w_out": [S, H, D]}`` (float), or
+        ``{"gate": q [S, H, D], "up": q [S, H, D], "down": q [S, D, H]}`` quantized pytrees of
+        ``moe_eplb_jax.quant`` (contraction axis last).
       group_sizes: ``[S]`` int32 rows per slot.
-      implementation: a name in ``grouped_matmul`` -- ``"dense"`` (exact,
-        placement-invariant; the default) or ``"ragged_dot"``.
+      implementation: float path -- a name in ``grouped_matmul``: ``"dense"`` (exact,
+        placement-invariant; the default), ``"pallas"`` (GPU; cost follows the real row
+        count; not yet validated on a GPU) or ``"ragged_dot"``. Quantized experts always
+        run densely: every row through every local slot's ``quant.expert_mlp``.
+      quant_impl, activation_scaling: passed to ``quant.expert_mlp`` (dynamic activation
+        scales are max-reduced over ``axis_name``, so they do not depend on the placement).
 
     Returns:
       ``[N, D]`` in ``x.dtype``; padding rows hold unspecified values.
     """
+    if "gate" in experts:
+        from moe_eplb_jax import quant
+
+        # Each slot sees its own rows and zeros elsewhere: zero rows add nothing to the dynamic activation
+        # scales (max|x|), which then cover exactly the real rows, whatever the placement.
+        mine = _gmm.slot_of_row(group_sizes, x.shape[0])[None, :] == jnp.arange(group_sizes.shape[0])[:, None]
+        every = jnp.where(mine[..., None], x[None], jnp.zeros((), x.dtype))
+        y = quant.expert_mlp(every, experts["gate"], experts["up"], experts["down"], impl=quant_impl,
+                             activation_scaling=activation_scaling, axis_name=axis_name)
+        return _gmm.select_own_slot(y, group_sizes).astype(x.dtype)
     matmul = _gmm.get(implementation)
+    w_in, w_out = experts["w_in"], experts["w_out"]
     hidden = w_out.shape[1]
     h = matmul(x, w_in, group_sizes)  # float32
     act = (jax.nn.silu(h[:, :hidden]) * h[:, hidden:]).astype(x.dtype)
-    # No masking of the padding rows here: callers never read them, and on XLA:CPU fusing a mask into
-    # the matmul changed the rounding of real rows with their position (placement-dependent results).
+    # No masking of the padding rows here: callers never read them (and on XLA:CPU, fusing a mask into
+    # the matmul may change how real rows round).
     return matmul(act, w_out, group_sizes).astype(x.dtype)
 
 
@@ -139,8 +160,7 @@ def moe_apply(
     x,
     router_w,
     router_bias,
-    w_in,
-    w_out,
+    experts,
     log2phy,
     logcnt,
     *,
@@ -152,12 +172,16 @@ def moe_apply(
     routing: str = "hash",
     matmul: str = "dense",
     map_implementation: str | None = None,
+    quant_impl: str = "auto",
+    activation_scaling: str = "dynamic",
 ):
     """The routed-expert part of the layer as a pure function.
 
     Args:
       x: ``[T, D]`` tokens, ``T`` divisible by ``G``; sharded (or resharded) over ``axis``.
-      router_w: ``[D, E]``; ``router_bias [E]``; ``w_in [P, D, 2H]``, ``w_out [P, H, D]`` sharded over ``axis``.
+      router_w: ``[D, E]``; ``router_bias [E]``.
+      experts: expert weights with leading ``[P]`` slot axes sharded over ``axis``
+        (see ``expert_mlp``: float ``w_in``/``w_out`` or quantized ``gate``/``up``/``down``).
       log2phy: ``[E, S]`` int32 (-1 padded); ``logcnt [E]`` int32.
 
     Returns:
@@ -165,10 +189,10 @@ def moe_apply(
       ``k`` assignments per physical slot, summed over the EP axis.
     """
     num_ranks = mesh.shape[axis]
-    num_physical = w_in.shape[0]
+    num_physical = jax.tree.leaves(experts)[0].shape[0]
     slots_per_rank = num_physical // num_ranks
 
-    def per_rank(x, router_w, router_bias, w_in, w_out, log2phy, logcnt):
+    def per_rank(x, router_w, router_bias, experts, log2phy, logcnt):
         ids, weights = route(
             x, router_w, top_k=top_k, num_groups=num_groups, topk_groups=topk_groups, bias=router_bias
         )
@@ -180,7 +204,8 @@ def moe_apply(
             x, physical, slots_per_rank=slots_per_rank, axis_name=axis, num_ranks=num_ranks
         )
         order, group_sizes = _dispatch.sort_by_slot(row_slot, slots_per_rank)
-        y = expert_mlp(rows[order], w_in, w_out, group_sizes, implementation=matmul)
+        y = expert_mlp(rows[order], experts, group_sizes, implementation=matmul, quant_impl=quant_impl,
+                       activation_scaling=activation_scaling, axis_name=axis)
         y = _dispatch.unsort(y, order)
         return _dispatch.combine(y, plan, weights, axis_name=axis, out_dtype=x.dtype), load
 
@@ -188,12 +213,12 @@ def moe_apply(
     return jax.shard_map(
         per_rank,
         mesh=mesh,
-        in_specs=(sharded, PS(), PS(), sharded, sharded, PS(), PS()),
+        in_specs=(sharded, PS(), PS(), sharded, PS(), PS()),
         out_specs=(sharded, PS()),
         # The Pallas map_and_count (GPU) declares outputs without a varying-axes type; jax 0.11
         # rejects that under check_vma=True.
         check_vma=False,
-    )(x, router_w, router_bias, w_in, w_out, log2phy, logcnt)
+    )(x, router_w, router_bias, experts, log2phy, logcnt)
 
 
 def _gated_mlp(x, w_in, w_out):
@@ -225,7 +250,7 @@ class MoELayer(nnx.Module):
       shared_hidden: width of a shared expert applied to every token (0: none).
       dtype: activation and expert-weight dtype (e.g. ``jnp.bfloat16``).
       routing: replica routing mode for ``map_and_count`` (``"hash"``...).
-      matmul: grouped matmul implementation (``"dense"`` or ``"ragged_dot"``).
+      matmul: grouped matmul implementation (``"dense"``, ``"pallas"``, ``"ragged_dot"``).
       map_implementation: ``map_and_count`` implementation (None: its default).
       rngs: ``nnx.Rngs`` for the initial weights.
 
@@ -274,6 +299,7 @@ class MoELayer(nnx.Module):
         self.top_k, self.num_groups, self.topk_groups = top_k, num_groups, topk_groups
         self.routing, self.matmul, self.map_implementation = routing, matmul, map_implementation
         self.num_experts, self.num_physical = num_experts, num_physical
+        self.quant_format, self.quant_impl, self.activation_scaling = None, "auto", "dynamic"
 
         keys = [rngs.params() for _ in range(5)]
         placement = Placement.linear(1, num_experts, num_physical)
@@ -306,13 +332,17 @@ class MoELayer(nnx.Module):
                 f"{tokens.shape[0]} tokens are not divisible by the EP size {self.mesh.shape[self.axis]}"
             )
         phy2log = self.phy2log.get_value()
-        w_in = tie_replicas(self.w_in.get_value(), phy2log)
-        w_out = tie_replicas(self.w_out.get_value(), phy2log)
+        if self.quant_format is None:
+            experts = {name: tie_replicas(var.get_value(), phy2log) for name, var in self.eplb_expert_variables().items()}
+        else:  # quantized experts are frozen (serving): nothing to tie
+            experts = {name: var.get_value() for name, var in self.eplb_expert_variables().items()}
         out, load = moe_apply(
-            tokens, self.router.get_value(), self.router_bias.get_value(), w_in, w_out, self.log2phy.get_value(), self.logcnt.get_value(),
+            tokens, self.router.get_value(), self.router_bias.get_value(), experts,
+            self.log2phy.get_value(), self.logcnt.get_value(),
             top_k=self.top_k, mesh=self.mesh, axis=self.axis, num_groups=self.num_groups,
             topk_groups=self.topk_groups, routing=self.routing, matmul=self.matmul,
-            map_implementation=self.map_implementation,
+            map_implementation=self.map_implementation, quant_impl=self.quant_impl,
+            activation_scaling=self.activation_scaling,
         )
         self.expert_load.set_value(self.expert_load.get_value() + load)
         if self.shared_in is not None:
@@ -325,7 +355,41 @@ class MoELayer(nnx.Module):
         return self.num_experts
 
     def eplb_expert_variables(self) -> dict[str, nnx.Variable]:
-        return {"w_in": self.w_in, "w_out": self.w_out}
+        if self.quant_format is None:
+            return {"w_in": self.w_in, "w_out": self.w_out}
+        return {"gate": self.q_gate, "up": self.q_up, "down": self.q_down}
+
+    # ------------------------------------------------------ quantization
+    def quantize(self, fmt: str, *, impl: str = "auto", activation_scaling: str = "dynamic") -> None:
+        """Replaces the float expert weights by quantized ones (serving; e.g. ``"fp8"``, ``"mxfp4"``).
+
+        Every slot is quantized on its own, so replicas stay bit-identical.
+        ``impl`` and ``activation_scaling`` go to ``moe_eplb_jax.quant.expert_mlp``;
+        dynamic activation scales are max-reduced over the EP axis. The
+        quantized pytrees (weights and scales, all ``[P, ...]``) are what the
+        controller moves.
+        """
+        from moe_eplb_jax import quant
+
+        if self.quant_format is not None:
+            raise ValueError(f"layer is already quantized ({self.quant_format!r})")
+        if fmt not in quant.FORMATS:
+            raise ValueError(f"unknown quantized format {fmt!r}; known: {sorted(quant.FORMATS)}")
+        if impl not in quant.IMPLS:
+            raise ValueError(f"unknown quant impl {impl!r}; known: {list(quant.IMPLS)}")
+        hidden = self.w_out.get_value().shape[1]
+        w_in = np.asarray(self.w_in.get_value(), np.float32)
+        w_out = np.asarray(self.w_out.get_value(), np.float32)
+        # quant wants the contraction axis last: gate/up [P, H, D], down [P, D, H].
+        gate = np.ascontiguousarray(np.swapaxes(w_in[:, :, :hidden], 1, 2))
+        up = np.ascontiguousarray(np.swapaxes(w_in[:, :, hidden:], 1, 2))
+        down = np.ascontiguousarray(np.swapaxes(w_out, 1, 2))
+        q = quant.quantize_mlp(jnp.asarray(gate), jnp.asarray(up), jnp.asarray(down), fmt)
+        slots = PS(self.axis)
+        placed = [jax.tree.map(lambda leaf: _put(np.asarray(leaf), self.mesh, slots), t) for t in q]
+        self.q_gate, self.q_up, self.q_down = (QuantizedExperts(t) for t in placed)
+        self.w_in = self.w_out = None
+        self.quant_format, self.quant_impl, self.activation_scaling = fmt, impl, activation_scaling
 
     def eplb_load_variable(self) -> nnx.Variable:
         return self.expert_load

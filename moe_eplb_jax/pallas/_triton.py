@@ -175,6 +175,24 @@ def _expert_histogram_kernel(ids_ref, limits_ref, hist_ref, *, num_flat, num_log
     hist_ref[0] = jax.lax.fori_loop(0, tile // sub, step, hist)
 
 
+def _join_varying(*arrays):
+    """Inside ``shard_map``: makes every input vary over the union of the inputs' manual axes.
+
+    Returns the cast arrays and a ``ShapeDtypeStruct`` factory whose outputs
+    vary over that union (``pallas_call`` needs it under ``check_vma=True``).
+    """
+    mats = [getattr(jax.typeof(a), "mat", None) for a in arrays]
+    if any(m is None for m in mats):  # an older jax without manual axis types
+        return arrays, jax.ShapeDtypeStruct
+    axes = frozenset().union(*(m.varying for m in mats))
+    cast = []
+    for array, mat in zip(arrays, mats):
+        missing = tuple(sorted(axes - mat.varying, key=str))
+        cast.append(jax.lax.pcast(array, missing, to="varying") if missing else array)
+    mat = jax.sharding.ManualAxisType(varying=axes)
+    return cast, functools.partial(jax.ShapeDtypeStruct, manual_axis_type=mat)
+
+
 def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_physical: int, mode: str,
                          interpret: bool = False, tile: int | None = None, num_warps: int = 4):
     """Same contract as ``_reference.map_and_count_reference``; ``tile`` (a power of two) is a tuning knob."""
@@ -191,7 +209,8 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     num_tiles = pl.cdiv(num_flat, tile)
     bins = _split_bins(num_physical)
     expert_bins = _split_bins(num_logical) if mode == "resolved" else (0, 0)
-    ids = topk_ids.reshape(num_flat)
+    (ids, log2phy, logcnt, thresholds, limits), out_struct = _join_varying(
+        topk_ids.reshape(num_flat), log2phy, logcnt, thresholds, limits)
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
     whole = pl.no_block_spec
 
@@ -203,14 +222,14 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
             grid=(num_tiles,),
             in_specs=[whole, whole],
             out_specs=pl.BlockSpec((1, e_hi, e_lo), lambda i: (i, 0, 0)),
-            out_shape=jax.ShapeDtypeStruct((num_tiles, e_hi, e_lo), jnp.int32),
+            out_shape=out_struct((num_tiles, e_hi, e_lo), jnp.int32),
             compiler_params=params,
             interpret=interpret,
             name="expert_histogram",
         )(ids, limits).reshape(num_tiles, e_hi * e_lo)
         base = (jnp.cumsum(per_tile, axis=0, dtype=jnp.int32) - per_tile).reshape(-1)
     else:
-        base = jnp.zeros((1,), jnp.int32)
+        base = jnp.zeros_like(limits[:1])  # unused; shares the inputs' manual axes
 
     hi, lo = 1 << bins[0], 1 << bins[1]
     kernel = functools.partial(
@@ -221,8 +240,7 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
         grid=(num_tiles,),
         in_specs=[whole] * 6,
         out_specs=[whole, pl.BlockSpec((1, hi, lo), lambda i: (i, 0, 0))],
-        out_shape=[jax.ShapeDtypeStruct((num_flat,), jnp.int32),
-                   jax.ShapeDtypeStruct((num_tiles, hi, lo), jnp.int32)],
+        out_shape=[out_struct((num_flat,), jnp.int32), out_struct((num_tiles, hi, lo), jnp.int32)],
         compiler_params=params,
         interpret=interpret,
         name="map_and_count",

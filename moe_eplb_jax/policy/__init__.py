@@ -2,6 +2,8 @@
 
 * ``get("deepseek")`` -- DeepSeek's hierarchical / global EPLB algorithm
   (:func:`rebalance_experts`), vectorised over layers and nodes;
+* ``get("online")`` (alias ``"quota"``) -- fixed home experts plus spare slots
+  planned by :func:`moe_eplb_jax.routing.plan_quotas` (UltraEP-style);
 * ``get("balanced")`` -- the same replication, with each node's GPU packing
   refined by swaps (:func:`rebalance_balanced`); never less balanced, the
   recommended default.
@@ -17,6 +19,9 @@ from moe_eplb_jax.policy.deepseek_reference import rebalance_experts_reference
 
 register("deepseek", rebalance_experts)
 register("balanced", rebalance_balanced)
+
+# Registers "online" / "quota" (the L1 side of per-batch quota balancing).
+from moe_eplb_jax.policy import online  # noqa: E402,F401
 
 __all__ = [
     "PlacementPolicy",

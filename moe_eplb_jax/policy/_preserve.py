@@ -151,7 +151,18 @@ def preserve_slots(phy2log: np.ndarray, phyrank: np.ndarray, old_phy2log: np.nda
     ``old_phy2log`` may come from any policy (ids must be in ``[0, E)``, where
     ``E`` bounds the ids of ``phy2log``).
     """
+    phy2log, phyrank, old_phy2log = (np.asarray(t) for t in (phy2log, phyrank, old_phy2log))
+    for name, table in (("phyrank", phyrank), ("old_phy2log", old_phy2log)):
+        if table.shape != phy2log.shape or phy2log.ndim != 2:
+            raise ValueError(f"phy2log and {name} must both have shape [L, P], got {phy2log.shape} and {table.shape}")
+    for name, table in (("phy2log", phy2log), ("phyrank", phyrank), ("old_phy2log", old_phy2log)):
+        if not np.issubdtype(table.dtype, np.integer) or (table.size and table.min() < 0):
+            raise ValueError(f"{name} must hold non-negative integers")
     num_layers, num_physical = phy2log.shape
+    if num_gpus < 1 or num_nodes < 1 or num_physical % num_gpus or num_gpus % num_nodes:
+        raise ValueError(f"{num_physical} slots on num_gpus={num_gpus} GPUs in num_nodes={num_nodes} nodes: "
+                         "slots must divide over GPUs and GPUs over nodes")
+    phy2log, phyrank, old_phy2log = (t.astype(np.int64) for t in (phy2log, phyrank, old_phy2log))
     num_logical = int(max(phy2log.max(), old_phy2log.max())) + 1
     gpus_per_node = num_gpus // num_nodes
     slots_per_gpu = num_physical // num_gpus
@@ -170,4 +181,7 @@ def preserve_slots(phy2log: np.ndarray, phyrank: np.ndarray, old_phy2log: np.nda
 
 def moved_slots(old_phy2log, new_phy2log) -> int:
     """Number of slots whose expert changes between two ``[L, P]`` placements (the experts to copy)."""
-    return int(np.count_nonzero(np.asarray(old_phy2log) != np.asarray(new_phy2log)))
+    old, new = np.asarray(old_phy2log), np.asarray(new_phy2log)
+    if old.shape != new.shape:
+        raise ValueError(f"placements of different shapes: old {old.shape}, new {new.shape}")
+    return int(np.count_nonzero(old != new))

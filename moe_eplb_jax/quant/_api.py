@@ -62,17 +62,23 @@ def _check_finite(w, fmt: str) -> None:
         )
 
 
-def _per_expert_scale(name: str, value, num_experts: int) -> jax.Array:
-    arr = jnp.asarray(value)
-    if not jnp.issubdtype(arr.dtype, jnp.floating):
+def _per_expert_scale(name: str, value, num_experts: int):
+    """A float32 ``[E]`` scale from a scalar or ``[E]`` value, checked on the host (no device work)."""
+    if isinstance(value, jax.core.Tracer):
+        if not jnp.issubdtype(value.dtype, jnp.floating) or value.shape not in ((), (num_experts,)):
+            raise ValueError(f"quantize_experts('fp8'): {name} must be a float scalar or shape ({num_experts},), "
+                             f"got {value.dtype} {value.shape}")
+        return jnp.broadcast_to(value.astype(jnp.float32), (num_experts,))
+    arr = np.asarray(value)
+    if not np.issubdtype(arr.dtype, np.floating):
         raise ValueError(f"quantize_experts('fp8'): {name} must be float, got dtype {arr.dtype}")
     if arr.ndim == 0:
-        arr = jnp.broadcast_to(arr, (num_experts,))
+        arr = np.broadcast_to(arr, (num_experts,))
     if arr.shape != (num_experts,):
         raise ValueError(f"quantize_experts('fp8'): {name} must be a scalar or shape ({num_experts},), got {arr.shape}")
-    if not isinstance(arr, jax.core.Tracer) and not bool(jnp.all((arr > 0) & jnp.isfinite(arr))):
+    if not np.all((arr > 0) & np.isfinite(arr)):
         raise ValueError(f"quantize_experts('fp8'): {name} must be positive and finite")
-    return arr.astype(jnp.float32)
+    return arr.astype(np.float32)
 
 
 def quantize_experts(w, fmt: str, *, nonfinite: str = "raise", **opts) -> QuantizedExperts:
@@ -97,7 +103,9 @@ def quantize_experts(w, fmt: str, *, nonfinite: str = "raise", **opts) -> Quanti
     _check_weights(w, fmt, nonfinite)
     unknown = set(opts) - _OPTIONS[fmt]
     if unknown:
-        raise ValueError(f"quantize_experts({fmt!r}): unknown options {sorted(unknown)}; accepted: {sorted(_OPTIONS[fmt])}")
+        raise ValueError(
+            f"quantize_experts({fmt!r}): unknown options {sorted(unknown)}; accepted: {sorted(_OPTIONS[fmt])}"
+        )
     e, n, k = w.shape
     if fmt == "fp8_block":
         block = opts.get("block_size", (128, 128))

@@ -29,6 +29,7 @@ __all__ = [
     "E4M3_MAX",
     "abs_bits",
     "abs_max",
+    "canonical_nan",
     "decode_e2m1",
     "e8m0_to_float32",
     "encode_e2m1",
@@ -74,6 +75,17 @@ def abs_max(x: jax.Array, axis) -> jax.Array:
     in vectorised loops, which would make non-finite handling backend-dependent.
     """
     return jax.lax.bitcast_convert_type(jnp.max(abs_bits(x), axis=axis), jnp.float32)
+
+
+def canonical_nan(x: jax.Array) -> jax.Array:
+    """float32 ``x`` with every NaN replaced by the one pattern 0x7FC00000.
+
+    Backends generate NaNs with different sign and payload bits (XLA:GPU
+    0xFFFFFFFF, XLA:CPU 0xFFC00000), so scale leaves holding a NaN would
+    otherwise differ byte for byte between a GPU and a CPU quantization.
+    """
+    nan = jax.lax.bitcast_convert_type(jnp.uint32(0x7FC00000), jnp.float32)
+    return jnp.where(jnp.isnan(x), nan, x)
 
 
 def ldexp_exact(x: jax.Array, k: jax.Array) -> jax.Array:

@@ -28,7 +28,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from moe_eplb_jax.quant._elements import INV_E4M3_MAX, abs_max, encode_e4m3
+from moe_eplb_jax.quant._elements import INV_E4M3_MAX, abs_max, canonical_nan, encode_e4m3
 
 __all__ = ["Fp8BlockExperts", "Fp8Experts", "quantize_fp8", "quantize_fp8_block", "expert_amax"]
 
@@ -85,7 +85,7 @@ class Fp8BlockExperts:
 def _scale_from_amax(amax: jax.Array) -> jax.Array:
     # An all-zero expert/tile gets scale 1 so decoding never divides by zero; a NaN/Inf
     # amax keeps a non-finite scale so the bad expert/tile decodes to NaN, not to garbage.
-    return jnp.where(amax == 0, jnp.float32(1.0), amax * INV_E4M3_MAX)
+    return canonical_nan(jnp.where(amax == 0, jnp.float32(1.0), amax * INV_E4M3_MAX))
 
 
 @jax.jit
@@ -97,15 +97,18 @@ def expert_amax(w: jax.Array) -> jax.Array:
 @jax.jit
 def _quantize_fp8(w, weight_scale, input_scale):
     x = w.astype(jnp.float32)
+    if weight_scale is None:
+        weight_scale = _scale_from_amax(abs_max(x, axis=(1, 2)))
     weight = encode_e4m3(x / weight_scale[:, None, None])
     input_scale = jnp.broadcast_to(input_scale, weight_scale.shape)
-    return Fp8Experts(weight, weight_scale, input_scale, weight_scale * input_scale)
+    return Fp8Experts(weight, weight_scale, input_scale, canonical_nan(weight_scale * input_scale))
 
 
 def quantize_fp8(w: jax.Array, weight_scale: jax.Array | None, input_scale: jax.Array) -> Fp8Experts:
-    """Core of ``quantize_experts(w, "fp8")``; inputs already validated (float32 ``[E]`` scales)."""
-    if weight_scale is None:
-        weight_scale = _scale_from_amax(expert_amax(w))
+    """Core of ``quantize_experts(w, "fp8")``; inputs already validated (float32 ``[E]`` scales).
+
+    ``weight_scale=None`` derives ``amax * fl32(1/448)`` per expert (one jitted pass).
+    """
     return _quantize_fp8(w, weight_scale, input_scale)
 
 

@@ -6,23 +6,31 @@ of each local expert slot), gate/up weights ``[E, I, H]`` and down weights
 projection is a quantized pytree of any format, or a plain float array (the
 unquantized baseline).
 
-What each ``impl`` computes, and where it runs well:
+What each ``impl`` computes, and where it runs (measured on one H200, jax 0.11.2,
+2026-11-30; figures in benchmarks/RESULTS.md):
 
 * ``"reference"`` -- the oracle, any backend: weights dequantized to float32 and
   a float32 (HIGHEST precision) einsum. For ``fp8`` the activations are first
   quantized with the stored (or dynamic) activation scale, exactly as the fast
   path does, and the result is ``(x_q @ w_q^T) * alpha``.
-* ``"auto"`` -- the fast path. ``fp8``: an e4m3 x e4m3 ``dot_general`` with
-  float32 accumulation times ``alpha`` (W8A8; cuBLASLt FP8 GEMM on Hopper).
-  Every other format: weights dequantized to ``compute_dtype`` (bfloat16)
-  inside the jitted step and a bf16 GEMM with float32 accumulation (W-only; on
-  Hopper there is no block-scaled FP8/FP4 matrix unit that XLA exposes).
-* ``"dequant"`` -- ``fp8`` through the bf16 GEMM instead (same math as ``"auto"``,
-  e4m3 values are exact in bf16); the rest as ``"auto"``.
+* ``"auto"`` -- the fast path. ``fp8``: an e4m3 x e4m3 ``dot_general`` times the
+  stored ``alpha`` (W8A8). On Hopper XLA runs it as cuBLASLt's FP8 GEMM
+  (``__cublas$lt$matmul$f8``); with ``fast_accumulation=False`` (default) the
+  GEMM keeps float32 accumulation (HIGHEST precision), equal to the reference to
+  rounding; ``True`` allows cuBLASLt's reduced-precision accumulation (7e-3
+  relative error on the 7168-deep MLP, no faster at decode sizes). Every other
+  format is weight-only: weights dequantized to ``compute_dtype`` (bfloat16)
+  inside the jitted step, then a bf16 GEMM with float32 accumulation. Hopper
+  has no block-scaled FP8/FP4 matrix instructions, and XLA does not fuse the
+  dequantization into the GEMM, so these move more bytes than bf16 weights.
+* ``"dequant"`` -- ``fp8`` written as a bf16 GEMM of e4m3 values (exact in bf16);
+  XLA recognises the converts and still emits the FP8 GEMM on Hopper. The rest
+  as ``"auto"``.
 * ``"scaled_matmul"`` -- ``mxfp8``/``mxfp4`` weights through
   ``jax.nn.scaled_matmul`` with activations quantized on the fly to MXFP8
-  (blocks of 32 along H, the OCP floor rule). cuDNN fuses this on Blackwell;
-  on Hopper and CPU XLA expands it to dequantize + dot.
+  (blocks of 32 along H, the OCP floor rule). cuDNN fuses this on Blackwell
+  only; on Hopper and CPU XLA expands it to a float32 dequantize + dot (3x
+  slower than ``"auto"`` on an H200).
 
 Activation scales of ``fp8`` are ``"static"`` (the calibrated ``input_scale``
 leaves, already EP-consistent if calibrated with ``ep_amax``) or ``"dynamic"``
@@ -39,8 +47,8 @@ import jax
 import jax.numpy as jnp
 
 from moe_eplb_jax.quant._api import _TYPES, _check_finite, _check_weights, _per_expert_scale, quantize_experts
-from moe_eplb_jax.quant._elements import INV_E4M3_MAX, decode_e2m1, e8m0_to_float32, unpack_fp4
-from moe_eplb_jax.quant.fp8 import Fp8Experts, expert_amax, quantize_fp8
+from moe_eplb_jax.quant._elements import e8m0_to_float32
+from moe_eplb_jax.quant.fp8 import Fp8Experts, _scale_from_amax, expert_amax, quantize_fp8
 from moe_eplb_jax.quant.mx import MX_BLOCK, Mxfp4Experts, Mxfp8Experts, quantize_mxfp8
 from moe_eplb_jax.quant.nvfp4 import NVFP4_BLOCK, Nvfp4Experts
 from moe_eplb_jax.quant.scales import activation_scale, quantize_activation_fp8
@@ -51,13 +59,15 @@ IMPLS = ("reference", "auto", "dequant", "scaled_matmul")
 _BATCHED = (((2,), (2,)), ((0,), (0,)))  # [E, T, K] x [E, N, K] -> [E, T, N]
 
 
-def quantize_mlp(w_gate, w_up, w_down, fmt: str, *, input_scale=1.0, down_input_scale=1.0, nonfinite: str = "raise"):
+def quantize_mlp(w_gate, w_up, w_down, fmt: str, *, input_scale=1.0, down_input_scale=1.0,
+                 nonfinite: str = "raise"):
     """Quantizes one MoE layer's expert MLP; returns ``(gate, up, down)`` pytrees.
 
     ``w_gate``/``w_up`` are ``[E, I, H]``, ``w_down`` ``[E, H, I]``. For ``fp8`` the
     gate and up projections share one weight scale per expert (``max`` of both
     amaxes / 448, so one fused gate-up GEMM could use one alpha), ``input_scale``
-    is the scale of ``x`` and ``down_input_scale`` that of ``silu(gate) * up``.
+    is the scale of ``x`` and ``down_input_scale`` that of ``silu(gate) * up`` (both
+    fp8 only; the other formats keep activations in bf16).
     """
     if fmt != "fp8":
         return tuple(quantize_experts(w, fmt, nonfinite=nonfinite) for w in (w_gate, w_up, w_down))
@@ -71,8 +81,7 @@ def quantize_mlp(w_gate, w_up, w_down, fmt: str, *, input_scale=1.0, down_input_
     if nonfinite == "raise":
         for w in (w_gate, w_up, w_down):
             _check_finite(w, fmt)
-    amax = jnp.maximum(expert_amax(jnp.asarray(w_gate)), expert_amax(jnp.asarray(w_up)))
-    shared = jnp.where(amax == 0, jnp.float32(1.0), amax * INV_E4M3_MAX)
+    shared = _scale_from_amax(jnp.maximum(expert_amax(jnp.asarray(w_gate)), expert_amax(jnp.asarray(w_up))))
     gate = quantize_fp8(w_gate, shared, scales[0])
     up = quantize_fp8(w_up, shared, scales[0])
     down = quantize_experts(w_down, "fp8", nonfinite="propagate", input_scale=scales[1])
@@ -86,7 +95,8 @@ def share_weight_scale(gate: Fp8Experts, up: Fp8Experts) -> tuple[Fp8Experts, Fp
     whose scale grows are re-rounded (the usual max-scale requantization).
     """
     if not (isinstance(gate, Fp8Experts) and isinstance(up, Fp8Experts)):
-        raise ValueError(f"share_weight_scale: expects two Fp8Experts, got {type(gate).__name__}, {type(up).__name__}")
+        raise ValueError(f"share_weight_scale: expects two Fp8Experts, got {type(gate).__name__}, "
+                         f"{type(up).__name__}")
     if gate.shape != up.shape:
         raise ValueError(f"share_weight_scale: gate {gate.shape} and up {up.shape} differ")
     shared = jnp.maximum(gate.weight_scale, up.weight_scale)
@@ -115,9 +125,11 @@ def _check_mlp(x, gate, up, down, impl, activation_scaling):
         elif hasattr(w, "shape") and len(w.shape) == 3 and jnp.issubdtype(w.dtype, jnp.floating):
             shapes[name] = tuple(w.shape)
         else:
-            raise ValueError(f"expert_mlp: {name} must be a quantized pytree or a float [E, N, K] array, got {type(w).__name__}")
+            raise ValueError(f"expert_mlp: {name} must be a quantized pytree or a float [E, N, K] array, "
+                             f"got {type(w).__name__}")
         if impl == "scaled_matmul" and not isinstance(w, (Mxfp8Experts, Mxfp4Experts)):
-            raise ValueError(f"expert_mlp: impl='scaled_matmul' needs mxfp8/mxfp4 weights, {name} is {type(w).__name__}")
+            raise ValueError(f"expert_mlp: impl='scaled_matmul' needs mxfp8/mxfp4 weights, "
+                             f"{name} is {type(w).__name__}")
     e, t, h = x.shape
     i = shapes["gate"][1]
     if shapes["gate"] != (e, i, h) or shapes["up"] != (e, i, h) or shapes["down"] != (e, h, i):
@@ -155,7 +167,9 @@ def _project(x, q, *, impl, activation_scaling, axis_name, compute_dtype, fast_a
             # DEFAULT precision lets XLA pick cuBLASLt's FP8 fast accumulation (lower-precision partial
             # sums on Hopper); HIGHEST keeps float32 accumulation of the exact e4m3 products.
             precision = jax.lax.Precision.DEFAULT if fast_accumulation else jax.lax.Precision.HIGHEST
-            lhs, rhs = (x_q, q.weight) if impl == "auto" else (x_q.astype(compute_dtype), q.weight.astype(compute_dtype))
+            lhs, rhs = x_q, q.weight
+            if impl != "auto":
+                lhs, rhs = lhs.astype(compute_dtype), rhs.astype(compute_dtype)
             acc = jax.lax.dot_general(lhs, rhs, _BATCHED, precision=precision, preferred_element_type=jnp.float32)
         return acc * alpha
     if impl == "reference":
@@ -189,8 +203,12 @@ def _dequantize_fast(q, dtype):
 
 
 def _fp4_values(packed):
-    """Packed e2m1 pairs ``[..., K // 2]`` -> float32 ``[..., K]`` (elementwise, fusable)."""
-    return decode_e2m1(unpack_fp4(packed))
+    """Packed e2m1 pairs ``[..., K // 2]`` -> float32 ``[..., K]`` for the compute path.
+
+    XLA's own float4 conversion: on an H200 it decoded 8x2048x7168 elements in
+    0.32 ms against 0.87 ms for ``decode_e2m1``'s arithmetic (2026-11-30).
+    """
+    return _unpack_fp4_to_float4(packed).astype(jnp.float32)
 
 
 @functools.partial(jax.jit, static_argnames=("impl", "activation_scaling", "axis_name", "compute_dtype",

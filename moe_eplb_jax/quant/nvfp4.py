@@ -24,7 +24,17 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from moe_eplb_jax.quant._elements import E2M1_MAX, INV_NVFP4_RANGE, abs_max, decode_e2m1, encode_e2m1, encode_e4m3, pack_fp4, unpack_fp4
+from moe_eplb_jax.quant._elements import (
+    E2M1_MAX,
+    INV_NVFP4_RANGE,
+    abs_max,
+    canonical_nan,
+    decode_e2m1,
+    encode_e2m1,
+    encode_e4m3,
+    pack_fp4,
+    unpack_fp4,
+)
 
 __all__ = ["NVFP4_BLOCK", "Nvfp4Experts", "quantize_nvfp4"]
 
@@ -58,7 +68,7 @@ def quantize_nvfp4(w: jax.Array) -> Nvfp4Experts:
     x = w.astype(jnp.float32)
     amax = abs_max(x, axis=(1, 2))
     # amax == 0 (not <= 0) so a NaN/Inf amax stays non-finite and poisons the expert.
-    global_scale = jnp.where(amax == 0, jnp.float32(1.0), amax * INV_NVFP4_RANGE)
+    global_scale = canonical_nan(jnp.where(amax == 0, jnp.float32(1.0), amax * INV_NVFP4_RANGE))
     blocks = x.reshape(e, n, k // NVFP4_BLOCK, NVFP4_BLOCK)
     block_amax = abs_max(blocks, axis=-1)
     block_scales = encode_e4m3(block_amax / (global_scale[:, None, None] * jnp.float32(E2M1_MAX)))

@@ -22,16 +22,14 @@ donated (after validation), so the rows are updated in place.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from moe_eplb_jax.sharding.mesh import axis_size
-from moe_eplb_jax.sharding.packing import LeafLayout, from_row_view, leaf_layout, pack_rows, row_view, unpack_leaf
+from moe_eplb_jax.sharding.packing import from_row_view, leaf_layout, pack_rows, row_view, unpack_leaf
 from moe_eplb_jax.sharding.plan import TransportPlan, plan_rearrangement
 
 __all__ = ["rearrange_experts", "execute_plan", "executor_trace_count", "row_bytes", "DEFAULT_MAX_CHUNK_BYTES"]

@@ -1,0 +1,108 @@
+"""A grouped matmul in Pallas (Triton backend) whose cost follows the real row count.
+
+``grouped_matmul(x [N, K], w [S, K, M], group_sizes [S]) -> [N, M] float32``:
+rows ``[start_s, end_s)`` (the runs of ``group_sizes``) times ``w[s]``.
+
+Work items. Rows are cut into tiles of ``block_rows``; a group covers the
+tiles from ``start_s // block_rows`` to ``(end_s - 1) // block_rows``, so a
+tile straddling two groups is one item of each (each item writes only its own
+group's rows: disjoint masked stores, no race). There are at most
+``cdiv(N, block_rows) + S`` items; the grid has that many rows of programs and
+those past the real item count return at once. So the work done follows
+``sum(group_sizes)``, not ``N`` -- on a rank that received few rows the
+kernel is cheap, which is what makes per-rank load visible in step time.
+
+Each program computes one ``[block_rows, block_cols]`` output tile with a
+loop over ``K`` in chunks of ``block_k``: the same instruction sequence for
+every row, so a row's result does not depend on its position or its group's
+index (placement-invariant). Rows outside every group (padding) are never
+written: their content is unspecified.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+__all__ = ["grouped_matmul", "work_items"]
+
+
+def work_items(group_sizes, num_rows: int, block_rows: int):
+    """``(item_group, item_tile, num_items)`` -- int32 ``[cdiv(N, bm) + S]``, same, ``[1]``."""
+    sizes = group_sizes.astype(jnp.int32)
+    num_groups = sizes.shape[0]
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    first = starts // block_rows
+    tiles = jnp.where(sizes > 0, (ends - 1) // block_rows - first + 1, 0)
+    item_end = jnp.cumsum(tiles)
+    max_items = pl.cdiv(num_rows, block_rows) + num_groups
+    item = jnp.arange(max_items, dtype=jnp.int32)
+    group = jnp.sum(item[:, None] >= item_end[None, :], axis=1, dtype=jnp.int32)
+    safe = jnp.minimum(group, num_groups - 1)
+    tile = first[safe] + item - (item_end[safe] - tiles[safe])
+    return safe, tile, item_end[-1:]
+
+
+def _kernel(x_ref, w_ref, group_ref, tile_ref, count_ref, starts_ref, ends_ref, out_ref, *,
+            block_rows, block_k, block_cols, depth, precision):
+    item = pl.program_id(0)
+    col = pl.program_id(1)
+
+    @pl.when(item < count_ref[0])
+    def _():
+        group = group_ref[item]
+        first_row = tile_ref[item] * block_rows
+        rows = first_row + jnp.arange(block_rows, dtype=jnp.int32)
+        mine = (rows >= starts_ref[group]) & (rows < ends_ref[group])
+
+        def step(k, acc):
+            a = plgpu.load(x_ref.at[pl.ds(first_row, block_rows), pl.ds(k * block_k, block_k)],
+                           mask=jnp.broadcast_to(mine[:, None], (block_rows, block_k)), other=0)
+            b = w_ref[pl.ds(group * depth + k * block_k, block_k), pl.ds(col * block_cols, block_cols)]
+            return acc + jnp.dot(a, b, preferred_element_type=jnp.float32, precision=precision)
+
+        acc = jax.lax.fori_loop(0, depth // block_k, step, jnp.zeros((block_rows, block_cols), jnp.float32))
+        plgpu.store(out_ref.at[pl.ds(first_row, block_rows), pl.ds(col * block_cols, block_cols)], acc,
+                    mask=jnp.broadcast_to(mine[:, None], (block_rows, block_cols)))
+
+
+@functools.partial(jax.jit, static_argnames=("block_rows", "block_k", "block_cols", "interpret"))
+def grouped_matmul(x, w, group_sizes, *, block_rows: int = 64, block_k: int = 64, block_cols: int = 128,
+                   interpret: bool = False):
+    """See the module docstring. ``K`` and ``M`` must be multiples of the (clipped, power-of-two) blocks."""
+    if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"need x [N, K] and w [S, K, M] with the same K, got {x.shape} and {w.shape}")
+    if group_sizes.shape != (w.shape[0],):
+        raise ValueError(f"group_sizes must have shape [S]=({w.shape[0]},), got {group_sizes.shape}")
+    if x.dtype != w.dtype:
+        raise ValueError(f"x and w must share a dtype, got {x.dtype} and {w.dtype}")
+    num_rows, depth = x.shape
+    num_groups, _, width = w.shape
+    block_k, block_cols = min(block_k, depth), min(block_cols, width)
+    for name, block, size in (("block_k", block_k, depth), ("block_cols", block_cols, width), ("block_rows", block_rows, block_rows)):
+        if block < 16 or block & (block - 1) or size % block:
+            raise ValueError(
+                f"K={depth} and M={width} must be multiples of power-of-two blocks >= 16 (Triton); got {name}={block}"
+            )
+    group, tile, count = work_items(group_sizes, num_rows, block_rows)
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
+    starts = ends - group_sizes.astype(jnp.int32)
+    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    kernel = functools.partial(_kernel, block_rows=block_rows, block_k=block_k, block_cols=block_cols,
+                               depth=depth, precision=precision)
+    whole = pl.no_block_spec
+    return pl.pallas_call(
+        kernel,
+        grid=(group.shape[0], width // block_cols),
+        in_specs=[whole] * 7,
+        out_specs=whole,
+        out_shape=jax.ShapeDtypeStruct((num_rows, width), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="grouped_matmul",
+    )(x, w.reshape(num_groups * depth, width), group, tile, count, starts, ends)
