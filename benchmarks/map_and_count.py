@@ -36,8 +36,8 @@ from moe_eplb_jax.pallas import _reference, _triton
 from moe_eplb_jax.pallas.map_and_count import _build_thresholds, map_and_count
 from moe_eplb_jax.placement import Placement
 
-REPS = 16
-TRIALS = 15
+REPS = 8
+TRIALS = 10
 NUM_LOGICAL = 256
 
 
@@ -127,17 +127,75 @@ def run_case(rng, num_tokens, top_k, num_physical, mode, bandwidth, log):
     return row
 
 
+def time_variant(rng, mode, options, count=True, num_tokens=262144, num_physical=288):
+    """Checks one kernel configuration against the reference on fresh data, then times it (seconds, or None)."""
+    log2phy, logcnt, kw, ids = make_case(rng, num_tokens, 8, num_physical, mode)
+    width = log2phy.shape[1]
+    values = kw.get("replica_shares", kw.get("resolved"))
+    thresholds = (jnp.zeros((NUM_LOGICAL, width), jnp.int32) if values is None
+                  else _build_thresholds(mode, values, logcnt, width))
+    limits = jnp.asarray([(num_tokens - 3) * 8] * 2, jnp.int32)
+
+    def fn(x):
+        return _triton.map_and_count_triton(x, log2phy, logcnt, thresholds, limits, num_physical=num_physical,
+                                            mode=mode, count=count, interpret=jax.default_backend() != "gpu", **options)
+
+    try:
+        got = jax.jit(fn)(ids[0])
+        want = _reference.map_and_count_reference(ids[0], log2phy, logcnt, thresholds, limits,
+                                                  num_physical=num_physical, mode=mode)
+        if not np.array_equal(got[0], want[0]) or (count and not np.array_equal(got[1], want[1])):
+            print(f"  {mode} {options} count={count}: WRONG RESULT", flush=True)
+            return None
+        seconds = timed(fn, [(x,) for x in ids])
+    except Exception as e:  # a configuration Triton cannot compile: report and go on
+        print(f"  {mode} {options} count={count}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+        return None
+    print(f"  {mode:<9} {str(options):<95} count={count!s:<5} {seconds * 1e6:8.2f} us", flush=True)
+    return seconds
+
+
+def sweep(rng):
+    """Tunes the kernel options on T=262144 x 8, P=288 and installs the best in ``_triton.DEFAULTS``."""
+    print("sweep (T=262144, k=8, P=288):", flush=True)
+    time_variant(rng, "hash", {}, count=False)  # mapping alone: what counting costs on top
+    results = {}
+    for dtype in ("float16", "int8"):
+        options = {"count_dtype": dtype}
+        results[tuple(options.items())] = time_variant(rng, "hash", options)
+    best = dict(min((k for k in results if results[k]), key=lambda k: results[k]))
+    results = {}
+    for sub in (256, 1024):
+        for warps in (4, 8):
+            for stages in (1, 3):
+                options = {**best, "sub": sub, "num_warps": warps, "num_stages": stages}
+                results[tuple(options.items())] = time_variant(rng, "hash", options)
+    best = dict(min((k for k in results if results[k]), key=lambda k: results[k]))
+    for tile in (1024, 2048):
+        results[tuple({**best, "tile": tile}.items())] = time_variant(rng, "hash", {**best, "tile": tile})
+    best = dict(min((k for k in results if results[k]), key=lambda k: results[k]))
+    print(f"best hash options: {best}", flush=True)
+    results = {}
+    for sub in (32, 64, 128):
+        results[sub] = time_variant(rng, "resolved", {**best, "sub_resolved": sub})
+    sub_resolved = min((k for k in results if results[k]), key=lambda k: results[k])
+    _triton.DEFAULTS.update(best, sub_resolved=sub_resolved)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="hash mode, largest size only")
     parser.add_argument("--sizes", default="4096,65536,262144", help="comma-separated token counts")
-    parser.add_argument("--tiles", default="", help="comma-separated tile sizes to sweep for hash (tuning)")
+    parser.add_argument("--sweep", action="store_true", help="tune kernel options first, then use the best")
     args = parser.parse_args()
     out_dir = os.environ.get("OUT", ".")
     print(f"jax {jax.__version__}, devices {jax.devices()}", flush=True)
     bandwidth = copy_bandwidth(20 if jax.default_backend() == "cpu" else 28)
     print(f"copy bandwidth (read+write, 1 GiB int32 elementwise): {bandwidth / 1e12:.2f} TB/s", flush=True)
     rng = np.random.default_rng(2026_11_30)
+    if args.sweep:
+        sweep(rng)
+    print(f"kernel options used below: {_triton.DEFAULTS}", flush=True)
     sizes = [262144] if args.quick else [int(t) for t in args.sizes.split(",")]
     modes = ["hash"] if args.quick else ["hash", "round_robin", "shares", "resolved"]
     rows = []
@@ -148,15 +206,6 @@ def main():
                     row = run_case(rng, num_tokens, 8, num_physical, mode, bandwidth, log)
                     rows.append(row)
                     print(_format(row), flush=True)
-    if args.tiles:
-        log2phy, logcnt, _, ids = make_case(rng, 262144, 8, 288, "hash")
-        limits = jnp.asarray([262144 * 8, 262144 * 8], jnp.int32)
-        thr = jnp.zeros(log2phy.shape, jnp.int32)
-        for tile in (int(t) for t in args.tiles.split(",")):
-            for warps in (4, 8):
-                fn = lambda x: _triton.map_and_count_triton(x, log2phy, logcnt, thr, limits, num_physical=288,
-                                                            mode="hash", tile=tile, num_warps=warps)
-                print(f"tile {tile:6d} warps {warps}: {timed(fn, [(x,) for x in ids]) * 1e6:8.2f} us", flush=True)
     print("\nmap_and_count, E=256, top-8, microseconds per call (median); ratios: xla_ref/pallas, pallas/hbm")
     print(f"{'T':>7} {'P':>4} {'mode':<12}{'pallas':>9}{'xla_best':>10}{'xla_ref':>10}{'copy':>8}{'hbm':>7}"
           f"{'ref/pal':>9}{'pal/hbm':>9}")

@@ -42,6 +42,8 @@ def _args():
     p.add_argument("--zipf", type=float, default=1.2, help="router bias -4*zipf*log(1+e)")
     p.add_argument("--matmul", default="dense,pallas", help="comma-separated grouped matmul implementations")
     p.add_argument("--map-impl", default=None, help="map_and_count implementation (None: its default)")
+    p.add_argument("--capacity-factor", default="none,1.25",
+                   help="comma-separated exchange capacity factors ('none': one worst-case all_to_all)")
     p.add_argument("--iters", type=int, default=20)
     return p.parse_args()
 
@@ -127,9 +129,11 @@ def main():
                              in_specs=(PS("ep"), PS(), PS()), out_specs=PS("ep"), check_vma=False)(x, router, bias)
 
     rows = []
-    for matmul in args.matmul.split(","):
-        apply = jax.jit(lambda *a, matmul=matmul: L.moe_apply(*a, top_k=K, mesh=mesh, matmul=matmul,
-                                                              map_implementation=args.map_impl))
+    factors = [None if f == "none" else float(f) for f in args.capacity_factor.split(",")]
+    for matmul, factor in [(m, f) for m in args.matmul.split(",") for f in factors]:
+        label = f"{matmul}/{'worst' if factor is None else f'cf{factor:g}'}"
+        apply = jax.jit(lambda *a, matmul=matmul, factor=factor: L.moe_apply(
+            *a, top_k=K, mesh=mesh, matmul=matmul, map_implementation=args.map_impl, capacity_factor=factor))
         try:
             t_init, (y_init, load_init) = bench(apply, operands(start, zipf_bias))
             if fitted is None:
@@ -140,11 +144,11 @@ def main():
             t_uni, (_, load_uni) = bench(apply, operands(uniform, flat_bias, x_uni, router_uni))
         except Exception:  # one implementation failing must not hide the others' figures
             traceback.print_exc()
-            rows.append((matmul, None))
+            rows.append((label, None))
             continue
         same = bool(np.array_equal(np.asarray(y_init).view(np.uint16), np.asarray(y_fit).view(np.uint16)))
         loads_ok = int(np.asarray(load_init).sum()) == T * K == int(np.asarray(load_fit).sum())
-        rows.append((matmul, dict(t_init=t_init, t_fit=t_fit, t_uni=t_uni, b_init=balancedness(load_init),
+        rows.append((label, dict(t_init=t_init, t_fit=t_fit, t_uni=t_uni, b_init=balancedness(load_init),
                                   b_fit=balancedness(load_fit), b_uni=balancedness(load_uni), same=same,
                                   loads_ok=loads_ok)))
 
@@ -157,15 +161,16 @@ def main():
 
     print(f"\n=== MoE step ({ranks} x {jax.devices()[0].device_kind}; T={args.tokens}/rank, D={D}, H={H}, E={E}, "
           f"P={P}, top-{K}, bf16, map_and_count={args.map_impl or 'default'}) ===")
-    print(f"{'matmul':8s} {'routing / placement':22s} {'step ms':>9s} {'vs ideal':>9s} {'balancedness':>13s}")
-    for matmul, r in rows:
+    print("matmul/exchange: 'worst' = one worst-case all_to_all; 'cfX' = rounds of X times the balanced share")
+    print(f"{'matmul/exchange':24s} {'routing / placement':18s} {'step ms':>9s} {'vs ideal':>9s} {'balancedness':>13s}")
+    for label, r in rows:
         if r is None:
-            print(f"{matmul:8s} FAILED (traceback above)")
+            print(f"{label:24s} FAILED (traceback above)")
             continue
         for name, t, b in (("zipf / initial", r["t_init"], r["b_init"]), ("zipf / EPLB", r["t_fit"], r["b_fit"]),
                            ("uniform (ideal)", r["t_uni"], r["b_uni"])):
-            print(f"{matmul:8s} {name:22s} {t * 1e3:9.3f} {t / r['t_uni']:9.3f} {b:13.3f}")
-        print(f"{matmul:8s} outputs bit-identical across placements: {r['same']}; load sums exact: {r['loads_ok']}; "
+            print(f"{label:24s} {name:18s} {t * 1e3:9.3f} {t / r['t_uni']:9.3f} {b:13.3f}")
+        print(f"{label:24s} outputs bit-identical across placements: {r['same']}; load sums exact: {r['loads_ok']}; "
               f"bookkeeping {100 * t_book / r['t_fit']:.2f}% of the EPLB step")
     print(f"EPLB bookkeeping (map+count+psum+state): {t_book * 1e3:.3f} ms "
           f"(route+bookkeeping {t_book_route * 1e3:.3f} ms, route alone {t_route * 1e3:.3f} ms)")

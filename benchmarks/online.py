@@ -1,6 +1,6 @@
 """Online balancing benchmark: quota routing, LP routing and periodic DeepSeek, side by side.
 
-    PYTHONPATH=. python3 benchmarks/online.py [--quick] [--out DIR]
+    PYTHONPATH=. python3 benchmarks/online.py [--quick] [--out DIR] [--sections quota,lp,drift]
 
 1. UltraEP's setting: EP64, 256 experts, 4 home + 2 spare slots per rank, top-8,
    8,192 tokens per rank, Zipf loads at initial rank imbalance 1.5 / 2.0 / 3.0.
@@ -11,9 +11,13 @@
    another; lp_shares (on device) vs the HiGHS optimum of the max rank load
    (target: within 0.5 %).
 3. Drifting loads: periodic DeepSeek (hash / LP routing) vs online quotas.
-4. Timing (median of repeated runs, after warm-up): planner per layer, routing of
-   one rank's 8,192 x 8 entries, and the two together (target <= 0.1 ms on one
-   H200; UltraEP: ~0.07 ms planner + ~0.04 ms reroute).
+4. Timing (median of repeated runs, after warm-up): the planner alone (before:
+   the lax.scan walk of commit d7bf698, frozen in benchmarks/_quota_before.py;
+   new: the one-kernel Pallas walk and its lax.scan twin), routing of one rank's
+   8,192 x 8 entries, and planner + routing per layer measured as 8 dependent
+   layers in one jit divided by 8 (host dispatch amortised, as inside a step).
+   Target <= 0.1 ms per layer on one H200; UltraEP: ~0.07 ms planner + ~0.04 ms
+   reroute.
 """
 
 from __future__ import annotations
@@ -34,8 +38,21 @@ from moe_eplb_jax.routing import lp_shares, lp_shares_reference, plan_quotas
 from moe_eplb_jax.sim import drifting_load, format_table, simulate, zipf_counts, zipf_topk
 from moe_eplb_jax.sim.report import resolve_policy
 
+try:  # the planner as it was before the one-kernel walk, timed next to the new one
+    import _quota_before
+except ImportError:
+    from benchmarks import _quota_before
+
 G, E, H, S, K, T = 64, 256, 4, 2, 8, 8192
 P = G * (H + S)
+
+
+class _Timings(dict):
+    """Prints every figure as it lands, so a run cut short still reports what it measured."""
+
+    def __setitem__(self, name, ms):
+        print(f"  timing: {name}: {ms:.4f} ms", flush=True)
+        super().__setitem__(name, ms)
 
 
 def timeit(fn, *args, reps=100):
@@ -62,12 +79,41 @@ def _route_one(ids, quota, log2phy, logcnt, implementation):
                          implementation=implementation)
 
 
-def quota_section(tokens, rows, timings, reps):
-    plan_fn = {}
-    for rounds, width in ((3, 16), (2, 32), (4, 8)):
-        plan_fn[(rounds, width)] = jax.jit(functools.partial(plan_quotas, num_home=H, num_spare=S,
-                                                             search_rounds=rounds, search_width=width))
-    default = plan_fn[(3, 16)]
+def _planner(implementation=None, rounds=None, width=None, before=False):
+    opts = dict(num_home=H, num_spare=S)
+    if rounds is not None:
+        opts.update(search_rounds=rounds, search_width=width)
+    if before:
+        return functools.partial(_quota_before.plan_quotas, **opts)
+    return functools.partial(plan_quotas, implementation=implementation, **opts)
+
+
+def _layers(planner, routing, num_layers):
+    """``num_layers`` MoE layers in one jit, each planning on its own counts and routing rank 0's tokens.
+
+    Every layer's counts depend (by a no-op) on the previous layer's routed load, so nothing overlaps: the time
+    divided by ``num_layers`` is the per-layer cost inside a step, with the host dispatch amortised.
+    """
+    def run(counts, ids):
+        carry = jnp.zeros((), jnp.int32)
+        total = jnp.zeros((P,), jnp.int32)
+        for layer in range(num_layers):
+            plan = planner(counts[layer] + carry)
+            _, load = _route_one(ids[layer], plan.quota[0], plan.log2phy, plan.logcnt, routing)
+            carry = jnp.minimum(load[0], 0)  # always 0, unknown to the compiler
+            total = total + load
+        return total
+    return jax.jit(run)
+
+
+def quota_section(tokens, rows, timings, reps, num_layers=8):
+    plan_fn = {
+        "before (3x16, lax.scan walk)": jax.jit(_planner(rounds=3, width=16, before=True)),
+        "new 2x64, pallas walk (GPU default)": jax.jit(_planner("pallas")),
+        "new 2x64, xla walk": jax.jit(_planner("xla")),
+        "new 3x16, pallas walk": jax.jit(_planner("pallas", 3, 16)),
+    }
+    default = jax.jit(_planner())
     route_fn = jax.jit(route_all)
     for imbalance in (1.5, 2.0, 3.0):
         ids = zipf_topk(G, E, tokens, K, imbalance, seed=11)
@@ -77,34 +123,46 @@ def quota_section(tokens, rows, timings, reps):
         slot_load = np.asarray(route_fn(plan, jnp.asarray(ids)))
         rank_load = slot_load.reshape(G, H + S).sum(1)
         ok = np.array_equal(rank_load, np.asarray(plan.rank_load)) and int(slot_load.sum()) == ids.size
+        # The two walks must agree integer for integer (on GPU: the Triton kernel vs lax.scan).
+        other = plan_fn["new 2x64, xla walk"](jnp.asarray(counts))
+        same = all(np.array_equal(np.asarray(a), np.asarray(b))
+                   for a, b in zip(jax.tree_util.tree_leaves(plan), jax.tree_util.tree_leaves(other)))
+        before = plan_fn["before (3x16, lax.scan walk)"](jnp.asarray(counts))
+        rl = np.asarray(before.rank_load)
         rows.append(dict(imbalance=imbalance, initial=float(home.max() / home.mean()),
                          final=float(rank_load.max() / rank_load.mean()), replicas=int(plan.replicas_used),
-                         max_replicas_of_one_expert=int(plan.logcnt.max()), routed_matches_plan=bool(ok)))
+                         max_replicas_of_one_expert=int(plan.logcnt.max()), routed_matches_plan=bool(ok),
+                         pallas_equals_xla=bool(same), final_before=float(rl.max() / rl.mean())))
         if imbalance == 2.0:
             c = jnp.asarray(counts)
-            for key, fn in plan_fn.items():
-                p = fn(c)
-                rl = np.asarray(p.rank_load)
-                timings[f"planner {key[0]}x{key[1]} (imb {rl.max() / rl.mean():.4f})"] = timeit(fn, c, reps=reps)
+            for name, fn in plan_fn.items():
+                try:
+                    rl = np.asarray(fn(c).rank_load)
+                    timings[f"planner {name} (imb {rl.max() / rl.mean():.4f})"] = timeit(fn, c, reps=reps)
+                except Exception as e:  # noqa: BLE001 -- report and go on
+                    print(f"planner {name} failed: {type(e).__name__}: {e}"[:600])
             one_ids = jnp.asarray(ids[0])
             for impl in ("xla", "pallas"):
                 route_one = jax.jit(functools.partial(_route_one, implementation=impl))
                 try:
                     timings[f"routing, one rank ({tokens}x{K}, resolved, {impl})"] = timeit(
                         route_one, one_ids, plan.quota[0], plan.log2phy, plan.logcnt, reps=reps)
-                except Exception as e:  # noqa: BLE001 -- report and go on
-                    print(f"routing with {impl} failed: {type(e).__name__}: {e}"[:400])
-            for impl in ("xla", "pallas"):
-                step = jax.jit(functools.partial(_plan_and_route, implementation=impl))
-                try:
-                    timings[f"planner + routing, one layer, one jit ({impl})"] = timeit(step, c, one_ids, reps=reps)
                 except Exception as e:  # noqa: BLE001
-                    print(f"planner + routing with {impl} failed: {type(e).__name__}: {e}"[:400])
-
-
-def _plan_and_route(counts, ids, implementation):
-    plan = plan_quotas(counts, num_home=H, num_spare=S)
-    return _route_one(ids, plan.quota[0], plan.log2phy, plan.logcnt, implementation)
+                    print(f"routing with {impl} failed: {type(e).__name__}: {e}"[:400])
+            # Per layer inside a step: num_layers dependent layers in one jit (fresh counts per layer).
+            layer_ids = np.stack([zipf_topk(G, E, tokens, K, imbalance, seed=100 + i) for i in range(num_layers)])
+            layer_counts = np.stack([np.stack([np.bincount(layer_ids[i, g].ravel(), minlength=E) for g in range(G)])
+                                     for i in range(num_layers)]).astype(np.int32)
+            lc, li = jnp.asarray(layer_counts), jnp.asarray(layer_ids[:, 0])
+            for name, planner in (("before 3x16", _planner(rounds=3, width=16, before=True)),
+                                  ("new 2x64 pallas walk", _planner("pallas")),
+                                  ("new 2x64 xla walk", _planner("xla"))):
+                try:
+                    ms = timeit(_layers(planner, "pallas", num_layers), lc, li, reps=max(reps // 4, 3))
+                    timings[f"planner + routing (pallas), per layer of {num_layers} in one jit: {name}"] = (
+                        ms / num_layers)
+                except Exception as e:  # noqa: BLE001
+                    print(f"layers with {name} failed: {type(e).__name__}: {e}"[:600])
 
 
 def lp_section(tokens, rows, timings, reps):
@@ -133,36 +191,46 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer tokens and repetitions (CPU smoke run)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--sections", default="quota,lp,drift", help="comma-separated subset of quota,lp,drift")
     args = parser.parse_args()
+    sections = set(args.sections.split(","))
     tokens = 1024 if args.quick else T
     reps = 5 if args.quick else 200
     print(f"backend: {jax.default_backend()}  devices: {jax.devices()}")
-    quota_rows, lp_rows, timings = [], [], {}
-    quota_section(tokens, quota_rows, timings, reps)
-    lp_section(tokens, lp_rows, timings, reps)
-    drift = drifting_load(24 if args.quick else 32, 4, E, G, imbalance=2.0, tokens=G * tokens * K, seed=5)
-    reports = simulate(drift, num_ranks=G, num_spare=S, policies=("none", "deepseek", "deepseek+lp", "online"),
-                       step_interval=8, window=8)
+    quota_rows, lp_rows, timings = [], [], _Timings()
+    if "quota" in sections:
+        quota_section(tokens, quota_rows, timings, reps)
+    if "lp" in sections:
+        lp_section(tokens, lp_rows, timings, reps)
+    reports = []
+    if "drift" in sections:
+        drift = drifting_load(24 if args.quick else 32, 4, E, G, imbalance=2.0, tokens=G * tokens * K, seed=5)
+        reports = simulate(drift, num_ranks=G, num_spare=S, policies=("none", "deepseek", "deepseek+lp", "online"),
+                           step_interval=8, window=8)
     with open(os.path.join(args.out, "online.json"), "w") as f:
         json.dump(dict(quota=quota_rows, lp=lp_rows, timings_ms=timings,
                        drift={r.name: dict(balancedness=r.balancedness, imbalance=float(r.layer_imbalance.mean()))
                               for r in reports}), f, indent=1)
 
     print(f"\n== quota routing, EP{G}, E={E}, {H} home + {S} spare/rank, top-{K}, {tokens} tokens/rank ==")
-    print(f"{'target imb':>10} {'initial':>8} {'final':>8} {'replicas':>8} {'max rep':>7} {'routed==plan':>12}")
+    print(f"{'target imb':>10} {'initial':>8} {'final':>8} {'before':>8} {'replicas':>8} {'max rep':>7} "
+          f"{'routed==plan':>12} {'pallas==xla':>11}")
     for r in quota_rows:
-        print(f"{r['imbalance']:10.1f} {r['initial']:8.4f} {r['final']:8.4f} {r['replicas']:8d} "
-              f"{r['max_replicas_of_one_expert']:7d} {str(r['routed_matches_plan']):>12}   (target final <= 1.01)")
-    print(f"\n== LP routing vs HiGHS, DeepSeek placement P={P} fitted on another batch ==")
-    print(f"{'imb':>4} {'mean':>9} {'hash max':>9} {'LP max':>9} {'HiGHS max':>9} {'LP/HiGHS':>8}")
+        print(f"{r['imbalance']:10.1f} {r['initial']:8.4f} {r['final']:8.4f} {r['final_before']:8.4f} "
+              f"{r['replicas']:8d} {r['max_replicas_of_one_expert']:7d} {str(r['routed_matches_plan']):>12} "
+              f"{str(r['pallas_equals_xla']):>11}   (target final <= 1.01)")
+    if lp_rows:
+        print(f"\n== LP routing vs HiGHS, DeepSeek placement P={P} fitted on another batch ==")
+        print(f"{'imb':>4} {'mean':>9} {'hash max':>9} {'LP max':>9} {'HiGHS max':>9} {'LP/HiGHS':>8}")
     for r in lp_rows:
         print(f"{r['imbalance']:4.1f} {r['mean']:9.0f} {r['hash_max']:9.0f} {r['lp_max']:9.0f} {r['highs_max']:9.0f} "
               f"{r['lp_over_highs']:8.5f}   (target <= 1.005)")
-    print("\n== drifting loads (EP64, 4 layers): periodic DeepSeek vs online ==")
-    print(format_table(reports))
-    print(f"\n== timing on {jax.default_backend()} (median ms; target planner + routing <= 0.1 ms) ==")
+    if reports:
+        print("\n== drifting loads (EP64, 4 layers): periodic DeepSeek vs online ==")
+        print(format_table(reports))
+    print(f"\n== timing on {jax.default_backend()} (median ms; target planner + routing <= 0.1 ms per layer) ==")
     for name, ms in timings.items():
-        print(f"{name:<58} {ms:8.4f} ms")
+        print(f"{name:<100} {ms:8.4f} ms")
 
 
 if __name__ == "__main__":

@@ -14,8 +14,8 @@ device memory (measured from ``memory_stats`` and XLA's static temp size) over
 bytes moved, compiles. Correctness: per-slot hashes after each first move are
 checked against the expected source slots.
 
-  PYTHONPATH=. python3 benchmarks/transport.py                  # all devices
-  PYTHONPATH=. python3 benchmarks/transport.py --ranks 8 --chunks 1 4 8
+  PYTHONPATH=. python3 benchmarks/transport.py                  # library defaults, all devices
+  PYTHONPATH=. python3 benchmarks/transport.py --ranks 8 --chunks 8 4 1 --variants own+d1 words+d1 words+d2+lhs
   JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=2 \\
       PYTHONPATH=. python3 benchmarks/transport.py --layers 4 --hidden 256 --inter 32 --iters 2   # smoke
 """
@@ -46,7 +46,8 @@ def parse_args():
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--inter", type=int, default=128)
     p.add_argument("--fractions", type=float, nargs="+", default=[0.1, 0.5])
-    p.add_argument("--chunks", type=int, nargs="+", default=[8, 4, 2, 1], help="chunks per round (memory order)")
+    p.add_argument("--chunks", type=int, nargs="+", default=[0],
+                   help="chunks per round, in order of rising memory; 0: the library's default chunking")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--variants", nargs="+", default=["default"],
                    help="executor variants, '+'-joined: own|words (rows in their dtype / as uint32 words), "
@@ -193,7 +194,7 @@ def component_times(mesh, experts, capacity, iters):
     leaves = [experts[k] for k in names]
     probe = eps.plan_rearrangement(np.zeros((leaves[0].shape[0], leaves[0].shape[1]), np.int32),
                                    np.zeros((leaves[0].shape[0], leaves[0].shape[1]), np.int32), mesh.shape["ep"])
-    _, layouts, specs = _transport._check_leaves(dict(zip(names, leaves)), probe, mesh, "ep")
+    _, layouts, specs, _ = _transport._check_leaves(dict(zip(names, leaves)), probe, mesh, "ep")
     num_rows = leaves[0].shape[0] * leaves[0].shape[1] // mesh.shape["ep"]
     idx = jnp.asarray(np.random.default_rng(0).permutation(num_rows)[:capacity].astype(np.int32))
 
@@ -270,12 +271,13 @@ def main():
             plan = eps.plan_rearrangement(phy2log, new, num_ranks)
             plan_s.append(time.perf_counter() - t0)
             c = plan.capacities[0]
-            max_chunk = -(-c // chunks) * row
+            max_chunk = -(-c // chunks) * row if chunks else None
             if it == 0:
                 before_hash = slot_hashes(mesh, experts)
                 # static temp size of the compiled executor
-                leaves, layouts, specs = _transport._check_leaves(experts, plan, mesh, "ep")
+                leaves, layouts, specs, _ = _transport._check_leaves(experts, plan, mesh, "ep")
                 nch = _transport._num_chunks(plan, layouts, max_chunk)
+                chunks_used = nch
                 fn = _transport._executor(mesh, "ep", tuple(specs), tuple(layouts), 2, True, nch,
                                           tuple(sorted((options or {}).items())))
                 tables = {k: jax.device_put(v, NamedSharding(mesh, PartitionSpec("ep")))
@@ -297,7 +299,7 @@ def main():
             phy2log = new
         moved = plan.bytes_moved(row)
         med = statistics.median(times)
-        res = dict(view=view, fraction=fraction, chunks=chunks, moved=moved, time_ms=med * 1e3, gbps=moved / med / 1e9,
+        res = dict(view=view, fraction=fraction, chunks=chunks_used, moved=moved, time_ms=med * 1e3, gbps=moved / med / 1e9,
                    extra_measured=extra_measured / moved, extra_static=temp / moved,
                    recompiles_after_first=sum(compiles[1:]), first_compiles=compiles[0], correct=checked,
                    plan_ms=statistics.median(plan_s) * 1e3, capacity=plan.capacities[0])

@@ -18,13 +18,14 @@ from moe_eplb_jax.flax import MoELayer
 
 
 class Block(nnx.Module):
-    def __init__(self, dim, heads, hidden, num_experts, top_k, *, mesh, num_physical, skew, dtype, attention, rngs):
+    def __init__(self, dim, heads, hidden, num_experts, top_k, *, mesh, num_physical, skew, dtype, attention,
+                 capacity_factor, rngs):
         self.norm1 = nnx.RMSNorm(dim, rngs=rngs)
         self.attn = (nnx.MultiHeadAttention(heads, dim, qkv_features=dim, decode=False, dtype=dtype, rngs=rngs)
                      if attention else None)
         self.norm2 = nnx.RMSNorm(dim, rngs=rngs)
         self.moe = MoELayer(dim, hidden, num_experts, top_k, mesh=mesh, num_physical=num_physical,
-                            shared_hidden=hidden, dtype=dtype, rngs=rngs)
+                            shared_hidden=hidden, dtype=dtype, capacity_factor=capacity_factor, rngs=rngs)
         bias = -skew * np.log1p(np.arange(num_experts, dtype=np.float32))
         self.moe.router_bias.set_value(jax.device_put(bias, self.moe.router_bias.get_value().sharding))
 
@@ -38,11 +39,11 @@ class MoELM(nnx.Module):
     """``tokens [B, T] int32 -> logits [B, T, vocab] float32``."""
 
     def __init__(self, *, vocab=256, dim=64, heads=4, hidden=64, num_layers=2, num_experts=16, top_k=2,
-                 num_physical=None, mesh, skew=1.0, dtype=jnp.float32, attention=True, rngs):
+                 num_physical=None, mesh, skew=1.0, dtype=jnp.float32, attention=True, capacity_factor=None, rngs):
         self.embed = nnx.Embed(vocab, dim, rngs=rngs)
         self.blocks = nnx.List([
             Block(dim, heads, hidden, num_experts, top_k, mesh=mesh, num_physical=num_physical, skew=skew,
-                  dtype=dtype, attention=attention, rngs=rngs)
+                  dtype=dtype, attention=attention, capacity_factor=capacity_factor, rngs=rngs)
             for _ in range(num_layers)
         ])
         self.norm = nnx.RMSNorm(dim, rngs=rngs)

@@ -30,6 +30,8 @@ def parse_args(argv=None):
     p.add_argument("--new-tokens", type=int, default=8, help="tokens generated per batch")
     p.add_argument("--warmup-batches", type=int, default=5, help="batches served before rebalancing")
     p.add_argument("--batches", type=int, default=5, help="batches served after rebalancing")
+    p.add_argument("--capacity-factor", type=float, default=1.25,
+                   help="token exchange in rounds of this factor times the balanced share (0: one worst-case all_to_all)")
     p.add_argument("--skew", type=float, default=1.5, help="Zipf skew of the routers")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--init-placement", help="serve with this placement file (no rebalancing)")
@@ -64,10 +66,16 @@ def main(argv=None):
     ranks = args.ranks or jax.device_count()
     mesh = jax.make_mesh((ranks,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,),
                          devices=jax.devices()[:ranks])
+    batch_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("ep"))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def global_batch(host):  # every process holds the same host batch; each device takes its rows
+        return jax.make_array_from_callback(host.shape, batch_sharding, lambda index: host[index])
     num_physical = args.experts + args.redundant
     model = MoELM(vocab=256, dim=args.dim, heads=4, hidden=args.dim, num_layers=args.layers,
                   num_experts=args.experts, top_k=args.top_k, num_physical=num_physical, mesh=mesh,
-                  skew=args.skew, dtype=jnp.bfloat16 if args.bf16 else jnp.float32, rngs=nnx.Rngs(args.seed))
+                  skew=args.skew, capacity_factor=args.capacity_factor or None,
+                  dtype=jnp.bfloat16 if args.bf16 else jnp.float32, rngs=nnx.Rngs(args.seed))
     config = EplbConfig(num_redundant_experts=args.redundant, window_size=args.warmup_batches * args.new_tokens,
                         step_interval=10**9, num_gpus=ranks)
     held = args.init_placement is not None
@@ -76,7 +84,8 @@ def main(argv=None):
 
     @nnx.jit
     def next_token(model, tokens, position):  # greedy; the whole prefix is re-run (no KV cache: a demo)
-        return jnp.argmax(model(tokens)[:, position - 1], axis=-1).astype(jnp.int32)
+        picked = jnp.argmax(model(tokens)[:, position - 1], axis=-1).astype(jnp.int32)
+        return jax.lax.with_sharding_constraint(picked, replicated)  # readable on every process
 
     rng = np.random.default_rng(args.seed)
     total_len = args.prompt + args.new_tokens
@@ -90,7 +99,7 @@ def main(argv=None):
             for t in range(args.prompt, total_len):
                 # Fixed shapes (full length; causal, so later positions do not matter): one compilation.
                 prefix = np.where(np.arange(total_len)[None, :] < t, tokens, 0).astype(np.int32)
-                tokens[:, t] = np.asarray(next_token(model, jnp.asarray(prefix), jnp.int32(t)))
+                tokens[:, t] = np.asarray(next_token(model, global_batch(prefix), jnp.int32(t)))
                 controller.step()
                 if start is not None:
                     generated += args.batch

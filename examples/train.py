@@ -29,6 +29,8 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--step-interval", type=int, default=40, help="steps between rearrangements (first at 1/4)")
+    p.add_argument("--capacity-factor", type=float, default=1.25,
+                   help="token exchange in rounds of this factor times the balanced share (0: one worst-case all_to_all)")
     p.add_argument("--skew", type=float, default=1.5)
     p.add_argument("--coordinator")
     p.add_argument("--num-processes", type=int, default=1)
@@ -61,9 +63,15 @@ def main(argv=None):
     ranks = args.ranks or jax.device_count()
     mesh = jax.make_mesh((ranks,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,),
                          devices=jax.devices()[:ranks])
+    batch_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("ep"))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def global_batch(host):  # every process holds the same host batch; each device takes its rows
+        return jax.make_array_from_callback(host.shape, batch_sharding, lambda index: host[index])
     model = MoELM(vocab=256, dim=args.dim, heads=4, hidden=args.dim, num_layers=args.layers,
                   num_experts=args.experts, top_k=args.top_k, num_physical=args.experts + args.redundant,
-                  mesh=mesh, skew=args.skew, rngs=nnx.Rngs(args.seed))
+                  mesh=mesh, skew=args.skew, capacity_factor=args.capacity_factor or None,
+                  rngs=nnx.Rngs(args.seed))
     optimizer = nnx.Optimizer(model, optax.adamw(args.lr), wrt=nnx.Param)
     config = EplbConfig(num_redundant_experts=args.redundant, window_size=args.step_interval,
                         step_interval=args.step_interval, num_gpus=ranks, log_interval=10)
@@ -77,14 +85,14 @@ def main(argv=None):
 
         loss, grads = nnx.value_and_grad(loss_fn)(model)
         optimizer.update(model, grads)
-        return loss
+        return jax.lax.with_sharding_constraint(loss, replicated)
 
     rng = np.random.default_rng(args.seed)
     main_process = jax.process_index() == 0
     history = []
     bar = tqdm(range(args.steps), disable=not main_process)
     for step in bar:
-        loss = train_step(model, optimizer, jnp.asarray(synthetic_batch(rng, args.batch, args.seq + 1, 256)))
+        loss = train_step(model, optimizer, global_batch(synthetic_batch(rng, args.batch, args.seq + 1, 256)))
         report = controller.step()
         if report:
             history.append((step + 1, float(loss), report))

@@ -146,6 +146,8 @@ def test_bad_input_raises_before_anything_changes(tmp_path):
         EplbController(model, MESH, EplbConfig(num_redundant_experts=0, num_gpus=G))
     with pytest.raises(ValueError, match="no axis"):
         EplbController(model, MESH, CONFIG, axis="tp")
+    with pytest.raises(ValueError, match="nnx.Optimizer"):
+        EplbController(model, MESH, CONFIG, optimizer=optax.adam(1e-3))
     other = tmp_path / "other.json"
     Placement.linear(L + 1, E, P).save(other)
     with pytest.raises(ValueError, match="model has"):

@@ -51,14 +51,16 @@ def _oracle(x, router, w_in, w_out, *, top_k=K, **route_kw):
     return out, ids
 
 
-def test_dispatch_is_dropless_under_total_skew(rng):
+@pytest.mark.parametrize("capacity", [None, 5])
+def test_dispatch_is_dropless_under_total_skew(rng, capacity):
     """Every assignment to one rank (worst case): nothing is dropped, each row comes back to its token."""
     tokens = 6
 
     def per_rank(x, ids, w):
-        rows, slot, plan = disp.dispatch(x, ids, slots_per_rank=P // G, axis_name="ep", num_ranks=G)
+        rows, slot, plan = disp.dispatch(x, ids, slots_per_rank=P // G, axis_name="ep", num_ranks=G,
+                                         capacity=capacity)
         valid = (slot >= 0).sum()
-        return disp.combine(rows, plan, w, axis_name="ep"), valid[None], slot
+        return disp.combine(rows, plan, w, axis_name="ep", capacity=capacity), valid[None], slot
 
     f = jax.jit(jax.shard_map(per_rank, mesh=MESH, in_specs=(PS("ep"),) * 3, out_specs=(PS("ep"),) * 3))
     x = rng.standard_normal((G * tokens, D)).astype(np.float32)
@@ -211,3 +213,66 @@ def test_pallas_path_is_placement_invariant(rng):
         outs.append(np.asarray(out))
     assert np.array_equal(outs[0], outs[1])
     np.testing.assert_allclose(outs[0], outs[2], rtol=1e-5, atol=1e-5)
+
+
+def test_padding_tokens_are_computed_but_not_counted(rng):
+    w_in, w_out, router = _weights(rng)
+    placement = _random_placement(rng)
+    phy = placement.phy2log[0]
+    x = rng.standard_normal((G * 5, D)).astype(np.float32)
+    args = (x, router, BIAS, {"w_in": w_in[phy], "w_out": w_out[phy]}, placement.log2phy[0], placement.logcnt[0])
+    out_all, load_all = APPLY(*args)
+    valid = 7  # rank 0 holds 5 valid tokens, rank 1 two, ranks 2-3 none
+    out, load = APPLY(*args, jnp.int32(valid))
+    assert np.array_equal(np.asarray(out), np.asarray(out_all))
+    _, ids = _oracle(x[:valid], router, w_in, w_out)
+    load = np.asarray(load)
+    assert load.sum() == valid * K
+    assert np.array_equal(np.bincount(phy, weights=load, minlength=E), np.bincount(ids.reshape(-1), minlength=E))
+
+
+def test_moe_apply_rejects_bad_shapes(rng):
+    w_in, w_out, router = _weights(rng)
+    placement = Placement.linear(1, E, P)
+    experts = {"w_in": w_in[placement.phy2log[0]], "w_out": w_out[placement.phy2log[0]]}
+    good = (rng.standard_normal((G * 2, D)).astype(np.float32), router, BIAS, experts, placement.log2phy[0],
+            placement.logcnt[0])
+    bad = [
+        (0, good[0][:G * 2 - 1], "divisible by the EP size"),
+        (1, router[:, :E - 1], "router_bias"),
+        (3, {"w_in": experts["w_in"][:10], "w_out": experts["w_out"][:10]}, "divisible by the EP size"),
+        (4, placement.log2phy[0][:, :2], "log2phy"),
+    ]
+    for index, value, match in bad:
+        args = list(good)
+        args[index] = value
+        with pytest.raises(ValueError, match=match):
+            layer_mod.moe_apply(*args, top_k=K, mesh=MESH)
+
+
+def test_capacity_rounds_give_identical_outputs_and_gradients(rng):
+    """Bounded exchange rounds (dropless under total skew) equal the single worst-case exchange, bit for bit."""
+    w_in, w_out, router = _weights(rng)
+    placement = _random_placement(rng)
+    phy = placement.phy2log[0]
+    x = rng.standard_normal((G * 6, D)).astype(np.float32)
+    skewed = np.where(np.arange(E) < 2, 6.0, 0.0).astype(np.float32)  # nearly all tokens to experts 0 and 1
+    experts = {"w_in": jnp.asarray(w_in[phy]), "w_out": jnp.asarray(w_out[phy])}
+
+    def loss(experts, x, factor):
+        out, load = layer_mod.moe_apply(x, router, skewed, experts, placement.log2phy[0], placement.logcnt[0],
+                                        top_k=K, mesh=MESH, capacity_factor=factor)
+        return jnp.sum(out * out), (out, load)
+
+    grads = {}
+    for factor in (None, 1.0, 0.25):
+        (_, (out, load)), g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), static_argnums=2)(
+            experts, jnp.asarray(x), factor)
+        grads[factor] = (np.asarray(out), np.asarray(load), jax.tree.map(np.asarray, g))
+    for factor in (1.0, 0.25):
+        assert np.array_equal(grads[factor][0], grads[None][0])
+        assert np.array_equal(grads[factor][1], grads[None][1])
+        for a, b in zip(jax.tree.leaves(grads[factor][2]), jax.tree.leaves(grads[None][2])):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="capacity_factor"):
+        MoELayer(D, H, E, K, mesh=MESH, num_physical=P, capacity_factor=0.0, rngs=nnx.Rngs(0))

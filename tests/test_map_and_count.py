@@ -311,6 +311,29 @@ def test_feeds_eplb_state_record(rng):
     np.testing.assert_array_equal(np.asarray(state.pass_load), 2 * np.asarray(load))
 
 
+@pytest.mark.parametrize("options", [{"count_dtype": "float16", "sub": 32, "sub_resolved": 32},
+                                     {"count_dtype": "int8", "sub": 512, "sub_resolved": 128, "tile": 1024}])
+@pytest.mark.parametrize("mode", ["hash", "resolved"])
+def test_kernel_options_match_reference(options, mode, rng):
+    """The tuning knobs of the kernel (tile, sub-tile, one-hot dtype) never change the result."""
+    from moe_eplb_jax.pallas import _reference, _triton
+    from moe_eplb_jax.pallas.map_and_count import _build_thresholds
+
+    placement = random_placement(rng, 16, 40)
+    log2phy, logcnt = jnp.asarray(placement.log2phy[0]), jnp.asarray(placement.logcnt[0])
+    ids = jnp.asarray(random_ids(rng, 300, 6, 16))
+    limits = jnp.asarray([250 * 6, 280 * 6], jnp.int32)
+    quotas = jnp.asarray(rng.integers(0, 60, (16, 25)).astype(np.int32))
+    thresholds = _build_thresholds("resolved", quotas, logcnt, 25) if mode == "resolved" else jnp.zeros_like(log2phy)
+    want = _reference.map_and_count_reference(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode)
+    got = _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode,
+                                       interpret=jax.default_backend() != "gpu", **options)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    with pytest.raises(ValueError, match="unknown kernel options"):
+        _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode, warps=2)
+
+
 # ---------------------------------------------------------------- validation
 def _tables(rng):
     placement = random_placement(rng, 8, 12)

@@ -218,6 +218,17 @@ def test_every_leaf_is_expert_major(fmt, rng):
     assert type(jax.tree.unflatten(jax.tree.structure(q), leaves)) is type(q)
 
 
+def test_quantize_under_jit_and_vmap_equals_eager(rng):
+    """Traced weights (jit; vmap over a layer axis for [L, E, N, K] stacks) give the same bytes."""
+    w = _random_weights(rng, (2, 2, 128, 128))
+    for fmt in quant.FORMATS:
+        eager = [quant.quantize_experts(w[layer], fmt) for layer in range(2)]
+        layered = jax.jit(jax.vmap(lambda v, f=fmt: quant.quantize_experts(v, f)))(w)
+        for layer in range(2):
+            for a, b in zip(jax.tree.leaves(eager[layer]), jax.tree.leaves(layered), strict=True):
+                np.testing.assert_array_equal(_u8(a), _u8(b[layer]))
+
+
 @given(seed=st.integers(0, 2**31 - 1))
 def test_quantizing_permuted_experts_permutes_every_leaf(seed):
     """The algebra behind the rearrangement contract: quantize(w[phy2log]) == quantize(w)[phy2log]."""

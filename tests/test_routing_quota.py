@@ -187,3 +187,48 @@ def test_deterministic_across_processes():
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.strip().splitlines()[-1] == digest
+
+
+# --------------------------------------------------------------------------- the walk: Pallas kernel == lax.scan
+
+def _walk_inputs(rng, num_cand, num_demands, num_ranks, num_spare):
+    """Random demand boundaries (largest first, some zero demands at the end) and supplies (most slack first)."""
+    demand = -np.sort(-rng.integers(1, 60, size=(num_cand, num_demands)), axis=1)
+    demand[:, num_demands // 2:] *= rng.integers(0, 2, size=(num_cand, 1))
+    d_hi = np.cumsum(demand, axis=1)
+    d_pad = np.concatenate([d_hi, np.repeat(d_hi[:, -1:], num_spare, axis=1)], axis=1).astype(np.int32)
+    supply = -np.sort(-rng.integers(0, 150, size=(num_cand, num_ranks)), axis=1).astype(np.int32)
+    j0 = np.sum(d_hi <= 0, axis=1).astype(np.int32)
+    return jnp.asarray(d_pad), jnp.asarray(supply), jnp.asarray(j0)
+
+
+@pytest.mark.parametrize("num_spare,min_tokens,max_replicas", [(1, 1, 16), (2, 20, 3), (3, 1, 1)])
+def test_pallas_walk_matches_scan(rng, num_spare, min_tokens, max_replicas):
+    """The Triton walk (interpret mode on CPU) equals the lax.scan walk, also under vmap (batch folded into lanes)."""
+    from moe_eplb_jax.routing._quota_fill import fill_layout
+    opts = dict(num_spare=num_spare, min_replica_tokens=min_tokens, max_replicas=max_replicas)
+    args = _walk_inputs(rng, 5, 12, 6, num_spare)
+    xla = fill_layout(*args, implementation="xla", **opts)
+    pallas = fill_layout(*args, implementation="pallas", interpret=True, **opts)
+    for a, b in zip(xla, pallas):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert np.asarray(xla[0]).shape == (5, 6) and np.asarray(xla[2]).dtype == bool
+    batched = [jnp.stack([a, b]) for a, b in zip(args, _walk_inputs(rng, 5, 12, 6, num_spare))]
+    xla = jax.vmap(lambda *z: fill_layout(*z, implementation="xla", **opts))(*batched)
+    pallas = jax.vmap(lambda *z: fill_layout(*z, implementation="pallas", interpret=True, **opts))(*batched)
+    for a, b in zip(xla, pallas):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_bad_implementation():
+    with pytest.raises(ValueError, match="implementation"):
+        plan_quotas(np.ones((4, 8), np.int32), num_home=2, num_spare=1, implementation="cuda")
+
+
+@pytest.mark.gpu
+def test_pallas_plan_equals_xla_plan_on_gpu():
+    counts = jnp.asarray(zipf_counts(64, 256, 8192, 8, 2.0, seed=7))
+    plans = [jax.jit(functools.partial(plan_quotas, num_home=4, num_spare=2, implementation=impl))(counts)
+             for impl in ("pallas", "xla")]
+    for field in FIELDS:
+        np.testing.assert_array_equal(np.asarray(getattr(plans[0], field)), np.asarray(getattr(plans[1], field)))

@@ -1,7 +1,9 @@
 """The Flax NNX side of moe_eplb_jax.
 
 * ``MoELayer`` -- a reference expert-parallel MoE layer with physical slots;
-  ``moe_apply`` / ``route`` / ``expert_mlp`` are its pure functions.
+  ``moe_apply`` / ``route`` / ``expert_mlp`` / ``tie_replicas`` are its pure
+  functions (``layer``, ``experts``); ``grouped_matmul`` holds the grouped
+  matmuls (``dense``, ``ragged_dot``, Triton ``pallas``).
 * ``EplbMoE`` -- the protocol any Flax NNX MoE module implements to be balanced.
 * ``find_moe_layers`` -- discovery of every MoE layer, however nested.
 * ``EplbController`` -- wraps a model + mesh + ``EplbConfig``: records loads,

@@ -56,8 +56,7 @@ def _replicated(mesh, value):
 @jax.jit
 def _close_step(state: EplbState, loads):
     load = jnp.stack([l.astype(jnp.int32) for l in loads])
-    state = eplb_state.end_step(eplb_state.record(state, load))
-    return state, load, [jnp.zeros_like(l) for l in loads]
+    return eplb_state.end_step(eplb_state.record(state, load)), load
 
 
 class EplbController:
@@ -93,6 +92,8 @@ class EplbController:
             raise ValueError(f"config must be an EplbConfig, got {type(config).__name__}")
         if axis not in mesh.shape:
             raise ValueError(f"mesh has no axis {axis!r}; its axes are {tuple(mesh.shape)}")
+        if optimizer is not None and not isinstance(optimizer, nnx.Optimizer):
+            raise ValueError(f"optimizer must be an nnx.Optimizer of the model, got {type(optimizer).__name__}")
         self.model, self.mesh, self.axis, self.config = model, mesh, axis, config
         self.optimizer, self.rebalance = optimizer, bool(rebalance)
         self.layers: list[MoELayerRef] = find_moe_layers(model)
@@ -115,6 +116,7 @@ class EplbController:
         self._total_steps = 0
         self._num_rearrangements = 0
         self.last_report: dict[str, Any] | None = None
+        self._zero_load = _replicated(mesh, np.zeros(self.num_physical, np.int32))
         self._placement = self._read_placement()
         if start is not None:
             self.apply_placement(start)
@@ -237,9 +239,10 @@ class EplbController:
         else ``None``.
         """
         variables = [ref.module.eplb_load_variable() for ref in self.layers]
-        self.state, load, zeros = _close_step(self.state, [v.get_value() for v in variables])
-        for v, z in zip(variables, zeros):
-            v.set_value(z)
+        self.state, load = _close_step(self.state, [v.get_value() for v in variables])
+        for v in variables:
+            # The same replicated zeros every step: the model's jitted step sees one input sharding, never recompiles.
+            v.set_value(self._zero_load)
         self._steps_since += 1
         self._total_steps += 1
         report = None

@@ -24,7 +24,6 @@ receive: per-rank compute is that of the worst case, whatever the balance.
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp

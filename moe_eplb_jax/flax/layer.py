@@ -13,7 +13,10 @@ The forward pass, per rank of the EP axis (``jax.shard_map``)::
 
 plus an optional shared expert applied to every token. Expert weights are
 stored per physical slot, ``w_in [P, D, 2H]`` and ``w_out [P, H, D]``, sharded
-over ``axis``; replicas of an expert hold identical bytes. The placement tables
+over ``axis`` (or, after ``MoELayer.quantize(fmt)``, quantized pytrees of
+``moe_eplb_jax.quant``); replicas of an expert hold identical bytes, and in
+training ``tie_replicas`` gives every replica the expert's summed gradient so
+they stay identical. The placement tables
 (``phy2log [P]``, ``log2phy [E, S]``, ``logcnt [E]``) are ``EplbTable``
 variables -- inputs of the compiled function, never constants in it, so a
 rearrangement never recompiles -- and the tokens per slot of every forward
@@ -22,7 +25,6 @@ pass are added to the ``ExpertLoad`` variable, which the controller reads.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -33,6 +35,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as PS
 
 from moe_eplb_jax.flax import grouped_matmul as _gmm
+from moe_eplb_jax.flax.experts import QuantizedExperts, _gated_mlp, expert_mlp, tie_replicas
+from moe_eplb_jax.pallas import map_and_count
 from moe_eplb_jax.placement import Placement
 from moe_eplb_jax.sharding import dispatch as _dispatch
 
@@ -43,43 +47,12 @@ class EplbTable(nnx.Variable):
     """A placement table of one MoE layer (int32). Not a parameter: optimizers skip it."""
 
 
-class QuantizedExperts(nnx.Variable):
-    """A quantized expert projection (a ``moe_eplb_jax.quant`` pytree, every leaf ``[P, ...]``). Frozen."""
-
-
 class ExpertLoad(nnx.Variable):
     """Tokens routed to each physical slot ``[P]`` (int32) since the controller last read it."""
 
 
 def _map_and_count(*args, **kwargs):
-    from moe_eplb_jax.pallas import map_and_count  # resolved at call time: the kernel package is optional here
-
-    return map_and_count(*args, **kwargs)
-
-
-# ------------------------------------------------------------------ replicas
-@jax.custom_vjp
-def tie_replicas(w, phy2log):
-    """Identity on expert weights ``w [P, ...]`` whose gradient is summed over the replicas of each expert.
-
-    Every replica of an expert then gets the same gradient (the expert's
-    total) and, from the same optimizer state, the same update: replicas stay
-    bit-identical through training, so any replica can serve any token.
-    """
-    return w
-
-
-def _tie_fwd(w, phy2log):
-    return w, phy2log
-
-
-def _tie_bwd(phy2log, grad):
-    num_logical = grad.shape[0]  # an upper bound on the expert ids held by P slots
-    total = jax.ops.segment_sum(grad, phy2log, num_segments=num_logical)
-    return total[phy2log], None
-
-
-tie_replicas.defvjp(_tie_fwd, _tie_bwd)
+    return map_and_count(*args, **kwargs)  # one indirection: tests may swap the kernel
 
 
 # --------------------------------------------------------------------- router
@@ -114,47 +87,6 @@ def route(x, router_w, *, top_k: int, num_groups: int = 1, topk_groups: int | No
     return ids.astype(jnp.int32), weights
 
 
-# ----------------------------------------------------------------- experts
-def expert_mlp(x, experts, group_sizes, *, implementation: str = "dense", quant_impl: str = "auto",
-               activation_scaling: str = "dynamic", axis_name=None):
-    """Gated (SwiGLU) MLP of rows grouped by slot.
-
-    Args:
-      x: ``[N, D]`` rows sorted by slot; rows past ``sum(group_sizes)`` are padding (zero).
-      experts: the ``S`` local slots' weights: ``{"w_in": [S, D, 2H], "w_out": [S, H, D]}`` (float), or
-        ``{"gate": q [S, H, D], "up": q [S, H, D], "down": q [S, D, H]}`` quantized pytrees of
-        ``moe_eplb_jax.quant`` (contraction axis last).
-      group_sizes: ``[S]`` int32 rows per slot.
-      implementation: float path -- a name in ``grouped_matmul``: ``"dense"`` (exact,
-        placement-invariant; the default), ``"pallas"`` (GPU; cost follows the real row
-        count; not yet validated on a GPU) or ``"ragged_dot"``. Quantized experts always
-        run densely: every row through every local slot's ``quant.expert_mlp``.
-      quant_impl, activation_scaling: passed to ``quant.expert_mlp`` (dynamic activation
-        scales are max-reduced over ``axis_name``, so they do not depend on the placement).
-
-    Returns:
-      ``[N, D]`` in ``x.dtype``; padding rows hold unspecified values.
-    """
-    if "gate" in experts:
-        from moe_eplb_jax import quant
-
-        # Each slot sees its own rows and zeros elsewhere: zero rows add nothing to the dynamic activation
-        # scales (max|x|), which then cover exactly the real rows, whatever the placement.
-        mine = _gmm.slot_of_row(group_sizes, x.shape[0])[None, :] == jnp.arange(group_sizes.shape[0])[:, None]
-        every = jnp.where(mine[..., None], x[None], jnp.zeros((), x.dtype))
-        y = quant.expert_mlp(every, experts["gate"], experts["up"], experts["down"], impl=quant_impl,
-                             activation_scaling=activation_scaling, axis_name=axis_name)
-        return _gmm.select_own_slot(y, group_sizes).astype(x.dtype)
-    matmul = _gmm.get(implementation)
-    w_in, w_out = experts["w_in"], experts["w_out"]
-    hidden = w_out.shape[1]
-    h = matmul(x, w_in, group_sizes)  # float32
-    act = (jax.nn.silu(h[:, :hidden]) * h[:, hidden:]).astype(x.dtype)
-    # No masking of the padding rows here: callers never read them (and on XLA:CPU, fusing a mask into
-    # the matmul may change how real rows round).
-    return matmul(act, w_out, group_sizes).astype(x.dtype)
-
-
 # ----------------------------------------------------------------- forward
 def moe_apply(
     x,
@@ -163,6 +95,7 @@ def moe_apply(
     experts,
     log2phy,
     logcnt,
+    num_valid_tokens=None,
     *,
     top_k: int,
     mesh: jax.sharding.Mesh,
@@ -174,6 +107,7 @@ def moe_apply(
     map_implementation: str | None = None,
     quant_impl: str = "auto",
     activation_scaling: str = "dynamic",
+    capacity_factor: float | None = None,
 ):
     """The routed-expert part of the layer as a pure function.
 
@@ -183,49 +117,92 @@ def moe_apply(
       experts: expert weights with leading ``[P]`` slot axes sharded over ``axis``
         (see ``expert_mlp``: float ``w_in``/``w_out`` or quantized ``gate``/``up``/``down``).
       log2phy: ``[E, S]`` int32 (-1 padded); ``logcnt [E]`` int32.
+      num_valid_tokens: tokens ``t >= num_valid_tokens`` (in ``x``'s order) are
+        padding: computed, not counted in the load. ``None``: all count.
+      capacity_factor: ``None`` exchanges the worst-case buffer in one
+        ``all_to_all``; a factor ``f`` exchanges it in rounds of
+        ``ceil(f * A / G)`` rows per rank pair (``A = T_rank * k``), as many as
+        the fullest pair needs: about ``f / G`` of the bytes when balanced, still
+        dropless, same results.
 
     Returns:
-      ``(out [T, D] in x.dtype, load [P] int32)`` -- load counts every token's
-      ``k`` assignments per physical slot, summed over the EP axis.
+      ``(out [T, D] in x.dtype, load [P] int32)`` -- load counts every valid
+      token's ``k`` assignments per physical slot, summed over the EP axis.
     """
+    _check_apply(x, router_w, router_bias, experts, log2phy, logcnt, top_k=top_k, mesh=mesh, axis=axis)
     num_ranks = mesh.shape[axis]
     num_physical = jax.tree.leaves(experts)[0].shape[0]
     slots_per_rank = num_physical // num_ranks
+    capacity = _capacity(x.shape[0] // num_ranks * top_k, num_ranks, capacity_factor)
+    total_valid = jnp.asarray(x.shape[0] if num_valid_tokens is None else num_valid_tokens, jnp.int32)
 
-    def per_rank(x, router_w, router_bias, experts, log2phy, logcnt):
+    def per_rank(x, router_w, router_bias, experts, log2phy, logcnt, total_valid):
         ids, weights = route(
             x, router_w, top_k=top_k, num_groups=num_groups, topk_groups=topk_groups, bias=router_bias
         )
+        # Rank r holds global tokens [r * T_r, (r + 1) * T_r): its share of the valid prefix.
+        first = jax.lax.axis_index(axis).astype(jnp.int32) * jnp.int32(x.shape[0])
+        local_valid = jnp.clip(total_valid - first, 0, x.shape[0]).astype(jnp.int32)
         physical, load = _map_and_count(
-            ids, log2phy, logcnt, num_physical=num_physical, mode=routing, implementation=map_implementation
+            ids, log2phy, logcnt, num_physical=num_physical, num_valid_tokens=local_valid, mode=routing,
+            implementation=map_implementation,
         )
         load = jax.lax.psum(load.astype(jnp.int32), axis)
         rows, row_slot, plan = _dispatch.dispatch(
-            x, physical, slots_per_rank=slots_per_rank, axis_name=axis, num_ranks=num_ranks
+            x, physical, slots_per_rank=slots_per_rank, axis_name=axis, num_ranks=num_ranks, capacity=capacity
         )
         order, group_sizes = _dispatch.sort_by_slot(row_slot, slots_per_rank)
         y = expert_mlp(rows[order], experts, group_sizes, implementation=matmul, quant_impl=quant_impl,
                        activation_scaling=activation_scaling, axis_name=axis)
         y = _dispatch.unsort(y, order)
-        return _dispatch.combine(y, plan, weights, axis_name=axis, out_dtype=x.dtype), load
+        out = _dispatch.combine(y, plan, weights, axis_name=axis, out_dtype=x.dtype, capacity=capacity)
+        return out, load
 
     sharded = PS(axis)
     return jax.shard_map(
         per_rank,
         mesh=mesh,
-        in_specs=(sharded, PS(), PS(), sharded, PS(), PS()),
+        in_specs=(sharded, PS(), PS(), sharded, PS(), PS(), PS()),
         out_specs=(sharded, PS()),
         # The Pallas map_and_count (GPU) declares outputs without a varying-axes type; jax 0.11
         # rejects that under check_vma=True.
         check_vma=False,
-    )(x, router_w, router_bias, experts, log2phy, logcnt)
+    )(x, router_w, router_bias, experts, log2phy, logcnt, total_valid)
 
 
-def _gated_mlp(x, w_in, w_out):
-    hidden = w_out.shape[0]
-    h = jnp.dot(x, w_in, preferred_element_type=jnp.float32)
-    act = (jax.nn.silu(h[:, :hidden]) * h[:, hidden:]).astype(x.dtype)
-    return jnp.dot(act, w_out, preferred_element_type=jnp.float32).astype(x.dtype)
+def _capacity(num_assign: int, num_ranks: int, factor: float | None) -> int | None:
+    if factor is None:
+        return None
+    if not factor > 0:
+        raise ValueError(f"capacity_factor must be positive or None, got {factor}")
+    return int(min(num_assign, max(1, -(-int(np.ceil(factor * num_assign)) // num_ranks))))
+
+
+def _check_apply(x, router_w, router_bias, experts, log2phy, logcnt, *, top_k, mesh, axis):
+    if axis not in mesh.shape:
+        raise ValueError(f"mesh has no axis {axis!r}; its axes are {tuple(mesh.shape)}")
+    num_ranks = mesh.shape[axis]
+    if x.ndim != 2 or x.shape[0] % num_ranks:
+        raise ValueError(f"x must have shape [T, D] with T divisible by the EP size {num_ranks}, got {x.shape}")
+    if router_w.ndim != 2 or router_w.shape[0] != x.shape[1]:
+        raise ValueError(f"router_w must have shape [D={x.shape[1]}, E], got {router_w.shape}")
+    num_logical = router_w.shape[1]
+    if router_bias.shape != (num_logical,):
+        raise ValueError(f"router_bias must have shape [E]=({num_logical},), got {router_bias.shape}")
+    if not 1 <= top_k <= num_logical:
+        raise ValueError(f"top_k={top_k} must be in [1, E={num_logical}]")
+    leaves = jax.tree.leaves(experts)
+    if not leaves or len({leaf.shape[0] for leaf in leaves}) != 1:
+        raise ValueError("experts must be a non-empty pytree whose leaves share a leading [P] slot axis")
+    num_physical = leaves[0].shape[0]
+    if num_physical < num_logical or num_physical % num_ranks:
+        raise ValueError(f"P={num_physical} slots must be >= E={num_logical} and divisible by the EP size {num_ranks}")
+    width = num_physical - num_logical + 1
+    if log2phy.shape != (num_logical, width) or logcnt.shape != (num_logical,):
+        raise ValueError(
+            f"log2phy must have shape [E, P - E + 1]=({num_logical}, {width}) and logcnt [E]=({num_logical},), "
+            f"got {log2phy.shape} and {logcnt.shape}"
+        )
 
 
 def _put(value, mesh, spec):
@@ -252,6 +229,8 @@ class MoELayer(nnx.Module):
       routing: replica routing mode for ``map_and_count`` (``"hash"``...).
       matmul: grouped matmul implementation (``"dense"``, ``"pallas"``, ``"ragged_dot"``).
       map_implementation: ``map_and_count`` implementation (None: its default).
+      capacity_factor: exchange tokens in rounds of this factor times the
+        balanced share (``None``: one worst-case exchange); see ``moe_apply``.
       rngs: ``nnx.Rngs`` for the initial weights.
 
     Replicas start with identical weights: slot ``p`` holds expert ``p mod E``.
@@ -274,6 +253,7 @@ class MoELayer(nnx.Module):
         routing: str = "hash",
         matmul: str = "dense",
         map_implementation: str | None = None,
+        capacity_factor: float | None = None,
         rngs: nnx.Rngs,
     ):
         num_physical = num_experts if num_physical is None else num_physical
@@ -295,6 +275,8 @@ class MoELayer(nnx.Module):
         if topk_groups is not None and topk_groups * (num_experts // num_groups) < top_k:
             raise ValueError(f"topk_groups={topk_groups} groups hold fewer than top_k={top_k} experts")
         _gmm.get(matmul)  # validates the name
+        _capacity(1, 1, capacity_factor)  # validates the factor
+        self.capacity_factor = capacity_factor
         self.mesh, self.axis = mesh, axis
         self.top_k, self.num_groups, self.topk_groups = top_k, num_groups, topk_groups
         self.routing, self.matmul, self.map_implementation = routing, matmul, map_implementation
@@ -323,8 +305,12 @@ class MoELayer(nnx.Module):
         self.logcnt = EplbTable(_put(placement.logcnt[0], mesh, PS()))
         self.expert_load = ExpertLoad(_put(np.zeros(num_physical, np.int32), mesh, PS()))
 
-    def __call__(self, x):
-        """``x [..., D]`` (leading sizes multiply to a multiple of ``G``) -> ``[..., D]``."""
+    def __call__(self, x, *, num_valid_tokens=None):
+        """``x [..., D]`` (leading sizes multiply to a multiple of ``G``) -> ``[..., D]``.
+
+        ``num_valid_tokens``: tokens past this index of the flattened leading
+        axes are padding (computed, but not counted in the load).
+        """
         lead, dim = x.shape[:-1], x.shape[-1]
         tokens = x.reshape(-1, dim)
         if tokens.shape[0] % self.mesh.shape[self.axis]:
@@ -338,11 +324,11 @@ class MoELayer(nnx.Module):
             experts = {name: var.get_value() for name, var in self.eplb_expert_variables().items()}
         out, load = moe_apply(
             tokens, self.router.get_value(), self.router_bias.get_value(), experts,
-            self.log2phy.get_value(), self.logcnt.get_value(),
+            self.log2phy.get_value(), self.logcnt.get_value(), num_valid_tokens,
             top_k=self.top_k, mesh=self.mesh, axis=self.axis, num_groups=self.num_groups,
             topk_groups=self.topk_groups, routing=self.routing, matmul=self.matmul,
             map_implementation=self.map_implementation, quant_impl=self.quant_impl,
-            activation_scaling=self.activation_scaling,
+            activation_scaling=self.activation_scaling, capacity_factor=self.capacity_factor,
         )
         self.expert_load.set_value(self.expert_load.get_value() + load)
         if self.shared_in is not None:

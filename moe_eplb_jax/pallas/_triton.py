@@ -97,7 +97,8 @@ def _upper_bound(thresholds_ref, row_start, point, width):
 
 
 def _map_kernel(ids_ref, log2phy_ref, logcnt_ref, thresholds_ref, base_ref, limits_ref, phys_ref, hist_ref, *,
-                mode, num_flat, top_k, num_logical, width, num_physical, tile, sub, bins, expert_bins):
+                mode, num_flat, top_k, num_logical, width, num_physical, tile, sub, bins, expert_bins,
+                count_dtype, do_count):
     program = pl.program_id(0)
     count_limit = limits_ref[0]
     rank_limit = limits_ref[1]
@@ -106,7 +107,7 @@ def _map_kernel(ids_ref, log2phy_ref, logcnt_ref, thresholds_ref, base_ref, limi
 
     def step(index, carry):
         hist, running = carry
-        start = program * tile + index * sub
+        start = pl.multiple_of(program * tile + index * sub, sub)  # aligned: 16-byte loads/stores
         flat = start + jnp.arange(sub, dtype=jnp.int32)
         inside = flat < num_flat
         ids = plgpu.load(ids_ref.at[pl.ds(start, sub)], mask=inside, other=-1)
@@ -148,8 +149,12 @@ def _map_kernel(ids_ref, log2phy_ref, logcnt_ref, thresholds_ref, base_ref, limi
         mapped = valid_id & (slot >= 0) & (slot < num_physical)
         phys = jnp.where(mapped, slot, -1)
         plgpu.store(phys_ref.at[pl.ds(start, sub)], phys, mask=inside)
-        counted = jnp.where(mapped & (flat < count_limit), phys, -1)
-        hist = hist + _pair_histogram(counted, hi_bits, lo_bits, jnp.int8, jnp.int32)
+        if do_count:
+            counted = jnp.where(mapped & (flat < count_limit), phys, -1)
+            if count_dtype == jnp.int8:
+                hist = hist + _pair_histogram(counted, hi_bits, lo_bits, jnp.int8, jnp.int32)
+            else:  # float16 one-hots, float32 sums: exact below 2**24 per sub-tile
+                hist = hist + _pair_histogram(counted, hi_bits, lo_bits, count_dtype, jnp.float32).astype(jnp.int32)
         return hist, running
 
     hist = jnp.zeros((1 << hi_bits, 1 << lo_bits), jnp.int32)
@@ -164,7 +169,7 @@ def _expert_histogram_kernel(ids_ref, limits_ref, hist_ref, *, num_flat, num_log
     e_hi_bits, e_lo_bits = expert_bins
 
     def step(index, hist):
-        start = program * tile + index * sub
+        start = pl.multiple_of(program * tile + index * sub, sub)  # aligned: 16-byte loads/stores
         flat = start + jnp.arange(sub, dtype=jnp.int32)
         inside = flat < num_flat
         ids = plgpu.load(ids_ref.at[pl.ds(start, sub)], mask=inside, other=-1)
@@ -193,25 +198,48 @@ def _join_varying(*arrays):
     return cast, functools.partial(jax.ShapeDtypeStruct, manual_axis_type=mat)
 
 
+# Tuned on one H200 (benchmarks/map_and_count.py --sweep, 2026-11-30): int8 one-hots and 3 pipeline stages were
+# the fastest of the variants tried at 262144 x 8 entries, by ~10% (about the run-to-run spread).
+DEFAULTS = {"tile": None, "sub": _SUB, "sub_resolved": _SUB_RESOLVED, "num_warps": 4, "num_stages": 3,
+            "count_dtype": "int8"}
+
+
 def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_physical: int, mode: str,
-                         interpret: bool = False, tile: int | None = None, num_warps: int = 4):
-    """Same contract as ``_reference.map_and_count_reference``; ``tile`` (a power of two) is a tuning knob."""
+                         interpret: bool = False, count: bool = True, **config):
+    """Same contract as ``_reference.map_and_count_reference``.
+
+    ``config`` overrides :data:`DEFAULTS` (tuning knobs, see the benchmark):
+    ``tile`` entries per program (power of two), ``sub`` / ``sub_resolved``
+    entries per loop step (resolved: also the side of the pairwise compare),
+    ``num_warps`` / ``num_stages`` (Triton), ``count_dtype`` of the one-hots
+    (``"int8"``: int32 sums; ``"float16"``: float32 sums, exact below 2**24).
+    ``count=False`` skips counting (diagnostics). Each program writes its
+    tile's histogram; XLA sums the partials. (Having each program atomically add
+    its histogram into zero-initialised counters through an aliased input gave
+    wrong counts on an H200 with jax 0.11.2, so it is not offered.)
+    """
+    unknown = set(config) - set(DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown kernel options {sorted(unknown)}; known: {sorted(DEFAULTS)}")
+    config = {**DEFAULTS, **config}
     num_tokens, top_k = topk_ids.shape
     num_logical, width = log2phy.shape
     num_flat = num_tokens * top_k
-    sub = _SUB_RESOLVED if mode == "resolved" else _SUB
-    tile = default_tile(num_flat) if tile is None else int(tile)
+    sub = int(config["sub_resolved"] if mode == "resolved" else config["sub"])
+    tile = default_tile(num_flat) if config["tile"] is None else int(config["tile"])
     if mode == "resolved":
         tile = min(tile, _MAX_TILE_RESOLVED)
     tile = max(tile, sub)
-    if tile & (tile - 1):
-        raise ValueError(f"tile must be a power of two, got {tile}")
+    if tile & (tile - 1) or sub & (sub - 1) or sub < 16:
+        raise ValueError(f"tile and sub must be powers of two (sub >= 16), got tile={tile} sub={sub}")
+    count_dtype = jnp.dtype(config["count_dtype"])
     num_tiles = pl.cdiv(num_flat, tile)
     bins = _split_bins(num_physical)
     expert_bins = _split_bins(num_logical) if mode == "resolved" else (0, 0)
+    hi, lo = 1 << bins[0], 1 << bins[1]
     (ids, log2phy, logcnt, thresholds, limits), out_struct = _join_varying(
         topk_ids.reshape(num_flat), log2phy, logcnt, thresholds, limits)
-    params = plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
+    params = plgpu.CompilerParams(num_warps=config["num_warps"], num_stages=config["num_stages"])
     whole = pl.no_block_spec
 
     if mode == "resolved":
@@ -231,10 +259,10 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     else:
         base = jnp.zeros_like(limits[:1])  # unused; shares the inputs' manual axes
 
-    hi, lo = 1 << bins[0], 1 << bins[1]
     kernel = functools.partial(
         _map_kernel, mode=mode, num_flat=num_flat, top_k=top_k, num_logical=num_logical, width=width,
-        num_physical=num_physical, tile=tile, sub=sub, bins=bins, expert_bins=expert_bins)
+        num_physical=num_physical, tile=tile, sub=sub, bins=bins, expert_bins=expert_bins,
+        count_dtype=count_dtype, do_count=count)
     phys, partial = pl.pallas_call(
         kernel,
         grid=(num_tiles,),

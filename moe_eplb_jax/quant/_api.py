@@ -87,7 +87,7 @@ def quantize_experts(w, fmt: str, *, nonfinite: str = "raise", **opts) -> Quanti
     Formats (``FORMATS``) and options:
 
     * ``"fp8"`` -> ``Fp8Experts``; ``weight_scale`` (float32 ``[E]`` or scalar;
-      default ``max|w_e| / 448`` per expert; share it between gate and up),
+      default ``max|w_e| * fl32(1/448)`` per expert; share it between gate and up),
       ``input_scale`` (the layer's activation scale, default 1.0; see
       ``activation_scale`` and ``with_input_scale``).
     * ``"fp8_block"`` -> ``Fp8BlockExperts``; ``block_size=(128, 128)`` (N and K

@@ -16,7 +16,8 @@ the tile (1 for an all-zero tile).
 Element conversion saturates at +-448 and rounds to nearest even. Non-finite
 weights (when ``nonfinite="propagate"`` or under tracing): a NaN or Inf makes the
 scale of its expert (``fp8``) or tile (``fp8_block``) non-finite, and that whole
-expert or tile dequantizes to NaN.
+expert or tile dequantizes to NaN. NaN is written as one pattern on every
+backend: e4m3 code 0x7F, float32 0x7FC00000.
 """
 
 from __future__ import annotations

@@ -28,31 +28,45 @@ def _demands(load, num_home, target):
     return demand
 
 
+def _demand_order(load, num_home):
+    """Experts in demand order: largest demand at the lowest target ``ceil(mean)`` first (ties: hot order)."""
+    num_ranks = load.shape[0] // num_home
+    hot = [(rank * num_home + j) for rank in range(num_ranks)
+           for j in sorted(range(num_home), key=lambda j: (-load[rank * num_home + j], j))]
+    at_lowest = _demands(load, num_home, -(-int(load.sum()) // num_ranks))
+    return sorted(hot, key=lambda e: (-at_lowest[e], hot.index(e)))
+
+
 def _fill(load, num_home, num_spare, target):
-    """``{(expert, rank): tokens}`` replicas at ``target`` and whether every demand found room."""
+    """``{(expert, rank): tokens}`` replicas at ``target`` and whether every demand found room.
+
+    Demands (in demand order, empty ones included) and supplies (most slack
+    first) lie end to end on one token axis. A rank starting at ``x`` inside
+    demand ``j`` (the first demand ending after ``x``) ends at ``x + room`` or
+    at the end of demand ``j + S - 1``, whichever comes first, so it never holds
+    more than ``S`` experts; each overlap of its interval with a demand is one
+    replica.
+    """
     num_ranks = load.shape[0] // num_home
     home_load = load.reshape(num_ranks, num_home).sum(1)
     demand = _demands(load, num_home, target)
-    hot = [(rank * num_home + j) for rank in range(num_ranks)
-           for j in sorted(range(num_home), key=lambda j: (-load[rank * num_home + j], j))]
-    queue = [e for e in sorted(hot, key=lambda e: (-demand[e], hot.index(e))) if demand[e] > 0]
-    left = {e: int(demand[e]) for e in queue}
+    queue = _demand_order(load, num_home)
+    ends = np.cumsum([int(demand[e]) for e in queue])  # where each demand ends on the token axis
+    total = int(ends[-1]) if len(queue) else 0
     pieces = {}
-    head = 0  # first demand with tokens left
+    x = 0
     for rank in sorted(range(num_ranks), key=lambda r: (home_load[r], r)):
         room = max(target - int(home_load[rank]), 0)
-        taken = 0
-        # A rank takes at most num_spare experts; it stops at a demand boundary rather than start another.
-        while room > 0 and head < len(queue) and taken < num_spare:
-            e = queue[head]
-            amount = min(room, left[e])
-            pieces[(e, rank)] = amount
-            room -= amount
-            left[e] -= amount
-            taken += 1
-            if left[e] == 0:
-                head += 1
-    return pieces, head == len(queue)
+        j = int(np.sum(ends <= x))
+        cap = int(ends[j + num_spare - 1]) if j + num_spare - 1 < len(queue) else total
+        end = min(x + room, cap)
+        for i in range(j, min(j + num_spare, len(queue))):
+            start = int(ends[i]) - int(demand[queue[i]])
+            amount = min(int(ends[i]), end) - max(start, x)
+            if amount > 0:
+                pieces[(queue[i], rank)] = amount
+        x = end
+    return pieces, x >= total
 
 
 def _feasible(pieces, covered, num_spare, min_replica_tokens, max_replicas):
@@ -68,7 +82,7 @@ def _feasible(pieces, covered, num_spare, min_replica_tokens, max_replicas):
 
 
 def plan_quotas_reference(counts, *, num_home, num_spare, min_replica_tokens=1, max_replicas=None,
-                          search_rounds=3, search_width=16):
+                          search_rounds=2, search_width=64):
     """Same contract as :func:`plan_quotas`; returns a dict of numpy arrays with the ``QuotaPlan`` field names."""
     counts = np.asarray(counts)
     check_counts(counts, num_home=num_home)

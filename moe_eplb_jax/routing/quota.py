@@ -21,16 +21,20 @@ first; the *supply* of a rank with slack is ``T`` minus its load. Demands
 token axis and matched by overlapping intervals: every overlap of expert
 ``e``'s demand with rank ``r``'s supply becomes one replica of ``e`` on rank
 ``r``. A supply rank whose interval would hold more than ``S`` experts stops
-early at a demand boundary, leaving some slack unused (a scan over the ``G``
-ranks). A target is feasible when every demand found room, no expert needs more
-than ``max_replicas - 1`` replicas and no replica gets fewer than
+early at a demand boundary, leaving some slack unused: the one sequential step,
+a walk over the ``G`` ranks (:mod:`._quota_fill`; one Triton kernel on GPU,
+a ``lax.scan`` elsewhere) that also checks the pieces it lays out. A target is
+feasible when every demand found room, no expert needs more than
+``max_replicas - 1`` replicas and no replica gets fewer than
 ``min_replica_tokens`` tokens. ``T = max home load`` (nothing moves) is always
-feasible; a ``search_width``-ary search over ``search_rounds`` rounds narrows
+feasible; a ``search_width``-ary search over ``search_rounds`` rounds (default
+2 x 64: a grid of ~4000 targets in two dependent steps) narrows
 ``[ceil(mean), max home load]`` to the smallest feasible target it finds (all
-candidates of a round are evaluated at once), so the plan is a fixed chain of
-array operations with static shapes: no host round trip, no data-dependent
-loop. When the spare slots cannot reach the mean the plan is the best feasible
-target found, and ``rank_load`` reports the imbalance left.
+candidates of a round are evaluated at once, and the last round's layout at the
+chosen target is the plan), so the plan is a fixed chain of array operations
+with static shapes: no host round trip, no data-dependent loop. When the spare
+slots cannot reach the mean the plan is the best feasible target found, and
+``rank_load`` reports the imbalance left.
 
 Quotas put locality first: a source rank's tokens for expert ``e`` go to the
 replica of ``e`` on its own rank (up to that replica's capacity) before the
@@ -48,7 +52,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_eplb_jax.routing._quota_fill import IMPLEMENTATIONS, default_implementation, fill_layout
+from moe_eplb_jax.routing._quota_fill import (IMPLEMENTATIONS, candidates, default_implementation, fill_layout,
+                                              search_pallas)
 
 __all__ = ["QuotaPlan", "plan_quotas", "check_counts", "default_max_replicas"]
 
@@ -134,8 +139,8 @@ def plan_quotas(
     num_spare: int,
     min_replica_tokens: int = 1,
     max_replicas: int | None = None,
-    search_rounds: int = 3,
-    search_width: int = 16,
+    search_rounds: int = 2,
+    search_width: int = 64,
     with_quota: bool = True,
     implementation: str | None = None,
 ) -> QuotaPlan:
@@ -173,65 +178,78 @@ def plan_quotas(
 
 
 def _prepare(counts, num_home):
-    """Loads and the target-independent orders the search needs."""
+    """Loads and the target-independent orders the search needs.
+
+    Returns ``load [E]``, ``home_load [G]``, ``supply_order [G]`` (rank ids, most
+    slack first) and, in *demand order*, ``demand_rank``, ``demand_before``,
+    ``demand_load`` and ``demand_expert`` (each ``[E]``): the home rank of each
+    entry, the load of the hotter experts on that rank, the entry's own load and
+    its expert id.
+    """
     num_ranks = counts.shape[0]
     load = jnp.sum(counts, axis=0)  # [E]
     home_load = jnp.sum(load.reshape(num_ranks, num_home), axis=1)  # [G]
     # Each rank offloads its hottest experts first (ties: lower expert id first).
     hot_order = jnp.argsort(-load.reshape(num_ranks, num_home), axis=1, stable=True)  # [G, H]
-    expert_of = jnp.arange(num_ranks, dtype=jnp.int32)[:, None] * num_home + hot_order.astype(jnp.int32)
+    expert_of = (jnp.arange(num_ranks, dtype=jnp.int32)[:, None] * num_home + hot_order.astype(jnp.int32)).reshape(-1)
     sorted_load = jnp.take_along_axis(load.reshape(num_ranks, num_home), hot_order, axis=1)
-    before = jnp.cumsum(sorted_load, axis=1) - sorted_load  # load of hotter experts on the same rank
+    before = (jnp.cumsum(sorted_load, axis=1) - sorted_load).reshape(-1)  # load of hotter experts on the same rank
+    sorted_load = sorted_load.reshape(-1)
+    hot_rank = jnp.repeat(jnp.arange(num_ranks, dtype=jnp.int32), num_home)
     # Supplies are laid out most-slack-first: ascending home load (ties: lower rank first).
     supply_order = jnp.argsort(home_load, stable=True).astype(jnp.int32)
-    return load, home_load, expert_of.reshape(-1), sorted_load.reshape(-1), before.reshape(-1), supply_order
+    # Demands are laid out largest first as measured at the lowest target, ceil(mean), where every demand is
+    # at its largest; that one order serves every target (a demand only shrinks as the target grows).
+    lowest = (jnp.sum(home_load) + num_ranks - 1) // num_ranks
+    at_lowest = _demand(lowest[None], home_load, hot_rank, before, sorted_load)[0]
+    order = jnp.argsort(-at_lowest, stable=True).astype(jnp.int32)
+    return load, home_load, supply_order, hot_rank[order], before[order], sorted_load[order], expert_of[order]
 
 
-def _demands(target, home_load, sorted_load, before, num_home):
-    """Demand of every expert at ``target`` (hot order) and the largest-first order of the demands."""
-    excess = jnp.maximum(home_load - target, 0)  # [G]
-    demand = jnp.clip(jnp.repeat(excess, num_home) - before, 0, sorted_load)  # [E] in hot order (rank-major)
-    order = jnp.argsort(-demand, stable=True).astype(jnp.int32)
-    return demand, order
+def _demand(targets, home_load, rank, before, load):
+    """``[C, E]`` demand of every entry at each of ``targets [C]``: what its rank's excess leaves after hotter experts."""
+    excess = jnp.maximum(home_load[None, :] - targets[:, None], 0)  # [C, G]
+    return jnp.clip(excess[:, rank] - before[None, :], 0, load[None, :])
 
 
-def _layouts(cand, home_load, sorted_load, before, supply_order, num_home, num_spare, min_replica_tokens,
-             max_replicas, implementation):
-    """Lays demands (largest first) against supplies (most slack first) for every target in ``cand [C]``.
+def _layouts(cand, home_load, supply_order, demands, num_spare, min_replica_tokens, max_replicas):
+    """Lays demands (demand order) against supplies (most slack first) for every target in ``cand [C]``.
 
-    Returns ``(order [C, E], d_hi [C, E], s_lo [C, G], x_end [C], ok [C])``: the
-    demand order, where each demand ends and each supply rank starts on the
-    shared token axis, where the last rank ends, and whether the plan at that
-    target is feasible (every demand found room, pieces and replica counts
-    within limits; see :mod:`._quota_fill`).
+    ``demands`` is ``(demand_rank, demand_before, demand_load)`` from
+    :func:`_prepare`. Returns ``(d_hi [C, E], s_lo [C, G], x_end [C], ok [C])``:
+    where each demand ends and each supply rank starts on the shared token axis,
+    where the last rank ends, and whether the plan at that target is feasible
+    (every demand found room, pieces and replica counts within limits; see
+    :mod:`._quota_fill`).
     """
-    demand, order = jax.vmap(_demands, in_axes=(0, None, None, None, None))(
-        cand, home_load, sorted_load, before, num_home)
-    d = jnp.take_along_axis(demand, order, axis=1)
-    d_hi = jnp.cumsum(d, axis=1)
+    d_hi = jnp.cumsum(_demand(cand, home_load, *demands), axis=1)
     total = d_hi[:, -1:]
     d_pad = jnp.concatenate([d_hi, jnp.broadcast_to(total, (cand.shape[0], num_spare))], axis=1)
     supply = jnp.maximum(cand[:, None] - home_load[supply_order][None, :], 0)
     j0 = jnp.sum((d_hi <= 0).astype(jnp.int32), axis=1)
     s_lo, x_end, ok = fill_layout(d_pad, supply, j0, num_spare=num_spare, min_replica_tokens=min_replica_tokens,
-                                  max_replicas=max_replicas, implementation=implementation)
-    return order, d_hi, s_lo, x_end, ok & (x_end >= total[:, 0])
+                                  max_replicas=max_replicas)
+    return d_hi, s_lo, x_end, ok & (x_end >= total[:, 0])
 
 
-def _search(home_load, sorted_load, before, supply_order, num_home, num_spare, min_replica_tokens, max_replicas,
-            search_rounds, search_width, implementation):
-    """The smallest feasible target the K-ary search finds, and its layout (as :func:`_layouts`, one row)."""
+def _search(home_load, supply_order, demands, num_spare, min_replica_tokens, max_replicas, search_rounds,
+            search_width, implementation):
+    """The smallest feasible target the K-ary search finds, and its layout ``(d_hi [E], s_lo [G], x_end)``."""
     total = jnp.sum(home_load)
     num_ranks = home_load.shape[0]
     lo = (total + num_ranks - 1) // num_ranks  # no plan beats the mean
     hi = jnp.max(home_load)  # nothing moves: always feasible
+    opts = dict(num_spare=num_spare, min_replica_tokens=min_replica_tokens, max_replicas=max_replicas)
+    if implementation == "pallas":
+        rank, before, load = demands
+        target, *layout = search_pallas(home_load[rank] - before, load, home_load[supply_order], lo, hi,
+                                        search_rounds=search_rounds, search_width=search_width, **opts)
+        return target, layout
     steps = jnp.arange(0, search_width, dtype=jnp.int32)
     for _ in range(search_rounds):
-        span = jnp.maximum(hi - lo, 0)
-        # Integer grid lo + span * k / (K - 1), k = 0..K-1: both ends included; hi is known to be feasible.
-        cand = lo + (span * steps) // (search_width - 1)
-        *layout, ok = _layouts(cand, home_load, sorted_load, before, supply_order, num_home, num_spare,
-                               min_replica_tokens, max_replicas, implementation)
+        # Integer grid lo + (hi - lo) * k / (K - 1), k = 0..K-1: both ends included; hi is known to be feasible.
+        cand = candidates(lo, hi, steps, search_width)
+        *layout, ok = _layouts(cand, home_load, supply_order, demands, **opts)
         first = jnp.argmax(ok | (steps == search_width - 1))
         new_hi = cand[first]
         new_lo = jnp.where(first > 0, cand[jnp.maximum(first - 1, 0)] + 1, new_hi)
@@ -244,56 +262,48 @@ def _plan(counts, num_home, num_spare, min_replica_tokens, max_replicas, search_
           implementation):
     num_ranks, num_experts = counts.shape
     slots_per_rank = num_home + num_spare
-    load, home_load, expert_of, sorted_load, before, supply_order = _prepare(counts, num_home)
-    if num_spare == 0:
-        target = jnp.max(home_load)
-        pieces_sorted = jnp.zeros((num_experts, num_ranks), jnp.int32)
-        order = jnp.arange(num_experts, dtype=jnp.int32)
-    else:
-        target, (order, d_hi, s_lo, x_end) = _search(
-            home_load, sorted_load, before, supply_order, num_home, num_spare, min_replica_tokens, max_replicas,
-            search_rounds, search_width, implementation)
-        # Overlap of the i-th largest demand with the j-th supply rank's interval.
-        d_lo = d_hi - jnp.concatenate([d_hi[:1], jnp.diff(d_hi)])
-        s_hi = jnp.concatenate([s_lo[1:], x_end[None]])
-        overlap = jnp.minimum(d_hi[:, None], s_hi[None, :]) - jnp.maximum(d_lo[:, None], s_lo[None, :])
-        pieces_sorted = jnp.maximum(overlap, 0)  # [E (largest demand first), G (supply order)]
-    # Back to expert-id rows and rank-id columns.
-    pieces = jnp.zeros((num_experts, num_ranks), jnp.int32)
-    pieces = pieces.at[expert_of[order][:, None], supply_order[None, :]].set(pieces_sorted)
-    # Guards that only bind for an infeasible target (never chosen): drop what does not fit.
-    used = pieces > 0
-    slot_idx = jnp.cumsum(used, axis=0) - 1  # [E, G]: spare slot index on the receiving rank (expert-id order)
-    rep_idx = jnp.cumsum(used, axis=1)  # provisional per-expert replica count
-    keep = used & (slot_idx < num_spare) & (rep_idx <= max_replicas - 1) & (pieces >= min_replica_tokens)
-    pieces = jnp.where(keep, pieces, 0)
-    used = keep
-    slot_idx = jnp.cumsum(used, axis=0) - 1
-
-    # Spare slots: phy2log.
+    load, home_load, supply_order, *demands, demand_expert = _prepare(counts, num_home)
     ranks = jnp.arange(num_ranks, dtype=jnp.int32)
     experts = jnp.arange(num_experts, dtype=jnp.int32)
-    spare_slot = ranks[None, :] * slots_per_rank + num_home + slot_idx  # [E, G]
-    phy2log = jnp.full((num_ranks, slots_per_rank), -1, jnp.int32)
-    phy2log = phy2log.at[:, :num_home].set(experts.reshape(num_ranks, num_home))
-    flat = phy2log.reshape(-1)
-    flat = flat.at[jnp.where(used, spare_slot, flat.shape[0])].set(
-        jnp.broadcast_to(experts[:, None], used.shape), mode="drop")
-    phy2log = flat
+    if num_spare == 0:
+        target = jnp.max(home_load)
+        pieces = jnp.zeros((num_experts, num_ranks), jnp.int32)
+    else:
+        target, (d_hi, s_lo, x_end) = _search(home_load, supply_order, demands, num_spare, min_replica_tokens,
+                                              max_replicas, search_rounds, search_width, implementation)
+        # Intervals by expert id and by rank id (one small scatter inverts the demand order), then
+        # pieces[e, g] = overlap of expert e's demand with rank g's supply. The target is feasible,
+        # so no piece breaks a limit (the walk checked them).
+        position = jnp.zeros((num_experts,), jnp.int32).at[demand_expert].set(experts)  # expert -> demand index
+        d_hi_id = d_hi[position]
+        d_lo_id = d_hi_id - jnp.concatenate([d_hi[:1], jnp.diff(d_hi)])[position]
+        rank_position = jnp.sum(jnp.where(supply_order[None, :] == ranks[:, None], ranks[None, :], 0), axis=1)  # inverse
+        s_hi = jnp.concatenate([s_lo[1:], x_end[None]])
+        s_lo_id, s_hi_id = s_lo[rank_position], s_hi[rank_position]
+        overlap = jnp.minimum(d_hi_id[:, None], s_hi_id[None, :]) - jnp.maximum(d_lo_id[:, None], s_lo_id[None, :])
+        pieces = jnp.maximum(overlap, 0).astype(jnp.int32)  # [E, G]
+    used = pieces > 0
+    slot_idx = jnp.cumsum(used, axis=0, dtype=jnp.int32) - 1  # [E, G]: spare slot index on the receiving rank
+
+    # Spare slots: phy2log [G, H + S]; spare k of rank g holds the expert e with used[e, g] and slot_idx == k.
+    spare_k = jnp.arange(num_spare, dtype=jnp.int32)
+    hit = used[:, :, None] & (slot_idx[:, :, None] == spare_k[None, None, :])  # [E, G, S]
+    spare_expert = jnp.sum(jnp.where(hit, experts[:, None, None] + 1, 0), axis=0) - 1  # [G, S], -1 when unused
+    phy2log = jnp.concatenate([experts.reshape(num_ranks, num_home), spare_expert], axis=1).reshape(-1)
 
     # Replica table: every rank that holds e (home included), in rank order == ascending slot order.
     home_rank = experts // num_home
     is_home = home_rank[:, None] == ranks[None, :]  # [E, G]
     home_slot = home_rank * slots_per_rank + experts % num_home
+    spare_slot = ranks[None, :] * slots_per_rank + num_home + slot_idx  # [E, G]
     holds = used | is_home
     slot_of = jnp.where(is_home, home_slot[:, None], spare_slot)
     home_keep = load - jnp.sum(pieces, axis=1)
     cap_at_rank = jnp.where(is_home, home_keep[:, None], pieces)  # [E, G]
-    rep_pos = jnp.cumsum(holds, axis=1) - 1
-    rows = jnp.broadcast_to(experts[:, None], holds.shape)
-    cols = jnp.where(holds, rep_pos, max_replicas)
-    log2phy = jnp.full((num_experts, max_replicas), -1, jnp.int32).at[rows, cols].set(slot_of, mode="drop")
-    replica_load = jnp.zeros((num_experts, max_replicas), jnp.int32).at[rows, cols].set(cap_at_rank, mode="drop")
+    rep_pos = jnp.cumsum(holds, axis=1, dtype=jnp.int32) - 1
+    at = holds[:, :, None] & (rep_pos[:, :, None] == jnp.arange(max_replicas, dtype=jnp.int32)[None, None, :])
+    log2phy = jnp.sum(jnp.where(at, slot_of[:, :, None] + 1, 0), axis=1) - 1  # [E, R]
+    replica_load = jnp.sum(jnp.where(at, cap_at_rank[:, :, None], 0), axis=1)  # [E, R]
     logcnt = jnp.sum(holds, axis=1).astype(jnp.int32)
     rank_load = jnp.sum(jnp.where(holds, cap_at_rank, 0), axis=0).astype(jnp.int32)
     plan = QuotaPlan(phy2log=phy2log, log2phy=log2phy, logcnt=logcnt, replica_load=replica_load, quota=None,

@@ -3,11 +3,14 @@
 ``rearrange_experts(experts, old_phy2log, new_phy2log, mesh=mesh)`` moves every
 leaf of an expert pytree (weights, quantisation scales, optimizer state) to a
 new placement, bit-exactly, sending only the slots whose expert changes, as one
-packed ``uint8`` row per slot. The lower-level pieces:
+packed row of bytes per slot (moved as ``uint32`` words on GPU). The
+lower-level pieces:
 
 * ``plan_rearrangement`` -> ``TransportPlan`` (host numpy index tables, the
   same on every process) and ``execute_plan`` (the jitted ``shard_map``);
-* ``packing`` -- byte views of any dtype (fp4 in pairs) and row packing;
+  ``plan_layer_by_layer`` -> one same-shaped plan per changed layer, to
+  interleave the move with forward steps;
+* ``packing`` -- byte/word views of any dtype (fp4 in pairs) and row packing;
 * ``mesh`` -- an EP mesh, the slot sharding, placing host arrays on it.
 """
 
@@ -21,7 +24,13 @@ from moe_eplb_jax.sharding.packing import (
     to_byte_rows,
     unpack_rows,
 )
-from moe_eplb_jax.sharding.plan import TransportPlan, bucket_capacity, plan_rearrangement, validate_placements
+from moe_eplb_jax.sharding.plan import (
+    TransportPlan,
+    bucket_capacity,
+    plan_layer_by_layer,
+    plan_rearrangement,
+    validate_placements,
+)
 from moe_eplb_jax.sharding.transport import execute_plan, executor_trace_count, rearrange_experts, row_bytes
 
 __all__ = [
@@ -36,6 +45,7 @@ __all__ = [
     "leaf_layout",
     "pack_rows",
     "pack_rows_numpy",
+    "plan_layer_by_layer",
     "plan_rearrangement",
     "rearrange_experts",
     "row_bytes",

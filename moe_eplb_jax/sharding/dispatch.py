@@ -13,6 +13,13 @@ token is ever dropped, whatever the skew. Shapes depend only on ``T, k, G`` --
 never on the routing or the placement, so nothing recompiles when either
 changes.
 
+Moving the whole worst-case buffer costs ``G`` times the bytes of a balanced
+exchange. With ``capacity`` set, the buffer moves in rounds of ``capacity``
+rows per (source, destination) pair, as many rounds as the fullest pair needs
+(the same count on every rank: a ``pmax``) -- one round when the routing is
+balanced and ``capacity >= A / G``, more under skew, never a dropped token.
+Rows land where the single exchange would put them, so results are identical.
+
 Placement-invariant numerics: an assignment's row is the token's unchanged
 activation, it meets the same expert bytes wherever the expert lives, and the
 combine adds the ``k`` results in router order (``k = 0, 1, ...``), never in an
@@ -21,12 +28,13 @@ order that depends on slots or ranks.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-__all__ = ["DispatchPlan", "plan_dispatch", "dispatch", "combine", "sort_by_slot", "unsort"]
+__all__ = ["DispatchPlan", "plan_dispatch", "dispatch", "combine", "exchange", "sort_by_slot", "unsort"]
 
 
 class DispatchPlan(NamedTuple):
@@ -39,12 +47,14 @@ class DispatchPlan(NamedTuple):
         buffer (``-1`` for an empty row).
       send_slot: ``[G, A]`` int32, the destination-local slot of each row
         (``-1`` for an empty row).
+      rounds: int32 scalar, exchange rounds (``dispatch`` fills it; 1 without a capacity).
     """
 
     dest: jax.Array
     pos: jax.Array
     send_src: jax.Array
     send_slot: jax.Array
+    rounds: jax.Array | None = None
 
 
 def _check(physical_ids, slots_per_rank: int, num_ranks: int) -> None:
@@ -83,7 +93,54 @@ def plan_dispatch(physical_ids, *, slots_per_rank: int, num_ranks: int) -> Dispa
     return DispatchPlan(dest=dest, pos=pos, send_src=send_src, send_slot=send_slot)
 
 
-def dispatch(x, physical_ids, *, slots_per_rank: int, axis_name, num_ranks: int):
+def _rounds_loop(buf, rounds, capacity: int, axis_name):
+    """``all_to_all`` of the first ``rounds * capacity`` rows of every ``[G, A, ...]`` block; other rows zero."""
+    out = jnp.zeros_like(buf)
+
+    def body(r, out):
+        # Past the end, dynamic_slice and dynamic_update_slice clamp alike: the last round re-sends
+        # overlapping rows to the same place.
+        chunk = jax.lax.dynamic_slice_in_dim(buf, r * capacity, capacity, axis=1)
+        got = jax.lax.all_to_all(chunk, axis_name, 0, 0)
+        return jax.lax.dynamic_update_slice_in_dim(out, got, r * capacity, axis=1)
+
+    return jax.lax.fori_loop(0, rounds, body, out)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _exchange_rounds(buf, rounds, capacity, axis_name):
+    return _rounds_loop(buf, rounds, capacity, axis_name)
+
+
+def _exchange_fwd(buf, rounds, capacity, axis_name):
+    return _rounds_loop(buf, rounds, capacity, axis_name), rounds
+
+
+def _exchange_bwd(capacity, axis_name, rounds, grad):
+    # all_to_all is its own transpose; so is a round-by-round all_to_all of the same rows.
+    return _rounds_loop(grad, rounds, capacity, axis_name), None
+
+
+_exchange_rounds.defvjp(_exchange_fwd, _exchange_bwd)
+
+
+def exchange(buf, *, axis_name, rounds=None, capacity: int | None = None):
+    """Sends block ``g`` of ``buf [G, A, ...]`` to rank ``g``; returns the blocks received, by source.
+
+    Without ``capacity``: one ``all_to_all``. With it: ``rounds`` rounds of
+    ``capacity`` rows per block (rows past ``rounds * capacity`` are not sent
+    and come back zero); differentiable either way.
+    """
+    if capacity is None:
+        return jax.lax.all_to_all(buf, axis_name, 0, 0)
+    if capacity < 1 or capacity > buf.shape[1]:
+        raise ValueError(f"capacity must be in [1, A={buf.shape[1]}], got {capacity}")
+    if not jnp.issubdtype(buf.dtype, jnp.floating):
+        return _rounds_loop(buf, rounds, capacity, axis_name)
+    return _exchange_rounds(buf, rounds, capacity, axis_name)
+
+
+def dispatch(x, physical_ids, *, slots_per_rank: int, axis_name, num_ranks: int, capacity: int | None = None):
     """Sends every assignment's token row to the rank owning its slot.
 
     Args:
@@ -92,6 +149,8 @@ def dispatch(x, physical_ids, *, slots_per_rank: int, axis_name, num_ranks: int)
       slots_per_rank: ``P / G``.
       axis_name: the EP mesh axis (``G`` ranks).
       num_ranks: ``G``, the size of ``axis_name``.
+      capacity: rows per (source, destination) pair and round (``None``: one
+        round of the worst case, ``A`` rows). See the module docstring.
 
     Returns:
       ``(recv_x [G * A, D], recv_slot [G * A] int32, plan)``: the rows this rank
@@ -102,14 +161,19 @@ def dispatch(x, physical_ids, *, slots_per_rank: int, axis_name, num_ranks: int)
         raise ValueError(f"x must have shape [T={physical_ids.shape[0]}, D], got {x.shape}")
     plan = plan_dispatch(physical_ids, slots_per_rank=slots_per_rank, num_ranks=num_ranks)
     top_k = physical_ids.shape[1]
+    rounds = jnp.ones((), jnp.int32)
+    if capacity is not None:
+        fullest = jax.lax.pmax(jnp.max(jnp.sum(plan.send_src >= 0, axis=1, dtype=jnp.int32)), axis_name)
+        rounds = jnp.maximum((fullest + capacity - 1) // capacity, 1).astype(jnp.int32)
+    plan = plan._replace(rounds=rounds)
     token = jnp.maximum(plan.send_src, 0) // jnp.int32(top_k)
     send_x = jnp.where((plan.send_src >= 0)[..., None], x[token], jnp.zeros((), x.dtype))  # [G, A, D]
-    recv_x = jax.lax.all_to_all(send_x, axis_name, 0, 0)
-    recv_slot = jax.lax.all_to_all(plan.send_slot, axis_name, 0, 0)
+    recv_x = exchange(send_x, axis_name=axis_name, rounds=rounds, capacity=capacity)
+    recv_slot = exchange(plan.send_slot + 1, axis_name=axis_name, rounds=rounds, capacity=capacity) - 1
     return recv_x.reshape(-1, x.shape[1]), recv_slot.reshape(-1), plan
 
 
-def combine(y, plan: DispatchPlan, weights, *, axis_name, out_dtype=None):
+def combine(y, plan: DispatchPlan, weights, *, axis_name, out_dtype=None, capacity: int | None = None):
     """Returns expert outputs to their tokens and sums them with the router weights.
 
     Args:
@@ -118,6 +182,7 @@ def combine(y, plan: DispatchPlan, weights, *, axis_name, out_dtype=None):
       weights: ``[T, k]`` router weight of each assignment (summed in float32).
       axis_name: the EP mesh axis.
       out_dtype: dtype of the result (default: ``y.dtype``).
+      capacity: the ``capacity`` given to ``dispatch``.
 
     Returns:
       ``[T, D]``: ``sum_j weights[t, j] * y_j`` added in router order ``j = 0..k-1``.
@@ -126,7 +191,7 @@ def combine(y, plan: DispatchPlan, weights, *, axis_name, out_dtype=None):
     tokens, top_k = weights.shape
     if y.shape[0] != num_ranks * num_assign:
         raise ValueError(f"y must have {num_ranks * num_assign} rows (G * A), got shape {y.shape}")
-    back = jax.lax.all_to_all(y.reshape(num_ranks, num_assign, -1), axis_name, 0, 0)
+    back = exchange(y.reshape(num_ranks, num_assign, -1), axis_name=axis_name, rounds=plan.rounds, capacity=capacity)
     per_assign = back[plan.dest, plan.pos].reshape(tokens, top_k, -1).astype(jnp.float32)
     w = weights.astype(jnp.float32)
     out = w[:, 0, None] * per_assign[:, 0]

@@ -30,7 +30,7 @@ import dataclasses
 
 import numpy as np
 
-__all__ = ["TransportPlan", "plan_rearrangement", "bucket_capacity"]
+__all__ = ["TransportPlan", "plan_rearrangement", "plan_layer_by_layer", "bucket_capacity", "validate_placements"]
 
 
 def bucket_capacity(count: int) -> int:
@@ -167,7 +167,7 @@ class TransportPlan:
 
 
 def _as_phy2log(name: str, value) -> np.ndarray:
-    arr = np.asarray(value)
+    arr = np.asarray(getattr(value, "phy2log", value))  # a Placement, or the table itself
     if arr.ndim not in (1, 2):
         raise ValueError(f"{name} must have shape [P] or [L, P], got {arr.shape}")
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
@@ -262,37 +262,39 @@ def plan_rearrangement(
     dups = [[] for _ in range(num_ranks)]  # dups[r]: (dst row, first dst row of the same received expert)
     copies = [[] for _ in range(num_ranks)]  # copies[r]: (dst row, src row)
     moves = []
-    sent_total = np.zeros(num_ranks, dtype=np.int64)
+    sent_total = [0] * num_ranks
 
     rank_of_slot = np.arange(num_slots) // per_rank
-    for lyr in np.flatnonzero(written.any(axis=1)):
+    for lyr in np.flatnonzero(written.any(axis=1)).tolist():
         o, n = old[lyr], new[lyr]
-        # first_slot[r, e]: the lowest old slot of rank r holding expert e (-1 if none)
+        # first_slot[e][r]: the lowest old slot of rank r holding expert e (-1 if none)
         width = int(max(o.max(), n.max())) + 1
-        first_slot = np.full((num_ranks, width), num_slots, dtype=np.int64)
-        np.minimum.at(first_slot, (rank_of_slot, o), np.arange(num_slots))
-        first_slot[first_slot == num_slots] = -1
+        table = np.full((width, num_ranks), num_slots, dtype=np.int64)
+        np.minimum.at(table, (o, rank_of_slot), np.arange(num_slots))
+        first_slot = np.where(table == num_slots, -1, table).tolist()
         base = lyr * per_rank
         first_dst = {}  # (rank, expert) -> the row that receives it
-        for p in np.flatnonzero(written[lyr]):
-            rank, expert = int(rank_of_slot[p]), int(n[p])
+        for p, expert in zip(np.flatnonzero(written[lyr]).tolist(), n[written[lyr]].tolist()):
+            rank = p // per_rank
             dst_row = base + p - rank * per_rank
-            src = first_slot[rank, expert]
-            if src >= 0:
-                copies[rank].append((dst_row, base + src - rank * per_rank))
+            holds = first_slot[expert]
+            if holds[rank] >= 0:
+                copies[rank].append((dst_row, base + holds[rank] - rank * per_rank))
                 continue
             key = (rank, expert)
             if key in first_dst:
                 dups[rank].append((dst_row, first_dst[key]))
                 continue
-            holders = np.flatnonzero(first_slot[:, expert] >= 0)
-            # Spread: the holder with the fewest rows in this round, then in total.
-            best = int(min(
-                holders,
-                key=lambda h: (len(sends[h][(rank - h) % num_ranks - 1]), sent_total[h], (rank - h) % num_ranks),
-            ))
+            # Spread: the holder with the fewest rows in this round, then in total, then the nearest.
+            best, best_key = -1, None
+            for h in range(num_ranks):
+                if holds[h] >= 0:
+                    d = (rank - h) % num_ranks
+                    h_key = (len(sends[h][d - 1]), sent_total[h], d)
+                    if best_key is None or h_key < best_key:
+                        best, best_key = h, h_key
             d = (rank - best) % num_ranks
-            src_slot = int(first_slot[best, expert])
+            src_slot = holds[best]
             sends[best][d - 1].append(base + src_slot - best * per_rank)
             recvs[rank][d - 1].append(dst_row)
             sent_total[best] += 1
@@ -334,3 +336,22 @@ def plan_rearrangement(
         written=written,
         moves=np.array(moves, dtype=np.int64).reshape(-1, 4),
     )
+
+
+def plan_layer_by_layer(
+    old_phy2log, new_phy2log, num_ranks: int, *, num_logical: int | None = None
+) -> list[tuple[int, TransportPlan]]:
+    """One plan per layer that changes, ``[(layer, plan), ...]``, all padded to the same capacities.
+
+    Running them in order (e.g. one between two forward steps) gives the same
+    result as moving all layers at once, and they share one compiled executor.
+    """
+    old, new, layered = validate_placements(old_phy2log, new_phy2log, num_ranks, num_logical=num_logical)
+    if not layered:
+        raise ValueError("plan_layer_by_layer needs [L, P] placements")
+    changed = np.flatnonzero((old != new).any(axis=1)).tolist()
+    plans = [(layer, plan_rearrangement(old, new, num_ranks, layer=layer)) for layer in changed]
+    if not plans:
+        return []
+    send, dup, copy = (max(plan.capacities[i] for _, plan in plans) for i in range(3))
+    return [(layer, plan.padded(send=send, dup=dup, copy=copy)) for layer, plan in plans]

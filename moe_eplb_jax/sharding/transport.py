@@ -1,20 +1,25 @@
-"""The collective executor: move expert slots between EP ranks as packed uint8 rows.
+"""The collective executor: move expert slots between EP ranks as packed byte rows.
 
 ``rearrange_experts`` validates the placements and the expert pytree, plans
 the move on the host (:func:`plan_rearrangement`) and runs one jitted
 ``shard_map``. Per rank, inside it:
 
 1. every leaf's local shard ``[L, P / G, ...]`` is viewed as rows
-   ``[L * P / G, m_i]`` (a reshape; 8-bit dtypes as ``uint8``, see ``packing``);
+   ``[L * P / G, m_i]`` -- on GPU as ``uint32`` words (4 bytes per element
+   moved: pack and scatter run ~2x faster than in 1-byte dtypes), on CPU in
+   the leaf's own dtype (float8_e5m2 as ``uint8``); see ``packing``;
 2. for each round ``d = 1 .. G - 1`` the rows to send to rank ``(r + d) % G``
-   are gathered from every leaf, bitcast to bytes and concatenated into one
-   ``uint8 [C, B]`` buffer (only the rows that move) and ``ppermute``-d, in
-   chunks of at most ``max_chunk_bytes`` sent one after another;
+   are gathered from every leaf and concatenated into one packed ``[C, B]``
+   buffer of bytes (or words) -- only the rows that move -- and
+   ``ppermute``-d, in chunks sent one after another (about 8 transfers per
+   rank by default, so only one small send buffer is alive at a time);
 3. local copies are gathered from the old rows; an optimisation barrier ends
    all reads of the old rows before any write;
-4. every written row is scattered in place: local copies, then received rows
-   (one received row may fill several slots holding the same expert).
+4. every written row is scattered in place: local copies, then received rows,
+   then duplicates (one received row may fill several slots of an expert).
 
+Peak extra device memory is the received rows plus one send chunk (XLA's temp
+size: 1.17x the bytes moved per rank on 2xH200, see ``benchmarks/RESULTS.md``).
 All index tables are array arguments with bucketed shapes, so a later plan
 with the same capacities reuses the compiled executor. The expert buffers are
 donated (after validation), so the rows are updated in place.
@@ -34,8 +39,10 @@ from moe_eplb_jax.sharding.plan import TransportPlan, plan_rearrangement
 
 __all__ = ["rearrange_experts", "execute_plan", "executor_trace_count", "row_bytes", "DEFAULT_MAX_CHUNK_BYTES"]
 
-# Packed bytes sent per collective; larger moves are split into chunks sent one after another, which
-# bounds the extra memory to the received rows plus one chunk in flight.
+# Default chunking (max_chunk_bytes=None): split each rank's sends into about this many transfers, so the
+# one send chunk alive at a time adds ~1/8 of the bytes moved to the received rows (measured: fewer,
+# larger transfers are not faster on 2xH200, see benchmarks/RESULTS.md).
+DEFAULT_TRANSFERS_PER_RANK = 8
 DEFAULT_MAX_CHUNK_BYTES = None
 
 
@@ -56,9 +63,10 @@ def rearrange_experts(
 
     ``experts`` is a pytree of ``jax.Array`` leaves with a leading slot axis
     ``[P, ...]`` (tables ``[P]``) or leading ``[L, P, ...]`` axes (tables
-    ``[L, P]``), the slot axis sharded over mesh axis ``axis``. Parameters,
+    ``[L, P]``), the slot axis sharded over mesh axis ``axis``; 0-d leaves
+    (such as an optax step count) pass through unchanged. Parameters,
     quantisation scales and optimizer state can go in one pytree: one plan
-    moves them all. Afterwards slot ``p`` holds the bytes some slot ``q`` with
+    moves them all. The tables may also be ``Placement`` objects. Afterwards slot ``p`` holds the bytes some slot ``q`` with
     ``old_phy2log[q] == new_phy2log[p]`` held before (bit for bit, any dtype);
     slots whose expert is unchanged are not written. With ``layer`` set, only
     that layer of an ``[L, P]`` placement moves.
@@ -67,7 +75,8 @@ def rearrange_experts(
     is untouched. With ``donate`` (default) the input buffers are reused for
     the result and must not be used afterwards. ``max_chunk_bytes`` splits each
     round's transfer into chunks of at most that many packed bytes (less peak
-    memory, more collectives); ``compiler_options`` go to XLA for the executor.
+    memory, more collectives; default: about 8 transfers per rank in all);
+    ``compiler_options`` go to XLA for the executor.
     Returns a pytree of the same structure, shapes, dtypes and shardings.
     """
     num_ranks = axis_size(mesh, axis)
@@ -78,7 +87,7 @@ def rearrange_experts(
 
 def row_bytes(experts: Any, plan: TransportPlan, *, mesh: Mesh, axis: str = "ep") -> int:
     """Bytes of one packed slot row of ``experts`` (the sum over leaves of one slot's bytes)."""
-    _, layouts, _ = _check_leaves(experts, plan, mesh, axis)
+    _, layouts, _, _ = _check_leaves(experts, plan, mesh, axis)
     return sum(layout.row_bytes for layout in layouts)
 
 
@@ -100,10 +109,12 @@ def execute_plan(
     num_ranks = axis_size(mesh, axis)
     if plan.num_ranks != num_ranks:
         raise ValueError(f"plan is for {plan.num_ranks} ranks but mesh axis {axis!r} has {num_ranks}")
-    leaves, layouts, specs = _check_leaves(experts, plan, mesh, axis)
+    leaves, layouts, specs, positions = _check_leaves(experts, plan, mesh, axis)
     if plan.is_empty or not leaves:
         return experts
-    treedef = jax.tree_util.tree_structure(experts)
+    if donate and len({id(leaf) for leaf in leaves}) < len(leaves):
+        raise ValueError("an array appears twice in experts: it cannot be donated twice (pass donate=False)")
+    flat, treedef = jax.tree_util.tree_flatten(experts)
     table_sharding = NamedSharding(mesh, PartitionSpec(axis))
     tables = {
         name: jax.make_array_from_callback(t.shape, table_sharding, lambda index, t=t: t[index])
@@ -113,14 +124,19 @@ def execute_plan(
     options = tuple(sorted((compiler_options or {}).items()))
     run = _executor(mesh, axis, tuple(specs), tuple(layouts), 2 if plan.layered else 1, bool(donate), num_chunks,
                     options)
-    return jax.tree_util.tree_unflatten(treedef, run(tables, list(leaves)))
+    for position, moved in zip(positions, run(tables, list(leaves))):
+        flat[position] = moved
+    return jax.tree_util.tree_unflatten(treedef, flat)
 
 
 def _num_chunks(plan: TransportPlan, layouts, max_chunk_bytes: int | None) -> int:
     """Chunks per round: enough that one chunk's packed rows fit in ``max_chunk_bytes``."""
     capacity = plan.capacities[0]
-    if max_chunk_bytes is None or capacity == 0:
+    if capacity == 0:
         return 1
+    if max_chunk_bytes is None:
+        rounds = max(1, plan.num_ranks - 1)
+        return max(1, min(capacity, -(-DEFAULT_TRANSFERS_PER_RANK // rounds)))
     row = max(1, sum(layout.row_bytes for layout in layouts))
     rows_per_chunk = max(1, int(max_chunk_bytes) // row)
     return max(1, min(capacity, -(-capacity // rows_per_chunk)))
@@ -153,14 +169,20 @@ def _same_mesh(a: Mesh, b: Mesh) -> bool:
 
 
 def _check_leaves(experts: Any, plan: TransportPlan, mesh: Mesh, axis: str):
-    """Validates every leaf against the plan and mesh; returns (leaves, layouts, specs)."""
+    """Validates every leaf against the plan and mesh; returns (moving leaves, layouts, specs, positions).
+
+    0-d leaves (an optimizer's step count) hold nothing per expert and pass
+    through; every other leaf must have the slot axes.
+    """
     with_path, _ = jax.tree_util.tree_flatten_with_path(experts)
     lead_shape = (plan.num_layers, plan.num_slots) if plan.layered else (plan.num_slots,)
     slot_dim = len(lead_shape) - 1
-    leaves, layouts, specs = [], [], []
+    leaves, layouts, specs, positions = [], [], [], []
     word_view = WORD_VIEW if WORD_VIEW is not None else mesh.devices.flat[0].platform == "gpu"
-    for path, leaf in with_path:
+    for position, (path, leaf) in enumerate(with_path):
         name = "experts" + jax.tree_util.keystr(path)
+        if np.ndim(leaf) == 0 and not isinstance(leaf, jax.core.Tracer):
+            continue
         if not isinstance(leaf, jax.Array) or isinstance(leaf, jax.core.Tracer):
             raise ValueError(f"{name} must be a concrete jax.Array, got {type(leaf).__name__}")
         if leaf.is_deleted():
@@ -187,14 +209,17 @@ def _check_leaves(experts: Any, plan: TransportPlan, mesh: Mesh, axis: str):
             entries.pop()
         specs.append(PartitionSpec(*entries))
         leaves.append(leaf)
-    return leaves, layouts, specs
+        positions.append(position)
+    return leaves, layouts, specs, positions
 
 
 # ------------------------------------------------------------------ executor
 _EXECUTORS: dict = {}
 # Move rows as uint32 words (True), in their own dtype (False), or words on GPU only (None).
 WORD_VIEW: bool | None = None
-PIPELINE_DEPTH = 2  # transfers in flight (packed send chunks alive) per rank
+# Transfers in flight (packed send chunks alive) per rank. 2 would let packing overlap the previous
+# transfer, but XLA did not overlap them on 2xH200 (same time, more memory): 1.
+PIPELINE_DEPTH = 1
 _TRACES = [0]
 
 
@@ -218,8 +243,7 @@ def _build_executor(mesh, axis, specs, layouts, num_lead, donate, num_chunks, op
         rows = [row_view(leaf, layout, num_rows) for leaf, layout in zip(leaves, layouts)]
 
         # Transfers: round by round, chunk by chunk. The gather of transfer j waits for transfer
-        # j - depth to arrive: at most `depth` packed send chunks are alive, and with depth 2 packing
-        # the next chunk may overlap the current transfer.
+        # j - depth to arrive, so at most `depth` packed send chunks are alive.
         capacity = send_rows.shape[-1]
         chunk = -(-capacity // num_chunks) if capacity else 0
         steps = [(d, start) for d in range(1, num_ranks) for start in range(0, capacity, chunk or 1)]
