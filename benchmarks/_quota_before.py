@@ -1,4 +1,4 @@
-"""FROZEN COPY of moe_eplb_jax/routing/quota.py as of commit d7bf698 (before the one-kernel walk).
+"""FROZEN COPY of moe_eplb_jax/routing/quota.py as of commit d7bf698 (before the one-kernel search).
 
 Kept only so that benchmarks/online.py can time the old planner next to the new one in one run.
 
@@ -51,8 +51,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from moe_eplb_jax.routing._quota_fill import IMPLEMENTATIONS, default_implementation, fill_layout
 
 __all__ = ["QuotaPlan", "plan_quotas", "check_counts", "default_max_replicas"]
 
@@ -141,7 +139,6 @@ def plan_quotas(
     search_rounds: int = 3,
     search_width: int = 16,
     with_quota: bool = True,
-    implementation: str | None = None,
 ) -> QuotaPlan:
     """Plans spare slots and per-replica quotas for one batch (see the module docstring).
 
@@ -152,15 +149,8 @@ def plan_quotas(
     checked for negative values, while traced negative counts are treated as 0
     (the hot path never raises). ``with_quota=False`` skips the ``[G, E, R]``
     quota table (``quota`` is then ``None``) when only the placement and loads
-    are needed, e.g. in the simulator. ``implementation`` picks how the search's
-    sequential walk over the supply ranks runs: ``"pallas"`` (one Triton kernel
-    per search round, the GPU default) or ``"xla"`` (a ``lax.scan``, the default
-    elsewhere); both give the same plan, integer for integer.
+    are needed, e.g. in the simulator.
     """
-    if implementation is None:
-        implementation = default_implementation()
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     if max_replicas is None:
         max_replicas = default_max_replicas(np.shape(counts)[0] if np.ndim(counts) == 2 else 1, num_spare)
     dtype = counts.dtype if hasattr(counts, "dtype") else np.asarray(counts).dtype
@@ -170,7 +160,7 @@ def plan_quotas(
         check_counts(counts, num_home=num_home)
     counts = jnp.maximum(jnp.asarray(counts).astype(jnp.int32), 0)
     return _plan(counts, num_home, num_spare, min_replica_tokens, max_replicas, search_rounds, search_width,
-                 with_quota, implementation)
+                 with_quota)
 
 
 # --------------------------------------------------------------------------- the search
@@ -199,72 +189,85 @@ def _demands(target, home_load, sorted_load, before, num_home):
     return demand, order
 
 
-def _layouts(cand, home_load, sorted_load, before, supply_order, num_home, num_spare, min_replica_tokens,
-             max_replicas, implementation):
-    """Lays demands (largest first) against supplies (most slack first) for every target in ``cand [C]``.
+def _fill(target, home_load, sorted_load, before, supply_order, num_home, num_spare):
+    """Lays demands (largest first) against supplies (most slack first); returns the plan at ``target``.
 
-    Returns ``(order [C, E], d_hi [C, E], s_lo [C, G], x_end [C], ok [C])``: the
-    demand order, where each demand ends and each supply rank starts on the
-    shared token axis, where the last rank ends, and whether the plan at that
-    target is feasible (every demand found room, pieces and replica counts
-    within limits; see :mod:`._quota_fill`).
+    Result: ``(pieces [E, G], order [E], covered)`` where ``pieces[i, j]`` are the
+    tokens the ``i``-th largest demand sends to the ``j``-th supply rank. A supply
+    rank stops early, at a demand boundary, rather than take more than
+    ``num_spare`` experts (the slack it leaves unused is the price of the slot
+    limit); ``covered`` says whether every demand found room.
     """
-    demand, order = jax.vmap(_demands, in_axes=(0, None, None, None, None))(
-        cand, home_load, sorted_load, before, num_home)
-    d = jnp.take_along_axis(demand, order, axis=1)
-    d_hi = jnp.cumsum(d, axis=1)
-    total = d_hi[:, -1:]
-    d_pad = jnp.concatenate([d_hi, jnp.broadcast_to(total, (cand.shape[0], num_spare))], axis=1)
-    supply = jnp.maximum(cand[:, None] - home_load[supply_order][None, :], 0)
-    j0 = jnp.sum((d_hi <= 0).astype(jnp.int32), axis=1)
-    s_lo, x_end, ok = fill_layout(d_pad, supply, j0, num_spare=num_spare, min_replica_tokens=min_replica_tokens,
-                                  max_replicas=max_replicas, implementation=implementation)
-    return order, d_hi, s_lo, x_end, ok & (x_end >= total[:, 0])
+    demand, order = _demands(target, home_load, sorted_load, before, num_home)
+    d = demand[order]
+    d_hi = jnp.cumsum(d)
+    d_lo = d_hi - d
+    total = d_hi[-1]
+    d_pad = jnp.concatenate([d_hi, jnp.broadcast_to(total, (num_spare,))])
+    supply = jnp.maximum(target - home_load, 0)[supply_order]
+    last = d_pad.shape[0] - 1
+    offsets = jnp.arange(num_spare, dtype=jnp.int32)
+
+    def step(carry, s):
+        x, j = carry  # position on the demand axis; index of the demand containing x
+        cap = d_pad[jnp.minimum(j + num_spare - 1, last)]
+        end = jnp.minimum(x + s, cap)
+        passed = jnp.sum((d_pad[jnp.minimum(j + offsets, last)] <= end).astype(jnp.int32))
+        return (end, j + passed), x
+
+    j0 = jnp.sum((d_hi <= 0).astype(jnp.int32))
+    (x_end, _), s_lo = jax.lax.scan(step, (jnp.zeros_like(total), j0), supply)
+    s_hi = jnp.concatenate([s_lo[1:], x_end[None]])
+    overlap = jnp.minimum(d_hi[:, None], s_hi[None, :]) - jnp.maximum(d_lo[:, None], s_lo[None, :])
+    return jnp.maximum(overlap, 0), order, x_end >= total
+
+
+def _feasible(pieces, covered, num_spare, min_replica_tokens, max_replicas):
+    used = pieces > 0
+    per_rank = jnp.sum(used, axis=-2)
+    per_expert = jnp.sum(used, axis=-1)
+    too_small = jnp.any(used & (pieces < min_replica_tokens), axis=(-2, -1))
+    return (covered & jnp.all(per_rank <= num_spare, axis=-1) & jnp.all(per_expert <= max_replicas - 1, axis=-1)
+            & ~too_small)
 
 
 def _search(home_load, sorted_load, before, supply_order, num_home, num_spare, min_replica_tokens, max_replicas,
-            search_rounds, search_width, implementation):
-    """The smallest feasible target the K-ary search finds, and its layout (as :func:`_layouts`, one row)."""
+            search_rounds, search_width):
     total = jnp.sum(home_load)
     num_ranks = home_load.shape[0]
     lo = (total + num_ranks - 1) // num_ranks  # no plan beats the mean
     hi = jnp.max(home_load)  # nothing moves: always feasible
     steps = jnp.arange(0, search_width, dtype=jnp.int32)
+    fill = jax.vmap(_fill, in_axes=(0, None, None, None, None, None, None))
     for _ in range(search_rounds):
         span = jnp.maximum(hi - lo, 0)
         # Integer grid lo + span * k / (K - 1), k = 0..K-1: both ends included; hi is known to be feasible.
         cand = lo + (span * steps) // (search_width - 1)
-        *layout, ok = _layouts(cand, home_load, sorted_load, before, supply_order, num_home, num_spare,
-                               min_replica_tokens, max_replicas, implementation)
-        first = jnp.argmax(ok | (steps == search_width - 1))
+        pieces, _, covered = fill(cand, home_load, sorted_load, before, supply_order, num_home, num_spare)
+        ok = _feasible(pieces, covered, num_spare, min_replica_tokens, max_replicas) | (steps == search_width - 1)
+        first = jnp.argmax(ok)
         new_hi = cand[first]
         new_lo = jnp.where(first > 0, cand[jnp.maximum(first - 1, 0)] + 1, new_hi)
         lo, hi = jnp.minimum(new_lo, new_hi), new_hi
-        chosen = [a[first] for a in layout]  # the layout at hi, feasible (hi is never re-derived)
-    return hi, chosen
+    return hi
 
 
-def _plan(counts, num_home, num_spare, min_replica_tokens, max_replicas, search_rounds, search_width, with_quota,
-          implementation):
+def _plan(counts, num_home, num_spare, min_replica_tokens, max_replicas, search_rounds, search_width, with_quota):
     num_ranks, num_experts = counts.shape
     slots_per_rank = num_home + num_spare
     load, home_load, expert_of, sorted_load, before, supply_order = _prepare(counts, num_home)
     if num_spare == 0:
         target = jnp.max(home_load)
-        pieces_sorted = jnp.zeros((num_experts, num_ranks), jnp.int32)
-        order = jnp.arange(num_experts, dtype=jnp.int32)
     else:
-        target, (order, d_hi, s_lo, x_end) = _search(
-            home_load, sorted_load, before, supply_order, num_home, num_spare, min_replica_tokens, max_replicas,
-            search_rounds, search_width, implementation)
-        # Overlap of the i-th largest demand with the j-th supply rank's interval.
-        d_lo = d_hi - jnp.concatenate([d_hi[:1], jnp.diff(d_hi)])
-        s_hi = jnp.concatenate([s_lo[1:], x_end[None]])
-        overlap = jnp.minimum(d_hi[:, None], s_hi[None, :]) - jnp.maximum(d_lo[:, None], s_lo[None, :])
-        pieces_sorted = jnp.maximum(overlap, 0)  # [E (largest demand first), G (supply order)]
+        target = _search(home_load, sorted_load, before, supply_order, num_home, num_spare, min_replica_tokens,
+                         max_replicas, search_rounds, search_width)
+    pieces_sorted, order, _ = _fill(target, home_load, sorted_load, before, supply_order, num_home,
+                                    max(num_spare, 1))  # [E (largest demand first), G (supply order)]
     # Back to expert-id rows and rank-id columns.
     pieces = jnp.zeros((num_experts, num_ranks), jnp.int32)
     pieces = pieces.at[expert_of[order][:, None], supply_order[None, :]].set(pieces_sorted)
+    if num_spare == 0:
+        pieces = jnp.zeros_like(pieces)
     # Guards that only bind for an infeasible target (never chosen): drop what does not fit.
     used = pieces > 0
     slot_idx = jnp.cumsum(used, axis=0) - 1  # [E, G]: spare slot index on the receiving rank (expert-id order)

@@ -16,7 +16,8 @@ Timing: each measurement is one jitted executable applying the op to ``REPS``
 different input arrays (rotated so they do not all sit in L2), timed on the host
 around ``block_until_ready`` and divided by ``REPS``; median of ``TRIALS``.
 
-Run on a GPU machine: ``PYTHONPATH=. python3 benchmarks/map_and_count.py [--quick]``.
+Run on a GPU machine: ``PYTHONPATH=. python3 benchmarks/map_and_count.py [--quick] [--sweep]``
+(``--sweep`` first tunes the kernel options at T=262144 and uses the best for the table).
 """
 
 from __future__ import annotations

@@ -108,10 +108,11 @@ def _layers(planner, routing, num_layers):
 
 def quota_section(tokens, rows, timings, reps, num_layers=8):
     plan_fn = {
-        "before (3x16, lax.scan walk)": jax.jit(_planner(rounds=3, width=16, before=True)),
-        "new 2x64, pallas walk (GPU default)": jax.jit(_planner("pallas")),
-        "new 2x64, xla walk": jax.jit(_planner("xla")),
-        "new 3x16, pallas walk": jax.jit(_planner("pallas", 3, 16)),
+        "before (3x16, lax.scan walk per round)": jax.jit(_planner(rounds=3, width=16, before=True)),
+        "new 2x64, one Pallas search kernel (GPU default)": jax.jit(_planner("pallas")),
+        "new 2x64, xla (lax.scan walk per round)": jax.jit(_planner("xla")),
+        "new 1x512, one Pallas search kernel": jax.jit(_planner("pallas", 1, 512)),
+        "new 3x16, one Pallas search kernel": jax.jit(_planner("pallas", 3, 16)),
     }
     default = jax.jit(_planner())
     route_fn = jax.jit(route_all)
@@ -124,10 +125,10 @@ def quota_section(tokens, rows, timings, reps, num_layers=8):
         rank_load = slot_load.reshape(G, H + S).sum(1)
         ok = np.array_equal(rank_load, np.asarray(plan.rank_load)) and int(slot_load.sum()) == ids.size
         # The two walks must agree integer for integer (on GPU: the Triton kernel vs lax.scan).
-        other = plan_fn["new 2x64, xla walk"](jnp.asarray(counts))
+        other = plan_fn["new 2x64, xla (lax.scan walk per round)"](jnp.asarray(counts))
         same = all(np.array_equal(np.asarray(a), np.asarray(b))
                    for a, b in zip(jax.tree_util.tree_leaves(plan), jax.tree_util.tree_leaves(other)))
-        before = plan_fn["before (3x16, lax.scan walk)"](jnp.asarray(counts))
+        before = plan_fn["before (3x16, lax.scan walk per round)"](jnp.asarray(counts))
         rl = np.asarray(before.rank_load)
         rows.append(dict(imbalance=imbalance, initial=float(home.max() / home.mean()),
                          final=float(rank_load.max() / rank_load.mean()), replicas=int(plan.replicas_used),
@@ -155,8 +156,8 @@ def quota_section(tokens, rows, timings, reps, num_layers=8):
                                      for i in range(num_layers)]).astype(np.int32)
             lc, li = jnp.asarray(layer_counts), jnp.asarray(layer_ids[:, 0])
             for name, planner in (("before 3x16", _planner(rounds=3, width=16, before=True)),
-                                  ("new 2x64 pallas walk", _planner("pallas")),
-                                  ("new 2x64 xla walk", _planner("xla"))):
+                                  ("new 2x64 pallas search", _planner("pallas")),
+                                  ("new 1x512 pallas search", _planner("pallas", 1, 512))):
                 try:
                     ms = timeit(_layers(planner, "pallas", num_layers), lc, li, reps=max(reps // 4, 3))
                     timings[f"planner + routing (pallas), per layer of {num_layers} in one jit: {name}"] = (

@@ -189,34 +189,35 @@ def test_deterministic_across_processes():
     assert out.stdout.strip().splitlines()[-1] == digest
 
 
-# --------------------------------------------------------------------------- the walk: Pallas kernel == lax.scan
-
-def _walk_inputs(rng, num_cand, num_demands, num_ranks, num_spare):
-    """Random demand boundaries (largest first, some zero demands at the end) and supplies (most slack first)."""
-    demand = -np.sort(-rng.integers(1, 60, size=(num_cand, num_demands)), axis=1)
-    demand[:, num_demands // 2:] *= rng.integers(0, 2, size=(num_cand, 1))
-    d_hi = np.cumsum(demand, axis=1)
-    d_pad = np.concatenate([d_hi, np.repeat(d_hi[:, -1:], num_spare, axis=1)], axis=1).astype(np.int32)
-    supply = -np.sort(-rng.integers(0, 150, size=(num_cand, num_ranks)), axis=1).astype(np.int32)
-    j0 = np.sum(d_hi <= 0, axis=1).astype(np.int32)
-    return jnp.asarray(d_pad), jnp.asarray(supply), jnp.asarray(j0)
+# --------------------------------------------------------------------------- the one-kernel search == the XLA search
 
 
-@pytest.mark.parametrize("num_spare,min_tokens,max_replicas", [(1, 1, 16), (2, 20, 3), (3, 1, 1)])
-def test_pallas_walk_matches_scan(rng, num_spare, min_tokens, max_replicas):
-    """The Triton walk (interpret mode on CPU) equals the lax.scan walk, also under vmap (batch folded into lanes)."""
-    from moe_eplb_jax.routing._quota_fill import fill_layout
-    opts = dict(num_spare=num_spare, min_replica_tokens=min_tokens, max_replicas=max_replicas)
-    args = _walk_inputs(rng, 5, 12, 6, num_spare)
-    xla = fill_layout(*args, implementation="xla", **opts)
-    pallas = fill_layout(*args, implementation="pallas", interpret=True, **opts)
-    for a, b in zip(xla, pallas):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert np.asarray(xla[0]).shape == (5, 6) and np.asarray(xla[2]).dtype == bool
-    batched = [jnp.stack([a, b]) for a, b in zip(args, _walk_inputs(rng, 5, 12, 6, num_spare))]
-    xla = jax.vmap(lambda *z: fill_layout(*z, implementation="xla", **opts))(*batched)
-    pallas = jax.vmap(lambda *z: fill_layout(*z, implementation="pallas", interpret=True, **opts))(*batched)
-    for a, b in zip(xla, pallas):
+@functools.lru_cache(maxsize=None)
+def _both(num_home, num_spare, min_replica_tokens, search_rounds, search_width, nested=False):
+    def make(implementation):
+        fn = functools.partial(plan_quotas, num_home=num_home, num_spare=num_spare, implementation=implementation,
+                               min_replica_tokens=min_replica_tokens, search_rounds=search_rounds,
+                               search_width=search_width)
+        return jax.jit(jax.vmap(jax.vmap(fn)) if nested else fn)
+    return make("xla"), make("pallas")
+
+
+@pytest.mark.parametrize("shape,min_tokens,rounds,width", [((4, 2, 2), 1, 2, 64), ((6, 3, 1), 40, 3, 16),
+                                                           ((5, 4, 3), 5, 1, 7)])
+def test_pallas_search_matches_xla(rng, shape, min_tokens, rounds, width):
+    """The Triton search kernel (interpret mode on CPU) gives the XLA plan, also under (nested) vmap."""
+    num_ranks, num_home, num_spare = shape
+    xla, pallas = _both(num_home, num_spare, min_tokens, rounds, width)
+    for _ in range(2):
+        counts = jnp.asarray(_skewed_counts(rng, num_ranks, num_home))
+        for a, b in zip(jax.tree_util.tree_leaves(xla(counts)), jax.tree_util.tree_leaves(pallas(counts))):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    xla, pallas = _both(num_home, num_spare, min_tokens, rounds, width, nested=True)
+    counts = jnp.asarray(np.stack([np.stack([_skewed_counts(rng, num_ranks, num_home) for _ in range(3)])
+                                   for _ in range(2)]))
+    plans = xla(counts), pallas(counts)
+    assert plans[1].rank_load.shape == (2, 3, num_ranks)
+    for a, b in zip(*(jax.tree_util.tree_leaves(p) for p in plans)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -232,3 +233,22 @@ def test_pallas_plan_equals_xla_plan_on_gpu():
              for impl in ("pallas", "xla")]
     for field in FIELDS:
         np.testing.assert_array_equal(np.asarray(getattr(plans[0], field)), np.asarray(getattr(plans[1], field)))
+
+
+def test_gpu_default_falls_back_to_xla_when_the_kernel_fails(monkeypatch):
+    """The GPU default is the Pallas search only if a probe plan from it equals the XLA plan; else XLA, warned."""
+    from moe_eplb_jax.routing import quota
+    monkeypatch.setattr(quota, "default_implementation", lambda: "pallas")  # as on a GPU
+    quota._pallas_probe.cache_clear()
+    try:
+        assert quota._default_implementation() == "pallas"  # interpret mode here: compiles and agrees
+        quota._pallas_probe.cache_clear()
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("no kernel today")
+
+        monkeypatch.setattr(quota, "search_pallas", broken)
+        with pytest.warns(RuntimeWarning, match="no kernel today"):
+            assert quota._default_implementation() == "xla"
+    finally:
+        quota._pallas_probe.cache_clear()

@@ -97,18 +97,19 @@ def map_and_count(
     Raises:
       ValueError: a shape, dtype, mode, size or implementation is wrong.
     """
-    topk_ids, log2phy, logcnt = _check_tables(topk_ids, log2phy, logcnt)
-    num_tokens, top_k = topk_ids.shape
-    num_logical, width = log2phy.shape
+    # Every check reads shapes and dtypes only: nothing moves to the device before they all pass.
+    (num_tokens, top_k), (num_logical, width) = _check_tables(topk_ids, log2phy, logcnt)
     num_physical = _check_num_physical(num_physical, num_logical)
-    thresholds = _check_mode(mode, replica_shares, resolved, num_logical, width)
+    mode_values = _check_mode(mode, replica_shares, resolved, num_logical, width)
     implementation = _check_implementation(implementation)
-    limits = _limits(num_valid_tokens, record, num_tokens, top_k)
+    _check_flags(num_valid_tokens, record, num_tokens)
 
+    topk_ids, log2phy, logcnt = (jnp.asarray(a).astype(jnp.int32) for a in (topk_ids, log2phy, logcnt))
     if num_tokens * top_k == 0:
         return jnp.full((num_tokens, top_k), -1, jnp.int32), jnp.zeros((num_physical,), jnp.int32)
-    if thresholds is not None:
-        thresholds = _build_thresholds(mode, thresholds, logcnt, width)
+    limits = _limits(num_valid_tokens, record, num_tokens, top_k)
+    if mode_values is not None:
+        thresholds = _build_thresholds(mode, jnp.asarray(mode_values), logcnt, width)
     else:
         thresholds = jnp.zeros((num_logical, width), jnp.int32)  # unused by hash / round_robin
 
@@ -125,29 +126,37 @@ def map_and_count(
 
 
 # ------------------------------------------------------------------ validation
+def _shape_dtype(value):
+    """Shape and dtype without moving data (tracers, jax and numpy arrays all carry both)."""
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return tuple(value.shape), np.dtype(value.dtype)
+    array = np.asarray(value)
+    return array.shape, array.dtype
+
+
 def _check_int_array(name, value, ndim):
-    arr = value if isinstance(value, jax.Array) else jnp.asarray(value)
-    if arr.ndim != ndim:
-        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(arr.shape)}")
-    if not jnp.issubdtype(arr.dtype, jnp.integer):
-        raise ValueError(f"{name} must have an integer dtype, got {arr.dtype}")
-    return arr.astype(jnp.int32)
+    shape, dtype = _shape_dtype(value)
+    if len(shape) != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {shape}")
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise ValueError(f"{name} must have an integer dtype, got {dtype}")
+    return shape
 
 
 def _check_tables(topk_ids, log2phy, logcnt):
-    topk_ids = _check_int_array("topk_ids", topk_ids, 2)
-    log2phy = _check_int_array("log2phy", log2phy, 2)
-    logcnt = _check_int_array("logcnt", logcnt, 1)
-    num_logical, width = log2phy.shape
+    ids_shape = _check_int_array("topk_ids", topk_ids, 2)
+    table_shape = _check_int_array("log2phy", log2phy, 2)
+    count_shape = _check_int_array("logcnt", logcnt, 1)
+    num_logical, width = table_shape
     if num_logical < 1 or width < 1:
-        raise ValueError(f"log2phy must have shape [E >= 1, S >= 1], got {tuple(log2phy.shape)}")
-    if logcnt.shape != (num_logical,):
-        raise ValueError(f"logcnt must have shape [E] = ({num_logical},), got {tuple(logcnt.shape)}")
-    if topk_ids.shape[1] < 1:
-        raise ValueError(f"topk_ids must have shape [T, k >= 1], got {tuple(topk_ids.shape)}")
-    if topk_ids.size >= 2**31:
-        raise ValueError(f"topk_ids has {topk_ids.size} entries; at most 2**31 - 1 are supported")
-    return topk_ids, log2phy, logcnt
+        raise ValueError(f"log2phy must have shape [E >= 1, S >= 1], got {table_shape}")
+    if count_shape != (num_logical,):
+        raise ValueError(f"logcnt must have shape [E] = ({num_logical},), got {count_shape}")
+    if ids_shape[1] < 1:
+        raise ValueError(f"topk_ids must have shape [T, k >= 1], got {ids_shape}")
+    if ids_shape[0] * ids_shape[1] >= 2**31:
+        raise ValueError(f"topk_ids has {ids_shape[0] * ids_shape[1]} entries; at most 2**31 - 1 are supported")
+    return ids_shape, table_shape
 
 
 def _check_num_physical(num_physical, num_logical):
@@ -161,31 +170,25 @@ def _check_num_physical(num_physical, num_logical):
 
 
 def _check_mode(mode, replica_shares, resolved, num_logical, width):
+    """Returns the per-mode ``[E, S]`` input (shares or quotas), or ``None`` for hash / round_robin."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if mode != "shares" and replica_shares is not None:
         raise ValueError(f"replica_shares is only used with mode='shares', got mode={mode!r}")
     if mode != "resolved" and resolved is not None:
         raise ValueError(f"resolved is only used with mode='resolved', got mode={mode!r}")
-    if mode == "shares":
-        if replica_shares is None:
-            raise ValueError("mode='shares' needs replica_shares [E, S]")
-        shares = replica_shares if isinstance(replica_shares, jax.Array) else jnp.asarray(replica_shares)
-        if shares.shape != (num_logical, width):
-            raise ValueError(f"replica_shares must have shape [E, S] = {(num_logical, width)}, got {tuple(shares.shape)}")
-        if not jnp.issubdtype(shares.dtype, jnp.floating):
-            raise ValueError(f"replica_shares must have a floating dtype, got {shares.dtype}")
-        return shares
-    if mode == "resolved":
-        if resolved is None:
-            raise ValueError("mode='resolved' needs resolved [E, S] quotas")
-        quotas = resolved if isinstance(resolved, jax.Array) else jnp.asarray(resolved)
-        if quotas.shape != (num_logical, width):
-            raise ValueError(f"resolved must have shape [E, S] = {(num_logical, width)}, got {tuple(quotas.shape)}")
-        if not jnp.issubdtype(quotas.dtype, jnp.integer):
-            raise ValueError(f"resolved must have an integer dtype, got {quotas.dtype}")
-        return quotas
-    return None
+    if mode in ("hash", "round_robin"):
+        return None
+    name, value, kind = (("replica_shares", replica_shares, jnp.floating) if mode == "shares"
+                         else ("resolved", resolved, jnp.integer))
+    if value is None:
+        raise ValueError(f"mode={mode!r} needs {name} [E, S]")
+    shape, dtype = _shape_dtype(value)
+    if shape != (num_logical, width):
+        raise ValueError(f"{name} must have shape [E, S] = {(num_logical, width)}, got {shape}")
+    if not jnp.issubdtype(dtype, kind):
+        raise ValueError(f"{name} must have {'a floating' if mode == 'shares' else 'an integer'} dtype, got {dtype}")
+    return value
 
 
 def _check_implementation(implementation):
@@ -196,23 +199,27 @@ def _check_implementation(implementation):
     return implementation
 
 
+def _check_flags(num_valid_tokens, record, num_tokens):
+    if num_valid_tokens is not None:
+        if isinstance(num_valid_tokens, (int, np.integer)) and not isinstance(num_valid_tokens, bool):
+            if not 0 <= num_valid_tokens <= num_tokens:
+                raise ValueError(f"num_valid_tokens must be in [0, T={num_tokens}], got {num_valid_tokens}")
+        shape, dtype = _shape_dtype(num_valid_tokens)
+        if shape != () or not jnp.issubdtype(dtype, jnp.integer) or dtype == np.bool_:
+            raise ValueError(f"num_valid_tokens must be an integer scalar, got shape {shape} dtype {dtype}")
+    shape, dtype = _shape_dtype(record)
+    if shape != () or dtype != np.bool_:
+        raise ValueError(f"record must be a boolean scalar, got shape {shape} dtype {dtype}")
+
+
 def _limits(num_valid_tokens, record, num_tokens, top_k):
     """``[count_limit, rank_limit]``: flat positions below them are counted / consume quota."""
     if num_valid_tokens is None:
         num_valid = jnp.int32(num_tokens)
     else:
-        if isinstance(num_valid_tokens, (int, np.integer)) and not isinstance(num_valid_tokens, bool):
-            if not 0 <= num_valid_tokens <= num_tokens:
-                raise ValueError(f"num_valid_tokens must be in [0, T={num_tokens}], got {num_valid_tokens}")
-        num_valid = jnp.asarray(num_valid_tokens)
-        if num_valid.shape != () or not jnp.issubdtype(num_valid.dtype, jnp.integer):
-            raise ValueError(f"num_valid_tokens must be an integer scalar, got shape {num_valid.shape} dtype {num_valid.dtype}")
-        num_valid = jnp.clip(num_valid.astype(jnp.int32), 0, num_tokens)
-    record = jnp.asarray(record)
-    if record.shape != () or record.dtype != jnp.bool_:
-        raise ValueError(f"record must be a boolean scalar, got shape {record.shape} dtype {record.dtype}")
+        num_valid = jnp.clip(jnp.asarray(num_valid_tokens).astype(jnp.int32), 0, num_tokens)
     rank_limit = num_valid * jnp.int32(top_k)
-    count_limit = jnp.where(record, rank_limit, jnp.int32(0))
+    count_limit = jnp.where(jnp.asarray(record), rank_limit, jnp.int32(0))
     return jnp.stack([count_limit, rank_limit])
 
 

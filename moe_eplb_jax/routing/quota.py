@@ -46,6 +46,8 @@ order. Quotas of a source rank are consumed by ``map_and_count(mode=
 from __future__ import annotations
 
 import dataclasses
+import functools
+import warnings
 from typing import Any
 
 import jax
@@ -112,6 +114,37 @@ def check_counts(counts, *, num_home: int) -> None:
         raise ValueError(f"counts must be non-negative; counts[{g}, {e}] = {arr[g, e]}")
 
 
+def _default_implementation() -> str:
+    """``"pallas"`` on GPU once a probe plan from it equals the XLA plan (checked once per process), else ``"xla"``."""
+    if default_implementation() != "pallas":
+        return "xla"
+    return _pallas_probe()
+
+
+@functools.cache
+def _pallas_probe() -> str:
+    # A kernel that fails to compile on this GPU, or disagrees with the XLA search, must not take the hot path down:
+    # fall back to the XLA search, with a warning.
+    try:
+        rng = np.random.default_rng(0)
+        counts = (rng.pareto(1.2, size=(2, 8, 16)) * 40).astype(np.int32)
+        plans = []
+        for impl in IMPLEMENTATIONS:  # compiled ahead of time and run outside any trace the caller is in
+            probe = jax.jit(jax.vmap(functools.partial(plan_quotas, num_home=2, num_spare=2, implementation=impl)))
+            plans.append(probe.lower(jax.ShapeDtypeStruct(counts.shape, jnp.int32)).compile()(counts))
+        same = all(np.array_equal(np.asarray(a), np.asarray(b))
+                   for a, b in zip(*(jax.tree_util.tree_leaves(plan) for plan in plans)))
+    except Exception as err:  # noqa: BLE001 -- any failure means: do not use the kernel
+        warnings.warn(f"plan_quotas: the Pallas search failed on this device ({type(err).__name__}: {err}); "
+                      "using the XLA search", RuntimeWarning, stacklevel=3)
+        return "xla"
+    if not same:
+        warnings.warn("plan_quotas: the Pallas search disagrees with the XLA search on this device; using the XLA "
+                      "search", RuntimeWarning, stacklevel=3)
+        return "xla"
+    return "pallas"
+
+
 def _check_static(shape, dtype, num_home, num_spare, min_replica_tokens, max_replicas, search_rounds, search_width):
     if len(shape) != 2:
         raise ValueError(f"counts must have shape [G, E], got {tuple(shape)}")
@@ -153,13 +186,14 @@ def plan_quotas(
     checked for negative values, while traced negative counts are treated as 0
     (the hot path never raises). ``with_quota=False`` skips the ``[G, E, R]``
     quota table (``quota`` is then ``None``) when only the placement and loads
-    are needed, e.g. in the simulator. ``implementation`` picks how the search's
-    sequential walk over the supply ranks runs: ``"pallas"`` (one Triton kernel
-    per search round, the GPU default) or ``"xla"`` (a ``lax.scan``, the default
-    elsewhere); both give the same plan, integer for integer.
+    are needed, e.g. in the simulator. ``implementation`` picks how the search
+    runs: ``"pallas"`` (every round in one Triton kernel; the GPU default once a
+    probe plan from it matched the XLA plan in this process; interpret mode off
+    GPU) or ``"xla"`` (a ``lax.scan`` walk per round; the default elsewhere).
+    Both give the same plan, integer for integer.
     """
     if implementation is None:
-        implementation = default_implementation()
+        implementation = _default_implementation()
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     if max_replicas is None:
