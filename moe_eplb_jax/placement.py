@@ -25,12 +25,13 @@ arrays) and are the better choice for large models.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any
 
 import jax
 import numpy as np
+
+from moe_eplb_jax._files import read_document, write_document
 
 FILE_FORMAT = "moe_eplb_jax.placement"
 FILE_VERSION = 1
@@ -229,47 +230,22 @@ class Placement:
     def save(self, path: str | os.PathLike) -> None:
         """Writes the placement as JSON (``.json``) or numpy archive (``.npz``); see the module docstring."""
         p = self.to_numpy()
-        meta = {
+        write_document(path, {
             "format": FILE_FORMAT,
             "version": FILE_VERSION,
             "num_layers": p.num_layers,
             "num_logical": p.num_logical,
             "num_physical": p.num_physical,
-        }
-        path = os.fspath(path)
-        if path.endswith(".npz"):
-            np.savez_compressed(path, phy2log=p.phy2log, log2phy=p.log2phy, logcnt=p.logcnt,
-                                **{k: np.asarray(v) for k, v in meta.items()})
-        elif path.endswith(".json"):
-            doc = dict(meta, phy2log=p.phy2log.tolist(), log2phy=p.log2phy.tolist(), logcnt=p.logcnt.tolist())
-            tmp = path + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump(doc, f, separators=(",", ":"))
-            os.replace(tmp, path)  # never leave a half-written file behind
-        else:
-            raise ValueError(f"placement file must end in .json or .npz, got {path!r}")
+            "phy2log": p.phy2log,
+            "log2phy": p.log2phy,
+            "logcnt": p.logcnt,
+        }, what="placement")
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, num_ranks: int | None = None) -> "Placement":
         """Reads a file written by :meth:`save`; every malformed file raises ``ValueError``."""
         path = os.fspath(path)
-        if path.endswith(".npz"):
-            try:
-                with np.load(path, allow_pickle=False) as z:
-                    doc = {k: z[k] for k in z.files}
-            except (OSError, ValueError, EOFError) as e:
-                raise ValueError(f"{path}: not a readable .npz placement file ({e})") from e
-            doc = {k: (v.item() if v.ndim == 0 else v) for k, v in doc.items()}
-        elif path.endswith(".json"):
-            try:
-                with open(path) as f:
-                    doc = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: not valid JSON ({e})") from e
-            if not isinstance(doc, dict):
-                raise ValueError(f"{path}: top level must be a JSON object")
-        else:
-            raise ValueError(f"placement file must end in .json or .npz, got {path!r}")
+        doc = read_document(path, what="placement", file_format=FILE_FORMAT, version=FILE_VERSION)
         return cls._from_document(doc, path, num_ranks)
 
     @classmethod
@@ -279,11 +255,6 @@ class Placement:
                 raise ValueError(f"{path}: missing field {name!r}")
             return doc[name]
 
-        if field("format") != FILE_FORMAT:
-            raise ValueError(f"{path}: field 'format' is {doc['format']!r}, expected {FILE_FORMAT!r}")
-        version = field("version")
-        if version != FILE_VERSION:
-            raise ValueError(f"{path}: unsupported field 'version' {version!r} (this library reads {FILE_VERSION})")
         sizes = {}
         for name in ("num_layers", "num_logical", "num_physical"):
             value = field(name)

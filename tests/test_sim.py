@@ -60,7 +60,7 @@ def test_load_file_errors(tmp_path, rng):
     (tmp_path / "d.json").write_text("{not json")
     with pytest.raises(ValueError, match="JSON"):
         read_load(tmp_path / "d.json")
-    with pytest.raises(ValueError, match=".npz or .json"):
+    with pytest.raises(ValueError, match=r"load file must end in \.json or \.npz"):
         read_load(tmp_path / "e.txt")
 
 

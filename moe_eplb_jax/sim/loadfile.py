@@ -16,10 +16,11 @@ serving example (``EplbState.window_logical_load`` gives one step's ``[L, E]``).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 import numpy as np
+
+from moe_eplb_jax._files import read_document, write_document
 
 __all__ = ["LoadTrace", "save_load", "read_load", "LOAD_FORMAT", "LOAD_VERSION"]
 
@@ -72,48 +73,16 @@ def save_load(path, load, **meta) -> None:
     unknown = sorted(set(meta) - set(_META))
     if unknown:
         raise ValueError(f"unknown metadata field(s) {unknown}; known: {list(_META)}")
-    arr = _check_load(load, path)
-    if path.endswith(".npz"):
-        extra = {k: np.asarray(v) for k, v in meta.items() if v is not None}
-        np.savez_compressed(path, format=np.asarray(LOAD_FORMAT), version=np.asarray(LOAD_VERSION),
-                            load=np.asarray(load), **extra)
-    elif path.endswith(".json"):
-        doc = {"format": LOAD_FORMAT, "version": LOAD_VERSION, "load": np.asarray(load).tolist()}
-        doc.update({k: v for k, v in meta.items() if v is not None})
-        with open(path + ".tmp", "w") as f:
-            json.dump(doc, f, separators=(",", ":"))
-        os.replace(path + ".tmp", path)
-    else:
-        raise ValueError(f"load file must end in .npz or .json, got {path!r}")
-    del arr
+    _check_load(load, path)
+    fields = {"format": LOAD_FORMAT, "version": LOAD_VERSION, "load": np.asarray(load)}
+    fields.update({k: v for k, v in meta.items() if v is not None})
+    write_document(path, fields, what="load")
 
 
 def read_load(path) -> LoadTrace:
     """Reads a load file; every malformed file raises ``ValueError`` naming the field."""
     path = os.fspath(path)
-    if path.endswith(".npz"):
-        try:
-            with np.load(path, allow_pickle=False) as z:
-                doc = {k: z[k] for k in z.files}
-        except (OSError, ValueError, EOFError) as e:
-            raise ValueError(f"{path}: not a readable .npz load file ({e})") from e
-        doc = {k: (v.item() if v.ndim == 0 else v) for k, v in doc.items()}
-    elif path.endswith(".json"):
-        try:
-            with open(path) as f:
-                doc = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not valid JSON ({e})") from e
-        except OSError as e:
-            raise ValueError(f"{path}: cannot read ({e})") from e
-        if not isinstance(doc, dict):
-            raise ValueError(f"{path}: top level must be a JSON object")
-    else:
-        raise ValueError(f"load file must end in .npz or .json, got {path!r}")
-    if doc.get("format") != LOAD_FORMAT:
-        raise ValueError(f"{path}: field 'format' is {doc.get('format')!r}, expected {LOAD_FORMAT!r}")
-    if doc.get("version") != LOAD_VERSION:
-        raise ValueError(f"{path}: unsupported field 'version' {doc.get('version')!r} (this library reads 1)")
+    doc = read_document(path, what="load", file_format=LOAD_FORMAT, version=LOAD_VERSION)
     if "load" not in doc:
         raise ValueError(f"{path}: missing field 'load'")
     load = _check_load(doc["load"], path)
