@@ -13,13 +13,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _runtime import Runtime, add_runtime_args  # noqa: E402
 import time
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--devices", type=int, default=8, help="simulated CPU devices (0: use the real backend)")
-    p.add_argument("--ranks", type=int, default=None, help="EP ranks (default: every device)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--redundant", type=int, default=8, help="redundant slots R (P = E + R)")
@@ -36,41 +37,26 @@ def parse_args(argv=None):
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--init-placement", help="serve with this placement file (no rebalancing)")
     p.add_argument("--save-placement", help="write the fitted placement here")
-    p.add_argument("--coordinator", help="HOST:PORT of process 0 (multi-host)")
-    p.add_argument("--num-processes", type=int, default=1)
-    p.add_argument("--process-id", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
+    add_runtime_args(p)
     return p.parse_args(argv)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.devices:
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
-        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
+    rt = Runtime(args)  # sets the device flags, then imports jax
     import jax
-
-    if args.coordinator:
-        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx
     from tqdm import tqdm
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from _model import MoELM, synthetic_batch
 
     from moe_eplb_jax import EplbConfig
     from moe_eplb_jax.flax import EplbController
 
-    ranks = args.ranks or jax.device_count()
-    mesh = jax.make_mesh((ranks,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,),
-                         devices=jax.devices()[:ranks])
-    batch_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("ep"))
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-
-    def global_batch(host):  # every process holds the same host batch; each device takes its rows
-        return jax.make_array_from_callback(host.shape, batch_sharding, lambda index: host[index])
+    ranks, mesh, replicated, global_batch = rt.ranks, rt.mesh, rt.replicated, rt.global_batch
     num_physical = args.experts + args.redundant
     model = MoELM(vocab=256, dim=args.dim, heads=4, hidden=args.dim, num_layers=args.layers,
                   num_experts=args.experts, top_k=args.top_k, num_physical=num_physical, mesh=mesh,
