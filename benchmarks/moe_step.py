@@ -1,7 +1,8 @@
-"""MoE layer step time under Zipf-skewed routing: initial placement vs EPLB placement vs uniform routing.
+"""MoE layer step time under Zipf-skewed routing: initial vs EPLB placement vs online quotas vs uniform routing.
 
     PYTHONPATH=. python3 benchmarks/moe_step.py --ranks 2                       # 2 GPUs
-    PYTHONPATH=. python3 benchmarks/moe_step.py --ranks 8 --matmul dense,pallas # EP8 (issue 8)
+    PYTHONPATH=. python3 benchmarks/moe_step.py --ranks 8 --matmul pallas,dense --capacity-factor 1.25  # EP8
+                                                                  # (issue 8; benchmarks/multi_gpu.py runs it)
     PYTHONPATH=. python3 benchmarks/moe_step.py --cpu-devices 8 --small --matmul dense,pallas_interpret
 
 Prints, side by side in one run and for each grouped-matmul implementation:
@@ -10,9 +11,14 @@ the forward step time of one expert-parallel MoE layer (route + map_and_count
 placement (experts in id order, redundant slots on the coldest experts: the
 hot experts share the first rank), with the EPLB placement (the ``deepseek``
 policy on the measured load) and with perfectly uniform routing on an even
-placement (the ideal: every expert gets ``T*k/E`` tokens); the measured balancedness of each; the EPLB bookkeeping
+placement (the ideal: every expert gets ``T*k/E`` tokens); with online quota routing (``--online``; UltraEP-style,
+``benchmarks/online_ep.py``: every step all_gathers the per-rank expert counts, runs ``plan_quotas`` and routes
+with ``map_and_count(mode="resolved")``, all inside the timed step; experts at home, ``R / G`` spare slots per
+rank filled per batch, their weights taken from a resident replicated copy -- ``resident``, the fetch free -- or
+from an all_gather of the home experts inside the step -- ``all_gather``, an upper bound on the fetch); the
+measured balancedness of each; the EPLB bookkeeping
 (map_and_count + load psum + EplbState record/end_step) as a fraction of the
-EPLB step; and whether the outputs under the two placements are bit-identical.
+EPLB step; and whether the outputs under every placement / routing are bit-identical.
 
 ``dense`` costs the worst case whatever the routing, so only an implementation
 whose cost follows the rows a rank received (``pallas``) can show the balance
@@ -45,6 +51,9 @@ def _args():
     p.add_argument("--capacity-factor", default="none,1.25",
                    help="comma-separated exchange capacity factors ('none': one worst-case all_to_all)")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--online", default="resident,all_gather",
+                   help="online quota rows: comma-separated spare-weight fetches (resident, all_gather; '' for none)")
+    p.add_argument("--json", default=None, help="write the table rows here")
     return p.parse_args()
 
 
@@ -65,6 +74,11 @@ def main():
     from moe_eplb_jax.pallas import map_and_count
     from moe_eplb_jax.placement import Placement
     from moe_eplb_jax.state import EplbConfig
+
+    try:  # run as a script: benchmarks/ is on sys.path
+        from online_ep import online_moe_apply
+    except ImportError:
+        from benchmarks.online_ep import online_moe_apply
 
     ranks = args.ranks or jax.device_count()
     mesh = jax.make_mesh((ranks,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:ranks])
@@ -128,6 +142,17 @@ def main():
         return jax.shard_map(lambda x, r, b: L.route(x, r, top_k=K, bias=b)[0], mesh=mesh,
                              in_specs=(PS("ep"), PS(), PS()), out_specs=PS("ep"), check_vma=False)(x, router, bias)
 
+    # Online quota routing needs the home layout: E/G experts per rank, (P-E)/G spare slots per rank.
+    fetches = [f for f in args.online.split(",") if f]
+    if set(fetches) - {"resident", "all_gather"}:
+        raise ValueError(f"--online takes 'resident' and/or 'all_gather', got {args.online!r}")
+    if fetches and (E % ranks or (P - E) % ranks or P == E):
+        print(f"online rows skipped: E={E} and R={P - E} must be positive multiples of the EP size {ranks}")
+        fetches = []
+    if fetches:
+        home = {name: L._put(w.astype(dtype), mesh, PS("ep")) for name, w in (("w_in", w_in), ("w_out", w_out))}
+        resident = {name: L._put(w.astype(dtype), mesh, PS()) for name, w in (("w_in", w_in), ("w_out", w_out))}
+
     rows = []
     factors = [None if f == "none" else float(f) for f in args.capacity_factor.split(",")]
     for matmul, factor in [(m, f) for m in args.matmul.split(",") for f in factors]:
@@ -148,9 +173,25 @@ def main():
             continue
         same = bool(np.array_equal(np.asarray(y_init).view(np.uint16), np.asarray(y_fit).view(np.uint16)))
         loads_ok = int(np.asarray(load_init).sum()) == T * K == int(np.asarray(load_fit).sum())
+        online = {}
+        for fetch in fetches:
+            run_online = jax.jit(lambda *a, matmul=matmul, factor=factor: online_moe_apply(
+                *a, top_k=K, mesh=mesh, num_spare=(P - E) // ranks, matmul=matmul,
+                map_implementation=args.map_impl, capacity_factor=factor))
+            try:
+                t_onl, (y_onl, load_onl) = bench(run_online, (x, router, zipf_bias, home,
+                                                              resident if fetch == "resident" else None))
+            except Exception:  # the online rows must not hide the others
+                traceback.print_exc()
+                online[fetch] = None
+                continue
+            same = same and bool(np.array_equal(np.asarray(y_init).view(np.uint16), np.asarray(y_onl).view(np.uint16)))
+            loads_ok = loads_ok and int(np.asarray(load_onl).sum()) == T * K
+            online[fetch] = (t_onl, balancedness(load_onl))
         rows.append((label, dict(t_init=t_init, t_fit=t_fit, t_uni=t_uni, b_init=balancedness(load_init),
                                   b_fit=balancedness(load_fit), b_uni=balancedness(load_uni), same=same,
-                                  loads_ok=loads_ok)))
+                                  loads_ok=loads_ok, online=online)))
+        print(f"{label}: {rows[-1][1]}", flush=True)  # a run cut short still shows what it measured
 
     state = eplb_state.init_state(EplbConfig(num_gpus=ranks, num_redundant_experts=P - E, window_size=64), 1, P)
     state = jax.tree.map(lambda a: L._put(np.asarray(a), mesh, PS()), state)
@@ -162,18 +203,28 @@ def main():
     print(f"\n=== MoE step ({ranks} x {jax.devices()[0].device_kind}; T={args.tokens}/rank, D={D}, H={H}, E={E}, "
           f"P={P}, top-{K}, bf16, map_and_count={args.map_impl or 'default'}) ===")
     print("matmul/exchange: 'worst' = one worst-case all_to_all; 'cfX' = rounds of X times the balanced share")
-    print(f"{'matmul/exchange':24s} {'routing / placement':18s} {'step ms':>9s} {'vs ideal':>9s} {'balancedness':>13s}")
+    print(f"{'matmul/exchange':24s} {'routing / placement':26s} {'step ms':>9s} {'vs ideal':>9s} {'balancedness':>13s}")
     for label, r in rows:
         if r is None:
             print(f"{label:24s} FAILED (traceback above)")
             continue
-        for name, t, b in (("zipf / initial", r["t_init"], r["b_init"]), ("zipf / EPLB", r["t_fit"], r["b_fit"]),
-                           ("uniform (ideal)", r["t_uni"], r["b_uni"])):
-            print(f"{label:24s} {name:18s} {t * 1e3:9.3f} {t / r['t_uni']:9.3f} {b:13.3f}")
+        cases = [("zipf / initial", r["t_init"], r["b_init"]), ("zipf / EPLB", r["t_fit"], r["b_fit"])]
+        cases += [(f"zipf / online {fetch}",) + (tb if tb else (None, None)) for fetch, tb in r["online"].items()]
+        for name, t, b in cases + [("uniform (ideal)", r["t_uni"], r["b_uni"])]:
+            if t is None:
+                print(f"{label:24s} {name:26s} FAILED (traceback above)")
+                continue
+            print(f"{label:24s} {name:26s} {t * 1e3:9.3f} {t / r['t_uni']:9.3f} {b:13.3f}")
         print(f"{label:24s} outputs bit-identical across placements: {r['same']}; load sums exact: {r['loads_ok']}; "
               f"bookkeeping {100 * t_book / r['t_fit']:.2f}% of the EPLB step")
     print(f"EPLB bookkeeping (map+count+psum+state): {t_book * 1e3:.3f} ms "
           f"(route+bookkeeping {t_book_route * 1e3:.3f} ms, route alone {t_route * 1e3:.3f} ms)")
+    if args.json:
+        import json
+
+        with open(args.json, "w") as f:
+            json.dump(dict(ranks=ranks, device=jax.devices()[0].device_kind, bookkeeping_ms=t_book * 1e3,
+                           rows={label: r for label, r in rows}), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -11,9 +11,8 @@
    another; lp_shares (on device) vs the HiGHS optimum of the max rank load
    (target: within 0.5 %).
 3. Drifting loads: periodic DeepSeek (hash / LP routing) vs online quotas.
-4. Timing (median of repeated runs, after warm-up): the planner alone (before:
-   the lax.scan walk of commit d7bf698, frozen in benchmarks/_quota_before.py;
-   new: the one-kernel Pallas walk and its lax.scan twin), routing of one rank's
+4. Timing (median of repeated runs, after warm-up): the planner alone (the
+   one-kernel Pallas search vs its lax.scan twin, the XLA baseline), routing of one rank's
    8,192 x 8 entries, and planner + routing per layer measured as 8 dependent
    layers in one jit divided by 8 (host dispatch amortised, as inside a step).
    Target <= 0.1 ms per layer on one H200; UltraEP: ~0.07 ms planner + ~0.04 ms
@@ -34,14 +33,10 @@ import numpy as np
 
 from moe_eplb_jax.pallas import map_and_count
 from moe_eplb_jax.placement import build_log2phy
-from moe_eplb_jax.routing import lp_shares, lp_shares_reference, plan_quotas
+from moe_eplb_jax.routing import default_max_replicas, lp_shares, lp_shares_reference, plan_quotas
+from moe_eplb_jax.routing._quota_fill import search_pallas
 from moe_eplb_jax.sim import drifting_load, format_table, simulate, zipf_counts, zipf_topk
 from moe_eplb_jax.sim.report import resolve_policy
-
-try:  # the planner as it was before the one-kernel walk, timed next to the new one
-    import _quota_before
-except ImportError:
-    from benchmarks import _quota_before
 
 G, E, H, S, K, T = 64, 256, 4, 2, 8, 8192
 P = G * (H + S)
@@ -66,29 +61,30 @@ def timeit(fn, *args, reps=100):
     return float(np.median(times)) * 1e3  # ms
 
 
-def route_all(plan, ids):
+def route_all(plan, ids, mode="resolved"):
     """Every source rank routes its tokens with its quota row; returns the summed slot loads [P]."""
     def one(ids_g, quota_g):
-        return map_and_count(ids_g, plan.log2phy, plan.logcnt, num_physical=P, mode="resolved", resolved=quota_g,
-                             implementation="xla")[1]
+        return _route_one(ids_g, quota_g, plan.log2phy, plan.logcnt, "xla", mode)[1]
     return jnp.sum(jax.vmap(one)(ids, plan.quota), axis=0)
 
 
-def _route_one(ids, quota, log2phy, logcnt, implementation):
+def _route_one(ids, quota, log2phy, logcnt, implementation, mode="resolved"):
+    """One source rank's routing by its quota row: exactly (``resolved``) or by hash in proportion (``shares``)."""
+    if mode == "shares":  # the quotas as weights: cheaper routing, counts equal to the quotas only on average
+        return map_and_count(ids, log2phy, logcnt, num_physical=P, mode="shares",
+                             replica_shares=quota.astype(jnp.float32), implementation=implementation)
     return map_and_count(ids, log2phy, logcnt, num_physical=P, mode="resolved", resolved=quota,
                          implementation=implementation)
 
 
-def _planner(implementation=None, rounds=None, width=None, before=False):
-    opts = dict(num_home=H, num_spare=S)
+def _planner(implementation=None, rounds=None, width=None, **extra):
+    opts = dict(num_home=H, num_spare=S, **extra)
     if rounds is not None:
         opts.update(search_rounds=rounds, search_width=width)
-    if before:
-        return functools.partial(_quota_before.plan_quotas, **opts)
     return functools.partial(plan_quotas, implementation=implementation, **opts)
 
 
-def _layers(planner, routing, num_layers):
+def _layers(planner, routing, num_layers, mode="resolved"):
     """``num_layers`` MoE layers in one jit, each planning on its own counts and routing rank 0's tokens.
 
     Every layer's counts depend (by a no-op) on the previous layer's routed load, so nothing overlaps: the time
@@ -99,7 +95,7 @@ def _layers(planner, routing, num_layers):
         total = jnp.zeros((P,), jnp.int32)
         for layer in range(num_layers):
             plan = planner(counts[layer] + carry)
-            _, load = _route_one(ids[layer], plan.quota[0], plan.log2phy, plan.logcnt, routing)
+            _, load = _route_one(ids[layer], plan.quota[0], plan.log2phy, plan.logcnt, routing, mode)
             carry = jnp.minimum(load[0], 0)  # always 0, unknown to the compiler
             total = total + load
         return total
@@ -108,14 +104,19 @@ def _layers(planner, routing, num_layers):
 
 def quota_section(tokens, rows, timings, reps, num_layers=8):
     plan_fn = {
-        "before (3x16, lax.scan walk per round)": jax.jit(_planner(rounds=3, width=16, before=True)),
+        "xla 3x16 (lax.scan walk per round, the first version's search shape)": jax.jit(_planner("xla", 3, 16)),
         "new 2x64, one Pallas search kernel (GPU default)": jax.jit(_planner("pallas")),
         "new 2x64, xla (lax.scan walk per round)": jax.jit(_planner("xla")),
         "new 1x512, one Pallas search kernel": jax.jit(_planner("pallas", 1, 512)),
         "new 3x16, one Pallas search kernel": jax.jit(_planner("pallas", 3, 16)),
+        "new 2x64, one Pallas search kernel, no quota table": jax.jit(_planner("pallas", with_quota=False)),
     }
+    # The search kernel alone (loads in, layout out), to split the planner's time into kernel and XLA tables.
+    kernel_only = jax.jit(lambda c: search_pallas(jnp.sum(c, axis=0), num_home=H, num_spare=S, min_replica_tokens=1,
+                                                  max_replicas=default_max_replicas(G, S), search_rounds=2,
+                                                  search_width=64)[0])
     default = jax.jit(_planner())
-    route_fn = jax.jit(route_all)
+    route_fn = jax.jit(route_all, static_argnames="mode")
     for imbalance in (1.5, 2.0, 3.0):
         ids = zipf_topk(G, E, tokens, K, imbalance, seed=11)
         counts = np.stack([np.bincount(ids[g].ravel(), minlength=E) for g in range(G)]).astype(np.int32)
@@ -124,16 +125,21 @@ def quota_section(tokens, rows, timings, reps, num_layers=8):
         slot_load = np.asarray(route_fn(plan, jnp.asarray(ids)))
         rank_load = slot_load.reshape(G, H + S).sum(1)
         ok = np.array_equal(rank_load, np.asarray(plan.rank_load)) and int(slot_load.sum()) == ids.size
-        # The two walks must agree integer for integer (on GPU: the Triton kernel vs lax.scan).
-        other = plan_fn["new 2x64, xla (lax.scan walk per round)"](jnp.asarray(counts))
-        same = all(np.array_equal(np.asarray(a), np.asarray(b))
-                   for a, b in zip(jax.tree_util.tree_leaves(plan), jax.tree_util.tree_leaves(other)))
-        before = plan_fn["before (3x16, lax.scan walk per round)"](jnp.asarray(counts))
-        rl = np.asarray(before.rank_load)
-        rows.append(dict(imbalance=imbalance, initial=float(home.max() / home.mean()),
+        # The two searches must agree integer for integer (on GPU: the Triton kernel vs lax.scan).
+        try:
+            kernel_plan = plan_fn["new 2x64, one Pallas search kernel (GPU default)"](jnp.asarray(counts))
+            other = plan_fn["new 2x64, xla (lax.scan walk per round)"](jnp.asarray(counts))
+            same = all(np.array_equal(np.asarray(a), np.asarray(b))
+                       for a, b in zip(jax.tree_util.tree_leaves(kernel_plan), jax.tree_util.tree_leaves(other)))
+        except Exception as e:  # noqa: BLE001 -- report and go on
+            print(f"pallas search failed: {type(e).__name__}: {e}"[:800])
+            same = False
+        by_shares = np.asarray(route_fn(plan, jnp.asarray(ids), mode="shares")).reshape(G, H + S).sum(1)
+        rows.append(dict(final_shares=float(by_shares.max() / by_shares.mean()), imbalance=imbalance,
+                         initial=float(home.max() / home.mean()),
                          final=float(rank_load.max() / rank_load.mean()), replicas=int(plan.replicas_used),
                          max_replicas_of_one_expert=int(plan.logcnt.max()), routed_matches_plan=bool(ok),
-                         pallas_equals_xla=bool(same), final_before=float(rl.max() / rl.mean())))
+                         pallas_equals_xla=bool(same)))
         if imbalance == 2.0:
             c = jnp.asarray(counts)
             for name, fn in plan_fn.items():
@@ -142,25 +148,29 @@ def quota_section(tokens, rows, timings, reps, num_layers=8):
                     timings[f"planner {name} (imb {rl.max() / rl.mean():.4f})"] = timeit(fn, c, reps=reps)
                 except Exception as e:  # noqa: BLE001 -- report and go on
                     print(f"planner {name} failed: {type(e).__name__}: {e}"[:600])
+            try:
+                timings["search kernel alone, 2x64 (loads -> target and layout)"] = timeit(kernel_only, c, reps=reps)
+            except Exception as e:  # noqa: BLE001
+                print(f"search kernel failed: {type(e).__name__}: {e}"[:600])
             one_ids = jnp.asarray(ids[0])
-            for impl in ("xla", "pallas"):
-                route_one = jax.jit(functools.partial(_route_one, implementation=impl))
+            for impl, mode in (("xla", "resolved"), ("pallas", "resolved"), ("pallas", "shares")):
+                route_one = jax.jit(functools.partial(_route_one, implementation=impl, mode=mode))
                 try:
-                    timings[f"routing, one rank ({tokens}x{K}, resolved, {impl})"] = timeit(
+                    timings[f"routing, one rank ({tokens}x{K}, {mode}, {impl})"] = timeit(
                         route_one, one_ids, plan.quota[0], plan.log2phy, plan.logcnt, reps=reps)
                 except Exception as e:  # noqa: BLE001
                     print(f"routing with {impl} failed: {type(e).__name__}: {e}"[:400])
-            # Per layer inside a step: num_layers dependent layers in one jit (fresh counts per layer).
-            layer_ids = np.stack([zipf_topk(G, E, tokens, K, imbalance, seed=100 + i) for i in range(num_layers)])
-            layer_counts = np.stack([np.stack([np.bincount(layer_ids[i, g].ravel(), minlength=E) for g in range(G)])
-                                     for i in range(num_layers)]).astype(np.int32)
-            lc, li = jnp.asarray(layer_counts), jnp.asarray(layer_ids[:, 0])
-            for name, planner in (("before 3x16", _planner(rounds=3, width=16, before=True)),
-                                  ("new 2x64 pallas search", _planner("pallas")),
-                                  ("new 1x512 pallas search", _planner("pallas", 1, 512))):
+            # Per layer inside a step: num_layers dependent layers in one jit; layer i sees the batch with expert
+            # ids shifted by i * H (other ranks hot), so every layer plans on its own counts.
+            layer_ids = np.stack([(ids[0] + i * H) % E for i in range(num_layers)])
+            layer_counts = np.stack([np.roll(counts, i * H, axis=1) for i in range(num_layers)])
+            lc, li = jnp.asarray(layer_counts), jnp.asarray(layer_ids)
+            for name, planner, mode in (("xla 2x64 scan search", _planner("xla"), "resolved"),
+                                        ("new 2x64 pallas search", _planner("pallas"), "resolved"),
+                                        ("new 2x64 pallas search", _planner("pallas"), "shares")):
                 try:
-                    ms = timeit(_layers(planner, "pallas", num_layers), lc, li, reps=max(reps // 4, 3))
-                    timings[f"planner + routing (pallas), per layer of {num_layers} in one jit: {name}"] = (
+                    ms = timeit(_layers(planner, "pallas", num_layers, mode), lc, li, reps=max(reps // 4, 3))
+                    timings[f"planner + {mode} routing (pallas), per layer of {num_layers} in one jit: {name}"] = (
                         ms / num_layers)
                 except Exception as e:  # noqa: BLE001
                     print(f"layers with {name} failed: {type(e).__name__}: {e}"[:600])
@@ -198,6 +208,8 @@ def main():
     tokens = 1024 if args.quick else T
     reps = 5 if args.quick else 200
     print(f"backend: {jax.default_backend()}  devices: {jax.devices()}")
+    from moe_eplb_jax.routing import quota
+    print(f"plan_quotas default implementation here: {quota._default_implementation()}", flush=True)
     quota_rows, lp_rows, timings = [], [], _Timings()
     if "quota" in sections:
         quota_section(tokens, quota_rows, timings, reps)
@@ -208,18 +220,23 @@ def main():
         drift = drifting_load(24 if args.quick else 32, 4, E, G, imbalance=2.0, tokens=G * tokens * K, seed=5)
         reports = simulate(drift, num_ranks=G, num_spare=S, policies=("none", "deepseek", "deepseek+lp", "online"),
                            step_interval=8, window=8)
+    os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "online.json"), "w") as f:
         json.dump(dict(quota=quota_rows, lp=lp_rows, timings_ms=timings,
                        drift={r.name: dict(balancedness=r.balancedness, imbalance=float(r.layer_imbalance.mean()))
                               for r in reports}), f, indent=1)
 
-    print(f"\n== quota routing, EP{G}, E={E}, {H} home + {S} spare/rank, top-{K}, {tokens} tokens/rank ==")
-    print(f"{'target imb':>10} {'initial':>8} {'final':>8} {'before':>8} {'replicas':>8} {'max rep':>7} "
-          f"{'routed==plan':>12} {'pallas==xla':>11}")
+    if quota_rows:
+        print(f"\n== quota routing, EP{G}, E={E}, {H} home + {S} spare/rank, top-{K}, {tokens} tokens/rank ==")
+        print(f"{'target imb':>10} {'initial':>8} {'final':>8} {'shares':>8} {'replicas':>8} "
+              f"{'max rep':>7} {'routed==plan':>12} {'pallas==xla':>11}")
     for r in quota_rows:
-        print(f"{r['imbalance']:10.1f} {r['initial']:8.4f} {r['final']:8.4f} {r['final_before']:8.4f} "
-              f"{r['replicas']:8d} {r['max_replicas_of_one_expert']:7d} {str(r['routed_matches_plan']):>12} "
-              f"{str(r['pallas_equals_xla']):>11}   (target final <= 1.01)")
+        print(f"{r['imbalance']:10.1f} {r['initial']:8.4f} {r['final']:8.4f} "
+              f"{r['final_shares']:8.4f} {r['replicas']:8d} {r['max_replicas_of_one_expert']:7d} "
+              f"{str(r['routed_matches_plan']):>12} {str(r['pallas_equals_xla']):>11}   (target final <= 1.01)")
+    if quota_rows:
+        print("  final: resolved routing of the plan; shares: the plan's")
+        print("  quotas used as hash-split weights (map_and_count mode 'shares'), counts equal to quotas on average")
     if lp_rows:
         print(f"\n== LP routing vs HiGHS, DeepSeek placement P={P} fitted on another batch ==")
         print(f"{'imb':>4} {'mean':>9} {'hash max':>9} {'LP max':>9} {'HiGHS max':>9} {'LP/HiGHS':>8}")

@@ -107,8 +107,9 @@ def main(argv=None):
         controller.save_placement(args.save_placement)
     _, tps_after, window = serve(args.batches, "serve (EPLB placement)" if not held else "serve (held placement)")
     bal_after = float(metrics.balancedness(metrics.rank_load(window, ranks)))
-    if main_process:
-        print("\n=== summary ===")
+    if main_process or args.num_processes > 1:  # every process prints it: their summaries must agree
+        print("\n=== summary ===" if args.num_processes == 1 else
+              f"\n=== summary (process {jax.process_index()} of {jax.process_count()}) ===")
         print(f"EP ranks {ranks}, layers {args.layers}, experts {args.experts} + {args.redundant} redundant, top-{args.top_k}")
         print(f"balancedness (measured) before {bal_before:.3f} -> after {bal_after:.3f}  (1.0 = perfect)")
         if report:

@@ -311,3 +311,64 @@ def _bad_weight(value, where=(0, 3)):
 def test_bad_input_raises(name, weight, overrides, match):
     with pytest.raises(ValueError, match=match):
         policy.get(name)(weight, **dict(_GOOD, **overrides))
+
+
+# ------------------------------------------------------------- fast paths of the vectorised packing
+def _packing_by_definition(weight, num_packs):
+    """One row at a time, as the loop reference packs: heaviest first (stable), least-loaded pack with room."""
+    pack = np.empty(weight.shape, dtype=np.int64)
+    rank = np.empty(weight.shape, dtype=np.int64)
+    per_pack = weight.shape[1] // num_packs
+    for row in range(weight.shape[0]):
+        load, count = [0.0] * num_packs, [0] * num_packs
+        for item in sorted(range(weight.shape[1]), key=lambda i: -weight[row, i]):
+            best = min((p for p in range(num_packs) if count[p] < per_pack), key=lambda p: load[p])
+            pack[row, item], rank[row, item] = best, count[best]
+            load[best] += weight[row, item]
+            count[best] += 1
+    return pack, rank
+
+
+@pytest.mark.parametrize("kind", ["lognormal", "one_heavy", "integer", "with_zeros", "near_ties"])
+def test_balanced_packing_long_rows_match_definition(rng, kind):
+    # 40 items on 4 packs: long enough for the round-by-round path and its capacity check.
+    weight = rng.lognormal(0.0, 1.0, (12, 40))
+    if kind == "one_heavy":  # capacity binds: the capacity-blind run would overfill the light packs
+        weight[:, 0] *= 1000.0
+    elif kind == "integer":  # ties between loads, and rounds that are not permutations
+        weight = rng.integers(1, 4, (12, 40)).astype(np.float64)
+    elif kind == "with_zeros":
+        weight[rng.random(weight.shape) < 0.4] = 0.0
+    elif kind == "near_ties":  # loads that differ only in the last bits of the mantissa
+        weight = 1.0 + rng.integers(0, 4, (12, 40)) * np.finfo(np.float64).eps
+    pack, rank = _packing.balanced_packing(weight, 4)
+    want_pack, want_rank = _packing_by_definition(weight, 4)
+    np.testing.assert_array_equal(pack, want_pack)
+    np.testing.assert_array_equal(rank, want_rank)
+
+
+def test_sort_descending_is_stable_on_near_ties(rng):
+    # Values that share all but their lowest mantissa bits, and exact ties.
+    weight = 1.0 + rng.integers(0, 8, (5, 300)) * np.finfo(np.float64).eps
+    weight[:, ::7] = 0.0
+    order, sorted_weight = _packing.sort_descending(weight)
+    np.testing.assert_array_equal(order, np.argsort(-weight, axis=1, kind="stable"))
+    np.testing.assert_array_equal(sorted_weight, np.take_along_axis(weight, order, axis=1))
+
+
+@pytest.mark.parametrize("kind", ["lognormal", "ratio_ties", "with_zeros"])
+def test_replicate_matches_definition(rng, kind):
+    weight = rng.lognormal(0.0, 1.0, (6, 10))
+    if kind == "ratio_ties":  # weight / 2 of one expert equals another's weight: ties go to the lower index
+        weight = rng.choice([1.0, 2.0, 3.0, 4.0, 6.0], (6, 10))
+    elif kind == "with_zeros":
+        weight[rng.random(weight.shape) < 0.5] = 0.0
+    slot_expert, slot_rank, count = _packing.replicate(weight, 25)
+    for row in range(6):
+        cnt = [1] * 10
+        for slot in range(10, 25):
+            best = max(range(10), key=lambda e: (weight[row, e] / cnt[e], -e))
+            assert (slot_expert[row, slot], slot_rank[row, slot]) == (best, cnt[best])
+            cnt[best] += 1
+        np.testing.assert_array_equal(count[row], cnt)
+    np.testing.assert_array_equal(slot_expert[:, :10], np.broadcast_to(np.arange(10), (6, 10)))

@@ -227,12 +227,22 @@ def test_bad_implementation():
 
 
 @pytest.mark.gpu
-def test_pallas_plan_equals_xla_plan_on_gpu():
+def test_pallas_plan_equals_xla_plan_on_gpu(rng):
+    """On the GPU: the compiled Triton search equals the XLA search (UltraEP shape, other shapes, under vmap)."""
+    from moe_eplb_jax.routing import quota
     counts = jnp.asarray(zipf_counts(64, 256, 8192, 8, 2.0, seed=7))
     plans = [jax.jit(functools.partial(plan_quotas, num_home=4, num_spare=2, implementation=impl))(counts)
              for impl in ("pallas", "xla")]
     for field in FIELDS:
         np.testing.assert_array_equal(np.asarray(getattr(plans[0], field)), np.asarray(getattr(plans[1], field)))
+    for shape, min_tokens, rounds, width in [((4, 2, 2), 1, 2, 64), ((6, 3, 1), 40, 3, 16), ((5, 4, 3), 5, 1, 7)]:
+        xla, pallas = _both(shape[1], shape[2], min_tokens, rounds, width, nested=True)
+        batch = jnp.asarray(np.stack([np.stack([_skewed_counts(rng, shape[0], shape[1]) for _ in range(3)])
+                                      for _ in range(2)]))
+        for a, b in zip(*(jax.tree_util.tree_leaves(p) for p in (xla(batch), pallas(batch)))):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    quota._pallas_probe.cache_clear()
+    assert quota._default_implementation() == "pallas"
 
 
 def test_gpu_default_falls_back_to_xla_when_the_kernel_fails(monkeypatch):

@@ -98,9 +98,10 @@ def log2phy_from_ranks(phy2log: np.ndarray, phyrank: np.ndarray, num_logical: in
     """``log2phy [L, E, P - E + 1]``: ``log2phy[l, phy2log[l, p], phyrank[l, p]] = p``, ``-1`` elsewhere."""
     num_layers, num_physical = phy2log.shape
     width = num_physical - num_logical + 1
-    log2phy = np.full(num_layers * num_logical * width, -1, dtype=np.int32)
+    log2phy = np.empty(num_layers * num_logical * width, dtype=np.int32)
+    log2phy.view(np.uint8).fill(0xFF)  # -1 in every int32; a byte fill is a memset
     cell = phy2log * width + phyrank + (np.arange(num_layers) * (num_logical * width))[:, None]
-    log2phy[cell.ravel()] = np.tile(np.arange(num_physical, dtype=np.int32), num_layers)
+    log2phy[cell] = np.arange(num_physical, dtype=np.int32)
     return log2phy.reshape(num_layers, num_logical, width)
 
 
@@ -131,36 +132,41 @@ def hierarchical_layout(weight: np.ndarray, num_replicas: int, num_groups: int, 
     """
     num_layers, num_experts = weight.shape
     group_size = num_experts // num_groups
-    groups_per_node = num_groups // num_nodes
     experts_per_node = num_experts // num_nodes
     slots_per_node = num_replicas // num_nodes
     gpus_per_node = num_gpus // num_nodes
-    slots_per_gpu = num_replicas // num_gpus
 
-    # Step 1: groups onto nodes. Expert j of the group at position r of node n gets the
-    # node-major index (n * groups_per_node + r) * group_size + j.
-    group_load = weight.reshape(num_layers, num_groups, group_size).sum(axis=2)
-    node_of_group, rank_in_node = _packing.balanced_packing(group_load, num_nodes)
-    group_slot = node_of_group * groups_per_node + rank_in_node
-    expert_to_local, local_to_expert = node_major_order(group_slot, group_size)
+    # Step 1: groups onto nodes. Expert j of the group at position r of node n gets the node-major
+    # index (n * groups_per_node + r) * group_size + j. With one group per node, group g lands on
+    # node g, and the node-major order is the identity.
+    node_major = num_groups != num_nodes
+    if node_major:
+        group_load = weight.reshape(num_layers, num_groups, group_size).sum(axis=2)
+        group_at = _packing.packing_slots(group_load, num_nodes)  # the group at each node-major position
+        local_to_expert = (group_at[:, :, None] * group_size + np.arange(group_size)).reshape(num_layers, -1)
+        local_weight = _packing.gather_rows(weight, local_to_expert)
+    else:
+        local_weight = weight
 
     # Step 2: replicate within each node; rows are (layer, node) pairs.
-    local_weight = _packing.gather_rows(weight, local_to_expert).reshape(-1, experts_per_node)
+    local_weight = local_weight.reshape(-1, experts_per_node)
     slot_expert, slot_rank, count = _packing.replicate(local_weight, slots_per_node)
 
     # Step 3: replicas onto the node's GPUs, by load per replica.
     replica_load = _packing.gather_rows(local_weight / count, slot_expert)
-    order, gpu, rank_in_gpu = _packing.balanced_packing_sorted(replica_load, gpus_per_node)
-    slot_in_node = gpu * slots_per_gpu + rank_in_gpu
-    node_expert = _packing.scatter_rows(_packing.gather_rows(slot_expert, order), slot_in_node)
-    node_rank = _packing.scatter_rows(_packing.gather_rows(slot_rank, order), slot_in_node)
+    slot_replica = _packing.packing_slots(replica_load, gpus_per_node)
+    node_expert = _packing.gather_rows(slot_expert, slot_replica)
+    phyrank = _packing.gather_rows(slot_rank, slot_replica).reshape(num_layers, num_replicas)
 
-    node_offset = (np.arange(num_nodes) * experts_per_node)[None, :, None]
-    local_ids = (node_expert.reshape(num_layers, num_nodes, slots_per_node) + node_offset).reshape(num_layers, -1)
-    phy2log = _packing.gather_rows(local_to_expert, local_ids)
-    phyrank = node_rank.reshape(num_layers, num_replicas)
-    logcnt = _packing.gather_rows(count.reshape(num_layers, num_experts), expert_to_local)
-    return phy2log, phyrank, logcnt
+    count = count.reshape(num_layers, num_experts)
+    local_ids = node_expert.reshape(num_layers, num_nodes, slots_per_node)
+    if num_nodes > 1:
+        local_ids = local_ids + (np.arange(num_nodes) * experts_per_node)[:, None]
+    local_ids = local_ids.reshape(num_layers, num_replicas)
+    if not node_major:
+        return local_ids, phyrank, count
+    return (_packing.gather_rows(local_to_expert, local_ids), phyrank,
+            _packing.scatter_rows(count, local_to_expert))
 
 
 def topology(num_groups: int, num_nodes: int) -> tuple[int, int]:

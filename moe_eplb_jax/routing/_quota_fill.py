@@ -17,10 +17,12 @@ Two implementations give the same integers:
 * ``"xla"``: :func:`fill_layout`, a ``lax.scan`` over the ranks for ``C``
   candidate targets at once, called once per search round (on GPU every step
   of the scan is a few kernel launches);
-* ``"pallas"``: :func:`search_pallas`, the WHOLE search (every round: candidate
-  grid, demands, their cumulative sums, the walk, the pick of the smallest
-  feasible candidate) in one Triton kernel with the candidates as one vector.
-  Under ``vmap`` the batch becomes the kernel's grid. Off GPU it runs in Pallas
+* ``"pallas"``: :func:`search_pallas`, ONE Triton kernel that takes the expert
+  loads and does everything up to the layout: the orders (hot order on each
+  rank, supply order, demand order, by pairwise compares) and every search
+  round (candidate grid, demands, their running sums, the walk, the pick of the
+  smallest feasible candidate), with the candidates as one vector. Under
+  ``vmap`` the batch becomes the kernel's grid. Off GPU it runs in Pallas
   interpret mode (slowly; for tests).
 """
 
@@ -101,24 +103,104 @@ def fill_layout(d_pad, supply, j0, *, num_spare: int, min_replica_tokens: int, m
 # --------------------------------------------------------------------------- the whole search in one kernel
 
 
-def _search_kernel(base_ref, load_ref, home_ref, bounds_ref, target_ref, first_ref, d_ref, s_lo_ref, x_end_ref, *,
-                   lanes, search_width, search_rounds, num_entries, chunk, num_ranks, num_spare, min_replica_tokens,
-                   max_replicas, barrier):
-    """One program per batch element; the ``lanes`` candidates of a round are one vector.
+def _chunk(rows, length):
+    """Columns per step of a ``[rows, chunk]`` tile: at most 64, and about 16K elements per tile (registers)."""
+    return int(min(64, length, max(16, 16384 // rows)))
 
-    ``d_ref`` rows (one per lane, ``num_entries + S`` wide) are written in chunks
+
+def _prepare_in_kernel(b, load_ref, home_ref, key_ref, hot_ref, base_ref, dload_ref, expert_ref, position_ref,
+                       home_sorted_ref, *, entry_lanes, num_experts, rank_lanes, num_ranks, num_home, barrier):
+    """The target-independent orders (as ``quota._prepare``), from ``load [E]`` in expert-id order.
+
+    Writes the entries in demand order (``base_ref``, ``dload_ref``, ``expert_ref``),
+    each rank's supply position (``position_ref``) and the home loads in supply
+    order (``home_sorted_ref``). ``home_ref``, ``key_ref`` and ``hot_ref`` are
+    scratch, read back by other threads after a barrier. Padding entries (id >=
+    E) sort last with no load; padding ranks sort last and are never walked.
+    Returns the search range: ``ceil(mean)`` and the largest home load.
+    """
+    from jax.experimental.pallas import triton as plgpu
+
+    def sync():
+        if barrier:
+            plgpu.debug_barrier()
+
+    chunk = _chunk(entry_lanes, entry_lanes)
+    e = jnp.arange(entry_lanes, dtype=jnp.int32)
+    g = jnp.arange(rank_lanes, dtype=jnp.int32)
+    real_e, real_g = e < num_experts, g < num_ranks
+    load = load_ref[b * entry_lanes + e]  # zero for padding entries
+    home = jnp.zeros((rank_lanes,), jnp.int32)
+    for start in range(0, entry_lanes, chunk):
+        cols = start + jnp.arange(chunk, dtype=jnp.int32)
+        part = load_ref[b * entry_lanes + cols]
+        home = home + jnp.sum(jnp.where((cols[None, :] // num_home) == g[:, None], part[None, :], 0), axis=1)
+    home = jnp.where(real_g, home, np.iinfo(np.int32).max)  # padding ranks: least slack, never walked
+    home_ref[b * rank_lanes + g] = home
+    # Hotter experts of the same rank: higher load, or as loaded with a lower id.
+    rank = jnp.minimum(e // num_home, num_ranks - 1)
+    before = jnp.zeros_like(e)
+    hotter = jnp.zeros_like(e)
+    for t in range(num_home):
+        other = load_ref[b * entry_lanes + jnp.minimum(rank * num_home + t, entry_lanes - 1)]
+        hot = real_e & ((other > load) | ((other == load) & (t < e % num_home)))
+        before = before + jnp.where(hot, other, 0)
+        hotter = hotter + hot.astype(jnp.int32)
+    hot_index = jnp.where(real_e, rank * num_home + hotter, e)
+    sync()
+    # Supply order: least home load first (ties: lower rank first).
+    position = jnp.zeros_like(g)
+    for start in range(0, rank_lanes, _chunk(rank_lanes, rank_lanes)):
+        cols = start + jnp.arange(_chunk(rank_lanes, rank_lanes), dtype=jnp.int32)
+        other = home_ref[b * rank_lanes + cols]
+        less = (other[None, :] < home[:, None]) | ((other[None, :] == home[:, None]) & (cols[None, :] < g[:, None]))
+        position = position + jnp.sum(less.astype(jnp.int32), axis=1)
+    position_ref[b * rank_lanes + g] = position
+    home_sorted_ref[b * rank_lanes + position] = home
+    total = jnp.sum(jnp.where(real_g, home, 0))
+    lowest = (total + num_ranks - 1) // num_ranks
+    home_e = home_ref[b * rank_lanes + rank]
+    # Demand order: largest demand at the lowest target first (ties: hot order); padding entries last.
+    at_lowest = jnp.where(real_e, jnp.clip(jnp.maximum(home_e - lowest, 0) - before, 0, load), -1)
+    key_ref[b * entry_lanes + e] = at_lowest
+    hot_ref[b * entry_lanes + e] = hot_index
+    sync()
+    order = jnp.zeros_like(e)
+    for start in range(0, entry_lanes, chunk):
+        cols = start + jnp.arange(chunk, dtype=jnp.int32)
+        key, tie = key_ref[b * entry_lanes + cols], hot_ref[b * entry_lanes + cols]
+        ahead = (key[None, :] > at_lowest[:, None]) | ((key[None, :] == at_lowest[:, None])
+                                                       & (tie[None, :] < hot_index[:, None]))
+        order = order + jnp.sum(ahead.astype(jnp.int32), axis=1)
+    base_ref[b * entry_lanes + order] = jnp.where(real_e, home_e - before, 0)
+    dload_ref[b * entry_lanes + order] = load
+    expert_ref[b * entry_lanes + order] = e
+    sync()
+    return lowest, jnp.max(jnp.where(real_g, home, 0))
+
+
+def _search_kernel(load_ref, target_ref, first_ref, d_ref, s_lo_ref, x_end_ref, expert_ref,
+                   position_ref, home_ref, key_ref, hot_ref, base_ref, dload_ref, home_sorted_ref, *, lanes,
+                   search_width, search_rounds, num_experts, num_home, entry_lanes, num_ranks, rank_lanes, num_spare,
+                   min_replica_tokens, max_replicas, barrier):
+    """One program per batch element: the orders, then every round with the ``lanes`` candidates as one vector.
+
+    ``d_ref`` rows (one per lane, ``entry_lanes + S`` wide) are written in chunks
     and then gathered by the walk: a block barrier separates the two.
     """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
     b = pl.program_id(0)
+    lo, hi = _prepare_in_kernel(b, load_ref, home_ref, key_ref, hot_ref, base_ref, dload_ref, expert_ref, position_ref,
+                       home_sorted_ref, entry_lanes=entry_lanes, num_experts=num_experts, rank_lanes=rank_lanes,
+                       num_ranks=num_ranks, num_home=num_home, barrier=barrier)
+    num_entries = entry_lanes
+    chunk = _chunk(lanes, entry_lanes)
     k = jnp.arange(lanes, dtype=jnp.int32)
     steps = jnp.minimum(k, search_width - 1)  # extra lanes repeat the last candidate and are never chosen
     width = num_entries + num_spare
     row = b * (lanes * width) + k * width
-    lo = bounds_ref[b * 2]
-    hi = bounds_ref[b * 2 + 1]
     x = jnp.zeros((lanes,), jnp.int32)
     for round_index in range(search_rounds):
         cand = candidates(lo, hi, steps, search_width)
@@ -128,7 +210,7 @@ def _search_kernel(base_ref, load_ref, home_ref, bounds_ref, target_ref, first_r
         for start in range(0, num_entries, chunk):
             cols = start + jnp.arange(chunk, dtype=jnp.int32)
             base = base_ref[b * num_entries + cols]
-            cap = load_ref[b * num_entries + cols]
+            cap = dload_ref[b * num_entries + cols]
             demand = jnp.clip(base[None, :] - cand[:, None], 0, cap[None, :])
             ends = jnp.cumsum(demand, axis=1) + total[:, None]
             d_ref[row[:, None] + cols[None, :]] = ends
@@ -141,7 +223,7 @@ def _search_kernel(base_ref, load_ref, home_ref, bounds_ref, target_ref, first_r
 
         def body(r, carry):
             x, j, cnt, bad = carry
-            supply = jnp.maximum(cand - home_ref[b * num_ranks + r], 0)
+            supply = jnp.maximum(cand - home_sorted_ref[b * rank_lanes + r], 0)  # the r-th rank in supply order
             window = [d_ref[row + jnp.minimum(j + o, width - 1)] for o in range(num_spare)]
             plgpu.store(s_lo_ref.at[pl.ds((b * num_ranks + r) * lanes, lanes)], x)
             return _step(x, j, cnt, bad, supply, window, num_spare, min_replica_tokens, max_replicas)
@@ -160,67 +242,72 @@ def _search_kernel(base_ref, load_ref, home_ref, bounds_ref, target_ref, first_r
     plgpu.store(x_end_ref.at[pl.ds(b * lanes, lanes)], x)
 
 
-def _search_batched(base, load, home_sorted, bounds, *, num_spare, min_replica_tokens, max_replicas, search_rounds,
+def _search_batched(load, *, num_home, num_spare, min_replica_tokens, max_replicas, search_rounds,
                     search_width, interpret):
-    """``[B, ...]`` inputs, one program each; returns ``target [B]``, ``d_hi [B, E]``, ``s_lo [B, G]``, ``x_end [B]``."""
+    """``load [B, E]``, one program each.
+
+    Returns ``target [B]``, ``d_hi [B, E]``, ``s_lo [B, G]``, ``x_end [B]``,
+    ``demand_expert [B, E]`` and ``rank_position [B, G]``.
+    """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
-    batch, num_entries = base.shape
-    num_ranks = home_sorted.shape[1]
+    batch, num_experts = load.shape
+    num_ranks = num_experts // num_home
     lanes = max(int(pl.next_power_of_2(search_width)), 16)
-    chunk = min(64, max(int(pl.next_power_of_2(num_entries)), 16))
-    padded = -(-num_entries // chunk) * chunk
-    if padded != num_entries:  # empty demands at the end change nothing
-        base = jnp.pad(base, ((0, 0), (0, padded - num_entries)))
-        load = jnp.pad(load, ((0, 0), (0, padded - num_entries)))
-    width = padded + num_spare
+    entry_lanes = max(int(pl.next_power_of_2(num_experts)), 16)
+    rank_lanes = max(int(pl.next_power_of_2(num_ranks)), 16)
+    load = jnp.pad(load, ((0, 0), (0, entry_lanes - num_experts)))  # padding entries carry no load
+    width = entry_lanes + num_spare
     kernel = functools.partial(
-        _search_kernel, lanes=lanes, search_width=search_width, search_rounds=search_rounds, num_entries=padded,
-        chunk=chunk, num_ranks=num_ranks, num_spare=num_spare, min_replica_tokens=min_replica_tokens,
+        _search_kernel, lanes=lanes, search_width=search_width, search_rounds=search_rounds,
+        num_experts=num_experts, num_home=num_home, entry_lanes=entry_lanes, num_ranks=num_ranks,
+        rank_lanes=rank_lanes, num_spare=num_spare, min_replica_tokens=min_replica_tokens,
         max_replicas=max_replicas, barrier=not interpret)
     whole = pl.no_block_spec
-    target, first, d_pad, s_lo, x_end = pl.pallas_call(
+    int32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+    outs = [int32((batch * lanes,)), int32((batch * lanes,)), int32((batch * lanes * width,)),
+            int32((batch * num_ranks * lanes,)), int32((batch * lanes,)), int32((batch * entry_lanes,)),
+            int32((batch * rank_lanes,))]
+    scratch = [int32((batch * rank_lanes,))] + [int32((batch * entry_lanes,))] * 4 + [int32((batch * rank_lanes,))]
+    target, first, d_pad, s_lo, x_end, expert, position, *_ = pl.pallas_call(
         kernel,
         grid=(batch,),
-        in_specs=[whole] * 4,
-        out_specs=[whole] * 5,
-        out_shape=[jax.ShapeDtypeStruct((batch * lanes,), jnp.int32),
-                   jax.ShapeDtypeStruct((batch * lanes,), jnp.int32),
-                   jax.ShapeDtypeStruct((batch * lanes * width,), jnp.int32),
-                   jax.ShapeDtypeStruct((batch * num_ranks * lanes,), jnp.int32),
-                   jax.ShapeDtypeStruct((batch * lanes,), jnp.int32)],
+        in_specs=[whole],
+        out_specs=[whole] * (len(outs) + len(scratch)),
+        out_shape=outs + scratch,
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="quota_search",
-    )(base.reshape(-1), load.reshape(-1), home_sorted.reshape(-1), bounds.reshape(-1))
+    )(load.reshape(-1))
     first = first.reshape(batch, lanes)[:, 0]
     rows = jnp.arange(batch)
-    d_hi = d_pad.reshape(batch, lanes, width)[rows, first, :num_entries]
+    d_hi = d_pad.reshape(batch, lanes, width)[rows, first, :num_experts]
     s_lo = s_lo.reshape(batch, num_ranks, lanes)[rows, :, first]
-    return target.reshape(batch, lanes)[:, 0], d_hi, s_lo, x_end.reshape(batch, lanes)[rows, first]
+    return (target.reshape(batch, lanes)[:, 0], d_hi, s_lo, x_end.reshape(batch, lanes)[rows, first],
+            expert.reshape(batch, entry_lanes)[:, :num_experts], position.reshape(batch, rank_lanes)[:, :num_ranks])
 
 
 @functools.lru_cache(maxsize=None)
-def _search_fn(num_spare, min_replica_tokens, max_replicas, search_rounds, search_width, interpret):
-    batched = functools.partial(_search_batched, num_spare=num_spare, min_replica_tokens=min_replica_tokens,
-                                max_replicas=max_replicas, search_rounds=search_rounds, search_width=search_width,
-                                interpret=interpret)
+def _search_fn(num_home, num_spare, min_replica_tokens, max_replicas, search_rounds, search_width, interpret):
+    batched = functools.partial(_search_batched, num_home=num_home, num_spare=num_spare,
+                                min_replica_tokens=min_replica_tokens, max_replicas=max_replicas,
+                                search_rounds=search_rounds, search_width=search_width, interpret=interpret)
+    num_out = 6
 
     @jax.custom_batching.custom_vmap
-    def search(base, load, home_sorted, bounds):
-        target, d_hi, s_lo, x_end = batched(base[None], load[None], home_sorted[None], bounds[None])
-        return target[0], d_hi[0], s_lo[0], x_end[0]
+    def search(load):
+        return tuple(o[0] for o in batched(load[None]))
 
     @search.def_vmap
     def _rule(axis_size, in_batched, *args):
         args = [a if batched_arg else jnp.broadcast_to(a, (axis_size,) + a.shape)
                 for a, batched_arg in zip(args, in_batched)]
-        return _vmapped(*args), (True, True, True, True)
+        return _vmapped(*args), (True,) * num_out
 
     @jax.custom_batching.custom_vmap
-    def _vmapped(base, load, home_sorted, bounds):
-        return batched(base, load, home_sorted, bounds)
+    def _vmapped(load):
+        return batched(load)
 
     @_vmapped.def_vmap
     def _nested(axis_size, in_batched, *args):  # vmap of vmap: fold the outer axis into the batch
@@ -228,25 +315,24 @@ def _search_fn(num_spare, min_replica_tokens, max_replicas, search_rounds, searc
                 for a, batched_arg in zip(args, in_batched)]
         inner = args[0].shape[1]
         out = _vmapped(*[a.reshape((axis_size * inner,) + a.shape[2:]) for a in args])
-        return tuple(o.reshape((axis_size, inner) + o.shape[1:]) for o in out), (True, True, True, True)
+        return tuple(o.reshape((axis_size, inner) + o.shape[1:]) for o in out), (True,) * num_out
 
     return search
 
 
-def search_pallas(base, load, home_sorted, lo, hi, *, num_spare: int, min_replica_tokens: int, max_replicas: int,
+def search_pallas(load, *, num_home: int, num_spare: int, min_replica_tokens: int, max_replicas: int,
                   search_rounds: int, search_width: int, interpret: bool | None = None):
-    """The whole K-ary search in one kernel.
+    """The orders and the whole K-ary search in one kernel.
 
-    ``base [E]`` and ``load [E]`` int32, in demand order: an entry's demand at
-    target ``T`` is ``clip(base - T, 0, load)`` (``base`` is its rank's home load
-    less the load of hotter experts on that rank); ``home_sorted [G]`` int32 home
-    loads in supply order (a rank's supply is ``max(T - home, 0)``); ``lo``/``hi``
-    int32 scalars, the first round's range (``hi`` feasible). Returns
-    ``(target, d_hi [E], s_lo [G], x_end)``: the smallest feasible target found
-    and its layout, equal to the ``"xla"`` search integer for integer.
+    ``load [E]`` int32: each expert's load (expert-id order, ``E = G *
+    num_home``); the search runs over ``[ceil(mean), max home load]``. Returns
+    ``(target, d_hi [E], s_lo [G], x_end, demand_expert [E], rank_position
+    [G])``: the smallest feasible target found, its layout, the expert at each
+    place of the demand order and each rank's place in the supply order; equal
+    to ``quota._prepare`` + the ``"xla"`` search, integer for integer.
     """
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    bounds = jnp.stack([lo, hi]).astype(jnp.int32)
-    search = _search_fn(num_spare, min_replica_tokens, max_replicas, search_rounds, search_width, bool(interpret))
-    return search(base.astype(jnp.int32), load.astype(jnp.int32), home_sorted.astype(jnp.int32), bounds)
+    search = _search_fn(num_home, num_spare, min_replica_tokens, max_replicas, search_rounds, search_width,
+                        bool(interpret))
+    return search(load.astype(jnp.int32))

@@ -102,7 +102,8 @@ def plan_quotas_reference(counts, *, num_home, num_spare, min_replica_tokens=1, 
             grid = [lo + (span * k) // (search_width - 1) for k in range(search_width)]
             first = next(k for k, t in enumerate(grid)
                          if k == search_width - 1
-                         or _feasible(*_fill(load, num_home, num_spare, t), num_spare, min_replica_tokens, max_replicas))
+                         or _feasible(*_fill(load, num_home, num_spare, t), num_spare, min_replica_tokens,
+                                      max_replicas))
             new_hi = grid[first]
             new_lo = grid[first - 1] + 1 if first > 0 else new_hi
             lo, hi = min(new_lo, new_hi), new_hi

@@ -16,25 +16,30 @@ so that the largest per-rank load is as small as the greedy below can make it.
 
 The search. For a target ``T`` (a bound on every rank's load) the *demand* of
 an overloaded rank is its load above ``T``, taken from its hottest experts
-first; the *supply* of a rank with slack is ``T`` minus its load. Demands
-(largest first) and supplies (most slack first) are laid end to end on one
-token axis and matched by overlapping intervals: every overlap of expert
-``e``'s demand with rank ``r``'s supply becomes one replica of ``e`` on rank
-``r``. A supply rank whose interval would hold more than ``S`` experts stops
+first; the *supply* of a rank with slack is ``T`` minus its load. Demands and
+supplies are laid end to end on one token axis and matched by overlapping
+intervals: every overlap of expert ``e``'s demand with rank ``r``'s supply
+becomes one replica of ``e`` on rank ``r``. Supplies go most slack first;
+demands go largest first *as measured at the lowest target* ``ceil(mean)``
+(where every demand is largest; a demand only shrinks as ``T`` grows), so one
+order, computed once, serves every candidate target and the search sorts
+nothing. A supply rank whose interval would hold more than ``S`` experts stops
 early at a demand boundary, leaving some slack unused: the one sequential step,
-a walk over the ``G`` ranks (:mod:`._quota_fill`; one Triton kernel on GPU,
-a ``lax.scan`` elsewhere) that also checks the pieces it lays out. A target is
-feasible when every demand found room, no expert needs more than
-``max_replicas - 1`` replicas and no replica gets fewer than
+a walk over the ``G`` ranks (:mod:`._quota_fill`) that also checks the pieces
+it lays out. A target is feasible when every demand found room, no expert needs
+more than ``max_replicas - 1`` replicas and no replica gets fewer than
 ``min_replica_tokens`` tokens. ``T = max home load`` (nothing moves) is always
 feasible; a ``search_width``-ary search over ``search_rounds`` rounds (default
 2 x 64: a grid of ~4000 targets in two dependent steps) narrows
-``[ceil(mean), max home load]`` to the smallest feasible target it finds (all
-candidates of a round are evaluated at once, and the last round's layout at the
-chosen target is the plan), so the plan is a fixed chain of array operations
-with static shapes: no host round trip, no data-dependent loop. When the spare
-slots cannot reach the mean the plan is the best feasible target found, and
-``rank_load`` reports the imbalance left.
+``[ceil(mean), max home load]`` to the smallest feasible target it finds, and
+the last round's layout at that target is the plan. On GPU the orders and the
+whole search (every round, all candidates as one vector) are ONE Triton kernel
+between two fused XLA stages (the loads before, the tables after: no sort, no
+scatter, no loop); elsewhere, and as the GPU fallback, the orders are XLA ops
+and the walk a ``lax.scan`` per round. Either way the
+plan is a fixed chain of operations with static shapes: no host round trip, no
+data-dependent loop. When the spare slots cannot reach the mean the plan is the
+best feasible target found, and ``rank_load`` reports the imbalance left.
 
 Quotas put locality first: a source rank's tokens for expert ``e`` go to the
 replica of ``e`` on its own rank (up to that replica's capacity) before the
@@ -187,14 +192,13 @@ def plan_quotas(
     (the hot path never raises). ``with_quota=False`` skips the ``[G, E, R]``
     quota table (``quota`` is then ``None``) when only the placement and loads
     are needed, e.g. in the simulator. ``implementation`` picks how the search
-    runs: ``"pallas"`` (every round in one Triton kernel; the GPU default once a
-    probe plan from it matched the XLA plan in this process; interpret mode off
-    GPU) or ``"xla"`` (a ``lax.scan`` walk per round; the default elsewhere).
+    runs: ``"pallas"`` (orders and every round in one Triton kernel; the GPU
+    default once a probe plan from it matched the XLA plan in this process;
+    interpret mode off GPU) or ``"xla"`` (a ``lax.scan`` walk per round; the
+    default elsewhere).
     Both give the same plan, integer for integer.
     """
-    if implementation is None:
-        implementation = _default_implementation()
-    if implementation not in IMPLEMENTATIONS:
+    if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     if max_replicas is None:
         max_replicas = default_max_replicas(np.shape(counts)[0] if np.ndim(counts) == 2 else 1, num_spare)
@@ -203,6 +207,8 @@ def plan_quotas(
                   search_rounds, search_width)
     if not isinstance(counts, jax.core.Tracer):
         check_counts(counts, num_home=num_home)
+    if implementation is None:
+        implementation = _default_implementation()  # after validation: on GPU this may run the one-time probe
     counts = jnp.maximum(jnp.asarray(counts).astype(jnp.int32), 0)
     return _plan(counts, num_home, num_spare, min_replica_tokens, max_replicas, search_rounds, search_width,
                  with_quota, implementation)
@@ -212,41 +218,48 @@ def plan_quotas(
 
 
 def _prepare(counts, num_home):
-    """Loads and the target-independent orders the search needs.
+    """Loads and the target-independent orders the search needs (pairwise compares and one sort).
 
-    Returns ``load [E]``, ``home_load [G]``, ``supply_order [G]`` (rank ids, most
-    slack first) and, in *demand order*, ``demand_rank``, ``demand_before``,
+    Returns ``load [E]``, ``home_load [G]``, ``rank_position [G]`` (each rank's
+    place in the supply order: most slack, i.e. least home load, first; ties:
+    lower rank first) and, in *demand order*, ``demand_rank``, ``demand_before``,
     ``demand_load`` and ``demand_expert`` (each ``[E]``): the home rank of each
     entry, the load of the hotter experts on that rank, the entry's own load and
     its expert id.
     """
     num_ranks = counts.shape[0]
+    ranks = jnp.arange(num_ranks, dtype=jnp.int32)
     load = jnp.sum(counts, axis=0)  # [E]
-    home_load = jnp.sum(load.reshape(num_ranks, num_home), axis=1)  # [G]
+    per_rank = load.reshape(num_ranks, num_home)
+    home_load = jnp.sum(per_rank, axis=1)  # [G]
     # Each rank offloads its hottest experts first (ties: lower expert id first).
-    hot_order = jnp.argsort(-load.reshape(num_ranks, num_home), axis=1, stable=True)  # [G, H]
-    expert_of = (jnp.arange(num_ranks, dtype=jnp.int32)[:, None] * num_home + hot_order.astype(jnp.int32)).reshape(-1)
-    sorted_load = jnp.take_along_axis(load.reshape(num_ranks, num_home), hot_order, axis=1)
-    before = (jnp.cumsum(sorted_load, axis=1) - sorted_load).reshape(-1)  # load of hotter experts on the same rank
-    sorted_load = sorted_load.reshape(-1)
-    hot_rank = jnp.repeat(jnp.arange(num_ranks, dtype=jnp.int32), num_home)
-    # Supplies are laid out most-slack-first: ascending home load (ties: lower rank first).
-    supply_order = jnp.argsort(home_load, stable=True).astype(jnp.int32)
+    # hotter[g, i, j]: expert j of rank g goes before expert i of rank g.
+    slot = jnp.arange(num_home, dtype=jnp.int32)
+    mine, other = per_rank[:, :, None], per_rank[:, None, :]
+    hotter = (other > mine) | ((other == mine) & (slot[None, None, :] < slot[None, :, None]))
+    before = jnp.sum(jnp.where(hotter, other, 0), axis=2).reshape(-1)  # load of hotter experts on the same rank
+    hot_index = (ranks[:, None] * num_home + jnp.sum(hotter.astype(jnp.int32), axis=2)).reshape(-1)
+    rank_of = jnp.repeat(ranks, num_home)
+    less = (home_load[None, :] < home_load[:, None]) | ((home_load[None, :] == home_load[:, None])
+                                                         & (ranks[None, :] < ranks[:, None]))
+    rank_position = jnp.sum(less.astype(jnp.int32), axis=1)
     # Demands are laid out largest first as measured at the lowest target, ceil(mean), where every demand is
-    # at its largest; that one order serves every target (a demand only shrinks as the target grows).
+    # at its largest (ties: hot order, rank by rank); that one order serves every target (a demand only shrinks
+    # as the target grows).
     lowest = (jnp.sum(home_load) + num_ranks - 1) // num_ranks
-    at_lowest = _demand(lowest[None], home_load, hot_rank, before, sorted_load)[0]
-    order = jnp.argsort(-at_lowest, stable=True).astype(jnp.int32)
-    return load, home_load, supply_order, hot_rank[order], before[order], sorted_load[order], expert_of[order]
+    at_lowest = _demand(lowest[None], home_load, rank_of, before, load)[0]
+    experts = jnp.arange(load.shape[0], dtype=jnp.int32)
+    _, _, order = jax.lax.sort((-at_lowest, hot_index, experts), num_keys=2)
+    return load, home_load, rank_position, rank_of[order], before[order], load[order], order
 
 
 def _demand(targets, home_load, rank, before, load):
-    """``[C, E]`` demand of every entry at each of ``targets [C]``: what its rank's excess leaves after hotter experts."""
+    """``[C, E]`` demand of every entry at each of ``targets [C]``: its rank's excess less the hotter experts' load."""
     excess = jnp.maximum(home_load[None, :] - targets[:, None], 0)  # [C, G]
     return jnp.clip(excess[:, rank] - before[None, :], 0, load[None, :])
 
 
-def _layouts(cand, home_load, supply_order, demands, num_spare, min_replica_tokens, max_replicas):
+def _layouts(cand, home_load, demands, num_spare, min_replica_tokens, max_replicas):
     """Lays demands (demand order) against supplies (most slack first) for every target in ``cand [C]``.
 
     ``demands`` is ``(demand_rank, demand_before, demand_load)`` from
@@ -259,31 +272,25 @@ def _layouts(cand, home_load, supply_order, demands, num_spare, min_replica_toke
     d_hi = jnp.cumsum(_demand(cand, home_load, *demands), axis=1)
     total = d_hi[:, -1:]
     d_pad = jnp.concatenate([d_hi, jnp.broadcast_to(total, (cand.shape[0], num_spare))], axis=1)
-    supply = jnp.maximum(cand[:, None] - home_load[supply_order][None, :], 0)
+    supply = jnp.maximum(cand[:, None] - jnp.sort(home_load)[None, :], 0)  # most slack first
     j0 = jnp.sum((d_hi <= 0).astype(jnp.int32), axis=1)
     s_lo, x_end, ok = fill_layout(d_pad, supply, j0, num_spare=num_spare, min_replica_tokens=min_replica_tokens,
                                   max_replicas=max_replicas)
     return d_hi, s_lo, x_end, ok & (x_end >= total[:, 0])
 
 
-def _search(home_load, supply_order, demands, num_spare, min_replica_tokens, max_replicas, search_rounds,
-            search_width, implementation):
+def _search(home_load, demands, num_spare, min_replica_tokens, max_replicas, search_rounds, search_width):
     """The smallest feasible target the K-ary search finds, and its layout ``(d_hi [E], s_lo [G], x_end)``."""
     total = jnp.sum(home_load)
     num_ranks = home_load.shape[0]
     lo = (total + num_ranks - 1) // num_ranks  # no plan beats the mean
     hi = jnp.max(home_load)  # nothing moves: always feasible
     opts = dict(num_spare=num_spare, min_replica_tokens=min_replica_tokens, max_replicas=max_replicas)
-    if implementation == "pallas":
-        rank, before, load = demands
-        target, *layout = search_pallas(home_load[rank] - before, load, home_load[supply_order], lo, hi,
-                                        search_rounds=search_rounds, search_width=search_width, **opts)
-        return target, layout
     steps = jnp.arange(0, search_width, dtype=jnp.int32)
     for _ in range(search_rounds):
         # Integer grid lo + (hi - lo) * k / (K - 1), k = 0..K-1: both ends included; hi is known to be feasible.
         cand = candidates(lo, hi, steps, search_width)
-        *layout, ok = _layouts(cand, home_load, supply_order, demands, **opts)
+        *layout, ok = _layouts(cand, home_load, demands, **opts)
         first = jnp.argmax(ok | (steps == search_width - 1))
         new_hi = cand[first]
         new_lo = jnp.where(first > 0, cand[jnp.maximum(first - 1, 0)] + 1, new_hi)
@@ -292,49 +299,82 @@ def _search(home_load, supply_order, demands, num_spare, min_replica_tokens, max
     return hi, chosen
 
 
+def _running_sum(x, axis, pairwise):
+    """Inclusive prefix sum of a 2-D ``x`` along ``axis`` (at most ``G`` or ``R`` long here).
+
+    ``pairwise``: as one masked reduction, which XLA fuses with its neighbours
+    into one reduction kernel on GPU instead of a separate scan.
+    """
+    if not pairwise:
+        return jnp.cumsum(x, axis=axis, dtype=x.dtype)
+    n = x.shape[axis]
+    upto = jnp.arange(n, dtype=jnp.int32)[None, :] <= jnp.arange(n, dtype=jnp.int32)[:, None]  # [i, i']: i' <= i
+    if axis == 0:
+        return jnp.sum(jnp.where(upto[:, :, None], x[None, :, :], 0), axis=1)
+    return jnp.sum(jnp.where(upto[None, :, :], x[:, None, :], 0), axis=2)
+
+
 def _plan(counts, num_home, num_spare, min_replica_tokens, max_replicas, search_rounds, search_width, with_quota,
           implementation):
     num_ranks, num_experts = counts.shape
     slots_per_rank = num_home + num_spare
-    load, home_load, supply_order, *demands, demand_expert = _prepare(counts, num_home)
     ranks = jnp.arange(num_ranks, dtype=jnp.int32)
     experts = jnp.arange(num_experts, dtype=jnp.int32)
-    if num_spare == 0:
-        target = jnp.max(home_load)
-        pieces = jnp.zeros((num_experts, num_ranks), jnp.int32)
-    else:
-        target, (d_hi, s_lo, x_end) = _search(home_load, supply_order, demands, num_spare, min_replica_tokens,
-                                              max_replicas, search_rounds, search_width, implementation)
-        # Intervals by expert id and by rank id (one small scatter inverts the demand order), then
-        # pieces[e, g] = overlap of expert e's demand with rank g's supply. The target is feasible,
-        # so no piece breaks a limit (the walk checked them).
-        position = jnp.zeros((num_experts,), jnp.int32).at[demand_expert].set(experts)  # expert -> demand index
-        d_hi_id = d_hi[position]
-        d_lo_id = d_hi_id - jnp.concatenate([d_hi[:1], jnp.diff(d_hi)])[position]
-        rank_position = jnp.sum(jnp.where(supply_order[None, :] == ranks[:, None], ranks[None, :], 0), axis=1)  # inverse
-        s_hi = jnp.concatenate([s_lo[1:], x_end[None]])
-        s_lo_id, s_hi_id = s_lo[rank_position], s_hi[rank_position]
-        overlap = jnp.minimum(d_hi_id[:, None], s_hi_id[None, :]) - jnp.maximum(d_lo_id[:, None], s_lo_id[None, :])
-        pieces = jnp.maximum(overlap, 0).astype(jnp.int32)  # [E, G]
-    used = pieces > 0
-    slot_idx = jnp.cumsum(used, axis=0, dtype=jnp.int32) - 1  # [E, G]: spare slot index on the receiving rank
-
-    # Spare slots: phy2log [G, H + S]; spare k of rank g holds the expert e with used[e, g] and slot_idx == k.
-    spare_k = jnp.arange(num_spare, dtype=jnp.int32)
-    hit = used[:, :, None] & (slot_idx[:, :, None] == spare_k[None, None, :])  # [E, G, S]
-    spare_expert = jnp.sum(jnp.where(hit, experts[:, None, None] + 1, 0), axis=0) - 1  # [G, S], -1 when unused
-    phy2log = jnp.concatenate([experts.reshape(num_ranks, num_home), spare_expert], axis=1).reshape(-1)
-
-    # Replica table: every rank that holds e (home included), in rank order == ascending slot order.
     home_rank = experts // num_home
     is_home = home_rank[:, None] == ranks[None, :]  # [E, G]
     home_slot = home_rank * slots_per_rank + experts % num_home
-    spare_slot = ranks[None, :] * slots_per_rank + num_home + slot_idx  # [E, G]
+    load = jnp.sum(counts, axis=0)  # [E]
+    if num_spare == 0:
+        target = jnp.max(jnp.sum(load.reshape(num_ranks, num_home), axis=1))
+        pieces = jnp.zeros((num_experts, num_ranks), jnp.int32)
+        spare_expert = jnp.zeros((num_ranks, 0), jnp.int32)
+        spare_slot = jnp.zeros((num_experts, num_ranks), jnp.int32)
+    else:
+        if implementation == "pallas":  # the orders and the whole search in one kernel
+            target, d_hi, s_lo, x_end, demand_expert, rank_position = search_pallas(
+                load, num_home=num_home, num_spare=num_spare, min_replica_tokens=min_replica_tokens,
+                max_replicas=max_replicas, search_rounds=search_rounds, search_width=search_width)
+        else:
+            _, home_load, rank_position, *demands, demand_expert = _prepare(counts, num_home)
+            target, (d_hi, s_lo, x_end) = _search(home_load, demands, num_spare, min_replica_tokens, max_replicas,
+                                                  search_rounds, search_width)
+        d_lo = d_hi - jnp.concatenate([d_hi[:1], jnp.diff(d_hi)])
+        s_hi = jnp.concatenate([s_lo[1:], x_end[None]])
+        # pieces[e, g] = overlap of expert e's demand with rank g's supply. The target is feasible, so no piece
+        # breaks a limit: the search checked them. position: expert -> demand index (inverse permutation, as one
+        # masked reduction rather than a scatter).
+        position = jnp.sum(jnp.where(demand_expert[None, :] == experts[:, None], experts[None, :], 0), axis=1)
+        d_lo_id, d_hi_id = d_lo[position], d_hi[position]
+        s_lo_id, s_hi_id = s_lo[rank_position], s_hi[rank_position]
+        overlap = jnp.minimum(d_hi_id[:, None], s_hi_id[None, :]) - jnp.maximum(d_lo_id[:, None], s_lo_id[None, :])
+        pieces = jnp.maximum(overlap, 0).astype(jnp.int32)  # [E, G]
+        # The spare experts of each rank (supply order): its interval only touches demands j .. j + S - 1, where
+        # j is the demand holding its start; spare slots hold them in expert-id order.
+        spare_k = jnp.arange(num_spare, dtype=jnp.int32)
+        j = jnp.sum((d_hi[None, :] <= s_lo[:, None]).astype(jnp.int32), axis=1)  # [G]
+        touched = j[:, None] + spare_k[None, :]  # [G, S] demand indices
+        inside = touched < num_experts
+        touched = jnp.minimum(touched, num_experts - 1)
+        take = inside & (jnp.minimum(d_hi[touched], s_hi[:, None]) - jnp.maximum(d_lo[touched], s_lo[:, None]) > 0)
+        expert_t = demand_expert[touched]  # [G, S]
+        smaller = take[:, None, :] & (expert_t[:, None, :] < expert_t[:, :, None])
+        k = jnp.sum(smaller.astype(jnp.int32), axis=2)  # [G, S]: spare slot of each touched expert
+        at_k = take[:, :, None] & (k[:, :, None] == spare_k[None, None, :])  # [G, S (touched), S (slot)]
+        spare_sorted = jnp.sum(jnp.where(at_k, expert_t[:, :, None] + 1, 0), axis=1) - 1  # [G, S], -1 when unused
+        spare_expert = spare_sorted[rank_position]  # rank-id order
+        # Spare slot index of expert e on rank g (meaningful where pieces[e, g] > 0).
+        mine = take[rank_position][None, :, :] & (expert_t[rank_position][None, :, :] == experts[:, None, None])
+        spare_slot = jnp.sum(jnp.where(mine, k[rank_position][None, :, :], 0), axis=2)  # [E, G]
+    used = pieces > 0
+    phy2log = jnp.concatenate([experts.reshape(num_ranks, num_home), spare_expert], axis=1).reshape(-1)
+
+    # Replica table: every rank that holds e (home included), in rank order == ascending slot order.
     holds = used | is_home
-    slot_of = jnp.where(is_home, home_slot[:, None], spare_slot)
+    slot_of = jnp.where(is_home, home_slot[:, None], ranks[None, :] * slots_per_rank + num_home + spare_slot)
     home_keep = load - jnp.sum(pieces, axis=1)
     cap_at_rank = jnp.where(is_home, home_keep[:, None], pieces)  # [E, G]
-    rep_pos = jnp.cumsum(holds, axis=1, dtype=jnp.int32) - 1
+    pairwise = implementation == "pallas"  # on GPU, masked sums fuse into reductions; elsewhere cumsum is cheaper
+    rep_pos = _running_sum(holds.astype(jnp.int32), 1, pairwise) - 1
     at = holds[:, :, None] & (rep_pos[:, :, None] == jnp.arange(max_replicas, dtype=jnp.int32)[None, None, :])
     log2phy = jnp.sum(jnp.where(at, slot_of[:, :, None] + 1, 0), axis=1) - 1  # [E, R]
     replica_load = jnp.sum(jnp.where(at, cap_at_rank[:, :, None], 0), axis=1)  # [E, R]
@@ -352,9 +392,9 @@ def _plan(counts, num_home, num_spare, min_replica_tokens, max_replicas, search_
     rem_src = counts_eg - local_take
     local_by_replica = jnp.take_along_axis(local_take, jnp.maximum(rank_of_replica, 0), axis=1)
     rem_cap = replica_load - jnp.where(rank_of_replica >= 0, local_by_replica, 0)  # [E, R]
-    src_hi = jnp.cumsum(rem_src, axis=1)
+    src_hi = _running_sum(rem_src, 1, pairwise)
     src_lo = src_hi - rem_src
-    cap_hi = jnp.cumsum(rem_cap, axis=1)
+    cap_hi = _running_sum(rem_cap, 1, pairwise)
     cap_lo = cap_hi - rem_cap
     remote = jnp.maximum(
         jnp.minimum(src_hi[:, :, None], cap_hi[:, None, :]) - jnp.maximum(src_lo[:, :, None], cap_lo[:, None, :]), 0)
