@@ -329,9 +329,13 @@ def _packing_by_definition(weight, num_packs):
     return pack, rank
 
 
+@pytest.mark.parametrize("plain_python", [True, False])
 @pytest.mark.parametrize("kind", ["lognormal", "one_heavy", "integer", "with_zeros", "near_ties"])
-def test_balanced_packing_long_rows_match_definition(rng, kind):
-    # 40 items on 4 packs: long enough for the round-by-round path and its capacity check.
+def test_balanced_packing_long_rows_match_definition(rng, monkeypatch, kind, plain_python):
+    # 40 items on 4 packs, by rounds; rows whose rounds are not permutations finish in plain Python,
+    # or (with no budget for that) item by item in numpy, then through the capacity check.
+    if not plain_python:
+        monkeypatch.setattr(_packing, "_PLAIN_PYTHON_VISITS", 0)
     weight = rng.lognormal(0.0, 1.0, (12, 40))
     if kind == "one_heavy":  # capacity binds: the capacity-blind run would overfill the light packs
         weight[:, 0] *= 1000.0
@@ -372,3 +376,20 @@ def test_replicate_matches_definition(rng, kind):
             cnt[best] += 1
         np.testing.assert_array_equal(count[row], cnt)
     np.testing.assert_array_equal(slot_expert[:, :10], np.broadcast_to(np.arange(10), (6, 10)))
+
+
+@pytest.mark.parametrize("plain_python", [True, False])
+def test_balanced_packing_random_shapes_match_definition(rng, monkeypatch, plain_python):
+    if not plain_python:
+        monkeypatch.setattr(_packing, "_PLAIN_PYTHON_VISITS", 0)
+    for case in range(150):
+        num_packs, per_pack = (int(v) for v in rng.integers(2, 7, 2))
+        weight = rng.lognormal(0.0, float(rng.uniform(0.2, 2.0)), (40, num_packs * per_pack))
+        if case % 3 == 1:  # ties everywhere; rows that leave the rounds early, with packs filling unevenly
+            weight = rng.integers(0, 4, (40, num_packs * 3)).astype(np.float64)
+        elif case % 3 == 2:
+            weight[rng.random(weight.shape) < 0.4] = 0.0
+        pack, rank = _packing.balanced_packing(weight, num_packs)
+        want_pack, want_rank = _packing_by_definition(weight, num_packs)
+        np.testing.assert_array_equal(pack, want_pack)
+        np.testing.assert_array_equal(rank, want_rank)
