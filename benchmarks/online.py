@@ -25,7 +25,7 @@ import argparse
 import functools
 import json
 import os
-import time
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +37,9 @@ from moe_eplb_jax.routing import default_max_replicas, lp_shares, lp_shares_refe
 from moe_eplb_jax.routing._quota_fill import search_pallas
 from moe_eplb_jax.sim import drifting_load, format_table, simulate, zipf_counts, zipf_topk
 from moe_eplb_jax.sim.report import resolve_policy
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import median_seconds  # noqa: E402
 
 G, E, H, S, K, T = 64, 256, 4, 2, 8, 8192
 P = G * (H + S)
@@ -51,14 +54,7 @@ class _Timings(dict):
 
 
 def timeit(fn, *args, reps=100):
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times)) * 1e3  # ms
+    return median_seconds(fn, *args, reps=reps) * 1e3  # ms
 
 
 def route_all(plan, ids, mode="resolved"):

@@ -32,10 +32,11 @@ import argparse
 import functools
 import json
 import os
-import statistics
 import sys
-import time
 import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import median_seconds  # noqa: E402
 
 
 # ------------------------------------------------------------ the MoE forward
@@ -138,19 +139,6 @@ def _args():
                    help="comma-separated plan_quotas implementations (default: pallas,xla on GPU, xla elsewhere)")
     p.add_argument("--json", default=None, help="write the figures here")
     return p.parse_args()
-
-
-def _timeit(fn, *args, reps):
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main():
@@ -257,19 +245,19 @@ def main():
             correct[impl] = (bool(np.array_equal(rank_load, np.asarray(plans.rank_load)))
                              and bool(np.all(slot_load.sum(1) == G * T * K)))
             finals[impl] = float(np.mean(rank_load.max(1) / rank_load.mean(1)))
-            per_layer[f"all_gather + plan + reroute, planner {impl}"] = _timeit(chain_fn, ids, reps=reps)
-            per_layer[f"  plan_quotas alone, {impl}"] = _timeit(
+            per_layer[f"all_gather + plan + reroute, planner {impl}"] = median_seconds(chain_fn, ids, reps=reps)
+            per_layer[f"  plan_quotas alone, {impl}"] = median_seconds(
                 smap(functools.partial(plan_alone, implementation=impl), (PS(),)), counts_rep, reps=reps)
             reference = reference or plans
         except Exception:  # noqa: BLE001
             traceback.print_exc()
             correct[impl] = False
-    per_layer["  count + all_gather"] = _timeit(smap(count_gather, (ids_spec,)), ids, reps=reps)
-    per_layer["  all_gather alone (floor of the collective)"] = _timeit(smap(gather_alone, (PS(),)), counts_rep,
+    per_layer["  count + all_gather"] = median_seconds(smap(count_gather, (ids_spec,)), ids, reps=reps)
+    per_layer["  all_gather alone (floor of the collective)"] = median_seconds(smap(gather_alone, (PS(),)), counts_rep,
                                                                         reps=reps)
     if reference is not None:
         tables = [jax.device_put(np.asarray(a), rep) for a in (reference.quota, reference.log2phy, reference.logcnt)]
-        per_layer["  reroute alone (resolved map_and_count)"] = _timeit(
+        per_layer["  reroute alone (resolved map_and_count)"] = median_seconds(
             smap(reroute_alone, (ids_spec, PS(), PS(), PS())), ids, *tables, reps=reps)
     per_layer = {k: v * 1e3 / NL for k, v in per_layer.items()}
     chains = {k: v for k, v in per_layer.items() if k.startswith("all_gather + plan")}

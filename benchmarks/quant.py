@@ -19,7 +19,6 @@ import argparse
 import functools
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -29,17 +28,8 @@ import numpy as np
 
 from moe_eplb_jax import quant
 
-
-def timed(fn, *args, iters=10, warmup=2):
-    """Median wall time (s) of ``fn(*args)`` with the device synchronised after each call."""
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import median_seconds  # noqa: E402
 
 
 def leaf_bytes(tree) -> int:
@@ -152,14 +142,14 @@ def diagnose(dev, cpu, log):
                 err = np.linalg.norm(np.asarray(out[0, :32, :256]) - exact) / np.linalg.norm(exact)
                 hlo = fn.lower(x8, w8).compile().as_text()
                 calls = sorted(set(re.findall(r'custom_call_target="([^"]+)"', hlo)))
-                sec = timed(fn, x8, w8)
+                sec = median_seconds(fn, x8, w8)
                 log(f"  T={t:5d} {label:12s} {sec * 1e3:7.3f} ms  {2 * ne * t * ni * nh / sec / 1e12:6.0f} TFLOP/s"
                     f"  rel err {err:.1e}  calls {calls}")
         del w8
 
         packed = jax.random.randint(key, (ne, ni, nh // 2), 0, 256, jnp.int32).astype(jnp.uint8)
         big = jax.random.normal(key, (256 * 1024 * 1024 // (64 if dev.platform == 'cpu' else 1),), jnp.float32)
-        bw = 2 * big.nbytes / timed(jax.jit(lambda v: v * jnp.float32(1.5)), big)
+        bw = 2 * big.nbytes / median_seconds(jax.jit(lambda v: v * jnp.float32(1.5)), big)
         log(f"  elementwise f32 r+w {bw / 1e12:.2f} TB/s")
         del big
         variants = {
@@ -174,7 +164,7 @@ def diagnose(dev, cpu, log):
                 out = fn(packed)
                 same = ref is None or bool(jnp.all(out == ref))
                 ref = out if ref is None else ref
-                sec = timed(fn, packed)
+                sec = median_seconds(fn, packed)
                 floor = (packed.nbytes + out.nbytes) / bw
                 log(f"  fp4 decode {name:6s} {sec * 1e3:7.3f} ms floor {floor * 1e3:.3f} ms ({floor / sec:.2f}) "
                     f"same {same}")
@@ -191,7 +181,7 @@ def diagnose(dev, cpu, log):
                 fn = jax.jit(lambda v, *q, f=fast: quant.expert_mlp(v, *q, fast_accumulation=f))
                 out = fn(x, *layer)[:, :8]
                 rel = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
-                sec = timed(fn, x, *layer)
+                sec = median_seconds(fn, x, *layer)
                 log(f"  fp8 MLP T={t:5d} fast_accumulation={fast!s:5s} {sec * 1e3:7.3f} ms rel err {rel:.1e}")
             for fmt in ("mxfp4", "nvfp4"):
                 layer = quantized_layer(weights, fmt, x)
@@ -204,7 +194,7 @@ def diagnose(dev, cpu, log):
                         fn = jax.jit(functools.partial(qmlp._mlp.__wrapped__, impl="auto", activation_scaling="static",
                                                        axis_name=None, compute_dtype=jnp.dtype(jnp.bfloat16),
                                                        fast_accumulation=False))
-                        log(f"  {fmt} MLP T={t:5d} decode {name:6s} {timed(fn, x, *layer) * 1e3:7.3f} ms")
+                        log(f"  {fmt} MLP T={t:5d} decode {name:6s} {median_seconds(fn, x, *layer) * 1e3:7.3f} ms")
                     except Exception as err:  # noqa: BLE001
                         log(f"  {fmt} MLP decode {name} FAILED {type(err).__name__}: {str(err).splitlines()[0][:120]}")
                     finally:
@@ -276,15 +266,15 @@ def main():
         # 2. ceilings
         big = jax.random.normal(key, (256 * 1024 * 1024 // (64 if args.small else 1),), jnp.bfloat16)
         elementwise = jax.jit(lambda v: v * jnp.bfloat16(1.5))
-        bw = 2 * big.nbytes / timed(elementwise, big)
+        bw = 2 * big.nbytes / median_seconds(elementwise, big)
         n = 1024 if args.small else 8192
         a = jax.random.normal(key, (n, n), jnp.bfloat16)
         b = jax.random.normal(jax.random.fold_in(key, 1), (n, n), jnp.bfloat16)
         mm = jax.jit(lambda p, q: jnp.dot(p, q, preferred_element_type=jnp.float32))
-        bf16_rate = 2 * n**3 / timed(mm, a, b)
+        bf16_rate = 2 * n**3 / median_seconds(mm, a, b)
         a8, b8 = a.astype(jnp.float8_e4m3fn), b.astype(jnp.float8_e4m3fn)
         try:
-            fp8_rate = 2 * n**3 / timed(mm, a8, b8)
+            fp8_rate = 2 * n**3 / median_seconds(mm, a8, b8)
         except Exception as err:  # noqa: BLE001
             fp8_rate = 2 * bf16_rate
             log(f"  fp8 GEMM ceiling FAILED ({type(err).__name__}); using 2x bf16")
@@ -306,7 +296,7 @@ def main():
                 w = cpu_w if where == "cpu" else weights[0]
                 fn = lambda v, f=fmt: quant.quantize_experts(v, f, nonfinite="propagate")  # noqa: E731
                 try:
-                    sec = timed(fn, w, iters=3 if where == "cpu" else 10, warmup=1)
+                    sec = median_seconds(fn, w, reps=3 if where == "cpu" else 10, warmup=1)
                 except Exception as err:  # noqa: BLE001
                     ok = False
                     log(f"{fmt:10s} {where:5s} FAILED {type(err).__name__}: {str(err).splitlines()[0][:160]}")
@@ -334,7 +324,7 @@ def main():
                 layer = layers[fmt]
                 fn = jax.jit(lambda v, *q, m=impl: quant.expert_mlp(v, *q, impl="auto" if m == "fast" else m,
                                                                     fast_accumulation=m == "fast"))
-                sec = timed(fn, xs[t], *layer)
+                sec = median_seconds(fn, xs[t], *layer)
                 base = sec if base is None else base
                 rate = fp8_rate if name.startswith("fp8") and "via" not in name and "block" not in name else bf16_rate
                 wbytes = leaf_bytes(layer)
