@@ -42,7 +42,6 @@ def main(argv=None):
     args = parse_args(argv)
     rt = Runtime(args)  # sets the device flags, then imports jax
     import jax
-    import jax.numpy as jnp
     import numpy as np
     import optax
     from flax import nnx

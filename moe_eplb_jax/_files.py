@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 
-__all__ = ["write_document", "read_document"]
+__all__ = ["write_document", "read_document", "pyplot"]
 
 
 def _kind(path: str, what: str) -> str:
@@ -69,3 +69,15 @@ def read_document(path, *, what: str, file_format: str, version: int) -> dict:
     if doc.get("version") != version:
         raise ValueError(f"{path}: unsupported field 'version' {doc.get('version')!r} (this library reads {version})")
     return doc
+
+
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend; ``ValueError`` saying how to install it when missing."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ValueError("plots need matplotlib: pip install 'moe_eplb_jax[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt

@@ -21,6 +21,8 @@ import sys
 
 import numpy as np
 
+from moe_eplb_jax._files import pyplot
+
 __all__ = ["main", "build_parser"]
 
 
@@ -174,10 +176,7 @@ def _fit(trace, num_ranks, num_physical, policy, num_groups=1, num_nodes=1):
 
 
 def _heatmap(trace, before, after, path, title_after):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     load = trace.total()
     norm = lambda x: x / np.maximum(x.mean(1, keepdims=True), 1e-12)  # noqa: E731

@@ -89,8 +89,7 @@ def test_simulate_reports(tmp_path):
 
 
 def test_online_policy_registered(rng):
-    import moe_eplb_jax.policy.online  # noqa: F401
-
+    # registered by importing moe_eplb_jax.policy alone
     weight = rng.lognormal(0.0, 1.0, size=(3, 32))
     tables = policy.get("online")(weight, 48, 1, 1, 8)
     placement = Placement.from_tables(*tables, num_ranks=8)

@@ -330,7 +330,6 @@ def replicate(weight: np.ndarray, num_slots: int) -> tuple[np.ndarray, np.ndarra
     an expert, 1 for the second, ...) and ``count [X, n]``, all int64.
     """
     num_rows, num_experts = weight.shape
-    num_extra = num_slots - num_experts
     flat_weight = np.ascontiguousarray(weight).reshape(-1)
     per_replica = flat_weight.copy()  # weight / count, updated one entry per row per step
     per_replica_2d = per_replica.reshape(num_rows, num_experts)

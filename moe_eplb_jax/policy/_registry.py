@@ -14,7 +14,7 @@ groups, hosts, EP ranks); a policy may ignore what it does not use.
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Protocol
 
 import numpy as np
 

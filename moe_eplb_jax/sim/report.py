@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moe_eplb_jax._files import pyplot
 from moe_eplb_jax import policy as _policy
 from moe_eplb_jax.metrics import rank_load_from_logical
 from moe_eplb_jax.placement import build_log2phy
@@ -77,16 +78,6 @@ class PolicyReport:
 
 def resolve_policy(name: str):
     """The L1 policy function for ``name`` (``ValueError`` listing known names)."""
-    if name not in _policy.available():
-        try:  # policies register on import of their module
-            import moe_eplb_jax.policy.deepseek as deepseek  # noqa: F401
-
-            if name == "deepseek" and "deepseek" not in _policy.available():
-                return deepseek.rebalance_experts
-        except ImportError:
-            pass
-    import moe_eplb_jax.policy.online  # noqa: F401  (registers "online" / "quota")
-
     return _policy.get(name)
 
 
@@ -234,10 +225,7 @@ def format_table(reports: list[PolicyReport]) -> str:
 
 def plot_reports(reports: list[PolicyReport], path) -> None:
     """Writes a PNG: rank imbalance per step (left) and per layer (right), one line per policy."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for r in reports:
