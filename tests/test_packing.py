@@ -6,6 +6,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from _bytes import random_bytes
 from moe_eplb_jax.sharding import packing
 
 DTYPES = [
@@ -24,15 +25,7 @@ DTYPES = [
 
 
 def random_rows(rng, dtype, num_rows, row_shape):
-    """Random bytes viewed as ``dtype`` (NaNs with payloads, infinities, denormals all likely)."""
-    dtype = np.dtype(dtype)
-    bits = jax.dtypes.itemsize_bits(dtype)
-    raw = rng.integers(0, 256, (num_rows,) + tuple(row_shape) + (max(1, bits // 8),), dtype=np.uint8)
-    if bits == 4:
-        raw &= np.uint8(0x0F)  # ml_dtypes keeps one 4-bit value per byte, in the low nibble
-    if dtype == np.bool_:
-        raw &= np.uint8(1)
-    return raw.view(dtype).reshape((num_rows,) + tuple(row_shape))
+    return random_bytes(rng, dtype, (num_rows,) + tuple(row_shape))
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from _bytes import random_bytes
 from moe_eplb_jax import Placement
 from moe_eplb_jax import sharding as eps
 from moe_eplb_jax.sharding.packing import byte_rows_numpy
@@ -27,19 +28,6 @@ DTYPES = [
     np.uint8,
     np.int32,
 ]
-E5M2_NANS = np.array([0x7D, 0x7E, 0x7F, 0xFD, 0xFE, 0xFF], dtype=np.uint8)  # rewritten by XLA:CPU float ops
-
-
-def random_bytes(rng, dtype, shape):
-    bits = jax.dtypes.itemsize_bits(np.dtype(dtype))
-    raw = rng.integers(0, 256, tuple(shape) + (max(1, bits // 8),), dtype=np.uint8)
-    if bits == 4:
-        raw &= np.uint8(0x0F)
-    if np.dtype(dtype) == np.dtype(ml_dtypes.float8_e5m2):  # make sure NaN payloads are there
-        raw.reshape(-1)[: E5M2_NANS.size] = E5M2_NANS
-    return raw.view(dtype).reshape(shape)
-
-
 def checkpoint(rng, layers, experts, dtypes=DTYPES, row=(2, 4)):
     """``{name: [L, E, *row]}``: one random row of bytes per (layer, logical expert)."""
     return {f"{np.dtype(d).name}": random_bytes(rng, d, (layers, experts) + row) for d in dtypes}
