@@ -36,7 +36,7 @@ from moe_eplb_jax._files import read_document, write_document
 FILE_FORMAT = "moe_eplb_jax.placement"
 FILE_VERSION = 1
 
-__all__ = ["Placement", "build_log2phy", "FILE_FORMAT", "FILE_VERSION"]
+__all__ = ["Placement", "build_log2phy", "check_expert_ids", "FILE_FORMAT", "FILE_VERSION"]
 
 
 def _as_int_table(name: str, value: Any, ndim: int) -> np.ndarray:
@@ -118,7 +118,7 @@ class Placement:
         if table.ndim != 2:
             raise ValueError(f"phy2log must have shape [L, P] or [P], got {table.shape}")
         _check_sizes(table.shape[0], int(num_logical), table.shape[1], num_ranks)
-        _check_ids(table, int(num_logical))
+        check_expert_ids(table, int(num_logical))
         log2phy, logcnt = build_log2phy(table, int(num_logical))
         _check_every_expert_placed(logcnt)
         return cls(phy2log=table, log2phy=log2phy, logcnt=logcnt)
@@ -171,7 +171,7 @@ class Placement:
             raise ValueError(
                 f"log2phy must have shape [L, E, P - E + 1] = {(num_layers, num_logical, width)}, got {log2phy.shape}"
             )
-        _check_ids(phy2log, num_logical)
+        check_expert_ids(phy2log, num_logical)
         expected_log2phy, expected_cnt = build_log2phy(phy2log, num_logical)
         _check_every_expert_placed(expected_cnt)
         if not np.array_equal(logcnt, expected_cnt):
@@ -291,12 +291,13 @@ def _check_sizes(num_layers: int, num_logical: int, num_physical: int, num_ranks
             raise ValueError(f"{num_physical} physical slots are not divisible by {num_ranks} ranks")
 
 
-def _check_ids(phy2log: np.ndarray, num_logical: int) -> None:
-    bad = (phy2log < 0) | (phy2log >= num_logical)
+def check_expert_ids(table: np.ndarray, num_logical: int, *, name: str = "phy2log") -> None:
+    """Raises ``ValueError`` naming the first entry of an ``[L, P]`` table outside ``[0, num_logical)``."""
+    bad = (table < 0) | (table >= num_logical)
     if np.any(bad):
         layer, slot = np.argwhere(bad)[0]
         raise ValueError(
-            f"phy2log[{layer}, {slot}] = {phy2log[layer, slot]} is outside the logical expert range [0, {num_logical})"
+            f"{name}[{layer}, {slot}] = {table[layer, slot]} is outside the logical expert range [0, {num_logical})"
         )
 
 

@@ -303,8 +303,8 @@ def _bad_weight(value, where=(0, 3)):
         (np.ones((2, 12)), {"num_gpus": 0}, "num_gpus must be a positive integer"),
         (np.ones((2, 12)), {"num_groups": 2.0}, "num_groups must be a positive integer"),
         (np.ones((2, 12)), {"old_phy2log": np.zeros((2, 15), np.int32)}, "old_phy2log must have shape"),
-        (np.ones((2, 12)), {"old_phy2log": np.full((2, 16), 12)}, "outside the expert range"),
-        (np.ones((2, 12)), {"old_phy2log": np.full((2, 16), -1)}, "outside the expert range"),
+        (np.ones((2, 12)), {"old_phy2log": np.full((2, 16), 12)}, "outside the logical expert range"),
+        (np.ones((2, 12)), {"old_phy2log": np.full((2, 16), -1)}, "outside the logical expert range"),
         (np.ones((2, 12)), {"old_phy2log": np.zeros((2, 16))}, "integer expert ids"),
     ],
 )

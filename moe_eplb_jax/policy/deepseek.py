@@ -25,6 +25,7 @@ import numbers
 
 import numpy as np
 
+from moe_eplb_jax.placement import check_expert_ids
 from moe_eplb_jax.policy import _packing
 from moe_eplb_jax.policy._preserve import preserve_slots
 
@@ -85,11 +86,7 @@ def check_inputs(weight, num_replicas, num_groups, num_nodes, num_gpus, old_phy2
             raise ValueError(f"old_phy2log must have shape [L, P] = {(num_layers, num_replicas)}, got {old.shape}")
         if not np.issubdtype(old.dtype, np.integer):
             raise ValueError(f"old_phy2log must hold integer expert ids, got dtype {old.dtype}")
-        bad = (old < 0) | (old >= num_experts)
-        if bad.any():
-            layer, slot = (int(i) for i in np.argwhere(bad)[0])
-            raise ValueError(f"old_phy2log[{layer}, {slot}] = {old[layer, slot]} is outside the expert range "
-                             f"[0, {num_experts})")
+        check_expert_ids(old, num_experts, name="old_phy2log")
         old_phy2log = old.astype(np.int64)
     return weight, old_phy2log
 
