@@ -73,6 +73,7 @@ def main():
     from moe_eplb_jax.flax import layer as L
     from moe_eplb_jax.pallas import map_and_count
     from moe_eplb_jax.placement import Placement
+    from moe_eplb_jax.sharding import put_host
     from moe_eplb_jax.state import EplbConfig
 
     try:  # run as a script: benchmarks/ is on sys.path
@@ -88,10 +89,10 @@ def main():
     dtype = jnp.bfloat16
     w_in = rng.standard_normal((E, D, 2 * H)).astype(np.float32) * D**-0.5
     w_out = rng.standard_normal((E, H, D)).astype(np.float32) * H**-0.5
-    router = L._put(rng.standard_normal((D, E)).astype(np.float32) * D**-0.5, mesh, PS())
-    zipf_bias = L._put((-4.0 * args.zipf * np.log1p(np.arange(E))).astype(np.float32), mesh, PS())
-    flat_bias = L._put(np.zeros(E, np.float32), mesh, PS())
-    x = L._put(rng.standard_normal((T, D)).astype(np.float32).astype(dtype), mesh, PS("ep"))
+    router = put_host(rng.standard_normal((D, E)).astype(np.float32) * D**-0.5, mesh, PS())
+    zipf_bias = put_host((-4.0 * args.zipf * np.log1p(np.arange(E))).astype(np.float32), mesh, PS())
+    flat_bias = put_host(np.zeros(E, np.float32), mesh, PS())
+    x = put_host(rng.standard_normal((T, D)).astype(np.float32).astype(dtype), mesh, PS("ep"))
     # The ideal: token t picks experts (t*k + j) mod E exactly (a one-hot router), so every expert gets
     # T*k/E tokens, under a placement that spreads E equal loads evenly (linear: replicas of 0..R-1 last).
     if D < E:
@@ -99,15 +100,15 @@ def main():
     picks = (np.arange(T)[:, None] * K + np.arange(K)[None, :]) % E
     x_uni_host = 0.01 * rng.standard_normal((T, D)).astype(np.float32)
     np.put_along_axis(x_uni_host, picks, 8.0, axis=1)
-    x_uni = L._put(x_uni_host.astype(dtype), mesh, PS("ep"))
-    router_uni = L._put(np.eye(D, E, dtype=np.float32), mesh, PS())
+    x_uni = put_host(x_uni_host.astype(dtype), mesh, PS("ep"))
+    router_uni = put_host(np.eye(D, E, dtype=np.float32), mesh, PS())
 
     def operands(placement, bias, tokens=x, router=router):
         phy = placement.phy2log[0]
-        experts = {"w_in": L._put(w_in[phy].astype(dtype), mesh, PS("ep")),
-                   "w_out": L._put(w_out[phy].astype(dtype), mesh, PS("ep"))}
-        return (tokens, router, bias, experts, L._put(placement.log2phy[0], mesh, PS()),
-                L._put(placement.logcnt[0], mesh, PS()))
+        experts = {"w_in": put_host(w_in[phy].astype(dtype), mesh, PS("ep")),
+                   "w_out": put_host(w_out[phy].astype(dtype), mesh, PS("ep"))}
+        return (tokens, router, bias, experts, put_host(placement.log2phy[0], mesh, PS()),
+                put_host(placement.logcnt[0], mesh, PS()))
 
     def bench(fn, ops):
         out = jax.block_until_ready(fn(*ops))
@@ -150,8 +151,8 @@ def main():
         print(f"online rows skipped: E={E} and R={P - E} must be positive multiples of the EP size {ranks}")
         fetches = []
     if fetches:
-        home = {name: L._put(w.astype(dtype), mesh, PS("ep")) for name, w in (("w_in", w_in), ("w_out", w_out))}
-        resident = {name: L._put(w.astype(dtype), mesh, PS()) for name, w in (("w_in", w_in), ("w_out", w_out))}
+        home = {name: put_host(w.astype(dtype), mesh, PS("ep")) for name, w in (("w_in", w_in), ("w_out", w_out))}
+        resident = {name: put_host(w.astype(dtype), mesh, PS()) for name, w in (("w_in", w_in), ("w_out", w_out))}
 
     rows = []
     factors = [None if f == "none" else float(f) for f in args.capacity_factor.split(",")]
@@ -194,7 +195,7 @@ def main():
         print(f"{label}: {rows[-1][1]}", flush=True)  # a run cut short still shows what it measured
 
     state = eplb_state.init_state(EplbConfig(num_gpus=ranks, num_redundant_experts=P - E, window_size=64), 1, P)
-    state = jax.tree.map(lambda a: L._put(np.asarray(a), mesh, PS()), state)
+    state = jax.tree.map(lambda a: put_host(np.asarray(a), mesh, PS()), state)
     ops_fit = operands(fitted or start, zipf_bias)
     t_book_route, _ = bench(jax.jit(book), (ops_fit[0], ops_fit[1], ops_fit[2], ops_fit[4], ops_fit[5], state))
     t_route, _ = bench(jax.jit(route_only), ops_fit[:3])

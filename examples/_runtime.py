@@ -34,11 +34,12 @@ class Runtime:
         self.ranks = args.ranks or jax.device_count()
         self.mesh = jax.make_mesh((self.ranks,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,),
                                   devices=jax.devices()[: self.ranks])
-        self.batch_sharding = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec("ep"))
         self.replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
 
     def global_batch(self, host):
         """Every process holds the same host batch; each device takes its rows."""
-        import jax
+        from jax.sharding import PartitionSpec
 
-        return jax.make_array_from_callback(host.shape, self.batch_sharding, lambda index: host[index])
+        from moe_eplb_jax.sharding import put_host
+
+        return put_host(host, self.mesh, PartitionSpec("ep"))

@@ -13,6 +13,7 @@ from moe_eplb_jax.flax import MoELayer, layer as layer_mod, route, tie_replicas
 from moe_eplb_jax.flax import grouped_matmul
 from moe_eplb_jax.placement import Placement
 from moe_eplb_jax.sharding import dispatch as disp
+from moe_eplb_jax.sharding import put_host
 
 G, E, P, D, H, K = 4, 8, 12, 16, 8, 2
 MESH = jax.make_mesh((G,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
@@ -122,8 +123,8 @@ def test_module_forward_records_load_and_never_recompiles(rng):
     new = _random_placement(rng)
     logical_in = np.asarray(model.w_in.get_value())[:E]  # linear start: slot e holds expert e
     logical_out = np.asarray(model.w_out.get_value())[:E]
-    model.w_in.set_value(layer_mod._put(logical_in[new.phy2log[0]], MESH, PS("ep")))
-    model.w_out.set_value(layer_mod._put(logical_out[new.phy2log[0]], MESH, PS("ep")))
+    model.w_in.set_value(put_host(logical_in[new.phy2log[0]], MESH, PS("ep")))
+    model.w_out.set_value(put_host(logical_out[new.phy2log[0]], MESH, PS("ep")))
     model.eplb_set_placement(new.phy2log[0], new.log2phy[0], new.logcnt[0])
     y1 = fwd(model, x)
     assert np.array_equal(np.asarray(y0), np.asarray(y1))

@@ -33,24 +33,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as PS
 
 from moe_eplb_jax import metrics
 from moe_eplb_jax import state as eplb_state
 from moe_eplb_jax.flax.discovery import MoELayerRef, find_moe_layers, variable_paths
 from moe_eplb_jax.placement import Placement
+from moe_eplb_jax.sharding.mesh import put_host
 from moe_eplb_jax.state import EplbConfig, EplbState
 
 __all__ = ["EplbController"]
 
 _log = logging.getLogger("moe_eplb_jax")
 _CHECKPOINT_FORMAT = "moe_eplb_jax.controller"
-
-
-def _replicated(mesh, value):
-    value = np.asarray(value)
-    sharding = NamedSharding(mesh, PS())
-    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
 
 @jax.jit
@@ -111,12 +105,12 @@ class EplbController:
         if placement is not None:
             start = placement if isinstance(placement, Placement) else Placement.load(placement)
             self._check_placement(start)
-        self.state = jax.tree.map(lambda a: _replicated(mesh, a), eplb_state.init_state(config, len(self.layers), self.num_physical))
+        self.state = jax.tree.map(lambda a: put_host(a, mesh), eplb_state.init_state(config, len(self.layers), self.num_physical))
         self._steps_since = 0
         self._total_steps = 0
         self._num_rearrangements = 0
         self.last_report: dict[str, Any] | None = None
-        self._zero_load = _replicated(mesh, np.zeros(self.num_physical, np.int32))
+        self._zero_load = put_host(np.zeros(self.num_physical, np.int32), mesh)
         self._placement = self._read_placement()
         if start is not None:
             self.apply_placement(start)
@@ -350,7 +344,7 @@ class EplbController:
             want = np.shape(getattr(self.state, f.name))
             if value.shape != want:
                 raise ValueError(f"{path}: state field {f.name} has shape {value.shape}, expected {want}")
-            fields[f.name] = _replicated(self.mesh, value.astype(np.int32))
+            fields[f.name] = put_host(value.astype(np.int32), self.mesh)
         total, since, count = (int(v) for v in doc["host_counters"])
         self.state = EplbState(**fields)
         for layer, ref in enumerate(self.layers):

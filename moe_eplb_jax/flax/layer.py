@@ -39,6 +39,7 @@ from moe_eplb_jax.flax.experts import QuantizedExperts, _gated_mlp, expert_mlp, 
 from moe_eplb_jax.pallas import map_and_count
 from moe_eplb_jax.placement import Placement
 from moe_eplb_jax.sharding import dispatch as _dispatch
+from moe_eplb_jax.sharding.mesh import put_host
 
 __all__ = ["EplbTable", "ExpertLoad", "QuantizedExperts", "MoELayer", "route", "expert_mlp", "moe_apply", "tie_replicas"]
 
@@ -205,13 +206,6 @@ def _check_apply(x, router_w, router_bias, experts, log2phy, logcnt, *, top_k, m
         )
 
 
-def _put(value, mesh, spec):
-    value = np.asarray(value)
-    sharding = NamedSharding(mesh, spec)
-    # make_array_from_callback works alike in one process and under jax.distributed.
-    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
-
-
 # -------------------------------------------------------------------- module
 class MoELayer(nnx.Module):
     """Expert-parallel MoE layer with ``P`` physical slots (see the module docstring).
@@ -289,21 +283,21 @@ class MoELayer(nnx.Module):
         w_in = jax.random.normal(keys[0], (num_experts, dim, 2 * hidden), jnp.float32) * dim**-0.5
         w_out = jax.random.normal(keys[1], (num_experts, hidden, dim), jnp.float32) * hidden**-0.5
         slots = NamedSharding(mesh, PS(axis))
-        self.router = nnx.Param(_put(np.asarray(jax.random.normal(keys[2], (dim, num_experts)) * dim**-0.5), mesh, PS()))
-        self.router_bias = nnx.Param(_put(np.zeros(num_experts, np.float32), mesh, PS()))
-        self.w_in = nnx.Param(_put(np.asarray(w_in.astype(dtype))[phy2log], mesh, slots.spec))
-        self.w_out = nnx.Param(_put(np.asarray(w_out.astype(dtype))[phy2log], mesh, slots.spec))
+        self.router = nnx.Param(put_host(np.asarray(jax.random.normal(keys[2], (dim, num_experts)) * dim**-0.5), mesh, PS()))
+        self.router_bias = nnx.Param(put_host(np.zeros(num_experts, np.float32), mesh, PS()))
+        self.w_in = nnx.Param(put_host(np.asarray(w_in.astype(dtype))[phy2log], mesh, slots.spec))
+        self.w_out = nnx.Param(put_host(np.asarray(w_out.astype(dtype))[phy2log], mesh, slots.spec))
         if shared_hidden:
             s_in = jax.random.normal(keys[3], (dim, 2 * shared_hidden), jnp.float32) * dim**-0.5
             s_out = jax.random.normal(keys[4], (shared_hidden, dim), jnp.float32) * shared_hidden**-0.5
-            self.shared_in = nnx.Param(_put(np.asarray(s_in.astype(dtype)), mesh, PS()))
-            self.shared_out = nnx.Param(_put(np.asarray(s_out.astype(dtype)), mesh, PS()))
+            self.shared_in = nnx.Param(put_host(np.asarray(s_in.astype(dtype)), mesh, PS()))
+            self.shared_out = nnx.Param(put_host(np.asarray(s_out.astype(dtype)), mesh, PS()))
         else:
             self.shared_in = self.shared_out = None
-        self.phy2log = EplbTable(_put(placement.phy2log[0], mesh, PS()))
-        self.log2phy = EplbTable(_put(placement.log2phy[0], mesh, PS()))
-        self.logcnt = EplbTable(_put(placement.logcnt[0], mesh, PS()))
-        self.expert_load = ExpertLoad(_put(np.zeros(num_physical, np.int32), mesh, PS()))
+        self.phy2log = EplbTable(put_host(placement.phy2log[0], mesh, PS()))
+        self.log2phy = EplbTable(put_host(placement.log2phy[0], mesh, PS()))
+        self.logcnt = EplbTable(put_host(placement.logcnt[0], mesh, PS()))
+        self.expert_load = ExpertLoad(put_host(np.zeros(num_physical, np.int32), mesh, PS()))
 
     def __call__(self, x, *, num_valid_tokens=None):
         """``x [..., D]`` (leading sizes multiply to a multiple of ``G``) -> ``[..., D]``.
@@ -372,7 +366,7 @@ class MoELayer(nnx.Module):
         down = np.ascontiguousarray(np.swapaxes(w_out, 1, 2))
         q = quant.quantize_mlp(jnp.asarray(gate), jnp.asarray(up), jnp.asarray(down), fmt)
         slots = PS(self.axis)
-        placed = [jax.tree.map(lambda leaf: _put(np.asarray(leaf), self.mesh, slots), t) for t in q]
+        placed = [jax.tree.map(lambda leaf: put_host(np.asarray(leaf), self.mesh, slots), t) for t in q]
         self.q_gate, self.q_up, self.q_down = (QuantizedExperts(t) for t in placed)
         self.w_in = self.w_out = None
         self.quant_format, self.quant_impl, self.activation_scaling = fmt, impl, activation_scaling
@@ -387,6 +381,6 @@ class MoELayer(nnx.Module):
         for var, value in ((self.phy2log, phy2log), (self.log2phy, log2phy), (self.logcnt, logcnt)):
             if tuple(np.shape(value)) != tuple(var.get_value().shape):
                 raise ValueError(f"placement table must have shape {tuple(var.get_value().shape)}, got {np.shape(value)}")
-        self.phy2log.set_value(_put(np.asarray(phy2log, np.int32), self.mesh, PS()))
-        self.log2phy.set_value(_put(np.asarray(log2phy, np.int32), self.mesh, PS()))
-        self.logcnt.set_value(_put(np.asarray(logcnt, np.int32), self.mesh, PS()))
+        self.phy2log.set_value(put_host(np.asarray(phy2log, np.int32), self.mesh, PS()))
+        self.log2phy.set_value(put_host(np.asarray(log2phy, np.int32), self.mesh, PS()))
+        self.logcnt.set_value(put_host(np.asarray(logcnt, np.int32), self.mesh, PS()))

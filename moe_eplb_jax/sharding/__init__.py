@@ -14,7 +14,7 @@ lower-level pieces:
 * ``mesh`` -- an EP mesh, the slot sharding, placing host arrays on it.
 """
 
-from moe_eplb_jax.sharding.mesh import axis_size, ep_mesh, shard_slots, slot_sharding
+from moe_eplb_jax.sharding.mesh import axis_size, ep_mesh, put_host, shard_slots, slot_sharding
 from moe_eplb_jax.sharding.packing import (
     LeafLayout,
     from_byte_rows,
@@ -47,6 +47,7 @@ __all__ = [
     "pack_rows_numpy",
     "plan_layer_by_layer",
     "plan_rearrangement",
+    "put_host",
     "rearrange_experts",
     "row_bytes",
     "shard_slots",

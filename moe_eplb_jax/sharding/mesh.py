@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-__all__ = ["ep_mesh", "axis_size", "slot_sharding", "shard_slots"]
+__all__ = ["ep_mesh", "axis_size", "slot_sharding", "put_host", "shard_slots"]
 
 
 def ep_mesh(num_ranks: int | None = None, *, axis: str = "ep", devices=None) -> Mesh:
@@ -48,17 +48,26 @@ def slot_sharding(mesh: Mesh, ndim: int, *, axis: str = "ep", layered: bool = Fa
     return NamedSharding(mesh, PartitionSpec(*spec))
 
 
+def put_host(value, mesh: Mesh, spec: PartitionSpec = PartitionSpec()) -> jax.Array:
+    """Places one host array on ``mesh`` with ``spec`` (default: replicated), from its host bytes.
+
+    Every process passes the same full array; each device receives its block
+    as raw bytes (no device-side op runs, so narrow-float bytes such as
+    float8_e5m2 NaN payloads arrive unchanged). Works with several processes.
+    """
+    value = np.asarray(value)
+    return jax.make_array_from_callback(value.shape, NamedSharding(mesh, spec), lambda index: value[index])
+
+
 def shard_slots(tree, mesh: Mesh, *, axis: str = "ep", layered: bool = False):
     """Places a pytree of host (numpy) arrays on ``mesh`` with the slot axis sharded over ``axis``.
 
-    Every process passes the same full arrays; each device receives its block
-    as raw host bytes (no device-side op runs, so narrow-float bytes such as
-    float8_e5m2 NaN payloads arrive unchanged). Works with several processes.
+    Each leaf goes through :func:`put_host`, so it arrives byte for byte and
+    works with several processes.
     """
 
     def put(x):
         x = np.asarray(x)
-        sharding = slot_sharding(mesh, x.ndim, axis=axis, layered=layered)
-        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+        return put_host(x, mesh, slot_sharding(mesh, x.ndim, axis=axis, layered=layered).spec)
 
     return jax.tree_util.tree_map(put, tree)

@@ -33,7 +33,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from moe_eplb_jax.sharding.mesh import axis_size
+from moe_eplb_jax.sharding.mesh import axis_size, put_host
 from moe_eplb_jax.sharding.packing import from_row_view, leaf_layout, pack_rows, row_view, unpack_leaf
 from moe_eplb_jax.sharding.plan import TransportPlan, plan_rearrangement
 
@@ -115,11 +115,7 @@ def execute_plan(
     if donate and len({id(leaf) for leaf in leaves}) < len(leaves):
         raise ValueError("an array appears twice in experts: it cannot be donated twice (pass donate=False)")
     flat, treedef = jax.tree_util.tree_flatten(experts)
-    table_sharding = NamedSharding(mesh, PartitionSpec(axis))
-    tables = {
-        name: jax.make_array_from_callback(t.shape, table_sharding, lambda index, t=t: t[index])
-        for name, t in plan.device_tables().items()
-    }
+    tables = {name: put_host(t, mesh, PartitionSpec(axis)) for name, t in plan.device_tables().items()}
     num_chunks = _num_chunks(plan, layouts, max_chunk_bytes)
     options = tuple(sorted((compiler_options or {}).items()))
     run = _executor(mesh, axis, tuple(specs), tuple(layouts), 2 if plan.layered else 1, bool(donate), num_chunks,
