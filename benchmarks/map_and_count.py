@@ -17,12 +17,13 @@ different input arrays (rotated so they do not all sit in L2), timed on the host
 around ``block_until_ready`` and divided by ``REPS``; median of ``TRIALS``.
 
 Run on a GPU machine: ``PYTHONPATH=. python3 benchmarks/map_and_count.py [--quick] [--sweep]``
-(``--sweep`` first tunes the kernel options at T=262144 and uses the best for the table).
+(``--sweep`` first times many kernel options at T=262144 and at the decode and online sizes).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -37,16 +38,25 @@ from moe_eplb_jax.pallas import _reference, _triton
 from moe_eplb_jax.pallas.map_and_count import _build_thresholds, map_and_count
 from moe_eplb_jax.placement import Placement
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import device_seconds  # noqa: E402
+
 REPS = 8
 TRIALS = 10
 NUM_LOGICAL = 256
 
 
 def timed(fn, args_list, trials=TRIALS):
-    """Median seconds per op of ``fn`` applied to each element of ``args_list`` inside one jitted call."""
+    """Seconds per op of ``fn`` applied to each element of ``args_list`` inside one jitted call.
+
+    On GPU: kernel time from the profiler (CUPTI records, no host overhead), summed over the
+    kernels of one call and divided by the number of ops; elsewhere: host-timed median of ``trials``.
+    """
     many = jax.jit(lambda all_args: [fn(*a) for a in all_args])
     jax.block_until_ready(many(args_list))  # compile + warm up
-    jax.block_until_ready(many(args_list))
+    device, _ = device_seconds(many, args_list, calls=trials, warmup=1)
+    if device is not None:
+        return device / len(args_list)
     samples = []
     for _ in range(trials):
         start = time.perf_counter()
@@ -152,42 +162,70 @@ def time_variant(rng, mode, options, count=True, num_tokens=262144, num_physical
     except Exception as e:  # a configuration Triton cannot compile: report and go on
         print(f"  {mode} {options} count={count}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
         return None
-    print(f"  {mode:<9} {str(options):<95} count={count!s:<5} {seconds * 1e6:8.2f} us", flush=True)
+    print(f"  T={num_tokens:<7} {mode:<9} {str(options):<90} count={count!s:<5} {seconds * 1e6:8.2f} us", flush=True)
     return seconds
 
 
-def sweep(rng):
-    """Tunes the kernel options on T=262144 x 8, P=288 and installs the best in ``_triton.DEFAULTS``."""
-    print("sweep (T=262144, k=8, P=288):", flush=True)
-    time_variant(rng, "hash", {}, count=False)  # mapping alone: what counting costs on top
-    results = {}
-    for dtype in ("float16", "int8"):
-        options = {"count_dtype": dtype}
-        results[tuple(options.items())] = time_variant(rng, "hash", options)
-    best = dict(min((k for k in results if results[k]), key=lambda k: results[k]))
-    results = {}
-    for sub in (256, 1024):
-        for warps in (4, 8):
-            for stages in (1, 3):
-                options = {**best, "sub": sub, "num_warps": warps, "num_stages": stages}
-                results[tuple(options.items())] = time_variant(rng, "hash", options)
-    best = dict(min((k for k in results if results[k]), key=lambda k: results[k]))
-    for tile in (1024, 2048):
-        results[tuple({**best, "tile": tile}.items())] = time_variant(rng, "hash", {**best, "tile": tile})
-    best = dict(min((k for k in results if results[k]), key=lambda k: results[k]))
-    print(f"best hash options: {best}", flush=True)
-    results = {}
-    for sub in (32, 64, 128):
-        results[sub] = time_variant(rng, "resolved", {**best, "sub_resolved": sub})
-    sub_resolved = min((k for k in results if results[k]), key=lambda k: results[k])
-    _triton.DEFAULTS.update(best, sub_resolved=sub_resolved)
+def pallas_copy(x, block=2048, num_warps=4):
+    """The Pallas floor: a Triton kernel that reads the ids and writes ids + 1 (same bytes as the mapping)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    flat = x.reshape(-1)
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...] + 1
+
+    out = pl.pallas_call(kernel, grid=(pl.cdiv(flat.size, block),), in_specs=[pl.BlockSpec((block,), lambda i: (i,))],
+                         out_specs=pl.BlockSpec((block,), lambda i: (i,)),
+                         out_shape=jax.ShapeDtypeStruct(flat.shape, flat.dtype),
+                         compiler_params=plgpu.CompilerParams(num_warps=num_warps),
+                         interpret=jax.default_backend() != "gpu")(flat)
+    return out.reshape(x.shape)
+
+
+SWEEP = [  # (options, count): tile = entries per program, sub = entries per loop step
+    ({}, False), ({}, True),
+    ({"tile": 2048, "sub": 2048, "num_warps": 8}, False),
+]
+for _method, _configs in (("atomic_warp", ((None, 256, 4), (4096, 1024, 4), (4096, 1024, 8), (2048, 2048, 8),
+                                           (8192, 2048, 8), (16384, 2048, 8), (16384, 4096, 8))),
+                          ("atomic", ((4096, 1024, 4), (2048, 2048, 8), (16384, 4096, 8)))):
+    for _tile, _sub, _warps in _configs:
+        SWEEP.append(({"count_method": _method, "tile": _tile, "sub": _sub, "num_warps": _warps}, True))
+ATOMIC = {"count_method": "atomic_warp"}
+ATOMIC_BIG = {"count_method": "atomic_warp", "tile": 2048, "sub": 2048, "num_warps": 8}
+
+
+def sweep(rng, big=262144, small=(4096, 65536), online=(8192, 65536)):
+    """Kernel options at T=262144 x 8, P=288 (hash), then resolved at 65536 x 8 and decode sizes; no defaults change."""
+    print(f"sweep (T={big}, k=8, P=288, hash; device time per call):", flush=True)
+    flat = jnp.asarray(rng.integers(0, NUM_LOGICAL, size=(REPS, big, 8)), jnp.int32)
+    for block, warps in ((2048, 4),):
+        us = timed(functools.partial(pallas_copy, block=block, num_warps=warps), [(x,) for x in flat]) * 1e6
+        print(f"  pallas copy block {block} warps {warps}: {us:.2f} us", flush=True)
+    del flat
+    for options, count in SWEEP:
+        time_variant(rng, "hash", options, count=count, num_tokens=big)
+    for mode in ("shares", "round_robin"):
+        for options in ({}, ATOMIC, ATOMIC_BIG):
+            time_variant(rng, mode, options, num_tokens=big)
+    for tokens in small:
+        for options in ({}, ATOMIC, ATOMIC_BIG, {**ATOMIC, "tile": 1024, "sub": 1024}):
+            time_variant(rng, "hash", options, num_tokens=tokens)
+    for tokens in online:  # resolved: the online routing of one rank (8192 x 8) and a large batch
+        for options in ({}, ATOMIC):
+            time_variant(rng, "resolved", options, num_tokens=tokens)
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="hash mode, largest size only")
     parser.add_argument("--sizes", default="4096,65536,262144", help="comma-separated token counts")
-    parser.add_argument("--sweep", action="store_true", help="tune kernel options first, then use the best")
+    parser.add_argument("--sweep", action="store_true", help="time many kernel options first (defaults unchanged)")
+    parser.add_argument("--sweep-tokens", default="262144,4096,65536,8192,65536",
+                        help="sweep sizes: big, then two small (hash), then two online (resolved)")
+    parser.add_argument("--no-table", action="store_true", help="skip the side-by-side table")
     args = parser.parse_args()
     out_dir = os.environ.get("OUT", ".")
     print(f"jax {jax.__version__}, devices {jax.devices()}", flush=True)
@@ -195,7 +233,10 @@ def main():
     print(f"copy bandwidth (read+write, 1 GiB int32 elementwise): {bandwidth / 1e12:.2f} TB/s", flush=True)
     rng = np.random.default_rng(2026_11_30)
     if args.sweep:
-        sweep(rng)
+        big, s1, s2, o1, o2 = (int(t) for t in args.sweep_tokens.split(","))
+        sweep(rng, big, (s1, s2), (o1, o2))
+    if args.no_table:
+        return
     print(f"kernel options used below: {_triton.DEFAULTS}", flush=True)
     sizes = [262144] if args.quick else [int(t) for t in args.sizes.split(",")]
     modes = ["hash"] if args.quick else ["hash", "round_robin", "shares", "resolved"]

@@ -199,7 +199,7 @@ def plan_part(part, args, ranks):
         return [("transport", cmd, _env(smoke, devices=ranks, gpus=ranks))]
     if part == "moe_step":
         cmd = [py, _script("benchmarks/moe_step.py"), "--ranks", str(ranks), "--capacity-factor", "1.25",
-               "--json", os.path.join(out, "moe_step.json")]
+               "--book-reps", "1", "--json", os.path.join(out, "moe_step.json")]  # 1 rep: fits its time-out
         cmd += ["--cpu-devices", str(ranks), "--small", "--matmul", "dense,pallas_interpret"] if smoke else \
             ["--matmul", "pallas,dense", "--iters", "10"]
         return [("moe_step", cmd, _env(smoke, gpus=ranks))]

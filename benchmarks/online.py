@@ -39,7 +39,7 @@ from moe_eplb_jax.sim import drifting_load, format_table, simulate, zipf_counts,
 from moe_eplb_jax.sim.report import resolve_policy
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import median_seconds  # noqa: E402
+from _timing import device_seconds, median_seconds  # noqa: E402
 
 G, E, H, S, K, T = 64, 256, 4, 2, 8, 8192
 P = G * (H + S)
@@ -54,7 +54,13 @@ class _Timings(dict):
 
 
 def timeit(fn, *args, reps=100):
-    return median_seconds(fn, *args, reps=reps) * 1e3  # ms
+    """Host-timed median in ms; on GPU also prints the device (kernel) time of one call and its top kernels."""
+    host = median_seconds(fn, *args, reps=reps) * 1e3
+    device, kernels = device_seconds(fn, *args, calls=min(reps, 20))
+    if device is not None:
+        top = ", ".join(f"{name[:40]} {1e6 * t:.1f}" for name, t in list(kernels.items())[:6])
+        print(f"    device time {device * 1e3:.4f} ms over {len(kernels)} kernels (us: {top})", flush=True)
+    return host
 
 
 def route_all(plan, ids, mode="resolved"):
@@ -101,12 +107,16 @@ def _layers(planner, routing, num_layers, mode="resolved"):
 def quota_section(tokens, rows, timings, reps, num_layers=8):
     plan_fn = {
         "xla 3x16 (lax.scan walk per round, the first version's search shape)": jax.jit(_planner("xla", 3, 16)),
-        "new 2x64, one Pallas search kernel (GPU default)": jax.jit(_planner("pallas")),
-        "new 2x64, xla (lax.scan walk per round)": jax.jit(_planner("xla")),
-        "new 1x512, one Pallas search kernel": jax.jit(_planner("pallas", 1, 512)),
-        "new 3x16, one Pallas search kernel": jax.jit(_planner("pallas", 3, 16)),
-        "new 2x64, one Pallas search kernel, no quota table": jax.jit(_planner("pallas", with_quota=False)),
+        "default (one Pallas search kernel on GPU)": jax.jit(_planner()),
+        "xla, default search shape (lax.scan walk)": jax.jit(_planner("xla")),
+        "pallas 2x64 (one program)": jax.jit(_planner("pallas", 2, 64)),
+        "pallas 3x16 (one program)": jax.jit(_planner("pallas", 3, 16)),
+        "pallas 1x1024, default lanes per program": jax.jit(_planner("pallas", 1, 1024)),
+        "pallas 1x512, default lanes per program": jax.jit(_planner("pallas", 1, 512)),
+        "pallas 1x256, default lanes per program": jax.jit(_planner("pallas", 1, 256)),
+        "default, no quota table": jax.jit(_planner(with_quota=False)),
     }
+    lanes_variants = (16, 32, 64)  # candidates per program of the one-round search (1x1024)
     # The search kernel alone (loads in, layout out), to split the planner's time into kernel and XLA tables.
     kernel_only = jax.jit(lambda c: search_pallas(jnp.sum(c, axis=0), num_home=H, num_spare=S, min_replica_tokens=1,
                                                   max_replicas=default_max_replicas(G, S), search_rounds=2,
@@ -123,8 +133,8 @@ def quota_section(tokens, rows, timings, reps, num_layers=8):
         ok = np.array_equal(rank_load, np.asarray(plan.rank_load)) and int(slot_load.sum()) == ids.size
         # The two searches must agree integer for integer (on GPU: the Triton kernel vs lax.scan).
         try:
-            kernel_plan = plan_fn["new 2x64, one Pallas search kernel (GPU default)"](jnp.asarray(counts))
-            other = plan_fn["new 2x64, xla (lax.scan walk per round)"](jnp.asarray(counts))
+            kernel_plan = plan_fn["default (one Pallas search kernel on GPU)"](jnp.asarray(counts))
+            other = plan_fn["xla, default search shape (lax.scan walk)"](jnp.asarray(counts))
             same = all(np.array_equal(np.asarray(a), np.asarray(b))
                        for a, b in zip(jax.tree_util.tree_leaves(kernel_plan), jax.tree_util.tree_leaves(other)))
         except Exception as e:  # noqa: BLE001 -- report and go on
@@ -144,6 +154,18 @@ def quota_section(tokens, rows, timings, reps, num_layers=8):
                     timings[f"planner {name} (imb {rl.max() / rl.mean():.4f})"] = timeit(fn, c, reps=reps)
                 except Exception as e:  # noqa: BLE001 -- report and go on
                     print(f"planner {name} failed: {type(e).__name__}: {e}"[:600])
+            from moe_eplb_jax.routing import _quota_fill
+            default_lanes = _quota_fill.LANES_PER_PROGRAM
+            for lanes in lanes_variants:  # fresh jit per variant: the constant is read at trace time
+                _quota_fill.LANES_PER_PROGRAM = lanes
+                try:
+                    fn = jax.jit(_planner("pallas", 1, 1024))
+                    rl = np.asarray(fn(c).rank_load)
+                    timings[f"planner pallas 1x1024, {lanes} candidates per program (imb {rl.max() / rl.mean():.4f})"] = (
+                        timeit(fn, c, reps=reps))
+                except Exception as e:  # noqa: BLE001 -- report and go on
+                    print(f"planner lanes {lanes} failed: {type(e).__name__}: {e}"[:600])
+            _quota_fill.LANES_PER_PROGRAM = default_lanes
             try:
                 timings["search kernel alone, 2x64 (loads -> target and layout)"] = timeit(kernel_only, c, reps=reps)
             except Exception as e:  # noqa: BLE001
@@ -161,9 +183,10 @@ def quota_section(tokens, rows, timings, reps, num_layers=8):
             layer_ids = np.stack([(ids[0] + i * H) % E for i in range(num_layers)])
             layer_counts = np.stack([np.roll(counts, i * H, axis=1) for i in range(num_layers)])
             lc, li = jnp.asarray(layer_counts), jnp.asarray(layer_ids)
-            for name, planner, mode in (("xla 2x64 scan search", _planner("xla"), "resolved"),
-                                        ("new 2x64 pallas search", _planner("pallas"), "resolved"),
-                                        ("new 2x64 pallas search", _planner("pallas"), "shares")):
+            for name, planner, mode in (("xla scan search, default shape", _planner("xla"), "resolved"),
+                                        ("default pallas search", _planner("pallas"), "resolved"),
+                                        ("default pallas search", _planner("pallas"), "shares"),
+                                        ("pallas 2x64 search (one program)", _planner("pallas", 2, 64), "shares")):
                 try:
                     ms = timeit(_layers(planner, "pallas", num_layers, mode), lc, li, reps=max(reps // 4, 3))
                     timings[f"planner + {mode} routing (pallas), per layer of {num_layers} in one jit: {name}"] = (

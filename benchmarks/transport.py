@@ -1,4 +1,4 @@
-"""Expert transport benchmark: rearrange_experts vs a raw ppermute of the same bytes.
+"""Expert transport benchmark: rearrange_experts vs a raw ppermute of the same bytes, executor variants side by side.
 
 A DeepSeek-V3-like MoE (58 layers, 256 experts on 288 slots) with experts
 shrunk to fit: per slot an fp8 (e4m3) w13 ``[2 * inter, hidden]`` with
@@ -8,24 +8,53 @@ one replica, so every swap moves two rows) to move ~10% and ~50% of the slots;
 each iteration draws fresh swaps with the same per-rank counts, so plans differ
 but capacities do not (the executor must not recompile).
 
-Printed side by side per (fraction, chunks): bytes moved per rank, median time,
-GB/s, raw ppermute of the same number of uint8 bytes, the ratio, peak extra
-device memory (measured from ``memory_stats`` and XLA's static temp size) over
-bytes moved, compiles. Correctness: per-slot hashes after each first move are
-checked against the expected source slots.
+Printed side by side per (variant, fraction, chunks): bytes moved per rank,
+median time, GB/s, raw ppermute of the same number of uint8 bytes (with the
+default XLA options, and with the variant's), the ratios, peak extra device
+memory (``memory_stats`` and XLA's static temp size) over bytes moved,
+compiles, host planning time; and the floor of a chunked executor: the same
+bytes in as many chained ppermutes as it issues. Correctness: per-slot hashes
+after each first move are checked against the expected source slots; all
+dtypes byte-exact (both schedules).
+
+Variants are '+'-joined parts (``--variants default stream+lhs words+d2``):
+  own | words    rows in their own dtype / as uint32 words (default: words on GPU)
+  dN             serial schedule with N transfers in flight (default 1)
+  stream         the stream schedule (plan reordered; chunk c written while chunk c + 1 is in flight)
+  cN             N chunks per round for this variant (else --chunks)
+  XLA options:   lhs (latency-hiding scheduler), memcpy (local p2p by cudaMemcpy, not NCCL kernels),
+                 ovlN (N collectives in flight, parallel_collective_overlap_limit), noprio (async
+                 stream not highest priority), symm (collective-permute in symmetric memory), nocb (no
+                 CUDA-graph command buffers), or any name=value (an xla_gpu_* DebugOptions field, e.g.
+                 xla_gpu_nccl_p2p_max_nchannels=32)
+A variant that fails (an option XLA rejects) prints its error and the run goes on.
+
+--timeline profiles a few calls of each variant (jax.profiler, CUPTI records of GPU 0) and prints, per
+call, the wall span of the device work, the busy time of the transfer kernels (NCCL / peer memcpy) and
+of the other kernels (pack, scatter), and how much of the two overlapped. Every run also summarises the
+executor's HLO: the longest chain of transfers each waiting for an earlier one (the program's data
+dependencies) and, per async transfer, the compute ops XLA scheduled between its start and done. So one
+run says whether a variant overlapped, and if not, whether the program or XLA's schedule forbade it, or
+the GPU serialised what the schedule allowed (--hlo-dir keeps each compiled HLO, gzipped).
 
   PYTHONPATH=. python3 benchmarks/transport.py                  # library defaults, all devices
-  PYTHONPATH=. python3 benchmarks/transport.py --ranks 8 --chunks 8 4 1 --variants own+d1 words+d1 words+d2+lhs
+  PYTHONPATH=. python3 benchmarks/transport.py --fractions 0.5 --variants default stream stream+lhs \\
+      --timeline --hlo-dir /tmp/hlo
   JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=2 \\
-      PYTHONPATH=. python3 benchmarks/transport.py --layers 4 --hidden 256 --inter 32 --iters 2   # smoke
+      PYTHONPATH=. python3 benchmarks/transport.py --layers 4 --hidden 256 --inter 32 --iters 2 \\
+      --variants default stream --timeline   # smoke (no GPU plane: the timeline says so)
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
+import os
+import re
 import statistics
 import time
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +64,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from moe_eplb_jax import sharding as eps
 from moe_eplb_jax.sharding import packing
 from moe_eplb_jax.sharding import transport as _transport
+from moe_eplb_jax.sharding.plan import order_for_streaming
+
+from _overlap import hlo_summary, timeline  # noqa: E402  (benchmarks/ is on the path when run as a script)
 
 
 def parse_args():
@@ -49,12 +81,52 @@ def parse_args():
     p.add_argument("--chunks", type=int, nargs="+", default=[0],
                    help="chunks per round, in order of rising memory; 0: the library's default chunking")
     p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--variants", nargs="+", default=["default"],
-                   help="executor variants, '+'-joined: own|words (rows in their dtype / as uint32 words), "
-                        "dN (N transfers in flight), lhs (XLA latency-hiding scheduler); default: the library's")
+    p.add_argument("--variants", nargs="+", default=["default"], help="executor variants (see above)")
+    p.add_argument("--timeline", action="store_true", help="profile each variant: overlap of transfers and copies")
+    p.add_argument("--timeline-calls", type=int, default=4, help="profiled calls per variant (even)")
+    p.add_argument("--hlo-dir", default=None, help="write each compiled executor's HLO text here (gzipped)")
+    p.add_argument("--no-extras", action="store_true", help="skip the dtype check and the component times")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the table rows here")
     return p.parse_args()
+
+
+OPTION_ALIASES = {
+    "lhs": ("xla_gpu_enable_latency_hiding_scheduler", True),
+    "memcpy": ("xla_gpu_use_memcpy_local_p2p", True),
+    "noprio": ("xla_gpu_enable_highest_priority_async_stream", False),
+    "symm": ("xla_gpu_collective_permute_mode", "symmetric"),
+    "nocb": ("xla_gpu_enable_command_buffer", ""),
+}
+
+
+def parse_variant(name):
+    """``(row view, depth, schedule, chunks or None, compiler options)`` of a '+'-joined variant name."""
+    view, depth, schedule, chunks, options = _transport.WORD_VIEW, _transport.PIPELINE_DEPTH, "serial", None, {}
+    for part in name.split("+"):
+        if part == "default":
+            continue
+        if part in ("own", "words"):
+            view = part == "words"
+        elif part == "stream":
+            schedule = "stream"
+        elif re.fullmatch(r"d\d+", part):
+            depth = int(part[1:])
+        elif re.fullmatch(r"c\d+", part):
+            chunks = int(part[1:])
+        elif re.fullmatch(r"ovl\d+", part):
+            options["xla_gpu_experimental_parallel_collective_overlap_limit"] = int(part[3:])
+        elif part in OPTION_ALIASES:
+            key, value = OPTION_ALIASES[part]
+            options[key] = value
+        elif "=" in part:
+            key, value = part.split("=", 1)
+            low = value.lower()
+            options[key] = (True if low == "true" else False if low == "false"
+                            else int(value) if value.isdigit() else value)
+        else:
+            raise SystemExit(f"unknown variant part {part!r} in {name!r}")
+    return view, depth, schedule, chunks, options
 
 
 # ------------------------------------------------------------------ placements
@@ -144,25 +216,65 @@ def check_move(before, after, old, new):
 
 
 # ----------------------------------------------------------------------- raw
-def raw_ppermute(mesh, nbytes_per_rank, iters):
+def raw_ppermute(mesh, nbytes_per_rank, iters, options=None):
+    """Median seconds of one ``ppermute`` of ``nbytes_per_rank`` uint8 bytes per rank, and the jitted call."""
     num_ranks = mesh.shape["ep"]
     sharding = NamedSharding(mesh, PartitionSpec("ep"))
     buf = jax.jit(lambda: jax.random.bits(jax.random.key(1), (num_ranks * nbytes_per_rank,), jnp.uint8),
                   out_shardings=sharding)()
     perm = [(r, (r + 1) % num_ranks) for r in range(num_ranks)]
     fn = jax.jit(jax.shard_map(lambda x: jax.lax.ppermute(x, "ep", perm), mesh=mesh,
-                               in_specs=PartitionSpec("ep"), out_specs=PartitionSpec("ep")))
+                               in_specs=PartitionSpec("ep"), out_specs=PartitionSpec("ep")),
+                 compiler_options=dict(options) if options else None)
     fn(buf).block_until_ready()
     times = []
     for _ in range(iters):
         t = time.perf_counter()
         fn(buf).block_until_ready()
         times.append(time.perf_counter() - t)
-    del buf
+    return statistics.median(times), fn, buf
+
+
+def raw_ppermute_chunked(mesh, nbytes_per_rank, chunks, iters):
+    """Median seconds of ``chunks`` ppermutes of ``nbytes_per_rank / chunks`` bytes, one after another.
+
+    The transfers alone as a chunked executor issues them (each waits for the previous one through an
+    optimisation barrier, so XLA neither merges nor overlaps them): the floor for any chunked schedule.
+    """
+    num_ranks = mesh.shape["ep"]
+    size = nbytes_per_rank // chunks
+    sharding = NamedSharding(mesh, PartitionSpec("ep"))
+    buf = jax.jit(lambda: jax.random.bits(jax.random.key(2), (num_ranks * chunks, size), jnp.uint8),
+                  out_shardings=sharding)()
+    perm = [(r, (r + 1) % num_ranks) for r in range(num_ranks)]
+
+    def local(x):
+        outs, piece = [], x[0]
+        for i in range(chunks):
+            outs.append(jax.lax.ppermute(piece, "ep", perm))
+            if i + 1 < chunks:
+                piece, _ = jax.lax.optimization_barrier((x[i + 1], outs[-1]))
+        return outs
+
+    fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=PartitionSpec("ep"),
+                               out_specs=[PartitionSpec("ep")] * chunks))
+    jax.block_until_ready(fn(buf))
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(buf))
+        times.append(time.perf_counter() - t)
     return statistics.median(times)
 
 
-def dtype_check(mesh, rng):
+def streamable(plan, num_chunks):
+    try:
+        return order_for_streaming(plan, num_chunks)
+    except ValueError:
+        return None
+
+
+def dtype_check(mesh, rng, schedule="serial"):
     """Byte-exact contract on this backend for every supported dtype (random bytes, NaN payloads included)."""
     import ml_dtypes
 
@@ -181,7 +293,10 @@ def dtype_check(mesh, rng):
     new = np.stack([rng.permutation(np.concatenate([np.arange(experts), rng.integers(0, experts, slots - experts)]))
                     for _ in range(layers)])
     take = lambda tab: {k: v[np.arange(layers)[:, None], tab] for k, v in ckpt.items()}  # noqa: E731
-    moved = eps.rearrange_experts(eps.shard_slots(take(old), mesh, layered=True), old, new, mesh=mesh)
+    plan = eps.plan_rearrangement(old, new, num_ranks)
+    if schedule == "stream":  # as many chunks as the plan's cycles allow, so the stream executor runs
+        plan = next(p for p in (streamable(plan, n) for n in (4, 2, 1)) if p is not None)
+    moved = eps.execute_plan(eps.shard_slots(take(old), mesh, layered=True), plan, mesh=mesh, schedule=schedule)
     expect = take(new)
     from moe_eplb_jax.sharding.packing import byte_rows_numpy
 
@@ -237,8 +352,78 @@ def mem_in_use(devices):
     stats = [d.memory_stats() or {} for d in devices]
     return max(s.get("bytes_in_use", 0) for s in stats), max(s.get("peak_bytes_in_use", 0) for s in stats)
 
-
 # ----------------------------------------------------------------------- main
+def run_config(args, ctx, variant, fraction, chunks):
+    """Times one (variant, fraction, chunks); returns the result row (``ctx`` carries experts and placement)."""
+    mesh, devices, row, num_ranks = ctx["mesh"], ctx["devices"], ctx["row"], ctx["mesh"].shape["ep"]
+    view, depth, schedule, own_chunks, options = parse_variant(variant)
+    chunks = own_chunks if own_chunks is not None else chunks
+    _transport.WORD_VIEW, _transport.PIPELINE_DEPTH = view, depth
+    opts = tuple(sorted(options.items()))
+    times, plan_s, compiles, res = [], [], [], dict(view=variant, fraction=fraction, options=options)
+    for it in range(args.iters + 1):
+        old = ctx["phy2log"]
+        new = swap_placement(ctx["rng"], old, num_ranks, fraction)
+        t0 = time.perf_counter()
+        plan = eps.plan_rearrangement(old, new, num_ranks)
+        max_chunk = -(-plan.capacities[0] // chunks) * row if chunks else None
+        leaves, layouts, specs, _ = _transport._check_leaves(ctx["experts"], plan, mesh, "ep")
+        nch = _transport._num_chunks(plan, layouts, max_chunk, schedule)
+        if schedule == "stream":  # host work: reorder the plan off the device's critical path
+            plan = order_for_streaming(plan, nch)
+        plan_s.append(time.perf_counter() - t0)
+        if it == 0:
+            before_hash = slot_hashes(mesh, ctx["experts"])
+            tables, table_layout = _transport.device_tables(plan, mesh, "ep")
+            fn = _transport._executor(mesh, "ep", tuple(specs), tuple(layouts), 2, True, nch, opts, plan.chunk_rows,
+                                      table_layout)
+            compiled = fn.lower(tables, leaves).compile()
+            res["extra_static"] = compiled.memory_analysis().temp_size_in_bytes
+            text = compiled.as_text()
+            res["hlo"] = hlo_summary(fn.lower(tables, leaves).as_text(dialect="hlo"), text)
+            if args.hlo_dir:
+                os.makedirs(args.hlo_dir, exist_ok=True)
+                with gzip.open(os.path.join(args.hlo_dir, f"{variant}_{fraction}_{chunks}.hlo.txt.gz"), "wt") as f:
+                    f.write(text)
+            in_use, _ = mem_in_use(devices)
+        size0 = eps.executor_trace_count()
+        t = time.perf_counter()
+        ctx["experts"] = eps.execute_plan(ctx["experts"], plan, mesh=mesh, max_chunk_bytes=max_chunk,
+                                          compiler_options=options, schedule=schedule)
+        jax.block_until_ready(ctx["experts"])
+        dt = time.perf_counter() - t
+        compiles.append(eps.executor_trace_count() - size0)
+        if it == 0:
+            _, peak = mem_in_use(devices)
+            res["extra_measured"] = peak - in_use
+            res["correct"] = check_move(before_hash, slot_hashes(mesh, ctx["experts"]), old, new)
+        else:
+            times.append(dt)
+        ctx["phy2log"] = new
+    moved = plan.bytes_moved(row)
+    med = statistics.median(times)
+    res.update(chunks=nch, moved=moved, time_ms=med * 1e3, gbps=moved / med / 1e9,
+               extra_measured=res["extra_measured"] / moved, extra_static=res["extra_static"] / moved,
+               recompiles_after_first=sum(compiles[1:]), first_compiles=compiles[0],
+               plan_ms=statistics.median(plan_s) * 1e3, capacity=plan.capacities[0], schedule=schedule,
+               streamed_chunk_rows=plan.chunk_rows)
+    if args.timeline:  # the last move forth and back (even calls: the placement ends where it was)
+        back = eps.plan_rearrangement(ctx["phy2log"], old, num_ranks)
+        back = order_for_streaming(back, nch) if schedule == "stream" else back
+        plans = (back, plan)
+
+        def call(i):
+            ctx["experts"] = eps.execute_plan(ctx["experts"], plans[i % 2], mesh=mesh, max_chunk_bytes=max_chunk,
+                                              compiler_options=options, schedule=schedule)
+            return ctx["experts"]
+
+        call(0), call(1)  # warm: the reverse plan has the same capacities
+        size0 = eps.executor_trace_count()
+        res["timeline"] = timeline(call, 2 * max(1, args.timeline_calls // 2))
+        res["recompiles_after_first"] += eps.executor_trace_count() - size0
+    return res
+
+
 def main():
     args = parse_args()
     mesh = eps.ep_mesh(args.ranks)
@@ -246,99 +431,129 @@ def main():
     devices = list(mesh.devices.flat)
     rng = np.random.default_rng(args.seed)
     print(f"devices: {num_ranks} x {devices[0].device_kind}; jax {jax.__version__}", flush=True)
+    for v in args.variants:
+        parse_variant(v)  # bad names stop here, before any work
 
-    phy2log = initial_placement(rng, args.layers, args.experts, args.slots)
+    initial = initial_placement(rng, args.layers, args.experts, args.slots)
     experts = make_experts(mesh, args.layers, args.slots, args.hidden, args.inter, args.seed)
     jax.block_until_ready(experts)
-    probe = eps.plan_rearrangement(phy2log, phy2log, num_ranks)
+    probe = eps.plan_rearrangement(initial, initial, num_ranks)
     row = eps.row_bytes(experts, probe, mesh=mesh)
     per_rank = args.layers * args.slots // num_ranks * row
     print(f"row {row} B/slot, experts {per_rank / 2**30:.2f} GiB per rank", flush=True)
+    ctx = dict(mesh=mesh, devices=devices, row=row, rng=rng, experts=experts, phy2log=initial)
 
     results = []
-    default_word_view, default_depth = _transport.WORD_VIEW, _transport.PIPELINE_DEPTH
-    configs = [(v, f, c) for v in args.variants for f in args.fractions for c in args.chunks]
-    for view, fraction, chunks in configs:
-        parts = view.split("+")
-        _transport.WORD_VIEW = True if "words" in parts else False if "own" in parts else default_word_view
-        depths = [int(x[1:]) for x in parts if x[:1] == "d" and x[1:].isdigit()]
-        _transport.PIPELINE_DEPTH = depths[0] if depths else default_depth
-        options = {"xla_gpu_enable_latency_hiding_scheduler": True} if "lhs" in parts else None
-        times, plan_s, compiles, checked, extra_measured, temp = [], [], [], None, None, None
-        for it in range(args.iters + 1):
-            new = swap_placement(rng, phy2log, num_ranks, fraction)
-            t0 = time.perf_counter()
-            plan = eps.plan_rearrangement(phy2log, new, num_ranks)
-            plan_s.append(time.perf_counter() - t0)
-            c = plan.capacities[0]
-            max_chunk = -(-c // chunks) * row if chunks else None
-            if it == 0:
-                before_hash = slot_hashes(mesh, experts)
-                # static temp size of the compiled executor
-                leaves, layouts, specs, _ = _transport._check_leaves(experts, plan, mesh, "ep")
-                nch = _transport._num_chunks(plan, layouts, max_chunk)
-                chunks_used = nch
-                fn = _transport._executor(mesh, "ep", tuple(specs), tuple(layouts), 2, True, nch,
-                                          tuple(sorted((options or {}).items())))
-                tables = {k: jax.device_put(v, NamedSharding(mesh, PartitionSpec("ep")))
-                          for k, v in plan.device_tables().items()}
-                temp = fn.lower(tables, leaves).compile().memory_analysis().temp_size_in_bytes
-                in_use, _ = mem_in_use(devices)
-            size0 = eps.executor_trace_count()
-            t = time.perf_counter()
-            experts = eps.execute_plan(experts, plan, mesh=mesh, max_chunk_bytes=max_chunk, compiler_options=options)
-            jax.block_until_ready(experts)
-            dt = time.perf_counter() - t
-            compiles.append(eps.executor_trace_count() - size0)
-            if it == 0:
-                _, peak = mem_in_use(devices)
-                extra_measured = peak - in_use
-                checked = check_move(before_hash, slot_hashes(mesh, experts), phy2log, new)
-            else:
-                times.append(dt)
-            phy2log = new
-        moved = plan.bytes_moved(row)
-        med = statistics.median(times)
-        res = dict(view=view, fraction=fraction, chunks=chunks_used, moved=moved, time_ms=med * 1e3, gbps=moved / med / 1e9,
-                   extra_measured=extra_measured / moved, extra_static=temp / moved,
-                   recompiles_after_first=sum(compiles[1:]), first_compiles=compiles[0], correct=checked,
-                   plan_ms=statistics.median(plan_s) * 1e3, capacity=plan.capacities[0])
-        results.append(res)
-        print(json.dumps(res), flush=True)
+    defaults = _transport.WORD_VIEW, _transport.PIPELINE_DEPTH
+    for variant in args.variants:
+        for fraction in args.fractions:
+            for chunks in args.chunks:
+                try:
+                    res = run_config(args, ctx, variant, fraction, chunks)
+                except Exception as e:  # noqa: BLE001 -- one rejected option must not end the run
+                    traceback.print_exc()
+                    res = dict(view=variant, fraction=fraction, error=f"{type(e).__name__}: {str(e)[:300]}")
+                    if any(leaf.is_deleted() for leaf in jax.tree.leaves(ctx["experts"])):  # start afresh
+                        ctx["experts"] = make_experts(mesh, args.layers, args.slots, args.hidden, args.inter, args.seed)
+                        ctx["phy2log"] = initial
+                finally:
+                    _transport.WORD_VIEW, _transport.PIPELINE_DEPTH = defaults
+                results.append(res)
+                print(json.dumps(res, default=str), flush=True)  # every row at once: a later hang loses none
+    ok = [r for r in results if "error" not in r]
 
     # Raw ppermute last: its buffers would otherwise raise the memory peak seen by later configurations.
-    raw_by_size = {}
-    for r in results:
-        if r["moved"] not in raw_by_size:
-            raw_by_size[r["moved"]] = raw_ppermute(mesh, r["moved"], max(5, args.iters))
-        raw = raw_by_size[r["moved"]]
-        r.update(raw_ms=raw * 1e3, raw_gbps=r["moved"] / raw / 1e9, ratio=raw / (r["time_ms"] / 1e3))
-    _transport.WORD_VIEW, _transport.PIPELINE_DEPTH = default_word_view, default_depth
-    dtype_ok = dtype_check(mesh, rng)
-    components = {}
-    for words in (False, True):
-        _transport.WORD_VIEW = words
-        times, experts = component_times(mesh, experts, results[-1]["capacity"], max(5, args.iters))
-        for k, v in times.items():
-            components[f"{k} ({'words' if words else 'own dtype'})"] = v
-    _transport.WORD_VIEW = default_word_view
+    raw, raw_timeline = {}, None
+    for r in ok:
+        for opts in ((), tuple(sorted(r["options"].items()))):
+            key = (r["moved"], opts)
+            if key not in raw:
+                try:
+                    seconds, fn, buf = raw_ppermute(mesh, r["moved"], max(5, args.iters), dict(opts))
+                    if args.timeline and not opts and r["moved"] == max(x["moved"] for x in ok):
+                        raw_timeline = timeline(lambda i: fn(buf), 4)  # noqa: B023
+                    del fn, buf
+                    raw[key] = seconds
+                except Exception as e:  # noqa: BLE001
+                    print(f"raw ppermute with {opts}: {type(e).__name__}: {e}", flush=True)
+                    raw[key] = float("nan")
+        own = raw[(r["moved"], tuple(sorted(r["options"].items())))]
+        r.update(raw_ms=raw[(r["moved"], ())] * 1e3, raw_same_ms=own * 1e3,
+                 ratio=raw[(r["moved"], ())] / (r["time_ms"] / 1e3), ratio_same=own / (r["time_ms"] / 1e3))
+    extras = {}
+    if ok:  # the floor of chunked transfers, at the largest move and the first variant's chunks
+        largest = max(ok, key=lambda r: r["moved"])
+        chunks = largest["chunks"] * (num_ranks - 1)
+        seconds = raw_ppermute_chunked(mesh, largest["moved"], chunks, max(5, args.iters))
+        extras[f"raw ppermute of {largest['moved'] / 2**20:.0f} MiB in {chunks} chained transfers ms"] = (
+            f"{seconds * 1e3:.2f} (one transfer: {raw[(largest['moved'], ())] * 1e3:.2f})")
+    if not args.no_extras:
+        for schedule in ("serial", "stream"):
+            extras[f"dtype check ({schedule})"] = dtype_check(mesh, rng, schedule)
+        if ok:
+            for words in (False, True):
+                _transport.WORD_VIEW = words
+                times, ctx["experts"] = component_times(mesh, ctx["experts"], ok[-1]["capacity"], max(5, args.iters))
+                for k, v in times.items():
+                    extras[f"{k} ({'words' if words else 'own dtype'}) ms"] = round(v, 3)
+            _transport.WORD_VIEW = defaults[0]
+    report(args, num_ranks, devices, row, results, raw_timeline, extras)
 
+
+def report(args, num_ranks, devices, row, results, raw_timeline, extras):
     print(f"\n## transport: {num_ranks} x {devices[0].device_kind}, {args.layers} layers x {args.slots} slots, "
           f"row {row} B (fp8 w13 + e8m0 scales + bf16 w2), iters {args.iters}")
-    print("(peak extra from memory_stats is a running maximum: valid while it rises; 'static' is XLA's temp size)")
-    print("| view | moved | chunks | MiB/rank | ours ms | ours GB/s | raw ppermute ms | raw GB/s | ours/raw | "
-          "peak extra / moved (stats, static) | recompiles | correct | plan ms |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("(raw: one ppermute of the same bytes, default XLA options / the variant's options; peak extra from "
+          "memory_stats is a running maximum, valid while it rises; 'static' is XLA's temp size)")
+    print("| variant | moved | chunks | MiB/rank | ours ms | ours GB/s | raw ms | ours/raw | raw ms (same opts) | "
+          "ours/raw (same opts) | peak extra / moved (stats, static) | recompiles | correct | plan ms |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
+        if "error" in r:
+            print(f"| {r['view']} | {r['fraction']:.0%} | failed: {r['error']} |")
+            continue
         print(f"| {r['view']} | {r['fraction']:.0%} | {r['chunks']} | {r['moved'] / 2**20:.0f} | {r['time_ms']:.2f} | "
-              f"{r['gbps']:.0f} | {r['raw_ms']:.2f} | {r['raw_gbps']:.0f} | {r['ratio']:.2f} | "
-              f"{r['extra_measured']:.2f}, {r['extra_static']:.2f} | {r['recompiles_after_first']} | "
-              f"{r['correct']} | {r['plan_ms']:.0f} |")
-    print("components at the last capacity (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in components.items()))
-    print(f"dtype check on this backend (all dtypes, NaN payloads, byte-exact): {dtype_ok}")
+              f"{r['gbps']:.0f} | {r['raw_ms']:.2f} | {r['ratio']:.2f} | {r['raw_same_ms']:.2f} | "
+              f"{r['ratio_same']:.2f} | {r['extra_measured']:.2f}, {r['extra_static']:.2f} | "
+              f"{r['recompiles_after_first']} | {r['correct']} | {r['plan_ms']:.0f} |")
+    print("\n### schedule (longest chain of transfers each waiting for an earlier one, of all transfers: N of N is "
+          "strictly serial; async transfers, those marked sync, compute ops XLA placed between each start and done)")
+    for r in results:
+        if "hlo" in r:
+            h = r["hlo"]
+            print(f"- {r['view']} {r['fraction']:.0%}: chain {h['longest_chain']} of {h['transfers']}; "
+                  f"{h['async_pairs']} async, {h['is_sync']} marked sync; ops between start/done "
+                  f"{h['compute_ops_between_start_and_done']}")
+    if args.timeline:
+        print("\n### timeline (GPU 0, median per call, ms; profiled without command buffers)")
+        print("| variant | moved | span | transfer busy | kernel busy | copy busy | transfer || other | idle | "
+              "verdict |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        rows = [(r["view"], f"{r['fraction']:.0%}", r.get("timeline")) for r in results if "timeline" in r]
+        rows.append(("raw ppermute", "largest", raw_timeline))
+        for name, frac, t in rows:
+            if t is None:
+                print(f"| {name} | {frac} | no GPU trace |")
+                continue
+            other = t["kernel_ms"] + t["copy_ms"]
+            verdict = ("overlapped" if t["overlap_ms"] > 0.5 * min(t["transfer_ms"], other) else
+                       "serialised" if t["overlap_ms"] < 0.1 * min(t["transfer_ms"], other) else "partly")
+            print(f"| {name} | {frac} | {t['span_ms']:.2f} | {t['transfer_ms']:.2f} | {t['kernel_ms']:.2f} | "
+                  f"{t['copy_ms']:.2f} | {t['overlap_ms']:.2f} | {t['idle_ms']:.2f} | {verdict} |")
+        for name, frac, t in rows:
+            if t is not None:
+                print(f"- {name} {frac}: calls found {t['calls_found']}, streams {t['streams']}, "
+                      f"largest {t['top_ms_per_call']}")
+        if raw_timeline is not None:  # device time only: no host work (validation, tables) in either
+            largest = max(r["moved"] for r in results if "moved" in r)
+            ratios = [f"{r['view']} {raw_timeline['span_ms'] / r['timeline']['span_ms']:.2f}" for r in results
+                      if r.get("timeline") and r["moved"] == largest]
+            print(f"device span of the raw ppermute / of ours ({largest / 2**20:.0f} MiB/rank): " + ", ".join(ratios))
+    for k, v in extras.items():
+        print(f"{k}: {v}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+            json.dump(results, f, indent=1, default=str)
 
 
 if __name__ == "__main__":

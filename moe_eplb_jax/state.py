@@ -10,7 +10,7 @@ is updated every step::
             state = record(state, load)          # load [L, P]: tokens per slot, padding excluded
         state = end_step(state)                  # or end_step(state, dummy=True) on a rank with no data
         if should_rearrange(state, config):
-            logical = window_logical_load(state, phy2log, E)      # psum over EP inside shard_map
+            logical = window_logical_load(state, phy2log, E)      # the only sum over EP ranks
             placement = compute_placement(np.asarray(logical), config, old_phy2log=phy2log)
             ... move the experts (moe_eplb_jax.sharding) ...
             state = mark_rearranged(state)
@@ -18,6 +18,14 @@ is updated every step::
 Every rank calls ``end_step`` every step (a rank without data passes
 ``dummy=True``), so the step counters of all ranks stay in lock-step and every
 rank decides to rearrange at the same step.
+
+Loads are summed over the EP ranks only when the window is read, never per
+step. Two layouts do that: inside ``jax.shard_map`` each rank keeps a state of
+its own counts and passes ``axis_name`` to the readers (they psum); outside it,
+``init_state(..., per_rank=True)`` keeps one row per rank (``[L, G, P]``, the
+``G`` axis sharded over the EP mesh axis), so ``record`` / ``end_step`` are
+elementwise on each rank's shard and the readers sum the rows (the one
+all-reduce, at read time).
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ __all__ = [
     "record",
     "end_step",
     "should_rearrange",
+    "window_slot_load",
     "window_logical_load",
     "compute_placement",
     "mark_rearranged",
@@ -118,8 +127,10 @@ class EplbState:
     """Load bookkeeping of every MoE layer (all fields are arrays).
 
     Attributes:
-      pass_load: ``[L, P]`` int32, tokens per slot recorded during the current step.
-      window: ``[W, L, P]`` int32 ring buffer of per-step loads.
+      pass_load: ``[L, P]`` int32, tokens per slot recorded during the current
+        step; ``[L, G, P]`` in the per-rank layout (row ``g``: the tokens EP
+        rank ``g`` counted; the total is the sum of the rows).
+      window: ``[W, L, P]`` (per-rank: ``[W, L, G, P]``) int32 ring buffer of per-step loads.
       window_pos: index of the window row the next step writes.
       window_filled: number of valid window rows (``<= W``).
       step: steps since the last rearrangement (or since the start).
@@ -141,23 +152,35 @@ class EplbState:
 
     @property
     def num_physical(self) -> int:
-        return int(self.pass_load.shape[1])
+        return int(self.pass_load.shape[-1])
+
+    @property
+    def per_rank(self) -> bool:
+        """True for the per-rank layout (``pass_load [L, G, P]``): readers sum the rank rows."""
+        return self.pass_load.ndim == 3
 
     @property
     def window_size(self) -> int:
         return int(self.window.shape[0])
 
 
-def init_state(config: EplbConfig, num_layers: int, num_physical: int) -> EplbState:
-    """A fresh state with an empty window of ``config.window_size`` steps."""
+def init_state(config: EplbConfig, num_layers: int, num_physical: int, *, per_rank: bool = False) -> EplbState:
+    """A fresh state with an empty window of ``config.window_size`` steps.
+
+    ``per_rank=True``: one load row per EP rank (``G = config.num_gpus``),
+    ``pass_load [L, G, P]`` and ``window [W, L, G, P]``; ``record`` then takes
+    ``[L, G, P]`` per-rank counts, and shard the ``G`` axis over the EP mesh
+    axis so that recording needs no communication (see the module docstring).
+    """
     if num_layers < 1 or num_physical < 1:
         raise ValueError(f"need num_layers >= 1 and num_physical >= 1, got {num_layers}, {num_physical}")
     if num_physical % config.num_gpus:
         raise ValueError(f"{num_physical} slots are not divisible by num_gpus={config.num_gpus}")
     zero = jnp.zeros((), jnp.int32)
+    rows = (num_layers, config.num_gpus, num_physical) if per_rank else (num_layers, num_physical)
     return EplbState(
-        pass_load=jnp.zeros((num_layers, num_physical), jnp.int32),
-        window=jnp.zeros((config.window_size, num_layers, num_physical), jnp.int32),
+        pass_load=jnp.zeros(rows, jnp.int32),
+        window=jnp.zeros((config.window_size, *rows), jnp.int32),
         window_pos=zero,
         window_filled=zero,
         step=zero,
@@ -167,10 +190,11 @@ def init_state(config: EplbConfig, num_layers: int, num_physical: int) -> EplbSt
 
 
 def record(state: EplbState, load) -> EplbState:
-    """Adds one forward pass's per-slot load ``[L, P]`` (padding already excluded) to the current step."""
+    """Adds one forward pass's per-slot load ``[L, P]`` (per-rank layout: ``[L, G, P]``; padding excluded)."""
     load = jnp.asarray(load)
     if load.shape != state.pass_load.shape:
-        raise ValueError(f"load must have shape [L, P] = {tuple(state.pass_load.shape)}, got {tuple(load.shape)}")
+        axes = "[L, G, P]" if state.per_rank else "[L, P]"
+        raise ValueError(f"load must have shape {axes} = {tuple(state.pass_load.shape)}, got {tuple(load.shape)}")
     if not jnp.issubdtype(load.dtype, jnp.integer):
         raise ValueError(f"load must hold integer token counts, got dtype {load.dtype}")
     return dataclasses.replace(state, pass_load=state.pass_load + load.astype(jnp.int32))
@@ -203,22 +227,37 @@ def should_rearrange(state: EplbState, config: EplbConfig):
     return state.step >= due
 
 
+def window_slot_load(state: EplbState, *, axis_name=None):
+    """Tokens per physical slot summed over the window, ``[L, P]`` int32 -- over every EP rank.
+
+    The per-rank layout's rows are summed here (under ``jit`` on a state whose
+    rank axis is sharded, this is the all-reduce). Inside ``jax.shard_map``
+    pass ``axis_name`` (the EP axis): each rank's locally counted loads are
+    then psummed, so every rank gets the same global load.
+    """
+    valid_rows = jnp.arange(state.window.shape[0]) < state.window_filled
+    valid_rows = valid_rows.reshape((-1,) + (1,) * (state.window.ndim - 1))
+    slot_load = jnp.where(valid_rows, state.window, 0).sum(0, dtype=jnp.int32)
+    if state.per_rank:
+        slot_load = slot_load.sum(1, dtype=jnp.int32)
+    if axis_name is not None:
+        slot_load = jax.lax.psum(slot_load, axis_name)
+    return slot_load
+
+
 def window_logical_load(state: EplbState, phy2log, num_logical: int, *, axis_name=None):
     """Total load of each logical expert over the window, ``[L, E]`` float32.
 
-    Slot loads are summed over the window rows, then into the logical expert
-    each slot holds (``phy2log [L, P]``). Inside ``jax.shard_map`` pass
-    ``axis_name`` (the EP axis): each rank's locally counted loads are then
-    summed over ranks, so every rank gets the same global load and computes the
-    same placement.
+    Slot loads are summed over the window rows and the EP ranks
+    (:func:`window_slot_load`; ``axis_name`` inside ``jax.shard_map``), then
+    into the logical expert each slot holds (``phy2log [L, P]``), so every rank
+    gets the same global load and computes the same placement.
     """
     phy2log = jnp.asarray(phy2log, jnp.int32)
-    if phy2log.shape != state.pass_load.shape:
-        raise ValueError(f"phy2log must have shape [L, P] = {tuple(state.pass_load.shape)}, got {tuple(phy2log.shape)}")
-    valid_rows = jnp.arange(state.window.shape[0]) < state.window_filled
-    slot_load = jnp.where(valid_rows[:, None, None], state.window, 0).sum(0, dtype=jnp.int32)
-    if axis_name is not None:
-        slot_load = jax.lax.psum(slot_load, axis_name)
+    want = (state.num_layers, state.num_physical)
+    if phy2log.shape != want:
+        raise ValueError(f"phy2log must have shape [L, P] = {want}, got {tuple(phy2log.shape)}")
+    slot_load = window_slot_load(state, axis_name=axis_name)
     onehot = phy2log[..., None] == jnp.arange(num_logical, dtype=jnp.int32)[None, None, :]
     return jnp.einsum("lp,lpe->le", slot_load.astype(jnp.float32), onehot.astype(jnp.float32))
 

@@ -19,9 +19,9 @@ G, E, P, D, H, K = 4, 8, 12, 16, 8, 2
 MESH = jax.make_mesh((G,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
 
 
-def _apply_fn(top_k=K, num_groups=1, topk_groups=None, matmul="dense"):
+def _apply_fn(top_k=K, num_groups=1, topk_groups=None, matmul="dense", load_reduce="none"):
     return jax.jit(functools.partial(layer_mod.moe_apply, top_k=top_k, mesh=MESH, num_groups=num_groups,
-                                     topk_groups=topk_groups, matmul=matmul))
+                                     topk_groups=topk_groups, matmul=matmul, load_reduce=load_reduce))
 
 
 APPLY = _apply_fn()
@@ -86,7 +86,8 @@ def test_layer_matches_per_token_oracle(rng, groups):
     out, load = fn(x, router, BIAS, {"w_in": w_in[phy], "w_out": w_out[phy]}, placement.log2phy[0], placement.logcnt[0])
     ref, ids = _oracle(x, router, w_in, w_out, **route_kw)
     np.testing.assert_allclose(np.asarray(out), ref, rtol=2e-4, atol=2e-4)
-    load = np.asarray(load)
+    assert load.shape == (G, P)  # per-rank rows (load_reduce="none", the default)
+    load = np.asarray(load).sum(0)
     assert load.sum() == x.shape[0] * K
     # Each expert's load is split over its replicas only.
     per_expert = np.bincount(phy, weights=load, minlength=E)
@@ -118,6 +119,7 @@ def test_module_forward_records_load_and_never_recompiles(rng):
     y0 = fwd(model, x)
     assert y0.shape == x.shape
     assert int(model.expert_load.get_value().sum()) == 2 * G * 3 * K
+    assert model.expert_load.get_value().shape == (G, P)
     before = fwd._cache_size() if hasattr(fwd, "_cache_size") else None
     # Permute the slots by hand: weights follow the tables.
     new = _random_placement(rng)
@@ -227,9 +229,32 @@ def test_padding_tokens_are_computed_but_not_counted(rng):
     out, load = APPLY(*args, jnp.int32(valid))
     assert np.array_equal(np.asarray(out), np.asarray(out_all))
     _, ids = _oracle(x[:valid], router, w_in, w_out)
-    load = np.asarray(load)
-    assert load.sum() == valid * K
-    assert np.array_equal(np.bincount(phy, weights=load, minlength=E), np.bincount(ids.reshape(-1), minlength=E))
+    # Per-rank rows: row r counts only rank r's own valid tokens.
+    rows = np.asarray(load)
+    assert rows.sum(1).tolist() == [5 * K, 2 * K, 0, 0]
+    for rank, (lo, hi) in enumerate([(0, 5), (5, 7)]):
+        assert np.array_equal(np.bincount(phy, weights=rows[rank], minlength=E),
+                              np.bincount(ids[lo:hi].reshape(-1), minlength=E))
+    # load_reduce="psum": the replicated per-step total, equal to the sum of the rows.
+    out_psum, load_psum = _apply_fn(load_reduce="psum")(*args, jnp.int32(valid))
+    assert load_psum.shape == (P,) and np.array_equal(np.asarray(load_psum), rows.sum(0))
+    assert np.array_equal(np.asarray(out_psum), np.asarray(out))
+    with pytest.raises(ValueError, match="load_reduce"):
+        layer_mod.moe_apply(*args, top_k=K, mesh=MESH, load_reduce="mean")
+    with pytest.raises(ValueError, match="load_reduce"):
+        MoELayer(D, H, E, K, mesh=MESH, num_physical=P, load_reduce="sum", rngs=nnx.Rngs(0))
+
+
+def test_per_rank_load_has_no_collective_in_the_step(rng):
+    """load_reduce="none" leaves no all-reduce in the compiled forward pass; "psum" has exactly the load's one."""
+    w_in, w_out, router = _weights(rng)
+    placement = Placement.linear(1, E, P)
+    args = (rng.standard_normal((G * 4, D)).astype(np.float32), router, BIAS,
+            {"w_in": w_in[placement.phy2log[0]], "w_out": w_out[placement.phy2log[0]]}, placement.log2phy[0],
+            placement.logcnt[0])
+    hlo = {mode: _apply_fn(load_reduce=mode).lower(*args).compile().as_text() for mode in ("none", "psum")}
+    assert hlo["none"].count("all-reduce") == 0
+    assert hlo["psum"].count("all-reduce") >= 1
 
 
 def test_moe_apply_rejects_bad_shapes(rng):

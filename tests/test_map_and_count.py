@@ -388,10 +388,11 @@ def test_pallas_kernels_lower_to_triton_ir(monkeypatch):
     from moe_eplb_jax.pallas import _triton
 
     spec = jax.ShapeDtypeStruct
-    for mode in MODES:
+    for mode, method in [(m, "onehot") for m in MODES] + [("hash", m) for m in _triton.COUNT_METHODS[1:]]:
 
         def run(ids, log2phy, logcnt, thresholds, limits):  # the compiled path (interpret=False)
-            return _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=288, mode=mode)
+            return _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=288, mode=mode,
+                                                count_method=method)
 
         exported = jax.export.export(
             jax.jit(run), platforms=["cuda"],
@@ -399,6 +400,13 @@ def test_pallas_kernels_lower_to_triton_ir(monkeypatch):
         )(spec((4096, 8), jnp.int32), spec((256, 33), jnp.int32), spec((256,), jnp.int32),
           spec((256, 33), jnp.int32), spec((2,), jnp.int32))
         assert "xla.gpu.triton" in exported.mlir_module()
+    # From LARGE_ENTRIES entries on the defaults switch to atomic counting: that kernel must lower too.
+    big = jax.export.export(
+        jax.jit(lambda *a: _triton.map_and_count_triton(*a, num_physical=288, mode="hash")), platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+    )(spec((_triton.LARGE_ENTRIES // 8, 8), jnp.int32), spec((256, 33), jnp.int32), spec((256,), jnp.int32),
+      spec((256, 33), jnp.int32), spec((2,), jnp.int32))
+    assert "xla.gpu.triton" in big.mlir_module()
 
 
 # ------------------------------------------------------------------ GPU only
@@ -422,6 +430,37 @@ def test_gpu_kernel_matches_reference(mode, shape, rng):
             want_phys, want_load = oracle(ids, log2phy, logcnt, num_physical, int(num_valid), mode, **extra)
             np.testing.assert_array_equal(np.asarray(got[0]), want_phys)
             np.testing.assert_array_equal(np.asarray(got[1]), want_load)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["onehot", "atomic", "atomic_warp"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("shape", [(1, 1, 8, 8), (333, 6, 512, 519), (65536, 8, 256, 288)],
+                         ids=lambda s: "T{}k{}E{}P{}".format(*s))
+def test_gpu_count_methods_match_reference(method, mode, shape, rng):
+    """Every counting method of the compiled kernel gives the reference's ids and loads on fresh inputs."""
+    from moe_eplb_jax.pallas import _reference, _triton
+    from moe_eplb_jax.pallas.map_and_count import _build_thresholds
+
+    num_tokens, top_k, num_logical, num_physical = shape
+    placement = random_placement(rng, num_logical, num_physical)
+    log2phy, logcnt = jnp.asarray(placement.log2phy[0]), jnp.asarray(placement.logcnt[0])
+    width = log2phy.shape[1]
+    for _ in range(2):
+        ids = jnp.asarray(random_ids(rng, num_tokens, top_k, num_logical))
+        extra = random_mode_inputs(rng, mode, placement, ids.size)
+        values = extra.get("replica_shares", extra.get("resolved"))
+        thresholds = (jnp.zeros_like(log2phy) if values is None
+                      else _build_thresholds(mode, jnp.asarray(values), logcnt, width))
+        valid = int(rng.integers(0, num_tokens + 1)) * top_k
+        limits = jnp.asarray([valid, valid], jnp.int32)
+        want = _reference.map_and_count_reference(ids, log2phy, logcnt, thresholds, limits,
+                                                  num_physical=num_physical, mode=mode)
+        got = jax.jit(lambda x: _triton.map_and_count_triton(x, log2phy, logcnt, thresholds, limits,
+                                                             num_physical=num_physical, mode=mode,
+                                                             count_method=method))(ids)
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
 
 
 @pytest.mark.gpu

@@ -202,8 +202,9 @@ def _both(num_home, num_spare, min_replica_tokens, search_rounds, search_width, 
     return make("xla"), make("pallas")
 
 
+# (4, 2, 2) x 1 round x 100: a grid split over 4 programs of 32 candidates (the one-round default's layout).
 @pytest.mark.parametrize("shape,min_tokens,rounds,width", [((4, 2, 2), 1, 2, 64), ((6, 3, 1), 40, 3, 16),
-                                                           ((5, 4, 3), 5, 1, 7)])
+                                                           ((5, 4, 3), 5, 1, 7), ((4, 2, 2), 1, 1, 100)])
 def test_pallas_search_matches_xla(rng, shape, min_tokens, rounds, width):
     """The Triton search kernel (interpret mode on CPU) gives the XLA plan, also under (nested) vmap."""
     num_ranks, num_home, num_spare = shape
@@ -235,7 +236,8 @@ def test_pallas_plan_equals_xla_plan_on_gpu(rng):
              for impl in ("pallas", "xla")]
     for field in FIELDS:
         np.testing.assert_array_equal(np.asarray(getattr(plans[0], field)), np.asarray(getattr(plans[1], field)))
-    for shape, min_tokens, rounds, width in [((4, 2, 2), 1, 2, 64), ((6, 3, 1), 40, 3, 16), ((5, 4, 3), 5, 1, 7)]:
+    for shape, min_tokens, rounds, width in [((4, 2, 2), 1, 2, 64), ((6, 3, 1), 40, 3, 16), ((5, 4, 3), 5, 1, 7),
+                                             ((4, 2, 2), 1, 1, 100), ((8, 4, 2), 1, 1, 1024)]:
         xla, pallas = _both(shape[1], shape[2], min_tokens, rounds, width, nested=True)
         batch = jnp.asarray(np.stack([np.stack([_skewed_counts(rng, shape[0], shape[1]) for _ in range(3)])
                                       for _ in range(2)]))

@@ -102,6 +102,37 @@ def test_window_logical_load_psums_over_the_ep_axis(rng):
         np.testing.assert_allclose(np.asarray(out)[rank], expected)
 
 
+def test_per_rank_layout_sums_rows_only_when_read(rng):
+    """Per-rank rows [L, G, P] sharded over EP: recording is local, the readers equal the summed layout."""
+    mesh = jax.make_mesh((8,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
+    cfg = EplbConfig(window_size=3, num_gpus=8)
+    rows = jax.NamedSharding(mesh, P(None, "ep", None))
+    shardings = jax.tree.map(lambda _: jax.NamedSharding(mesh, P()), jax.eval_shape(lambda: st.init_state(cfg, 2, 16)))
+    shardings = st.EplbState(**{**vars(shardings), "pass_load": rows,
+                                "window": jax.NamedSharding(mesh, P(None, None, "ep", None))})
+    ranked = jax.jit(lambda: st.init_state(cfg, 2, 16, per_rank=True), out_shardings=shardings)()
+    summed = st.init_state(cfg, 2, 16)
+    assert ranked.per_rank and not summed.per_rank and ranked.num_physical == summed.num_physical == 16
+    step = jax.jit(lambda s, a, b: st.end_step(st.record(st.record(s, a), b)), out_shardings=shardings)
+    for _ in range(5):  # two passes per step; the 3-row window wraps
+        a, b = (rng.integers(0, 30, size=(2, 8, 16)).astype(np.int32) for _ in range(2))
+        ranked = step(ranked, jax.device_put(a, rows), jax.device_put(b, rows))
+        summed = st.end_step(st.record(st.record(summed, a.sum(1)), b.sum(1)))
+    np.testing.assert_array_equal(np.asarray(st.window_slot_load(ranked)), np.asarray(st.window_slot_load(summed)))
+    phy2log = np.stack([rng.permutation(np.r_[np.arange(12), np.arange(4)]) for _ in range(2)]).astype(np.int32)
+    np.testing.assert_array_equal(np.asarray(st.window_logical_load(ranked, phy2log, 12)),
+                                  np.asarray(st.window_logical_load(summed, phy2log, 12)))
+    # Recording is elementwise on each rank's rows; the sum over ranks is the readers' one all-reduce.
+    a = jax.device_put(np.zeros((2, 8, 16), np.int32), rows)
+    assert "all-reduce" not in step.lower(ranked, a, a).compile().as_text()
+    read = jax.jit(st.window_slot_load, out_shardings=jax.NamedSharding(mesh, P()))
+    assert "all-reduce" in read.lower(ranked).compile().as_text()
+    with pytest.raises(ValueError, match=r"\[L, G, P\]"):
+        st.record(ranked, jnp.zeros((2, 16), jnp.int32))
+    with pytest.raises(ValueError, match="phy2log must have shape"):
+        st.window_logical_load(ranked, np.zeros((2, 8), np.int32), 12)
+
+
 def test_compute_placement_uses_the_registered_policy(rng):
     calls = []
 

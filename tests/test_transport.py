@@ -1,6 +1,7 @@
 """Expert transport on a CPU mesh: rearranging equals loading the permuted checkpoint, byte for byte."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ from _bytes import random_bytes
 from moe_eplb_jax import Placement
 from moe_eplb_jax import sharding as eps
 from moe_eplb_jax.sharding.packing import byte_rows_numpy
+from moe_eplb_jax.sharding.plan import order_for_streaming
 
 DTYPES = [
     np.float32,
@@ -68,13 +70,14 @@ def moves(draw):
     seed = draw(st.integers(0, 2**31 - 1))
     keep = draw(st.floats(0, 0.9))
     word_view = draw(st.booleans())
-    return num_ranks, layered, num_experts, seed, keep, word_view
+    schedule = draw(st.sampled_from(eps.transport.SCHEDULES))
+    return num_ranks, layered, num_experts, seed, keep, word_view, schedule
 
 
 @settings(max_examples=12)
 @given(moves())
 def test_rearranged_bytes_equal_permuted_checkpoint(case):
-    num_ranks, layered, num_experts, seed, keep, word_view = case
+    num_ranks, layered, num_experts, seed, keep, word_view, schedule = case
     rng = np.random.default_rng(seed)
     layers, num_slots = (2 if layered else 1), 3 * num_ranks
     ckpt = checkpoint(rng, layers, num_experts)
@@ -90,7 +93,8 @@ def test_rearranged_bytes_equal_permuted_checkpoint(case):
     plan = eps.plan_rearrangement(old, new, num_ranks).padded(send=rows, dup=rows, copy=rows)
     saved, eps.transport.WORD_VIEW = eps.transport.WORD_VIEW, word_view  # both row views (CPU / GPU default)
     try:
-        moved = eps.execute_plan(experts, plan, mesh=mesh, max_chunk_bytes=1 << 30)  # one transfer per round
+        # one transfer per round (one chunk: every plan can be streamed)
+        moved = eps.execute_plan(experts, plan, mesh=mesh, max_chunk_bytes=1 << 30, schedule=schedule)
     finally:
         eps.transport.WORD_VIEW = saved
     assert_bytes_equal(moved, load(ckpt, new), 2 if layered else 1)
@@ -106,8 +110,9 @@ def word_view(request, monkeypatch):
     return request.param
 
 
+@pytest.mark.parametrize("schedule", ["serial", "stream"])
 @pytest.mark.parametrize("num_ranks", [1, 2, 4, 8])
-def test_rearrange_experts_on_every_mesh_size(num_ranks, word_view, rng):
+def test_rearrange_experts_on_every_mesh_size(num_ranks, schedule, word_view, rng):
     layers, num_experts, num_slots = 3, 3 * num_ranks, 4 * num_ranks
     ckpt = checkpoint(rng, layers, num_experts, dtypes=[ml_dtypes.bfloat16, ml_dtypes.float8_e5m2,
                                                         ml_dtypes.float4_e2m1fn, np.float32], row=(3, 2))
@@ -118,9 +123,23 @@ def test_rearrange_experts_on_every_mesh_size(num_ranks, word_view, rng):
     plan = eps.plan_rearrangement(old, new, num_ranks)
     assert plan.bytes_moved(eps.row_bytes(experts, plan, mesh=mesh)) == (
         max(plan.rows_sent.max(), plan.rows_received.max()) * (12 + 6 + 3 + 24) if num_ranks > 1 else 0)
-    # small chunks: several collectives per round
-    moved = eps.rearrange_experts(experts, old, new, mesh=mesh, max_chunk_bytes=2 * 45)
+    # small chunks: several collectives per round (the stream schedule falls back to serial for a plan
+    # whose cycles do not fit in a chunk)
+    moved = eps.rearrange_experts(experts, old, new, mesh=mesh, max_chunk_bytes=2 * 45, schedule=schedule)
     assert_bytes_equal(moved, load(ckpt, new), 2)
+    if schedule == "stream":  # streamed for certain: as many chunks as the plan's cycles allow
+        ordered = next(p for p in map(functools.partial(streamable, plan), (4, 3, 2, 1)) if p is not None)
+        experts = eps.shard_slots(load(ckpt, old), mesh, layered=True)
+        moved = eps.execute_plan(experts, ordered, mesh=mesh, schedule="stream")
+        assert_bytes_equal(moved, load(ckpt, new), 2)
+        assert any(key[-2] == ordered.chunk_rows for key in eps.transport._EXECUTORS)  # the stream executor ran
+
+
+def streamable(plan, num_chunks):
+    try:
+        return order_for_streaming(plan, num_chunks)
+    except ValueError:
+        return None
 
 
 def test_unchanged_placement_moves_nothing(rng):
@@ -146,17 +165,18 @@ def swaps(rng, phy2log, per_rank, count):
     return new
 
 
-def test_same_buckets_do_not_recompile(rng):
+@pytest.mark.parametrize("schedule", ["serial", "stream"])
+def test_same_buckets_do_not_recompile(schedule, rng):
     mesh = mesh_of(2)
     ckpt = checkpoint(rng, 2, 16, dtypes=[ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn])
     old = np.stack([rng.permutation(16) for _ in range(2)])
     experts = eps.shard_slots(load(ckpt, old), mesh, layered=True)
     new = swaps(rng, old, 8, 3)
-    experts = eps.rearrange_experts(experts, old, new, mesh=mesh)
+    experts = eps.rearrange_experts(experts, old, new, mesh=mesh, schedule=schedule)
     traces = eps.executor_trace_count()
     for _ in range(3):  # different plans, same capacities
         old, new = new, swaps(rng, new, 8, 3)
-        experts = eps.rearrange_experts(experts, old, new, mesh=mesh)
+        experts = eps.rearrange_experts(experts, old, new, mesh=mesh, schedule=schedule)
     assert eps.executor_trace_count() == traces
     assert_bytes_equal(experts, load(ckpt, new), 2)
 
@@ -285,7 +305,48 @@ def test_bad_leaves_raise_and_nothing_is_donated(rng):
         eps.rearrange_experts({"a": good, "b": good}, old, new, mesh=mesh)
     with pytest.raises(ValueError, match="max_chunk_bytes"):
         eps.rearrange_experts({"good": good}, old, new, mesh=mesh, max_chunk_bytes=0)
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        eps.rearrange_experts({"good": good}, old, new, mesh=mesh, schedule="overlap")
     assert not good.is_deleted()
+
+
+# -------------------------------------------------------- schedule structure
+def transfer_chain(hlo: str) -> tuple[int, int]:
+    """``(longest chain of collective-permutes each depending on an earlier one, their number)`` in HLO text."""
+    operands, transfers = {}, set()
+    for line in hlo.splitlines():
+        m = re.match(r"\s+(?:ROOT )?%?([\w.\-]+) = .*? ([a-z][a-z0-9\-]*)\(([^)]*)\)", line)
+        if m:
+            operands[m.group(1)] = re.findall(r"%?([A-Za-z_][\w.\-]*)", m.group(3))
+            if m.group(2) == "collective-permute":
+                transfers.add(m.group(1))
+    memo = {}
+
+    def depth(name):
+        if name not in memo:
+            memo[name] = 0
+            memo[name] = max((depth(o) for o in operands.get(name, ())), default=0) + (name in transfers)
+        return memo[name]
+
+    return max(map(depth, transfers), default=0), len(transfers)
+
+
+@pytest.mark.parametrize("schedule, depth, chain", [("serial", 1, 8), ("serial", 2, 4), ("stream", 1, 4)])
+def test_transfers_wait_only_where_the_schedule_says(schedule, depth, chain, rng, monkeypatch):
+    """Serial, one in flight: each transfer waits for the previous one. Stream: chunk c + 1's transfer does
+    not depend on chunk c's (only on chunk c - 1's, whose rows are written before c + 1 is packed)."""
+    monkeypatch.setattr(eps.transport, "PIPELINE_DEPTH", depth)
+    mesh = mesh_of(2)
+    ckpt = checkpoint(rng, 4, 16, dtypes=[np.float32])
+    old = np.stack([rng.permutation(16) for _ in range(4)])
+    plan = eps.plan_rearrangement(old, swaps(rng, old, 8, 4), 2)  # 16 rows per rank: 8 chunks of 2
+    plan = order_for_streaming(plan, 8) if schedule == "stream" else plan
+    experts = eps.shard_slots(load(ckpt, old), mesh, layered=True)
+    leaves, layouts, specs, _ = eps.transport._check_leaves(experts, plan, mesh, "ep")
+    tables, table_layout = eps.transport.device_tables(plan, mesh)
+    run = eps.transport._executor(mesh, "ep", tuple(specs), tuple(layouts), 2, True, 8, (), plan.chunk_rows,
+                                  table_layout)
+    assert transfer_chain(run.lower(tables, leaves).as_text(dialect="hlo")) == (chain, 8)
 
 
 # ---------------------------------------------------------- optimizer state

@@ -5,7 +5,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import dataclasses
+
 from moe_eplb_jax.sharding import TransportPlan, bucket_capacity, plan_rearrangement
+from moe_eplb_jax.sharding.plan import order_for_streaming
 
 
 def apply_plan(plan: TransportPlan, content: np.ndarray) -> np.ndarray:
@@ -27,6 +30,47 @@ def apply_plan(plan: TransportPlan, content: np.ndarray) -> np.ndarray:
         new[r][plan.dup_dst[r][keep]] = new[r][plan.dup_src[r][keep]]
     out = np.stack([x.reshape((layers, per_rank) + content.shape[2:]) for x in new], axis=1)
     return out.reshape(content.shape)
+
+
+def apply_streamed(plan: TransportPlan, content: np.ndarray) -> np.ndarray:
+    """Numpy oracle of the executor's stream schedule: chunk c + 1 is packed before chunk c is written."""
+    g, per_rank, rows, chunk = plan.num_ranks, plan.slots_per_rank, plan.num_local_rows, plan.chunk_rows
+    layers = content.shape[0]
+    local = [content[:, r * per_rank : (r + 1) * per_rank].reshape((rows,) + content.shape[2:]).copy()
+             for r in range(g)]
+    copied = [local[r][plan.copy_src[r]] for r in range(g)]  # copies read the old rows first
+    capacity = plan.capacities[0]
+    steps = -(-capacity // chunk) if capacity and g > 1 else 0
+
+    def pack(c):  # [sender][round]: the rows as they are now
+        return [[local[h][plan.send_rows[h, d - 1, c * chunk : (c + 1) * chunk]] for d in range(1, g)]
+                for h in range(g)]
+
+    packed = pack(0) if steps else None
+    for c in range(steps):
+        following = pack(c + 1) if c + 1 < steps else None
+        for r in range(g):
+            for d in range(1, g):
+                dst = plan.recv_dst[r, d - 1, c * chunk : (c + 1) * chunk]
+                local[r][dst[dst < rows]] = packed[(r - d) % g][d - 1][dst < rows]
+        packed = following
+    for r in range(g):  # copies, then duplicates, last
+        keep = plan.copy_dst[r] < rows
+        local[r][plan.copy_dst[r][keep]] = copied[r][keep]
+    for r in range(g):
+        keep = plan.dup_dst[r] < rows
+        local[r][plan.dup_dst[r][keep]] = local[r][plan.dup_src[r][keep]]
+    out = np.stack([x.reshape((layers, per_rank) + content.shape[2:]) for x in local], axis=1)
+    return out.reshape(content.shape)
+
+
+def transfers(plan: TransportPlan) -> list[tuple[int, int, int, int]]:
+    """Sorted ``(sender, source row, receiver, destination row)`` of every real transfer."""
+    out = []
+    for r, k, i in zip(*np.nonzero(plan.recv_dst < plan.num_local_rows)):
+        h = (r - k - 1) % plan.num_ranks
+        out.append((int(h), int(plan.send_rows[h, k, i]), int(r), int(plan.recv_dst[r, k, i])))
+    return sorted(out)
 
 
 @st.composite
@@ -163,3 +207,89 @@ def test_plans_are_deterministic_and_padded(rng):
 def test_bad_placements_raise(old, new, ranks, kwargs, match):
     with pytest.raises(ValueError, match=match):
         plan_rearrangement(old, new, ranks, **kwargs)
+
+
+# ------------------------------------------------------------ stream order
+@given(placements(), st.sampled_from([1, 2, 3, 8]))
+def test_streaming_order_moves_the_same_rows_and_is_exact(case, num_chunks):
+    num_ranks, old, new = case
+    plan = plan_rearrangement(old, new, num_ranks)
+    try:
+        ordered = order_for_streaming(plan, num_chunks)
+    except ValueError as e:  # only a cycle longer than a chunk, never with one chunk
+        assert num_chunks > 1 and "cycle" in str(e)
+        return
+    assert ordered.chunk_rows == max(1, -(-plan.capacities[0] // num_chunks))
+    assert ordered.capacities[0] >= plan.capacities[0] and ordered.capacities[1:] == plan.capacities[1:]
+    assert transfers(ordered) == transfers(plan)
+    np.testing.assert_array_equal(ordered.send_count, plan.send_count)
+    for row in ordered.recv_dst.reshape(num_ranks, -1):  # padding stays distinct and out of range
+        assert len(set(row.tolist())) == row.size
+    np.testing.assert_array_equal(apply_streamed(ordered, old), new)
+    np.testing.assert_array_equal(apply_plan(ordered, old), new)
+
+
+def swap_placements(rng, layers=8, per_rank=16, count=4):
+    old = np.stack([rng.permutation(2 * per_rank) for _ in range(layers)])
+    new = old.copy()
+    for layer in range(layers):
+        a = rng.choice(per_rank, count, replace=False)
+        b = per_rank + rng.choice(per_rank, count, replace=False)
+        new[layer, a], new[layer, b] = old[layer, b], old[layer, a]
+    return old, new
+
+
+def test_swaps_stream_without_padding_and_need_the_order(rng):
+    old, new = swap_placements(rng)
+    plan = plan_rearrangement(old, new, 2)
+    ordered = order_for_streaming(plan, 4)
+    assert ordered.capacities == plan.capacities == (32, 0, 0)  # swaps (2-cycles) leave no gaps
+    assert ordered.chunk_rows == 8
+    # every swap in one chunk: each row is received in the chunk that sends its old bytes
+    chunk_of = {}
+    for h, src, r, dst in transfers(ordered):
+        i = int(np.flatnonzero(ordered.recv_dst[r, 0] == dst)[0])
+        chunk_of[(r, dst)] = i // ordered.chunk_rows
+    for (r, dst), c in chunk_of.items():
+        sender_pos = np.flatnonzero(ordered.send_rows[r, 0] == dst)
+        assert c == sender_pos[0] // ordered.chunk_rows
+    np.testing.assert_array_equal(apply_streamed(ordered, old), new)
+    # the planner's own order (a swap's two transfers at different positions), run in the stream schedule
+    # in chunks of one row, reads rows already overwritten
+    unordered = dataclasses.replace(plan, chunk_rows=1)
+    assert not np.array_equal(apply_streamed(unordered, old), new)
+    np.testing.assert_array_equal(apply_streamed(order_for_streaming(plan, 32), old), new)  # chunks of 1
+
+
+def test_chains_and_cycles_are_ordered():
+    old = np.array([0, 1, 2, 3])  # two ranks of two slots
+    new = np.array([2, 1, 0, 3])  # a 2-cycle: slot 0 <-> slot 2
+    ordered = order_for_streaming(plan_rearrangement(old, new, 2), 1)
+    np.testing.assert_array_equal(apply_streamed(ordered, old[None])[0], new)
+    # a rotation 0 -> 2 -> 1 -> 3 -> 0 over two ranks: a 4-cycle, two transfers per round, one chunk only
+    rot = np.array([3, 2, 0, 1])
+    plan = plan_rearrangement(old, rot, 2)
+    with pytest.raises(ValueError, match="cycle of 2 transfers"):
+        order_for_streaming(plan, 2)
+    np.testing.assert_array_equal(apply_streamed(order_for_streaming(plan, 1), old[None])[0], rot)
+    # a chain: slot 2's old expert goes to slot 1, then slot 2 receives slot 0's (slot 1's expert is dropped)
+    chain_new = np.array([0, 2, 0, 3])
+    plan = plan_rearrangement(old, chain_new, 2)
+    for n in (1, 2):
+        np.testing.assert_array_equal(apply_streamed(order_for_streaming(plan, n), old[None])[0], chain_new)
+
+
+def test_streaming_order_of_a_plan_without_transfers():
+    plan = plan_rearrangement(np.array([0, 1, 2, 3]), np.array([1, 1, 2, 2]), 2).padded(send=4)  # copies only
+    ordered = order_for_streaming(plan, 2)
+    assert ordered.capacities == (4, 0, 1) and ordered.chunk_rows == 2 and transfers(ordered) == []
+    np.testing.assert_array_equal(apply_streamed(ordered, np.arange(4)[None])[0], [1, 1, 2, 2])
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, None])
+def test_streaming_order_rejects_bad_chunks(bad):
+    plan = plan_rearrangement(np.arange(4), np.array([2, 1, 0, 3]), 2)
+    with pytest.raises(ValueError, match="num_chunks must be a positive integer"):
+        order_for_streaming(plan, bad)
+    with pytest.raises(ValueError, match="must be a TransportPlan"):
+        order_for_streaming("plan", 1)

@@ -5,10 +5,13 @@
         train_step(model, optimizer, batch)     # the MoE layers add their loads
         info = controller.step()                 # record; rearrange when due
 
-``step`` reads every layer's load ``[P]`` into the ``EplbState`` window (one
-small jitted update, no host sync) and, every ``config.step_interval`` steps,
-rearranges: window -> logical load ``[L, E]`` -> policy -> new ``Placement``
-(a pure function of replicated loads: every process computes the same one) ->
+``step`` reads every layer's load into the ``EplbState`` window (one small
+jitted update, no host sync, no communication: the window keeps one row per EP
+rank, sharded over the EP axis, and each rank writes its own counts) and,
+every ``config.step_interval`` steps, rearranges: window -> rows summed over
+the ranks (the one all-reduce of the loads) -> logical load ``[L, E]`` ->
+policy -> new ``Placement`` (a pure function of the summed, replicated loads:
+every process computes the same one) ->
 the transport moves each layer's expert variables and the matching optimizer
 moments -> the layers get the new tables. Outputs are unchanged by a
 rearrangement (same expert bytes, same math per token), and nothing
@@ -24,6 +27,7 @@ untouched.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 from typing import Any
@@ -33,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as PS
 
 from moe_eplb_jax import metrics
 from moe_eplb_jax import state as eplb_state
@@ -47,10 +52,32 @@ _log = logging.getLogger("moe_eplb_jax")
 _CHECKPOINT_FORMAT = "moe_eplb_jax.controller"
 
 
-@jax.jit
-def _close_step(state: EplbState, loads):
-    load = jnp.stack([l.astype(jnp.int32) for l in loads])
+def _close_step(state: EplbState, loads, num_ranks: int):
+    """Records one step's loads (``[G, P]`` per rank or ``[P]`` already summed) into the per-rank state."""
+    rows = []
+    for load in loads:
+        load = load.astype(jnp.int32)
+        if load.ndim == 1:  # a layer that psums its own load: charge the total to rank 0's row, sums unchanged
+            load = jnp.where(jnp.arange(num_ranks)[:, None] == 0, load[None, :], 0)
+        rows.append(load)
+    load = jnp.stack(rows)
     return eplb_state.end_step(eplb_state.record(state, load)), load
+
+
+def _sum_rank_rows(state: EplbState) -> EplbState:
+    """The per-rank state with its rank rows summed: the single-layout state a checkpoint holds."""
+    return dataclasses.replace(state, pass_load=state.pass_load.sum(1, dtype=jnp.int32),
+                               window=state.window.sum(2, dtype=jnp.int32))
+
+
+def _split_rank_rows(state: EplbState, num_ranks: int) -> EplbState:
+    """Inverse of ``_sum_rank_rows`` up to the split: the totals go to rank 0's row."""
+
+    def rows(x, axis):
+        first = jax.lax.broadcasted_iota(jnp.int32, (*x.shape[:axis], num_ranks, *x.shape[axis:]), axis) == 0
+        return jnp.where(first, jnp.expand_dims(x, axis), 0)
+
+    return dataclasses.replace(state, pass_load=rows(state.pass_load, 1), window=rows(state.window, 2))
 
 
 class EplbController:
@@ -105,12 +132,13 @@ class EplbController:
         if placement is not None:
             start = placement if isinstance(placement, Placement) else Placement.load(placement)
             self._check_placement(start)
-        self.state = jax.tree.map(lambda a: put_host(a, mesh), eplb_state.init_state(config, len(self.layers), self.num_physical))
+        self._init_state_functions()
+        self.state = self._fresh_state()
         self._steps_since = 0
         self._total_steps = 0
         self._num_rearrangements = 0
         self.last_report: dict[str, Any] | None = None
-        self._zero_load = put_host(np.zeros(self.num_physical, np.int32), mesh)
+        self._zero_loads = [self._zeros_like_load(ref.module.eplb_load_variable().get_value()) for ref in self.layers]
         self._placement = self._read_placement()
         if start is not None:
             self.apply_placement(start)
@@ -139,8 +167,11 @@ class EplbController:
             if num_physical % self.num_ranks:
                 raise ValueError(f"{ref.name}: P={num_physical} slots are not divisible by EP size {self.num_ranks}")
             load = ref.module.eplb_load_variable().get_value()
-            if tuple(load.shape) != (num_physical,):
-                raise ValueError(f"{ref.name}: load variable must have shape [P]=({num_physical},), got {load.shape}")
+            if tuple(load.shape) not in ((num_physical,), (self.num_ranks, num_physical)):
+                raise ValueError(
+                    f"{ref.name}: load variable must have shape [P]=({num_physical},) or "
+                    f"[G, P]=({self.num_ranks}, {num_physical}), got {load.shape}"
+                )
             sizes.add((num_logical, num_physical))
         if len(sizes) != 1:
             raise ValueError(f"MoE layers disagree on (E, P): {sorted(sizes)}")
@@ -184,6 +215,39 @@ class EplbController:
                     found[layer].append(node)
                     break
         return found
+
+    # ------------------------------------------------------ state on the mesh
+    def _init_state_functions(self) -> None:
+        """Jitted state updates with fixed output shardings: rank rows on their EP rank, counters replicated.
+
+        Fixed shardings keep every update a local op on each rank's shard (no
+        collective) and give the model's and the controller's jitted functions
+        the same input shardings every step, so nothing recompiles.
+        """
+        mesh, axis = self.mesh, self.axis
+        replicated = NamedSharding(mesh, PS())
+        make = functools.partial(eplb_state.init_state, self.config, len(self.layers), self.num_physical, per_rank=True)
+        shape = jax.eval_shape(make)
+        self._state_sharding = jax.tree.map(lambda _: replicated, shape)
+        self._state_sharding = dataclasses.replace(
+            self._state_sharding, pass_load=NamedSharding(mesh, PS(None, axis, None)),
+            window=NamedSharding(mesh, PS(None, None, axis, None)))
+        self._fresh_state = jax.jit(make, out_shardings=self._state_sharding)
+        # The state is donated: the window ([W, L, G, P]) is updated in place, not copied every step.
+        self._close = jax.jit(_close_step, static_argnums=2, donate_argnums=0,
+                              out_shardings=(self._state_sharding, NamedSharding(mesh, PS(None, axis, None))))
+        self._mark_rearranged = jax.jit(eplb_state.mark_rearranged, out_shardings=self._state_sharding)
+        # The readers: the sums over ranks happen here, on logging / rearrangement / checkpoint steps only.
+        self._step_slot_load = jax.jit(lambda load: load.sum(1, dtype=jnp.int32), out_shardings=replicated)
+        self._window_slot_load = jax.jit(eplb_state.window_slot_load, out_shardings=replicated)
+        self._window_logical_load = jax.jit(eplb_state.window_logical_load, static_argnums=2, out_shardings=replicated)
+        self._summed_state = jax.jit(_sum_rank_rows, out_shardings=replicated)
+        self._split_state = jax.jit(_split_rank_rows, static_argnums=1, out_shardings=self._state_sharding)
+
+    def _zeros_like_load(self, value) -> jax.Array:
+        # The layer's own sharding, so the model's jitted step sees one input sharding and never recompiles.
+        spec = value.sharding.spec if isinstance(value.sharding, NamedSharding) else PS()
+        return put_host(np.zeros(value.shape, np.int32), self.mesh, spec)
 
     # ---------------------------------------------------------- placement
     def _read_placement(self) -> Placement:
@@ -230,19 +294,19 @@ class EplbController:
 
         Call it once per training / serving step on every process. Returns a
         report dict on steps that log (``config.log_interval``) or rearrange,
-        else ``None``.
+        else ``None``. ``self.state`` is replaced: the old state's arrays are
+        donated to the update (read ``controller.state`` anew after a step).
         """
         variables = [ref.module.eplb_load_variable() for ref in self.layers]
-        self.state, load = _close_step(self.state, [v.get_value() for v in variables])
-        for v in variables:
-            # The same replicated zeros every step: the model's jitted step sees one input sharding, never recompiles.
-            v.set_value(self._zero_load)
+        self.state, load = self._close(self.state, [v.get_value() for v in variables], self.num_ranks)
+        for v, zeros in zip(variables, self._zero_loads):
+            v.set_value(zeros)
         self._steps_since += 1
         self._total_steps += 1
         report = None
         interval = self.config.log_interval
         if interval is not None and self._total_steps % interval == 0:
-            report = self._report(np.asarray(load), "step")
+            report = self._report(np.asarray(self._step_slot_load(load)), "step")
         if self.rebalance and self._due():
             report = dict(report or {}, **self.rearrange())
         if report is not None:
@@ -264,22 +328,19 @@ class EplbController:
         return self._steps_since >= due
 
     def window_slot_load(self) -> np.ndarray:
-        """``[L, P]`` tokens per slot summed over the load window (under the current placement)."""
-        valid = jnp.arange(self.state.window.shape[0]) < self.state.window_filled
-        return np.asarray(jnp.where(valid[:, None, None], self.state.window, 0).sum(0))
+        """``[L, P]`` tokens per slot summed over the load window and the EP ranks (under the current placement)."""
+        return np.asarray(self._window_slot_load(self.state))
 
     def rearrange(self) -> dict[str, Any]:
         """Computes a placement from the load window, moves the experts to it, resets the window."""
-        logical = np.asarray(
-            eplb_state.window_logical_load(self.state, jnp.asarray(self._placement.phy2log), self.num_logical)
-        )
+        logical = np.asarray(self._window_logical_load(self.state, self._placement.phy2log, self.num_logical))
         before = self._report(self.window_slot_load(), "window")
         new = eplb_state.compute_placement(logical, self.config, old_phy2log=self._placement.phy2log)
         moved = self.apply_placement(new)
         predicted = metrics.rank_load_from_logical(logical, new.phy2log, self.num_ranks)
         self._steps_since = 0
         self._num_rearrangements += 1
-        self.state = eplb_state.mark_rearranged(self.state)
+        self.state = self._mark_rearranged(self.state)
         report = {
             "rearranged": True,
             "num_rearrangements": self._num_rearrangements,
@@ -310,8 +371,13 @@ class EplbController:
         self._placement.save(path)
 
     def save(self, path) -> None:
-        """Checkpoints the EPLB state and placement as ``.npz`` (restore next to the model's own checkpoint)."""
-        fields = {f.name: np.asarray(getattr(self.state, f.name)) for f in dataclasses.fields(EplbState)}
+        """Checkpoints the EPLB state and placement as ``.npz`` (restore next to the model's own checkpoint).
+
+        The loads are saved summed over the EP ranks (``window [W, L, P]``), the
+        totals every reader uses.
+        """
+        summed = self._summed_state(self.state)
+        fields = {f.name: np.asarray(getattr(summed, f.name)) for f in dataclasses.fields(EplbState)}
         p = self._placement
         host = np.asarray([self._total_steps, self._steps_since, self._num_rearrangements], np.int64)
         path = os.fspath(path)
@@ -339,14 +405,18 @@ class EplbController:
             raise ValueError(f"{path}: missing field {e}") from None
         self._check_placement(placement)
         fields = {}
+        summed = jax.eval_shape(_sum_rank_rows, self.state)
         for f in dataclasses.fields(EplbState):
-            value = doc[f"state_{f.name}"]
-            want = np.shape(getattr(self.state, f.name))
+            try:
+                value = doc[f"state_{f.name}"]
+            except KeyError as e:
+                raise ValueError(f"{path}: missing field {e}") from None
+            want = tuple(getattr(summed, f.name).shape)
             if value.shape != want:
                 raise ValueError(f"{path}: state field {f.name} has shape {value.shape}, expected {want}")
             fields[f.name] = put_host(value.astype(np.int32), self.mesh)
         total, since, count = (int(v) for v in doc["host_counters"])
-        self.state = EplbState(**fields)
+        self.state = self._split_state(EplbState(**fields), self.num_ranks)
         for layer, ref in enumerate(self.layers):
             ref.module.eplb_set_placement(placement.phy2log[layer], placement.log2phy[layer], placement.logcnt[layer])
         self._placement = placement

@@ -7,7 +7,7 @@ Shapes: ``D`` model width, ``H`` expert hidden width, ``E`` logical experts,
 The forward pass, per rank of the EP axis (``jax.shard_map``)::
 
     router logits [T, E] -> top-k logical ids [T, k] + weights [T, k]
-    map_and_count(ids, log2phy, logcnt) -> physical ids [T, k] + load [P] (psum over EP)
+    map_and_count(ids, log2phy, logcnt) -> physical ids [T, k] + this rank's load [P]
     dispatch (all_to_all, dropless) -> rows of this rank's P/G slots
     gated MLP per slot (grouped matmul)      -> combine (all_to_all back, sum in router order)
 
@@ -21,6 +21,13 @@ they stay identical. The placement tables
 variables -- inputs of the compiled function, never constants in it, so a
 rearrangement never recompiles -- and the tokens per slot of every forward
 pass are added to the ``ExpertLoad`` variable, which the controller reads.
+
+Loads are not summed over the EP axis in the forward pass (``load_reduce=
+"none"``, the default): each rank adds its own counts to its row of a
+``[G, P]`` load sharded over ``axis``, so the step has no collective for
+them; the controller sums the rows when it reads its window (at
+rearrangement or logging). ``load_reduce="psum"`` gives the replicated
+``[P]`` total every pass instead, at one small all-reduce per layer per pass.
 """
 
 from __future__ import annotations
@@ -49,11 +56,18 @@ class EplbTable(nnx.Variable):
 
 
 class ExpertLoad(nnx.Variable):
-    """Tokens routed to each physical slot ``[P]`` (int32) since the controller last read it."""
+    """Tokens routed to each physical slot since the controller last read it (int32).
+
+    ``[G, P]`` (row ``g``: counted on EP rank ``g``; sharded over the EP axis)
+    with ``load_reduce="none"``, ``[P]`` (replicated) with ``"psum"``.
+    """
 
 
 def _map_and_count(*args, **kwargs):
     return map_and_count(*args, **kwargs)  # one indirection: tests may swap the kernel
+
+
+LOAD_REDUCTIONS = ("none", "psum")
 
 
 # --------------------------------------------------------------------- router
@@ -109,6 +123,7 @@ def moe_apply(
     quant_impl: str = "auto",
     activation_scaling: str = "dynamic",
     capacity_factor: float | None = None,
+    load_reduce: str = "none",
 ):
     """The routed-expert part of the layer as a pure function.
 
@@ -125,11 +140,20 @@ def moe_apply(
         ``ceil(f * A / G)`` rows per rank pair (``A = T_rank * k``), as many as
         the fullest pair needs: about ``f / G`` of the bytes when balanced, still
         dropless, same results.
+      load_reduce: ``"none"`` (default): no collective for the load; each rank
+        returns its own counts, ``load [G, P]`` sharded over ``axis`` (row
+        ``g``: the assignments of rank ``g``'s tokens), to be summed over ``G``
+        when read (``load.sum(0)``; ``EplbController`` does it at
+        rearrangement). ``"psum"``: ``load [P]``, summed over the EP axis in
+        the step (one all-reduce of ``P`` ints), replicated.
 
     Returns:
-      ``(out [T, D] in x.dtype, load [P] int32)`` -- load counts every valid
-      token's ``k`` assignments per physical slot, summed over the EP axis.
+      ``(out [T, D] in x.dtype, load int32)`` -- load counts every valid
+      token's ``k`` assignments per physical slot: ``[G, P]`` per rank or
+      ``[P]`` summed, as ``load_reduce`` says.
     """
+    if load_reduce not in LOAD_REDUCTIONS:
+        raise ValueError(f"load_reduce must be one of {LOAD_REDUCTIONS}, got {load_reduce!r}")
     _check_apply(x, router_w, router_bias, experts, log2phy, logcnt, top_k=top_k, mesh=mesh, axis=axis)
     num_ranks = mesh.shape[axis]
     num_physical = jax.tree.leaves(experts)[0].shape[0]
@@ -148,15 +172,12 @@ def moe_apply(
             ids, log2phy, logcnt, num_physical=num_physical, num_valid_tokens=local_valid, mode=routing,
             implementation=map_implementation,
         )
-        load = jax.lax.psum(load.astype(jnp.int32), axis)
-        rows, row_slot, plan = _dispatch.dispatch(
-            x, physical, slots_per_rank=slots_per_rank, axis_name=axis, num_ranks=num_ranks, capacity=capacity
+        load = load.astype(jnp.int32)
+        load = jax.lax.psum(load, axis) if load_reduce == "psum" else load[None]
+        out = _routed_experts(
+            x, physical, weights, experts, axis=axis, num_ranks=num_ranks, slots_per_rank=slots_per_rank,
+            capacity=capacity, matmul=matmul, quant_impl=quant_impl, activation_scaling=activation_scaling,
         )
-        order, group_sizes = _dispatch.sort_by_slot(row_slot, slots_per_rank)
-        y = expert_mlp(rows[order], experts, group_sizes, implementation=matmul, quant_impl=quant_impl,
-                       activation_scaling=activation_scaling, axis_name=axis)
-        y = _dispatch.unsort(y, order)
-        out = _dispatch.combine(y, plan, weights, axis_name=axis, out_dtype=x.dtype, capacity=capacity)
         return out, load
 
     sharded = PS(axis)
@@ -164,11 +185,29 @@ def moe_apply(
         per_rank,
         mesh=mesh,
         in_specs=(sharded, PS(), PS(), sharded, PS(), PS(), PS()),
-        out_specs=(sharded, PS()),
+        out_specs=(sharded, PS() if load_reduce == "psum" else sharded),
         # The Pallas map_and_count (GPU) declares outputs without a varying-axes type; jax 0.11
         # rejects that under check_vma=True.
         check_vma=False,
     )(x, router_w, router_bias, experts, log2phy, logcnt, total_valid)
+
+
+def _routed_experts(x, physical, weights, experts, *, axis, num_ranks, slots_per_rank, capacity, matmul,
+                    quant_impl, activation_scaling):
+    """Per rank, inside ``shard_map``: dispatch by physical slot -> grouped expert MLP -> combine.
+
+    Separate from ``moe_apply``'s routing so that ``benchmarks/moe_step.py``
+    can time the same exchange and compute with the EPLB mapping and counting
+    left out.
+    """
+    rows, row_slot, plan = _dispatch.dispatch(
+        x, physical, slots_per_rank=slots_per_rank, axis_name=axis, num_ranks=num_ranks, capacity=capacity
+    )
+    order, group_sizes = _dispatch.sort_by_slot(row_slot, slots_per_rank)
+    y = expert_mlp(rows[order], experts, group_sizes, implementation=matmul, quant_impl=quant_impl,
+                   activation_scaling=activation_scaling, axis_name=axis)
+    y = _dispatch.unsort(y, order)
+    return _dispatch.combine(y, plan, weights, axis_name=axis, out_dtype=x.dtype, capacity=capacity)
 
 
 def _capacity(num_assign: int, num_ranks: int, factor: float | None) -> int | None:
@@ -225,6 +264,11 @@ class MoELayer(nnx.Module):
       map_implementation: ``map_and_count`` implementation (None: its default).
       capacity_factor: exchange tokens in rounds of this factor times the
         balanced share (``None``: one worst-case exchange); see ``moe_apply``.
+      load_reduce: ``"none"`` (default): ``expert_load`` is ``[G, P]``, each
+        rank adding its own counts to its row, no collective in the step (the
+        controller sums the rows when it reads them); ``"psum"``: ``[P]``,
+        summed over the EP axis every forward pass (replicated: readable
+        directly after each pass, at one small all-reduce per pass).
       rngs: ``nnx.Rngs`` for the initial weights.
 
     Replicas start with identical weights: slot ``p`` holds expert ``p mod E``.
@@ -248,6 +292,7 @@ class MoELayer(nnx.Module):
         matmul: str = "dense",
         map_implementation: str | None = None,
         capacity_factor: float | None = None,
+        load_reduce: str = "none",
         rngs: nnx.Rngs,
     ):
         num_physical = num_experts if num_physical is None else num_physical
@@ -270,7 +315,9 @@ class MoELayer(nnx.Module):
             raise ValueError(f"topk_groups={topk_groups} groups hold fewer than top_k={top_k} experts")
         _gmm.get(matmul)  # validates the name
         _capacity(1, 1, capacity_factor)  # validates the factor
-        self.capacity_factor = capacity_factor
+        if load_reduce not in LOAD_REDUCTIONS:
+            raise ValueError(f"load_reduce must be one of {LOAD_REDUCTIONS}, got {load_reduce!r}")
+        self.capacity_factor, self.load_reduce = capacity_factor, load_reduce
         self.mesh, self.axis = mesh, axis
         self.top_k, self.num_groups, self.topk_groups = top_k, num_groups, topk_groups
         self.routing, self.matmul, self.map_implementation = routing, matmul, map_implementation
@@ -297,7 +344,11 @@ class MoELayer(nnx.Module):
         self.phy2log = EplbTable(put_host(placement.phy2log[0], mesh, PS()))
         self.log2phy = EplbTable(put_host(placement.log2phy[0], mesh, PS()))
         self.logcnt = EplbTable(put_host(placement.logcnt[0], mesh, PS()))
-        self.expert_load = ExpertLoad(put_host(np.zeros(num_physical, np.int32), mesh, PS()))
+        if load_reduce == "psum":
+            self.expert_load = ExpertLoad(put_host(np.zeros(num_physical, np.int32), mesh, PS()))
+        else:  # one row per EP rank, each on its rank: the forward pass adds to it without communication
+            load = np.zeros((mesh.shape[axis], num_physical), np.int32)
+            self.expert_load = ExpertLoad(put_host(load, mesh, PS(axis)))
 
     def __call__(self, x, *, num_valid_tokens=None):
         """``x [..., D]`` (leading sizes multiply to a multiple of ``G``) -> ``[..., D]``.
@@ -323,6 +374,7 @@ class MoELayer(nnx.Module):
             topk_groups=self.topk_groups, routing=self.routing, matmul=self.matmul,
             map_implementation=self.map_implementation, quant_impl=self.quant_impl,
             activation_scaling=self.activation_scaling, capacity_factor=self.capacity_factor,
+            load_reduce=self.load_reduce,
         )
         self.expert_load.set_value(self.expert_load.get_value() + load)
         if self.shared_in is not None:

@@ -9,9 +9,12 @@ A module is an EPLB MoE layer when it has these five methods (checked with
   physical-slot axis ``[P, ...]`` sharded over the EP mesh axis. Everything
   derived from per-expert state must live here (nothing cached elsewhere), so
   that moving these moves the expert;
-* ``eplb_load_variable() -> nnx.Variable`` -- ``[P]`` int32, tokens the layer
-  routed to each slot since the controller last reset it (padding excluded);
-  the layer adds to it in every forward pass;
+* ``eplb_load_variable() -> nnx.Variable`` -- int32 tokens the layer routed
+  to each slot since the controller last reset it (padding excluded); the
+  layer adds to it in every forward pass. Either ``[G, P]``, row ``g`` counted
+  on EP rank ``g`` and sharded over the EP axis (no collective in the step:
+  the controller sums the rows when it reads its window), or ``[P]`` already
+  summed over the EP ranks;
 * ``eplb_get_placement() -> (phy2log [P], log2phy [E, S], logcnt [E])`` -- the
   tables the layer routes with (``S = P - E + 1``);
 * ``eplb_set_placement(phy2log, log2phy, logcnt) -> None`` -- the hook that

@@ -4,14 +4,19 @@ One program maps one *tile* of ``tile`` consecutive flat (token, k) entries,
 in a loop over *sub-tiles* of ``sub`` entries: load ids, gather ``logcnt`` and
 ``log2phy`` (tiny tables, cached), pick the replica, store the slot.
 
-Counting without atomics. A slot ``p`` is split into ``(p >> lo_bits, p & lo)``
-and each sub-tile builds two small one-hot matrices, ``[HI, sub]`` and
-``[sub, LO]`` (int8); their product is the sub-tile's ``[HI, LO]`` histogram,
-accumulated in int32 on the tensor cores. That costs ``HI + LO`` compares per
-entry instead of ``P`` for a plain one-hot histogram, is exact (int32
-accumulation), and runs unchanged in interpret mode, where vector atomics with
-duplicate indices lose updates. Each program writes its tile's histogram; the
-wrapper sums the ``[num_tiles, HI * LO]`` partials.
+Counting, two ways (``count_method``), each program filling its own partial
+histogram; the wrapper sums the ``[num_tiles, HI * LO]`` partials:
+
+* ``"onehot"`` (default; the only method in interpret mode, where vector
+  atomics with duplicate indices lose updates): a slot ``p`` is split into
+  ``(p >> lo_bits, p & lo)`` and each sub-tile builds two small one-hot
+  matrices, ``[HI, sub]`` and ``[sub, LO]`` (int8); their product is the
+  sub-tile's ``[HI, LO]`` histogram, accumulated in int32 on the tensor cores:
+  ``HI + LO`` compares per entry instead of ``P``, exact.
+* ``"atomic"`` / ``"atomic_warp"`` (GPU): one atomic add per entry (per
+  distinct slot of a warp instruction) into the program's row of float32
+  counters, zeroed by atomic exchange. Faster for large inputs of some modes
+  (:data:`LARGE_OPTIONS`).
 
 ``resolved`` needs each entry's rank among earlier entries of the same expert
 (an exclusive per-expert cumsum in flat order) and Triton-Pallas has no
@@ -42,7 +47,7 @@ __all__ = ["map_and_count_triton", "default_tile"]
 
 _INT32_MAX = np.iinfo(np.int32).max
 _SUB = 256  # entries per sub-tile (hash, round_robin, shares)
-_SUB_RESOLVED = 64  # resolved: the in-sub-tile rank is a [sub, sub] compare
+_SUB_RESOLVED = 128  # resolved: the in-sub-tile rank is a [sub, sub] compare (128: fastest on an H200)
 _MAX_TILE_RESOLVED = 2048  # running per-expert counts stay exact in float16 (< 2049)
 
 
@@ -96,14 +101,49 @@ def _upper_bound(thresholds_ref, row_start, point, width):
     return low
 
 
+def _warp_aggregate(values):
+    """Per element: ``(leader, count)`` over the lanes of its warp holding the same value at the same position.
+
+    ``leader`` is true on the lowest such lane and ``count`` is how many lanes
+    share the value (PTX ``match.any`` + ``popc``): one atomic per distinct
+    value per warp instruction instead of one per entry, so a hot slot does not
+    serialise 32 atomics in L2. GPU only (inline PTX). One packed result
+    (``count | leader << 16``): jax 0.11.2 lowers a multi-result inline asm to
+    one value.
+    """
+    (packed,) = plgpu.elementwise_inline_asm(
+        """{
+        .reg .b32 same, below, count;
+        .reg .pred first;
+        match.any.sync.b32 same, $1, -1;
+        mov.u32 below, %lanemask_lt;
+        and.b32 below, same, below;
+        setp.eq.u32 first, below, 0;
+        popc.b32 count, same;
+        selp.u32 below, 65536, 0, first;
+        or.b32 $0, count, below;
+        }""",
+        args=[values], constraints="=r,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(values.shape, jnp.int32)])
+    return (packed >> 16) > 0, packed & 0xFFFF
+
+
 def _map_kernel(ids_ref, log2phy_ref, logcnt_ref, thresholds_ref, base_ref, limits_ref, phys_ref, hist_ref, *,
                 mode, num_flat, top_k, num_logical, width, num_physical, tile, sub, bins, expert_bins,
-                count_dtype, do_count):
+                count_dtype, do_count, count_method):
     program = pl.program_id(0)
     count_limit = limits_ref[0]
     rank_limit = limits_ref[1]
     hi_bits, lo_bits = bins
     e_hi_bits, e_lo_bits = expert_bins
+    num_bins = 1 << (hi_bits + lo_bits)
+    row0 = program * num_bins  # atomic methods: this program's row of counters
+    if do_count and count_method != "onehot":
+        # Zeroed by atomic exchange, i.e. in L2 where the atomics add: a plain store is only ordered with the
+        # other threads of the block (it may still sit in this SM's L1 when their atomics reach L2).
+        plgpu.atomic_xchg(hist_ref, row0 + jnp.arange(num_bins, dtype=jnp.int32),
+                          jnp.zeros((num_bins,), jnp.float32))
+        plgpu.debug_barrier()
 
     def step(index, carry):
         hist, running = carry
@@ -151,7 +191,17 @@ def _map_kernel(ids_ref, log2phy_ref, logcnt_ref, thresholds_ref, base_ref, limi
         plgpu.store(phys_ref.at[pl.ds(start, sub)], phys, mask=inside)
         if do_count:
             counted = jnp.where(mapped & (flat < count_limit), phys, -1)
-            if count_dtype == jnp.int8:
+            # float32 counters: jax 0.11.2 lowers an atomic add of an int32 *vector* to a float add (it tests the
+            # tensor type, not its element type, for "integer"), which turns +1 into a flushed denormal. Counts
+            # stay exact in float32 up to 2**24 per program, far above any tile.
+            if count_method == "atomic":
+                plgpu.atomic_add(hist_ref, row0 + jnp.maximum(counted, 0), jnp.ones(counted.shape, jnp.float32),
+                                 mask=counted >= 0)
+            elif count_method == "atomic_warp":
+                leader, same = _warp_aggregate(counted)
+                plgpu.atomic_add(hist_ref, row0 + jnp.maximum(counted, 0), same.astype(jnp.float32),
+                                 mask=leader & (counted >= 0))
+            elif count_dtype == jnp.int8:
                 hist = hist + _pair_histogram(counted, hi_bits, lo_bits, jnp.int8, jnp.int32)
             else:  # float16 one-hots, float32 sums: exact below 2**24 per sub-tile
                 hist = hist + _pair_histogram(counted, hi_bits, lo_bits, count_dtype, jnp.float32).astype(jnp.int32)
@@ -160,7 +210,8 @@ def _map_kernel(ids_ref, log2phy_ref, logcnt_ref, thresholds_ref, base_ref, limi
     hist = jnp.zeros((1 << hi_bits, 1 << lo_bits), jnp.int32)
     running = jnp.zeros((1 << e_hi_bits, 1 << e_lo_bits), jnp.float32)
     hist, _ = jax.lax.fori_loop(0, tile // sub, step, (hist, running))
-    hist_ref[0] = hist
+    if count_method == "onehot":
+        hist_ref[0] = hist
 
 
 def _expert_histogram_kernel(ids_ref, limits_ref, hist_ref, *, num_flat, num_logical, tile, sub, expert_bins):
@@ -201,7 +252,20 @@ def _join_varying(*arrays):
 # Tuned on one H200 (benchmarks/map_and_count.py --sweep, 2026-11-30): int8 one-hots and 3 pipeline stages were
 # the fastest of the variants tried at 262144 x 8 entries, by ~10% (about the run-to-run spread).
 DEFAULTS = {"tile": None, "sub": _SUB, "sub_resolved": _SUB_RESOLVED, "num_warps": 4, "num_stages": 3,
-            "count_dtype": "int8"}
+            "count_dtype": "int8", "count_method": "onehot"}
+# How the kernel counts: "onehot" (factorised one-hot products on the tensor cores; also in interpret mode),
+# "atomic" (one atomic add per entry into the program's row of counters), "atomic_warp" (atomics aggregated
+# over equal slots in a warp first). The atomic methods are GPU only (interpret mode loses duplicate updates).
+COUNT_METHODS = ("onehot", "atomic", "atomic_warp")
+# From this many entries on (GPU) one atomic per entry into 2048-entry programs of 8 warps beats the one-hot
+# products where it was measured faster on an H200 at 262144 x 8 (benchmarks/RESULTS.md "map_and_count"): hash
+# 47 vs 56 us (plain atomics), shares 90 vs 114 us (warp-aggregated). round_robin (56 vs 56) and resolved keep
+# the one-hot defaults; below this size the one-hot products win (hash 5.2 vs 8.8 us at 4096 x 8).
+LARGE_ENTRIES = 1 << 20
+LARGE_OPTIONS = {
+    "hash": {"count_method": "atomic", "tile": 2048, "sub": 2048, "num_warps": 8},
+    "shares": {"count_method": "atomic_warp", "tile": 2048, "sub": 2048, "num_warps": 8},
+}
 
 
 def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_physical: int, mode: str,
@@ -214,17 +278,19 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     ``num_warps`` / ``num_stages`` (Triton), ``count_dtype`` of the one-hots
     (``"int8"``: int32 sums; ``"float16"``: float32 sums, exact below 2**24).
     ``count=False`` skips counting (diagnostics). Each program writes its
-    tile's histogram; XLA sums the partials. (Having each program atomically add
-    its histogram into zero-initialised counters through an aliased input gave
-    wrong counts on an H200 with jax 0.11.2, so it is not offered.)
+    tile's histogram; XLA sums the partials. ``count_method`` picks how a
+    program counts (:data:`COUNT_METHODS`; interpret mode always uses
+    ``"onehot"``). From :data:`LARGE_ENTRIES` entries on, the defaults of a
+    mode in :data:`LARGE_OPTIONS` are those (options passed explicitly win).
     """
     unknown = set(config) - set(DEFAULTS)
     if unknown:
         raise ValueError(f"unknown kernel options {sorted(unknown)}; known: {sorted(DEFAULTS)}")
-    config = {**DEFAULTS, **config}
     num_tokens, top_k = topk_ids.shape
     num_logical, width = log2phy.shape
     num_flat = num_tokens * top_k
+    large = num_flat >= LARGE_ENTRIES and not interpret
+    config = {**DEFAULTS, **(LARGE_OPTIONS.get(mode, {}) if large else {}), **config}
     sub = int(config["sub_resolved"] if mode == "resolved" else config["sub"])
     tile = default_tile(num_flat) if config["tile"] is None else int(config["tile"])
     if mode == "resolved":
@@ -233,6 +299,11 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     if tile & (tile - 1) or sub & (sub - 1) or sub < 16:
         raise ValueError(f"tile and sub must be powers of two (sub >= 16), got tile={tile} sub={sub}")
     count_dtype = jnp.dtype(config["count_dtype"])
+    count_method = config["count_method"]
+    if count_method not in COUNT_METHODS:
+        raise ValueError(f"count_method must be one of {COUNT_METHODS}, got {count_method!r}")
+    if interpret:
+        count_method = "onehot"
     num_tiles = pl.cdiv(num_flat, tile)
     bins = _split_bins(num_physical)
     expert_bins = _split_bins(num_logical) if mode == "resolved" else (0, 0)
@@ -262,16 +333,21 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     kernel = functools.partial(
         _map_kernel, mode=mode, num_flat=num_flat, top_k=top_k, num_logical=num_logical, width=width,
         num_physical=num_physical, tile=tile, sub=sub, bins=bins, expert_bins=expert_bins,
-        count_dtype=count_dtype, do_count=count)
+        count_dtype=count_dtype, do_count=count, count_method=count_method)
+    if count_method == "onehot":  # each program writes its [hi, lo] block
+        hist_spec, hist_shape = pl.BlockSpec((1, hi, lo), lambda i: (i, 0, 0)), (num_tiles, hi, lo)
+    else:  # each program zeroes and atomically fills its own flat row (float32 counters, see the kernel)
+        hist_spec, hist_shape = whole, (num_tiles * hi * lo,)
     phys, partial = pl.pallas_call(
         kernel,
         grid=(num_tiles,),
         in_specs=[whole] * 6,
-        out_specs=[whole, pl.BlockSpec((1, hi, lo), lambda i: (i, 0, 0))],
-        out_shape=[out_struct((num_flat,), jnp.int32), out_struct((num_tiles, hi, lo), jnp.int32)],
+        out_specs=[whole, hist_spec],
+        out_shape=[out_struct((num_flat,), jnp.int32),
+                   out_struct(hist_shape, jnp.int32 if count_method == "onehot" else jnp.float32)],
         compiler_params=params,
         interpret=interpret,
         name="map_and_count",
     )(ids, log2phy.reshape(-1), logcnt, thresholds.reshape(-1), base, limits)
-    load = jnp.sum(partial.reshape(num_tiles, hi * lo), axis=0, dtype=jnp.int32)[:num_physical]
+    load = jnp.sum(partial.reshape(num_tiles, hi * lo).astype(jnp.int32), axis=0, dtype=jnp.int32)[:num_physical]
     return phys.reshape(num_tokens, top_k), load

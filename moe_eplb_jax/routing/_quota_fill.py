@@ -108,14 +108,15 @@ def _chunk(rows, length):
     return int(min(64, length, max(16, 16384 // rows)))
 
 
-def _prepare_in_kernel(b, load_ref, home_ref, key_ref, hot_ref, base_ref, dload_ref, expert_ref, position_ref,
+def _prepare_in_kernel(b, p, load_ref, home_ref, key_ref, hot_ref, base_ref, dload_ref, expert_ref, position_ref,
                        home_sorted_ref, *, entry_lanes, num_experts, rank_lanes, num_ranks, num_home, barrier):
     """The target-independent orders (as ``quota._prepare``), from ``load [E]`` in expert-id order.
 
     Writes the entries in demand order (``base_ref``, ``dload_ref``, ``expert_ref``),
     each rank's supply position (``position_ref``) and the home loads in supply
     order (``home_sorted_ref``). ``home_ref``, ``key_ref`` and ``hot_ref`` are
-    scratch, read back by other threads after a barrier. Padding entries (id >=
+    scratch, read back by other threads after a barrier. ``b`` indexes the
+    batch element's loads, ``p`` the program's own rows of every other ref. Padding entries (id >=
     E) sort last with no load; padding ranks sort last and are never walked.
     Returns the search range: ``ceil(mean)`` and the largest home load.
     """
@@ -136,7 +137,7 @@ def _prepare_in_kernel(b, load_ref, home_ref, key_ref, hot_ref, base_ref, dload_
         part = load_ref[b * entry_lanes + cols]
         home = home + jnp.sum(jnp.where((cols[None, :] // num_home) == g[:, None], part[None, :], 0), axis=1)
     home = jnp.where(real_g, home, np.iinfo(np.int32).max)  # padding ranks: least slack, never walked
-    home_ref[b * rank_lanes + g] = home
+    home_ref[p * rank_lanes + g] = home
     # Hotter experts of the same rank: higher load, or as loaded with a lower id.
     rank = jnp.minimum(e // num_home, num_ranks - 1)
     before = jnp.zeros_like(e)
@@ -152,56 +153,65 @@ def _prepare_in_kernel(b, load_ref, home_ref, key_ref, hot_ref, base_ref, dload_
     position = jnp.zeros_like(g)
     for start in range(0, rank_lanes, _chunk(rank_lanes, rank_lanes)):
         cols = start + jnp.arange(_chunk(rank_lanes, rank_lanes), dtype=jnp.int32)
-        other = home_ref[b * rank_lanes + cols]
+        other = home_ref[p * rank_lanes + cols]
         less = (other[None, :] < home[:, None]) | ((other[None, :] == home[:, None]) & (cols[None, :] < g[:, None]))
         position = position + jnp.sum(less.astype(jnp.int32), axis=1)
-    position_ref[b * rank_lanes + g] = position
-    home_sorted_ref[b * rank_lanes + position] = home
+    position_ref[p * rank_lanes + g] = position
+    home_sorted_ref[p * rank_lanes + position] = home
     total = jnp.sum(jnp.where(real_g, home, 0))
     lowest = (total + num_ranks - 1) // num_ranks
-    home_e = home_ref[b * rank_lanes + rank]
+    home_e = home_ref[p * rank_lanes + rank]
     # Demand order: largest demand at the lowest target first (ties: hot order); padding entries last.
     at_lowest = jnp.where(real_e, jnp.clip(jnp.maximum(home_e - lowest, 0) - before, 0, load), -1)
-    key_ref[b * entry_lanes + e] = at_lowest
-    hot_ref[b * entry_lanes + e] = hot_index
+    key_ref[p * entry_lanes + e] = at_lowest
+    hot_ref[p * entry_lanes + e] = hot_index
     sync()
     order = jnp.zeros_like(e)
     for start in range(0, entry_lanes, chunk):
         cols = start + jnp.arange(chunk, dtype=jnp.int32)
-        key, tie = key_ref[b * entry_lanes + cols], hot_ref[b * entry_lanes + cols]
+        key, tie = key_ref[p * entry_lanes + cols], hot_ref[p * entry_lanes + cols]
         ahead = (key[None, :] > at_lowest[:, None]) | ((key[None, :] == at_lowest[:, None])
                                                        & (tie[None, :] < hot_index[:, None]))
         order = order + jnp.sum(ahead.astype(jnp.int32), axis=1)
-    base_ref[b * entry_lanes + order] = jnp.where(real_e, home_e - before, 0)
-    dload_ref[b * entry_lanes + order] = load
-    expert_ref[b * entry_lanes + order] = e
+    base_ref[p * entry_lanes + order] = jnp.where(real_e, home_e - before, 0)
+    dload_ref[p * entry_lanes + order] = load
+    expert_ref[p * entry_lanes + order] = e
     sync()
     return lowest, jnp.max(jnp.where(real_g, home, 0))
 
 
-def _search_kernel(load_ref, target_ref, first_ref, d_ref, s_lo_ref, x_end_ref, expert_ref,
+def _search_kernel(load_ref, cand_ref, ok_ref, d_ref, s_lo_ref, x_end_ref, expert_ref,
                    position_ref, home_ref, key_ref, hot_ref, base_ref, dload_ref, home_sorted_ref, *, lanes,
-                   search_width, search_rounds, num_experts, num_home, entry_lanes, num_ranks, rank_lanes, num_spare,
-                   min_replica_tokens, max_replicas, barrier):
-    """One program per batch element: the orders, then every round with the ``lanes`` candidates as one vector.
+                   num_chunks, search_width, search_rounds, num_experts, num_home, entry_lanes, num_ranks,
+                   rank_lanes, num_spare, min_replica_tokens, max_replicas, barrier):
+    """One program per (batch element, chunk of ``lanes`` candidates): the orders, then every round.
 
-    ``d_ref`` rows (one per lane, ``entry_lanes + S`` wide) are written in chunks
-    and then gathered by the walk: a block barrier separates the two.
+    With one chunk, the rounds before the last pick their smallest feasible
+    candidate in the kernel (all candidates are this program's lanes); with
+    several chunks there is one round and each program walks its own slice of
+    the candidate grid, in parallel. Either way the last round's candidates,
+    their feasibility and layouts are written per lane and the caller picks.
+    ``d_ref`` rows (one per candidate, ``entry_lanes + S`` wide) are written in
+    chunks and then gathered by the walk: a block barrier separates the two.
     """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
-    b = pl.program_id(0)
-    lo, hi = _prepare_in_kernel(b, load_ref, home_ref, key_ref, hot_ref, base_ref, dload_ref, expert_ref, position_ref,
-                       home_sorted_ref, entry_lanes=entry_lanes, num_experts=num_experts, rank_lanes=rank_lanes,
-                       num_ranks=num_ranks, num_home=num_home, barrier=barrier)
+    b, chunk_index = pl.program_id(0), pl.program_id(1)
+    program = b * num_chunks + chunk_index  # this program's rows of the order refs
+    lo, hi = _prepare_in_kernel(b, program, load_ref, home_ref, key_ref, hot_ref, base_ref, dload_ref, expert_ref,
+                                position_ref, home_sorted_ref, entry_lanes=entry_lanes, num_experts=num_experts,
+                                rank_lanes=rank_lanes, num_ranks=num_ranks, num_home=num_home, barrier=barrier)
     num_entries = entry_lanes
+    all_lanes = lanes * num_chunks
     chunk = _chunk(lanes, entry_lanes)
-    k = jnp.arange(lanes, dtype=jnp.int32)
+    k = chunk_index * lanes + jnp.arange(lanes, dtype=jnp.int32)  # candidate index on the grid
     steps = jnp.minimum(k, search_width - 1)  # extra lanes repeat the last candidate and are never chosen
     width = num_entries + num_spare
-    row = b * (lanes * width) + k * width
+    row = b * (all_lanes * width) + k * width
     x = jnp.zeros((lanes,), jnp.int32)
+    ok = k < 0
+    cand = steps
     for round_index in range(search_rounds):
         cand = candidates(lo, hi, steps, search_width)
         # Demands at every candidate and their running sums, chunk by chunk along the demand order.
@@ -209,8 +219,8 @@ def _search_kernel(load_ref, target_ref, first_ref, d_ref, s_lo_ref, x_end_ref, 
         j0 = jnp.zeros((lanes,), jnp.int32)
         for start in range(0, num_entries, chunk):
             cols = start + jnp.arange(chunk, dtype=jnp.int32)
-            base = base_ref[b * num_entries + cols]
-            cap = dload_ref[b * num_entries + cols]
+            base = base_ref[program * num_entries + cols]
+            cap = dload_ref[program * num_entries + cols]
             demand = jnp.clip(base[None, :] - cand[:, None], 0, cap[None, :])
             ends = jnp.cumsum(demand, axis=1) + total[:, None]
             d_ref[row[:, None] + cols[None, :]] = ends
@@ -221,30 +231,53 @@ def _search_kernel(load_ref, target_ref, first_ref, d_ref, s_lo_ref, x_end_ref, 
         if barrier:
             plgpu.debug_barrier()
 
+        # The walk is a chain of G dependent steps, so each step's loads are issued one step early: at step r the
+        # boundaries d[j_r + o], o < 2S, which hold step r + 1's window whatever the step passes (at most S
+        # demands), and the next rank's home load. A step then waits on arithmetic, not on a load's latency.
+        def gather(j):
+            return [d_ref[row + jnp.minimum(j + o, width - 1)] for o in range(2 * num_spare)]
+
+        def home_at(r):
+            return home_sorted_ref[program * rank_lanes + jnp.minimum(r, num_ranks - 1)]
+
         def body(r, carry):
-            x, j, cnt, bad = carry
-            supply = jnp.maximum(cand - home_sorted_ref[b * rank_lanes + r], 0)  # the r-th rank in supply order
-            window = [d_ref[row + jnp.minimum(j + o, width - 1)] for o in range(num_spare)]
-            plgpu.store(s_lo_ref.at[pl.ds((b * num_ranks + r) * lanes, lanes)], x)
-            return _step(x, j, cnt, bad, supply, window, num_spare, min_replica_tokens, max_replicas)
+            x, j, cnt, bad, ahead, passed, home = carry
+            loaded, home_next = gather(j), home_at(r + 1)  # in flight during this step
+            window = [ahead[o] for o in range(num_spare)]
+            for shift in range(1, num_spare + 1):  # d[j + o] = ahead[passed + o], passed = the last step's advance
+                window = [jnp.where(passed == shift, ahead[shift + o], window[o]) for o in range(num_spare)]
+            supply = jnp.maximum(cand - home, 0)  # the r-th rank in supply order
+            plgpu.store(s_lo_ref.at[pl.ds((b * num_ranks + r) * all_lanes + chunk_index * lanes, lanes)], x)
+            x_new, j_new, cnt, bad = _step(x, j, cnt, bad, supply, window, num_spare, min_replica_tokens,
+                                           max_replicas)
+            return x_new, j_new, cnt, bad, loaded, j_new - j, home_next
 
         zeros = jnp.zeros((lanes,), jnp.int32)
-        x, _, _, bad = jax.lax.fori_loop(0, num_ranks, body, (zeros, j0, zeros, zeros < 0))
+        carry = (zeros, j0, zeros, zeros < 0, gather(j0), zeros, home_at(0))
+        x, _, _, bad, *_ = jax.lax.fori_loop(0, num_ranks, body, carry)
         ok = ~bad & (x >= total) & (k < search_width)
-        first = jnp.min(jnp.where(ok | (k == search_width - 1), k, lanes))
-        new_hi = jnp.sum(jnp.where(k == first, cand, 0))
-        new_lo = jnp.where(first > 0, jnp.sum(jnp.where(k == first - 1, cand, 0)) + 1, new_hi)
-        lo, hi = jnp.minimum(new_lo, new_hi), new_hi
-        if barrier and round_index + 1 < search_rounds:
-            plgpu.debug_barrier()  # every lane's gathers are done before the next round rewrites d_ref
-    plgpu.store(target_ref.at[pl.ds(b * lanes, lanes)], jnp.full((lanes,), hi, jnp.int32))
-    plgpu.store(first_ref.at[pl.ds(b * lanes, lanes)], jnp.full((lanes,), first, jnp.int32))
-    plgpu.store(x_end_ref.at[pl.ds(b * lanes, lanes)], x)
+        if round_index + 1 < search_rounds:  # one chunk only (checked by the caller): all candidates are here
+            first = jnp.min(jnp.where(ok | (k == search_width - 1), k, lanes))
+            new_hi = jnp.sum(jnp.where(k == first, cand, 0))
+            new_lo = jnp.where(first > 0, jnp.sum(jnp.where(k == first - 1, cand, 0)) + 1, new_hi)
+            lo, hi = jnp.minimum(new_lo, new_hi), new_hi
+            if barrier:
+                plgpu.debug_barrier()  # every lane's gathers are done before the next round rewrites d_ref
+    lane_slice = pl.ds(b * all_lanes + chunk_index * lanes, lanes)
+    plgpu.store(cand_ref.at[lane_slice], cand)
+    plgpu.store(ok_ref.at[lane_slice], ok.astype(jnp.int32))
+    plgpu.store(x_end_ref.at[lane_slice], x)
+
+
+# Candidates per program when the search is one round split over programs (tuned on one H200, see
+# benchmarks/RESULTS.md "Online balancing"): the walk is a chain of G dependent steps whatever the lane count, so
+# spreading the grid over programs shortens nothing but makes each step cheaper.
+LANES_PER_PROGRAM = 32
 
 
 def _search_batched(load, *, num_home, num_spare, min_replica_tokens, max_replicas, search_rounds,
-                    search_width, interpret):
-    """``load [B, E]``, one program each.
+                    search_width, interpret, lanes_per_program=None):
+    """``load [B, E]``; one program per batch element and chunk of candidates.
 
     Returns ``target [B]``, ``d_hi [B, E]``, ``s_lo [B, G]``, ``x_end [B]``,
     ``demand_expert [B, E]`` and ``rank_position [B, G]``.
@@ -254,25 +287,30 @@ def _search_batched(load, *, num_home, num_spare, min_replica_tokens, max_replic
 
     batch, num_experts = load.shape
     num_ranks = num_experts // num_home
-    lanes = max(int(pl.next_power_of_2(search_width)), 16)
+    all_lanes = max(int(pl.next_power_of_2(search_width)), 16)
+    lanes = all_lanes
+    if search_rounds == 1:  # every candidate is independent: split the grid over programs
+        lanes = min(all_lanes, max(16, int(pl.next_power_of_2(lanes_per_program or LANES_PER_PROGRAM))))
+    num_chunks = all_lanes // lanes
     entry_lanes = max(int(pl.next_power_of_2(num_experts)), 16)
     rank_lanes = max(int(pl.next_power_of_2(num_ranks)), 16)
     load = jnp.pad(load, ((0, 0), (0, entry_lanes - num_experts)))  # padding entries carry no load
     width = entry_lanes + num_spare
     kernel = functools.partial(
-        _search_kernel, lanes=lanes, search_width=search_width, search_rounds=search_rounds,
+        _search_kernel, lanes=lanes, num_chunks=num_chunks, search_width=search_width, search_rounds=search_rounds,
         num_experts=num_experts, num_home=num_home, entry_lanes=entry_lanes, num_ranks=num_ranks,
         rank_lanes=rank_lanes, num_spare=num_spare, min_replica_tokens=min_replica_tokens,
         max_replicas=max_replicas, barrier=not interpret)
     whole = pl.no_block_spec
     int32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
-    outs = [int32((batch * lanes,)), int32((batch * lanes,)), int32((batch * lanes * width,)),
-            int32((batch * num_ranks * lanes,)), int32((batch * lanes,)), int32((batch * entry_lanes,)),
-            int32((batch * rank_lanes,))]
-    scratch = [int32((batch * rank_lanes,))] + [int32((batch * entry_lanes,))] * 4 + [int32((batch * rank_lanes,))]
-    target, first, d_pad, s_lo, x_end, expert, position, *_ = pl.pallas_call(
+    programs = batch * num_chunks
+    outs = [int32((batch * all_lanes,)), int32((batch * all_lanes,)), int32((batch * all_lanes * width,)),
+            int32((batch * num_ranks * all_lanes,)), int32((batch * all_lanes,)), int32((programs * entry_lanes,)),
+            int32((programs * rank_lanes,))]
+    scratch = [int32((programs * rank_lanes,))] + [int32((programs * entry_lanes,))] * 4 + [int32((programs * rank_lanes,))]
+    cand, ok, d_pad, s_lo, x_end, expert, position, *_ = pl.pallas_call(
         kernel,
-        grid=(batch,),
+        grid=(batch, num_chunks),
         in_specs=[whole],
         out_specs=[whole] * (len(outs) + len(scratch)),
         out_shape=outs + scratch,
@@ -280,12 +318,17 @@ def _search_batched(load, *, num_home, num_spare, min_replica_tokens, max_replic
         interpret=interpret,
         name="quota_search",
     )(load.reshape(-1))
-    first = first.reshape(batch, lanes)[:, 0]
+    # The pick: the smallest feasible candidate of the last round (the grid's last point, known feasible, if none).
+    k = jnp.arange(all_lanes, dtype=jnp.int32)
+    ok = (ok.reshape(batch, all_lanes) > 0) | (k == search_width - 1)[None, :]
+    first = jnp.argmax(ok, axis=1).astype(jnp.int32)
     rows = jnp.arange(batch)
-    d_hi = d_pad.reshape(batch, lanes, width)[rows, first, :num_experts]
-    s_lo = s_lo.reshape(batch, num_ranks, lanes)[rows, :, first]
-    return (target.reshape(batch, lanes)[:, 0], d_hi, s_lo, x_end.reshape(batch, lanes)[rows, first],
-            expert.reshape(batch, entry_lanes)[:, :num_experts], position.reshape(batch, rank_lanes)[:, :num_ranks])
+    target = cand.reshape(batch, all_lanes)[rows, first]
+    d_hi = d_pad.reshape(batch, all_lanes, width)[rows, first, :num_experts]
+    s_lo = s_lo.reshape(batch, num_ranks, all_lanes)[rows, :, first]
+    expert = expert.reshape(batch, num_chunks, entry_lanes)[:, 0, :num_experts]  # every chunk computed the same
+    position = position.reshape(batch, num_chunks, rank_lanes)[:, 0, :num_ranks]
+    return target, d_hi, s_lo, x_end.reshape(batch, all_lanes)[rows, first], expert, position
 
 
 @functools.lru_cache(maxsize=None)

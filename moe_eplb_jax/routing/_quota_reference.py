@@ -82,7 +82,7 @@ def _feasible(pieces, covered, num_spare, min_replica_tokens, max_replicas):
 
 
 def plan_quotas_reference(counts, *, num_home, num_spare, min_replica_tokens=1, max_replicas=None,
-                          search_rounds=2, search_width=64):
+                          search_rounds=1, search_width=1024):
     """Same contract as :func:`plan_quotas`; returns a dict of numpy arrays with the ``QuotaPlan`` field names."""
     counts = np.asarray(counts)
     check_counts(counts, num_home=num_home)

@@ -30,13 +30,15 @@ it lays out. A target is feasible when every demand found room, no expert needs
 more than ``max_replicas - 1`` replicas and no replica gets fewer than
 ``min_replica_tokens`` tokens. ``T = max home load`` (nothing moves) is always
 feasible; a ``search_width``-ary search over ``search_rounds`` rounds (default
-2 x 64: a grid of ~4000 targets in two dependent steps) narrows
-``[ceil(mean), max home load]`` to the smallest feasible target it finds, and
-the last round's layout at that target is the plan. On GPU the orders and the
-whole search (every round, all candidates as one vector) are ONE Triton kernel
-between two fused XLA stages (the loads before, the tables after: no sort, no
-scatter, no loop); elsewhere, and as the GPU fallback, the orders are XLA ops
-and the walk a ``lax.scan`` per round. Either way the
+1 x 1024: one grid of 1024 targets, every candidate independent; 2 x 64 gives a
+finer grid in two dependent steps) narrows ``[ceil(mean), max home load]`` to
+the smallest feasible target it finds, and the last round's layout at that
+target is the plan. On GPU the orders and the whole search are ONE Triton
+kernel between two fused XLA stages (the loads before, the tables after: no
+sort, no scatter, no loop); a one-round search runs its candidates in parallel
+programs (32 each), since the walk over the ranks is a chain of dependent steps
+that only fewer rounds can shorten. Elsewhere, and as the GPU fallback, the
+orders are XLA ops and the walk a ``lax.scan`` per round. Either way the
 plan is a fixed chain of operations with static shapes: no host round trip, no
 data-dependent loop. When the spare slots cannot reach the mean the plan is the
 best feasible target found, and ``rank_load`` reports the imbalance left.
@@ -177,8 +179,8 @@ def plan_quotas(
     num_spare: int,
     min_replica_tokens: int = 1,
     max_replicas: int | None = None,
-    search_rounds: int = 2,
-    search_width: int = 64,
+    search_rounds: int = 1,
+    search_width: int = 1024,
     with_quota: bool = True,
     implementation: str | None = None,
 ) -> QuotaPlan:

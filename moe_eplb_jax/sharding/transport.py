@@ -20,6 +20,14 @@ the move on the host (:func:`plan_rearrangement`) and runs one jitted
 
 Peak extra device memory is the received rows plus one send chunk (XLA's temp
 size: 1.17x the bytes moved per rank on 2xH200, see ``benchmarks/RESULTS.md``).
+
+``schedule="stream"`` pipelines instead: the host reorders the plan
+(``plan.order_for_streaming``) so that no row is overwritten before every
+chunk that sends its old bytes; then per chunk ``c`` the executor packs chunk
+``c + 1`` and starts its transfer, and writes the rows received in chunk ``c``
+-- the writes and the next pack depend on no transfer still in flight, so XLA
+may run them during it, and only about four chunks of packed rows are alive.
+
 All index tables are array arguments with bucketed shapes, so a later plan
 with the same capacities reuses the compiled executor. The expert buffers are
 donated (after validation), so the rows are updated in place.
@@ -35,15 +43,19 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from moe_eplb_jax.sharding.mesh import axis_size, put_host
 from moe_eplb_jax.sharding.packing import from_row_view, leaf_layout, pack_rows, row_view, unpack_leaf
-from moe_eplb_jax.sharding.plan import TransportPlan, plan_rearrangement
+from moe_eplb_jax.sharding.plan import TransportPlan, order_for_streaming, plan_rearrangement
 
-__all__ = ["rearrange_experts", "execute_plan", "executor_trace_count", "row_bytes", "DEFAULT_MAX_CHUNK_BYTES"]
+__all__ = ["rearrange_experts", "execute_plan", "executor_trace_count", "row_bytes", "DEFAULT_MAX_CHUNK_BYTES",
+           "SCHEDULES"]
 
 # Default chunking (max_chunk_bytes=None): split each rank's sends into about this many transfers, so the
 # one send chunk alive at a time adds ~1/8 of the bytes moved to the received rows (measured: fewer,
 # larger transfers are not faster on 2xH200, see benchmarks/RESULTS.md).
 DEFAULT_TRANSFERS_PER_RANK = 8
 DEFAULT_MAX_CHUNK_BYTES = None
+# "serial": every read of the old rows (all sends) before any write. "stream": the plan is reordered
+# (plan.order_for_streaming) so chunk c's received rows are written while chunk c + 1 is in flight.
+SCHEDULES = ("serial", "stream")
 
 
 def rearrange_experts(
@@ -58,6 +70,7 @@ def rearrange_experts(
     donate: bool = True,
     max_chunk_bytes: int | None = DEFAULT_MAX_CHUNK_BYTES,
     compiler_options: dict | None = None,
+    schedule: str = "serial",
 ) -> Any:
     """Moves expert slots so that ``experts`` follows ``new_phy2log`` instead of ``old_phy2log``.
 
@@ -76,13 +89,17 @@ def rearrange_experts(
     the result and must not be used afterwards. ``max_chunk_bytes`` splits each
     round's transfer into chunks of at most that many packed bytes (less peak
     memory, more collectives; default: about 8 transfers per rank in all);
-    ``compiler_options`` go to XLA for the executor.
+    ``compiler_options`` go to XLA for the executor. ``schedule`` (one of
+    ``SCHEDULES``): ``"serial"`` packs every chunk before writing any row;
+    ``"stream"`` reorders the plan so each chunk's received rows are written
+    while the next chunk is in flight (less memory: about four chunks; plans
+    with a cycle of moves longer than a chunk run serially).
     Returns a pytree of the same structure, shapes, dtypes and shardings.
     """
     num_ranks = axis_size(mesh, axis)
     plan = plan_rearrangement(old_phy2log, new_phy2log, num_ranks, layer=layer, num_logical=num_logical)
     return execute_plan(experts, plan, mesh=mesh, axis=axis, donate=donate, max_chunk_bytes=max_chunk_bytes,
-                        compiler_options=compiler_options)
+                        compiler_options=compiler_options, schedule=schedule)
 
 
 def row_bytes(experts: Any, plan: TransportPlan, *, mesh: Mesh, axis: str = "ep") -> int:
@@ -100,8 +117,11 @@ def execute_plan(
     donate: bool = True,
     max_chunk_bytes: int | None = DEFAULT_MAX_CHUNK_BYTES,
     compiler_options: dict | None = None,
+    schedule: str = "serial",
 ) -> Any:
     """Runs a precomputed :class:`TransportPlan` on ``experts`` (see :func:`rearrange_experts`)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     if max_chunk_bytes is not None and (not isinstance(max_chunk_bytes, (int, np.integer)) or max_chunk_bytes < 1):
         raise ValueError(f"max_chunk_bytes must be a positive integer or None, got {max_chunk_bytes!r}")
     if not isinstance(plan, TransportPlan):
@@ -115,23 +135,60 @@ def execute_plan(
     if donate and len({id(leaf) for leaf in leaves}) < len(leaves):
         raise ValueError("an array appears twice in experts: it cannot be donated twice (pass donate=False)")
     flat, treedef = jax.tree_util.tree_flatten(experts)
-    tables = {name: put_host(t, mesh, PartitionSpec(axis)) for name, t in plan.device_tables().items()}
-    num_chunks = _num_chunks(plan, layouts, max_chunk_bytes)
+    num_chunks = _num_chunks(plan, layouts, max_chunk_bytes, schedule)
+    plan, chunk_rows = _streamed(plan, num_chunks) if schedule == "stream" else (plan, 0)
+    tables, table_layout = device_tables(plan, mesh, axis)
     options = tuple(sorted((compiler_options or {}).items()))
     run = _executor(mesh, axis, tuple(specs), tuple(layouts), 2 if plan.layered else 1, bool(donate), num_chunks,
-                    options)
+                    options, chunk_rows, table_layout)
     for position, moved in zip(positions, run(tables, list(leaves))):
         flat[position] = moved
     return jax.tree_util.tree_unflatten(treedef, flat)
 
 
-def _num_chunks(plan: TransportPlan, layouts, max_chunk_bytes: int | None) -> int:
-    """Chunks per round: enough that one chunk's packed rows fit in ``max_chunk_bytes``."""
+def device_tables(plan: TransportPlan, mesh: Mesh, axis: str = "ep"):
+    """The plan's index tables as one int32 array ``[G, T]`` on the mesh, and where each sits in it.
+
+    One array, so a call costs one small host-to-device copy per device, not
+    six (host time is on the critical path of every move). The layout --
+    ``((name, start, shape), ...)`` -- is static: it keys the executor.
+    """
+    layout, parts, start = [], [], 0
+    for name, table in plan.device_tables().items():
+        size = int(np.prod(table.shape[1:]))
+        layout.append((name, start, tuple(int(d) for d in table.shape[1:])))
+        parts.append(np.asarray(table, dtype=np.int32).reshape(table.shape[0], size))
+        start += size
+    return put_host(np.concatenate(parts, axis=1), mesh, PartitionSpec(axis)), tuple(layout)
+
+
+def _streamed(plan: TransportPlan, num_chunks: int) -> tuple[TransportPlan, int]:
+    """``(plan ordered for the stream schedule, its chunk rows)``, or ``(plan, 0)``: run it serially.
+
+    A plan already ordered (``order_for_streaming`` called by the caller, e.g.
+    off the critical path) is used as it is, whatever ``num_chunks``.
+    """
+    if plan.chunk_rows:
+        return plan, plan.chunk_rows
+    try:
+        ordered = order_for_streaming(plan, num_chunks)
+    except ValueError:  # a cycle of moves longer than a chunk: it cannot be streamed in these chunks
+        return plan, 0
+    return ordered, ordered.chunk_rows
+
+
+def _num_chunks(plan: TransportPlan, layouts, max_chunk_bytes: int | None, schedule: str = "serial") -> int:
+    """Chunks per round: enough that one chunk's packed rows fit in ``max_chunk_bytes``.
+
+    By default the serial schedule sends about ``DEFAULT_TRANSFERS_PER_RANK``
+    transfers in all; the stream schedule takes that many steps (each step
+    sends one chunk of every round), since it keeps about four steps alive.
+    """
     capacity = plan.capacities[0]
     if capacity == 0:
         return 1
     if max_chunk_bytes is None:
-        rounds = max(1, plan.num_ranks - 1)
+        rounds = 1 if schedule == "stream" else max(1, plan.num_ranks - 1)
         return max(1, min(capacity, -(-DEFAULT_TRANSFERS_PER_RANK // rounds)))
     row = max(1, sum(layout.row_bytes for layout in layouts))
     rows_per_chunk = max(1, int(max_chunk_bytes) // row)
@@ -219,21 +276,33 @@ PIPELINE_DEPTH = 1
 _TRACES = [0]
 
 
-def _executor(mesh, axis, specs, layouts, num_lead, donate, num_chunks, options=()):
-    key = (mesh, axis, specs, layouts, num_lead, donate, num_chunks, options, PIPELINE_DEPTH)
+def _executor(mesh, axis, specs, layouts, num_lead, donate, num_chunks, options, chunk_rows, table_layout):
+    """The jitted executor: serial (``chunk_rows == 0``) or stream schedule (chunks of ``chunk_rows``).
+
+    It takes ``(tables, leaves)``: the one table array of :func:`device_tables`
+    (laid out as ``table_layout``) and the moving leaves.
+    """
+    key = (mesh, axis, specs, layouts, num_lead, donate, 0 if chunk_rows else num_chunks, options,
+           0 if chunk_rows else PIPELINE_DEPTH, chunk_rows, table_layout)
     if key not in _EXECUTORS:
         _EXECUTORS[key] = _build_executor(*key)
     return _EXECUTORS[key]
 
 
-def _build_executor(mesh, axis, specs, layouts, num_lead, donate, num_chunks, options, depth):
+def _build_executor(mesh, axis, specs, layouts, num_lead, donate, num_chunks, options, depth, chunk_rows,
+                    table_layout):
     num_ranks = int(mesh.shape[axis])
 
-    def local(tables, leaves):
+    def unpack(tables):  # the local [1, T] table array -> {name: table} (static slices)
+        return {name: tables[0, start : start + int(np.prod(shape))].reshape(shape)
+                for name, start, shape in table_layout}
+
+    def serial(tables, leaves):
         _TRACES[0] += 1
-        send_rows, recv_dst = tables["send_rows"][0], tables["recv_dst"][0]  # [G - 1, C]
-        dup_dst, dup_src = tables["dup_dst"][0], tables["dup_src"][0]  # [D]
-        copy_dst, copy_src = tables["copy_dst"][0], tables["copy_src"][0]  # [K]
+        tables = unpack(tables)
+        send_rows, recv_dst = tables["send_rows"], tables["recv_dst"]  # [G - 1, C]
+        dup_dst, dup_src = tables["dup_dst"], tables["dup_src"]  # [D]
+        copy_dst, copy_src = tables["copy_dst"], tables["copy_src"]  # [K]
         local_shapes = [leaf.shape for leaf in leaves]
         num_rows = int(np.prod(local_shapes[0][:num_lead]))
         rows = [row_view(leaf, layout, num_rows) for leaf, layout in zip(leaves, layouts)]
@@ -267,12 +336,57 @@ def _build_executor(mesh, axis, specs, layouts, num_lead, donate, num_chunks, op
             out.append(from_row_view(r, layout, local_shapes[i]))
         return out
 
+    def stream(tables, leaves):
+        # Pipeline per rank: pack chunk c + 1 and start its transfers, then write the rows received in
+        # chunk c. The plan is ordered (plan.order_for_streaming) so that no row written in chunk c is read
+        # by a later chunk; the only order to enforce is that chunk c + 1's packs (and the local copies'
+        # gather) read the rows before chunk c's writes -- an optimisation barrier, not a data dependency
+        # on any transfer, so the writes and the next pack may overlap the transfers in flight.
+        _TRACES[0] += 1
+        tables = unpack(tables)
+        send_rows, recv_dst = tables["send_rows"], tables["recv_dst"]  # [G - 1, C]
+        dup_dst, dup_src = tables["dup_dst"], tables["dup_src"]
+        copy_dst, copy_src = tables["copy_dst"], tables["copy_src"]
+        local_shapes = [leaf.shape for leaf in leaves]
+        num_rows = int(np.prod(local_shapes[0][:num_lead]))
+        rows = [row_view(leaf, layout, num_rows) for leaf, layout in zip(leaves, layouts)]
+        capacity = send_rows.shape[-1]
+        steps = -(-capacity // chunk_rows) if num_ranks > 1 else 0
+        rounds = range(1, num_ranks)
+        part = lambda c: slice(c * chunk_rows, (c + 1) * chunk_rows)  # noqa: E731
+
+        def send(c, current):  # chunk c of every round, packed from the current rows, on its way
+            packed = [pack_rows(current, layouts, send_rows[d - 1, part(c)]) for d in rounds]
+            perms = [[(r, (r + d) % num_ranks) for r in range(num_ranks)] for d in rounds]
+            return packed, [jax.lax.ppermute(p, axis, perm) for p, perm in zip(packed, perms)]
+
+        copied = [r[copy_src] for r in rows] if copy_dst.shape[0] else None
+        incoming = send(0, rows)[1] if steps else []
+        for c in range(steps):
+            packed_next, incoming_next = send(c + 1, rows) if c + 1 < steps else ([], [])
+            rows, _ = jax.lax.optimization_barrier((rows, (packed_next, copied if c == 0 else None)))
+            for d, buf in zip(rounds, incoming):
+                dst = recv_dst[d - 1, part(c)]
+                rows = [r.at[dst].set(unpack_leaf(buf, layouts, i), mode="drop", unique_indices=True)
+                        for i, r in enumerate(rows)]
+            incoming = incoming_next
+        if copied is not None and not steps:  # nothing sent: the copies still read before any write
+            rows, copied = jax.lax.optimization_barrier((rows, copied))
+        out = []
+        for i, (r, layout) in enumerate(zip(rows, layouts)):
+            if copied is not None:  # last: the old bytes of a copy's destination may have been sent
+                r = r.at[copy_dst].set(copied[i], mode="drop", unique_indices=True)
+            if dup_dst.shape[0]:
+                r = r.at[dup_dst].set(r[dup_src], mode="drop", unique_indices=True)
+            out.append(from_row_view(r, layout, local_shapes[i]))
+        return out
+
     table_spec = PartitionSpec(axis)
-    tables_specs = {k: table_spec for k in _TABLES}
-    mapped = jax.shard_map(local, mesh=mesh, in_specs=(tables_specs, list(specs)), out_specs=list(specs))
+    mapped = jax.shard_map(stream if chunk_rows else serial, mesh=mesh, in_specs=(table_spec, list(specs)),
+                           out_specs=list(specs))
     # Explicit shardings: leaves whose specs differ only in spelling (trailing None) hit the same cache entry.
     leaf_shardings = [NamedSharding(mesh, spec) for spec in specs]
-    table_shardings = {k: NamedSharding(mesh, table_spec) for k in _TABLES}
+    table_shardings = NamedSharding(mesh, table_spec)
     return jax.jit(
         mapped,
         in_shardings=(table_shardings, leaf_shardings),
@@ -281,5 +395,3 @@ def _build_executor(mesh, axis, specs, layouts, num_lead, donate, num_chunks, op
         compiler_options=dict(options) or None,
     )
 
-
-_TABLES = ("send_rows", "recv_dst", "dup_dst", "dup_src", "copy_dst", "copy_src")
