@@ -20,9 +20,12 @@ Two implementations give the same integers:
 * ``"pallas"``: :func:`search_pallas`, ONE Triton kernel that takes the expert
   loads and does everything up to the layout: the orders (hot order on each
   rank, supply order, demand order, by pairwise compares) and every search
-  round (candidate grid, demands, their running sums, the walk, the pick of the
-  smallest feasible candidate), with the candidates as one vector. Under
-  ``vmap`` the batch becomes the kernel's grid. Off GPU it runs in Pallas
+  round (candidate grid, demands, their running sums, the walk), with the
+  candidates as vectors; the pick of the smallest feasible candidate of the
+  last round is one small XLA step after it. A one-round search (the default)
+  splits its candidates over programs that walk in parallel; several rounds
+  run in one program (each round's pick feeds the next). Under ``vmap`` the
+  batch becomes the kernel's first grid axis. Off GPU it runs in Pallas
   interpret mode (slowly; for tests).
 """
 
@@ -269,14 +272,14 @@ def _search_kernel(load_ref, cand_ref, ok_ref, d_ref, s_lo_ref, x_end_ref, exper
     plgpu.store(x_end_ref.at[lane_slice], x)
 
 
-# Candidates per program when the search is one round split over programs (tuned on one H200, see
-# benchmarks/RESULTS.md "Online balancing"): the walk is a chain of G dependent steps whatever the lane count, so
-# spreading the grid over programs shortens nothing but makes each step cheaper.
+# Candidates per program when the search is one round split over programs (read at trace time). On one H200
+# 16, 32 and 64 gave the same 44 us (benchmarks/RESULTS.md "Online balancing"): each program's walk is the same
+# chain of G dependent steps, so the lane count only sets how many programs share the grid.
 LANES_PER_PROGRAM = 32
 
 
 def _search_batched(load, *, num_home, num_spare, min_replica_tokens, max_replicas, search_rounds,
-                    search_width, interpret, lanes_per_program=None):
+                    search_width, interpret):
     """``load [B, E]``; one program per batch element and chunk of candidates.
 
     Returns ``target [B]``, ``d_hi [B, E]``, ``s_lo [B, G]``, ``x_end [B]``,
@@ -290,7 +293,7 @@ def _search_batched(load, *, num_home, num_spare, min_replica_tokens, max_replic
     all_lanes = max(int(pl.next_power_of_2(search_width)), 16)
     lanes = all_lanes
     if search_rounds == 1:  # every candidate is independent: split the grid over programs
-        lanes = min(all_lanes, max(16, int(pl.next_power_of_2(lanes_per_program or LANES_PER_PROGRAM))))
+        lanes = min(all_lanes, max(16, int(pl.next_power_of_2(LANES_PER_PROGRAM))))
     num_chunks = all_lanes // lanes
     entry_lanes = max(int(pl.next_power_of_2(num_experts)), 16)
     rank_lanes = max(int(pl.next_power_of_2(num_ranks)), 16)
