@@ -1,7 +1,7 @@
 """Benchmark: fused replica routing + load counting (``moe_eplb_jax.pallas.map_and_count``).
 
 For T in {4096, 65536, 262144} tokens x top-8, P in {288, 512} slots (E = 256)
-and every mode, prints side by side (microseconds per call, median):
+and every mode, prints side by side (microseconds per call):
 
 * ``pallas``   -- the Triton kernel (``implementation="pallas"``);
 * ``xla_best`` -- the best pure-XLA version here: the reference mapping plus a
@@ -9,12 +9,14 @@ and every mode, prints side by side (microseconds per call, median):
 * ``xla_ref``  -- the ``"xla"`` implementation: gather + ``jnp.bincount``
   (+ a stable argsort for ``resolved``);
 * ``copy``     -- one XLA elementwise pass over the ids (read ids, write ids):
-  the practical floor at this size, launch overhead included;
+  the practical floor at this size;
 * ``hbm``      -- bytes (ids read + ids written) / measured large-copy bandwidth.
 
 Timing: each measurement is one jitted executable applying the op to ``REPS``
-different input arrays (rotated so they do not all sit in L2), timed on the host
-around ``block_until_ready`` and divided by ``REPS``; median of ``TRIALS``.
+different input arrays (so they do not all sit in L2), run ``TRIALS`` times;
+on GPU the time is the device time of its kernels from the profiler
+(``_timing.device_seconds``, no host dispatch or sync), divided by ``REPS``;
+elsewhere the host-timed median.
 
 Run on a GPU machine: ``PYTHONPATH=. python3 benchmarks/map_and_count.py [--quick] [--sweep]``
 (``--sweep`` first times many kernel options at T=262144 and at the decode and online sizes).
