@@ -176,11 +176,19 @@ def summarise(events, gap_ms=5.0):
     for g in groups:
         by = {k: _union([(a, b) for a, b, kind, _, _ in g if kind == k]) for k in ("transfer", "kernel", "copy")}
         span = max(e[1] for e in g) - g[0][0]
+        # Before the first kernel or transfer: the table upload, then the wait for the launch (host work).
+        work_start = min((a for a, _, kind, _, _ in g if kind != "copy"), default=g[0][0])
         rows.append({"span": span * 1e-6, "transfer": _length(by["transfer"]) * 1e-6,
                      "kernel": _length(by["kernel"]) * 1e-6, "copy": _length(by["copy"]) * 1e-6,
                      "overlap": _intersection(by["transfer"], _union(by["kernel"] + by["copy"])) * 1e-6,
-                     "idle": (span - _length(_union([(a, b) for a, b, *_ in g]))) * 1e-6})
+                     "idle": (span - _length(_union([(a, b) for a, b, *_ in g]))) * 1e-6,
+                     "lead": (work_start - g[0][0]) * 1e-6})
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    # The call whose span is the median: its events in order (ms from its first event), to read gaps from.
+    middle = sorted(range(len(rows)), key=lambda i: rows[i]["span"])[len(rows) // 2]
+    t0 = groups[middle][0][0]
+    call_events = [(round((a - t0) * 1e-6, 4), round((b - a) * 1e-6, 4), kind, name[:48], stream)
+                   for a, b, kind, name, stream in groups[middle]]
     per_name = {}
     for a, b, kind, name, stream in events:
         key = (kind, name[:60], stream)
@@ -188,4 +196,5 @@ def summarise(events, gap_ms=5.0):
     top = sorted(per_name.items(), key=lambda kv: -kv[1])[:6]
     streams = {k: sorted({s for _, _, kind, _, s in events if kind == k}) for k in ("transfer", "kernel", "copy")}
     return {"calls_found": len(groups), **{f"{k}_ms": round(v, 3) for k, v in med.items()},
-            "streams": streams, "top_ms_per_call": [(k[0], k[1], k[2], round(v, 3)) for k, v in top]}
+            "streams": streams, "top_ms_per_call": [(k[0], k[1], k[2], round(v, 3)) for k, v in top],
+            "events_of_median_call": call_events}

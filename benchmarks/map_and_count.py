@@ -48,6 +48,9 @@ TRIALS = 10
 NUM_LOGICAL = 256
 
 
+LAST_KERNELS = {}  # the last timed call's device seconds per kernel name (GPU only)
+
+
 def timed(fn, args_list, trials=TRIALS):
     """Seconds per op of ``fn`` applied to each element of ``args_list`` inside one jitted call.
 
@@ -56,8 +59,10 @@ def timed(fn, args_list, trials=TRIALS):
     """
     many = jax.jit(lambda all_args: [fn(*a) for a in all_args])
     jax.block_until_ready(many(args_list))  # compile + warm up
-    device, _ = device_seconds(many, args_list, calls=trials, warmup=1)
+    device, per_kernel = device_seconds(many, args_list, calls=trials, warmup=1)
     if device is not None:
+        LAST_KERNELS.clear()
+        LAST_KERNELS.update({name: seconds / len(args_list) for name, seconds in per_kernel.items()})
         return device / len(args_list)
     samples = []
     for _ in range(trials):
@@ -164,7 +169,9 @@ def time_variant(rng, mode, options, count=True, num_tokens=262144, num_physical
     except Exception as e:  # a configuration Triton cannot compile: report and go on
         print(f"  {mode} {options} count={count}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
         return None
-    print(f"  T={num_tokens:<7} {mode:<9} {str(options):<90} count={count!s:<5} {seconds * 1e6:8.2f} us", flush=True)
+    kernels = ", ".join(f"{name[:24]} {t * 1e6:.2f}" for name, t in list(LAST_KERNELS.items())[:3])
+    print(f"  T={num_tokens:<7} P={num_physical} {mode:<11} {str(options):<62} count={count!s:<5} "
+          f"{seconds * 1e6:8.2f} us  [{kernels}]", flush=True)
     return seconds
 
 
@@ -186,21 +193,17 @@ def pallas_copy(x, block=2048, num_warps=4):
     return out.reshape(x.shape)
 
 
-SWEEP = [  # (options, count): tile = entries per program, sub = entries per loop step
-    ({}, False), ({}, True),
-    ({"tile": 2048, "sub": 2048, "num_warps": 8}, False),
+SWEEP = [  # (options, count) at the big size, hash: tile = entries per program, sub = entries per loop step
+    ({}, True), ({}, False),  # the shipped defaults (histogram counting, head tables), with and without counting
+    ({"tile": 2048, "sub": 2048, "num_warps": 8}, True), ({"tile": 8192, "sub": 8192, "num_warps": 16}, True),
+    ({"tables": "global"}, True), ({"count_method": "atomic"}, True),
 ]
-for _method, _configs in (("atomic_warp", ((None, 256, 4), (4096, 1024, 4), (4096, 1024, 8), (2048, 2048, 8),
-                                           (8192, 2048, 8), (16384, 2048, 8), (16384, 4096, 8))),
-                          ("atomic", ((4096, 1024, 4), (2048, 2048, 8), (16384, 4096, 8)))):
-    for _tile, _sub, _warps in _configs:
-        SWEEP.append(({"count_method": _method, "tile": _tile, "sub": _sub, "num_warps": _warps}, True))
-ATOMIC = {"count_method": "atomic_warp"}
-ATOMIC_BIG = {"count_method": "atomic_warp", "tile": 2048, "sub": 2048, "num_warps": 8}
+SMALL = [{}, {"tile": 512, "sub": 512}, {"tile": 2048, "sub": 2048, "num_warps": 8}, {"tables": "global"},
+         {"count_method": "onehot", "tables": "global"}]
 
 
 def sweep(rng, big=262144, small=(4096, 65536), online=(8192, 65536)):
-    """Kernel options at T=262144 x 8, P=288 (hash), then resolved at 65536 x 8 and decode sizes; no defaults change."""
+    """Kernel options at T=262144 x 8, P=288 (hash), then other modes, decode and online sizes; no defaults change."""
     print(f"sweep (T={big}, k=8, P=288, hash; device time per call):", flush=True)
     flat = jnp.asarray(rng.integers(0, NUM_LOGICAL, size=(REPS, big, 8)), jnp.int32)
     us = timed(functools.partial(pallas_copy, block=2048, num_warps=4), [(x,) for x in flat]) * 1e6
@@ -208,14 +211,17 @@ def sweep(rng, big=262144, small=(4096, 65536), online=(8192, 65536)):
     del flat
     for options, count in SWEEP:
         time_variant(rng, "hash", options, count=count, num_tokens=big)
+    for num_physical in (512,):
+        for options in ({}, {"tables": "global"}):
+            time_variant(rng, "hash", options, num_tokens=big, num_physical=num_physical)
     for mode in ("shares", "round_robin"):
-        for options in ({}, ATOMIC, ATOMIC_BIG):
+        for options in ({}, {"tables": "global"}):
             time_variant(rng, mode, options, num_tokens=big)
     for tokens in small:
-        for options in ({}, ATOMIC, ATOMIC_BIG, {**ATOMIC, "tile": 1024, "sub": 1024}):
+        for options in SMALL:
             time_variant(rng, "hash", options, num_tokens=tokens)
     for tokens in online:  # resolved: the online routing of one rank (8192 x 8) and a large batch
-        for options in ({}, ATOMIC):
+        for options in ({}, {"count_method": "onehot", "tables": "global"}):
             time_variant(rng, "resolved", options, num_tokens=tokens)
 
 

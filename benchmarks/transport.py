@@ -20,8 +20,12 @@ dtypes byte-exact (both schedules).
 Variants are '+'-joined parts (``--variants default stream+lhs words+d2``):
   own | words    rows in their own dtype / as uint32 words (default: words on GPU)
   dN             serial schedule with N transfers in flight (default 1)
-  stream         the stream schedule (plan reordered; chunk c written while chunk c + 1 is in flight)
+  stream|serial  the schedule (stream: plan reordered, chunk c written while chunk c + 1 is in flight;
+                 default: the library's)
   cN             N chunks per round for this variant (else --chunks)
+  pN             pack and write rows with the Pallas row-copy kernels of N programs (copy_programs=N)
+  bN / wN        those kernels' words per work item / warps (transport.COPY_KERNEL_OPTIONS)
+  xla            XLA gathers / scatters (copy_programs=None; the default unless the library's changes)
   XLA options:   lhs (latency-hiding scheduler), memcpy (local p2p by cudaMemcpy, not NCCL kernels),
                  ovlN (N collectives in flight, parallel_collective_overlap_limit), noprio (async
                  stream not highest priority), symm (collective-permute in symmetric memory), nocb (no
@@ -100,20 +104,32 @@ OPTION_ALIASES = {
 }
 
 
+_DEFAULT_KERNEL = dict(_transport.COPY_KERNEL_OPTIONS)
+
+
 def parse_variant(name):
-    """``(row view, depth, schedule, chunks or None, compiler options)`` of a '+'-joined variant name."""
-    view, depth, schedule, chunks, options = _transport.WORD_VIEW, _transport.PIPELINE_DEPTH, "serial", None, {}
+    """``(row view, depth, schedule, chunks or None, compiler options, copy programs)`` of a variant name."""
+    view, depth, schedule, chunks, options = (_transport.WORD_VIEW, _transport.PIPELINE_DEPTH,
+                                              _transport.DEFAULT_SCHEDULE, None, {})
+    programs = _transport.DEFAULT_COPY_PROGRAMS
+    kernel = dict(_DEFAULT_KERNEL)
     for part in name.split("+"):
         if part == "default":
             continue
         if part in ("own", "words"):
             view = part == "words"
-        elif part == "stream":
-            schedule = "stream"
+        elif part in ("stream", "serial"):
+            schedule = part
         elif re.fullmatch(r"d\d+", part):
             depth = int(part[1:])
         elif re.fullmatch(r"c\d+", part):
             chunks = int(part[1:])
+        elif re.fullmatch(r"p\d+", part):
+            programs = int(part[1:])
+        elif re.fullmatch(r"[bw]\d+", part):
+            kernel[{"b": "block", "w": "num_warps"}[part[0]]] = int(part[1:])
+        elif part == "xla":
+            programs = None
         elif re.fullmatch(r"ovl\d+", part):
             options["xla_gpu_experimental_parallel_collective_overlap_limit"] = int(part[3:])
         elif part in OPTION_ALIASES:
@@ -126,7 +142,7 @@ def parse_variant(name):
                             else int(value) if value.isdigit() else value)
         else:
             raise SystemExit(f"unknown variant part {part!r} in {name!r}")
-    return view, depth, schedule, chunks, options
+    return view, depth, schedule, chunks, options, (programs, kernel)
 
 
 # ------------------------------------------------------------------ placements
@@ -274,8 +290,12 @@ def streamable(plan, num_chunks):
         return None
 
 
-def dtype_check(mesh, rng, schedule="serial"):
-    """Byte-exact contract on this backend for every supported dtype (random bytes, NaN payloads included)."""
+def dtype_check(mesh, rng, schedule="serial", copy_programs=None, row_elements=6):
+    """Byte-exact contract on this backend for every supported dtype (random bytes, NaN payloads included).
+
+    ``row_elements`` per slot and leaf: 6 makes some rows a non-multiple of 4 bytes (byte rows on the wire);
+    8 makes every row whole words (the path of the Pallas row copies).
+    """
     import ml_dtypes
 
     num_ranks = mesh.shape["ep"]
@@ -285,7 +305,7 @@ def dtype_check(mesh, rng, schedule="serial"):
     ckpt = {}
     for i, dt in enumerate(dtypes):
         width = max(1, jax.dtypes.itemsize_bits(np.dtype(dt)) // 8)
-        raw = rng.integers(0, 256, (layers, experts, 6 * width), dtype=np.uint8)
+        raw = rng.integers(0, 256, (layers, experts, row_elements * width), dtype=np.uint8)
         if jax.dtypes.itemsize_bits(np.dtype(dt)) == 4:
             raw &= 0x0F
         ckpt[f"leaf{i}"] = raw.view(dt)
@@ -296,7 +316,8 @@ def dtype_check(mesh, rng, schedule="serial"):
     plan = eps.plan_rearrangement(old, new, num_ranks)
     if schedule == "stream":  # as many chunks as the plan's cycles allow, so the stream executor runs
         plan = next(p for p in (streamable(plan, n) for n in (4, 2, 1)) if p is not None)
-    moved = eps.execute_plan(eps.shard_slots(take(old), mesh, layered=True), plan, mesh=mesh, schedule=schedule)
+    moved = eps.execute_plan(eps.shard_slots(take(old), mesh, layered=True), plan, mesh=mesh, schedule=schedule,
+                             copy_programs=copy_programs)
     expect = take(new)
     from moe_eplb_jax.sharding.packing import byte_rows_numpy
 
@@ -356,11 +377,13 @@ def mem_in_use(devices):
 def run_config(args, ctx, variant, fraction, chunks):
     """Times one (variant, fraction, chunks); returns the result row (``ctx`` carries experts and placement)."""
     mesh, devices, row, num_ranks = ctx["mesh"], ctx["devices"], ctx["row"], ctx["mesh"].shape["ep"]
-    view, depth, schedule, own_chunks, options = parse_variant(variant)
+    view, depth, schedule, own_chunks, options, (programs, kernel) = parse_variant(variant)
+    _transport.COPY_KERNEL_OPTIONS = kernel
     chunks = own_chunks if own_chunks is not None else chunks
     _transport.WORD_VIEW, _transport.PIPELINE_DEPTH = view, depth
     opts = tuple(sorted(options.items()))
     times, plan_s, compiles, res = [], [], [], dict(view=variant, fraction=fraction, options=options)
+    dispatch = []
     for it in range(args.iters + 1):
         old = ctx["phy2log"]
         new = swap_placement(ctx["rng"], old, num_ranks, fraction)
@@ -376,7 +399,7 @@ def run_config(args, ctx, variant, fraction, chunks):
             before_hash = slot_hashes(mesh, ctx["experts"])
             tables, table_layout = _transport.device_tables(plan, mesh, "ep")
             fn = _transport._executor(mesh, "ep", tuple(specs), tuple(layouts), 2, True, nch, opts, plan.chunk_rows,
-                                      table_layout)
+                                      table_layout, _transport._copy_programs(programs, leaves, layouts, plan))
             compiled = fn.lower(tables, leaves).compile()
             res["extra_static"] = compiled.memory_analysis().temp_size_in_bytes
             text = compiled.as_text()
@@ -389,7 +412,8 @@ def run_config(args, ctx, variant, fraction, chunks):
         size0 = eps.executor_trace_count()
         t = time.perf_counter()
         ctx["experts"] = eps.execute_plan(ctx["experts"], plan, mesh=mesh, max_chunk_bytes=max_chunk,
-                                          compiler_options=options, schedule=schedule)
+                                          compiler_options=options, schedule=schedule, copy_programs=programs)
+        returned = time.perf_counter() - t  # host: validation, tables, dispatch (the device may still run)
         jax.block_until_ready(ctx["experts"])
         dt = time.perf_counter() - t
         compiles.append(eps.executor_trace_count() - size0)
@@ -399,6 +423,7 @@ def run_config(args, ctx, variant, fraction, chunks):
             res["correct"] = check_move(before_hash, slot_hashes(mesh, ctx["experts"]), old, new)
         else:
             times.append(dt)
+            dispatch.append(returned)
         ctx["phy2log"] = new
     moved = plan.bytes_moved(row)
     med = statistics.median(times)
@@ -406,6 +431,7 @@ def run_config(args, ctx, variant, fraction, chunks):
                extra_measured=res["extra_measured"] / moved, extra_static=res["extra_static"] / moved,
                recompiles_after_first=sum(compiles[1:]), first_compiles=compiles[0],
                plan_ms=statistics.median(plan_s) * 1e3, capacity=plan.capacities[0], schedule=schedule,
+               returned_ms=statistics.median(dispatch) * 1e3,
                streamed_chunk_rows=plan.chunk_rows)
     if args.timeline:  # the last move forth and back (even calls: the placement ends where it was)
         back = eps.plan_rearrangement(ctx["phy2log"], old, num_ranks)
@@ -414,7 +440,7 @@ def run_config(args, ctx, variant, fraction, chunks):
 
         def call(i):
             ctx["experts"] = eps.execute_plan(ctx["experts"], plans[i % 2], mesh=mesh, max_chunk_bytes=max_chunk,
-                                              compiler_options=options, schedule=schedule)
+                                              compiler_options=options, schedule=schedule, copy_programs=programs)
             return ctx["experts"]
 
         call(0), call(1)  # warm: the reverse plan has the same capacities
@@ -458,6 +484,7 @@ def main():
                         ctx["phy2log"] = initial
                 finally:
                     _transport.WORD_VIEW, _transport.PIPELINE_DEPTH = defaults
+                    _transport.COPY_KERNEL_OPTIONS = dict(_DEFAULT_KERNEL)
                 results.append(res)
                 print(json.dumps(res, default=str), flush=True)  # every row at once: a later hang loses none
     ok = [r for r in results if "error" not in r]
@@ -490,6 +517,8 @@ def main():
     if not args.no_extras:
         for schedule in ("serial", "stream"):
             extras[f"dtype check ({schedule})"] = dtype_check(mesh, rng, schedule)
+            extras[f"dtype check ({schedule}, word rows, Pallas copies)"] = dtype_check(
+                mesh, rng, schedule, copy_programs=16, row_elements=8)
         if ok:
             for words in (False, True):
                 _transport.WORD_VIEW = words
@@ -549,6 +578,13 @@ def report(args, num_ranks, devices, row, results, raw_timeline, extras):
             ratios = [f"{r['view']} {raw_timeline['span_ms'] / r['timeline']['span_ms']:.2f}" for r in results
                       if r.get("timeline") and r["moved"] == largest]
             print(f"device span of the raw ppermute / of ours ({largest / 2**20:.0f} MiB/rank): " + ", ".join(ratios))
+            work = [f"{r['view']} {raw_timeline['span_ms'] / (r['timeline']['span_ms'] - r['timeline']['lead_ms']):.2f}"
+                    f" (lead {r['timeline']['lead_ms']:.2f} ms)" for r in results
+                    if r.get("timeline") and r["moved"] == largest]
+            print("device work (first kernel to last; the lead before it is the launch after the table upload), "
+                  "raw / ours: " + ", ".join(work))
+        print("host: ms until execute_plan returned (validation, tables, dispatch): "
+              + ", ".join(f"{r['view']} {r['returned_ms']:.2f}" for r in results if "returned_ms" in r))
     for k, v in extras.items():
         print(f"{k}: {v}")
     if args.json:

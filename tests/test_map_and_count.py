@@ -312,7 +312,9 @@ def test_feeds_eplb_state_record(rng):
 
 
 @pytest.mark.parametrize("options", [{"count_dtype": "float16", "sub": 32, "sub_resolved": 32},
-                                     {"count_dtype": "int8", "sub": 512, "sub_resolved": 128, "tile": 1024}])
+                                     {"count_dtype": "int8", "sub": 512, "sub_resolved": 128, "tile": 1024},
+                                     {"count_method": "histogram", "tables": "shared", "sub": 64},
+                                     {"count_method": "histogram", "tables": "head", "tile": 1024, "sub": 256}])
 @pytest.mark.parametrize("mode", ["hash", "resolved"])
 def test_kernel_options_match_reference(options, mode, rng):
     """The tuning knobs of the kernel (tile, sub-tile, one-hot dtype) never change the result."""
@@ -377,36 +379,33 @@ def test_empty_input(rng):
 
 
 # ------------------------------------------------------ Triton lowering on CPU
-def test_pallas_kernels_lower_to_triton_ir(monkeypatch):
+def test_pallas_kernels_lower_to_triton_ir(h100_lowering):
     """Lowers every mode's kernels to Triton IR for an H100/H200 without a GPU (catches lowering breakage)."""
-    try:
-        from jax._src.pallas.triton import gpu_info, pallas_call_registration
-    except ImportError:  # private modules moved: nothing to check here
-        pytest.skip("jax private Triton modules not found")
-    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
-                        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100))
     from moe_eplb_jax.pallas import _triton
 
     spec = jax.ShapeDtypeStruct
-    for mode, method in [(m, "onehot") for m in MODES] + [("hash", m) for m in _triton.COUNT_METHODS[1:]]:
+    cases = ([(m, "histogram", "head") for m in MODES] + [("hash", m, "global") for m in _triton.COUNT_METHODS[1:]]
+             + [(m, "histogram", t) for m in ("hash", "resolved") for t in _triton.TABLES[1:]])
+    for mode, method, tables in cases:
 
         def run(ids, log2phy, logcnt, thresholds, limits):  # the compiled path (interpret=False)
             return _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=288, mode=mode,
-                                                count_method=method)
+                                                count_method=method, tables=tables)
 
         exported = jax.export.export(
             jax.jit(run), platforms=["cuda"],
-            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+            disabled_checks=h100_lowering,
         )(spec((4096, 8), jnp.int32), spec((256, 33), jnp.int32), spec((256,), jnp.int32),
           spec((256, 33), jnp.int32), spec((2,), jnp.int32))
         assert "xla.gpu.triton" in exported.mlir_module()
-    # From LARGE_ENTRIES entries on the defaults switch to atomic counting: that kernel must lower too.
-    big = jax.export.export(
-        jax.jit(lambda *a: _triton.map_and_count_triton(*a, num_physical=288, mode="hash")), platforms=["cuda"],
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
-    )(spec((_triton.LARGE_ENTRIES // 8, 8), jnp.int32), spec((256, 33), jnp.int32), spec((256,), jnp.int32),
-      spec((256, 33), jnp.int32), spec((2,), jnp.int32))
-    assert "xla.gpu.triton" in big.mlir_module()
+    # Large inputs switch to larger loop steps (LARGE_OPTIONS, by size): those kernels must lower too.
+    for least, _ in _triton.LARGE_OPTIONS:
+        big = jax.export.export(
+            jax.jit(lambda *a: _triton.map_and_count_triton(*a, num_physical=288, mode="hash")), platforms=["cuda"],
+            disabled_checks=h100_lowering,
+        )(spec((least // 8, 8), jnp.int32), spec((256, 33), jnp.int32), spec((256,), jnp.int32),
+          spec((256, 33), jnp.int32), spec((2,), jnp.int32))
+        assert "xla.gpu.triton" in big.mlir_module()
 
 
 # ------------------------------------------------------------------ GPU only
@@ -433,11 +432,13 @@ def test_gpu_kernel_matches_reference(mode, shape, rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("method", ["onehot", "atomic", "atomic_warp"])
+@pytest.mark.parametrize("method, tables", [("onehot", "global"), ("atomic", "global"), ("atomic_warp", "global"),
+                                            ("histogram", "global"), ("histogram", "shared"), ("histogram", "head"),
+                                            ("onehot", "head")])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("shape", [(1, 1, 8, 8), (333, 6, 512, 519), (65536, 8, 256, 288)],
                          ids=lambda s: "T{}k{}E{}P{}".format(*s))
-def test_gpu_count_methods_match_reference(method, mode, shape, rng):
+def test_gpu_count_methods_match_reference(method, tables, mode, shape, rng):
     """Every counting method of the compiled kernel gives the reference's ids and loads on fresh inputs."""
     from moe_eplb_jax.pallas import _reference, _triton
     from moe_eplb_jax.pallas.map_and_count import _build_thresholds
@@ -458,7 +459,7 @@ def test_gpu_count_methods_match_reference(method, mode, shape, rng):
                                                   num_physical=num_physical, mode=mode)
         got = jax.jit(lambda x: _triton.map_and_count_triton(x, log2phy, logcnt, thresholds, limits,
                                                              num_physical=num_physical, mode=mode,
-                                                             count_method=method))(ids)
+                                                             count_method=method, tables=tables))(ids)
         np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
         np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
 

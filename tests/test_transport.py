@@ -71,13 +71,14 @@ def moves(draw):
     keep = draw(st.floats(0, 0.9))
     word_view = draw(st.booleans())
     schedule = draw(st.sampled_from(eps.transport.SCHEDULES))
-    return num_ranks, layered, num_experts, seed, keep, word_view, schedule
+    copy_programs = draw(st.sampled_from([None, 3]))  # XLA or Pallas row copies (used with word rows)
+    return num_ranks, layered, num_experts, seed, keep, word_view, schedule, copy_programs
 
 
 @settings(max_examples=12)
 @given(moves())
 def test_rearranged_bytes_equal_permuted_checkpoint(case):
-    num_ranks, layered, num_experts, seed, keep, word_view, schedule = case
+    num_ranks, layered, num_experts, seed, keep, word_view, schedule, copy_programs = case
     rng = np.random.default_rng(seed)
     layers, num_slots = (2 if layered else 1), 3 * num_ranks
     ckpt = checkpoint(rng, layers, num_experts)
@@ -94,7 +95,8 @@ def test_rearranged_bytes_equal_permuted_checkpoint(case):
     saved, eps.transport.WORD_VIEW = eps.transport.WORD_VIEW, word_view  # both row views (CPU / GPU default)
     try:
         # one transfer per round (one chunk: every plan can be streamed)
-        moved = eps.execute_plan(experts, plan, mesh=mesh, max_chunk_bytes=1 << 30, schedule=schedule)
+        moved = eps.execute_plan(experts, plan, mesh=mesh, max_chunk_bytes=1 << 30, schedule=schedule,
+                                 copy_programs=copy_programs)
     finally:
         eps.transport.WORD_VIEW = saved
     assert_bytes_equal(moved, load(ckpt, new), 2 if layered else 1)
@@ -132,7 +134,28 @@ def test_rearrange_experts_on_every_mesh_size(num_ranks, schedule, word_view, rn
         experts = eps.shard_slots(load(ckpt, old), mesh, layered=True)
         moved = eps.execute_plan(experts, ordered, mesh=mesh, schedule="stream")
         assert_bytes_equal(moved, load(ckpt, new), 2)
-        assert any(key[-2] == ordered.chunk_rows for key in eps.transport._EXECUTORS)  # the stream executor ran
+        assert any(key[9] == ordered.chunk_rows for key in eps.transport._EXECUTORS)  # the stream executor ran
+
+
+@pytest.mark.parametrize("schedule", ["serial", "stream"])
+@pytest.mark.parametrize("num_ranks", [2, 8])
+def test_pallas_row_copies_move_the_same_bytes(num_ranks, schedule, rng, monkeypatch):
+    """copy_programs: packing and writing rows with the Pallas kernels (interpret mode here) moves the same bytes."""
+    monkeypatch.setattr(eps.transport, "WORD_VIEW", True)
+    layers, num_experts, num_slots = 2, 3 * num_ranks, 4 * num_ranks
+    ckpt = checkpoint(rng, layers, num_experts, dtypes=[ml_dtypes.bfloat16, ml_dtypes.float8_e5m2,
+                                                        ml_dtypes.float4_e2m1fn, np.float32], row=(4, 2))
+    old = random_placement(rng, layers, num_experts, num_slots)
+    new = random_placement(rng, layers, num_experts, num_slots)
+    mesh = mesh_of(num_ranks)
+    before = len(eps.transport._EXECUTORS)
+    experts = eps.shard_slots(load(ckpt, old), mesh, layered=True)
+    moved = eps.rearrange_experts(experts, old, new, mesh=mesh, max_chunk_bytes=3 * 60, schedule=schedule,
+                                  copy_programs=3)
+    assert_bytes_equal(moved, load(ckpt, new), 2)
+    assert any(key[-1][0] == 3 for key in list(eps.transport._EXECUTORS)[before:] or eps.transport._EXECUTORS)
+    with pytest.raises(ValueError, match="copy_programs"):
+        eps.rearrange_experts(moved, new, old, mesh=mesh, copy_programs=0)
 
 
 def streamable(plan, num_chunks):

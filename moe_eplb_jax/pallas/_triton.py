@@ -4,19 +4,29 @@ One program maps one *tile* of ``tile`` consecutive flat (token, k) entries,
 in a loop over *sub-tiles* of ``sub`` entries: load ids, gather ``logcnt`` and
 ``log2phy`` (tiny tables, cached), pick the replica, store the slot.
 
-Counting, two ways (``count_method``), each program filling its own partial
-histogram; the wrapper sums the ``[num_tiles, HI * LO]`` partials:
+Lookups (``tables``): by default the wrapper packs ``(first slot + 1) | count
+<< 16`` per expert ("head" table), so an entry costs one table load, and
+``log2phy`` is read only for entries sent to a later replica.
 
-* ``"onehot"`` (default; the only method in interpret mode, where vector
-  atomics with duplicate indices lose updates): a slot ``p`` is split into
-  ``(p >> lo_bits, p & lo)`` and each sub-tile builds two small one-hot
-  matrices, ``[HI, sub]`` and ``[sub, LO]`` (int8); their product is the
-  sub-tile's ``[HI, LO]`` histogram, accumulated in int32 on the tensor cores:
-  ``HI + LO`` compares per entry instead of ``P``, exact.
-* ``"atomic"`` / ``"atomic_warp"`` (GPU): one atomic add per entry (per
+Counting (``count_method``), each program filling its own partial histogram;
+XLA sums the partials:
+
+* ``"histogram"`` (default): per loop step, Triton's ``tt.histogram`` (warp
+  ballots + ``popc``, shared-memory atomics across warps; see
+  :mod:`._triton_ops`) into ``2**ceil(log2 P)`` bins; the program stores its
+  first ``P`` counts as int16 into column ``program`` of ``[P, num_tiles]``
+  partials, so XLA's sum is a fast row reduction (summing ``[num_tiles, P]``
+  over its major axis cost 3-5 us at 262144 x 8; atomics into shared rows of
+  counters cost more: Pallas emits ``acq_rel`` atomics). In interpret mode it
+  runs as jnp.
+* ``"onehot"``: a slot ``p`` is split into ``(p >> lo_bits, p & lo)`` and each
+  sub-tile builds two small one-hot matrices, ``[HI, sub]`` and ``[sub, LO]``
+  (int8); their product is the sub-tile's ``[HI, LO]`` histogram on the tensor
+  cores: ``HI + LO`` compares per entry instead of ``P``, exact.
+* ``"atomic"`` / ``"atomic_warp"`` (GPU only: interpret mode loses updates of
+  vector atomics with duplicate indices): one atomic add per entry (per
   distinct slot of a warp instruction) into the program's row of float32
-  counters, zeroed by atomic exchange. Faster for large inputs of some modes
-  (:data:`LARGE_OPTIONS`).
+  counters, zeroed by atomic exchange.
 
 ``resolved`` needs each entry's rank among earlier entries of the same expert
 (an exclusive per-expert cumsum in flat order) and Triton-Pallas has no
@@ -42,6 +52,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from moe_eplb_jax.pallas._reference import GOLDEN
+from moe_eplb_jax.pallas._triton_ops import histogram, take
 
 __all__ = ["map_and_count_triton", "default_tile"]
 
@@ -56,6 +67,20 @@ def _split_bins(num_bins: int) -> tuple[int, int]:
     bits = max(8, int(num_bins - 1).bit_length())
     lo_bits = (bits + 1) // 2
     return bits - lo_bits, lo_bits
+
+
+def _histogram_bins(num_physical: int) -> int:
+    """Bins of the ``tt.histogram`` counters: a power of two, at least 32 (one per warp lane)."""
+    return max(32, pl.next_power_of_2(num_physical))
+
+
+def _partial_dtype(count_method: str, tile: int):
+    """Dtype of the per-program counts XLA sums: float32 atomics (see the kernel), int16 where a tile fits."""
+    if count_method.startswith("atomic"):
+        return jnp.float32
+    if count_method == "histogram" and tile <= np.iinfo(np.int16).max:
+        return jnp.int16  # half the bytes for the final sum to read
+    return jnp.int32
 
 
 def default_tile(num_flat: int) -> int:
@@ -87,14 +112,18 @@ def _pair_histogram(bins, hi_bits, lo_bits, dtype, acc_dtype):
     return jnp.dot(rows, cols, preferred_element_type=acc_dtype)
 
 
-def _upper_bound(thresholds_ref, row_start, point, width):
-    """``#{j < width : thresholds[row_start + j] <= point}`` for non-decreasing rows (binary search)."""
+def _upper_bound(thresholds_ref, row_start, point, width, searching):
+    """``#{j < width : thresholds[row_start + j] <= point}`` for non-decreasing rows (binary search).
+
+    Only lanes where ``searching`` holds load thresholds (and only until their
+    search has converged); the others return 0.
+    """
     low = jnp.zeros_like(point)
-    high = jnp.full_like(point, width)
+    high = jnp.where(searching, width, 0)
     for _ in range(int(width).bit_length()):
         active = low < high
         mid = (low + high) // 2
-        value = thresholds_ref[row_start + jnp.minimum(mid, width - 1)]
+        value = plgpu.load(thresholds_ref.at[row_start + jnp.minimum(mid, width - 1)], mask=active, other=0)
         passed = value <= point
         low = jnp.where(active & passed, mid + 1, low)
         high = jnp.where(active & ~passed, mid, high)
@@ -130,15 +159,28 @@ def _warp_aggregate(values):
 
 def _map_kernel(ids_ref, log2phy_ref, logcnt_ref, thresholds_ref, base_ref, limits_ref, phys_ref, hist_ref, *,
                 mode, num_flat, top_k, num_logical, width, num_physical, tile, sub, bins, expert_bins,
-                count_dtype, do_count, count_method):
+                count_dtype, do_count, count_method, tables, num_tiles):
     program = pl.program_id(0)
     count_limit = limits_ref[0]
     rank_limit = limits_ref[1]
     hi_bits, lo_bits = bins
     e_hi_bits, e_lo_bits = expert_bins
     num_bins = 1 << (hi_bits + lo_bits)
+    if tables == "shared":  # the two tables held by the program; lookups go through shared memory (tt.gather)
+        count_size, slot_size = pl.next_power_of_2(num_logical), pl.next_power_of_2(num_logical * width)
+        at = jnp.arange(count_size, dtype=jnp.int32)
+        count_table = plgpu.load(logcnt_ref.at[pl.ds(0, count_size)], mask=at < num_logical, other=1)
+        at = jnp.arange(slot_size, dtype=jnp.int32)
+        slot_table = plgpu.load(log2phy_ref.at[pl.ds(0, slot_size)], mask=at < num_logical * width, other=-1)
+        lookup_count = lambda expert: take(count_table, expert)  # noqa: E731
+        lookup_slot = lambda index: take(slot_table, index)  # noqa: E731
+    elif tables == "head":  # logcnt_ref holds (first slot + 1) | count << 16: one load for single-replica experts
+        lookup_count = lambda expert: logcnt_ref[expert]  # noqa: E731
+    else:  # one global (L1-cached) load per entry and table
+        lookup_count = lambda expert: logcnt_ref[expert]  # noqa: E731
+        lookup_slot = lambda index: log2phy_ref[index]  # noqa: E731
     row0 = program * num_bins  # atomic methods: this program's row of counters
-    if do_count and count_method != "onehot":
+    if do_count and count_method.startswith("atomic"):
         # Zeroed by atomic exchange, i.e. in L2 where the atomics add: a plain store is only ordered with the
         # other threads of the block (it may still sit in this SM's L1 when their atomics reach L2).
         plgpu.atomic_xchg(hist_ref, row0 + jnp.arange(num_bins, dtype=jnp.int32),
@@ -153,7 +195,11 @@ def _map_kernel(ids_ref, log2phy_ref, logcnt_ref, thresholds_ref, base_ref, limi
         ids = plgpu.load(ids_ref.at[pl.ds(start, sub)], mask=inside, other=-1)
         valid_id = (ids >= 0) & (ids < num_logical)
         expert = jnp.where(valid_id, ids, 0)
-        count = jnp.maximum(logcnt_ref[expert], 1)
+        if tables == "head":  # count >= 1 already (the wrapper clips it)
+            head = lookup_count(expert)
+            count, first = head >> 16, (head & 0xFFFF) - 1
+        else:
+            count = jnp.maximum(lookup_count(expert), 1)
         token = flat // top_k
         hashed = token.astype(jnp.uint32) * jnp.uint32(GOLDEN)
         by_hash = (hashed % count.astype(jnp.uint32)).astype(jnp.int32)
@@ -181,11 +227,16 @@ def _map_kernel(ids_ref, log2phy_ref, logcnt_ref, thresholds_ref, base_ref, limi
                 before = base_ref[program * (1 << (e_hi_bits + e_lo_bits)) + expert]
                 point = jnp.where(flat < rank_limit, before + earlier + within, _INT32_MAX)
                 running = running + _pair_histogram(e_bins, e_hi_bits, e_lo_bits, jnp.float16, jnp.float32)
-            passed = _upper_bound(thresholds_ref, expert * width, point, width)
+            # A single-replica expert takes replica 0 whatever the thresholds: no search, no loads.
+            passed = _upper_bound(thresholds_ref, expert * width, point, width, count > 1)
             replica = jnp.where(passed < count, passed, by_hash)
 
         replica = jnp.clip(replica, 0, width - 1)
-        slot = log2phy_ref[expert * width + replica]
+        if tables == "head":  # the table is read only for replicas beyond the first
+            later = plgpu.load(log2phy_ref.at[expert * width + replica], mask=replica > 0, other=-1)
+            slot = jnp.where(replica > 0, later, first)
+        else:
+            slot = lookup_slot(expert * width + replica)
         mapped = valid_id & (slot >= 0) & (slot < num_physical)
         phys = jnp.where(mapped, slot, -1)
         plgpu.store(phys_ref.at[pl.ds(start, sub)], phys, mask=inside)
@@ -201,16 +252,27 @@ def _map_kernel(ids_ref, log2phy_ref, logcnt_ref, thresholds_ref, base_ref, limi
                 leader, same = _warp_aggregate(counted)
                 plgpu.atomic_add(hist_ref, row0 + jnp.maximum(counted, 0), same.astype(jnp.float32),
                                  mask=leader & (counted >= 0))
+            elif count_method == "histogram":
+                hist = hist + histogram(counted, hist.shape[0])
             elif count_dtype == jnp.int8:
                 hist = hist + _pair_histogram(counted, hi_bits, lo_bits, jnp.int8, jnp.int32)
             else:  # float16 one-hots, float32 sums: exact below 2**24 per sub-tile
                 hist = hist + _pair_histogram(counted, hi_bits, lo_bits, count_dtype, jnp.float32).astype(jnp.int32)
         return hist, running
 
-    hist = jnp.zeros((1 << hi_bits, 1 << lo_bits), jnp.int32)
+    if count_method == "histogram":
+        hist = jnp.zeros((_histogram_bins(num_physical),), jnp.int32)
+    else:
+        hist = jnp.zeros((1 << hi_bits, 1 << lo_bits), jnp.int32)
     running = jnp.zeros((1 << e_hi_bits, 1 << e_lo_bits), jnp.float32)
     hist, _ = jax.lax.fori_loop(0, tile // sub, step, (hist, running))
-    if count_method == "onehot":
+    if count_method == "histogram":  # column `program` of the [P, num_tiles] partials, as narrow ints
+        at = jnp.arange(hist.shape[0], dtype=jnp.int32)
+        # Bins >= P (always 0) go to distinct spare entries past the columns: no two lanes share an address.
+        inside = at < num_physical
+        offset = jnp.where(inside, at * num_tiles + program, num_physical * num_tiles + at)
+        plgpu.store(hist_ref.at[offset], hist.astype(hist_ref.dtype), mask=inside)
+    elif count_method == "onehot":
         hist_ref[0] = hist
 
 
@@ -249,23 +311,30 @@ def _join_varying(*arrays):
     return cast, functools.partial(jax.ShapeDtypeStruct, manual_axis_type=mat)
 
 
-# Tuned on one H200 (benchmarks/map_and_count.py --sweep, 2026-11-30): int8 one-hots and 3 pipeline stages were
-# the fastest of the variants tried at 262144 x 8 entries, by ~10% (about the run-to-run spread).
+# Tuned on one H200 (benchmarks/map_and_count.py --sweep, 2026-11-30, third session): counting with
+# tt.histogram and (first slot, count) head tables beat every other combination at every size measured
+# (262144 x 8 hash: 11.7 us vs 47 atomic / 56 one-hot; 4096 x 8: 4.2 vs 5.2; resolved 8192 x 8: 22.8 vs 27.4).
 DEFAULTS = {"tile": None, "sub": _SUB, "sub_resolved": _SUB_RESOLVED, "num_warps": 4, "num_stages": 3,
-            "count_dtype": "int8", "count_method": "onehot"}
-# How the kernel counts: "onehot" (factorised one-hot products on the tensor cores; also in interpret mode),
-# "atomic" (one atomic add per entry into the program's row of counters), "atomic_warp" (atomics aggregated
-# over equal slots in a warp first). The atomic methods are GPU only (interpret mode loses duplicate updates).
-COUNT_METHODS = ("onehot", "atomic", "atomic_warp")
-# From this many entries on (GPU) one atomic per entry into 2048-entry programs of 8 warps beats the one-hot
-# products where it was measured faster on an H200 at 262144 x 8 (benchmarks/RESULTS.md "map_and_count"): hash
-# 47 vs 56 us (plain atomics), shares 90 vs 114 us (warp-aggregated). round_robin (56 vs 56) and resolved keep
-# the one-hot defaults; below this size the one-hot products win (hash 5.2 vs 8.8 us at 4096 x 8).
-LARGE_ENTRIES = 1 << 20
-LARGE_OPTIONS = {
-    "hash": {"count_method": "atomic", "tile": 2048, "sub": 2048, "num_warps": 8},
-    "shares": {"count_method": "atomic_warp", "tile": 2048, "sub": 2048, "num_warps": 8},
-}
+            "count_dtype": "int8", "count_method": "histogram", "tables": "head"}
+# How the kernel counts: "histogram" (tt.histogram per loop step: warp ballots + popc, shared-memory atomics
+# across warps; also in interpret mode, as jnp), "onehot" (factorised one-hot products on the tensor cores),
+# "atomic" (one global atomic add per entry into the program's row of counters), "atomic_warp" (atomics
+# aggregated over equal slots in a warp first). The atomic methods are GPU only (interpret mode loses duplicate
+# updates of vector atomics).
+COUNT_METHODS = ("histogram", "onehot", "atomic", "atomic_warp")
+# Where the kernel looks up logcnt / log2phy: "head" (one load of (first slot + 1) | count << 16 per entry;
+# log2phy is read only for entries sent to a later replica -- most experts have one), "global" (a cached
+# global load per entry and table) or "shared" (the program loads both tables once and gathers from them with
+# tt.gather, through shared memory; not faster on an H200).
+TABLES = ("head", "global", "shared")
+_MAX_SHARED_TABLE = 8192  # entries (32 KiB): larger tables stay in global memory
+# Larger inputs (GPU): one big loop step per program is fastest (H200, benchmarks/RESULTS.md "map_and_count"):
+# 262144 x 8 hash 11.7 us with 4096-entry programs of 16 warps vs 13.6 with 2048 / 8 warps and 17-27 us with
+# several steps per program; 65536 x 8: 5.8 us with 2048 / 8 warps vs 8.1 with the size-based default.
+# (min entries, options), largest first; resolved keeps its own sub-tiles.
+LARGE_OPTIONS = ((1 << 21, {"tile": 4096, "sub": 4096, "num_warps": 16}),
+                 (1 << 19, {"tile": 2048, "sub": 2048, "num_warps": 8}))
+LARGE_MODES = ("hash", "round_robin", "shares")
 
 
 def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_physical: int, mode: str,
@@ -279,9 +348,10 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     (``"int8"``: int32 sums; ``"float16"``: float32 sums, exact below 2**24).
     ``count=False`` skips counting (diagnostics). Each program writes its
     tile's histogram; XLA sums the partials. ``count_method`` picks how a
-    program counts (:data:`COUNT_METHODS`; interpret mode always uses
-    ``"onehot"``). From :data:`LARGE_ENTRIES` entries on, the defaults of a
-    mode in :data:`LARGE_OPTIONS` are those (options passed explicitly win).
+    program counts (:data:`COUNT_METHODS`; interpret mode replaces the atomic
+    methods by ``"histogram"``) and ``tables`` how it looks up the placement
+    (:data:`TABLES`). For large inputs the defaults of a
+    mode in :data:`LARGE_MODES` come from :data:`LARGE_OPTIONS` by size (options passed explicitly win).
     """
     unknown = set(config) - set(DEFAULTS)
     if unknown:
@@ -289,8 +359,10 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     num_tokens, top_k = topk_ids.shape
     num_logical, width = log2phy.shape
     num_flat = num_tokens * top_k
-    large = num_flat >= LARGE_ENTRIES and not interpret
-    config = {**DEFAULTS, **(LARGE_OPTIONS.get(mode, {}) if large else {}), **config}
+    large = next((options for least, options in LARGE_OPTIONS if num_flat >= least), {})
+    if interpret or mode not in LARGE_MODES:
+        large = {}
+    config = {**DEFAULTS, **large, **config}
     sub = int(config["sub_resolved"] if mode == "resolved" else config["sub"])
     tile = default_tile(num_flat) if config["tile"] is None else int(config["tile"])
     if mode == "resolved":
@@ -302,8 +374,15 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     count_method = config["count_method"]
     if count_method not in COUNT_METHODS:
         raise ValueError(f"count_method must be one of {COUNT_METHODS}, got {count_method!r}")
-    if interpret:
-        count_method = "onehot"
+    if interpret and count_method.startswith("atomic"):
+        count_method = "histogram"
+    if config["tables"] not in TABLES:
+        raise ValueError(f"tables must be one of {TABLES}, got {config['tables']!r}")
+    tables = config["tables"]
+    if tables == "shared" and pl.next_power_of_2(log2phy.shape[0] * log2phy.shape[1]) > _MAX_SHARED_TABLE:
+        tables = "global"
+    if tables == "head" and num_physical >= 0xFFFF:  # slots must fit in 16 bits
+        tables = "global"
     num_tiles = pl.cdiv(num_flat, tile)
     bins = _split_bins(num_physical)
     expert_bins = _split_bins(num_logical) if mode == "resolved" else (0, 0)
@@ -333,9 +412,21 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     kernel = functools.partial(
         _map_kernel, mode=mode, num_flat=num_flat, top_k=top_k, num_logical=num_logical, width=width,
         num_physical=num_physical, tile=tile, sub=sub, bins=bins, expert_bins=expert_bins,
-        count_dtype=count_dtype, do_count=count, count_method=count_method)
+        count_dtype=count_dtype, do_count=count, count_method=count_method, tables=tables,
+        num_tiles=num_tiles)
+    if tables == "head":
+        log2phy_flat = log2phy.reshape(-1)
+        logcnt = (jnp.clip(log2phy[:, 0], -1, 0xFFFE) + 1) | (jnp.clip(logcnt, 1, 0x7FFF) << 16)
+    elif tables == "shared":  # the kernel loads whole power-of-two tables: pad them
+        log2phy_flat = jnp.pad(log2phy.reshape(-1), (0, pl.next_power_of_2(log2phy.size) - log2phy.size),
+                               constant_values=-1)
+        logcnt = jnp.pad(logcnt, (0, pl.next_power_of_2(logcnt.size) - logcnt.size), constant_values=1)
+    else:
+        log2phy_flat = log2phy.reshape(-1)
     if count_method == "onehot":  # each program writes its [hi, lo] block
         hist_spec, hist_shape = pl.BlockSpec((1, hi, lo), lambda i: (i, 0, 0)), (num_tiles, hi, lo)
+    elif count_method == "histogram":  # [P, num_tiles]: program t writes column t (XLA then sums rows: fast)
+        hist_spec, hist_shape = whole, (num_physical * num_tiles + _histogram_bins(num_physical),)
     else:  # each program zeroes and atomically fills its own flat row (float32 counters, see the kernel)
         hist_spec, hist_shape = whole, (num_tiles * hi * lo,)
     phys, partial = pl.pallas_call(
@@ -343,11 +434,14 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
         grid=(num_tiles,),
         in_specs=[whole] * 6,
         out_specs=[whole, hist_spec],
-        out_shape=[out_struct((num_flat,), jnp.int32),
-                   out_struct(hist_shape, jnp.int32 if count_method == "onehot" else jnp.float32)],
+        out_shape=[out_struct((num_flat,), jnp.int32), out_struct(hist_shape, _partial_dtype(count_method, tile))],
         compiler_params=params,
         interpret=interpret,
         name="map_and_count",
-    )(ids, log2phy.reshape(-1), logcnt, thresholds.reshape(-1), base, limits)
-    load = jnp.sum(partial.reshape(num_tiles, hi * lo).astype(jnp.int32), axis=0, dtype=jnp.int32)[:num_physical]
+    )(ids, log2phy_flat, logcnt, thresholds.reshape(-1), base, limits)
+    if count_method == "histogram":  # a row reduction: XLA's column reductions of [num_tiles, P] were 2-3x slower
+        load = jnp.sum(partial[: num_physical * num_tiles].reshape(num_physical, num_tiles).astype(jnp.int32),
+                       axis=1, dtype=jnp.int32)
+        return phys.reshape(num_tokens, top_k), load
+    load = jnp.sum(partial.reshape(num_tiles, -1).astype(jnp.int32), axis=0, dtype=jnp.int32)[:num_physical]
     return phys.reshape(num_tokens, top_k), load

@@ -18,15 +18,21 @@ the move on the host (:func:`plan_rearrangement`) and runs one jitted
 4. every written row is scattered in place: local copies, then received rows,
    then duplicates (one received row may fill several slots of an expert).
 
-Peak extra device memory is the received rows plus one send chunk (XLA's temp
-size: 1.17x the bytes moved per rank on 2xH200, see ``benchmarks/RESULTS.md``).
+With ``schedule="serial"`` the peak extra device memory is the received rows
+plus one send chunk (XLA's temp size: 1.17x the bytes moved per rank on
+2xH200, see ``benchmarks/RESULTS.md``).
 
-``schedule="stream"`` pipelines instead: the host reorders the plan
-(``plan.order_for_streaming``) so that no row is overwritten before every
+``schedule="stream"`` (the default) pipelines instead: the host reorders the
+plan (``plan.order_for_streaming``) so that no row is overwritten before every
 chunk that sends its old bytes; then per chunk ``c`` the executor packs chunk
 ``c + 1`` and starts its transfer, and writes the rows received in chunk ``c``
 -- the writes and the next pack depend on no transfer still in flight, so XLA
-may run them during it, and only about four chunks of packed rows are alive.
+may run them during it, and only about four chunks of packed rows are alive
+(0.52x the bytes moved). The copies that run beside a transfer use the Pallas
+row-copy kernels (``_row_copy``, ``copy_programs`` programs): XLA's gathers and
+scatters fill every SM and slowed the NCCL transfer by about as much as they
+overlapped it, a bounded grid leaves the transfer its bandwidth. The first
+pack and the last writes, which overlap nothing, stay XLA's (fastest alone).
 
 All index tables are array arguments with bucketed shapes, so a later plan
 with the same capacities reuses the compiled executor. The expert buffers are
@@ -41,8 +47,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from moe_eplb_jax.sharding._row_copy import gather_rows, scatter_rows
 from moe_eplb_jax.sharding.mesh import axis_size, put_host
-from moe_eplb_jax.sharding.packing import from_row_view, leaf_layout, pack_rows, row_view, unpack_leaf
+from moe_eplb_jax.sharding.packing import (from_row_view, leaf_layout, pack_rows, row_view, unpack_leaf,
+                                           wire_dtype)
 from moe_eplb_jax.sharding.plan import TransportPlan, order_for_streaming, plan_rearrangement
 
 __all__ = ["rearrange_experts", "execute_plan", "executor_trace_count", "row_bytes", "DEFAULT_MAX_CHUNK_BYTES",
@@ -56,6 +64,14 @@ DEFAULT_MAX_CHUNK_BYTES = None
 # "serial": every read of the old rows (all sends) before any write. "stream": the plan is reordered
 # (plan.order_for_streaming) so chunk c's received rows are written while chunk c + 1 is in flight.
 SCHEDULES = ("serial", "stream")
+# The default: on 2xH200 the stream schedule with the Pallas copies (below) moves 50% of a DeepSeek-sized layer
+# set in 8.8 ms vs 9.7 ms serial, with 0.52x instead of 1.17x extra memory (benchmarks/RESULTS.md).
+DEFAULT_SCHEDULE = "stream"
+# None: XLA gathers / scatters pack and write the rows; an int: the Pallas row-copy kernels with that many
+# programs (GPU word rows only).
+DEFAULT_COPY_PROGRAMS = 48
+# Kernel options of the Pallas row copies (sharding._row_copy): words per work item, warps per program.
+COPY_KERNEL_OPTIONS = {"block": 4096, "num_warps": 4}
 
 
 def rearrange_experts(
@@ -70,7 +86,8 @@ def rearrange_experts(
     donate: bool = True,
     max_chunk_bytes: int | None = DEFAULT_MAX_CHUNK_BYTES,
     compiler_options: dict | None = None,
-    schedule: str = "serial",
+    schedule: str = DEFAULT_SCHEDULE,
+    copy_programs: int | None = DEFAULT_COPY_PROGRAMS,
 ) -> Any:
     """Moves expert slots so that ``experts`` follows ``new_phy2log`` instead of ``old_phy2log``.
 
@@ -79,7 +96,8 @@ def rearrange_experts(
     ``[L, P]``), the slot axis sharded over mesh axis ``axis``; 0-d leaves
     (such as an optax step count) pass through unchanged. Parameters,
     quantisation scales and optimizer state can go in one pytree: one plan
-    moves them all. The tables may also be ``Placement`` objects. Afterwards slot ``p`` holds the bytes some slot ``q`` with
+    moves them all. The tables may also be ``Placement`` objects. Afterwards
+    slot ``p`` holds the bytes some slot ``q`` with
     ``old_phy2log[q] == new_phy2log[p]`` held before (bit for bit, any dtype);
     slots whose expert is unchanged are not written. With ``layer`` set, only
     that layer of an ``[L, P]`` placement moves.
@@ -90,16 +108,22 @@ def rearrange_experts(
     round's transfer into chunks of at most that many packed bytes (less peak
     memory, more collectives; default: about 8 transfers per rank in all);
     ``compiler_options`` go to XLA for the executor. ``schedule`` (one of
-    ``SCHEDULES``): ``"serial"`` packs every chunk before writing any row;
-    ``"stream"`` reorders the plan so each chunk's received rows are written
-    while the next chunk is in flight (less memory: about four chunks; plans
-    with a cycle of moves longer than a chunk run serially).
+    ``SCHEDULES``): ``"stream"`` (default) reorders the plan so each chunk's
+    received rows are written while the next chunk is in flight (less memory:
+    about four chunks; plans with a cycle of moves longer than a chunk run
+    serially); ``"serial"`` packs every chunk before writing any row.
+    ``copy_programs`` (stream schedule): pack the send rows and write the received rows that
+    overlap a transfer with the Pallas row-copy kernels (``sharding._row_copy``)
+    of that many programs -- a bounded share of the GPU, so the copies slow the
+    transfer less than XLA's gathers and scatters, which fill every SM -- or
+    ``None`` for XLA's. Used only where the rows are ``uint32`` words (GPU);
+    the first pack and the last writes, which overlap nothing, stay XLA's.
     Returns a pytree of the same structure, shapes, dtypes and shardings.
     """
     num_ranks = axis_size(mesh, axis)
     plan = plan_rearrangement(old_phy2log, new_phy2log, num_ranks, layer=layer, num_logical=num_logical)
     return execute_plan(experts, plan, mesh=mesh, axis=axis, donate=donate, max_chunk_bytes=max_chunk_bytes,
-                        compiler_options=compiler_options, schedule=schedule)
+                        compiler_options=compiler_options, schedule=schedule, copy_programs=copy_programs)
 
 
 def row_bytes(experts: Any, plan: TransportPlan, *, mesh: Mesh, axis: str = "ep") -> int:
@@ -117,13 +141,16 @@ def execute_plan(
     donate: bool = True,
     max_chunk_bytes: int | None = DEFAULT_MAX_CHUNK_BYTES,
     compiler_options: dict | None = None,
-    schedule: str = "serial",
+    schedule: str = DEFAULT_SCHEDULE,
+    copy_programs: int | None = DEFAULT_COPY_PROGRAMS,
 ) -> Any:
     """Runs a precomputed :class:`TransportPlan` on ``experts`` (see :func:`rearrange_experts`)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     if max_chunk_bytes is not None and (not isinstance(max_chunk_bytes, (int, np.integer)) or max_chunk_bytes < 1):
         raise ValueError(f"max_chunk_bytes must be a positive integer or None, got {max_chunk_bytes!r}")
+    if copy_programs is not None and (not isinstance(copy_programs, (int, np.integer)) or copy_programs < 1):
+        raise ValueError(f"copy_programs must be a positive integer or None, got {copy_programs!r}")
     if not isinstance(plan, TransportPlan):
         raise ValueError(f"plan must be a TransportPlan, got {type(plan).__name__}")
     num_ranks = axis_size(mesh, axis)
@@ -139,8 +166,9 @@ def execute_plan(
     plan, chunk_rows = _streamed(plan, num_chunks) if schedule == "stream" else (plan, 0)
     tables, table_layout = device_tables(plan, mesh, axis)
     options = tuple(sorted((compiler_options or {}).items()))
+    copy_programs = _copy_programs(copy_programs, leaves, layouts, plan)
     run = _executor(mesh, axis, tuple(specs), tuple(layouts), 2 if plan.layered else 1, bool(donate), num_chunks,
-                    options, chunk_rows, table_layout)
+                    options, chunk_rows, table_layout, copy_programs)
     for position, moved in zip(positions, run(tables, list(leaves))):
         flat[position] = moved
     return jax.tree_util.tree_unflatten(treedef, flat)
@@ -175,6 +203,18 @@ def _streamed(plan: TransportPlan, num_chunks: int) -> tuple[TransportPlan, int]
     except ValueError:  # a cycle of moves longer than a chunk: it cannot be streamed in these chunks
         return plan, 0
     return ordered, ordered.chunk_rows
+
+
+def _copy_programs(copy_programs, leaves, layouts, plan) -> int:
+    """Programs of the Pallas row-copy kernels, or 0: XLA copies (no word rows, or int32 offsets overflow)."""
+    if not copy_programs or wire_dtype(layouts) != np.uint32:
+        return 0
+    rows = int(np.prod(leaves[0].sharding.shard_shape(leaves[0].shape)[: 2 if plan.layered else 1]))
+    widths = [layout.row_bytes // 4 for layout in layouts]
+    capacity = max(plan.capacities)
+    if max(rows * w for w in widths) >= 2**31 or capacity * sum(widths) >= 2**31:
+        return 0
+    return int(copy_programs)
 
 
 def _num_chunks(plan: TransportPlan, layouts, max_chunk_bytes: int | None, schedule: str = "serial") -> int:
@@ -276,22 +316,37 @@ PIPELINE_DEPTH = 1
 _TRACES = [0]
 
 
-def _executor(mesh, axis, specs, layouts, num_lead, donate, num_chunks, options, chunk_rows, table_layout):
+def _executor(mesh, axis, specs, layouts, num_lead, donate, num_chunks, options, chunk_rows, table_layout,
+              copy_programs=0):
     """The jitted executor: serial (``chunk_rows == 0``) or stream schedule (chunks of ``chunk_rows``).
 
     It takes ``(tables, leaves)``: the one table array of :func:`device_tables`
     (laid out as ``table_layout``) and the moving leaves.
     """
+    copy = (copy_programs, tuple(sorted(COPY_KERNEL_OPTIONS.items()))) if copy_programs else (0, ())
     key = (mesh, axis, specs, layouts, num_lead, donate, 0 if chunk_rows else num_chunks, options,
-           0 if chunk_rows else PIPELINE_DEPTH, chunk_rows, table_layout)
+           0 if chunk_rows else PIPELINE_DEPTH, chunk_rows, table_layout, copy)
     if key not in _EXECUTORS:
         _EXECUTORS[key] = _build_executor(*key)
     return _EXECUTORS[key]
 
 
 def _build_executor(mesh, axis, specs, layouts, num_lead, donate, num_chunks, options, depth, chunk_rows,
-                    table_layout):
+                    table_layout, copy):
     num_ranks = int(mesh.shape[axis])
+    copy_programs, kernel_options = copy[0], dict(copy[1])
+
+    # overlapped=False: nothing runs beside this copy (the first pack, the last writes): XLA's full-GPU copies.
+    def pack(current, rows, overlapped=True):  # the send rows of every leaf, packed: [C, B]
+        if copy_programs and overlapped:
+            return gather_rows(current, rows, num_programs=copy_programs, **kernel_options)
+        return pack_rows(current, layouts, rows)
+
+    def write_received(current, buf, dst, overlapped=True):  # received rows into rows dst (out of range: padding)
+        if copy_programs and overlapped:
+            return scatter_rows(current, buf, dst, num_programs=copy_programs, **kernel_options)
+        return [r.at[dst].set(unpack_leaf(buf, layouts, i), mode="drop", unique_indices=True)
+                for i, r in enumerate(current)]
 
     def unpack(tables):  # the local [1, T] table array -> {name: table} (static slices)
         return {name: tables[0, start : start + int(np.prod(shape))].reshape(shape)
@@ -317,7 +372,7 @@ def _build_executor(mesh, axis, specs, layouts, num_lead, donate, num_chunks, op
             if j >= depth:
                 _, gate = jax.lax.optimization_barrier((incoming[j - depth], gate))
             perm = [(r, (r + d) % num_ranks) for r in range(num_ranks)]
-            outgoing.append(pack_rows(gate, layouts, send_rows[d - 1, start : start + chunk]))  # moving rows only
+            outgoing.append(pack(gate, send_rows[d - 1, start : start + chunk], overlapped=False))  # moving rows
             incoming.append(jax.lax.ppermute(outgoing[-1], axis, perm))
             dsts.append(recv_dst[d - 1, start : start + chunk])
         copied = [r[copy_src] for r in gate] if copy_dst.shape[0] else None
@@ -325,12 +380,12 @@ def _build_executor(mesh, axis, specs, layouts, num_lead, donate, num_chunks, op
         # earlier sends precede the gate already. Writes may overlap the last transfers.
         _, copied, rows = jax.lax.optimization_barrier((outgoing[-depth:], copied, gate))
 
+        if copied is not None:
+            rows = [r.at[copy_dst].set(c, mode="drop", unique_indices=True) for r, c in zip(rows, copied)]
+        for dst, buf in zip(dsts, incoming):  # serial: the copies run beside no transfer, XLA's are fastest
+            rows = write_received(rows, buf, dst, overlapped=False)
         out = []
         for i, (r, layout) in enumerate(zip(rows, layouts)):
-            if copied is not None:
-                r = r.at[copy_dst].set(copied[i], mode="drop", unique_indices=True)
-            for dst, buf in zip(dsts, incoming):
-                r = r.at[dst].set(unpack_leaf(buf, layouts, i), mode="drop", unique_indices=True)
             if dup_dst.shape[0]:  # further slots of a received expert, from its first (just written) slot
                 r = r.at[dup_dst].set(r[dup_src], mode="drop", unique_indices=True)
             out.append(from_row_view(r, layout, local_shapes[i]))
@@ -356,7 +411,7 @@ def _build_executor(mesh, axis, specs, layouts, num_lead, donate, num_chunks, op
         part = lambda c: slice(c * chunk_rows, (c + 1) * chunk_rows)  # noqa: E731
 
         def send(c, current):  # chunk c of every round, packed from the current rows, on its way
-            packed = [pack_rows(current, layouts, send_rows[d - 1, part(c)]) for d in rounds]
+            packed = [pack(current, send_rows[d - 1, part(c)], overlapped=c > 0) for d in rounds]
             perms = [[(r, (r + d) % num_ranks) for r in range(num_ranks)] for d in rounds]
             return packed, [jax.lax.ppermute(p, axis, perm) for p, perm in zip(packed, perms)]
 
@@ -366,9 +421,7 @@ def _build_executor(mesh, axis, specs, layouts, num_lead, donate, num_chunks, op
             packed_next, incoming_next = send(c + 1, rows) if c + 1 < steps else ([], [])
             rows, _ = jax.lax.optimization_barrier((rows, (packed_next, copied if c == 0 else None)))
             for d, buf in zip(rounds, incoming):
-                dst = recv_dst[d - 1, part(c)]
-                rows = [r.at[dst].set(unpack_leaf(buf, layouts, i), mode="drop", unique_indices=True)
-                        for i, r in enumerate(rows)]
+                rows = write_received(rows, buf, recv_dst[d - 1, part(c)], overlapped=c + 1 < steps)
             incoming = incoming_next
         if copied is not None and not steps:  # nothing sent: the copies still read before any write
             rows, copied = jax.lax.optimization_barrier((rows, copied))
