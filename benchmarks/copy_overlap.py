@@ -14,6 +14,11 @@ copy implementation, in one run: on a 2-GPU mesh, inside one jitted
 * ``transfer + <copy>``: both, independent (XLA may run the copy during the
   transfer).
 
+``scatter...`` rows write the gathered rows back in place; the leaf is not
+donated here, so they include XLA's copy of the whole leaf (span >> kernels):
+a check that the kernel runs, not a figure (the executor donates; see
+``benchmarks/transport.py``).
+
 For each: the device span per call (profiler timeline of GPU 0), the transfer
 kernels' busy time, and the overlap. "Interference" = span(both) -
 max(span(transfer), span(copy)); 0 would be perfect overlap, span(copy) is no
