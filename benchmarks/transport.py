@@ -25,6 +25,7 @@ Variants are '+'-joined parts (``--variants default stream+lhs words+d2``):
   cN             N chunks per round for this variant (else --chunks)
   pN             pack and write rows with the Pallas row-copy kernels of N programs (copy_programs=N)
   bN / wN        those kernels' words per work item / warps (transport.COPY_KERNEL_OPTIONS)
+  taperN         stream schedule in uneven chunks: weights (1, N, ..., N, 1) (chunk_weights)
   xla            XLA gathers / scatters (copy_programs=None; the default unless the library's changes)
   XLA options:   lhs (latency-hiding scheduler), memcpy (local p2p by cudaMemcpy, not NCCL kernels),
                  ovlN (N collectives in flight, parallel_collective_overlap_limit), noprio (async
@@ -126,6 +127,8 @@ def parse_variant(name):
             chunks = int(part[1:])
         elif re.fullmatch(r"p\d+", part):
             programs = int(part[1:])
+        elif re.fullmatch(r"taper\d+", part):
+            kernel["taper"] = int(part[5:])
         elif re.fullmatch(r"[bw]\d+", part):
             kernel[{"b": "block", "w": "num_warps"}[part[0]]] = int(part[1:])
         elif part == "xla":
@@ -378,6 +381,7 @@ def run_config(args, ctx, variant, fraction, chunks):
     """Times one (variant, fraction, chunks); returns the result row (``ctx`` carries experts and placement)."""
     mesh, devices, row, num_ranks = ctx["mesh"], ctx["devices"], ctx["row"], ctx["mesh"].shape["ep"]
     view, depth, schedule, own_chunks, options, (programs, kernel) = parse_variant(variant)
+    taper = kernel.pop("taper", None)
     _transport.COPY_KERNEL_OPTIONS = kernel
     chunks = own_chunks if own_chunks is not None else chunks
     _transport.WORD_VIEW, _transport.PIPELINE_DEPTH = view, depth
@@ -392,13 +396,14 @@ def run_config(args, ctx, variant, fraction, chunks):
         max_chunk = -(-plan.capacities[0] // chunks) * row if chunks else None
         leaves, layouts, specs, _ = _transport._check_leaves(ctx["experts"], plan, mesh, "ep")
         nch = _transport._num_chunks(plan, layouts, max_chunk, schedule)
+        weights = (1,) + (taper,) * (nch - 2) + (1,) if taper and nch > 2 else None
         if schedule == "stream":  # host work: reorder the plan off the device's critical path
-            plan = order_for_streaming(plan, nch)
+            plan = order_for_streaming(plan, nch, weights=weights)
         plan_s.append(time.perf_counter() - t0)
         if it == 0:
             before_hash = slot_hashes(mesh, ctx["experts"])
             tables, table_layout = _transport.device_tables(plan, mesh, "ep")
-            fn = _transport._executor(mesh, "ep", tuple(specs), tuple(layouts), 2, True, nch, opts, plan.chunk_rows,
+            fn = _transport._executor(mesh, "ep", tuple(specs), tuple(layouts), 2, True, nch, opts, plan.chunk_bounds,
                                       table_layout, _transport._copy_programs(programs, leaves, layouts, plan))
             compiled = fn.lower(tables, leaves).compile()
             res["extra_static"] = compiled.memory_analysis().temp_size_in_bytes
@@ -432,10 +437,10 @@ def run_config(args, ctx, variant, fraction, chunks):
                recompiles_after_first=sum(compiles[1:]), first_compiles=compiles[0],
                plan_ms=statistics.median(plan_s) * 1e3, capacity=plan.capacities[0], schedule=schedule,
                returned_ms=statistics.median(dispatch) * 1e3,
-               streamed_chunk_rows=plan.chunk_rows)
+               streamed_chunk_bounds=plan.chunk_bounds)
     if args.timeline:  # the last move forth and back (even calls: the placement ends where it was)
         back = eps.plan_rearrangement(ctx["phy2log"], old, num_ranks)
-        back = order_for_streaming(back, nch) if schedule == "stream" else back
+        back = order_for_streaming(back, nch, weights=weights) if schedule == "stream" else back
         plans = (back, plan)
 
         def call(i):

@@ -134,7 +134,7 @@ def test_rearrange_experts_on_every_mesh_size(num_ranks, schedule, word_view, rn
         experts = eps.shard_slots(load(ckpt, old), mesh, layered=True)
         moved = eps.execute_plan(experts, ordered, mesh=mesh, schedule="stream")
         assert_bytes_equal(moved, load(ckpt, new), 2)
-        assert any(key[9] == ordered.chunk_rows for key in eps.transport._EXECUTORS)  # the stream executor ran
+        assert any(key[9] == ordered.chunk_bounds for key in eps.transport._EXECUTORS)  # the stream executor ran
 
 
 @pytest.mark.parametrize("schedule", ["serial", "stream"])
@@ -156,6 +156,37 @@ def test_pallas_row_copies_move_the_same_bytes(num_ranks, schedule, rng, monkeyp
     assert any(key[-1][0] == 3 for key in list(eps.transport._EXECUTORS)[before:] or eps.transport._EXECUTORS)
     with pytest.raises(ValueError, match="copy_programs"):
         eps.rearrange_experts(moved, new, old, mesh=mesh, copy_programs=0)
+
+
+@pytest.mark.parametrize("copy_programs", [None, 3])
+@pytest.mark.parametrize("num_ranks", [2, 8])
+def test_uneven_chunks_move_the_same_bytes(num_ranks, copy_programs, rng, monkeypatch):
+    """chunk_weights: a small first and last chunk (stream schedule) moves the same bytes."""
+    monkeypatch.setattr(eps.transport, "WORD_VIEW", True)
+    layers, num_experts, num_slots = 3, 3 * num_ranks, 4 * num_ranks
+    ckpt = checkpoint(rng, layers, num_experts, dtypes=[ml_dtypes.bfloat16, np.float32], row=(4, 2))
+    old = random_placement(rng, layers, num_experts, num_slots)
+    new = random_placement(rng, layers, num_experts, num_slots)
+    mesh = mesh_of(num_ranks)
+    experts = eps.shard_slots(load(ckpt, old), mesh, layered=True)
+    plan = eps.plan_rearrangement(old, new, num_ranks)
+    ordered = streamable_weighted(plan, (1, 3, 3, 1))
+    moved = eps.rearrange_experts(experts, old, new, mesh=mesh, chunk_weights=(1, 3, 3, 1),
+                                  copy_programs=copy_programs)
+    assert_bytes_equal(moved, load(ckpt, new), 2)
+    if ordered is not None:  # it streamed, in uneven chunks
+        assert len(set(np.diff(ordered.chunk_bounds))) > 1
+        assert any(key[9] == ordered.chunk_bounds for key in eps.transport._EXECUTORS)
+    for bad in [(), (1, 0), (1, -2), [[1, 2]], "abc"]:
+        with pytest.raises(ValueError, match="chunk_weights"):
+            eps.rearrange_experts(moved, new, old, mesh=mesh, chunk_weights=bad)
+
+
+def streamable_weighted(plan, weights):
+    try:
+        return order_for_streaming(plan, len(weights), weights=weights)
+    except ValueError:
+        return None
 
 
 def streamable(plan, num_chunks):
@@ -367,7 +398,7 @@ def test_transfers_wait_only_where_the_schedule_says(schedule, depth, chain, rng
     experts = eps.shard_slots(load(ckpt, old), mesh, layered=True)
     leaves, layouts, specs, _ = eps.transport._check_leaves(experts, plan, mesh, "ep")
     tables, table_layout = eps.transport.device_tables(plan, mesh)
-    run = eps.transport._executor(mesh, "ep", tuple(specs), tuple(layouts), 2, True, 8, (), plan.chunk_rows,
+    run = eps.transport._executor(mesh, "ep", tuple(specs), tuple(layouts), 2, True, 8, (), plan.chunk_bounds,
                                   table_layout)
     assert transfer_chain(run.lower(tables, leaves).as_text(dialect="hlo")) == (chain, 8)
 

@@ -34,16 +34,16 @@ def apply_plan(plan: TransportPlan, content: np.ndarray) -> np.ndarray:
 
 def apply_streamed(plan: TransportPlan, content: np.ndarray) -> np.ndarray:
     """Numpy oracle of the executor's stream schedule: chunk c + 1 is packed before chunk c is written."""
-    g, per_rank, rows, chunk = plan.num_ranks, plan.slots_per_rank, plan.num_local_rows, plan.chunk_rows
+    g, per_rank, rows, bounds = plan.num_ranks, plan.slots_per_rank, plan.num_local_rows, plan.chunk_bounds
     layers = content.shape[0]
     local = [content[:, r * per_rank : (r + 1) * per_rank].reshape((rows,) + content.shape[2:]).copy()
              for r in range(g)]
     copied = [local[r][plan.copy_src[r]] for r in range(g)]  # copies read the old rows first
     capacity = plan.capacities[0]
-    steps = -(-capacity // chunk) if capacity and g > 1 else 0
+    steps = len(bounds) - 1 if capacity and g > 1 else 0
 
     def pack(c):  # [sender][round]: the rows as they are now
-        return [[local[h][plan.send_rows[h, d - 1, c * chunk : (c + 1) * chunk]] for d in range(1, g)]
+        return [[local[h][plan.send_rows[h, d - 1, bounds[c] : bounds[c + 1]]] for d in range(1, g)]
                 for h in range(g)]
 
     packed = pack(0) if steps else None
@@ -51,7 +51,7 @@ def apply_streamed(plan: TransportPlan, content: np.ndarray) -> np.ndarray:
         following = pack(c + 1) if c + 1 < steps else None
         for r in range(g):
             for d in range(1, g):
-                dst = plan.recv_dst[r, d - 1, c * chunk : (c + 1) * chunk]
+                dst = plan.recv_dst[r, d - 1, bounds[c] : bounds[c + 1]]
                 local[r][dst[dst < rows]] = packed[(r - d) % g][d - 1][dst < rows]
         packed = following
     for r in range(g):  # copies, then duplicates, last
@@ -229,6 +229,36 @@ def test_streaming_order_moves_the_same_rows_and_is_exact(case, num_chunks):
     np.testing.assert_array_equal(apply_plan(ordered, old), new)
 
 
+@given(placements(), st.sampled_from([(1, 4, 4, 1), (1, 2, 4, 4, 2, 1), (3, 1), (1,)]))
+def test_uneven_chunks_move_the_same_rows_and_are_exact(case, weights):
+    num_ranks, old, new = case
+    plan = plan_rearrangement(old, new, num_ranks)
+    try:
+        ordered = order_for_streaming(plan, len(weights), weights=weights)
+    except ValueError as e:
+        assert len(weights) > 1 and "cycle" in str(e)
+        return
+    bounds = ordered.chunk_bounds
+    assert all(b > a for a, b in zip(bounds, bounds[1:])) and ordered.chunk_rows == max(np.diff(bounds))
+    if plan.capacities[0] and num_ranks > 1:  # something to send: the chunks cover the (maybe grown) capacity
+        assert bounds[0] == 0 and bounds[-1] == ordered.capacities[0] >= plan.capacities[0]
+    assert transfers(ordered) == transfers(plan)
+    np.testing.assert_array_equal(apply_streamed(ordered, old), new)
+    np.testing.assert_array_equal(apply_plan(ordered, old), new)
+
+
+def test_uneven_chunk_sizes_follow_the_weights(rng):
+    old, new = swap_placements(rng, layers=8, per_rank=16, count=6)  # 48 swaps: no padding needed
+    plan = plan_rearrangement(old, new, 2)
+    ordered = order_for_streaming(plan, 5, weights=(1, 4, 4, 4, 1))
+    assert plan.capacities[0] == 48 and ordered.capacities[0] == 48
+    assert ordered.chunk_bounds == (0, 4, 18, 31, 45, 48)
+    np.testing.assert_array_equal(apply_streamed(ordered, old), new)
+    for bad in [(1, 2), (1, 0, 1, 1, 1), (1, -1, 1, 1, 1), (1, float("nan"), 1, 1, 1)]:
+        with pytest.raises(ValueError, match="weights"):
+            order_for_streaming(plan, 5, weights=bad)
+
+
 def swap_placements(rng, layers=8, per_rank=16, count=4):
     old = np.stack([rng.permutation(2 * per_rank) for _ in range(layers)])
     new = old.copy()
@@ -256,7 +286,7 @@ def test_swaps_stream_without_padding_and_need_the_order(rng):
     np.testing.assert_array_equal(apply_streamed(ordered, old), new)
     # the planner's own order (a swap's two transfers at different positions), run in the stream schedule
     # in chunks of one row, reads rows already overwritten
-    unordered = dataclasses.replace(plan, chunk_rows=1)
+    unordered = dataclasses.replace(plan, chunk_rows=1, chunk_bounds=tuple(range(plan.capacities[0] + 1)))
     assert not np.array_equal(apply_streamed(unordered, old), new)
     np.testing.assert_array_equal(apply_streamed(order_for_streaming(plan, 32), old), new)  # chunks of 1
 

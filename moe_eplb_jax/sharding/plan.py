@@ -68,10 +68,12 @@ class TransportPlan:
     * ``written [L, P]`` -- slots whose expert changes (the only slots written).
     * ``moves [M, 4]`` -- one row per received (layer, expert):
       ``(layer, expert, source slot, destination rank)``.
-    * ``chunk_rows`` -- 0, or the chunk size of a plan reordered by
-      :func:`order_for_streaming` (then position ``i`` of a round belongs to
-      chunk ``i // chunk_rows``, and every row is received in a chunk no
-      earlier than every chunk that sends its old bytes).
+    * ``chunk_rows`` -- 0, or the largest chunk of a plan reordered by
+      :func:`order_for_streaming`; ``chunk_bounds`` -- then the first position
+      of each chunk of a round and, last, the end of the last chunk (position
+      ``i`` belongs to chunk ``c`` when ``bounds[c] <= i < bounds[c + 1]``;
+      every row is received in a chunk no earlier than every chunk that sends
+      its old bytes).
     """
 
     num_ranks: int
@@ -90,6 +92,7 @@ class TransportPlan:
     written: np.ndarray
     moves: np.ndarray
     chunk_rows: int = 0
+    chunk_bounds: tuple = ()
 
     @property
     def slots_per_rank(self) -> int:
@@ -369,7 +372,7 @@ def plan_layer_by_layer(
     return [(layer, plan.padded(send=send, dup=dup, copy=copy)) for layer, plan in plans]
 
 
-def order_for_streaming(plan: TransportPlan, num_chunks: int) -> TransportPlan:
+def order_for_streaming(plan: TransportPlan, num_chunks: int, *, weights=None) -> TransportPlan:
     """The same moves, reordered so that the executor may overwrite rows while later chunks are still sent.
 
     The executor's ``"stream"`` schedule sends each round in chunks of
@@ -386,9 +389,15 @@ def order_for_streaming(plan: TransportPlan, num_chunks: int) -> TransportPlan:
     so later plans share shapes). Swaps, and every plan whose chains fit,
     keep ``num_chunks * ceil(C / num_chunks)`` positions per round.
 
+    ``weights`` (``num_chunks`` positive numbers) makes the chunks uneven, in
+    those proportions: e.g. ``(1, 4, 4, 4, 1)`` keeps the first chunk (packed
+    before any transfer runs) and the last (written after the last transfer)
+    small while the middle transfers stay large. ``None``: equal chunks.
+
     Local copies and duplicates are unaffected (the executor reads copy
     sources before the first write and writes copies and duplicates last).
-    Returns a plan with ``chunk_rows`` set; the input is not modified.
+    Returns a plan with ``chunk_rows`` and ``chunk_bounds`` set; the input is
+    not modified.
     Raises ``ValueError`` where a cycle has more transfers in one round than a
     chunk holds (one chunk, ``num_chunks=1``, always fits).
     """
@@ -397,9 +406,16 @@ def order_for_streaming(plan: TransportPlan, num_chunks: int) -> TransportPlan:
     if not isinstance(plan, TransportPlan):
         raise ValueError(f"plan must be a TransportPlan, got {type(plan).__name__}")
     g, rounds, capacity, rows = plan.num_ranks, plan.num_ranks - 1, plan.capacities[0], plan.num_local_rows
-    chunk = max(1, -(-capacity // int(num_chunks)))
+    bounds = _chunk_bounds(capacity, int(num_chunks), weights)
+    chunk = max(b - a for a, b in zip(bounds, bounds[1:]))
     if rounds == 0 or capacity == 0:
-        return dataclasses.replace(plan, chunk_rows=chunk)
+        return dataclasses.replace(plan, chunk_rows=chunk, chunk_bounds=tuple(bounds))
+
+    def chunk_start(c):  # first position of chunk c (beyond num_chunks, where dependencies need them: size chunk)
+        return bounds[c] if c < len(bounds) else bounds[-1] + (c - num_chunks) * chunk
+
+    def chunk_size(c):
+        return chunk_start(c + 1) - chunk_start(c)
 
     # Transfers, read at the receivers (real entries: rows < num_local_rows, wherever they sit).
     recv_rank, k, pos = np.nonzero(plan.recv_dst < rows)
@@ -419,12 +435,12 @@ def order_for_streaming(plan: TransportPlan, num_chunks: int) -> TransportPlan:
 
     def fits(lst, c, need):
         f = fill[lst]
-        return (f[c] if c < len(f) else 0) + need <= chunk
+        return (f[c] if c < len(f) else 0) + need <= chunk_size(c)
 
     def take(t, c):
         f = fill[lists[t]]
         f.extend([0] * (c + 1 - len(f)))
-        slot[t], chunk_of[t] = c * chunk + f[c], c
+        slot[t], chunk_of[t] = chunk_start(c) + f[c], c
         f[c] += 1
 
     def placed(t):  # the transfer overwriting the row t reads may not come before t
@@ -468,10 +484,27 @@ def order_for_streaming(plan: TransportPlan, num_chunks: int) -> TransportPlan:
 
     used = max(chunk_of, default=-1) + 1
     chunks = int(num_chunks) if used <= num_chunks else bucket_capacity(used)
-    new_capacity = chunks * chunk
+    all_bounds = tuple(chunk_start(c) for c in range(chunks + 1))
+    new_capacity = all_bounds[-1]
     send_rows = np.zeros((g, rounds, new_capacity), dtype=np.int32)
     padding = rows + np.arange(rounds * new_capacity, dtype=np.int32).reshape(rounds, new_capacity)
     recv_dst = np.tile(padding, (g, 1, 1))  # distinct out-of-range rows, dropped by the scatter
     send_rows[send_rank, k, slot] = src
     recv_dst[recv_rank, k, slot] = dst
-    return dataclasses.replace(plan, send_rows=send_rows, recv_dst=recv_dst, chunk_rows=chunk)
+    return dataclasses.replace(plan, send_rows=send_rows, recv_dst=recv_dst, chunk_rows=chunk,
+                               chunk_bounds=all_bounds)
+
+
+def _chunk_bounds(capacity: int, num_chunks: int, weights) -> list[int]:
+    """Chunk starts and the end: equal chunks of ``ceil(C / n)``, or in proportion to ``weights`` (each >= 1 row)."""
+    if weights is None:
+        chunk = max(1, -(-capacity // num_chunks))
+        return [c * chunk for c in range(num_chunks + 1)]
+    weights = np.asarray(weights, dtype=np.float64)
+    if weights.shape != (num_chunks,) or not np.all(np.isfinite(weights)) or np.any(weights <= 0):
+        raise ValueError(f"weights must be {num_chunks} positive numbers (one per chunk), got {weights.tolist()}")
+    cumulative = np.cumsum(weights) / weights.sum()
+    bounds = [0]
+    for fraction in cumulative:
+        bounds.append(max(bounds[-1] + 1, int(np.ceil(capacity * fraction - 1e-9))))
+    return bounds

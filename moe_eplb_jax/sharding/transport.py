@@ -88,6 +88,7 @@ def rearrange_experts(
     compiler_options: dict | None = None,
     schedule: str = DEFAULT_SCHEDULE,
     copy_programs: int | None = DEFAULT_COPY_PROGRAMS,
+    chunk_weights=None,
 ) -> Any:
     """Moves expert slots so that ``experts`` follows ``new_phy2log`` instead of ``old_phy2log``.
 
@@ -118,12 +119,16 @@ def rearrange_experts(
     transfer less than XLA's gathers and scatters, which fill every SM -- or
     ``None`` for XLA's. Used only where the rows are ``uint32`` words (GPU);
     the first pack and the last writes, which overlap nothing, stay XLA's.
+    ``chunk_weights`` (stream schedule): relative sizes of the chunks, one per
+    chunk (overrides their number), e.g. ``(1, 4, 4, 4, 1)`` for a small first
+    pack and last write; ``None``: equal chunks.
     Returns a pytree of the same structure, shapes, dtypes and shardings.
     """
     num_ranks = axis_size(mesh, axis)
     plan = plan_rearrangement(old_phy2log, new_phy2log, num_ranks, layer=layer, num_logical=num_logical)
     return execute_plan(experts, plan, mesh=mesh, axis=axis, donate=donate, max_chunk_bytes=max_chunk_bytes,
-                        compiler_options=compiler_options, schedule=schedule, copy_programs=copy_programs)
+                        compiler_options=compiler_options, schedule=schedule, copy_programs=copy_programs,
+                        chunk_weights=chunk_weights)
 
 
 def row_bytes(experts: Any, plan: TransportPlan, *, mesh: Mesh, axis: str = "ep") -> int:
@@ -143,6 +148,7 @@ def execute_plan(
     compiler_options: dict | None = None,
     schedule: str = DEFAULT_SCHEDULE,
     copy_programs: int | None = DEFAULT_COPY_PROGRAMS,
+    chunk_weights=None,
 ) -> Any:
     """Runs a precomputed :class:`TransportPlan` on ``experts`` (see :func:`rearrange_experts`)."""
     if schedule not in SCHEDULES:
@@ -151,6 +157,11 @@ def execute_plan(
         raise ValueError(f"max_chunk_bytes must be a positive integer or None, got {max_chunk_bytes!r}")
     if copy_programs is not None and (not isinstance(copy_programs, (int, np.integer)) or copy_programs < 1):
         raise ValueError(f"copy_programs must be a positive integer or None, got {copy_programs!r}")
+    if chunk_weights is not None:
+        weights = np.asarray(chunk_weights, dtype=np.float64) if np.ndim(chunk_weights) == 1 else None
+        if weights is None or weights.size < 1 or not np.all(np.isfinite(weights)) or np.any(weights <= 0):
+            raise ValueError(f"chunk_weights must be a sequence of positive numbers or None, got {chunk_weights!r}")
+        chunk_weights = tuple(float(w) for w in weights)
     if not isinstance(plan, TransportPlan):
         raise ValueError(f"plan must be a TransportPlan, got {type(plan).__name__}")
     num_ranks = axis_size(mesh, axis)
@@ -163,12 +174,12 @@ def execute_plan(
         raise ValueError("an array appears twice in experts: it cannot be donated twice (pass donate=False)")
     flat, treedef = jax.tree_util.tree_flatten(experts)
     num_chunks = _num_chunks(plan, layouts, max_chunk_bytes, schedule)
-    plan, chunk_rows = _streamed(plan, num_chunks) if schedule == "stream" else (plan, 0)
+    plan, chunk_bounds = _streamed(plan, num_chunks, chunk_weights) if schedule == "stream" else (plan, ())
     tables, table_layout = device_tables(plan, mesh, axis)
     options = tuple(sorted((compiler_options or {}).items()))
     copy_programs = _copy_programs(copy_programs, leaves, layouts, plan)
     run = _executor(mesh, axis, tuple(specs), tuple(layouts), 2 if plan.layered else 1, bool(donate), num_chunks,
-                    options, chunk_rows, table_layout, copy_programs)
+                    options, chunk_bounds, table_layout, copy_programs)
     for position, moved in zip(positions, run(tables, list(leaves))):
         flat[position] = moved
     return jax.tree_util.tree_unflatten(treedef, flat)
@@ -190,19 +201,19 @@ def device_tables(plan: TransportPlan, mesh: Mesh, axis: str = "ep"):
     return put_host(np.concatenate(parts, axis=1), mesh, PartitionSpec(axis)), tuple(layout)
 
 
-def _streamed(plan: TransportPlan, num_chunks: int) -> tuple[TransportPlan, int]:
-    """``(plan ordered for the stream schedule, its chunk rows)``, or ``(plan, 0)``: run it serially.
+def _streamed(plan: TransportPlan, num_chunks: int, weights=None) -> tuple[TransportPlan, tuple]:
+    """``(plan ordered for the stream schedule, its chunk bounds)``, or ``(plan, ())``: run it serially.
 
     A plan already ordered (``order_for_streaming`` called by the caller, e.g.
     off the critical path) is used as it is, whatever ``num_chunks``.
     """
-    if plan.chunk_rows:
-        return plan, plan.chunk_rows
+    if plan.chunk_bounds:
+        return plan, plan.chunk_bounds
     try:
-        ordered = order_for_streaming(plan, num_chunks)
+        ordered = order_for_streaming(plan, len(weights) if weights else num_chunks, weights=weights)
     except ValueError:  # a cycle of moves longer than a chunk: it cannot be streamed in these chunks
-        return plan, 0
-    return ordered, ordered.chunk_rows
+        return plan, ()
+    return ordered, ordered.chunk_bounds
 
 
 def _copy_programs(copy_programs, leaves, layouts, plan) -> int:
@@ -316,22 +327,23 @@ PIPELINE_DEPTH = 1
 _TRACES = [0]
 
 
-def _executor(mesh, axis, specs, layouts, num_lead, donate, num_chunks, options, chunk_rows, table_layout,
+def _executor(mesh, axis, specs, layouts, num_lead, donate, num_chunks, options, chunk_bounds, table_layout,
               copy_programs=0):
-    """The jitted executor: serial (``chunk_rows == 0``) or stream schedule (chunks of ``chunk_rows``).
+    """The jitted executor: serial (no ``chunk_bounds``) or stream schedule (chunks between ``chunk_bounds``).
 
     It takes ``(tables, leaves)``: the one table array of :func:`device_tables`
     (laid out as ``table_layout``) and the moving leaves.
     """
     copy = (copy_programs, tuple(sorted(COPY_KERNEL_OPTIONS.items()))) if copy_programs else (0, ())
-    key = (mesh, axis, specs, layouts, num_lead, donate, 0 if chunk_rows else num_chunks, options,
-           0 if chunk_rows else PIPELINE_DEPTH, chunk_rows, table_layout, copy)
+    chunk_bounds = tuple(int(b) for b in chunk_bounds)
+    key = (mesh, axis, specs, layouts, num_lead, donate, 0 if chunk_bounds else num_chunks, options,
+           0 if chunk_bounds else PIPELINE_DEPTH, chunk_bounds, table_layout, copy)
     if key not in _EXECUTORS:
         _EXECUTORS[key] = _build_executor(*key)
     return _EXECUTORS[key]
 
 
-def _build_executor(mesh, axis, specs, layouts, num_lead, donate, num_chunks, options, depth, chunk_rows,
+def _build_executor(mesh, axis, specs, layouts, num_lead, donate, num_chunks, options, depth, chunk_bounds,
                     table_layout, copy):
     num_ranks = int(mesh.shape[axis])
     copy_programs, kernel_options = copy[0], dict(copy[1])
@@ -406,9 +418,11 @@ def _build_executor(mesh, axis, specs, layouts, num_lead, donate, num_chunks, op
         num_rows = int(np.prod(local_shapes[0][:num_lead]))
         rows = [row_view(leaf, layout, num_rows) for leaf, layout in zip(leaves, layouts)]
         capacity = send_rows.shape[-1]
-        steps = -(-capacity // chunk_rows) if num_ranks > 1 else 0
+        # Chunk c covers positions chunk_bounds[c]:chunk_bounds[c + 1]; positions past the last bound (a plan
+        # padded after ordering) are padding only.
+        steps = len(chunk_bounds) - 1 if num_ranks > 1 and capacity else 0
         rounds = range(1, num_ranks)
-        part = lambda c: slice(c * chunk_rows, (c + 1) * chunk_rows)  # noqa: E731
+        part = lambda c: slice(chunk_bounds[c], chunk_bounds[c + 1])  # noqa: E731
 
         def send(c, current):  # chunk c of every round, packed from the current rows, on its way
             packed = [pack(current, send_rows[d - 1, part(c)], overlapped=c > 0) for d in rounds]
@@ -435,7 +449,7 @@ def _build_executor(mesh, axis, specs, layouts, num_lead, donate, num_chunks, op
         return out
 
     table_spec = PartitionSpec(axis)
-    mapped = jax.shard_map(stream if chunk_rows else serial, mesh=mesh, in_specs=(table_spec, list(specs)),
+    mapped = jax.shard_map(stream if chunk_bounds else serial, mesh=mesh, in_specs=(table_spec, list(specs)),
                            out_specs=list(specs))
     # Explicit shardings: leaves whose specs differ only in spelling (trailing None) hit the same cache entry.
     leaf_shardings = [NamedSharding(mesh, spec) for spec in specs]
