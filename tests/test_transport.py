@@ -112,16 +112,23 @@ def word_view(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("schedule", ["serial", "stream"])
-@pytest.mark.parametrize("num_ranks", [1, 2, 4, 8])
-def test_rearrange_experts_on_every_mesh_size(num_ranks, schedule, word_view, rng):
-    layers, num_experts, num_slots = 3, 3 * num_ranks, 4 * num_ranks
-    ckpt = checkpoint(rng, layers, num_experts, dtypes=[ml_dtypes.bfloat16, ml_dtypes.float8_e5m2,
-                                                        ml_dtypes.float4_e2m1fn, np.float32], row=(3, 2))
+MIXED_DTYPES = [ml_dtypes.bfloat16, ml_dtypes.float8_e5m2, ml_dtypes.float4_e2m1fn, np.float32]
+
+
+def layered_move(rng, num_ranks, layers, *, dtypes=MIXED_DTYPES, row=(3, 2)):
+    """A checkpoint of 3 experts and 4 slots per rank, two random placements, the experts sharded as the first."""
+    num_experts, num_slots = 3 * num_ranks, 4 * num_ranks
+    ckpt = checkpoint(rng, layers, num_experts, dtypes=dtypes, row=row)
     old = random_placement(rng, layers, num_experts, num_slots)
     new = random_placement(rng, layers, num_experts, num_slots)
     mesh = mesh_of(num_ranks)
-    experts = eps.shard_slots(load(ckpt, old), mesh, layered=True)
+    return ckpt, old, new, mesh, eps.shard_slots(load(ckpt, old), mesh, layered=True)
+
+
+@pytest.mark.parametrize("schedule", ["serial", "stream"])
+@pytest.mark.parametrize("num_ranks", [1, 2, 4, 8])
+def test_rearrange_experts_on_every_mesh_size(num_ranks, schedule, word_view, rng):
+    ckpt, old, new, mesh, experts = layered_move(rng, num_ranks, 3)
     plan = eps.plan_rearrangement(old, new, num_ranks)
     assert plan.bytes_moved(eps.row_bytes(experts, plan, mesh=mesh)) == (
         max(plan.rows_sent.max(), plan.rows_received.max()) * (12 + 6 + 3 + 24) if num_ranks > 1 else 0)
@@ -142,18 +149,14 @@ def test_rearrange_experts_on_every_mesh_size(num_ranks, schedule, word_view, rn
 def test_pallas_row_copies_move_the_same_bytes(num_ranks, schedule, rng, monkeypatch):
     """copy_programs: packing and writing rows with the Pallas kernels (interpret mode here) moves the same bytes."""
     monkeypatch.setattr(eps.transport, "WORD_VIEW", True)
-    layers, num_experts, num_slots = 2, 3 * num_ranks, 4 * num_ranks
-    ckpt = checkpoint(rng, layers, num_experts, dtypes=[ml_dtypes.bfloat16, ml_dtypes.float8_e5m2,
-                                                        ml_dtypes.float4_e2m1fn, np.float32], row=(4, 2))
-    old = random_placement(rng, layers, num_experts, num_slots)
-    new = random_placement(rng, layers, num_experts, num_slots)
-    mesh = mesh_of(num_ranks)
+    ckpt, old, new, mesh, experts = layered_move(rng, num_ranks, 2, row=(4, 2))
     before = len(eps.transport._EXECUTORS)
-    experts = eps.shard_slots(load(ckpt, old), mesh, layered=True)
     moved = eps.rearrange_experts(experts, old, new, mesh=mesh, max_chunk_bytes=3 * 60, schedule=schedule,
                                   copy_programs=3)
     assert_bytes_equal(moved, load(ckpt, new), 2)
-    assert any(key[-1][0] == 3 for key in list(eps.transport._EXECUTORS)[before:] or eps.transport._EXECUTORS)
+    # the stream executor copies with 3 programs; the serial one never uses the kernels (one executor for any N)
+    want = 3 if schedule == "stream" else 0
+    assert any(key[-1][0] == want for key in list(eps.transport._EXECUTORS)[before:] or eps.transport._EXECUTORS)
     with pytest.raises(ValueError, match="copy_programs"):
         eps.rearrange_experts(moved, new, old, mesh=mesh, copy_programs=0)
 
@@ -163,14 +166,10 @@ def test_pallas_row_copies_move_the_same_bytes(num_ranks, schedule, rng, monkeyp
 def test_uneven_chunks_move_the_same_bytes(num_ranks, copy_programs, rng, monkeypatch):
     """chunk_weights: a small first and last chunk (stream schedule) moves the same bytes."""
     monkeypatch.setattr(eps.transport, "WORD_VIEW", True)
-    layers, num_experts, num_slots = 3, 3 * num_ranks, 4 * num_ranks
-    ckpt = checkpoint(rng, layers, num_experts, dtypes=[ml_dtypes.bfloat16, np.float32], row=(4, 2))
-    old = random_placement(rng, layers, num_experts, num_slots)
-    new = random_placement(rng, layers, num_experts, num_slots)
-    mesh = mesh_of(num_ranks)
-    experts = eps.shard_slots(load(ckpt, old), mesh, layered=True)
+    ckpt, old, new, mesh, experts = layered_move(rng, num_ranks, 3, dtypes=[ml_dtypes.bfloat16, np.float32],
+                                                 row=(4, 2))
     plan = eps.plan_rearrangement(old, new, num_ranks)
-    ordered = streamable_weighted(plan, (1, 3, 3, 1))
+    ordered = streamable(plan, 4, weights=(1, 3, 3, 1))
     moved = eps.rearrange_experts(experts, old, new, mesh=mesh, chunk_weights=(1, 3, 3, 1),
                                   copy_programs=copy_programs)
     assert_bytes_equal(moved, load(ckpt, new), 2)
@@ -182,16 +181,9 @@ def test_uneven_chunks_move_the_same_bytes(num_ranks, copy_programs, rng, monkey
             eps.rearrange_experts(moved, new, old, mesh=mesh, chunk_weights=bad)
 
 
-def streamable_weighted(plan, weights):
+def streamable(plan, num_chunks, weights=None):
     try:
-        return order_for_streaming(plan, len(weights), weights=weights)
-    except ValueError:
-        return None
-
-
-def streamable(plan, num_chunks):
-    try:
-        return order_for_streaming(plan, num_chunks)
+        return order_for_streaming(plan, num_chunks, weights=weights)
     except ValueError:
         return None
 

@@ -174,9 +174,7 @@ def _map_kernel(ids_ref, log2phy_ref, logcnt_ref, thresholds_ref, base_ref, limi
         slot_table = plgpu.load(log2phy_ref.at[pl.ds(0, slot_size)], mask=at < num_logical * width, other=-1)
         lookup_count = lambda expert: take(count_table, expert)  # noqa: E731
         lookup_slot = lambda index: take(slot_table, index)  # noqa: E731
-    elif tables == "head":  # logcnt_ref holds (first slot + 1) | count << 16: one load for single-replica experts
-        lookup_count = lambda expert: logcnt_ref[expert]  # noqa: E731
-    else:  # one global (L1-cached) load per entry and table
+    else:  # one global (L1-cached) load per entry and table; "head": logcnt_ref holds (first slot + 1) | count << 16
         lookup_count = lambda expert: logcnt_ref[expert]  # noqa: E731
         lookup_slot = lambda index: log2phy_ref[index]  # noqa: E731
     row0 = program * num_bins  # atomic methods: this program's row of counters

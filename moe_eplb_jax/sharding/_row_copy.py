@@ -41,9 +41,14 @@ from jax.experimental.pallas import triton as plgpu
 
 from moe_eplb_jax.pallas._triton import _join_varying
 
-__all__ = ["gather_rows", "scatter_rows"]
+__all__ = ["gather_rows", "scatter_rows", "offsets_fit"]
 
 _MAX_OFFSET = 2**31  # int32 flat offsets
+
+
+def offsets_fit(num_rows: int, widths, num_selected: int) -> bool:
+    """Whether views ``[num_rows, m]`` of these widths and ``num_selected`` packed rows fit int32 offsets."""
+    return max(num_rows * w for w in widths) < _MAX_OFFSET and num_selected * sum(widths) < _MAX_OFFSET
 
 
 # ----------------------------------------------------------------- validation

@@ -35,6 +35,7 @@ __all__ = [
     "plan_rearrangement",
     "plan_layer_by_layer",
     "order_for_streaming",
+    "check_chunk_weights",
     "bucket_capacity",
     "validate_placements",
 ]
@@ -495,13 +496,21 @@ def order_for_streaming(plan: TransportPlan, num_chunks: int, *, weights=None) -
                                chunk_bounds=all_bounds)
 
 
+def check_chunk_weights(weights, name: str = "weights") -> tuple[float, ...]:
+    """``weights`` as a tuple of floats, or a ``ValueError`` unless it is a 1-D sequence of positive numbers."""
+    values = np.asarray(weights, dtype=np.float64) if np.ndim(weights) == 1 and not isinstance(weights, str) else None
+    if values is None or values.size < 1 or not np.all(np.isfinite(values)) or np.any(values <= 0):
+        raise ValueError(f"{name} must be a sequence of positive numbers, got {weights!r}")
+    return tuple(float(w) for w in values)
+
+
 def _chunk_bounds(capacity: int, num_chunks: int, weights) -> list[int]:
     """Chunk starts and the end: equal chunks of ``ceil(C / n)``, or in proportion to ``weights`` (each >= 1 row)."""
     if weights is None:
         chunk = max(1, -(-capacity // num_chunks))
         return [c * chunk for c in range(num_chunks + 1)]
-    weights = np.asarray(weights, dtype=np.float64)
-    if weights.shape != (num_chunks,) or not np.all(np.isfinite(weights)) or np.any(weights <= 0):
+    weights = np.asarray(check_chunk_weights(weights))
+    if weights.shape != (num_chunks,):
         raise ValueError(f"weights must be {num_chunks} positive numbers (one per chunk), got {weights.tolist()}")
     cumulative = np.cumsum(weights) / weights.sum()
     bounds = [0]

@@ -47,11 +47,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from moe_eplb_jax.sharding._row_copy import gather_rows, scatter_rows
+from moe_eplb_jax.sharding._row_copy import gather_rows, offsets_fit, scatter_rows
 from moe_eplb_jax.sharding.mesh import axis_size, put_host
 from moe_eplb_jax.sharding.packing import (from_row_view, leaf_layout, pack_rows, row_view, unpack_leaf,
                                            wire_dtype)
-from moe_eplb_jax.sharding.plan import TransportPlan, order_for_streaming, plan_rearrangement
+from moe_eplb_jax.sharding.plan import TransportPlan, check_chunk_weights, order_for_streaming, plan_rearrangement
 
 __all__ = ["rearrange_experts", "execute_plan", "executor_trace_count", "row_bytes", "DEFAULT_MAX_CHUNK_BYTES",
            "SCHEDULES"]
@@ -157,11 +157,8 @@ def execute_plan(
         raise ValueError(f"max_chunk_bytes must be a positive integer or None, got {max_chunk_bytes!r}")
     if copy_programs is not None and (not isinstance(copy_programs, (int, np.integer)) or copy_programs < 1):
         raise ValueError(f"copy_programs must be a positive integer or None, got {copy_programs!r}")
-    if chunk_weights is not None:
-        weights = np.asarray(chunk_weights, dtype=np.float64) if np.ndim(chunk_weights) == 1 else None
-        if weights is None or weights.size < 1 or not np.all(np.isfinite(weights)) or np.any(weights <= 0):
-            raise ValueError(f"chunk_weights must be a sequence of positive numbers or None, got {chunk_weights!r}")
-        chunk_weights = tuple(float(w) for w in weights)
+    if chunk_weights is not None:  # checked here: the stream ordering's ValueError means "run serially"
+        chunk_weights = check_chunk_weights(chunk_weights, "chunk_weights")
     if not isinstance(plan, TransportPlan):
         raise ValueError(f"plan must be a TransportPlan, got {type(plan).__name__}")
     num_ranks = axis_size(mesh, axis)
@@ -177,7 +174,7 @@ def execute_plan(
     plan, chunk_bounds = _streamed(plan, num_chunks, chunk_weights) if schedule == "stream" else (plan, ())
     tables, table_layout = device_tables(plan, mesh, axis)
     options = tuple(sorted((compiler_options or {}).items()))
-    copy_programs = _copy_programs(copy_programs, leaves, layouts, plan)
+    copy_programs = _copy_programs(copy_programs, leaves, layouts, plan) if chunk_bounds else 0  # stream only
     run = _executor(mesh, axis, tuple(specs), tuple(layouts), 2 if plan.layered else 1, bool(donate), num_chunks,
                     options, chunk_bounds, table_layout, copy_programs)
     for position, moved in zip(positions, run(tables, list(leaves))):
@@ -222,10 +219,7 @@ def _copy_programs(copy_programs, leaves, layouts, plan) -> int:
         return 0
     rows = int(np.prod(leaves[0].sharding.shard_shape(leaves[0].shape)[: 2 if plan.layered else 1]))
     widths = [layout.row_bytes // 4 for layout in layouts]
-    capacity = max(plan.capacities)
-    if max(rows * w for w in widths) >= 2**31 or capacity * sum(widths) >= 2**31:
-        return 0
-    return int(copy_programs)
+    return int(copy_programs) if offsets_fit(rows, widths, max(plan.capacities)) else 0
 
 
 def _num_chunks(plan: TransportPlan, layouts, max_chunk_bytes: int | None, schedule: str = "serial") -> int:
