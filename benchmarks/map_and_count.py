@@ -18,8 +18,8 @@ on GPU the time is the device time of its kernels from the profiler
 (``_timing.device_seconds``, no host dispatch or sync), divided by ``REPS``;
 elsewhere the host-timed median.
 
-Run on a GPU machine: ``PYTHONPATH=. python3 benchmarks/map_and_count.py [--quick] [--sweep]``
-(``--sweep`` first times many kernel options at T=262144 and at the decode and online sizes).
+Run on a GPU machine: ``PYTHONPATH=. python3 benchmarks/map_and_count.py [--quick] [--sweep] [--modes resolved]``
+(``--sweep`` first times the kernel options of ``SWEEP`` side by side; ``--modes`` limits the table).
 """
 
 from __future__ import annotations
@@ -193,36 +193,24 @@ def pallas_copy(x, block=2048, num_warps=4):
     return out.reshape(x.shape)
 
 
-SWEEP = [  # (options, count) at the big size, hash: tile = entries per program, sub = entries per loop step
-    ({}, True), ({}, False),  # the shipped defaults (histogram counting, head tables), with and without counting
-    ({"tile": 2048, "sub": 2048, "num_warps": 8}, True), ({"tile": 8192, "sub": 8192, "num_warps": 16}, True),
-    ({"tables": "global"}, True), ({"count_method": "atomic"}, True),
+SWEEP = [  # (mode, T, P, options): T x 8 entries; the defaults first in each group
+    ("resolved", 262144, 288, {}), ("resolved", 262144, 288, {"tile_resolved": 2048, "sub_resolved": 64,
+                                                                 "warps_resolved": 2}),
+    ("resolved", 262144, 288, {"tile_resolved": 512}), ("resolved", 262144, 288, {"sub_resolved": 64}),
+    ("resolved", 8192, 288, {}), ("resolved", 8192, 288, {"tile_resolved": 1024}),
+    ("shares", 262144, 288, {}), ("hash", 262144, 288, {}),
 ]
-SMALL = [{}, {"tile": 512, "sub": 512}, {"tile": 2048, "sub": 2048, "num_warps": 8}, {"tables": "global"},
-         {"count_method": "onehot", "tables": "global"}]
 
 
-def sweep(rng, big=262144, small=(4096, 65536), online=(8192, 65536)):
-    """Kernel options at T=262144 x 8, P=288 (hash), then other modes, decode and online sizes; no defaults change."""
-    print(f"sweep (T={big}, k=8, P=288, hash; device time per call):", flush=True)
-    flat = jnp.asarray(rng.integers(0, NUM_LOGICAL, size=(REPS, big, 8)), jnp.int32)
+def sweep(rng):
+    """Kernel options side by side (device time per call, each checked against the reference); no defaults change."""
+    print("sweep (k=8; device time per call):", flush=True)
+    flat = jnp.asarray(rng.integers(0, NUM_LOGICAL, size=(REPS, 262144, 8)), jnp.int32)
     us = timed(functools.partial(pallas_copy, block=2048, num_warps=4), [(x,) for x in flat]) * 1e6
-    print(f"  pallas copy block 2048 warps 4: {us:.2f} us", flush=True)
+    print(f"  pallas copy of 262144 x 8 (block 2048, 4 warps): {us:.2f} us", flush=True)
     del flat
-    for options, count in SWEEP:
-        time_variant(rng, "hash", options, count=count, num_tokens=big)
-    for num_physical in (512,):
-        for options in ({}, {"tables": "global"}):
-            time_variant(rng, "hash", options, num_tokens=big, num_physical=num_physical)
-    for mode in ("shares", "round_robin"):
-        for options in ({}, {"tables": "global"}):
-            time_variant(rng, mode, options, num_tokens=big)
-    for tokens in small:
-        for options in SMALL:
-            time_variant(rng, "hash", options, num_tokens=tokens)
-    for tokens in online:  # resolved: the online routing of one rank (8192 x 8) and a large batch
-        for options in ({}, {"count_method": "onehot", "tables": "global"}):
-            time_variant(rng, "resolved", options, num_tokens=tokens)
+    for mode, num_tokens, num_physical, options in SWEEP:
+        time_variant(rng, mode, options, num_tokens=num_tokens, num_physical=num_physical)
 
 
 def main():
@@ -230,9 +218,8 @@ def main():
     parser.add_argument("--quick", action="store_true", help="hash mode, largest size only")
     parser.add_argument("--sizes", default="4096,65536,262144", help="comma-separated token counts")
     parser.add_argument("--sweep", action="store_true", help="time many kernel options first (defaults unchanged)")
-    parser.add_argument("--sweep-tokens", default="262144,4096,65536,8192,65536",
-                        help="sweep sizes: big, then two small (hash), then two online (resolved)")
     parser.add_argument("--no-table", action="store_true", help="skip the side-by-side table")
+    parser.add_argument("--modes", default="hash,round_robin,shares,resolved", help="comma-separated modes")
     args = parser.parse_args()
     out_dir = os.environ.get("OUT", ".")
     print(f"jax {jax.__version__}, devices {jax.devices()}", flush=True)
@@ -240,13 +227,12 @@ def main():
     print(f"copy bandwidth (read+write, 1 GiB int32 elementwise): {bandwidth / 1e12:.2f} TB/s", flush=True)
     rng = np.random.default_rng(2026_11_30)
     if args.sweep:
-        big, s1, s2, o1, o2 = (int(t) for t in args.sweep_tokens.split(","))
-        sweep(rng, big, (s1, s2), (o1, o2))
+        sweep(rng)
     if args.no_table:
         return
     print(f"kernel options used below: {_triton.DEFAULTS}", flush=True)
     sizes = [262144] if args.quick else [int(t) for t in args.sizes.split(",")]
-    modes = ["hash"] if args.quick else ["hash", "round_robin", "shares", "resolved"]
+    modes = ["hash"] if args.quick else args.modes.split(",")
     rows = []
     with open(os.path.join(out_dir, "map_and_count.jsonl"), "w") as log:
         for num_physical in (288, 512):

@@ -26,7 +26,10 @@ Variants are '+'-joined parts (``--variants default stream+lhs words+d2``):
   pN             pack and write rows with the Pallas row-copy kernels of N programs (copy_programs=N)
   bN / wN        those kernels' words per work item / warps (transport.COPY_KERNEL_OPTIONS)
   taperN         stream schedule in uneven chunks: weights (1, N, ..., N, 1) (chunk_weights)
+  cwA_B_..       stream schedule in chunks of these relative sizes (chunk_weights=(A, B, ...))
   xla            XLA gathers / scatters (copy_programs=None; the default unless the library's changes)
+  prepared       prepare_move before the clock starts (validation, table upload), then time the move alone
+                 (what a server that prepares the move while the model runs pays at the step boundary)
   XLA options:   lhs (latency-hiding scheduler), memcpy (local p2p by cudaMemcpy, not NCCL kernels),
                  ovlN (N collectives in flight, parallel_collective_overlap_limit), noprio (async
                  stream not highest priority), symm (collective-permute in symmetric memory), nocb (no
@@ -129,10 +132,14 @@ def parse_variant(name):
             programs = int(part[1:])
         elif re.fullmatch(r"taper\d+", part):
             kernel["taper"] = int(part[5:])
+        elif re.fullmatch(r"cw\d+(_\d+)+", part):
+            kernel["weights"] = tuple(int(w) for w in part[2:].split("_"))
         elif re.fullmatch(r"[bw]\d+", part):
             kernel[{"b": "block", "w": "num_warps"}[part[0]]] = int(part[1:])
         elif part == "xla":
             programs = None
+        elif part == "prepared":
+            kernel["prepared"] = True
         elif re.fullmatch(r"ovl\d+", part):
             options["xla_gpu_experimental_parallel_collective_overlap_limit"] = int(part[3:])
         elif part in OPTION_ALIASES:
@@ -246,12 +253,18 @@ def raw_ppermute(mesh, nbytes_per_rank, iters, options=None):
                                in_specs=PartitionSpec("ep"), out_specs=PartitionSpec("ep")),
                  compiler_options=dict(options) if options else None)
     fn(buf).block_until_ready()
-    times = []
+    times, returned = [], []
     for _ in range(iters):
         t = time.perf_counter()
-        fn(buf).block_until_ready()
+        out = fn(buf)
+        returned.append(time.perf_counter() - t)
+        out.block_until_ready()
         times.append(time.perf_counter() - t)
+    RAW_RETURNED.append(statistics.median(returned))
     return statistics.median(times), fn, buf
+
+
+RAW_RETURNED = []  # host ms until each raw ppermute call returned (its dispatch), for the report
 
 
 def raw_ppermute_chunked(mesh, nbytes_per_rank, chunks, iters):
@@ -382,12 +395,14 @@ def run_config(args, ctx, variant, fraction, chunks):
     mesh, devices, row, num_ranks = ctx["mesh"], ctx["devices"], ctx["row"], ctx["mesh"].shape["ep"]
     view, depth, schedule, own_chunks, options, (programs, kernel) = parse_variant(variant)
     taper = kernel.pop("taper", None)
+    prepared = kernel.pop("prepared", False)
+    fixed_weights = kernel.pop("weights", None)
     _transport.COPY_KERNEL_OPTIONS = kernel
     chunks = own_chunks if own_chunks is not None else chunks
     _transport.WORD_VIEW, _transport.PIPELINE_DEPTH = view, depth
     opts = tuple(sorted(options.items()))
     times, plan_s, compiles, res = [], [], [], dict(view=variant, fraction=fraction, options=options)
-    dispatch = []
+    dispatch, host_check, host_tables, prepare_s = [], [], [], []
     for it in range(args.iters + 1):
         old = ctx["phy2log"]
         new = swap_placement(ctx["rng"], old, num_ranks, fraction)
@@ -396,7 +411,8 @@ def run_config(args, ctx, variant, fraction, chunks):
         max_chunk = -(-plan.capacities[0] // chunks) * row if chunks else None
         leaves, layouts, specs, _ = _transport._check_leaves(ctx["experts"], plan, mesh, "ep")
         nch = _transport._num_chunks(plan, layouts, max_chunk, schedule)
-        weights = (1,) + (taper,) * (nch - 2) + (1,) if taper and nch > 2 else None
+        weights = (1,) + (taper,) * (nch - 2) + (1,) if taper and nch > 2 else fixed_weights
+        nch = len(weights) if weights else nch
         if schedule == "stream":  # host work: reorder the plan off the device's critical path
             plan = order_for_streaming(plan, nch, weights=weights)
         plan_s.append(time.perf_counter() - t0)
@@ -415,9 +431,23 @@ def run_config(args, ctx, variant, fraction, chunks):
                     f.write(text)
             in_use, _ = mem_in_use(devices)
         size0 = eps.executor_trace_count()
+        t = time.perf_counter()  # host parts of execute_plan alone (not on the clock below)
+        leaves, layouts, specs, _ = _transport._check_leaves(ctx["experts"], plan, mesh, "ep")
+        host_check.append(time.perf_counter() - t)
         t = time.perf_counter()
-        ctx["experts"] = eps.execute_plan(ctx["experts"], plan, mesh=mesh, max_chunk_bytes=max_chunk,
-                                          compiler_options=options, schedule=schedule, copy_programs=programs)
+        tables, table_layout = _transport.device_tables(plan, mesh, "ep")
+        host_tables.append(time.perf_counter() - t)
+        move_kwargs = dict(mesh=mesh, max_chunk_bytes=max_chunk, compiler_options=options, schedule=schedule,
+                           copy_programs=programs)
+        if prepared:  # validation and the table upload before the clock starts
+            t = time.perf_counter()
+            move = eps.prepare_move(ctx["experts"], plan, **move_kwargs)
+            prepare_s.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            ctx["experts"] = move(ctx["experts"])
+        else:
+            t = time.perf_counter()
+            ctx["experts"] = eps.execute_plan(ctx["experts"], plan, **move_kwargs)
         returned = time.perf_counter() - t  # host: validation, tables, dispatch (the device may still run)
         jax.block_until_ready(ctx["experts"])
         dt = time.perf_counter() - t
@@ -437,15 +467,20 @@ def run_config(args, ctx, variant, fraction, chunks):
                recompiles_after_first=sum(compiles[1:]), first_compiles=compiles[0],
                plan_ms=statistics.median(plan_s) * 1e3, capacity=plan.capacities[0], schedule=schedule,
                returned_ms=statistics.median(dispatch) * 1e3,
+               host_check_ms=statistics.median(host_check) * 1e3, host_tables_ms=statistics.median(host_tables) * 1e3,
+               prepare_ms=statistics.median(prepare_s) * 1e3 if prepare_s else None,
                streamed_chunk_bounds=plan.chunk_bounds)
     if args.timeline:  # the last move forth and back (even calls: the placement ends where it was)
         back = eps.plan_rearrangement(ctx["phy2log"], old, num_ranks)
         back = order_for_streaming(back, nch, weights=weights) if schedule == "stream" else back
         plans = (back, plan)
+        moves = [eps.prepare_move(ctx["experts"], p, **move_kwargs) for p in plans] if prepared else None
 
         def call(i):
-            ctx["experts"] = eps.execute_plan(ctx["experts"], plans[i % 2], mesh=mesh, max_chunk_bytes=max_chunk,
-                                              compiler_options=options, schedule=schedule, copy_programs=programs)
+            if prepared:
+                ctx["experts"] = moves[i % 2](ctx["experts"])
+            else:
+                ctx["experts"] = eps.execute_plan(ctx["experts"], plans[i % 2], **move_kwargs)
             return ctx["experts"]
 
         call(0), call(1)  # warm: the reverse plan has the same capacities
@@ -588,8 +623,14 @@ def report(args, num_ranks, devices, row, results, raw_timeline, extras):
                     if r.get("timeline") and r["moved"] == largest]
             print("device work (first kernel to last; the lead before it is the launch after the table upload), "
                   "raw / ours: " + ", ".join(work))
-        print("host: ms until execute_plan returned (validation, tables, dispatch): "
-              + ", ".join(f"{r['view']} {r['returned_ms']:.2f}" for r in results if "returned_ms" in r))
+        print("host: ms until the call returned (execute_plan: validation, tables, dispatch; prepared: the move's "
+              "checks and dispatch): "
+              + ", ".join(f"{r['view']} {r['returned_ms']:.2f}" for r in results if "returned_ms" in r)
+              + "; raw ppermute " + ", ".join(f"{x * 1e3:.2f}" for x in RAW_RETURNED))
+        print("host: ms of validation / table upload alone (prepare_move): "
+              + ", ".join(f"{r['view']} {r['host_check_ms']:.2f} / {r['host_tables_ms']:.2f}"
+                          + (f" ({r['prepare_ms']:.2f})" if r.get("prepare_ms") else "") for r in results
+                          if "host_check_ms" in r))
     for k, v in extras.items():
         print(f"{k}: {v}")
     if args.json:

@@ -313,6 +313,8 @@ def test_feeds_eplb_state_record(rng):
 
 @pytest.mark.parametrize("options", [{"count_dtype": "float16", "sub": 32, "sub_resolved": 32},
                                      {"count_dtype": "int8", "sub": 512, "sub_resolved": 128, "tile": 1024},
+                                     {"tile_resolved": 64, "sub_resolved": 16, "warps_resolved": 1, "tile": 128},
+                                     {"tile_resolved": 4096, "sub_resolved": 256},
                                      {"count_method": "histogram", "tables": "shared", "sub": 64},
                                      {"count_method": "histogram", "tables": "head", "tile": 1024, "sub": 256}])
 @pytest.mark.parametrize("mode", ["hash", "resolved"])
@@ -334,6 +336,38 @@ def test_kernel_options_match_reference(options, mode, rng):
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
     with pytest.raises(ValueError, match="unknown kernel options"):
         _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode, warps=2)
+
+
+@pytest.mark.parametrize("tables", ["head", "global"])
+@pytest.mark.parametrize("mode", MODES)
+def test_wide_and_narrow_rows_match_reference(mode, tables, rng):
+    """Experts with 1 to 20 replicas: the replica lookups and the threshold search (independent loads up to 16
+    replicas, bisection beyond) give the reference's result."""
+    from moe_eplb_jax.pallas import _reference, _triton
+    from moe_eplb_jax.pallas.map_and_count import _build_thresholds
+
+    replicas = np.array([20, 17, 16, 3, 2, 1, 1, 4])  # per expert: both sides of the linear-search limit
+    phy2log = rng.permutation(np.repeat(np.arange(replicas.size), replicas))
+    placement = Placement.from_phy2log(phy2log, replicas.size)
+    log2phy, logcnt = jnp.asarray(placement.log2phy[0]), jnp.asarray(placement.logcnt[0])
+    assert log2phy.shape[1] > _triton._LINEAR_SEARCH_MAX
+    ids = jnp.asarray(random_ids(rng, 200, 4, replicas.size))
+    extra = random_mode_inputs(rng, mode, placement, ids.size)
+    values = extra.get("replica_shares", extra.get("resolved"))
+    thresholds = (jnp.zeros_like(log2phy) if values is None
+                  else _build_thresholds(mode, jnp.asarray(values), logcnt, log2phy.shape[1]))
+    limits = jnp.asarray([190 * 4, 195 * 4], jnp.int32)
+    num_physical = int(replicas.sum())
+    want = _reference.map_and_count_reference(ids, log2phy, logcnt, thresholds, limits, num_physical=num_physical,
+                                              mode=mode)
+    got = _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=num_physical,
+                                       mode=mode, tables=tables, interpret=jax.default_backend() != "gpu")
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    replica_of = {int(slot): int(np.flatnonzero(placement.log2phy[0, e] == slot)[0])
+                  for e in range(replicas.size) for slot in placement.log2phy[0, e] if slot >= 0}
+    used = {replica_of[int(p)] for p in np.asarray(got[0]).ravel() if p >= 0}
+    assert max(used) >= 3  # late replicas were picked
 
 
 # ---------------------------------------------------------------- validation

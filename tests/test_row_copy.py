@@ -114,6 +114,23 @@ def test_gather_then_scatter_round_trip(rng):
         np.testing.assert_array_equal(np.asarray(g)[dst], s[rows])
 
 
+@pytest.mark.parametrize("start, count", [(0, 3), (5, 4), (9, None), (12, 0)])
+def test_index_window_equals_slice(start, count, rng):
+    """index_start / index_count read a window of a longer table: the same as passing the slice."""
+    widths, num_rows = (5, 130), 9
+    table = rng.integers(0, num_rows, 12).astype(np.int32)
+    window = table[start:] if count is None else table[start : start + count]
+    views = random_views(rng, num_rows, widths)
+    opts = dict(num_programs=3, block=128, index_start=start, index_count=count)
+    got = gather_rows(views, table, **opts)
+    np.testing.assert_array_equal(np.asarray(got), gather_oracle(views, window).reshape(len(window), sum(widths)))
+    dst_table = np.concatenate([random_dst(rng, num_rows, 6), random_dst(rng, num_rows, 6)])
+    dst = dst_table[start:] if count is None else dst_table[start : start + count]
+    packed = rng.integers(0, 2**32, (len(dst), sum(widths)), dtype=np.uint32)
+    got = scatter_rows([jnp.asarray(v) for v in views], packed, dst_table, **opts)
+    assert_views_equal(got, scatter_oracle(views, packed, dst))
+
+
 def test_empty_selection(rng):
     views = random_views(rng, 4, (3, 5))
     assert gather_rows(views, np.zeros((0,), np.int32)).shape == (0, 8)
@@ -188,6 +205,10 @@ def _valid_args(rng):
         (lambda a: a.update(block=64), "block must be a power of two >= 128"),
         (lambda a: a.update(num_warps=0), "num_warps must be an int >= 1"),
         (lambda a: a.update(row_views=[jax.ShapeDtypeStruct((2**16, 2**15), jnp.uint32)]), "int32 offsets"),
+        (lambda a: a.update(index_start=1, index_count=2), "rows has 2 entries: too few for index_start=1"),
+        (lambda a: a.update(index_start=3), "rows has 2 entries: too few for index_start=3"),
+        (lambda a: a.update(index_start=-1), "index_start must be an int >= 0"),
+        (lambda a: a.update(index_count=1.0), "index_count must be an int >= 0"),
     ],
 )
 def test_gather_validation_errors(change, message, rng):
@@ -208,6 +229,7 @@ def test_gather_validation_errors(change, message, rng):
         (lambda a: a.update(row_views=[v.astype(np.float32) for v in a["row_views"]]), "must have dtype uint32"),
         (lambda a: a.update(block=384), "block must be a power of two >= 128"),
         (lambda a: a.update(num_programs=-1), "num_programs must be an int >= 1"),
+        (lambda a: a.update(index_start=1), "packed has 2 rows but dst has 1 entries"),
     ],
 )
 def test_scatter_validation_errors(change, message, rng):

@@ -181,6 +181,43 @@ def test_uneven_chunks_move_the_same_bytes(num_ranks, copy_programs, rng, monkey
             eps.rearrange_experts(moved, new, old, mesh=mesh, chunk_weights=bad)
 
 
+@pytest.mark.parametrize("copy_programs", [None, 3])
+def test_prepared_move_forth_and_back(copy_programs, rng, monkeypatch):
+    """prepare_move ahead, run when due: the same bytes as execute_plan; a move may run again (forth and back)."""
+    monkeypatch.setattr(eps.transport, "WORD_VIEW", True)
+    ckpt, old, new, mesh, experts = layered_move(rng, 4, 2, row=(4, 2))
+    forth = eps.prepare_move(experts, eps.plan_rearrangement(old, new, 4), mesh=mesh, copy_programs=copy_programs)
+    back = eps.prepare_move(experts, eps.plan_rearrangement(new, old, 4), mesh=mesh, copy_programs=copy_programs)
+    assert isinstance(forth, eps.PreparedMove) and forth.tables is not None
+    for _ in range(2):
+        experts = forth(experts)
+        assert_bytes_equal(experts, load(ckpt, new), 2)
+        experts = back(experts)
+        assert_bytes_equal(experts, load(ckpt, old), 2)
+
+
+def test_prepared_move_checks_the_experts_it_gets(rng):
+    """A prepared move refuses experts of another structure, shape, dtype or sharding, and deleted ones."""
+    ckpt, old, new, mesh, experts = layered_move(rng, 2, 2, dtypes=[np.float32, ml_dtypes.bfloat16])
+    move = eps.prepare_move(experts, eps.plan_rearrangement(old, new, 2), mesh=mesh)
+    other_mesh = eps.shard_slots(load(ckpt, old), mesh_of(4), layered=True)
+    bad = [
+        ({"float32": experts["float32"]}, "structure"),
+        ({**experts, "float32": experts["float32"][:, :4]}, "float32\\[2, 4, 3, 2\\]"),
+        ({**experts, "bfloat16": experts["float32"]}, "prepared for bfloat16"),
+        (other_mesh, "prepared for"),
+    ]
+    for value, message in bad:
+        with pytest.raises(ValueError, match=message):
+            move(value)
+    moved = move(experts)  # (no host read of experts before: on CPU it would keep the buffers from donation)
+    with pytest.raises(ValueError, match="deleted"):
+        move(experts)
+    assert_bytes_equal(moved, load(ckpt, new), 2)  # the refusals left the old experts as they were
+    same = eps.prepare_move(moved, eps.plan_rearrangement(new, new, 2), mesh=mesh)  # nothing moves: identity
+    assert same.tables is None and same(moved) is moved
+
+
 def streamable(plan, num_chunks, weights=None):
     try:
         return order_for_streaming(plan, num_chunks, weights=weights)

@@ -30,15 +30,20 @@ XLA sums the partials:
 
 ``resolved`` needs each entry's rank among earlier entries of the same expert
 (an exclusive per-expert cumsum in flat order) and Triton-Pallas has no
-cross-program look-back, so it runs two kernels:
+cross-program look-back, so it runs three kernels over *rank tiles* of
+``tile_resolved`` entries:
 
-1. ``_expert_histogram_kernel``: per-tile histograms of logical ids
-   (quota-consuming entries only); the wrapper turns them into per-tile bases
-   with an exclusive cumsum over tiles (``[num_tiles, E_pad]``, tiny).
-2. ``_map_kernel``: rank = base[tile, e] + count of ``e`` in earlier sub-tiles of
-   this tile (a running ``[EHI, ELO]`` histogram gathered through one more small
-   matmul, exact in float16 because it stays below 2048) + count of ``e`` at
-   earlier positions of this sub-tile (a ``[sub, sub]`` pairwise compare).
+1. ``_rank_kernel``: each entry's rank inside its rank tile = count of ``e``
+   in earlier sub-tiles (a running ``[E_pad]`` int32 histogram in registers,
+   added to with ``tt.histogram`` and read with ``tt.gather``) + count of ``e``
+   at earlier positions of its sub-tile (a ``[sub, sub]`` pairwise compare).
+   Its loop reads only the ids (which Triton prefetches) and writes the ranks:
+   no gather from memory on the chain from one sub-tile to the next. Its
+   final running histogram is the tile's (quota-consuming entries only).
+2. XLA: per-tile bases, an exclusive cumsum of those histograms over tiles
+   (``[num_rank_tiles, E_pad]``, small).
+3. ``_map_kernel``: point = base[rank tile, e] + rank, then the threshold
+   search of ``shares``, in the same large programs as the other modes.
 """
 
 from __future__ import annotations
@@ -58,8 +63,17 @@ __all__ = ["map_and_count_triton", "default_tile"]
 
 _INT32_MAX = np.iinfo(np.int32).max
 _SUB = 256  # entries per sub-tile (hash, round_robin, shares)
-_SUB_RESOLVED = 128  # resolved: the in-sub-tile rank is a [sub, sub] compare (128: fastest on an H200)
-_MAX_TILE_RESOLVED = 2048  # running per-expert counts stay exact in float16 (< 2049)
+# resolved, rank kernel (H200, benchmarks/RESULTS.md): one-warp programs of 32-entry steps ([32, 32] compares);
+# rank tiles of 1024 entries at 262144 x 8 (71 us in all vs 139 with 2048-entry tiles, 64-entry steps, 2 warps),
+# 256 at 8192 x 8 (15.8 us vs 45 with 2048): a program's time grows with its tile, so small inputs take small tiles.
+_SUB_RESOLVED = 32
+_WARPS_RESOLVED = 1
+_MIN_TILE_RESOLVED, _MAX_TILE_RESOLVED = 256, 1024
+
+
+def _rank_tile(num_flat: int) -> int:
+    """Entries per rank tile of ``resolved``: about 2048 tiles for large inputs, 256 to 1024 entries each."""
+    return int(min(_MAX_TILE_RESOLVED, max(_MIN_TILE_RESOLVED, pl.next_power_of_2(pl.cdiv(num_flat, 2048)))))
 
 
 def _split_bins(num_bins: int) -> tuple[int, int]:
@@ -130,6 +144,27 @@ def _upper_bound(thresholds_ref, row_start, point, width, searching):
     return low
 
 
+_LINEAR_SEARCH_MAX = 16  # rows up to this wide are searched with independent loads, wider ones by bisection
+
+
+def _count_passed(thresholds_ref, row_start, point, width, count, searching):
+    """``#{j < width : thresholds[row_start + j] <= point}`` where ``searching`` holds, else 0.
+
+    Rows of at most ``_LINEAR_SEARCH_MAX`` entries: one independent load per
+    entry below ``count`` (the row's later entries are ``int32 max`` by
+    construction, which is also what the masked loads read), so the loads
+    overlap instead of a bisection's chain of dependent loads. Wider rows: the
+    bisection (:func:`_upper_bound`).
+    """
+    if width > _LINEAR_SEARCH_MAX:
+        return _upper_bound(thresholds_ref, row_start, point, width, searching)
+    passed = jnp.zeros_like(point)
+    for j in range(width):
+        value = plgpu.load(thresholds_ref.at[row_start + j], mask=searching & (j < count), other=_INT32_MAX)
+        passed = passed + (value <= point).astype(jnp.int32)
+    return jnp.where(searching, passed, 0)
+
+
 def _warp_aggregate(values):
     """Per element: ``(leader, count)`` over the lanes of its warp holding the same value at the same position.
 
@@ -157,14 +192,13 @@ def _warp_aggregate(values):
     return (packed >> 16) > 0, packed & 0xFFFF
 
 
-def _map_kernel(ids_ref, log2phy_ref, logcnt_ref, thresholds_ref, base_ref, limits_ref, phys_ref, hist_ref, *,
-                mode, num_flat, top_k, num_logical, width, num_physical, tile, sub, bins, expert_bins,
-                count_dtype, do_count, count_method, tables, num_tiles):
+def _map_kernel(ids_ref, log2phy_ref, logcnt_ref, thresholds_ref, base_ref, rank_ref, limits_ref, phys_ref, hist_ref,
+                *, mode, num_flat, top_k, num_logical, width, num_physical, tile, sub, bins, expert_bins,
+                rank_tile, count_dtype, do_count, count_method, tables, num_tiles):
     program = pl.program_id(0)
     count_limit = limits_ref[0]
     rank_limit = limits_ref[1]
     hi_bits, lo_bits = bins
-    e_hi_bits, e_lo_bits = expert_bins
     num_bins = 1 << (hi_bits + lo_bits)
     if tables == "shared":  # the two tables held by the program; lookups go through shared memory (tt.gather)
         count_size, slot_size = pl.next_power_of_2(num_logical), pl.next_power_of_2(num_logical * width)
@@ -186,7 +220,7 @@ def _map_kernel(ids_ref, log2phy_ref, logcnt_ref, thresholds_ref, base_ref, limi
         plgpu.debug_barrier()
 
     def step(index, carry):
-        hist, running = carry
+        hist = carry
         start = pl.multiple_of(program * tile + index * sub, sub)  # aligned: 16-byte loads/stores
         flat = start + jnp.arange(sub, dtype=jnp.int32)
         inside = flat < num_flat
@@ -198,35 +232,24 @@ def _map_kernel(ids_ref, log2phy_ref, logcnt_ref, thresholds_ref, base_ref, limi
             count, first = head >> 16, (head & 0xFFFF) - 1
         else:
             count = jnp.maximum(lookup_count(expert), 1)
-        token = flat // top_k
-        hashed = token.astype(jnp.uint32) * jnp.uint32(GOLDEN)
+        # Unsigned division and remainder: both operands are >= 0, and the signed forms add sign fix-ups.
+        token = (flat.astype(jnp.uint32) // jnp.uint32(top_k))
+        hashed = token * jnp.uint32(GOLDEN)
         by_hash = (hashed % count.astype(jnp.uint32)).astype(jnp.int32)
 
         if mode == "hash":
             replica = by_hash
         elif mode == "round_robin":
-            replica = token % count
+            replica = (token % count.astype(jnp.uint32)).astype(jnp.int32)
         else:
             if mode == "shares":
                 point = (hashed >> 8).astype(jnp.int32)
-            else:
-                rank_valid = valid_id & (flat < rank_limit)
-                e_bins = jnp.where(rank_valid, expert, -1)
-                e_hi = jnp.where(rank_valid, expert >> e_lo_bits, -1)
-                e_lo = expert & ((1 << e_lo_bits) - 1)
-                # Earlier sub-tiles of this tile: gather running[e_hi, e_lo] as (onehot_hi @ running) . onehot_lo.
-                picked_hi = _onehot_cols(e_hi, 1 << e_hi_bits, jnp.float16)
-                picked_lo = _onehot_cols(e_lo, 1 << e_lo_bits, jnp.float16)
-                by_hi = jnp.dot(picked_hi, running.astype(jnp.float16), preferred_element_type=jnp.float32)
-                earlier = jnp.sum(by_hi * picked_lo.astype(jnp.float32), axis=1).astype(jnp.int32)
-                # Earlier positions of this sub-tile.
-                same = (e_bins[:, None] == e_bins[None, :]) & (_iota((sub, sub), 1) < _iota((sub, sub), 0))
-                within = jnp.sum(same.astype(jnp.int32), axis=1)
-                before = base_ref[program * (1 << (e_hi_bits + e_lo_bits)) + expert]
-                point = jnp.where(flat < rank_limit, before + earlier + within, _INT32_MAX)
-                running = running + _pair_histogram(e_bins, e_hi_bits, e_lo_bits, jnp.float16, jnp.float32)
+            else:  # resolved: the rank among this expert's entries = earlier rank tiles + inside its rank tile
+                before = base_ref[jax.lax.div(flat, rank_tile) * expert_bins + expert]
+                inside_tile = plgpu.load(rank_ref.at[pl.ds(start, sub)], mask=inside, other=0)
+                point = jnp.where(flat < rank_limit, before + inside_tile, _INT32_MAX)
             # A single-replica expert takes replica 0 whatever the thresholds: no search, no loads.
-            passed = _upper_bound(thresholds_ref, expert * width, point, width, count > 1)
+            passed = _count_passed(thresholds_ref, expert * width, point, width, count, count > 1)
             replica = jnp.where(passed < count, passed, by_hash)
 
         replica = jnp.clip(replica, 0, width - 1)
@@ -256,14 +279,13 @@ def _map_kernel(ids_ref, log2phy_ref, logcnt_ref, thresholds_ref, base_ref, limi
                 hist = hist + _pair_histogram(counted, hi_bits, lo_bits, jnp.int8, jnp.int32)
             else:  # float16 one-hots, float32 sums: exact below 2**24 per sub-tile
                 hist = hist + _pair_histogram(counted, hi_bits, lo_bits, count_dtype, jnp.float32).astype(jnp.int32)
-        return hist, running
+        return hist
 
     if count_method == "histogram":
         hist = jnp.zeros((_histogram_bins(num_physical),), jnp.int32)
     else:
         hist = jnp.zeros((1 << hi_bits, 1 << lo_bits), jnp.int32)
-    running = jnp.zeros((1 << e_hi_bits, 1 << e_lo_bits), jnp.float32)
-    hist, _ = jax.lax.fori_loop(0, tile // sub, step, (hist, running))
+    hist = jax.lax.fori_loop(0, tile // sub, step, hist)
     if count_method == "histogram":  # column `program` of the [P, num_tiles] partials, as narrow ints
         at = jnp.arange(hist.shape[0], dtype=jnp.int32)
         # Bins >= P (always 0) go to distinct spare entries past the columns: no two lanes share an address.
@@ -274,21 +296,26 @@ def _map_kernel(ids_ref, log2phy_ref, logcnt_ref, thresholds_ref, base_ref, limi
         hist_ref[0] = hist
 
 
-def _expert_histogram_kernel(ids_ref, limits_ref, hist_ref, *, num_flat, num_logical, tile, sub, expert_bins):
+def _rank_kernel(ids_ref, limits_ref, rank_ref, hist_ref, *, num_flat, num_logical, tile, sub, expert_bins):
+    """Each entry's rank among the earlier quota-consuming entries of its expert in this program's tile,
+    and the tile's histogram of those entries."""
     program = pl.program_id(0)
     rank_limit = limits_ref[1]
-    e_hi_bits, e_lo_bits = expert_bins
+    earlier_position = _iota((sub, sub), 1) < _iota((sub, sub), 0)
 
-    def step(index, hist):
-        start = pl.multiple_of(program * tile + index * sub, sub)  # aligned: 16-byte loads/stores
+    def step(index, running):
+        start = pl.multiple_of(program * tile + index * sub, sub)
         flat = start + jnp.arange(sub, dtype=jnp.int32)
         inside = flat < num_flat
         ids = plgpu.load(ids_ref.at[pl.ds(start, sub)], mask=inside, other=-1)
         rank_valid = (ids >= 0) & (ids < num_logical) & (flat < rank_limit)
-        return hist + _pair_histogram(jnp.where(rank_valid, ids, -1), e_hi_bits, e_lo_bits, jnp.int8, jnp.int32)
+        e_bins = jnp.where(rank_valid, ids, -1)
+        earlier = take(running, jnp.maximum(e_bins, 0))  # entries of e in earlier sub-tiles
+        same = (e_bins[:, None] == e_bins[None, :]) & earlier_position  # ... at earlier positions of this one
+        plgpu.store(rank_ref.at[pl.ds(start, sub)], earlier + jnp.sum(same.astype(jnp.int32), axis=1), mask=inside)
+        return running + histogram(e_bins, expert_bins)
 
-    hist = jnp.zeros((1 << e_hi_bits, 1 << e_lo_bits), jnp.int32)
-    hist_ref[0] = jax.lax.fori_loop(0, tile // sub, step, hist)
+    hist_ref[0] = jax.lax.fori_loop(0, tile // sub, step, jnp.zeros((expert_bins,), jnp.int32))
 
 
 def _join_varying(*arrays):
@@ -312,7 +339,8 @@ def _join_varying(*arrays):
 # Tuned on one H200 (benchmarks/map_and_count.py --sweep, 2026-11-30, third session): counting with
 # tt.histogram and (first slot, count) head tables beat every other combination at every size measured
 # (262144 x 8 hash: 11.7 us vs 47 atomic / 56 one-hot; 4096 x 8: 4.2 vs 5.2; resolved 8192 x 8: 22.8 vs 27.4).
-DEFAULTS = {"tile": None, "sub": _SUB, "sub_resolved": _SUB_RESOLVED, "num_warps": 4, "num_stages": 3,
+DEFAULTS = {"tile": None, "sub": _SUB, "tile_resolved": None, "sub_resolved": _SUB_RESOLVED,
+            "warps_resolved": _WARPS_RESOLVED, "num_warps": 4, "num_stages": 3,
             "count_dtype": "int8", "count_method": "histogram", "tables": "head"}
 # How the kernel counts: "histogram" (tt.histogram per loop step: warp ballots + popc, shared-memory atomics
 # across warps; also in interpret mode, as jnp), "onehot" (factorised one-hot products on the tensor cores),
@@ -321,7 +349,8 @@ DEFAULTS = {"tile": None, "sub": _SUB, "sub_resolved": _SUB_RESOLVED, "num_warps
 # updates of vector atomics).
 COUNT_METHODS = ("histogram", "onehot", "atomic", "atomic_warp")
 # Where the kernel looks up logcnt / log2phy: "head" (one load of (first slot + 1) | count << 16 per entry;
-# log2phy is read only for entries sent to a later replica -- most experts have one), "global" (a cached
+# log2phy is read only for entries sent to a later replica -- most experts have one; a second table of the
+# second and third slots, loaded beside it, was slower on an H200), "global" (a cached
 # global load per entry and table) or "shared" (the program loads both tables once and gathers from them with
 # tt.gather, through shared memory; not faster on an H200).
 TABLES = ("head", "global", "shared")
@@ -329,10 +358,10 @@ _MAX_SHARED_TABLE = 8192  # entries (32 KiB): larger tables stay in global memor
 # Larger inputs (GPU): one big loop step per program is fastest (H200, benchmarks/RESULTS.md "map_and_count"):
 # 262144 x 8 hash 11.7 us with 4096-entry programs of 16 warps vs 13.6 with 2048 / 8 warps and 17-27 us with
 # several steps per program; 65536 x 8: 5.8 us with 2048 / 8 warps vs 8.1 with the size-based default.
-# (min entries, options), largest first; resolved keeps its own sub-tiles.
+# (min entries, options), largest first (resolved: its mapping kernel; the rank kernels keep their own tiles).
 LARGE_OPTIONS = ((1 << 21, {"tile": 4096, "sub": 4096, "num_warps": 16}),
                  (1 << 19, {"tile": 2048, "sub": 2048, "num_warps": 8}))
-LARGE_MODES = ("hash", "round_robin", "shares")
+LARGE_MODES = ("hash", "round_robin", "shares", "resolved")
 
 
 def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_physical: int, mode: str,
@@ -340,9 +369,11 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     """Same contract as ``_reference.map_and_count_reference``.
 
     ``config`` overrides :data:`DEFAULTS` (tuning knobs, see the benchmark):
-    ``tile`` entries per program (power of two), ``sub`` / ``sub_resolved``
-    entries per loop step (resolved: also the side of the pairwise compare),
-    ``num_warps`` / ``num_stages`` (Triton), ``count_dtype`` of the one-hots
+    ``tile`` entries per program (power of two), ``sub`` entries per loop
+    step, ``num_warps`` / ``num_stages`` (Triton); for ``resolved`` also
+    ``tile_resolved`` entries per rank tile (``None``: by size), ``sub_resolved`` entries per
+    step of the rank kernel (the side of its pairwise compare) and
+    ``warps_resolved`` (its warps); ``count_dtype`` of the one-hots
     (``"int8"``: int32 sums; ``"float16"``: float32 sums, exact below 2**24).
     ``count=False`` skips counting (diagnostics). Each program writes its
     tile's histogram; XLA sums the partials. ``count_method`` picks how a
@@ -361,13 +392,17 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     if interpret or mode not in LARGE_MODES:
         large = {}
     config = {**DEFAULTS, **large, **config}
-    sub = int(config["sub_resolved"] if mode == "resolved" else config["sub"])
+    sub = int(config["sub"])
     tile = default_tile(num_flat) if config["tile"] is None else int(config["tile"])
-    if mode == "resolved":
-        tile = min(tile, _MAX_TILE_RESOLVED)
     tile = max(tile, sub)
     if tile & (tile - 1) or sub & (sub - 1) or sub < 16:
         raise ValueError(f"tile and sub must be powers of two (sub >= 16), got tile={tile} sub={sub}")
+    rank_sub = int(config["sub_resolved"])
+    rank_tile = _rank_tile(num_flat) if config["tile_resolved"] is None else int(config["tile_resolved"])
+    rank_tile = max(rank_tile, rank_sub)
+    if rank_tile & (rank_tile - 1) or rank_sub & (rank_sub - 1) or rank_sub < 16:
+        raise ValueError(f"tile_resolved and sub_resolved must be powers of two (sub_resolved >= 16), got "
+                         f"{rank_tile} and {rank_sub}")
     count_dtype = jnp.dtype(config["count_dtype"])
     count_method = config["count_method"]
     if count_method not in COUNT_METHODS:
@@ -383,7 +418,7 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
         tables = "global"
     num_tiles = pl.cdiv(num_flat, tile)
     bins = _split_bins(num_physical)
-    expert_bins = _split_bins(num_logical) if mode == "resolved" else (0, 0)
+    expert_bins = _histogram_bins(num_logical) if mode == "resolved" else 32
     hi, lo = 1 << bins[0], 1 << bins[1]
     (ids, log2phy, logcnt, thresholds, limits), out_struct = _join_varying(
         topk_ids.reshape(num_flat), log2phy, logcnt, thresholds, limits)
@@ -391,26 +426,27 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     whole = pl.no_block_spec
 
     if mode == "resolved":
-        e_hi, e_lo = 1 << expert_bins[0], 1 << expert_bins[1]
-        per_tile = pl.pallas_call(
-            functools.partial(_expert_histogram_kernel, num_flat=num_flat, num_logical=num_logical,
-                              tile=tile, sub=_SUB, expert_bins=expert_bins),
-            grid=(num_tiles,),
+        rank_tiles = pl.cdiv(num_flat, rank_tile)
+        rank, per_tile = pl.pallas_call(
+            functools.partial(_rank_kernel, num_flat=num_flat, num_logical=num_logical, tile=rank_tile,
+                              sub=rank_sub, expert_bins=expert_bins),
+            grid=(rank_tiles,),
             in_specs=[whole, whole],
-            out_specs=pl.BlockSpec((1, e_hi, e_lo), lambda i: (i, 0, 0)),
-            out_shape=out_struct((num_tiles, e_hi, e_lo), jnp.int32),
-            compiler_params=params,
+            out_specs=[whole, pl.BlockSpec((1, expert_bins), lambda i: (i, 0))],
+            out_shape=[out_struct((num_flat,), jnp.int32), out_struct((rank_tiles, expert_bins), jnp.int32)],
+            compiler_params=plgpu.CompilerParams(num_warps=int(config["warps_resolved"]),
+                                                 num_stages=config["num_stages"]),
             interpret=interpret,
-            name="expert_histogram",
-        )(ids, limits).reshape(num_tiles, e_hi * e_lo)
+            name="expert_rank",
+        )(ids, limits)
         base = (jnp.cumsum(per_tile, axis=0, dtype=jnp.int32) - per_tile).reshape(-1)
     else:
-        base = jnp.zeros_like(limits[:1])  # unused; shares the inputs' manual axes
+        base = rank = jnp.zeros_like(limits[:1])  # unused; share the inputs' manual axes
 
     kernel = functools.partial(
         _map_kernel, mode=mode, num_flat=num_flat, top_k=top_k, num_logical=num_logical, width=width,
         num_physical=num_physical, tile=tile, sub=sub, bins=bins, expert_bins=expert_bins,
-        count_dtype=count_dtype, do_count=count, count_method=count_method, tables=tables,
+        rank_tile=rank_tile, count_dtype=count_dtype, do_count=count, count_method=count_method, tables=tables,
         num_tiles=num_tiles)
     if tables == "head":
         log2phy_flat = log2phy.reshape(-1)
@@ -430,13 +466,13 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     phys, partial = pl.pallas_call(
         kernel,
         grid=(num_tiles,),
-        in_specs=[whole] * 6,
+        in_specs=[whole] * 7,
         out_specs=[whole, hist_spec],
         out_shape=[out_struct((num_flat,), jnp.int32), out_struct(hist_shape, _partial_dtype(count_method, tile))],
         compiler_params=params,
         interpret=interpret,
         name="map_and_count",
-    )(ids, log2phy_flat, logcnt, thresholds.reshape(-1), base, limits)
+    )(ids, log2phy_flat, logcnt, thresholds.reshape(-1), base, rank, limits)
     if count_method == "histogram":  # a row reduction: XLA's column reductions of [num_tiles, P] were 2-3x slower
         load = jnp.sum(partial[: num_physical * num_tiles].reshape(num_physical, num_tiles).astype(jnp.int32),
                        axis=1, dtype=jnp.int32)

@@ -7,7 +7,9 @@ packed row of bytes per slot (moved as ``uint32`` words on GPU). The
 lower-level pieces:
 
 * ``plan_rearrangement`` -> ``TransportPlan`` (host numpy index tables, the
-  same on every process) and ``execute_plan`` (the jitted ``shard_map``);
+  same on every process) and ``execute_plan`` (the jitted ``shard_map``), or
+  ``prepare_move`` (validation, ordering, table upload ahead of time) ->
+  ``PreparedMove``, called when the move is due;
   ``plan_layer_by_layer`` -> one same-shaped plan per changed layer, to
   interleave the move with forward steps;
 * ``packing`` -- byte/word views of any dtype (fp4 in pairs) and row packing;
@@ -31,10 +33,12 @@ from moe_eplb_jax.sharding.plan import (
     plan_rearrangement,
     validate_placements,
 )
-from moe_eplb_jax.sharding.transport import execute_plan, executor_trace_count, rearrange_experts, row_bytes
+from moe_eplb_jax.sharding.transport import (PreparedMove, execute_plan, executor_trace_count, prepare_move,
+                                             rearrange_experts, row_bytes)
 
 __all__ = [
     "LeafLayout",
+    "PreparedMove",
     "TransportPlan",
     "axis_size",
     "bucket_capacity",
@@ -47,6 +51,7 @@ __all__ = [
     "pack_rows_numpy",
     "plan_layer_by_layer",
     "plan_rearrangement",
+    "prepare_move",
     "put_host",
     "rearrange_experts",
     "row_bytes",

@@ -87,13 +87,20 @@ def _check_views(row_views) -> tuple[int, tuple[int, ...]]:
     return int(num_rows), tuple(widths)
 
 
-def _check_index(name, index) -> int:
+def _check_index(name, index, start=0, count=None) -> int:
+    """``C``: the number of entries used, ``index[start : start + C]`` (all from ``start`` when ``count`` is None)."""
     dtype, shape = _dtype_shape(index)
     if dtype != jnp.int32:
         raise ValueError(f"{name} must have dtype int32, got {dtype}")
     if len(shape) != 1:
         raise ValueError(f"{name} must have 1 dimension [C], got shape {shape}")
-    return int(shape[0])
+    for what, value in (("index_start", start), ("index_count", count)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0):
+            raise ValueError(f"{what} must be an int >= 0, got {value!r}")
+    count = shape[0] - start if count is None else count
+    if start + count > shape[0] or count < 0:
+        raise ValueError(f"{name} has {shape[0]} entries: too few for index_start={start}, index_count={count}")
+    return int(count)
 
 
 def _check_config(num_programs, block, num_warps, num_stages, interpret):
@@ -171,7 +178,8 @@ def _safe(offsets, mask, size, interpret):
     return jnp.where(mask, offsets, size) if interpret else offsets
 
 
-def _gather_kernel(rows_ref, *refs, num_rows, num_selected, widths, total, plans, num_programs, interpret):
+def _gather_kernel(rows_ref, *refs, num_rows, num_selected, widths, total, plans, num_programs, interpret,
+                   index_start):
     *view_refs, out_ref = refs
     program = pl.program_id(0)
     offset = 0
@@ -179,7 +187,8 @@ def _gather_kernel(rows_ref, *refs, num_rows, num_selected, widths, total, plans
 
         def copy(item, view_ref=view_ref, width=width, offset=offset, rows=rows, cols=cols, col_blocks=col_blocks):
             selected, row_ok, columns = _item_coords(item, rows, cols, col_blocks, num_selected)
-            index = plgpu.load(rows_ref.at[_safe(selected, row_ok, num_selected, interpret)], mask=row_ok, other=0)
+            at = index_start + _safe(selected, row_ok, num_selected, interpret)
+            index = plgpu.load(rows_ref.at[at], mask=row_ok, other=0)
             index = jnp.clip(index, 0, num_rows - 1)  # out-of-range rows are clamped: never an out-of-bounds read
             mask = row_ok & (columns < width)
             src = _hint(index * width, width) + columns
@@ -192,7 +201,7 @@ def _gather_kernel(rows_ref, *refs, num_rows, num_selected, widths, total, plans
 
 
 def _scatter_kernel(dst_ref, packed_ref, *refs, num_rows, num_selected, widths, total, plans, num_programs,
-                    interpret):
+                    interpret, index_start):
     out_refs = refs[len(widths):]  # the aliased views; the inputs refs[:len(widths)] are the same buffers
     program = pl.program_id(0)
     offset = 0
@@ -200,7 +209,8 @@ def _scatter_kernel(dst_ref, packed_ref, *refs, num_rows, num_selected, widths, 
 
         def copy(item, out_ref=out_ref, width=width, offset=offset, rows=rows, cols=cols, col_blocks=col_blocks):
             selected, row_ok, columns = _item_coords(item, rows, cols, col_blocks, num_selected)
-            index = plgpu.load(dst_ref.at[_safe(selected, row_ok, num_selected, interpret)], mask=row_ok, other=-1)
+            at = index_start + _safe(selected, row_ok, num_selected, interpret)
+            index = plgpu.load(dst_ref.at[at], mask=row_ok, other=-1)
             row_ok = row_ok & (index >= 0) & (index < num_rows)  # out-of-range destinations are skipped
             mask = row_ok & (columns < width)
             src = _hint(selected * total + offset, total, offset) + columns
@@ -215,7 +225,8 @@ def _scatter_kernel(dst_ref, packed_ref, *refs, num_rows, num_selected, widths, 
 
 # --------------------------------------------------------------------- wrappers
 def gather_rows(row_views: Sequence[jax.Array], rows: jax.Array, *, num_programs: int = 32, block: int = 4096,
-                num_warps: int = 4, num_stages: int = 3, interpret: bool | None = None) -> jax.Array:
+                num_warps: int = 4, num_stages: int = 3, interpret: bool | None = None, index_start: int = 0,
+                index_count: int | None = None) -> jax.Array:
     """Gathers rows of several row views into one packed buffer, on ``num_programs`` programs.
 
     **Arguments:**
@@ -225,6 +236,10 @@ def gather_rows(row_views: Sequence[jax.Array], rows: jax.Array, *, num_programs
       ``N * m_i < 2**31``.
     - `rows`: an int32 array of shape ``[C]``, the rows to gather, each in
       ``[0, N)`` (callers pad with row 0; rows outside are clamped into range).
+      With `index_start` / `index_count` it may be a longer table of which
+      ``rows[index_start : index_start + index_count]`` are used (default: all
+      from `index_start`) -- read in place, where a sliced operand would cost
+      the executor a copy (and a launch) per call.
     - `num_programs`: the number of programs (CUDA blocks) of the kernel: each
       loops over its share of the work, so the copy leaves the other SMs to a
       concurrent transfer.
@@ -247,7 +262,7 @@ def gather_rows(row_views: Sequence[jax.Array], rows: jax.Array, *, num_programs
     large for int32 offsets.
     """
     num_rows, widths = _check_views(row_views)
-    num_selected = _check_index("rows", rows)
+    num_selected = _check_index("rows", rows, index_start, index_count)
     interpret = _check_config(num_programs, block, num_warps, num_stages, interpret)
     total = sum(widths)
     _check_packed_size(num_selected, total)
@@ -259,7 +274,8 @@ def gather_rows(row_views: Sequence[jax.Array], rows: jax.Array, *, num_programs
     plans = _schedule(widths, num_selected, block, num_programs)
     (rows, *flat), out_struct = _join_varying(jnp.asarray(rows), *(jnp.asarray(v).reshape(-1) for v in row_views))
     kernel = functools.partial(_gather_kernel, num_rows=num_rows, num_selected=num_selected, widths=widths,
-                               total=total, plans=plans, num_programs=num_programs, interpret=interpret)
+                               total=total, plans=plans, num_programs=num_programs, interpret=interpret,
+                               index_start=int(index_start))
     packed = pl.pallas_call(
         kernel,
         grid=(num_programs,),
@@ -274,8 +290,8 @@ def gather_rows(row_views: Sequence[jax.Array], rows: jax.Array, *, num_programs
 
 
 def scatter_rows(row_views: Sequence[jax.Array], packed: jax.Array, dst: jax.Array, *, num_programs: int = 32,
-                 block: int = 4096, num_warps: int = 4, num_stages: int = 3,
-                 interpret: bool | None = None) -> list[jax.Array]:
+                 block: int = 4096, num_warps: int = 4, num_stages: int = 3, interpret: bool | None = None,
+                 index_start: int = 0, index_count: int | None = None) -> list[jax.Array]:
     """Scatters the rows of a packed buffer into several row views, in place, on ``num_programs`` programs.
 
     **Arguments:**
@@ -291,8 +307,9 @@ def scatter_rows(row_views: Sequence[jax.Array], packed: jax.Array, dst: jax.Arr
       ``dst[c]`` of every view. Entries outside ``[0, N)``, negative ones
       included, are skipped (callers pad with distinct out-of-range rows);
       in-range entries must be distinct.
-    - `num_programs`, `block`, `num_warps`, `num_stages`, `interpret`: as in
-      :func:`gather_rows`.
+    - `num_programs`, `block`, `num_warps`, `num_stages`, `interpret`,
+      `index_start`, `index_count`: as in :func:`gather_rows` (``C`` is then
+      the number of entries used).
 
     **Returns:**
 
@@ -308,7 +325,7 @@ def scatter_rows(row_views: Sequence[jax.Array], packed: jax.Array, dst: jax.Arr
     ``num_programs`` / ``block``, or sizes too large for int32 offsets.
     """
     num_rows, widths = _check_views(row_views)
-    num_selected = _check_index("dst", dst)
+    num_selected = _check_index("dst", dst, index_start, index_count)
     dtype, shape = _dtype_shape(packed)
     if dtype != jnp.uint32:
         raise ValueError(f"packed must have dtype uint32, got {dtype}")
@@ -328,7 +345,8 @@ def scatter_rows(row_views: Sequence[jax.Array], packed: jax.Array, dst: jax.Arr
     (dst, packed, *flat), out_struct = _join_varying(
         jnp.asarray(dst), jnp.asarray(packed).reshape(-1), *(jnp.asarray(v).reshape(-1) for v in row_views))
     kernel = functools.partial(_scatter_kernel, num_rows=num_rows, num_selected=num_selected, widths=widths,
-                               total=total, plans=plans, num_programs=num_programs, interpret=interpret)
+                               total=total, plans=plans, num_programs=num_programs, interpret=interpret,
+                               index_start=int(index_start))
     outs = pl.pallas_call(
         kernel,
         grid=(num_programs,),

@@ -35,13 +35,16 @@ overlapped it, a bounded grid leaves the transfer its bandwidth. The first
 pack and the last writes, which overlap nothing, stay XLA's (fastest alone).
 
 All index tables are array arguments with bucketed shapes, so a later plan
-with the same capacities reuses the compiled executor. The expert buffers are
+with the same capacities reuses the compiled executor. ``prepare_move`` does
+the host work of a move (validation, the plan's ordering, the table upload:
+about a millisecond on 2xH200) ahead of time; the returned ``PreparedMove``
+only checks the pytree and dispatches. The expert buffers are
 donated (after validation), so the rows are updated in place.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -53,8 +56,8 @@ from moe_eplb_jax.sharding.packing import (from_row_view, leaf_layout, pack_rows
                                            wire_dtype)
 from moe_eplb_jax.sharding.plan import TransportPlan, check_chunk_weights, order_for_streaming, plan_rearrangement
 
-__all__ = ["rearrange_experts", "execute_plan", "executor_trace_count", "row_bytes", "DEFAULT_MAX_CHUNK_BYTES",
-           "SCHEDULES"]
+__all__ = ["rearrange_experts", "execute_plan", "prepare_move", "PreparedMove", "executor_trace_count", "row_bytes",
+           "DEFAULT_MAX_CHUNK_BYTES", "SCHEDULES"]
 
 # Default chunking (max_chunk_bytes=None): split each rank's sends into about this many transfers, so the
 # one send chunk alive at a time adds ~1/8 of the bytes moved to the received rows (measured: fewer,
@@ -150,7 +153,41 @@ def execute_plan(
     copy_programs: int | None = DEFAULT_COPY_PROGRAMS,
     chunk_weights=None,
 ) -> Any:
-    """Runs a precomputed :class:`TransportPlan` on ``experts`` (see :func:`rearrange_experts`)."""
+    """Runs a precomputed :class:`TransportPlan` on ``experts`` (see :func:`rearrange_experts`).
+
+    The same as ``prepare_move(experts, plan, ...)(experts)``: to keep the
+    host work (validation, the plan's ordering, the table upload) off the
+    critical path, call :func:`prepare_move` ahead and the move when due.
+    """
+    move = prepare_move(experts, plan, mesh=mesh, axis=axis, donate=donate, max_chunk_bytes=max_chunk_bytes,
+                        compiler_options=compiler_options, schedule=schedule, copy_programs=copy_programs,
+                        chunk_weights=chunk_weights)
+    return move(experts)
+
+
+def prepare_move(
+    experts: Any,
+    plan: TransportPlan,
+    *,
+    mesh: Mesh,
+    axis: str = "ep",
+    donate: bool = True,
+    max_chunk_bytes: int | None = DEFAULT_MAX_CHUNK_BYTES,
+    compiler_options: dict | None = None,
+    schedule: str = DEFAULT_SCHEDULE,
+    copy_programs: int | None = DEFAULT_COPY_PROGRAMS,
+    chunk_weights=None,
+) -> PreparedMove:
+    """Everything of :func:`execute_plan` but the move: a :class:`PreparedMove` to call when the move is due.
+
+    Validates ``experts`` (only their structure, shapes, dtypes and shardings
+    are used) against the plan and the mesh, orders the plan for the schedule,
+    uploads its index tables to the mesh and picks the executor -- about a
+    millisecond of host work per move on 2xH200 that a server can do while the
+    model still runs (e.g. right after planning). Arguments as in
+    :func:`rearrange_experts`; ``ValueError`` on bad input, before any device
+    work.
+    """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     if max_chunk_bytes is not None and (not isinstance(max_chunk_bytes, (int, np.integer)) or max_chunk_bytes < 1):
@@ -165,11 +202,10 @@ def execute_plan(
     if plan.num_ranks != num_ranks:
         raise ValueError(f"plan is for {plan.num_ranks} ranks but mesh axis {axis!r} has {num_ranks}")
     leaves, layouts, specs, positions = _check_leaves(experts, plan, mesh, axis)
+    treedef = jax.tree_util.tree_structure(experts)
+    signature = tuple((leaf.shape, leaf.dtype, spec) for leaf, spec in zip(leaves, specs))
     if plan.is_empty or not leaves:
-        return experts
-    if donate and len({id(leaf) for leaf in leaves}) < len(leaves):
-        raise ValueError("an array appears twice in experts: it cannot be donated twice (pass donate=False)")
-    flat, treedef = jax.tree_util.tree_flatten(experts)
+        return PreparedMove(plan, mesh, treedef, tuple(positions), signature, bool(donate), None, None)
     num_chunks = _num_chunks(plan, layouts, max_chunk_bytes, schedule)
     plan, chunk_bounds = _streamed(plan, num_chunks, chunk_weights) if schedule == "stream" else (plan, ())
     tables, table_layout = device_tables(plan, mesh, axis)
@@ -177,9 +213,51 @@ def execute_plan(
     copy_programs = _copy_programs(copy_programs, leaves, layouts, plan) if chunk_bounds else 0  # stream only
     run = _executor(mesh, axis, tuple(specs), tuple(layouts), 2 if plan.layered else 1, bool(donate), num_chunks,
                     options, chunk_bounds, table_layout, copy_programs)
-    for position, moved in zip(positions, run(tables, list(leaves))):
-        flat[position] = moved
-    return jax.tree_util.tree_unflatten(treedef, flat)
+    return PreparedMove(plan, mesh, treedef, tuple(positions), signature, bool(donate), tables, run)
+
+
+class PreparedMove(NamedTuple):
+    """A rearrangement ready to run: ``move(experts)`` returns the moved pytree (see :func:`prepare_move`).
+
+    ``experts`` must have the structure, shapes, dtypes and shardings the move
+    was prepared with (checked: ``ValueError`` before any device work) and hold
+    the old placement's experts; with ``donate`` their buffers are reused. The
+    index tables stay on the mesh, so a move may run more than once (e.g.
+    forth and back with the reverse plan's move).
+    """
+
+    plan: TransportPlan  # as ordered for the schedule
+    mesh: Mesh
+    treedef: Any
+    positions: tuple  # flat positions of the moving leaves (0-d leaves pass through)
+    signature: tuple  # (shape, dtype, partition spec without trailing Nones) per moving leaf
+    donate: bool
+    tables: jax.Array | None  # None: nothing moves
+    run: Any
+
+    def __call__(self, experts: Any) -> Any:
+        flat, treedef = jax.tree_util.tree_flatten(experts)
+        if treedef != self.treedef:
+            raise ValueError(f"experts has the structure {treedef}, but the move was prepared for {self.treedef}")
+        leaves = [flat[i] for i in self.positions]
+        for i, (leaf, (shape, dtype, spec)) in zip(self.positions, zip(leaves, self.signature)):
+            if not isinstance(leaf, jax.Array) or isinstance(leaf, jax.core.Tracer):
+                raise ValueError(f"experts leaf {i} must be a concrete jax.Array, got {type(leaf).__name__}")
+            sharding = leaf.sharding
+            if (leaf.shape != shape or leaf.dtype != dtype or not isinstance(sharding, NamedSharding)
+                    or _trimmed(sharding.spec) != spec
+                    or not (sharding.mesh is self.mesh or _same_mesh(sharding.mesh, self.mesh))):
+                raise ValueError(f"experts leaf {i} is {leaf.dtype}{list(leaf.shape)} with {sharding}; the move "
+                                 f"was prepared for {dtype}{list(shape)} with spec {spec} on {self.mesh}")
+            if leaf.is_deleted():
+                raise ValueError(f"experts leaf {i} was deleted (donated to an earlier call?)")
+        if self.run is None:
+            return experts
+        if self.donate and len({id(leaf) for leaf in leaves}) < len(leaves):
+            raise ValueError("an array appears twice in experts: it cannot be donated twice (pass donate=False)")
+        for position, moved in zip(self.positions, self.run(self.tables, leaves)):
+            flat[position] = moved
+        return jax.tree_util.tree_unflatten(treedef, flat)
 
 
 def device_tables(plan: TransportPlan, mesh: Mesh, axis: str = "ep"):
@@ -254,6 +332,14 @@ def _spec_entry(spec: PartitionSpec, dim: int):
     return entry
 
 
+def _trimmed(spec: PartitionSpec, ndim: int | None = None) -> PartitionSpec:
+    """``spec`` without trailing ``None`` entries: one spelling per sharding."""
+    entries = [_spec_entry(spec, d) for d in range(len(spec) if ndim is None else ndim)]
+    while entries and entries[-1] is None:
+        entries.pop()
+    return PartitionSpec(*entries)
+
+
 def _names(entry) -> tuple:
     if entry is None:
         return ()
@@ -302,10 +388,7 @@ def _check_leaves(experts: Any, plan: TransportPlan, mesh: Mesh, axis: str):
                 raise ValueError(f"{name}: only the slot axis may be sharded over {axis!r}, spec is {spec}")
         local_shape = sharding.shard_shape(leaf.shape)
         layouts.append(leaf_layout(leaf.dtype, local_shape[len(lead_shape) :], name=name, word_view=word_view))
-        entries = [_spec_entry(spec, d) for d in range(leaf.ndim)]
-        while entries and entries[-1] is None:  # one spelling per sharding
-            entries.pop()
-        specs.append(PartitionSpec(*entries))
+        specs.append(_trimmed(spec, leaf.ndim))
         leaves.append(leaf)
         positions.append(position)
     return leaves, layouts, specs, positions
@@ -342,15 +425,34 @@ def _build_executor(mesh, axis, specs, layouts, num_lead, donate, num_chunks, op
     num_ranks = int(mesh.shape[axis])
     copy_programs, kernel_options = copy[0], dict(copy[1])
 
-    # overlapped=False: nothing runs beside this copy (the first pack, the last writes): XLA's full-GPU copies.
+    starts = {name: (start, shape[-1]) for name, start, shape in table_layout}  # flat start, row width
+
+    # `rows` / `dst`: (the local table array [1, T], table name, round d, chunk slice). overlapped=False:
+    # nothing runs beside this copy (the first pack, the last writes): XLA's full-GPU copies, which take the
+    # slice; the Pallas kernels read their window of the table in place (a sliced operand would be copied
+    # into a buffer of its own first: a device memcpy and one more launch per copy).
+    def window(ref):  # (flat table, index_start, index_count) of row d - 1, positions part, of a [G - 1, C] table
+        table, name, d, part = ref
+        start, width = starts[name]
+        return table[0], start + (d - 1) * width + part.start, part.stop - part.start
+
+    def sliced(ref):
+        table, name, d, part = ref
+        return unpack(table)[name][d - 1, part]
+
     def pack(current, rows, overlapped=True):  # the send rows of every leaf, packed: [C, B]
         if copy_programs and overlapped:
-            return gather_rows(current, rows, num_programs=copy_programs, **kernel_options)
-        return pack_rows(current, layouts, rows)
+            table, start, count = window(rows)
+            return gather_rows(current, table, num_programs=copy_programs, index_start=start, index_count=count,
+                               **kernel_options)
+        return pack_rows(current, layouts, sliced(rows))
 
     def write_received(current, buf, dst, overlapped=True):  # received rows into rows dst (out of range: padding)
         if copy_programs and overlapped:
-            return scatter_rows(current, buf, dst, num_programs=copy_programs, **kernel_options)
+            table, start, count = window(dst)
+            return scatter_rows(current, buf, table, num_programs=copy_programs, index_start=start,
+                                index_count=count, **kernel_options)
+        dst = sliced(dst)
         return [r.at[dst].set(unpack_leaf(buf, layouts, i), mode="drop", unique_indices=True)
                 for i, r in enumerate(current)]
 
@@ -358,10 +460,10 @@ def _build_executor(mesh, axis, specs, layouts, num_lead, donate, num_chunks, op
         return {name: tables[0, start : start + int(np.prod(shape))].reshape(shape)
                 for name, start, shape in table_layout}
 
-    def serial(tables, leaves):
+    def serial(table, leaves):
         _TRACES[0] += 1
-        tables = unpack(tables)
-        send_rows, recv_dst = tables["send_rows"], tables["recv_dst"]  # [G - 1, C]
+        tables = unpack(table)
+        send_rows = tables["send_rows"]  # [G - 1, C]
         dup_dst, dup_src = tables["dup_dst"], tables["dup_src"]  # [D]
         copy_dst, copy_src = tables["copy_dst"], tables["copy_src"]  # [K]
         local_shapes = [leaf.shape for leaf in leaves]
@@ -378,9 +480,10 @@ def _build_executor(mesh, axis, specs, layouts, num_lead, donate, num_chunks, op
             if j >= depth:
                 _, gate = jax.lax.optimization_barrier((incoming[j - depth], gate))
             perm = [(r, (r + d) % num_ranks) for r in range(num_ranks)]
-            outgoing.append(pack(gate, send_rows[d - 1, start : start + chunk], overlapped=False))  # moving rows
+            outgoing.append(pack(gate, (table, "send_rows", d, slice(start, min(start + chunk, capacity))),
+                                 overlapped=False))  # moving rows
             incoming.append(jax.lax.ppermute(outgoing[-1], axis, perm))
-            dsts.append(recv_dst[d - 1, start : start + chunk])
+            dsts.append((table, "recv_dst", d, slice(start, min(start + chunk, capacity))))
         copied = [r[copy_src] for r in gate] if copy_dst.shape[0] else None
         # Every read of the old rows (the last sends, local copies) happens before any row is written;
         # earlier sends precede the gate already. Writes may overlap the last transfers.
@@ -397,15 +500,15 @@ def _build_executor(mesh, axis, specs, layouts, num_lead, donate, num_chunks, op
             out.append(from_row_view(r, layout, local_shapes[i]))
         return out
 
-    def stream(tables, leaves):
+    def stream(table, leaves):
         # Pipeline per rank: pack chunk c + 1 and start its transfers, then write the rows received in
         # chunk c. The plan is ordered (plan.order_for_streaming) so that no row written in chunk c is read
         # by a later chunk; the only order to enforce is that chunk c + 1's packs (and the local copies'
         # gather) read the rows before chunk c's writes -- an optimisation barrier, not a data dependency
         # on any transfer, so the writes and the next pack may overlap the transfers in flight.
         _TRACES[0] += 1
-        tables = unpack(tables)
-        send_rows, recv_dst = tables["send_rows"], tables["recv_dst"]  # [G - 1, C]
+        tables = unpack(table)
+        send_rows = tables["send_rows"]  # [G - 1, C]
         dup_dst, dup_src = tables["dup_dst"], tables["dup_src"]
         copy_dst, copy_src = tables["copy_dst"], tables["copy_src"]
         local_shapes = [leaf.shape for leaf in leaves]
@@ -419,7 +522,7 @@ def _build_executor(mesh, axis, specs, layouts, num_lead, donate, num_chunks, op
         part = lambda c: slice(chunk_bounds[c], chunk_bounds[c + 1])  # noqa: E731
 
         def send(c, current):  # chunk c of every round, packed from the current rows, on its way
-            packed = [pack(current, send_rows[d - 1, part(c)], overlapped=c > 0) for d in rounds]
+            packed = [pack(current, (table, "send_rows", d, part(c)), overlapped=c > 0) for d in rounds]
             perms = [[(r, (r + d) % num_ranks) for r in range(num_ranks)] for d in rounds]
             return packed, [jax.lax.ppermute(p, axis, perm) for p, perm in zip(packed, perms)]
 
@@ -429,7 +532,7 @@ def _build_executor(mesh, axis, specs, layouts, num_lead, donate, num_chunks, op
             packed_next, incoming_next = send(c + 1, rows) if c + 1 < steps else ([], [])
             rows, _ = jax.lax.optimization_barrier((rows, (packed_next, copied if c == 0 else None)))
             for d, buf in zip(rounds, incoming):
-                rows = write_received(rows, buf, recv_dst[d - 1, part(c)], overlapped=c + 1 < steps)
+                rows = write_received(rows, buf, (table, "recv_dst", d, part(c)), overlapped=c + 1 < steps)
             incoming = incoming_next
         if copied is not None and not steps:  # nothing sent: the copies still read before any write
             rows, copied = jax.lax.optimization_barrier((rows, copied))
