@@ -245,7 +245,8 @@ def _map_kernel(ids_ref, log2phy_ref, logcnt_ref, thresholds_ref, base_ref, rank
             if mode == "shares":
                 point = (hashed >> 8).astype(jnp.int32)
             else:  # resolved: the rank among this expert's entries = earlier rank tiles + inside its rank tile
-                before = base_ref[jax.lax.div(flat, rank_tile) * expert_bins + expert]
+                # Lanes past the end (masked everywhere else) clamped too: this gather is not masked.
+                before = base_ref[jax.lax.div(jnp.minimum(flat, num_flat - 1), rank_tile) * expert_bins + expert]
                 inside_tile = plgpu.load(rank_ref.at[pl.ds(start, sub)], mask=inside, other=0)
                 point = jnp.where(flat < rank_limit, before + inside_tile, _INT32_MAX)
             # A single-replica expert takes replica 0 whatever the thresholds: no search, no loads.
