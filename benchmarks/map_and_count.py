@@ -194,11 +194,15 @@ def pallas_copy(x, block=2048, num_warps=4):
 
 
 SWEEP = [  # (mode, T, P, options): T x 8 entries; the defaults first in each group
-    ("resolved", 262144, 288, {}), ("resolved", 262144, 288, {"tile_resolved": 2048, "sub_resolved": 64,
-                                                                 "warps_resolved": 2}),
-    ("resolved", 262144, 288, {"tile_resolved": 512}), ("resolved", 262144, 288, {"sub_resolved": 64}),
-    ("resolved", 8192, 288, {}), ("resolved", 8192, 288, {"tile_resolved": 1024}),
-    ("shares", 262144, 288, {}), ("hash", 262144, 288, {}),
+    # shares / resolved map in the same large programs as hash (4096 entries, 16 warps) but take 2.5x its time
+    # although their threshold loads are not the bound (RESULTS.md): smaller programs (fewer live registers per
+    # SM, more programs resident) may suit their longer per-entry work.
+    ("shares", 262144, 288, {}), ("shares", 262144, 288, {"tile": 2048, "sub": 2048, "num_warps": 8}),
+    ("shares", 262144, 288, {"tile": 1024, "sub": 1024, "num_warps": 4}),
+    ("shares", 262144, 288, {"tile": 1024, "sub": 512, "num_warps": 4}),
+    ("shares", 262144, 512, {}), ("shares", 262144, 512, {"tile": 1024, "sub": 1024, "num_warps": 4}),
+    ("resolved", 262144, 288, {}), ("resolved", 262144, 288, {"tile": 1024, "sub": 1024, "num_warps": 4}),
+    ("hash", 262144, 512, {}), ("hash", 262144, 512, {"tile": 2048, "sub": 2048, "num_warps": 8}),
 ]
 
 
