@@ -203,8 +203,8 @@ def test_prepared_move_checks_the_experts_it_gets(rng):
     other_mesh = eps.shard_slots(load(ckpt, old), mesh_of(4), layered=True)
     bad = [
         ({"float32": experts["float32"]}, "structure"),
-        ({**experts, "float32": experts["float32"][:, :4]}, "float32\\[2, 4, 3, 2\\]"),
-        ({**experts, "bfloat16": experts["float32"]}, "prepared for bfloat16"),
+        ({**experts, "float32": experts["float32"][:, :4]}, "experts\\['float32'\\] is float32\\[2, 4, 3, 2\\]"),
+        ({**experts, "bfloat16": experts["float32"]}, "experts\\['bfloat16'\\] .* prepared for bfloat16"),
         (other_mesh, "prepared for"),
     ]
     for value, message in bad:

@@ -240,17 +240,21 @@ class PreparedMove(NamedTuple):
         if treedef != self.treedef:
             raise ValueError(f"experts has the structure {treedef}, but the move was prepared for {self.treedef}")
         leaves = [flat[i] for i in self.positions]
+
+        def name(i):  # the leaf's path, for errors only (flattening with paths costs host time)
+            return "experts" + jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(experts)[0][i][0])
+
         for i, (leaf, (shape, dtype, spec)) in zip(self.positions, zip(leaves, self.signature)):
             if not isinstance(leaf, jax.Array) or isinstance(leaf, jax.core.Tracer):
-                raise ValueError(f"experts leaf {i} must be a concrete jax.Array, got {type(leaf).__name__}")
+                raise ValueError(f"{name(i)} must be a concrete jax.Array, got {type(leaf).__name__}")
             sharding = leaf.sharding
             if (leaf.shape != shape or leaf.dtype != dtype or not isinstance(sharding, NamedSharding)
                     or _trimmed(sharding.spec) != spec
                     or not (sharding.mesh is self.mesh or _same_mesh(sharding.mesh, self.mesh))):
-                raise ValueError(f"experts leaf {i} is {leaf.dtype}{list(leaf.shape)} with {sharding}; the move "
+                raise ValueError(f"{name(i)} is {leaf.dtype}{list(leaf.shape)} with {sharding}; the move "
                                  f"was prepared for {dtype}{list(shape)} with spec {spec} on {self.mesh}")
             if leaf.is_deleted():
-                raise ValueError(f"experts leaf {i} was deleted (donated to an earlier call?)")
+                raise ValueError(f"{name(i)} was deleted (donated to an earlier call?)")
         if self.run is None:
             return experts
         if self.donate and len({id(leaf) for leaf in leaves}) < len(leaves):
