@@ -178,6 +178,13 @@ def _safe(offsets, mask, size, interpret):
     return jnp.where(mask, offsets, size) if interpret else offsets
 
 
+def _item_rows(index_ref, item, rows, cols, col_blocks, num_selected, index_start, interpret, other):
+    """:func:`_item_coords` and the item's entries of the index (``other`` where masked), from ``index_start``."""
+    selected, row_ok, columns = _item_coords(item, rows, cols, col_blocks, num_selected)
+    at = index_start + _safe(selected, row_ok, num_selected, interpret)
+    return selected, row_ok, columns, plgpu.load(index_ref.at[at], mask=row_ok, other=other)
+
+
 def _gather_kernel(rows_ref, *refs, num_rows, num_selected, widths, total, plans, num_programs, interpret,
                    index_start):
     *view_refs, out_ref = refs
@@ -186,9 +193,8 @@ def _gather_kernel(rows_ref, *refs, num_rows, num_selected, widths, total, plans
     for view_ref, width, (rows, cols, col_blocks, items, first) in zip(view_refs, widths, plans):
 
         def copy(item, view_ref=view_ref, width=width, offset=offset, rows=rows, cols=cols, col_blocks=col_blocks):
-            selected, row_ok, columns = _item_coords(item, rows, cols, col_blocks, num_selected)
-            at = index_start + _safe(selected, row_ok, num_selected, interpret)
-            index = plgpu.load(rows_ref.at[at], mask=row_ok, other=0)
+            selected, row_ok, columns, index = _item_rows(rows_ref, item, rows, cols, col_blocks, num_selected,
+                                                          index_start, interpret, other=0)
             index = jnp.clip(index, 0, num_rows - 1)  # out-of-range rows are clamped: never an out-of-bounds read
             mask = row_ok & (columns < width)
             src = _hint(index * width, width) + columns
@@ -208,9 +214,8 @@ def _scatter_kernel(dst_ref, packed_ref, *refs, num_rows, num_selected, widths, 
     for out_ref, width, (rows, cols, col_blocks, items, first) in zip(out_refs, widths, plans):
 
         def copy(item, out_ref=out_ref, width=width, offset=offset, rows=rows, cols=cols, col_blocks=col_blocks):
-            selected, row_ok, columns = _item_coords(item, rows, cols, col_blocks, num_selected)
-            at = index_start + _safe(selected, row_ok, num_selected, interpret)
-            index = plgpu.load(dst_ref.at[at], mask=row_ok, other=-1)
+            selected, row_ok, columns, index = _item_rows(dst_ref, item, rows, cols, col_blocks, num_selected,
+                                                          index_start, interpret, other=-1)
             row_ok = row_ok & (index >= 0) & (index < num_rows)  # out-of-range destinations are skipped
             mask = row_ok & (columns < width)
             src = _hint(selected * total + offset, total, offset) + columns

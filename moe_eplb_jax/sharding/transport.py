@@ -162,7 +162,7 @@ def execute_plan(
     move = prepare_move(experts, plan, mesh=mesh, axis=axis, donate=donate, max_chunk_bytes=max_chunk_bytes,
                         compiler_options=compiler_options, schedule=schedule, copy_programs=copy_programs,
                         chunk_weights=chunk_weights)
-    return move(experts)
+    return move._run(experts)  # validated just now by prepare_move
 
 
 def prepare_move(
@@ -206,6 +206,7 @@ def prepare_move(
     signature = tuple((leaf.shape, leaf.dtype, spec) for leaf, spec in zip(leaves, specs))
     if plan.is_empty or not leaves:
         return PreparedMove(plan, mesh, treedef, tuple(positions), signature, bool(donate), None, None)
+    _check_donation(leaves, donate)
     num_chunks = _num_chunks(plan, layouts, max_chunk_bytes, schedule)
     plan, chunk_bounds = _streamed(plan, num_chunks, chunk_weights) if schedule == "stream" else (plan, ())
     tables, table_layout = device_tables(plan, mesh, axis)
@@ -236,6 +237,11 @@ class PreparedMove(NamedTuple):
     run: Any
 
     def __call__(self, experts: Any) -> Any:
+        self._check(experts)
+        return self._run(experts)
+
+    def _check(self, experts: Any) -> None:
+        """``ValueError`` unless ``experts`` matches the prepared signature and no leaf was deleted."""
         flat, treedef = jax.tree_util.tree_flatten(experts)
         if treedef != self.treedef:
             raise ValueError(f"experts has the structure {treedef}, but the move was prepared for {self.treedef}")
@@ -255,10 +261,15 @@ class PreparedMove(NamedTuple):
                                  f"was prepared for {dtype}{list(shape)} with spec {spec} on {self.mesh}")
             if leaf.is_deleted():
                 raise ValueError(f"{name(i)} was deleted (donated to an earlier call?)")
+        if self.run is not None:
+            _check_donation(leaves, self.donate)
+
+    def _run(self, experts: Any) -> Any:
+        """The move itself, on experts already checked."""
         if self.run is None:
             return experts
-        if self.donate and len({id(leaf) for leaf in leaves}) < len(leaves):
-            raise ValueError("an array appears twice in experts: it cannot be donated twice (pass donate=False)")
+        flat, treedef = jax.tree_util.tree_flatten(experts)
+        leaves = [flat[i] for i in self.positions]
         for position, moved in zip(self.positions, self.run(self.tables, leaves)):
             flat[position] = moved
         return jax.tree_util.tree_unflatten(treedef, flat)
@@ -334,6 +345,11 @@ def _spec_entry(spec: PartitionSpec, dim: int):
     if isinstance(entry, tuple) and len(entry) == 1:
         entry = entry[0]
     return entry
+
+
+def _check_donation(leaves, donate: bool) -> None:
+    if donate and len({id(leaf) for leaf in leaves}) < len(leaves):
+        raise ValueError("an array appears twice in experts: it cannot be donated twice (pass donate=False)")
 
 
 def _trimmed(spec: PartitionSpec, ndim: int | None = None) -> PartitionSpec:
@@ -440,9 +456,9 @@ def _build_executor(mesh, axis, specs, layouts, num_lead, donate, num_chunks, op
         start, width = starts[name]
         return table[0], start + (d - 1) * width + part.start, part.stop - part.start
 
-    def sliced(ref):
-        table, name, d, part = ref
-        return unpack(table)[name][d - 1, part]
+    def sliced(ref):  # the same window as a slice (XLA's copies take their indices as an operand)
+        table, start, count = window(ref)
+        return table[start : start + count]
 
     def pack(current, rows, overlapped=True):  # the send rows of every leaf, packed: [C, B]
         if copy_programs and overlapped:
@@ -460,19 +476,26 @@ def _build_executor(mesh, axis, specs, layouts, num_lead, donate, num_chunks, op
         return [r.at[dst].set(unpack_leaf(buf, layouts, i), mode="drop", unique_indices=True)
                 for i, r in enumerate(current)]
 
-    def unpack(tables):  # the local [1, T] table array -> {name: table} (static slices)
-        return {name: tables[0, start : start + int(np.prod(shape))].reshape(shape)
-                for name, start, shape in table_layout}
+    def open_rows(table, leaves):  # {name: table} of the local [1, T] table array (static slices), row views
+        _TRACES[0] += 1
+        tables = {name: table[0, start : start + int(np.prod(shape))].reshape(shape)
+                  for name, start, shape in table_layout}
+        num_rows = int(np.prod(leaves[0].shape[:num_lead]))
+        return tables, [row_view(leaf, layout, num_rows) for leaf, layout in zip(leaves, layouts)]
+
+    def write_copies(rows, copied, tables):  # local copies (read from the old rows) into their slots
+        return [r.at[tables["copy_dst"]].set(c, mode="drop", unique_indices=True) for r, c in zip(rows, copied)]
+
+    def close_rows(rows, tables, leaves):  # duplicate slots filled, then the leaves' own shapes
+        dup_dst, dup_src = tables["dup_dst"], tables["dup_src"]  # [D]
+        if dup_dst.shape[0]:  # further slots of a received expert, from its first (just written) slot
+            rows = [r.at[dup_dst].set(r[dup_src], mode="drop", unique_indices=True) for r in rows]
+        return [from_row_view(r, layout, leaf.shape) for r, layout, leaf in zip(rows, layouts, leaves)]
 
     def serial(table, leaves):
-        _TRACES[0] += 1
-        tables = unpack(table)
+        tables, rows = open_rows(table, leaves)
         send_rows = tables["send_rows"]  # [G - 1, C]
-        dup_dst, dup_src = tables["dup_dst"], tables["dup_src"]  # [D]
         copy_dst, copy_src = tables["copy_dst"], tables["copy_src"]  # [K]
-        local_shapes = [leaf.shape for leaf in leaves]
-        num_rows = int(np.prod(local_shapes[0][:num_lead]))
-        rows = [row_view(leaf, layout, num_rows) for leaf, layout in zip(leaves, layouts)]
 
         # Transfers: round by round, chunk by chunk. The gather of transfer j waits for transfer
         # j - depth to arrive, so at most `depth` packed send chunks are alive.
@@ -494,15 +517,10 @@ def _build_executor(mesh, axis, specs, layouts, num_lead, donate, num_chunks, op
         _, copied, rows = jax.lax.optimization_barrier((outgoing[-depth:], copied, gate))
 
         if copied is not None:
-            rows = [r.at[copy_dst].set(c, mode="drop", unique_indices=True) for r, c in zip(rows, copied)]
+            rows = write_copies(rows, copied, tables)
         for dst, buf in zip(dsts, incoming):  # serial: the copies run beside no transfer, XLA's are fastest
             rows = write_received(rows, buf, dst, overlapped=False)
-        out = []
-        for i, (r, layout) in enumerate(zip(rows, layouts)):
-            if dup_dst.shape[0]:  # further slots of a received expert, from its first (just written) slot
-                r = r.at[dup_dst].set(r[dup_src], mode="drop", unique_indices=True)
-            out.append(from_row_view(r, layout, local_shapes[i]))
-        return out
+        return close_rows(rows, tables, leaves)
 
     def stream(table, leaves):
         # Pipeline per rank: pack chunk c + 1 and start its transfers, then write the rows received in
@@ -510,15 +528,9 @@ def _build_executor(mesh, axis, specs, layouts, num_lead, donate, num_chunks, op
         # by a later chunk; the only order to enforce is that chunk c + 1's packs (and the local copies'
         # gather) read the rows before chunk c's writes -- an optimisation barrier, not a data dependency
         # on any transfer, so the writes and the next pack may overlap the transfers in flight.
-        _TRACES[0] += 1
-        tables = unpack(table)
-        send_rows = tables["send_rows"]  # [G - 1, C]
-        dup_dst, dup_src = tables["dup_dst"], tables["dup_src"]
+        tables, rows = open_rows(table, leaves)
         copy_dst, copy_src = tables["copy_dst"], tables["copy_src"]
-        local_shapes = [leaf.shape for leaf in leaves]
-        num_rows = int(np.prod(local_shapes[0][:num_lead]))
-        rows = [row_view(leaf, layout, num_rows) for leaf, layout in zip(leaves, layouts)]
-        capacity = send_rows.shape[-1]
+        capacity = tables["send_rows"].shape[-1]
         # Chunk c covers positions chunk_bounds[c]:chunk_bounds[c + 1]; positions past the last bound (a plan
         # padded after ordering) are padding only.
         steps = len(chunk_bounds) - 1 if num_ranks > 1 and capacity else 0
@@ -540,14 +552,9 @@ def _build_executor(mesh, axis, specs, layouts, num_lead, donate, num_chunks, op
             incoming = incoming_next
         if copied is not None and not steps:  # nothing sent: the copies still read before any write
             rows, copied = jax.lax.optimization_barrier((rows, copied))
-        out = []
-        for i, (r, layout) in enumerate(zip(rows, layouts)):
-            if copied is not None:  # last: the old bytes of a copy's destination may have been sent
-                r = r.at[copy_dst].set(copied[i], mode="drop", unique_indices=True)
-            if dup_dst.shape[0]:
-                r = r.at[dup_dst].set(r[dup_src], mode="drop", unique_indices=True)
-            out.append(from_row_view(r, layout, local_shapes[i]))
-        return out
+        if copied is not None:  # last: the old bytes of a copy's destination may have been sent
+            rows = write_copies(rows, copied, tables)
+        return close_rows(rows, tables, leaves)
 
     table_spec = PartitionSpec(axis)
     mapped = jax.shard_map(stream if chunk_bounds else serial, mesh=mesh, in_specs=(table_spec, list(specs)),
