@@ -336,6 +336,9 @@ def test_kernel_options_match_reference(options, mode, rng):
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
     with pytest.raises(ValueError, match="unknown kernel options"):
         _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode, warps=2)
+    with pytest.raises(ValueError, match="tile_resolved and sub_resolved must be powers of two"):
+        _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode,
+                                     tile_resolved=96)
 
 
 @pytest.mark.parametrize("tables", ["head", "global"])
