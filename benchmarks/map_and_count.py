@@ -193,16 +193,16 @@ def pallas_copy(x, block=2048, num_warps=4):
     return out.reshape(x.shape)
 
 
-SWEEP = [  # (mode, T, P, options): T x 8 entries; the defaults first in each group
-    # shares / resolved map in the same large programs as hash (4096 entries, 16 warps) but take 2.5x its time
-    # although their threshold loads are not the bound (RESULTS.md): smaller programs (fewer live registers per
-    # SM, more programs resident) may suit their longer per-entry work.
-    ("shares", 262144, 288, {}), ("shares", 262144, 288, {"tile": 2048, "sub": 2048, "num_warps": 8}),
-    ("shares", 262144, 288, {"tile": 1024, "sub": 1024, "num_warps": 4}),
-    ("shares", 262144, 288, {"tile": 1024, "sub": 512, "num_warps": 4}),
-    ("shares", 262144, 512, {}), ("shares", 262144, 512, {"tile": 1024, "sub": 1024, "num_warps": 4}),
-    ("resolved", 262144, 288, {}), ("resolved", 262144, 288, {"tile": 1024, "sub": 1024, "num_warps": 4}),
-    ("hash", 262144, 512, {}), ("hash", 262144, 512, {"tile": 2048, "sub": 2048, "num_warps": 8}),
+SWEEP = [  # (mode, T, P, options): T x 8 entries; the defaults first in each group; "count": False skips counting
+    # Next to measure: what bounds shares (2.4x hash's time in the same programs)? Neither the number of threshold
+    # loads (skipping one: no gain) nor their place in the chain (issued beside the head load: no gain) nor the
+    # cache lines they touch (bucket tables: slower) -- RESULTS.md, fourth and fifth sessions. Left: the programs'
+    # shape (two steps of 2048 entries, 32 warps, fewer pipeline stages) and shared-memory tables.
+    ("shares", 262144, 288, {}), ("shares", 262144, 288, {"tile": 4096, "sub": 2048, "num_warps": 16}),
+    ("shares", 262144, 288, {"num_warps": 32}), ("shares", 262144, 288, {"num_stages": 1}),
+    ("shares", 262144, 288, {"tables": "shared"}), ("shares", 262144, 512, {}),
+    ("shares", 262144, 512, {"tables": "shared"}), ("resolved", 262144, 512, {}),
+    ("resolved", 262144, 512, {"tables": "shared"}),
 ]
 
 
@@ -214,7 +214,9 @@ def sweep(rng):
     print(f"  pallas copy of 262144 x 8 (block 2048, 4 warps): {us:.2f} us", flush=True)
     del flat
     for mode, num_tokens, num_physical, options in SWEEP:
-        time_variant(rng, mode, options, num_tokens=num_tokens, num_physical=num_physical)
+        options = dict(options)
+        count = options.pop("count", True)
+        time_variant(rng, mode, options, count=count, num_tokens=num_tokens, num_physical=num_physical)
 
 
 def main():

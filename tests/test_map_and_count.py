@@ -316,7 +316,9 @@ def test_feeds_eplb_state_record(rng):
                                      {"tile_resolved": 64, "sub_resolved": 16, "warps_resolved": 1, "tile": 128},
                                      {"tile_resolved": 4096, "sub_resolved": 256},
                                      {"count_method": "histogram", "tables": "shared", "sub": 64},
-                                     {"count_method": "histogram", "tables": "head", "tile": 1024, "sub": 256}])
+                                     {"count_method": "histogram", "tables": "head", "tile": 1024, "sub": 256},
+                                     {"reduce": "atomic", "tile": 128, "sub": 64},
+                                     {"reduce": "atomic", "layout": "replica_major", "tables": "shared"}])
 @pytest.mark.parametrize("mode", ["hash", "resolved"])
 def test_kernel_options_match_reference(options, mode, rng):
     """The tuning knobs of the kernel (tile, sub-tile, one-hot dtype) never change the result."""
@@ -339,32 +341,44 @@ def test_kernel_options_match_reference(options, mode, rng):
     with pytest.raises(ValueError, match="tile_resolved and sub_resolved must be powers of two"):
         _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode,
                                      tile_resolved=96)
+    for name, value in (("layout", "row_major"), ("reduce", "psum"), ("tables", "texture")):
+        with pytest.raises(ValueError, match=f"{name} must be one of"):
+            _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode,
+                                         **{name: value})
 
 
-@pytest.mark.parametrize("tables", ["head", "global"])
+@pytest.mark.parametrize("tables, layout", [("head", "expert_major"), ("global", "expert_major"),
+                                            ("head", "replica_major"), ("shared", "replica_major")])
+@pytest.mark.parametrize("wide", [True, False], ids=["wide", "narrow"])
 @pytest.mark.parametrize("mode", MODES)
-def test_wide_and_narrow_rows_match_reference(mode, tables, rng):
+def test_wide_and_narrow_rows_match_reference(mode, wide, tables, layout, rng):
     """Experts with 1 to 20 replicas: the replica lookups and the threshold search (independent loads up to 16
-    replicas, bisection beyond) give the reference's result."""
+    replicas, bisection beyond) give the reference's result, in either table layout."""
     from moe_eplb_jax.pallas import _reference, _triton
     from moe_eplb_jax.pallas.map_and_count import _build_thresholds
 
-    replicas = np.array([20, 17, 16, 3, 2, 1, 1, 4])  # per expert: both sides of the linear-search limit
+    # Per expert: wide rows cross the linear-search limit, narrow ones reach it.
+    replicas = np.array([20, 17, 16, 3, 2, 1, 1, 4] if wide else [16, 9, 5, 3, 2, 1, 1, 4])
     phy2log = rng.permutation(np.repeat(np.arange(replicas.size), replicas))
     placement = Placement.from_phy2log(phy2log, replicas.size)
-    log2phy, logcnt = jnp.asarray(placement.log2phy[0]), jnp.asarray(placement.logcnt[0])
-    assert log2phy.shape[1] > _triton._LINEAR_SEARCH_MAX
+    # The table as wide as the most replicated expert needs (Placement pads it to P - E + 1).
+    log2phy = jnp.asarray(placement.log2phy[0, :, : replicas.max()])
+    logcnt = jnp.asarray(placement.logcnt[0])
+    assert (log2phy.shape[1] > _triton._LINEAR_SEARCH_MAX) == wide
     ids = jnp.asarray(random_ids(rng, 200, 4, replicas.size))
     extra = random_mode_inputs(rng, mode, placement, ids.size)
     values = extra.get("replica_shares", extra.get("resolved"))
+    if mode == "resolved":  # quotas below demand: entries past an expert's last threshold fall back to hash
+        values = values // 32
     thresholds = (jnp.zeros_like(log2phy) if values is None
-                  else _build_thresholds(mode, jnp.asarray(values), logcnt, log2phy.shape[1]))
+                  else _build_thresholds(mode, jnp.asarray(values[:, : log2phy.shape[1]]), logcnt, log2phy.shape[1]))
     limits = jnp.asarray([190 * 4, 195 * 4], jnp.int32)
     num_physical = int(replicas.sum())
     want = _reference.map_and_count_reference(ids, log2phy, logcnt, thresholds, limits, num_physical=num_physical,
                                               mode=mode)
     got = _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=num_physical,
-                                       mode=mode, tables=tables, interpret=jax.default_backend() != "gpu")
+                                       mode=mode, tables=tables, layout=layout,
+                                       interpret=jax.default_backend() != "gpu")
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
     replica_of = {int(slot): int(np.flatnonzero(placement.log2phy[0, e] == slot)[0])
@@ -421,13 +435,16 @@ def test_pallas_kernels_lower_to_triton_ir(h100_lowering):
     from moe_eplb_jax.pallas import _triton
 
     spec = jax.ShapeDtypeStruct
-    cases = ([(m, "histogram", "head") for m in MODES] + [("hash", m, "global") for m in _triton.COUNT_METHODS[1:]]
-             + [(m, "histogram", t) for m in ("hash", "resolved") for t in _triton.TABLES[1:]])
-    for mode, method, tables in cases:
+    cases = ([(m, {}) for m in MODES]  # the defaults
+             + [("hash", {"count_method": m, "tables": "global"}) for m in _triton.COUNT_METHODS[1:]]
+             + [(m, {"tables": t}) for m in ("hash", "resolved") for t in _triton.TABLES[1:]]
+             + [(m, {"tables": t, "layout": "expert_major", "reduce": "xla", "rank_in_step": "compare"})
+                for m in ("shares", "resolved") for t in _triton.TABLES])
+    for mode, options in cases:
 
         def run(ids, log2phy, logcnt, thresholds, limits):  # the compiled path (interpret=False)
             return _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=288, mode=mode,
-                                                count_method=method, tables=tables)
+                                                **options)
 
         exported = jax.export.export(
             jax.jit(run), platforms=["cuda"],
@@ -436,9 +453,10 @@ def test_pallas_kernels_lower_to_triton_ir(h100_lowering):
           spec((256, 33), jnp.int32), spec((2,), jnp.int32))
         assert "xla.gpu.triton" in exported.mlir_module()
     # Large inputs switch to larger loop steps (LARGE_OPTIONS, by size): those kernels must lower too.
-    for least, _ in _triton.LARGE_OPTIONS:
+    for mode, least in {(m, least) for m, sizes in _triton.LARGE_OPTIONS.items() for least, _ in sizes}:
         big = jax.export.export(
-            jax.jit(lambda *a: _triton.map_and_count_triton(*a, num_physical=288, mode="hash")), platforms=["cuda"],
+            jax.jit(lambda *a, mode=mode: _triton.map_and_count_triton(*a, num_physical=288, mode=mode)),
+            platforms=["cuda"],
             disabled_checks=h100_lowering,
         )(spec((least // 8, 8), jnp.int32), spec((256, 33), jnp.int32), spec((256,), jnp.int32),
           spec((256, 33), jnp.int32), spec((2,), jnp.int32))
@@ -469,14 +487,21 @@ def test_gpu_kernel_matches_reference(mode, shape, rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("method, tables", [("onehot", "global"), ("atomic", "global"), ("atomic_warp", "global"),
-                                            ("histogram", "global"), ("histogram", "shared"), ("histogram", "head"),
-                                            ("onehot", "head")])
+@pytest.mark.parametrize("options", [
+    {"count_method": "onehot", "tables": "global"}, {"count_method": "atomic", "tables": "global"},
+    {"count_method": "atomic_warp", "tables": "global"}, {"count_method": "histogram", "tables": "global"},
+    {"count_method": "histogram", "tables": "shared"}, {"count_method": "histogram", "tables": "head"},
+    {"count_method": "onehot", "tables": "head"}, {"tables": "head", "layout": "replica_major"},
+    {"tables": "global", "layout": "replica_major"}, {"tables": "shared", "layout": "replica_major"},
+    {"reduce": "atomic"}, {"reduce": "atomic", "layout": "replica_major"},
+    {"reduce": "atomic", "layout": "expert_major", "tables": "global"}, {"rank_in_step": "match"},
+    {"rank_in_step": "match", "reduce": "atomic", "layout": "replica_major"}], ids=lambda o: "-".join(o.values()))
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("shape", [(1, 1, 8, 8), (333, 6, 512, 519), (65536, 8, 256, 288)],
                          ids=lambda s: "T{}k{}E{}P{}".format(*s))
-def test_gpu_count_methods_match_reference(method, tables, mode, shape, rng):
-    """Every counting method of the compiled kernel gives the reference's ids and loads on fresh inputs."""
+def test_gpu_count_methods_match_reference(options, mode, shape, rng):
+    """Every counting method and table layout of the compiled kernel gives the reference's ids and loads on fresh
+    inputs."""
     from moe_eplb_jax.pallas import _reference, _triton
     from moe_eplb_jax.pallas.map_and_count import _build_thresholds
 
@@ -496,7 +521,7 @@ def test_gpu_count_methods_match_reference(method, tables, mode, shape, rng):
                                                   num_physical=num_physical, mode=mode)
         got = jax.jit(lambda x: _triton.map_and_count_triton(x, log2phy, logcnt, thresholds, limits,
                                                              num_physical=num_physical, mode=mode,
-                                                             count_method=method, tables=tables))(ids)
+                                                             **options))(ids)
         np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
         np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
 

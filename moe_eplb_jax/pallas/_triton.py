@@ -6,19 +6,21 @@ in a loop over *sub-tiles* of ``sub`` entries: load ids, gather ``logcnt`` and
 
 Lookups (``tables``): by default the wrapper packs ``(first slot + 1) | count
 << 16`` per expert ("head" table), so an entry costs one table load, and
-``log2phy`` is read only for entries sent to a later replica.
+``log2phy`` is read only for entries sent to a later replica. ``log2phy`` and
+the thresholds lie replica-major by default (``layout``: ``[S, E]``, so a
+warp's gather of replica ``j`` touches one row's few cache lines).
 
-Counting (``count_method``), each program filling its own partial histogram;
-XLA sums the partials:
+Counting (``count_method``), each program counting its tile:
 
 * ``"histogram"`` (default): per loop step, Triton's ``tt.histogram`` (warp
   ballots + ``popc``, shared-memory atomics across warps; see
-  :mod:`._triton_ops`) into ``2**ceil(log2 P)`` bins; the program stores its
-  first ``P`` counts as int16 into column ``program`` of ``[P, num_tiles]``
-  partials, so XLA's sum is a fast row reduction (summing ``[num_tiles, P]``
-  over its major axis cost 3-5 us at 262144 x 8; atomics into shared rows of
-  counters cost more: Pallas emits ``acq_rel`` atomics). In interpret mode it
-  runs as jnp.
+  :mod:`._triton_ops`) into ``2**ceil(log2 P)`` bins. Then (``reduce``) by
+  default one relaxed integer atomic per bin below ``P`` adds the program's
+  counts to the ``[P]`` loads (zeroed by XLA, aliased): no partials and no
+  second kernel. ``reduce="xla"``: the program stores its counts as int16
+  into column ``program`` of ``[P, num_tiles]`` partials and XLA sums the
+  rows. In interpret mode the histogram runs as jnp and the atomics as a
+  scatter-add.
 * ``"onehot"``: a slot ``p`` is split into ``(p >> lo_bits, p & lo)`` and each
   sub-tile builds two small one-hot matrices, ``[HI, sub]`` and ``[sub, LO]``
   (int8); their product is the sub-tile's ``[HI, LO]`` histogram on the tensor
@@ -36,7 +38,9 @@ cross-program look-back, so it runs three kernels over *rank tiles* of
 1. ``_rank_kernel``: each entry's rank inside its rank tile = count of ``e``
    in earlier sub-tiles (a running ``[E_pad]`` int32 histogram in registers,
    added to with ``tt.histogram`` and read with ``tt.gather``) + count of ``e``
-   at earlier positions of its sub-tile (a ``[sub, sub]`` pairwise compare).
+   at earlier positions of its 32-entry sub-tile (PTX ``match.any`` +
+   ``popc``, one entry per lane; ``rank_in_step="compare"`` and interpret mode:
+   a ``[sub, sub]`` pairwise compare).
    Its loop reads only the ids (which Triton prefetches) and writes the ranks:
    no gather from memory on the chain from one sub-tile to the next. Its
    final running histogram is the tile's (quota-consuming entries only).
@@ -57,7 +61,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from moe_eplb_jax.pallas._reference import GOLDEN
-from moe_eplb_jax.pallas._triton_ops import histogram, take
+from moe_eplb_jax.pallas._triton_ops import atomic_add_int, histogram, take
 
 __all__ = ["map_and_count_triton", "default_tile"]
 
@@ -126,18 +130,19 @@ def _pair_histogram(bins, hi_bits, lo_bits, dtype, acc_dtype):
     return jnp.dot(rows, cols, preferred_element_type=acc_dtype)
 
 
-def _upper_bound(thresholds_ref, row_start, point, width, searching):
-    """``#{j < width : thresholds[row_start + j] <= point}`` for non-decreasing rows (binary search).
+def _upper_bound(thresholds_ref, at, point, width, searching):
+    """``#{j < width : thresholds[at(j)] <= point}`` for non-decreasing rows (binary search).
 
-    Only lanes where ``searching`` holds load thresholds (and only until their
-    search has converged); the others return 0.
+    ``at(j)`` is the flat index of each lane's threshold ``j`` (the table
+    layout). Only lanes where ``searching`` holds load thresholds (and only
+    until their search has converged); the others return 0.
     """
     low = jnp.zeros_like(point)
     high = jnp.where(searching, width, 0)
     for _ in range(int(width).bit_length()):
         active = low < high
         mid = (low + high) // 2
-        value = plgpu.load(thresholds_ref.at[row_start + jnp.minimum(mid, width - 1)], mask=active, other=0)
+        value = plgpu.load(thresholds_ref.at[at(jnp.minimum(mid, width - 1))], mask=active, other=0)
         passed = value <= point
         low = jnp.where(active & passed, mid + 1, low)
         high = jnp.where(active & ~passed, mid, high)
@@ -147,8 +152,8 @@ def _upper_bound(thresholds_ref, row_start, point, width, searching):
 _LINEAR_SEARCH_MAX = 16  # rows up to this wide are searched with independent loads, wider ones by bisection
 
 
-def _count_passed(thresholds_ref, row_start, point, width, count, searching):
-    """``#{j < width : thresholds[row_start + j] <= point}`` where ``searching`` holds, else 0.
+def _count_passed(thresholds_ref, at, point, width, count, searching):
+    """``#{j < width : thresholds[at(j)] <= point}`` where ``searching`` holds, else 0.
 
     Rows of at most ``_LINEAR_SEARCH_MAX`` entries: one independent load per
     entry below ``count`` (the row's later entries are ``int32 max`` by
@@ -157,10 +162,10 @@ def _count_passed(thresholds_ref, row_start, point, width, count, searching):
     bisection (:func:`_upper_bound`).
     """
     if width > _LINEAR_SEARCH_MAX:
-        return _upper_bound(thresholds_ref, row_start, point, width, searching)
+        return _upper_bound(thresholds_ref, at, point, width, searching)
     passed = jnp.zeros_like(point)
     for j in range(width):
-        value = plgpu.load(thresholds_ref.at[row_start + j], mask=searching & (j < count), other=_INT32_MAX)
+        value = plgpu.load(thresholds_ref.at[at(j)], mask=searching & (j < count), other=_INT32_MAX)
         passed = passed + (value <= point).astype(jnp.int32)
     return jnp.where(searching, passed, 0)
 
@@ -192,9 +197,31 @@ def _warp_aggregate(values):
     return (packed >> 16) > 0, packed & 0xFFFF
 
 
-def _map_kernel(ids_ref, log2phy_ref, logcnt_ref, thresholds_ref, base_ref, rank_ref, limits_ref, phys_ref, hist_ref,
-                *, mode, num_flat, top_k, num_logical, width, num_physical, tile, sub, bins, expert_bins,
-                rank_tile, count_dtype, do_count, count_method, tables, num_tiles):
+def _rank_in_warp(values):
+    """Per element of a one-warp, one-element-per-lane vector: how many lower lanes hold the same value.
+
+    PTX ``match.any`` (the lanes holding the same value) masked by
+    ``%lanemask_lt``, then ``popc``: three instructions instead of a ``[32, 32]``
+    compare and row sum. GPU only (inline PTX); the caller guarantees the
+    layout (32 entries, one warp).
+    """
+    (rank,) = plgpu.elementwise_inline_asm(
+        """{
+        .reg .b32 same, below;
+        match.any.sync.b32 same, $1, -1;
+        mov.u32 below, %lanemask_lt;
+        and.b32 below, same, below;
+        popc.b32 $0, below;
+        }""",
+        args=[values], constraints="=r,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(values.shape, jnp.int32)])
+    return rank
+
+
+def _map_kernel(ids_ref, log2phy_ref, logcnt_ref, thresholds_ref, base_ref, rank_ref, limits_ref, zeros_ref, phys_ref,
+                hist_ref, *, mode, num_flat, top_k, num_logical, width, num_physical, tile, sub, bins, expert_bins,
+                rank_tile, count_dtype, do_count, count_method, tables, layout, reduce, num_tiles):
+    del zeros_ref  # reduce="atomic": the zeroed load counters, aliased to hist_ref
     program = pl.program_id(0)
     count_limit = limits_ref[0]
     rank_limit = limits_ref[1]
@@ -211,6 +238,10 @@ def _map_kernel(ids_ref, log2phy_ref, logcnt_ref, thresholds_ref, base_ref, rank
     else:  # one global (L1-cached) load per entry and table; "head": logcnt_ref holds (first slot + 1) | count << 16
         lookup_count = lambda expert: logcnt_ref[expert]  # noqa: E731
         lookup_slot = lambda index: log2phy_ref[index]  # noqa: E731
+    if layout == "replica_major":  # [S, E] tables: entry j of all experts in one row (fewer cache lines per gather)
+        table_index = lambda expert, j: j * num_logical + expert  # noqa: E731
+    else:  # [E, S]
+        table_index = lambda expert, j: expert * width + j  # noqa: E731
     row0 = program * num_bins  # atomic methods: this program's row of counters
     if do_count and count_method.startswith("atomic"):
         # Zeroed by atomic exchange, i.e. in L2 where the atomics add: a plain store is only ordered with the
@@ -250,15 +281,16 @@ def _map_kernel(ids_ref, log2phy_ref, logcnt_ref, thresholds_ref, base_ref, rank
                 inside_tile = plgpu.load(rank_ref.at[pl.ds(start, sub)], mask=inside, other=0)
                 point = jnp.where(flat < rank_limit, before + inside_tile, _INT32_MAX)
             # A single-replica expert takes replica 0 whatever the thresholds: no search, no loads.
-            passed = _count_passed(thresholds_ref, expert * width, point, width, count, count > 1)
+            passed = _count_passed(thresholds_ref, functools.partial(table_index, expert), point, width, count,
+                                   count > 1)
             replica = jnp.where(passed < count, passed, by_hash)
 
         replica = jnp.clip(replica, 0, width - 1)
         if tables == "head":  # the table is read only for replicas beyond the first
-            later = plgpu.load(log2phy_ref.at[expert * width + replica], mask=replica > 0, other=-1)
+            later = plgpu.load(log2phy_ref.at[table_index(expert, replica)], mask=replica > 0, other=-1)
             slot = jnp.where(replica > 0, later, first)
         else:
-            slot = lookup_slot(expert * width + replica)
+            slot = lookup_slot(table_index(expert, replica))
         mapped = valid_id & (slot >= 0) & (slot < num_physical)
         phys = jnp.where(mapped, slot, -1)
         plgpu.store(phys_ref.at[pl.ds(start, sub)], phys, mask=inside)
@@ -287,7 +319,14 @@ def _map_kernel(ids_ref, log2phy_ref, logcnt_ref, thresholds_ref, base_ref, rank
     else:
         hist = jnp.zeros((1 << hi_bits, 1 << lo_bits), jnp.int32)
     hist = jax.lax.fori_loop(0, tile // sub, step, hist)
-    if count_method == "histogram":  # column `program` of the [P, num_tiles] partials, as narrow ints
+    if count_method == "histogram" and reduce == "atomic":
+        # One relaxed integer atomic add per bin below P into the [P] loads (zeroed by XLA, aliased). Each lane
+        # its own address: lanes adding to one address in one instruction serialise (adding the empty bins >= P
+        # onto bins below P cost 5 us at P = 288).
+        if do_count:
+            at = jnp.arange(hist.shape[0], dtype=jnp.int32)
+            atomic_add_int(hist_ref, at, hist, at < num_physical)
+    elif count_method == "histogram":  # column `program` of the [P, num_tiles] partials, as narrow ints
         at = jnp.arange(hist.shape[0], dtype=jnp.int32)
         # Bins >= P (always 0) go to distinct spare entries past the columns: no two lanes share an address.
         inside = at < num_physical
@@ -297,7 +336,8 @@ def _map_kernel(ids_ref, log2phy_ref, logcnt_ref, thresholds_ref, base_ref, rank
         hist_ref[0] = hist
 
 
-def _rank_kernel(ids_ref, limits_ref, rank_ref, hist_ref, *, num_flat, num_logical, tile, sub, expert_bins):
+def _rank_kernel(ids_ref, limits_ref, rank_ref, hist_ref, *, num_flat, num_logical, tile, sub, expert_bins,
+                 in_step):
     """Each entry's rank among the earlier quota-consuming entries of its expert in this program's tile,
     and the tile's histogram of those entries."""
     program = pl.program_id(0)
@@ -312,8 +352,12 @@ def _rank_kernel(ids_ref, limits_ref, rank_ref, hist_ref, *, num_flat, num_logic
         rank_valid = (ids >= 0) & (ids < num_logical) & (flat < rank_limit)
         e_bins = jnp.where(rank_valid, ids, -1)
         earlier = take(running, jnp.maximum(e_bins, 0))  # entries of e in earlier sub-tiles
-        same = (e_bins[:, None] == e_bins[None, :]) & earlier_position  # ... at earlier positions of this one
-        plgpu.store(rank_ref.at[pl.ds(start, sub)], earlier + jnp.sum(same.astype(jnp.int32), axis=1), mask=inside)
+        if in_step == "match":  # ... at earlier positions of this one (one entry per lane)
+            before = _rank_in_warp(e_bins)
+        else:
+            same = (e_bins[:, None] == e_bins[None, :]) & earlier_position
+            before = jnp.sum(same.astype(jnp.int32), axis=1)
+        plgpu.store(rank_ref.at[pl.ds(start, sub)], earlier + before, mask=inside)
         return running + histogram(e_bins, expert_bins)
 
     hist_ref[0] = jax.lax.fori_loop(0, tile // sub, step, jnp.zeros((expert_bins,), jnp.int32))
@@ -337,12 +381,16 @@ def _join_varying(*arrays):
     return cast, functools.partial(jax.ShapeDtypeStruct, manual_axis_type=mat)
 
 
-# Tuned on one H200 (benchmarks/map_and_count.py --sweep, 2026-11-30, third session): counting with
+# Tuned on one H200 (benchmarks/map_and_count.py --sweep, 2026-11-30, third to fifth sessions): counting with
 # tt.histogram and (first slot, count) head tables beat every other combination at every size measured
-# (262144 x 8 hash: 11.7 us vs 47 atomic / 56 one-hot; 4096 x 8: 4.2 vs 5.2; resolved 8192 x 8: 22.8 vs 27.4).
+# (262144 x 8 hash: 11.7 us vs 47 atomic / 56 one-hot; 4096 x 8: 4.2 vs 5.2; resolved 8192 x 8: 22.8 vs 27.4);
+# replica-major tables (P = 512 shares 34.7 vs 44.3 us), per-bin atomics instead of partials + row sum
+# (4096 x 8 hash 3.2 vs 5.2 us, 262144 x 8 P = 512 11.0 vs 13.5), match.any ranks (resolved rank kernel 26.7 vs
+# 37.6 us).
 DEFAULTS = {"tile": None, "sub": _SUB, "tile_resolved": None, "sub_resolved": _SUB_RESOLVED,
             "warps_resolved": _WARPS_RESOLVED, "num_warps": 4, "num_stages": 3,
-            "count_dtype": "int8", "count_method": "histogram", "tables": "head"}
+            "count_dtype": "int8", "count_method": "histogram", "tables": "head", "layout": "replica_major",
+            "reduce": "atomic", "rank_in_step": "match"}
 # How the kernel counts: "histogram" (tt.histogram per loop step: warp ballots + popc, shared-memory atomics
 # across warps; also in interpret mode, as jnp), "onehot" (factorised one-hot products on the tensor cores),
 # "atomic" (one global atomic add per entry into the program's row of counters), "atomic_warp" (atomics
@@ -355,14 +403,25 @@ COUNT_METHODS = ("histogram", "onehot", "atomic", "atomic_warp")
 # global load per entry and table) or "shared" (the program loads both tables once and gathers from them with
 # tt.gather, through shared memory; not faster on an H200).
 TABLES = ("head", "global", "shared")
+# How the [E, S] tables (log2phy, thresholds) lie in memory: "expert_major" (row e holds expert e's replicas) or
+# "replica_major" (transposed: row j holds replica j of every expert, so a warp's gather of entry j for up to
+# 32 experts touches the few cache lines of one row instead of one line per expert).
+LAYOUTS = ("expert_major", "replica_major")
+# How the per-program histograms of count_method="histogram" become the loads: "xla" (each program stores its
+# counts as column t of [P, num_tiles] int16 partials; XLA sums the rows) or "atomic" (each program adds its
+# counts to the [P] loads with one integer atomic per bin: no partials, no second kernel).
+REDUCES = ("xla", "atomic")
 _MAX_SHARED_TABLE = 8192  # entries (32 KiB): larger tables stay in global memory
-# Larger inputs (GPU): one big loop step per program is fastest (H200, benchmarks/RESULTS.md "map_and_count"):
-# 262144 x 8 hash 11.7 us with 4096-entry programs of 16 warps vs 13.6 with 2048 / 8 warps and 17-27 us with
-# several steps per program; 65536 x 8: 5.8 us with 2048 / 8 warps vs 8.1 with the size-based default.
-# (min entries, options), largest first (resolved: its mapping kernel; the rank kernels keep their own tiles).
-LARGE_OPTIONS = ((1 << 21, {"tile": 4096, "sub": 4096, "num_warps": 16}),
-                 (1 << 19, {"tile": 2048, "sub": 2048, "num_warps": 8}))
-LARGE_MODES = ("hash", "round_robin", "shares", "resolved")
+# Larger inputs (GPU), per mode: (min entries, options), largest first (resolved: its mapping kernel; the rank
+# kernel keeps its own tiles). One big loop step per program is fastest (H200, benchmarks/RESULTS.md
+# "map_and_count"). With the loads counted by atomics, fewer programs add fewer atomics: hash / round_robin at
+# 262144 x 8 take 8192-entry programs (9.7-10.7 us vs 10.2-11.3 with 4096), at 65536 x 8 4096-entry programs
+# (4.8 us vs 6.4 with 2048 / 8 warps); shares / resolved, with more work per entry, take 4096-entry programs at
+# both sizes (262144 x 8 resolved 57.9 us vs 63.6 with 8192; 65536 x 8 shares 8.6 vs 9.6 with 2048 / 8 warps).
+_STREAMING = ((1 << 21, {"tile": 8192, "sub": 4096, "num_warps": 16}),
+              (1 << 19, {"tile": 4096, "sub": 4096, "num_warps": 16}))
+_SEARCHING = ((1 << 19, {"tile": 4096, "sub": 4096, "num_warps": 16}),)
+LARGE_OPTIONS = {"hash": _STREAMING, "round_robin": _STREAMING, "shares": _SEARCHING, "resolved": _SEARCHING}
 
 
 def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_physical: int, mode: str,
@@ -376,12 +435,15 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     step of the rank kernel (the side of its pairwise compare) and
     ``warps_resolved`` (its warps); ``count_dtype`` of the one-hots
     (``"int8"``: int32 sums; ``"float16"``: float32 sums, exact below 2**24).
-    ``count=False`` skips counting (diagnostics). Each program writes its
-    tile's histogram; XLA sums the partials. ``count_method`` picks how a
+    ``count=False`` skips counting (diagnostics). ``count_method`` picks how a
     program counts (:data:`COUNT_METHODS`; interpret mode replaces the atomic
     methods by ``"histogram"``) and ``tables`` how it looks up the placement
-    (:data:`TABLES`). For large inputs the defaults of a
-    mode in :data:`LARGE_MODES` come from :data:`LARGE_OPTIONS` by size (options passed explicitly win).
+    (:data:`TABLES`), ``layout`` how those tables lie in memory (:data:`LAYOUTS`),
+    ``reduce`` how the programs' histograms become the loads (:data:`REDUCES`)
+    and ``rank_in_step`` how ``resolved`` ranks entries inside a 32-entry step
+    (``"match"``: ``match.any``, compiled one-warp 32-entry steps only, else
+    ``"compare"``). For large inputs the defaults of a
+    mode come from :data:`LARGE_OPTIONS` by size (options passed explicitly win).
     """
     unknown = set(config) - set(DEFAULTS)
     if unknown:
@@ -389,8 +451,8 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     num_tokens, top_k = topk_ids.shape
     num_logical, width = log2phy.shape
     num_flat = num_tokens * top_k
-    large = next((options for least, options in LARGE_OPTIONS if num_flat >= least), {})
-    if interpret or mode not in LARGE_MODES:
+    large = next((options for least, options in LARGE_OPTIONS.get(mode, ()) if num_flat >= least), {})
+    if interpret:
         large = {}
     config = {**DEFAULTS, **large, **config}
     sub = int(config["sub"])
@@ -404,6 +466,11 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     if rank_tile & (rank_tile - 1) or rank_sub & (rank_sub - 1) or rank_sub < 16:
         raise ValueError(f"tile_resolved and sub_resolved must be powers of two (sub_resolved >= 16), got "
                          f"{rank_tile} and {rank_sub}")
+    if config["rank_in_step"] not in ("compare", "match"):
+        raise ValueError(f"rank_in_step must be 'compare' or 'match', got {config['rank_in_step']!r}")
+    # match.any ranks one entry per lane of one warp: only 32-entry steps of one-warp programs, compiled.
+    one_per_lane = rank_sub == 32 and int(config["warps_resolved"]) == 1 and not interpret
+    in_step = "match" if config["rank_in_step"] == "match" and one_per_lane else "compare"
     count_dtype = jnp.dtype(config["count_dtype"])
     count_method = config["count_method"]
     if count_method not in COUNT_METHODS:
@@ -413,6 +480,12 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     if config["tables"] not in TABLES:
         raise ValueError(f"tables must be one of {TABLES}, got {config['tables']!r}")
     tables = config["tables"]
+    layout = config["layout"]
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if config["reduce"] not in REDUCES:
+        raise ValueError(f"reduce must be one of {REDUCES}, got {config['reduce']!r}")
+    reduce = config["reduce"] if count_method == "histogram" else "xla"
     if tables == "shared" and pl.next_power_of_2(log2phy.shape[0] * log2phy.shape[1]) > _MAX_SHARED_TABLE:
         tables = "global"
     if tables == "head" and num_physical >= 0xFFFF:  # slots must fit in 16 bits
@@ -430,7 +503,7 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
         rank_tiles = pl.cdiv(num_flat, rank_tile)
         rank, per_tile = pl.pallas_call(
             functools.partial(_rank_kernel, num_flat=num_flat, num_logical=num_logical, tile=rank_tile,
-                              sub=rank_sub, expert_bins=expert_bins),
+                              sub=rank_sub, expert_bins=expert_bins, in_step=in_step),
             grid=(rank_tiles,),
             in_specs=[whole, whole],
             out_specs=[whole, pl.BlockSpec((1, expert_bins), lambda i: (i, 0))],
@@ -448,10 +521,15 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
         _map_kernel, mode=mode, num_flat=num_flat, top_k=top_k, num_logical=num_logical, width=width,
         num_physical=num_physical, tile=tile, sub=sub, bins=bins, expert_bins=expert_bins,
         rank_tile=rank_tile, count_dtype=count_dtype, do_count=count, count_method=count_method, tables=tables,
-        num_tiles=num_tiles)
+        layout=layout, reduce=reduce, num_tiles=num_tiles)
+    if layout == "replica_major":
+        log2phy, thresholds = log2phy.T, thresholds.T  # [S, E]; log2phy.T[0] is still the first replicas
+        first_slots = log2phy[0]
+    else:
+        first_slots = log2phy[:, 0]
     if tables == "head":
         log2phy_flat = log2phy.reshape(-1)
-        logcnt = (jnp.clip(log2phy[:, 0], -1, 0xFFFE) + 1) | (jnp.clip(logcnt, 1, 0x7FFF) << 16)
+        logcnt = (jnp.clip(first_slots, -1, 0xFFFE) + 1) | (jnp.clip(logcnt, 1, 0x7FFF) << 16)
     elif tables == "shared":  # the kernel loads whole power-of-two tables: pad them
         log2phy_flat = jnp.pad(log2phy.reshape(-1), (0, pl.next_power_of_2(log2phy.size) - log2phy.size),
                                constant_values=-1)
@@ -460,20 +538,28 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
         log2phy_flat = log2phy.reshape(-1)
     if count_method == "onehot":  # each program writes its [hi, lo] block
         hist_spec, hist_shape = pl.BlockSpec((1, hi, lo), lambda i: (i, 0, 0)), (num_tiles, hi, lo)
+    elif count_method == "histogram" and reduce == "atomic":  # the loads themselves, zeroed here
+        hist_spec, hist_shape = whole, (num_physical,)
     elif count_method == "histogram":  # [P, num_tiles]: program t writes column t (XLA then sums rows: fast)
         hist_spec, hist_shape = whole, (num_physical * num_tiles + _histogram_bins(num_physical),)
     else:  # each program zeroes and atomically fills its own flat row (float32 counters, see the kernel)
         hist_spec, hist_shape = whole, (num_tiles * hi * lo,)
+    partial_dtype = jnp.int32 if reduce == "atomic" else _partial_dtype(count_method, tile)
+    zeros = jnp.zeros(hist_shape if reduce == "atomic" else (1,), partial_dtype)
+    (zeros, _), _ = _join_varying(zeros, limits)  # inside shard_map: vary like the other inputs
     phys, partial = pl.pallas_call(
         kernel,
         grid=(num_tiles,),
-        in_specs=[whole] * 7,
+        in_specs=[whole] * 8,
         out_specs=[whole, hist_spec],
-        out_shape=[out_struct((num_flat,), jnp.int32), out_struct(hist_shape, _partial_dtype(count_method, tile))],
+        out_shape=[out_struct((num_flat,), jnp.int32), out_struct(hist_shape, partial_dtype)],
+        input_output_aliases={7: 1} if reduce == "atomic" else {},
         compiler_params=params,
         interpret=interpret,
         name="map_and_count",
-    )(ids, log2phy_flat, logcnt, thresholds.reshape(-1), base, rank, limits)
+    )(ids, log2phy_flat, logcnt, thresholds.reshape(-1), base, rank, limits, zeros)
+    if reduce == "atomic":
+        return phys.reshape(num_tokens, top_k), partial
     if count_method == "histogram":  # a row reduction: XLA's column reductions of [num_tiles, P] were 2-3x slower
         load = jnp.sum(partial[: num_physical * num_tiles].reshape(num_physical, num_tiles).astype(jnp.int32),
                        axis=1, dtype=jnp.int32)

@@ -11,6 +11,10 @@ primitives lower to Triton ops that have no ``jax.lax`` counterpart:
 * :func:`take` -> ``tt.gather``: ``table[index]`` for a 1-D table held by the
   program (registers), lowered through shared memory (or warp shuffles)
   instead of one global-memory load per index.
+* :func:`atomic_add_int` -> ``tt.atomic_rmw add`` (relaxed): ``ref[index] +=
+  values`` where ``mask`` holds, as integer atomics. (jax 0.11.2's
+  ``plgpu.atomic_add`` turns an int32 *vector* add into a float add -- it tests
+  the tensor type, not its element type -- and always uses ``acq_rel``.)
 
 Outside a Triton kernel (Pallas interpret mode, or plain ``jit``) both run as
 ordinary jnp code with the same results, so the interpret-mode tests check
@@ -25,9 +29,12 @@ import jax.numpy as jnp
 from jax._src import core as jax_core
 from jax._src.interpreters import mlir
 from jax._src.lib.triton import dialect as tt_dialect
+from jax._src.pallas import primitives as pallas_primitives
+from jax._src.state import discharge as state_discharge
+from jax._src.state import primitives as state_primitives
 from jax._src.pallas.triton import lowering as triton_lowering
 
-__all__ = ["histogram", "take"]
+__all__ = ["histogram", "take", "atomic_add_int"]
 
 
 # ------------------------------------------------------------------ histogram
@@ -108,3 +115,56 @@ mlir.register_lowering(_take_p, mlir.lower_fun(_take_jnp, multiple_results=False
 def _take_triton(ctx, table, index):
     result = mlir.aval_to_ir_type(ctx.context.mlir_ctx, ctx.avals_out[0])
     return tt_dialect.gather(table, index, 0, results=[result])
+
+
+# ------------------------------------------------------------- atomic_add_int
+def atomic_add_int(ref, index: jax.Array, values: jax.Array, mask: jax.Array) -> None:
+    """``ref[index[i]] += values[i]`` for every ``i`` where ``mask[i]``, as relaxed integer atomics.
+
+    ``ref`` is a 1-D int32 ref of the kernel, ``index``, ``values`` and ``mask``
+    1-D of one length; masked-off lanes may hold any index. Lanes adding to
+    one address in one call are all applied (atomics on the GPU, a scatter-add
+    in interpret mode). Relaxed: nothing is ordered around it, so it only
+    suits counters read after the kernel.
+    """
+    if values.dtype != jnp.int32 or index.dtype != jnp.int32 or index.shape != values.shape:
+        raise ValueError(f"atomic_add_int needs int32 index and values of one shape, got {index.dtype} "
+                         f"{index.shape} and {values.dtype} {values.shape}")
+    index = jnp.where(mask, index, 0)  # in range wherever the mask is off (the discharge rule indexes them)
+    ref, transforms = state_primitives.get_ref_and_transforms(ref, (index,), "atomic_add_int")
+    flat, tree = jax.tree_util.tree_flatten((ref, transforms, values, mask))
+    _atomic_add_p.bind(*flat, args_tree=tree)
+
+
+_atomic_add_p = jax_core.Primitive("eplb_atomic_add_int")
+
+
+@_atomic_add_p.def_effectful_abstract_eval
+def _atomic_add_abstract(*avals_flat, args_tree):
+    return pallas_primitives._swap_abstract_eval(*avals_flat, args_tree=args_tree)
+
+
+def _atomic_add_discharge(ctx, *args_flat, args_tree):
+    del ctx
+    ref, transforms, values, mask = args_tree.unflatten(args_flat)
+    (indexer,) = transforms
+    (index,) = indexer.indices
+    old = ref[index]
+    new = ref.at[index].add(jnp.where(mask, values, 0))
+    return (new,) + (None,) * (len(args_flat) - 1), old
+
+
+state_discharge.register_discharge_rule(_atomic_add_p)(_atomic_add_discharge)
+
+
+@triton_lowering.register_lowering(_atomic_add_p)
+def _atomic_add_triton(ctx, *args_flat, args_tree):
+    block_info, *_ = ctx.block_infos
+    ptr, transforms, values, mask = args_tree.unflatten(args_flat)
+    *_, values_aval, mask_aval = args_tree.unflatten(ctx.avals_in)
+    (indexer,) = transforms
+    ptr = triton_lowering._compute_pointers_from_indices(ptr, block_info, indexer)
+    values = triton_lowering._ensure_ir_value(values, values_aval)
+    mask = triton_lowering._ensure_ir_value(mask, mask_aval)
+    return triton_lowering._atomic_rmw(tt_dialect.RMWOp.ADD, ptr, values, mask=mask,
+                                       semantic=tt_dialect.MemSemantic.RELAXED)
