@@ -353,7 +353,7 @@ def _rank_kernel(ids_ref, limits_ref, rank_ref, hist_ref, *, num_flat, num_logic
         e_bins = jnp.where(rank_valid, ids, -1)
         earlier = take(running, jnp.maximum(e_bins, 0))  # entries of e in earlier sub-tiles
         if in_step == "match":  # ... at earlier positions of this one (one entry per lane)
-            before = _rank_in_warp(e_bins)
+            before = _rank_in_warp(e_bins)  # lanes of -1 rank among themselves: ranks nobody reads
         else:
             same = (e_bins[:, None] == e_bins[None, :]) & earlier_position
             before = jnp.sum(same.astype(jnp.int32), axis=1)
