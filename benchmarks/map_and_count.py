@@ -194,15 +194,17 @@ def pallas_copy(x, block=2048, num_warps=4):
 
 
 SWEEP = [  # (mode, T, P, options): T x 8 entries; the defaults first in each group; "count": False skips counting
-    # Next to measure: what bounds shares (2.4x hash's time in the same programs)? Neither the number of threshold
-    # loads (skipping one: no gain) nor their place in the chain (issued beside the head load: no gain) nor the
-    # cache lines they touch (bucket tables: slower) -- RESULTS.md, fourth and fifth sessions. Left: the programs'
-    # shape (two steps of 2048 entries, 32 warps, fewer pipeline stages) and shared-memory tables.
-    ("shares", 262144, 288, {}), ("shares", 262144, 288, {"tile": 4096, "sub": 2048, "num_warps": 16}),
-    ("shares", 262144, 288, {"num_warps": 32}), ("shares", 262144, 288, {"num_stages": 1}),
-    ("shares", 262144, 288, {"tables": "shared"}), ("shares", 262144, 512, {}),
-    ("shares", 262144, 512, {"tables": "shared"}), ("resolved", 262144, 512, {}),
-    ("resolved", 262144, 512, {"tables": "shared"}),
+    # Next to measure, first: the threshold search of shares / resolved. The tables here are Placement's, P - E + 1
+    # wide (33 / 257) with at most 4 / 15 replicas per expert, so until the fifth session every entry took the
+    # bisection (6 / 9 dependent loads). linear_search=16 (the new, unmeasured default) loads the first 16
+    # thresholds independently and bisects only beyond; 0 is the old path.
+    ("shares", 262144, 288, {}), ("shares", 262144, 288, {"linear_search": 0}),
+    ("shares", 262144, 288, {"linear_search": 4}), ("shares", 262144, 512, {}),
+    ("shares", 262144, 512, {"linear_search": 0}), ("resolved", 262144, 288, {}),
+    ("resolved", 262144, 288, {"linear_search": 0}), ("resolved", 262144, 512, {}),
+    ("resolved", 262144, 512, {"linear_search": 0}), ("resolved", 8192, 288, {}),
+    ("resolved", 8192, 288, {"linear_search": 0}), ("shares", 65536, 512, {}),
+    ("shares", 65536, 512, {"linear_search": 0}),
 ]
 
 

@@ -318,7 +318,8 @@ def test_feeds_eplb_state_record(rng):
                                      {"count_method": "histogram", "tables": "shared", "sub": 64},
                                      {"count_method": "histogram", "tables": "head", "tile": 1024, "sub": 256},
                                      {"reduce": "atomic", "tile": 128, "sub": 64},
-                                     {"reduce": "atomic", "layout": "replica_major", "tables": "shared"}])
+                                     {"reduce": "atomic", "layout": "replica_major", "tables": "shared"},
+                                     {"linear_search": 0}, {"linear_search": 3, "layout": "expert_major"}])
 @pytest.mark.parametrize("mode", ["hash", "resolved"])
 def test_kernel_options_match_reference(options, mode, rng):
     """The tuning knobs of the kernel (tile, sub-tile, one-hot dtype) never change the result."""
@@ -345,6 +346,9 @@ def test_kernel_options_match_reference(options, mode, rng):
         with pytest.raises(ValueError, match=f"{name} must be one of"):
             _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode,
                                          **{name: value})
+    with pytest.raises(ValueError, match="linear_search must be >= 0"):
+        _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode,
+                                     linear_search=-1)
 
 
 @pytest.mark.parametrize("tables, layout", [("head", "expert_major"), ("global", "expert_major"),
@@ -364,7 +368,7 @@ def test_wide_and_narrow_rows_match_reference(mode, wide, tables, layout, rng):
     # The table as wide as the most replicated expert needs (Placement pads it to P - E + 1).
     log2phy = jnp.asarray(placement.log2phy[0, :, : replicas.max()])
     logcnt = jnp.asarray(placement.logcnt[0])
-    assert (log2phy.shape[1] > _triton._LINEAR_SEARCH_MAX) == wide
+    assert (log2phy.shape[1] > _triton._LINEAR_SEARCH) == wide
     ids = jnp.asarray(random_ids(rng, 200, 4, replicas.size))
     extra = random_mode_inputs(rng, mode, placement, ids.size)
     values = extra.get("replica_shares", extra.get("resolved"))
@@ -495,7 +499,8 @@ def test_gpu_kernel_matches_reference(mode, shape, rng):
     {"tables": "global", "layout": "replica_major"}, {"tables": "shared", "layout": "replica_major"},
     {"reduce": "atomic"}, {"reduce": "atomic", "layout": "replica_major"},
     {"reduce": "atomic", "layout": "expert_major", "tables": "global"}, {"rank_in_step": "match"},
-    {"rank_in_step": "match", "reduce": "atomic", "layout": "replica_major"}], ids=lambda o: "-".join(o.values()))
+    {"rank_in_step": "match", "reduce": "atomic", "layout": "replica_major"}, {"linear_search": 0},
+    {"linear_search": 4}], ids=lambda o: "-".join(map(str, o.values())))
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("shape", [(1, 1, 8, 8), (333, 6, 512, 519), (65536, 8, 256, 288)],
                          ids=lambda s: "T{}k{}E{}P{}".format(*s))

@@ -149,24 +149,30 @@ def _upper_bound(thresholds_ref, at, point, width, searching):
     return low
 
 
-_LINEAR_SEARCH_MAX = 16  # rows up to this wide are searched with independent loads, wider ones by bisection
+_LINEAR_SEARCH = 16  # default: a row's first 16 thresholds are loaded independently, later ones by bisection
 
 
-def _count_passed(thresholds_ref, at, point, width, count, searching):
+def _count_passed(thresholds_ref, at, point, width, count, searching, linear=_LINEAR_SEARCH):
     """``#{j < width : thresholds[at(j)] <= point}`` where ``searching`` holds, else 0.
 
-    Rows of at most ``_LINEAR_SEARCH_MAX`` entries: one independent load per
-    entry below ``count`` (the row's later entries are ``int32 max`` by
-    construction, which is also what the masked loads read), so the loads
-    overlap instead of a bisection's chain of dependent loads. Wider rows: the
-    bisection (:func:`_upper_bound`).
+    The row's first ``linear`` entries: one independent load per entry below
+    ``count`` (the row's later entries are ``int32 max`` by construction, which
+    is also what the masked loads read), so the loads overlap instead of a
+    bisection's chain of dependent loads. Entries from ``linear`` on (rows of
+    a wide table: ``Placement`` tables are ``P - E + 1`` wide whatever the
+    replica counts) only for lanes that passed all of the first ``linear``
+    and have more live entries -- by bisection (:func:`_upper_bound`); every
+    other lane has its answer (rows are non-decreasing), so for experts of at
+    most ``linear`` replicas the bisection's loads are all masked off.
     """
-    if width > _LINEAR_SEARCH_MAX:
-        return _upper_bound(thresholds_ref, at, point, width, searching)
+    linear = min(width, linear)
     passed = jnp.zeros_like(point)
-    for j in range(width):
+    for j in range(linear):
         value = plgpu.load(thresholds_ref.at[at(j)], mask=searching & (j < count), other=_INT32_MAX)
         passed = passed + (value <= point).astype(jnp.int32)
+    if width > linear:
+        deeper = searching & (count > linear) & (passed == linear)
+        passed = passed + _upper_bound(thresholds_ref, lambda j: at(j + linear), point, width - linear, deeper)
     return jnp.where(searching, passed, 0)
 
 
@@ -220,7 +226,7 @@ def _rank_in_warp(values):
 
 def _map_kernel(ids_ref, log2phy_ref, logcnt_ref, thresholds_ref, base_ref, rank_ref, limits_ref, zeros_ref, phys_ref,
                 hist_ref, *, mode, num_flat, top_k, num_logical, width, num_physical, tile, sub, bins, expert_bins,
-                rank_tile, count_dtype, do_count, count_method, tables, layout, reduce, num_tiles):
+                rank_tile, count_dtype, do_count, count_method, tables, layout, reduce, linear_search, num_tiles):
     del zeros_ref  # reduce="atomic": the zeroed load counters, aliased to hist_ref
     program = pl.program_id(0)
     count_limit = limits_ref[0]
@@ -282,7 +288,7 @@ def _map_kernel(ids_ref, log2phy_ref, logcnt_ref, thresholds_ref, base_ref, rank
                 point = jnp.where(flat < rank_limit, before + inside_tile, _INT32_MAX)
             # A single-replica expert takes replica 0 whatever the thresholds: no search, no loads.
             passed = _count_passed(thresholds_ref, functools.partial(table_index, expert), point, width, count,
-                                   count > 1)
+                                   count > 1, linear=linear_search)
             replica = jnp.where(passed < count, passed, by_hash)
 
         replica = jnp.clip(replica, 0, width - 1)
@@ -390,7 +396,7 @@ def _join_varying(*arrays):
 DEFAULTS = {"tile": None, "sub": _SUB, "tile_resolved": None, "sub_resolved": _SUB_RESOLVED,
             "warps_resolved": _WARPS_RESOLVED, "num_warps": 4, "num_stages": 3,
             "count_dtype": "int8", "count_method": "histogram", "tables": "head", "layout": "replica_major",
-            "reduce": "atomic", "rank_in_step": "match"}
+            "reduce": "atomic", "rank_in_step": "match", "linear_search": _LINEAR_SEARCH}
 # How the kernel counts: "histogram" (tt.histogram per loop step: warp ballots + popc, shared-memory atomics
 # across warps; also in interpret mode, as jnp), "onehot" (factorised one-hot products on the tensor cores),
 # "atomic" (one global atomic add per entry into the program's row of counters), "atomic_warp" (atomics
@@ -442,7 +448,9 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     ``reduce`` how the programs' histograms become the loads (:data:`REDUCES`)
     and ``rank_in_step`` how ``resolved`` ranks entries inside a 32-entry step
     (``"match"``: ``match.any``, compiled one-warp 32-entry steps only, else
-    ``"compare"``). For large inputs the defaults of a
+    ``"compare"``); ``linear_search`` how many of a row's first thresholds
+    ``shares`` / ``resolved`` load independently before bisecting the rest
+    (0: bisection only). For large inputs the defaults of a
     mode come from :data:`LARGE_OPTIONS` by size (options passed explicitly win).
     """
     unknown = set(config) - set(DEFAULTS)
@@ -466,6 +474,8 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     if rank_tile & (rank_tile - 1) or rank_sub & (rank_sub - 1) or rank_sub < 16:
         raise ValueError(f"tile_resolved and sub_resolved must be powers of two (sub_resolved >= 16), got "
                          f"{rank_tile} and {rank_sub}")
+    if int(config["linear_search"]) < 0:
+        raise ValueError(f"linear_search must be >= 0, got {config['linear_search']}")
     if config["rank_in_step"] not in ("compare", "match"):
         raise ValueError(f"rank_in_step must be 'compare' or 'match', got {config['rank_in_step']!r}")
     # match.any ranks one entry per lane of one warp: only 32-entry steps of one-warp programs, compiled.
@@ -521,7 +531,7 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
         _map_kernel, mode=mode, num_flat=num_flat, top_k=top_k, num_logical=num_logical, width=width,
         num_physical=num_physical, tile=tile, sub=sub, bins=bins, expert_bins=expert_bins,
         rank_tile=rank_tile, count_dtype=count_dtype, do_count=count, count_method=count_method, tables=tables,
-        layout=layout, reduce=reduce, num_tiles=num_tiles)
+        layout=layout, reduce=reduce, linear_search=int(config["linear_search"]), num_tiles=num_tiles)
     if layout == "replica_major":
         log2phy, thresholds = log2phy.T, thresholds.T  # [S, E]; log2phy.T[0] is still the first replicas
         first_slots = log2phy[0]
