@@ -351,6 +351,46 @@ def test_kernel_options_match_reference(options, mode, rng):
                                      linear_search=-1)
 
 
+@settings(max_examples=10)
+@given(
+    num_tokens=st.integers(1, 300),
+    top_k=st.sampled_from([1, 3, 8]),
+    num_logical=st.sampled_from([2, 9, 40]),
+    extra_slots=st.integers(0, 30),
+    mode=st.sampled_from(MODES),
+    layout=st.sampled_from(["expert_major", "replica_major"]),
+    reduce=st.sampled_from(["xla", "atomic"]),
+    tables=st.sampled_from(["head", "global", "shared"]),
+    linear_search=st.sampled_from([0, 2, 16]),
+    seed=st.integers(0, 2**31),
+)
+def test_kernel_option_combinations_match_reference(num_tokens, top_k, num_logical, extra_slots, mode, layout,
+                                                    reduce, tables, linear_search, seed):
+    """Any combination of the kernel's layout / reduction / lookup / search options gives the reference's ids and
+    loads (Pallas in interpret mode on CPU, compiled on GPU)."""
+    from moe_eplb_jax.pallas import _reference, _triton
+    from moe_eplb_jax.pallas.map_and_count import _build_thresholds
+
+    rng = np.random.default_rng(seed)
+    placement = random_placement(rng, num_logical, num_logical + extra_slots)
+    log2phy, logcnt = jnp.asarray(placement.log2phy[0]), jnp.asarray(placement.logcnt[0])
+    ids = jnp.asarray(random_ids(rng, num_tokens, top_k, num_logical))
+    extra = random_mode_inputs(rng, mode, placement, ids.size)
+    values = extra.get("replica_shares", extra.get("resolved"))
+    thresholds = (jnp.zeros_like(log2phy) if values is None
+                  else _build_thresholds(mode, jnp.asarray(values), logcnt, log2phy.shape[1]))
+    valid = int(rng.integers(0, num_tokens + 1)) * top_k
+    limits = jnp.asarray([valid, valid], jnp.int32)
+    num_physical = num_logical + extra_slots
+    want = _reference.map_and_count_reference(ids, log2phy, logcnt, thresholds, limits, num_physical=num_physical,
+                                              mode=mode)
+    got = _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=num_physical,
+                                       mode=mode, layout=layout, reduce=reduce, tables=tables,
+                                       linear_search=linear_search, interpret=jax.default_backend() != "gpu")
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
 @pytest.mark.parametrize("tables, layout", [("head", "expert_major"), ("global", "expert_major"),
                                             ("head", "replica_major"), ("shared", "replica_major")])
 @pytest.mark.parametrize("wide", [True, False], ids=["wide", "narrow"])
