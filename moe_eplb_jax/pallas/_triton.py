@@ -555,8 +555,10 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     else:  # each program zeroes and atomically fills its own flat row (float32 counters, see the kernel)
         hist_spec, hist_shape = whole, (num_tiles * hi * lo,)
     partial_dtype = jnp.int32 if reduce == "atomic" else _partial_dtype(count_method, tile)
-    zeros = jnp.zeros(hist_shape if reduce == "atomic" else (1,), partial_dtype)
-    (zeros, _), _ = _join_varying(zeros, limits)  # inside shard_map: vary like the other inputs
+    if reduce == "atomic":  # the loads start at zero (Pallas never zero-inits an output)
+        (zeros, _), _ = _join_varying(jnp.zeros(hist_shape, jnp.int32), limits)  # vary like the other inputs
+    else:
+        zeros = jnp.zeros_like(limits[:1])  # unused
     phys, partial = pl.pallas_call(
         kernel,
         grid=(num_tiles,),
