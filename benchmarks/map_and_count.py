@@ -194,20 +194,16 @@ def pallas_copy(x, block=2048, num_warps=4):
 
 
 SWEEP = [  # (mode, T, P, options): T x 8 entries; the defaults first in each group; "count": False skips counting
-    # Next to measure, first: the threshold search of shares / resolved. The tables here are Placement's, P - E + 1
-    # wide (33 / 257) with at most 4 / 15 replicas per expert, so until the fifth session every entry took the
-    # bisection (6 / 9 dependent loads). linear_search=16 (the new, unmeasured default) loads the first 16
-    # thresholds independently and bisects only beyond; 0 is the old path.
-    ("shares", 262144, 288, {}), ("shares", 262144, 288, {"linear_search": 0}),
-    ("shares", 262144, 288, {"linear_search": 4}), ("shares", 262144, 512, {}),
-    ("shares", 262144, 512, {"linear_search": 0}), ("resolved", 262144, 288, {}),
-    ("resolved", 262144, 288, {"linear_search": 0}), ("resolved", 262144, 512, {}),
-    ("resolved", 262144, 512, {"linear_search": 0}), ("resolved", 8192, 288, {}),
-    ("resolved", 8192, 288, {"linear_search": 0}), ("shares", 65536, 512, {}),
-    ("shares", 65536, 512, {"linear_search": 0}),
-    # resolved's rank tiles again, now that match.any made each 32-entry step cheaper: larger tiles mean fewer
-    # rows for XLA's cumsum (3.8 us at 2048 tiles of 1024 entries), smaller ones more programs in flight.
-    ("resolved", 262144, 288, {"tile_resolved": 2048}), ("resolved", 262144, 288, {"tile_resolved": 512}),
+    # The threshold search of shares / resolved. The tables here are Placement's, P - E + 1 wide (33 / 257) with at
+    # most 4 / 15 replicas per expert. Sixth session: the bisection stops at each expert's replica count
+    # (linear_search=0, default); 16 / 2 load a row's first thresholds independently first. (Sixth session's first
+    # sweep, bisection over the whole row: linear 0 23.40 us, 16 31.27, 4 28.83 at P = 288.)
+    ("shares", 262144, 288, {}), ("shares", 262144, 288, {"linear_search": 16}),
+    ("shares", 262144, 288, {"linear_search": 2}), ("shares", 262144, 512, {}),
+    ("shares", 262144, 512, {"linear_search": 16}), ("resolved", 262144, 288, {}),
+    ("resolved", 262144, 512, {}), ("resolved", 262144, 512, {"linear_search": 2}),
+    ("resolved", 8192, 288, {}), ("shares", 65536, 512, {}),
+    ("hash", 262144, 288, {}), ("shares", 262144, 288, {"count": False}), ("hash", 262144, 288, {"count": False}),
 ]
 
 

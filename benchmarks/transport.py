@@ -20,11 +20,13 @@ dtypes byte-exact (both schedules).
 Variants are '+'-joined parts (``--variants default stream+lhs words+d2``):
   own | words    rows in their own dtype / as uint32 words (default: words on GPU)
   dN             serial schedule with N transfers in flight (default 1)
-  stream|serial  the schedule (stream: plan reordered, chunk c written while chunk c + 1 is in flight;
-                 default: the library's)
+  stream|serial|put  the schedule (stream: plan reordered, chunk c written while chunk c + 1 is in flight;
+                 put: the stream order, each chunk packed and written into the peers' rows by one NVLink
+                 kernel; default: the library's)
   cN             N chunks per round for this variant (else --chunks)
   pN             pack and write rows with the Pallas row-copy kernels of N programs (copy_programs=N)
   bN / wN        those kernels' words per work item / warps (transport.COPY_KERNEL_OPTIONS)
+  packN / stN / npN  the put kernel's packing programs / TMA stages / programs (transport.PUT_KERNEL_OPTIONS)
   taperN         stream schedule in uneven chunks: weights (1, N, ..., N, 1) (chunk_weights)
   cwA_B_..       stream schedule in chunks of these relative sizes (chunk_weights=(A, B, ...))
   xla            XLA gathers / scatters (copy_programs=None; the default unless the library's changes)
@@ -109,6 +111,7 @@ OPTION_ALIASES = {
 
 
 _DEFAULT_KERNEL = dict(_transport.COPY_KERNEL_OPTIONS)
+_DEFAULT_PUT = dict(_transport.PUT_KERNEL_OPTIONS)
 
 
 def parse_variant(name):
@@ -122,7 +125,7 @@ def parse_variant(name):
             continue
         if part in ("own", "words"):
             view = part == "words"
-        elif part in ("stream", "serial"):
+        elif part in ("stream", "serial", "put"):
             schedule = part
         elif re.fullmatch(r"d\d+", part):
             depth = int(part[1:])
@@ -134,6 +137,9 @@ def parse_variant(name):
             kernel["taper"] = int(part[5:])
         elif re.fullmatch(r"cw\d+(_\d+)+", part):
             kernel["weights"] = tuple(int(w) for w in part[2:].split("_"))
+        elif re.fullmatch(r"(pack|st|np)\d+", part):  # the put kernel: packing programs, stages, programs
+            key = {"pack": "pack_programs", "st": "stages", "np": "num_programs"}[re.match(r"[a-z]+", part)[0]]
+            kernel["put_" + key] = int(re.search(r"\d+", part)[0])
         elif re.fullmatch(r"[bw]\d+", part):
             kernel[{"b": "block", "w": "num_warps"}[part[0]]] = int(part[1:])
         elif part == "xla":
@@ -330,7 +336,7 @@ def dtype_check(mesh, rng, schedule="serial", copy_programs=None, row_elements=6
                     for _ in range(layers)])
     take = lambda tab: {k: v[np.arange(layers)[:, None], tab] for k, v in ckpt.items()}  # noqa: E731
     plan = eps.plan_rearrangement(old, new, num_ranks)
-    if schedule == "stream":  # as many chunks as the plan's cycles allow, so the stream executor runs
+    if schedule != "serial":  # as many chunks as the plan's cycles allow, so the streaming order is used
         plan = next(p for p in (streamable(plan, n) for n in (4, 2, 1)) if p is not None)
     moved = eps.execute_plan(eps.shard_slots(take(old), mesh, layered=True), plan, mesh=mesh, schedule=schedule,
                              copy_programs=copy_programs)
@@ -397,6 +403,8 @@ def run_config(args, ctx, variant, fraction, chunks):
     taper = kernel.pop("taper", None)
     prepared = kernel.pop("prepared", False)
     fixed_weights = kernel.pop("weights", None)
+    _transport.PUT_KERNEL_OPTIONS = dict(_DEFAULT_PUT, **{k[4:]: kernel.pop(k) for k in list(kernel)
+                                                           if k.startswith("put_")})
     _transport.COPY_KERNEL_OPTIONS = kernel
     chunks = own_chunks if own_chunks is not None else chunks
     _transport.WORD_VIEW, _transport.PIPELINE_DEPTH = view, depth
@@ -410,17 +418,20 @@ def run_config(args, ctx, variant, fraction, chunks):
         plan = eps.plan_rearrangement(old, new, num_ranks)
         max_chunk = -(-plan.capacities[0] // chunks) * row if chunks else None
         leaves, layouts, specs, _ = _transport._check_leaves(ctx["experts"], plan, mesh, "ep")
+        schedule = _transport.resolve_schedule(schedule, layouts, mesh)  # "auto": "put" on GPUs, else "stream"
         nch = _transport._num_chunks(plan, layouts, max_chunk, schedule)
         weights = (1,) + (taper,) * (nch - 2) + (1,) if taper and nch > 2 else fixed_weights
         nch = len(weights) if weights else nch
-        if schedule == "stream":  # host work: reorder the plan off the device's critical path
+        if schedule != "serial":  # host work: reorder the plan off the device's critical path
             plan = order_for_streaming(plan, nch, weights=weights)
         plan_s.append(time.perf_counter() - t0)
         if it == 0:
             before_hash = slot_hashes(mesh, ctx["experts"])
-            tables, table_layout = _transport.device_tables(plan, mesh, "ep")
+            put = _transport._put_kind(schedule, layouts, mesh)
+            tables, table_layout = _transport.device_tables(plan, mesh, "ep", sender_destinations=bool(put))
             fn = _transport._executor(mesh, "ep", tuple(specs), tuple(layouts), 2, True, nch, opts, plan.chunk_bounds,
-                                      table_layout, _transport._copy_programs(programs, leaves, layouts, plan))
+                                      table_layout, 0 if put else _transport._copy_programs(programs, leaves, layouts,
+                                                                                             plan), put)
             compiled = fn.lower(tables, leaves).compile()
             res["extra_static"] = compiled.memory_analysis().temp_size_in_bytes
             text = compiled.as_text()
@@ -435,7 +446,7 @@ def run_config(args, ctx, variant, fraction, chunks):
         leaves, layouts, specs, _ = _transport._check_leaves(ctx["experts"], plan, mesh, "ep")
         host_check.append(time.perf_counter() - t)
         t = time.perf_counter()
-        tables, table_layout = _transport.device_tables(plan, mesh, "ep")
+        tables, table_layout = _transport.device_tables(plan, mesh, "ep", sender_destinations=schedule == "put")
         host_tables.append(time.perf_counter() - t)
         move_kwargs = dict(mesh=mesh, max_chunk_bytes=max_chunk, compiler_options=options, schedule=schedule,
                            copy_programs=programs)
@@ -472,7 +483,7 @@ def run_config(args, ctx, variant, fraction, chunks):
                streamed_chunk_bounds=plan.chunk_bounds)
     if args.timeline:  # the last move forth and back (even calls: the placement ends where it was)
         back = eps.plan_rearrangement(ctx["phy2log"], old, num_ranks)
-        back = order_for_streaming(back, nch, weights=weights) if schedule == "stream" else back
+        back = order_for_streaming(back, nch, weights=weights) if schedule != "serial" else back
         plans = (back, plan)
         moves = [eps.prepare_move(ctx["experts"], p, **move_kwargs) for p in plans] if prepared else None
 
@@ -525,6 +536,7 @@ def main():
                 finally:
                     _transport.WORD_VIEW, _transport.PIPELINE_DEPTH = defaults
                     _transport.COPY_KERNEL_OPTIONS = dict(_DEFAULT_KERNEL)
+                    _transport.PUT_KERNEL_OPTIONS = dict(_DEFAULT_PUT)
                 results.append(res)
                 print(json.dumps(res, default=str), flush=True)  # every row at once: a later hang loses none
     ok = [r for r in results if "error" not in r]
@@ -555,8 +567,12 @@ def main():
         extras[f"raw ppermute of {largest['moved'] / 2**20:.0f} MiB in {chunks} chained transfers ms"] = (
             f"{seconds * 1e3:.2f} (one transfer: {raw[(largest['moved'], ())] * 1e3:.2f})")
     if not args.no_extras:
-        for schedule in ("serial", "stream"):
-            extras[f"dtype check ({schedule})"] = dtype_check(mesh, rng, schedule)
+        for schedule in ("serial", "stream", "put"):  # put: the kernel on GPUs, its emulation elsewhere
+            # put: rows of a multiple of 128 bytes for every dtype (fp4: 256 elements)
+            extras[f"dtype check ({schedule})"] = dtype_check(mesh, rng, schedule,
+                                                              row_elements=256 if schedule == "put" else 6)
+            if schedule == "put":
+                continue
             extras[f"dtype check ({schedule}, word rows, Pallas copies)"] = dtype_check(
                 mesh, rng, schedule, copy_programs=16, row_elements=8)
         if ok:

@@ -319,7 +319,7 @@ def test_feeds_eplb_state_record(rng):
                                      {"count_method": "histogram", "tables": "head", "tile": 1024, "sub": 256},
                                      {"reduce": "atomic", "tile": 128, "sub": 64},
                                      {"reduce": "atomic", "layout": "replica_major", "tables": "shared"},
-                                     {"linear_search": 0}, {"linear_search": 3, "layout": "expert_major"}])
+                                     {"linear_search": 16}, {"linear_search": 3, "layout": "expert_major"}])
 @pytest.mark.parametrize("mode", ["hash", "resolved"])
 def test_kernel_options_match_reference(options, mode, rng):
     """The tuning knobs of the kernel (tile, sub-tile, one-hot dtype) never change the result."""
@@ -393,11 +393,13 @@ def test_kernel_option_combinations_match_reference(num_tokens, top_k, num_logic
 
 @pytest.mark.parametrize("tables, layout", [("head", "expert_major"), ("global", "expert_major"),
                                             ("head", "replica_major"), ("shared", "replica_major")])
+@pytest.mark.parametrize("linear_search", [0, 16])
 @pytest.mark.parametrize("wide", [True, False], ids=["wide", "narrow"])
 @pytest.mark.parametrize("mode", MODES)
-def test_wide_and_narrow_rows_match_reference(mode, wide, tables, layout, rng):
-    """Experts with 1 to 20 replicas: the replica lookups and the threshold search (independent loads up to 16
-    replicas, bisection beyond) give the reference's result, in either table layout."""
+def test_wide_and_narrow_rows_match_reference(mode, wide, linear_search, tables, layout, rng):
+    """Experts with 1 to 20 replicas: the replica lookups and the threshold search (bisection bounded by each
+    expert's replica count; or independent loads up to 16 replicas, bisection beyond) give the reference's
+    result, in either table layout."""
     from moe_eplb_jax.pallas import _reference, _triton
     from moe_eplb_jax.pallas.map_and_count import _build_thresholds
 
@@ -408,7 +410,7 @@ def test_wide_and_narrow_rows_match_reference(mode, wide, tables, layout, rng):
     # The table as wide as the most replicated expert needs (Placement pads it to P - E + 1).
     log2phy = jnp.asarray(placement.log2phy[0, :, : replicas.max()])
     logcnt = jnp.asarray(placement.logcnt[0])
-    assert (log2phy.shape[1] > _triton._LINEAR_SEARCH) == wide
+    assert (log2phy.shape[1] > 16) == wide
     ids = jnp.asarray(random_ids(rng, 200, 4, replicas.size))
     extra = random_mode_inputs(rng, mode, placement, ids.size)
     values = extra.get("replica_shares", extra.get("resolved"))
@@ -421,7 +423,7 @@ def test_wide_and_narrow_rows_match_reference(mode, wide, tables, layout, rng):
     want = _reference.map_and_count_reference(ids, log2phy, logcnt, thresholds, limits, num_physical=num_physical,
                                               mode=mode)
     got = _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=num_physical,
-                                       mode=mode, tables=tables, layout=layout,
+                                       mode=mode, tables=tables, layout=layout, linear_search=linear_search,
                                        interpret=jax.default_backend() != "gpu")
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
@@ -539,7 +541,7 @@ def test_gpu_kernel_matches_reference(mode, shape, rng):
     {"tables": "global", "layout": "replica_major"}, {"tables": "shared", "layout": "replica_major"},
     {"reduce": "atomic"}, {"reduce": "atomic", "layout": "replica_major"},
     {"reduce": "atomic", "layout": "expert_major", "tables": "global"}, {"rank_in_step": "match"},
-    {"rank_in_step": "match", "reduce": "atomic", "layout": "replica_major"}, {"linear_search": 0},
+    {"rank_in_step": "match", "reduce": "atomic", "layout": "replica_major"}, {"linear_search": 16},
     {"linear_search": 4}], ids=lambda o: "-".join(map(str, o.values())))
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("shape", [(1, 1, 8, 8), (333, 6, 512, 519), (65536, 8, 256, 288)],

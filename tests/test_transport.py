@@ -125,7 +125,7 @@ def layered_move(rng, num_ranks, layers, *, dtypes=MIXED_DTYPES, row=(3, 2)):
     return ckpt, old, new, mesh, eps.shard_slots(load(ckpt, old), mesh, layered=True)
 
 
-@pytest.mark.parametrize("schedule", ["serial", "stream"])
+@pytest.mark.parametrize("schedule", ["serial", "stream", "put"])
 @pytest.mark.parametrize("num_ranks", [1, 2, 4, 8])
 def test_rearrange_experts_on_every_mesh_size(num_ranks, schedule, word_view, rng):
     ckpt, old, new, mesh, experts = layered_move(rng, num_ranks, 3)
@@ -136,12 +136,14 @@ def test_rearrange_experts_on_every_mesh_size(num_ranks, schedule, word_view, rn
     # whose cycles do not fit in a chunk)
     moved = eps.rearrange_experts(experts, old, new, mesh=mesh, max_chunk_bytes=2 * 45, schedule=schedule)
     assert_bytes_equal(moved, load(ckpt, new), 2)
-    if schedule == "stream":  # streamed for certain: as many chunks as the plan's cycles allow
+    if schedule != "serial":  # streamed for certain: as many chunks as the plan's cycles allow
         ordered = next(p for p in map(functools.partial(streamable, plan), (4, 3, 2, 1)) if p is not None)
         experts = eps.shard_slots(load(ckpt, old), mesh, layered=True)
-        moved = eps.execute_plan(experts, ordered, mesh=mesh, schedule="stream")
+        moved = eps.execute_plan(experts, ordered, mesh=mesh, schedule=schedule)
         assert_bytes_equal(moved, load(ckpt, new), 2)
-        assert any(key[9] == ordered.chunk_bounds for key in eps.transport._EXECUTORS)  # the stream executor ran
+        # the executor of this schedule ran with the plan's chunks
+        assert any(key[9] == ordered.chunk_bounds and bool(key[-1]) == (schedule == "put")
+                   for key in eps.transport._EXECUTORS)
 
 
 @pytest.mark.parametrize("schedule", ["serial", "stream"])
@@ -156,7 +158,7 @@ def test_pallas_row_copies_move_the_same_bytes(num_ranks, schedule, rng, monkeyp
     assert_bytes_equal(moved, load(ckpt, new), 2)
     # the stream executor copies with 3 programs; the serial one never uses the kernels (one executor for any N)
     want = 3 if schedule == "stream" else 0
-    assert any(key[-1][0] == want for key in list(eps.transport._EXECUTORS)[before:] or eps.transport._EXECUTORS)
+    assert any(key[11][0] == want for key in list(eps.transport._EXECUTORS)[before:] or eps.transport._EXECUTORS)
     with pytest.raises(ValueError, match="copy_programs"):
         eps.rearrange_experts(moved, new, old, mesh=mesh, copy_programs=0)
 
@@ -248,7 +250,7 @@ def swaps(rng, phy2log, per_rank, count):
     return new
 
 
-@pytest.mark.parametrize("schedule", ["serial", "stream"])
+@pytest.mark.parametrize("schedule", ["serial", "stream", "put"])
 def test_same_buckets_do_not_recompile(schedule, rng):
     mesh = mesh_of(2)
     ckpt = checkpoint(rng, 2, 16, dtypes=[ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn])
@@ -388,7 +390,7 @@ def test_bad_leaves_raise_and_nothing_is_donated(rng):
         eps.rearrange_experts({"a": good, "b": good}, old, new, mesh=mesh)
     with pytest.raises(ValueError, match="max_chunk_bytes"):
         eps.rearrange_experts({"good": good}, old, new, mesh=mesh, max_chunk_bytes=0)
-    with pytest.raises(ValueError, match="schedule must be one of"):
+    with pytest.raises(ValueError, match="schedule must be .auto. or one of"):
         eps.rearrange_experts({"good": good}, old, new, mesh=mesh, schedule="overlap")
     assert not good.is_deleted()
 

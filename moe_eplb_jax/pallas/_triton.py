@@ -130,15 +130,18 @@ def _pair_histogram(bins, hi_bits, lo_bits, dtype, acc_dtype):
     return jnp.dot(rows, cols, preferred_element_type=acc_dtype)
 
 
-def _upper_bound(thresholds_ref, at, point, width, searching):
-    """``#{j < width : thresholds[at(j)] <= point}`` for non-decreasing rows (binary search).
+def _upper_bound(thresholds_ref, at, point, width, live, searching):
+    """``#{j < live : thresholds[at(j)] <= point}`` for non-decreasing rows (binary search), ``live <= width``.
 
     ``at(j)`` is the flat index of each lane's threshold ``j`` (the table
-    layout). Only lanes where ``searching`` holds load thresholds (and only
-    until their search has converged); the others return 0.
+    layout); ``live`` each lane's number of real entries (its row's later
+    entries are never read). Only lanes where ``searching`` holds load
+    thresholds, and only until their search has converged -- after
+    ``bit_length(live)`` steps, so a 4-replica expert in a 257-wide table loads
+    3 thresholds, not 9; the others return 0.
     """
     low = jnp.zeros_like(point)
-    high = jnp.where(searching, width, 0)
+    high = jnp.where(searching, jnp.minimum(live, width), 0)
     for _ in range(int(width).bit_length()):
         active = low < high
         mid = (low + high) // 2
@@ -149,7 +152,7 @@ def _upper_bound(thresholds_ref, at, point, width, searching):
     return low
 
 
-_LINEAR_SEARCH = 16  # default: a row's first 16 thresholds are loaded independently, later ones by bisection
+_LINEAR_SEARCH = 0  # default: bisection bounded by the replica count (measured faster than independent loads)
 
 
 def _count_passed(thresholds_ref, at, point, width, count, searching, linear=_LINEAR_SEARCH):
@@ -172,7 +175,8 @@ def _count_passed(thresholds_ref, at, point, width, count, searching, linear=_LI
         passed = passed + (value <= point).astype(jnp.int32)
     if width > linear:
         deeper = searching & (count > linear) & (passed == linear)
-        passed = passed + _upper_bound(thresholds_ref, lambda j: at(j + linear), point, width - linear, deeper)
+        passed = passed + _upper_bound(thresholds_ref, lambda j: at(j + linear), point, width - linear,
+                                       count - linear, deeper)
     return jnp.where(searching, passed, 0)
 
 

@@ -22,7 +22,7 @@ With ``schedule="serial"`` the peak extra device memory is the received rows
 plus one send chunk (XLA's temp size: 1.17x the bytes moved per rank on
 2xH200, see ``benchmarks/RESULTS.md``).
 
-``schedule="stream"`` (the default) pipelines instead: the host reorders the
+``schedule="stream"`` (what ``"auto"`` picks without the put kernel) pipelines instead: the host reorders the
 plan (``plan.order_for_streaming``) so that no row is overwritten before every
 chunk that sends its old bytes; then per chunk ``c`` the executor packs chunk
 ``c + 1`` and starts its transfer, and writes the rows received in chunk ``c``
@@ -33,6 +33,18 @@ row-copy kernels (``_row_copy``, ``copy_programs`` programs): XLA's gathers and
 scatters fill every SM and slowed the NCCL transfer by about as much as they
 overlapped it, a bounded grid leaves the transfer its bandwidth. The first
 pack and the last writes, which overlap nothing, stay XLA's (fastest alone).
+
+``schedule="put"`` (GPUs of one process; what the default ``"auto"``
+picks there) keeps the streaming order but moves each chunk with one Pallas
+Mosaic GPU kernel (``_nvlink``): the chunk's packed send rows of every round
+are copied straight into their final rows on the peers over NVLink, while a
+few of the kernel's programs pack the next chunk -- no receive buffer, no
+unpack, one kernel per chunk instead of one NCCL transfer per round and
+chunk (0.86-0.90 of a raw ``ppermute`` of the same bytes on 2xH200 vs
+0.81-0.84 for the stream schedule; 0.26x the bytes moved in extra memory).
+Elsewhere (CPU) the same data flow runs as a ``ppermute`` of the packed rows
+and their destinations plus a scatter, so the schedule's logic is tested
+everywhere.
 
 All index tables are array arguments with bucketed shapes, so a later plan
 with the same capacities reuses the compiled executor. ``prepare_move`` does
@@ -50,10 +62,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from moe_eplb_jax.sharding import _nvlink
 from moe_eplb_jax.sharding._row_copy import gather_rows, offsets_fit, scatter_rows
 from moe_eplb_jax.sharding.mesh import axis_size, put_host
 from moe_eplb_jax.sharding.packing import (from_row_view, leaf_layout, pack_rows, row_view, unpack_leaf,
-                                           wire_dtype)
+                                           wire_dtype, wire_offsets)
 from moe_eplb_jax.sharding.plan import TransportPlan, check_chunk_weights, order_for_streaming, plan_rearrangement
 
 __all__ = ["rearrange_experts", "execute_plan", "prepare_move", "PreparedMove", "executor_trace_count", "row_bytes",
@@ -66,15 +79,21 @@ DEFAULT_TRANSFERS_PER_RANK = 8
 DEFAULT_MAX_CHUNK_BYTES = None
 # "serial": every read of the old rows (all sends) before any write. "stream": the plan is reordered
 # (plan.order_for_streaming) so chunk c's received rows are written while chunk c + 1 is in flight.
-SCHEDULES = ("serial", "stream")
-# The default: on 2xH200 the stream schedule with the Pallas copies (below) moves 50% of a DeepSeek-sized layer
-# set in 8.8 ms vs 9.7 ms serial, with 0.52x instead of 1.17x extra memory (benchmarks/RESULTS.md).
-DEFAULT_SCHEDULE = "stream"
+# "put": the stream order, each chunk moved by one kernel writing the peers' rows over NVLink (_nvlink).
+SCHEDULES = ("serial", "stream", "put")
+# The default, "auto": "put" where its kernel can run (GPUs of one process, rows of a multiple of 128 bytes),
+# else "stream". On 2xH200, moving 50% of a DeepSeek-sized layer set: put 7.8 ms at 0.26x extra memory, stream
+# 8.4 ms at 0.52x, serial 9.7 ms at 1.17x (benchmarks/RESULTS.md).
+DEFAULT_SCHEDULE = "auto"
 # None: XLA gathers / scatters pack and write the rows; an int: the Pallas row-copy kernels with that many
 # programs (GPU word rows only).
 DEFAULT_COPY_PROGRAMS = 48
 # Kernel options of the Pallas row copies (sharding._row_copy): words per work item, warps per program.
 COPY_KERNEL_OPTIONS = {"block": 4096, "num_warps": 4}
+# The put schedule's kernel (sharding._nvlink): programs (None: one per SM), how many of them pack the next
+# chunk, and TMA buffers per program.
+PUT_KERNEL_OPTIONS = {"num_programs": None, "pack_programs": _nvlink.DEFAULT_PACK_PROGRAMS,
+                      "stages": _nvlink.DEFAULT_STAGES}
 
 
 def rearrange_experts(
@@ -112,10 +131,16 @@ def rearrange_experts(
     round's transfer into chunks of at most that many packed bytes (less peak
     memory, more collectives; default: about 8 transfers per rank in all);
     ``compiler_options`` go to XLA for the executor. ``schedule`` (one of
-    ``SCHEDULES``): ``"stream"`` (default) reorders the plan so each chunk's
+    ``SCHEDULES``, or ``"auto"``, the default: ``"put"`` where its kernel can
+    run, else ``"stream"``): ``"stream"`` reorders the plan so each chunk's
     received rows are written while the next chunk is in flight (less memory:
     about four chunks; plans with a cycle of moves longer than a chunk run
-    serially); ``"serial"`` packs every chunk before writing any row.
+    serially); ``"serial"`` packs every chunk before writing any row;
+    ``"put"`` keeps the stream order but moves each chunk with one kernel
+    that writes the packed rows straight into the peers' rows over NVLink
+    (every device of the mesh in this process, rows of a multiple of 128
+    bytes: ``ValueError`` otherwise; on CPU an equivalent ``ppermute`` +
+    scatter, for tests).
     ``copy_programs`` (stream schedule): pack the send rows and write the received rows that
     overlap a transfer with the Pallas row-copy kernels (``sharding._row_copy``)
     of that many programs -- a bounded share of the GPU, so the copies slow the
@@ -188,8 +213,8 @@ def prepare_move(
     :func:`rearrange_experts`; ``ValueError`` on bad input, before any device
     work.
     """
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if schedule not in SCHEDULES + ("auto",):
+        raise ValueError(f"schedule must be 'auto' or one of {SCHEDULES}, got {schedule!r}")
     if max_chunk_bytes is not None and (not isinstance(max_chunk_bytes, (int, np.integer)) or max_chunk_bytes < 1):
         raise ValueError(f"max_chunk_bytes must be a positive integer or None, got {max_chunk_bytes!r}")
     if copy_programs is not None and (not isinstance(copy_programs, (int, np.integer)) or copy_programs < 1):
@@ -207,13 +232,17 @@ def prepare_move(
     if plan.is_empty or not leaves:
         return PreparedMove(plan, mesh, treedef, tuple(positions), signature, bool(donate), None, None)
     _check_donation(leaves, donate)
+    schedule = resolve_schedule(schedule, layouts, mesh)
+    put = _put_kind(schedule, layouts, mesh)
     num_chunks = _num_chunks(plan, layouts, max_chunk_bytes, schedule)
-    plan, chunk_bounds = _streamed(plan, num_chunks, chunk_weights) if schedule == "stream" else (plan, ())
-    tables, table_layout = device_tables(plan, mesh, axis)
+    plan, chunk_bounds = _streamed(plan, num_chunks, chunk_weights) if schedule != "serial" else (plan, ())
+    if put and not chunk_bounds:  # a cycle longer than a chunk: one chunk, every send packed before any write
+        chunk_bounds = (0, plan.capacities[0])
+    tables, table_layout = device_tables(plan, mesh, axis, sender_destinations=bool(put))
     options = tuple(sorted((compiler_options or {}).items()))
-    copy_programs = _copy_programs(copy_programs, leaves, layouts, plan) if chunk_bounds else 0  # stream only
+    copy_programs = _copy_programs(copy_programs, leaves, layouts, plan) if chunk_bounds and not put else 0
     run = _executor(mesh, axis, tuple(specs), tuple(layouts), 2 if plan.layered else 1, bool(donate), num_chunks,
-                    options, chunk_bounds, table_layout, copy_programs)
+                    options, chunk_bounds, table_layout, copy_programs, put)
     return PreparedMove(plan, mesh, treedef, tuple(positions), signature, bool(donate), tables, run)
 
 
@@ -275,15 +304,22 @@ class PreparedMove(NamedTuple):
         return jax.tree_util.tree_unflatten(treedef, flat)
 
 
-def device_tables(plan: TransportPlan, mesh: Mesh, axis: str = "ep"):
+def device_tables(plan: TransportPlan, mesh: Mesh, axis: str = "ep", *, sender_destinations: bool = False):
     """The plan's index tables as one int32 array ``[G, T]`` on the mesh, and where each sits in it.
 
     One array, so a call costs one small host-to-device copy per device, not
     six (host time is on the critical path of every move). The layout --
-    ``((name, start, shape), ...)`` -- is static: it keys the executor.
+    ``((name, start, shape), ...)`` -- is static: it keys the executor. With
+    ``sender_destinations`` (the put schedule) also ``send_dst [G, G - 1, C]``:
+    the receiver's row for each row a rank sends (its ``recv_dst`` entry).
     """
+    tables = plan.device_tables()
+    if sender_destinations:
+        rounds = np.arange(1, plan.num_ranks)
+        receiver = (np.arange(plan.num_ranks)[:, None] + rounds[None, :]) % plan.num_ranks  # [G, G - 1]
+        tables["send_dst"] = plan.recv_dst[receiver, rounds[None, :] - 1]
     layout, parts, start = [], [], 0
-    for name, table in plan.device_tables().items():
+    for name, table in tables.items():
         size = int(np.prod(table.shape[1:]))
         layout.append((name, start, tuple(int(d) for d in table.shape[1:])))
         parts.append(np.asarray(table, dtype=np.int32).reshape(table.shape[0], size))
@@ -306,6 +342,40 @@ def _streamed(plan: TransportPlan, num_chunks: int, weights=None) -> tuple[Trans
     return ordered, ordered.chunk_bounds
 
 
+def resolve_schedule(schedule: str, layouts, mesh: Mesh) -> str:
+    """``schedule``, with ``"auto"`` made ``"put"`` where the NVLink kernel can move these rows, else ``"stream"``."""
+    if schedule != "auto":
+        return schedule
+    devices = list(mesh.devices.flat)
+    widths = [layout.row_bytes // 4 for layout in layouts]
+    usable = _all_gpus(devices) and wire_dtype(layouts) == np.uint32 and _nvlink.can_put(widths, devices)
+    return "put" if usable else "stream"
+
+
+def _put_kind(schedule: str, layouts, mesh: Mesh) -> str:
+    """``""`` (not the put schedule), ``"kernel"`` (GPUs: the NVLink kernel) or ``"emulated"`` (no GPU).
+
+    ``ValueError`` where the kernel cannot run on GPUs: devices of other
+    processes, or rows that are not a multiple of 128 bytes.
+    """
+    if schedule != "put":
+        return ""
+    devices = list(mesh.devices.flat)
+    if not _all_gpus(devices):
+        return "emulated"
+    widths = [layout.row_bytes // 4 for layout in layouts]
+    if wire_dtype(layouts) != np.uint32 or not _nvlink.can_put(widths, devices):
+        raise ValueError(
+            "schedule='put' needs every device of the mesh in this process and slot rows of a multiple of 128 "
+            f"bytes per leaf (got {[layout.row_bytes for layout in layouts]} bytes, "
+            f"{jax.local_device_count()} of {jax.device_count()} devices local); use schedule='stream'")
+    return "kernel"
+
+
+def _all_gpus(devices) -> bool:
+    return all(d.platform == "gpu" for d in devices)
+
+
 def _copy_programs(copy_programs, leaves, layouts, plan) -> int:
     """Programs of the Pallas row-copy kernels, or 0: XLA copies (no word rows, or int32 offsets overflow)."""
     if not copy_programs or wire_dtype(layouts) != np.uint32:
@@ -319,18 +389,23 @@ def _num_chunks(plan: TransportPlan, layouts, max_chunk_bytes: int | None, sched
     """Chunks per round: enough that one chunk's packed rows fit in ``max_chunk_bytes``.
 
     By default the serial schedule sends about ``DEFAULT_TRANSFERS_PER_RANK``
-    transfers in all; the stream schedule takes that many steps (each step
-    sends one chunk of every round), since it keeps about four steps alive.
+    transfers in all; the stream and put schedules take that many steps (each
+    step sends one chunk of every round).
     """
     capacity = plan.capacities[0]
     if capacity == 0:
         return 1
     if max_chunk_bytes is None:
-        rounds = 1 if schedule == "stream" else max(1, plan.num_ranks - 1)
+        rounds = 1 if schedule != "serial" else max(1, plan.num_ranks - 1)
         return max(1, min(capacity, -(-DEFAULT_TRANSFERS_PER_RANK // rounds)))
     row = max(1, sum(layout.row_bytes for layout in layouts))
     rows_per_chunk = max(1, int(max_chunk_bytes) // row)
     return max(1, min(capacity, -(-capacity // rows_per_chunk)))
+
+
+def _num_sms(mesh: Mesh) -> int:
+    """Streaming multiprocessors of the mesh's first device (132 where the device does not say)."""
+    return int(getattr(mesh.devices.flat[0], "core_count", 0) or 132)
 
 
 def executor_trace_count() -> int:
@@ -425,8 +500,8 @@ _TRACES = [0]
 
 
 def _executor(mesh, axis, specs, layouts, num_lead, donate, num_chunks, options, chunk_bounds, table_layout,
-              copy_programs=0):
-    """The jitted executor: serial (no ``chunk_bounds``) or stream schedule (chunks between ``chunk_bounds``).
+              copy_programs=0, put=""):
+    """The jitted executor: serial (no ``chunk_bounds``), stream or put (``put``: ``_put_kind``) schedule.
 
     It takes ``(tables, leaves)``: the one table array of :func:`device_tables`
     (laid out as ``table_layout``) and the moving leaves.
@@ -434,14 +509,16 @@ def _executor(mesh, axis, specs, layouts, num_lead, donate, num_chunks, options,
     copy = (copy_programs, tuple(sorted(COPY_KERNEL_OPTIONS.items()))) if copy_programs else (0, ())
     chunk_bounds = tuple(int(b) for b in chunk_bounds)
     key = (mesh, axis, specs, layouts, num_lead, donate, 0 if chunk_bounds else num_chunks, options,
-           0 if chunk_bounds else PIPELINE_DEPTH, chunk_bounds, table_layout, copy)
+           0 if chunk_bounds else PIPELINE_DEPTH, chunk_bounds, table_layout, copy,
+           (put, PUT_KERNEL_OPTIONS.get("num_programs") or _num_sms(mesh), PUT_KERNEL_OPTIONS["pack_programs"],
+            PUT_KERNEL_OPTIONS["stages"]) if put else ())
     if key not in _EXECUTORS:
         _EXECUTORS[key] = _build_executor(*key)
     return _EXECUTORS[key]
 
 
 def _build_executor(mesh, axis, specs, layouts, num_lead, donate, num_chunks, options, depth, chunk_bounds,
-                    table_layout, copy):
+                    table_layout, copy, put):
     num_ranks = int(mesh.shape[axis])
     copy_programs, kernel_options = copy[0], dict(copy[1])
 
@@ -556,9 +633,49 @@ def _build_executor(mesh, axis, specs, layouts, num_lead, donate, num_chunks, op
             rows = write_copies(rows, copied, tables)
         return close_rows(rows, tables, leaves)
 
+    def put_schedule(table, leaves):
+        # Per chunk c: pack the chunk's send rows of every round, then one kernel writes them into their rows
+        # on the receivers. The plan's streaming order means no row written in chunk c is read by a later
+        # chunk; within chunk c every rank has packed (read) its rows before any peer writes, because the
+        # kernel starts with a cross-device barrier and each rank's pack precedes its kernel.
+        # The kernel of chunk c also packs chunk c + 1 on a few programs, beside its writes (only chunk 0 is
+        # packed alone, by XLA): rows packed for c + 1 are not written in c (the streaming order).
+        kind, num_programs, pack_programs, stages = put
+        tables, rows = open_rows(table, leaves)
+        copy_dst, copy_src = tables["copy_dst"], tables["copy_src"]
+        send_rows, send_dst = tables["send_rows"], tables["send_dst"]  # [G - 1, C]
+        steps = len(chunk_bounds) - 1 if num_ranks > 1 and send_rows.shape[-1] else 0
+        offsets = wire_offsets(layouts)
+        part = lambda c: slice(chunk_bounds[c], chunk_bounds[c + 1])  # noqa: E731
+        copied = [r[copy_src] for r in rows] if copy_dst.shape[0] else None
+        if copied is not None:  # the local copies read the old rows before any kernel writes them in place
+            rows, copied = jax.lax.optimization_barrier((rows, copied))
+        packed = pack_rows(rows, layouts, send_rows[:, part(0)].reshape(-1)) if steps else None
+        for c in range(steps):
+            per_round = part(c).stop - part(c).start
+            dst = send_dst[:, part(c)].reshape(-1)  # [(G - 1) * per_round]: rows on the receivers
+            following = send_rows[:, part(c + 1)].reshape(-1) if c + 1 < steps else None
+            if kind == "kernel":
+                rows, packed = _nvlink.put_rows(packed, dst, rows, following, axis=axis, num_ranks=num_ranks,
+                                                rows_per_round=per_round, offsets=offsets, num_programs=num_programs,
+                                                pack_programs=pack_programs, stages=stages)
+                continue
+            # The same data flow with collectives (no GPU): rows and their destinations, then a scatter.
+            for d in range(1, num_ranks):
+                mine = slice((d - 1) * per_round, d * per_round)
+                perm = [(r, (r + d) % num_ranks) for r in range(num_ranks)]
+                got, where = jax.lax.ppermute((packed[mine], dst[mine]), axis, perm)
+                rows = [r.at[where].set(unpack_leaf(got, layouts, i), mode="drop", unique_indices=True)
+                        for i, r in enumerate(rows)]
+            packed = pack_rows(rows, layouts, following) if following is not None else None
+        if copied is not None:
+            rows = write_copies(rows, copied, tables)
+        return close_rows(rows, tables, leaves)
+
     table_spec = PartitionSpec(axis)
-    mapped = jax.shard_map(stream if chunk_bounds else serial, mesh=mesh, in_specs=(table_spec, list(specs)),
-                           out_specs=list(specs))
+    body = put_schedule if put else stream if chunk_bounds else serial
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=(table_spec, list(specs)), out_specs=list(specs),
+                           check_vma=not (put and put[0] == "kernel"))
     # Explicit shardings: leaves whose specs differ only in spelling (trailing None) hit the same cache entry.
     leaf_shardings = [NamedSharding(mesh, spec) for spec in specs]
     table_shardings = NamedSharding(mesh, table_spec)

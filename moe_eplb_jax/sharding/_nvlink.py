@@ -1,0 +1,232 @@
+"""Write packed rows straight into the peer GPUs' expert rows over NVLink (Pallas, Mosaic GPU).
+
+The ``"put"`` schedule of the executor (``transport``) moves a rearrangement
+chunk by chunk. A chunk's send rows of every round are packed into one
+``[N, B]`` uint32 buffer (``staged``); :func:`put_rows` then copies each
+packed row of round ``d`` into its *final* rows of rank ``(r + d) % G``'s row
+views -- TMA bulk copies HBM -> shared memory -> the peer's HBM
+(``plgpu.remote_ref``). No receive buffer, no unpack, one kernel per chunk
+instead of a collective per round and chunk. The same kernel packs the *next*
+chunk on a few of its programs (``next_rows``: local rows -> a new staged
+buffer), so after the first chunk the packing hides behind the transfer.
+
+Ordering, per chunk ``c``: the kernel starts with XLA's cross-device barrier,
+so every rank has finished its work before kernel ``c`` -- in particular
+packing chunk ``c`` -- before any peer writes chunk ``c``'s rows into it. The
+plan's streaming order (``plan.order_for_streaming``: a row is written in a
+chunk no earlier than every chunk that reads it) means no row packed for
+chunk ``c + 1`` is written in chunk ``c``, so packing it beside chunk ``c``'s
+writes is safe. Each program, once its stores have landed, signals a
+semaphore on every peer (a ``release`` at system scope); program 0 of each
+rank waits for all of them, so when the kernel returns every row written into
+this rank is complete.
+
+Peer addresses come from XLA's collective metadata, so the kernel needs every
+device of the mesh in this process (``jax.device_count() ==
+jax.local_device_count()``) and no NVSHMEM. Nothing multicast is used.
+``local=True`` writes this rank's own rows (no remote refs, no semaphores: the
+Mosaic GPU interpreter has neither), for checking the copy pipeline on CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = ["put_rows", "put_chunk_words", "can_put", "MAX_CHUNK_BYTES", "DEFAULT_STAGES", "DEFAULT_PACK_PROGRAMS"]
+
+# One TMA copy moves at most this many bytes (the largest multiple of 128 bytes dividing a leaf's row, up to
+# this); measured on 2xH200 (benchmarks/nvlink_put.py): 40 KiB x 4 stages as fast as any other configuration.
+MAX_CHUNK_BYTES = 40 * 1024
+DEFAULT_STAGES = 4
+# Programs of the kernel that pack the next chunk (the others write this chunk into the peers).
+DEFAULT_PACK_PROGRAMS = 16
+# Shared memory per block on H100 / H200 available to a kernel.
+_SMEM_BYTES = 227 * 1024
+_WORD_MULTIPLE = 32  # Lane semantics: each of the warpgroup's 128 threads arrives on a TMA barrier with bytes / 128
+
+
+def put_chunk_words(width: int, max_chunk_bytes: int = MAX_CHUNK_BYTES) -> int:
+    """Words per TMA copy for rows of ``width`` uint32 words, or 0 when no multiple of 32 words divides them."""
+    best = 0
+    for chunk in range(_WORD_MULTIPLE, min(width, max_chunk_bytes // 4) + 1, _WORD_MULTIPLE):
+        if width % chunk == 0:
+            best = chunk
+    return best
+
+
+def can_put(widths: Sequence[int], devices) -> bool:
+    """Whether the put kernel can move rows of these word widths between ``devices`` (all GPUs of this process)."""
+    devices = list(devices)
+    return (len(devices) > 1 and all(d.platform == "gpu" for d in devices)
+            and jax.device_count() == jax.local_device_count()
+            and all(put_chunk_words(int(w)) for w in widths))
+
+
+def put_rows(staged, dst, row_views, next_rows=None, *, axis: str, num_ranks: int, rows_per_round: int,
+             offsets: Sequence[int], num_programs: int = 132, pack_programs: int = DEFAULT_PACK_PROGRAMS,
+             stages: int = DEFAULT_STAGES, local: bool = False, interpret=None):
+    """Writes ``staged`` rows into the row views of the peers; call inside ``shard_map`` over ``axis``.
+
+    ``staged`` is ``[N, B]`` uint32 with ``N = (G - 1) * rows_per_round``:
+    rows ``(d - 1) * rows_per_round ...`` go to rank ``(r + d) % G``.
+    ``dst [N]`` int32 names each row's destination row in the *receiver's*
+    row views (rows at or beyond their length: padding, not written).
+    ``row_views`` are this rank's ``[num_rows, m_i]`` uint32 leaves; packed
+    row ``k`` holds leaf ``i``'s row in words ``offsets[i] : offsets[i] +
+    m_i``. ``next_rows [N']`` (optional): local rows to pack, as
+    ``pack_rows`` would, into a new ``[N', B]`` buffer by ``pack_programs``
+    of the ``num_programs`` programs (the caller guarantees no peer writes
+    them in this call).
+
+    Returns ``(row views with every row the peers sent written, the next
+    staged buffer or None)``; the row views are updated in place where the
+    caller donates them.
+    """
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    row_views = list(row_views)
+    num_rows = int(row_views[0].shape[0])
+    widths = [int(v.shape[1]) for v in row_views]
+    chunks = [put_chunk_words(w) for w in widths]
+    offsets = tuple(int(o) for o in offsets)
+    if not all(chunks):
+        raise ValueError(f"put_rows: every row must be a multiple of {_WORD_MULTIPLE * 4} bytes, got widths {widths}")
+    if stages < 2 or stages * max(chunks) * 4 > _SMEM_BYTES:
+        raise ValueError(f"put_rows: {stages} stages of {max(chunks) * 4} bytes do not fit in shared memory")
+    packing = next_rows is not None
+    pack_programs = int(pack_programs) if packing else 0
+    put_programs = int(num_programs) - pack_programs
+    if put_programs < 1 or (packing and pack_programs < 1):
+        raise ValueError(f"put_rows: {num_programs} programs cannot hold {pack_programs} packing programs and "
+                         "at least one writing program")
+    num_staged, num_next = int(staged.shape[0]), int(next_rows.shape[0]) if packing else 0
+    num_leaves = len(row_views)
+
+    def body(staged_ref, dst_ref, *refs):
+        if packing:
+            next_ref, row_refs, next_out = refs[0], refs[1 : 1 + num_leaves], refs[1 + num_leaves]
+        else:
+            next_ref, row_refs, next_out = None, refs[:num_leaves], None
+        me = None if local else lax.axis_index(axis)  # local: no mesh needed (interpreter checks)
+
+        def target(row_ref, row):  # the receiving rank's row view of packed row `row` (its round)
+            if local:
+                return row_ref
+            return plgpu.remote_ref(row_ref, {axis: lax.rem(me + 1 + lax.div(row, rows_per_round), num_ranks)})
+
+        def copy_loop(program, programs, rows, chunk, per_row, source, dest, valid, buf, loaded):
+            """Copies items ``program, program + programs, ...`` of ``rows * per_row``: TMA in, TMA out."""
+            count = lax.div(rows * per_row - program + (programs - 1), programs)
+
+            def locate(step):  # (row, first word in the leaf's row)
+                item = program + step * programs
+                return lax.div(item, per_row), lax.rem(item, per_row) * chunk
+
+            def load(step):
+                row, col = locate(step)
+                slot = lax.rem(step, stages)
+
+                @pl.when(valid(row))
+                def _():
+                    # PROMISE_IN_BOUNDS: a plain contiguous bulk copy (no tensor map, no box limit).
+                    plgpu.copy_gmem_to_smem(source(row, col), buf.at[slot, pl.ds(0, chunk)], loaded.at[slot],
+                                            oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
+
+            for s in range(stages):  # prologue: every buffer loading
+                @pl.when(s < count)
+                def _(s=s):
+                    load(s)
+
+            @pl.loop(0, count)
+            def _step(step):
+                row, col = locate(step)
+                slot = lax.rem(step, stages)
+
+                @pl.when(valid(row))
+                def _():
+                    plgpu.barrier_wait(loaded.at[slot])
+                    plgpu.copy_smem_to_gmem(buf.at[slot, pl.ds(0, chunk)], dest(row, col))
+                    # The previous step's buffer is refilled below: its store must have read it (this step's
+                    # store may still be reading its own).
+                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+
+                @pl.when(~valid(row))  # no store this step: the last one may be the previous step's
+                def _():
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+                refill = step - 1 + stages
+
+                @pl.when((step >= 1) & (refill < count))
+                def _():
+                    load(refill)
+
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the next loop's prologue reuses every buffer
+
+        def write_peers(program, buf, loaded):  # this chunk's packed rows into their rows on the receivers
+            for leaf, (row_ref, chunk, offset) in enumerate(zip(row_refs, chunks, offsets)):
+                copy_loop(program, put_programs, num_staged, chunk, widths[leaf] // chunk,
+                          lambda row, col, chunk=chunk, offset=offset: staged_ref.at[row, pl.ds(offset + col, chunk)],
+                          lambda row, col, row_ref=row_ref, chunk=chunk: target(row_ref, row).at[
+                              dst_ref[row], pl.ds(col, chunk)],
+                          lambda row: (dst_ref[row] >= 0) & (dst_ref[row] < num_rows), buf, loaded[leaf])
+
+        def pack_next(program, buf, loaded):  # the next chunk's rows, from the local row views
+            for leaf, (row_ref, chunk, offset) in enumerate(zip(row_refs, chunks, offsets)):
+                copy_loop(program, pack_programs, num_next, chunk, widths[leaf] // chunk,
+                          lambda row, col, row_ref=row_ref, chunk=chunk: row_ref.at[next_ref[row], pl.ds(col, chunk)],
+                          lambda row, col, chunk=chunk, offset=offset: next_out.at[row, pl.ds(offset + col, chunk)],
+                          lambda row: row >= 0, buf, loaded[leaf])
+
+        @functools.partial(pl.run_scoped, buf=plgpu.SMEM((stages, max(chunks)), jnp.uint32),
+                           loaded=[plgpu.Barrier(num_arrivals=1, num_barriers=stages) for _ in range(num_leaves)])
+        def _copies(buf, loaded):
+            if interpret:  # checks on CPU: one program, running each program's share in turn
+                for program in range(put_programs):
+                    write_peers(program, buf, loaded)
+                for program in range(pack_programs):
+                    pack_next(program, buf, loaded)
+            else:
+                program = lax.axis_index("programs")
+
+                @pl.when(program < put_programs)
+                def _():
+                    write_peers(program, buf, loaded)
+
+                if packing:
+                    @pl.when(program >= put_programs)
+                    def _():
+                        pack_next(program - put_programs, buf, loaded)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # every store has landed, not just left SMEM
+
+        if local:
+            return
+        done = pl.get_global(plgpu.SemaphoreType.REGULAR)  # zeroed by XLA before every launch
+        for d in range(1, num_ranks):  # release.sys: this program's writes are visible before the signal
+            pl.semaphore_signal(done, 1, device_id={axis: lax.rem(me + d, num_ranks)})
+
+        # One waiter suffices (the kernel ends when every program ends); the other programs stay free, so a
+        # program not yet resident can still be scheduled (no cross-GPU deadlock on occupancy).
+        @pl.when(lax.axis_index("programs") == 0)
+        def _():
+            pl.semaphore_wait(done, num_programs * (num_ranks - 1), decrement=False)
+
+    # The row views go in as mutable refs: the kernel writes them in place (mpmd_map aliases a written Ref
+    # input to its output), with no copy of the leaves.
+    refs = [jax.new_ref(v) for v in row_views]
+    out_type = jax.ShapeDtypeStruct((num_next, int(staged.shape[1])), staged.dtype) if packing else ()
+    inputs = (staged, dst) + ((next_rows,) if packing else ())
+    next_staged = plgpu.kernel(
+        body,
+        out_type=out_type,
+        grid=(1 if interpret else int(num_programs),),
+        grid_names=("programs",),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=interpret,
+    )(*inputs, *refs)
+    return [jax.freeze(r) for r in refs], (next_staged if packing else None)
