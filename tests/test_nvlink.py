@@ -187,3 +187,5 @@ def test_auto_schedule_picks_put_only_where_the_kernel_runs(monkeypatch):
         monkeypatch.setattr(_nvlink, "can_put", lambda widths, devices: all(_nvlink.put_chunk_words(w) for w in widths))
     assert resolve("auto", words, mesh) == "put"
     assert resolve("auto", odd, mesh) == "stream"  # a 12-byte row: no TMA copies, not uint32 words
+    grid = jax.make_mesh((2, 2), ("dp", "ep"), devices=jax.devices()[:4])
+    assert resolve("auto", words, grid, "ep") == "stream"  # another axis of size 2: not measured, not automatic

@@ -316,7 +316,8 @@ def test_donation_and_keep(rng):
     assert donated["float32"].is_deleted()
 
 
-def test_two_axis_mesh(rng):
+@pytest.mark.parametrize("schedule", ["auto", "put"])
+def test_two_axis_mesh(schedule, rng):
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("dp", "ep"),
                 axis_types=(jax.sharding.AxisType.Auto,) * 2)
     ckpt = checkpoint(rng, 2, 8, dtypes=[ml_dtypes.bfloat16], row=(4, 2))
@@ -325,7 +326,7 @@ def test_two_axis_mesh(rng):
     sharding = NamedSharding(mesh, PartitionSpec(None, "ep", "dp"))
     host = load(ckpt, old)["bfloat16"]
     leaf = jax.make_array_from_callback(host.shape, sharding, lambda i: host[i])
-    moved = eps.rearrange_experts({"bfloat16": leaf}, old, new, mesh=mesh)
+    moved = eps.rearrange_experts({"bfloat16": leaf}, old, new, mesh=mesh, schedule=schedule)
     assert moved["bfloat16"].sharding.is_equivalent_to(sharding, 4)
     assert_bytes_equal(moved, load(ckpt, new), 2)
 

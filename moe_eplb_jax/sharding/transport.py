@@ -232,7 +232,7 @@ def prepare_move(
     if plan.is_empty or not leaves:
         return PreparedMove(plan, mesh, treedef, tuple(positions), signature, bool(donate), None, None)
     _check_donation(leaves, donate)
-    schedule = resolve_schedule(schedule, layouts, mesh)
+    schedule = resolve_schedule(schedule, layouts, mesh, axis)
     put = _put_kind(schedule, layouts, mesh)
     num_chunks = _num_chunks(plan, layouts, max_chunk_bytes, schedule)
     plan, chunk_bounds = _streamed(plan, num_chunks, chunk_weights) if schedule != "serial" else (plan, ())
@@ -342,13 +342,20 @@ def _streamed(plan: TransportPlan, num_chunks: int, weights=None) -> tuple[Trans
     return ordered, ordered.chunk_bounds
 
 
-def resolve_schedule(schedule: str, layouts, mesh: Mesh) -> str:
-    """``schedule``, with ``"auto"`` made ``"put"`` where the NVLink kernel can move these rows, else ``"stream"``."""
+def resolve_schedule(schedule: str, layouts, mesh: Mesh, axis: str = "ep") -> str:
+    """``schedule``, with ``"auto"`` made ``"put"`` where the NVLink kernel can move these rows, else ``"stream"``.
+
+    ``"auto"`` picks the kernel only on meshes whose other axes have size 1
+    (the configuration measured on GPUs); ``"put"`` by name runs it on any
+    mesh, each group of the other axes moving among its own ranks.
+    """
     if schedule != "auto":
         return schedule
     devices = list(mesh.devices.flat)
     widths = [layout.row_bytes // 4 for layout in layouts]
-    usable = _all_gpus(devices) and wire_dtype(layouts) == np.uint32 and _nvlink.can_put(widths, devices)
+    one_axis = all(size == 1 for name, size in mesh.shape.items() if name != axis)
+    usable = (one_axis and _all_gpus(devices) and wire_dtype(layouts) == np.uint32
+              and _nvlink.can_put(widths, devices))
     return "put" if usable else "stream"
 
 
