@@ -319,7 +319,8 @@ def test_feeds_eplb_state_record(rng):
                                      {"count_method": "histogram", "tables": "head", "tile": 1024, "sub": 256},
                                      {"reduce": "atomic", "tile": 128, "sub": 64},
                                      {"reduce": "atomic", "layout": "replica_major", "tables": "shared"},
-                                     {"linear_search": 16}, {"linear_search": 3, "layout": "expert_major"}])
+                                     {"linear_search": 16}, {"linear_search": 3, "layout": "expert_major"},
+                                     {"share_buckets": 5}])
 @pytest.mark.parametrize("mode", ["hash", "resolved"])
 def test_kernel_options_match_reference(options, mode, rng):
     """The tuning knobs of the kernel (tile, sub-tile, one-hot dtype) never change the result."""
@@ -485,7 +486,8 @@ def test_pallas_kernels_lower_to_triton_ir(h100_lowering):
              + [("hash", {"count_method": m, "tables": "global"}) for m in _triton.COUNT_METHODS[1:]]
              + [(m, {"tables": t}) for m in ("hash", "resolved") for t in _triton.TABLES[1:]]
              + [(m, {"tables": t, "layout": "expert_major", "reduce": "xla", "rank_in_step": "compare"})
-                for m in ("shares", "resolved") for t in _triton.TABLES])
+                for m in ("shares", "resolved") for t in _triton.TABLES]
+             + [("shares", {"share_buckets": 6}), ("shares", {"share_buckets": 8, "tables": "global"})])
     for mode, options in cases:
 
         def run(ids, log2phy, logcnt, thresholds, limits):  # the compiled path (interpret=False)
@@ -542,7 +544,8 @@ def test_gpu_kernel_matches_reference(mode, shape, rng):
     {"reduce": "atomic"}, {"reduce": "atomic", "layout": "replica_major"},
     {"reduce": "atomic", "layout": "expert_major", "tables": "global"}, {"rank_in_step": "match"},
     {"rank_in_step": "match", "reduce": "atomic", "layout": "replica_major"}, {"linear_search": 16},
-    {"linear_search": 4}], ids=lambda o: "-".join(map(str, o.values())))
+    {"linear_search": 4}, {"share_buckets": 6}, {"share_buckets": 8, "layout": "expert_major"}],
+    ids=lambda o: "-".join(map(str, o.values())))
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("shape", [(1, 1, 8, 8), (333, 6, 512, 519), (65536, 8, 256, 288)],
                          ids=lambda s: "T{}k{}E{}P{}".format(*s))
@@ -604,3 +607,82 @@ def test_gpu_shard_map(rng):
     want_phys, want_load = oracle(ids, placement.log2phy[0], placement.logcnt[0], 288, 4096, "hash")
     np.testing.assert_array_equal(np.asarray(phys), want_phys)
     np.testing.assert_array_equal(np.asarray(load), want_load)
+
+
+# ------------------------------------------------------------ shares buckets
+@pytest.mark.parametrize("bits", [3, 6, 9])
+def test_share_buckets_count_thresholds_exactly(bits, rng):
+    """Every bucket entry gives #thresholds <= point for every point of its bucket (sampled, plus every bucket
+    start, every threshold and its neighbours), or says -1 where two or more thresholds fall inside."""
+    from moe_eplb_jax.pallas import _triton
+    from moe_eplb_jax.pallas.map_and_count import _build_thresholds
+
+    width, num_logical = 12, 40
+    logcnt = rng.integers(1, width + 1, num_logical)
+    shares = rng.integers(0, 5, (num_logical, width)).astype(np.float32) / 4
+    shares[:4] = 0.0  # all-zero rows: every threshold 0
+    shares[4:8] = 1e-4  # tiny shares: many thresholds in one bucket
+    shares[8:12, 1:] = 1e-7  # one big share, then tiny ones
+    thresholds = np.asarray(_build_thresholds("shares", jnp.asarray(shares), jnp.asarray(logcnt), width))
+    entries = _triton.share_buckets(jnp.asarray(thresholds), bits)
+    shift = 24 - bits
+    experts, points = [], []
+    for e in range(num_logical):
+        live = thresholds[e][thresholds[e] < np.iinfo(np.int32).max]
+        mine = np.concatenate([rng.integers(0, 1 << 24, 200), np.arange(1 << bits) << shift, live, live - 1,
+                               live + 1])
+        mine = mine[(mine >= 0) & (mine < (1 << 24))]
+        points.append(mine)
+        experts.append(np.full(mine.shape, e))
+    experts, points = np.concatenate(experts).astype(np.int32), np.concatenate(points).astype(np.int32)
+    # the kernel's own lookup (a gather from the flat table), for every point at once
+    got, busy = map(np.asarray, _triton._bucket_passed(entries, jnp.asarray(experts), jnp.asarray(points), bits))
+    rows = thresholds[experts]
+    want = np.sum(rows <= points[:, None], axis=1)
+    np.testing.assert_array_equal(got[~busy], want[~busy])
+    start = ((points >> shift) << shift)[:, None]
+    inner = (rows > start) & (rows < start + (1 << shift))
+    np.testing.assert_array_equal(busy, inner.sum(axis=1) >= 2)  # -1 exactly where two or more lie inside
+    crowded = int(busy.sum())
+    assert crowded > 0  # the tiny shares crowd some buckets: the fallback is exercised
+
+
+@pytest.mark.parametrize("tables, layout", [("head", "replica_major"), ("global", "expert_major")])
+@pytest.mark.parametrize("bits", [3, 6])
+def test_share_buckets_match_reference(bits, tables, layout, rng):
+    """shares with the bucket table (crowded buckets searching) equals the reference, Placement-wide tables."""
+    from moe_eplb_jax.pallas import _reference, _triton
+    from moe_eplb_jax.pallas.map_and_count import _build_thresholds
+
+    replicas = np.array([9, 5, 3, 2, 1, 1, 4, 1, 2, 12])
+    phy2log = rng.permutation(np.repeat(np.arange(replicas.size), replicas))
+    placement = Placement.from_phy2log(phy2log, replicas.size)  # rows P - E + 1 wide
+    log2phy, logcnt = jnp.asarray(placement.log2phy[0]), jnp.asarray(placement.logcnt[0])
+    width = log2phy.shape[1]
+    shares = rng.integers(0, 5, (replicas.size, width)).astype(np.float32) / 4
+    shares[0] = 0.0
+    shares[1, :] = 1e-5  # crowded: all thresholds of expert 1 but the last within a few points
+    shares[9, ::2] = 1e-6
+    thresholds = _build_thresholds("shares", jnp.asarray(shares), logcnt, width)
+    ids = jnp.asarray(random_ids(rng, 500, 4, replicas.size))
+    limits = jnp.asarray([480 * 4, 500 * 4], jnp.int32)
+    num_physical = int(replicas.sum())
+    want = _reference.map_and_count_reference(ids, log2phy, logcnt, thresholds, limits,
+                                              num_physical=num_physical, mode="shares")
+    got = _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=num_physical,
+                                       mode="shares", tables=tables, layout=layout, share_buckets=bits,
+                                       interpret=jax.default_backend() != "gpu")
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
+def test_share_buckets_option_is_checked():
+    from moe_eplb_jax.pallas import _triton
+
+    ids = jnp.zeros((4, 2), jnp.int32)
+    tables = (jnp.zeros((2, 1), jnp.int32), jnp.ones((2,), jnp.int32), jnp.zeros((2, 1), jnp.int32),
+              jnp.asarray([8, 8], jnp.int32))
+    for bits in (-1, 1, 17):
+        with pytest.raises(ValueError, match="share_buckets must be 0 or between 3 and 16"):
+            _triton.map_and_count_triton(ids, *tables, num_physical=2, mode="shares", share_buckets=bits,
+                                         interpret=True)

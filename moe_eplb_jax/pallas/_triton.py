@@ -180,6 +180,41 @@ def _count_passed(thresholds_ref, at, point, width, count, searching, linear=_LI
     return jnp.where(searching, passed, 0)
 
 
+# shares with share_buckets=b: each expert's point range [0, 2**24) in 2**b buckets. A bucket's entry is
+# base | offset << 9: base = the thresholds at or below the bucket's start, offset = where in the bucket its one
+# inner threshold lies (2**(24 - b): none); -1 when two or more thresholds fall inside (those entries search).
+_POINT_BITS = 24
+_BASE_BITS = 9  # base <= the table width: buckets need rows of at most 511 replicas
+
+
+def share_buckets(thresholds, bits: int):
+    """``[E * 2**bits]`` int32 bucket entries (see above) of non-decreasing ``[E, S]`` shares thresholds.
+
+    For a point ``p`` in bucket ``k`` (``p >> (24 - bits)``) the number of
+    thresholds ``<= p`` is ``base + (p - start >= offset)`` exactly, unless
+    the entry is -1 -- so one load, beside the head load, replaces the search
+    of almost every entry.
+    """
+    shift = _POINT_BITS - bits
+    start = jnp.arange(1 << bits, dtype=jnp.int32)[None, :, None] << shift  # [1, B, 1]
+    t = thresholds[:, None, :]  # [E, 1, S]; entries past an expert's count are int32 max
+    base = jnp.sum(t <= start, axis=-1, dtype=jnp.int32)
+    inner = (t > start) & (t < start + (1 << shift))
+    num_inner = jnp.sum(inner, axis=-1, dtype=jnp.int32)
+    first = jnp.min(jnp.where(inner, t, _INT32_MAX), axis=-1)
+    offset = jnp.where(num_inner == 0, 1 << shift, first - start[:, :, 0])
+    return jnp.where(num_inner >= 2, -1, base | (offset << _BASE_BITS)).reshape(-1)
+
+
+def _bucket_passed(buckets_ref, expert, point, bits):
+    """``(passed, crowded)``: thresholds ``<= point`` from the expert's bucket entry; crowded lanes must search."""
+    shift = _POINT_BITS - bits
+    entry = buckets_ref[expert * (1 << bits) + (point >> shift)]  # no dependence on the head load
+    offset = (entry >> _BASE_BITS) & ((1 << (shift + 1)) - 1)
+    passed = (entry & ((1 << _BASE_BITS) - 1)) + ((point & ((1 << shift) - 1)) >= offset).astype(jnp.int32)
+    return passed, entry < 0
+
+
 def _warp_aggregate(values):
     """Per element: ``(leader, count)`` over the lanes of its warp holding the same value at the same position.
 
@@ -228,9 +263,10 @@ def _rank_in_warp(values):
     return rank
 
 
-def _map_kernel(ids_ref, log2phy_ref, logcnt_ref, thresholds_ref, base_ref, rank_ref, limits_ref, zeros_ref, phys_ref,
-                hist_ref, *, mode, num_flat, top_k, num_logical, width, num_physical, tile, sub, bins, expert_bins,
-                rank_tile, count_dtype, do_count, count_method, tables, layout, reduce, linear_search, num_tiles):
+def _map_kernel(ids_ref, log2phy_ref, logcnt_ref, thresholds_ref, buckets_ref, base_ref, rank_ref, limits_ref,
+                zeros_ref, phys_ref, hist_ref, *, mode, num_flat, top_k, num_logical, width, num_physical, tile, sub,
+                bins, expert_bins, rank_tile, count_dtype, do_count, count_method, tables, layout, reduce,
+                linear_search, bucket_bits, num_tiles):
     del zeros_ref  # reduce="atomic": the zeroed load counters, aliased to hist_ref
     program = pl.program_id(0)
     count_limit = limits_ref[0]
@@ -291,8 +327,14 @@ def _map_kernel(ids_ref, log2phy_ref, logcnt_ref, thresholds_ref, base_ref, rank
                 inside_tile = plgpu.load(rank_ref.at[pl.ds(start, sub)], mask=inside, other=0)
                 point = jnp.where(flat < rank_limit, before + inside_tile, _INT32_MAX)
             # A single-replica expert takes replica 0 whatever the thresholds: no search, no loads.
+            searching = count > 1
+            if bucket_bits:  # shares: the bucket entry answers exactly, except in crowded buckets
+                quick, crowded = _bucket_passed(buckets_ref, expert, point, bucket_bits)
+                searching = searching & crowded
             passed = _count_passed(thresholds_ref, functools.partial(table_index, expert), point, width, count,
-                                   count > 1, linear=linear_search)
+                                   searching, linear=linear_search)
+            if bucket_bits:
+                passed = jnp.where(crowded, passed, quick)
             replica = jnp.where(passed < count, passed, by_hash)
 
         replica = jnp.clip(replica, 0, width - 1)
@@ -400,7 +442,7 @@ def _join_varying(*arrays):
 DEFAULTS = {"tile": None, "sub": _SUB, "tile_resolved": None, "sub_resolved": _SUB_RESOLVED,
             "warps_resolved": _WARPS_RESOLVED, "num_warps": 4, "num_stages": 3,
             "count_dtype": "int8", "count_method": "histogram", "tables": "head", "layout": "replica_major",
-            "reduce": "atomic", "rank_in_step": "match", "linear_search": _LINEAR_SEARCH}
+            "reduce": "atomic", "rank_in_step": "match", "linear_search": _LINEAR_SEARCH, "share_buckets": 0}
 # How the kernel counts: "histogram" (tt.histogram per loop step: warp ballots + popc, shared-memory atomics
 # across warps; also in interpret mode, as jnp), "onehot" (factorised one-hot products on the tensor cores),
 # "atomic" (one global atomic add per entry into the program's row of counters), "atomic_warp" (atomics
@@ -454,7 +496,11 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     (``"match"``: ``match.any``, compiled one-warp 32-entry steps only, else
     ``"compare"``); ``linear_search`` how many of a row's first thresholds
     ``shares`` / ``resolved`` load independently before bisecting the rest
-    (0: bisection only). For large inputs the defaults of a
+    (0: bisection only); ``share_buckets`` (``shares``, tables of at most 511
+    replicas): ``b`` > 0 answers the search from a table of ``2**b`` buckets
+    per expert, one load beside the head load (:func:`share_buckets`),
+    searching only in buckets holding two or more thresholds; 0 always
+    searches. For large inputs the defaults of a
     mode come from :data:`LARGE_OPTIONS` by size (options passed explicitly win).
     """
     unknown = set(config) - set(DEFAULTS)
@@ -480,6 +526,11 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
                          f"{rank_tile} and {rank_sub}")
     if int(config["linear_search"]) < 0:
         raise ValueError(f"linear_search must be >= 0, got {config['linear_search']}")
+    bucket_bits = int(config["share_buckets"])
+    if not 0 <= bucket_bits <= 16 or 0 < bucket_bits < 3:
+        raise ValueError(f"share_buckets must be 0 or between 3 and 16, got {bucket_bits}")
+    if mode != "shares" or width >= 1 << _BASE_BITS:
+        bucket_bits = 0  # only shares has uniform points; a wider row's base would not fit
     if config["rank_in_step"] not in ("compare", "match"):
         raise ValueError(f"rank_in_step must be 'compare' or 'match', got {config['rank_in_step']!r}")
     # match.any ranks one entry per lane of one warp: only 32-entry steps of one-warp programs, compiled.
@@ -508,8 +559,10 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     bins = _split_bins(num_physical)
     expert_bins = _histogram_bins(num_logical) if mode == "resolved" else 32
     hi, lo = 1 << bins[0], 1 << bins[1]
-    (ids, log2phy, logcnt, thresholds, limits), out_struct = _join_varying(
-        topk_ids.reshape(num_flat), log2phy, logcnt, thresholds, limits)
+    # From the [E, S] thresholds (transposed for the kernel only below); else unused.
+    buckets = share_buckets(thresholds, bucket_bits) if bucket_bits else jnp.zeros_like(limits[:1])
+    (ids, log2phy, logcnt, thresholds, buckets, limits), out_struct = _join_varying(
+        topk_ids.reshape(num_flat), log2phy, logcnt, thresholds, buckets, limits)
     params = plgpu.CompilerParams(num_warps=config["num_warps"], num_stages=config["num_stages"])
     whole = pl.no_block_spec
 
@@ -535,7 +588,8 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
         _map_kernel, mode=mode, num_flat=num_flat, top_k=top_k, num_logical=num_logical, width=width,
         num_physical=num_physical, tile=tile, sub=sub, bins=bins, expert_bins=expert_bins,
         rank_tile=rank_tile, count_dtype=count_dtype, do_count=count, count_method=count_method, tables=tables,
-        layout=layout, reduce=reduce, linear_search=int(config["linear_search"]), num_tiles=num_tiles)
+        layout=layout, reduce=reduce, linear_search=int(config["linear_search"]), bucket_bits=bucket_bits,
+        num_tiles=num_tiles)
     if layout == "replica_major":
         log2phy, thresholds = log2phy.T, thresholds.T  # [S, E]; log2phy.T[0] is still the first replicas
         first_slots = log2phy[0]
@@ -566,14 +620,14 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     phys, partial = pl.pallas_call(
         kernel,
         grid=(num_tiles,),
-        in_specs=[whole] * 8,
+        in_specs=[whole] * 9,
         out_specs=[whole, hist_spec],
         out_shape=[out_struct((num_flat,), jnp.int32), out_struct(hist_shape, partial_dtype)],
-        input_output_aliases={7: 1} if reduce == "atomic" else {},
+        input_output_aliases={8: 1} if reduce == "atomic" else {},
         compiler_params=params,
         interpret=interpret,
         name="map_and_count",
-    )(ids, log2phy_flat, logcnt, thresholds.reshape(-1), base, rank, limits, zeros)
+    )(ids, log2phy_flat, logcnt, thresholds.reshape(-1), buckets, base, rank, limits, zeros)
     if reduce == "atomic":
         return phys.reshape(num_tokens, top_k), partial
     if count_method == "histogram":  # a row reduction: XLA's column reductions of [num_tiles, P] were 2-3x slower
