@@ -15,7 +15,7 @@ memory (``memory_stats`` and XLA's static temp size) over bytes moved,
 compiles, host planning time; and the floor of a chunked executor: the same
 bytes in as many chained ppermutes as it issues. Correctness: per-slot hashes
 after each first move are checked against the expected source slots; all
-dtypes byte-exact (both schedules).
+dtypes byte-exact (every schedule).
 
 Variants are '+'-joined parts (``--variants default stream+lhs words+d2``):
   own | words    rows in their own dtype / as uint32 words (default: words on GPU)
