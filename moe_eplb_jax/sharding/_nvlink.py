@@ -168,19 +168,29 @@ def put_rows(staged, dst, row_views, next_rows=None, *, axis: str, num_ranks: in
 
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the next loop's prologue reuses every buffer
 
+        def is_real(row):  # padding rows name destinations past the receiver's rows
+            return (dst_ref[row] >= 0) & (dst_ref[row] < num_rows)
+
         def write_peers(program, buf, loaded):  # this chunk's packed rows into their rows on the receivers
             for leaf, (row_ref, chunk, offset) in enumerate(zip(row_refs, chunks, offsets)):
-                copy_loop(program, put_programs, num_staged, chunk, widths[leaf] // chunk,
-                          lambda row, col, chunk=chunk, offset=offset: staged_ref.at[row, pl.ds(offset + col, chunk)],
-                          lambda row, col, row_ref=row_ref, chunk=chunk: target(row_ref, row).at[
-                              dst_ref[row], pl.ds(col, chunk)],
-                          lambda row: (dst_ref[row] >= 0) & (dst_ref[row] < num_rows), buf, loaded[leaf])
+                def packed(row, col, chunk=chunk, offset=offset):  # this leaf's words of packed row `row`
+                    return staged_ref.at[row, pl.ds(offset + col, chunk)]
+
+                def on_receiver(row, col, row_ref=row_ref, chunk=chunk):  # where they go on the receiving rank
+                    return target(row_ref, row).at[dst_ref[row], pl.ds(col, chunk)]
+
+                copy_loop(program, put_programs, num_staged, chunk, widths[leaf] // chunk, packed, on_receiver,
+                          is_real, buf, loaded[leaf])
 
         def pack_next(program, buf, loaded):  # the next chunk's rows, from the local row views
             for leaf, (row_ref, chunk, offset) in enumerate(zip(row_refs, chunks, offsets)):
-                copy_loop(program, pack_programs, num_next, chunk, widths[leaf] // chunk,
-                          lambda row, col, row_ref=row_ref, chunk=chunk: row_ref.at[next_ref[row], pl.ds(col, chunk)],
-                          lambda row, col, chunk=chunk, offset=offset: next_out.at[row, pl.ds(offset + col, chunk)],
+                def local_row(row, col, row_ref=row_ref, chunk=chunk):  # local row next_rows[row] of this leaf
+                    return row_ref.at[next_ref[row], pl.ds(col, chunk)]
+
+                def next_packed(row, col, chunk=chunk, offset=offset):  # its place in the next staged buffer
+                    return next_out.at[row, pl.ds(offset + col, chunk)]
+
+                copy_loop(program, pack_programs, num_next, chunk, widths[leaf] // chunk, local_row, next_packed,
                           lambda row: row >= 0, buf, loaded[leaf])
 
         @functools.partial(pl.run_scoped, buf=plgpu.SMEM((stages, max(chunks)), jnp.uint32),
