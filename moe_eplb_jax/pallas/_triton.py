@@ -561,6 +561,8 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     hi, lo = 1 << bins[0], 1 << bins[1]
     # From the [E, S] thresholds (transposed for the kernel only below); else unused.
     buckets = share_buckets(thresholds, bucket_bits) if bucket_bits else jnp.zeros_like(limits[:1])
+    if mode not in ("shares", "resolved"):  # no search: no [E, S] buffer to write (transposed) on every call
+        thresholds = jnp.zeros((1, 1), jnp.int32)
     (ids, log2phy, logcnt, thresholds, buckets, limits), out_struct = _join_varying(
         topk_ids.reshape(num_flat), log2phy, logcnt, thresholds, buckets, limits)
     params = plgpu.CompilerParams(num_warps=config["num_warps"], num_stages=config["num_stages"])
