@@ -208,6 +208,13 @@ SWEEP = [  # (mode, T, P, options): T x 8 entries; the defaults first in each gr
     ("shares", 262144, 512, {"share_buckets": 8}), ("shares", 65536, 512, {}),
     ("shares", 65536, 512, {"share_buckets": 6}), ("shares", 4096, 288, {}), ("shares", 4096, 288, {"share_buckets": 6}),
     ("shares", 262144, 288, {"share_buckets": 6, "count": False}), ("hash", 262144, 288, {"count": False}),
+    # resolved's rank kernel with its running counts in memory (a gather, a store and a block barrier per 32-entry
+    # step instead of tt.histogram + tt.gather); with a shorter chain per step, larger rank tiles (fewer rows for
+    # XLA's cumsum) may pay. Sixth session, defaults: 55.0 / 60.3 us at P = 288 / 512, rank kernel 26.2 us.
+    ("resolved", 262144, 288, {}), ("resolved", 262144, 288, {"rank_running": "memory"}),
+    ("resolved", 262144, 288, {"rank_running": "memory", "tile_resolved": 4096}),
+    ("resolved", 262144, 288, {"rank_running": "memory", "tile_resolved": 256}),
+    ("resolved", 262144, 512, {"rank_running": "memory"}), ("resolved", 8192, 288, {"rank_running": "memory"}),
 ]
 
 

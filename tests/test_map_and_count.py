@@ -320,7 +320,8 @@ def test_feeds_eplb_state_record(rng):
                                      {"reduce": "atomic", "tile": 128, "sub": 64},
                                      {"reduce": "atomic", "layout": "replica_major", "tables": "shared"},
                                      {"linear_search": 16}, {"linear_search": 3, "layout": "expert_major"},
-                                     {"share_buckets": 5}])
+                                     {"share_buckets": 5}, {"rank_running": "memory"},
+                                     {"rank_running": "memory", "tile_resolved": 256, "sub_resolved": 64}])
 @pytest.mark.parametrize("mode", ["hash", "resolved"])
 def test_kernel_options_match_reference(options, mode, rng):
     """The tuning knobs of the kernel (tile, sub-tile, one-hot dtype) never change the result."""
@@ -363,12 +364,15 @@ def test_kernel_options_match_reference(options, mode, rng):
     reduce=st.sampled_from(["xla", "atomic"]),
     tables=st.sampled_from(["head", "global", "shared"]),
     linear_search=st.sampled_from([0, 2, 16]),
+    share_buckets=st.sampled_from([0, 3, 6]),
+    rank_running=st.sampled_from(["registers", "memory"]),
     seed=st.integers(0, 2**31),
 )
 def test_kernel_option_combinations_match_reference(num_tokens, top_k, num_logical, extra_slots, mode, layout,
-                                                    reduce, tables, linear_search, seed):
-    """Any combination of the kernel's layout / reduction / lookup / search options gives the reference's ids and
-    loads (Pallas in interpret mode on CPU, compiled on GPU)."""
+                                                    reduce, tables, linear_search, share_buckets, rank_running,
+                                                    seed):
+    """Any combination of the kernel's layout / reduction / lookup / search / rank options gives the reference's
+    ids and loads (Pallas in interpret mode on CPU, compiled on GPU)."""
     from moe_eplb_jax.pallas import _reference, _triton
     from moe_eplb_jax.pallas.map_and_count import _build_thresholds
 
@@ -387,7 +391,8 @@ def test_kernel_option_combinations_match_reference(num_tokens, top_k, num_logic
                                               mode=mode)
     got = _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=num_physical,
                                        mode=mode, layout=layout, reduce=reduce, tables=tables,
-                                       linear_search=linear_search, interpret=jax.default_backend() != "gpu")
+                                       linear_search=linear_search, share_buckets=share_buckets,
+                                       rank_running=rank_running, interpret=jax.default_backend() != "gpu")
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
 
@@ -487,7 +492,9 @@ def test_pallas_kernels_lower_to_triton_ir(h100_lowering):
              + [(m, {"tables": t}) for m in ("hash", "resolved") for t in _triton.TABLES[1:]]
              + [(m, {"tables": t, "layout": "expert_major", "reduce": "xla", "rank_in_step": "compare"})
                 for m in ("shares", "resolved") for t in _triton.TABLES]
-             + [("shares", {"share_buckets": 6}), ("shares", {"share_buckets": 8, "tables": "global"})])
+             + [("shares", {"share_buckets": 6}), ("shares", {"share_buckets": 8, "tables": "global"}),
+                ("resolved", {"rank_running": "memory"}),
+                ("resolved", {"rank_running": "memory", "sub_resolved": 64, "warps_resolved": 2})])
     for mode, options in cases:
 
         def run(ids, log2phy, logcnt, thresholds, limits):  # the compiled path (interpret=False)
@@ -544,7 +551,8 @@ def test_gpu_kernel_matches_reference(mode, shape, rng):
     {"reduce": "atomic"}, {"reduce": "atomic", "layout": "replica_major"},
     {"reduce": "atomic", "layout": "expert_major", "tables": "global"}, {"rank_in_step": "match"},
     {"rank_in_step": "match", "reduce": "atomic", "layout": "replica_major"}, {"linear_search": 16},
-    {"linear_search": 4}, {"share_buckets": 6}, {"share_buckets": 8, "layout": "expert_major"}],
+    {"linear_search": 4}, {"share_buckets": 6}, {"share_buckets": 8, "layout": "expert_major"},
+    {"rank_running": "memory"}, {"rank_running": "memory", "rank_in_step": "compare"}],
     ids=lambda o: "-".join(map(str, o.values())))
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("shape", [(1, 1, 8, 8), (333, 6, 512, 519), (65536, 8, 256, 288)],

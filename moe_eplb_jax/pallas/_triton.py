@@ -44,6 +44,11 @@ cross-program look-back, so it runs three kernels over *rank tiles* of
    Its loop reads only the ids (which Triton prefetches) and writes the ranks:
    no gather from memory on the chain from one sub-tile to the next. Its
    final running histogram is the tile's (quota-consuming entries only).
+   ``rank_running="memory"`` (an option, not yet measured) keeps the running
+   counts in the program's row of the histogram output instead: per step one
+   gather of the 32 entries' counts, one store of the new counts, and a block
+   barrier (which orders the block's global accesses) --
+   a short chain instead of ``tt.histogram`` + ``tt.gather`` per step.
 2. XLA: per-tile bases, an exclusive cumsum of those histograms over tiles
    (``[num_rank_tiles, E_pad]``, small).
 3. ``_map_kernel``: point = base[rank tile, e] + rank, then the threshold
@@ -388,21 +393,31 @@ def _map_kernel(ids_ref, log2phy_ref, logcnt_ref, thresholds_ref, buckets_ref, b
         hist_ref[0] = hist
 
 
+def _rank_step_ids(ids_ref, program, index, tile, sub, num_flat, num_logical, rank_limit):
+    """One rank step's ``(start, inside, rank_valid, e_bins)``: its entries' experts, -1 where they consume no quota."""
+    start = pl.multiple_of(program * tile + index * sub, sub)
+    flat = start + jnp.arange(sub, dtype=jnp.int32)
+    inside = flat < num_flat
+    ids = plgpu.load(ids_ref.at[pl.ds(start, sub)], mask=inside, other=-1)
+    rank_valid = (ids >= 0) & (ids < num_logical) & (flat < rank_limit)
+    return start, inside, rank_valid, jnp.where(rank_valid, ids, -1)
+
+
 def _rank_kernel(ids_ref, limits_ref, rank_ref, hist_ref, *, num_flat, num_logical, tile, sub, expert_bins,
-                 in_step):
+                 in_step, running, barrier):
     """Each entry's rank among the earlier quota-consuming entries of its expert in this program's tile,
     and the tile's histogram of those entries."""
     program = pl.program_id(0)
     rank_limit = limits_ref[1]
     earlier_position = _iota((sub, sub), 1) < _iota((sub, sub), 0)
+    if running == "memory":
+        return _rank_in_memory(program, ids_ref, rank_limit, rank_ref, hist_ref, num_flat=num_flat,
+                               num_logical=num_logical, tile=tile, sub=sub, expert_bins=expert_bins,
+                               in_step=in_step, earlier_position=earlier_position, barrier=barrier)
 
     def step(index, running):
-        start = pl.multiple_of(program * tile + index * sub, sub)
-        flat = start + jnp.arange(sub, dtype=jnp.int32)
-        inside = flat < num_flat
-        ids = plgpu.load(ids_ref.at[pl.ds(start, sub)], mask=inside, other=-1)
-        rank_valid = (ids >= 0) & (ids < num_logical) & (flat < rank_limit)
-        e_bins = jnp.where(rank_valid, ids, -1)
+        start, inside, rank_valid, e_bins = _rank_step_ids(ids_ref, program, index, tile, sub, num_flat,
+                                                           num_logical, rank_limit)
         earlier = take(running, jnp.maximum(e_bins, 0))  # entries of e in earlier sub-tiles
         if in_step == "match":  # ... at earlier positions of this one (one entry per lane)
             before = _rank_in_warp(e_bins)  # lanes of -1 rank among themselves: ranks nobody reads
@@ -413,6 +428,47 @@ def _rank_kernel(ids_ref, limits_ref, rank_ref, hist_ref, *, num_flat, num_logic
         return running + histogram(e_bins, expert_bins)
 
     hist_ref[0] = jax.lax.fori_loop(0, tile // sub, step, jnp.zeros((expert_bins,), jnp.int32))
+
+
+def _rank_in_memory(program, ids_ref, rank_limit, rank_ref, hist_ref, *, num_flat, num_logical, tile, sub,
+                    expert_bins, in_step, earlier_position, barrier):
+    """``_rank_kernel`` with the running counts in this program's row of the flat ``[tiles * 2 * E_pad]`` output.
+
+    A row is ``2 * E_pad`` long: entry ``E_pad`` is where entries of no expert
+    point (masked off: on the GPU they write nothing; interpret mode's masked
+    scatter writes back the value it read, which must not land on a real bin).
+
+    Per step: gather the counts of the step's experts, rank inside the step,
+    every entry stores its expert's count plus the step's entries of that
+    expert (equal values to one address), then a block barrier, which makes
+    the block's global writes visible to its later reads (``barrier``; interpret
+    mode runs in order and has no barrier).
+    """
+    row = pl.multiple_of(program * 2 * expert_bins, expert_bins)
+    plgpu.store(hist_ref.at[pl.ds(row, expert_bins)], jnp.zeros((expert_bins,), jnp.int32))
+    if barrier:
+        plgpu.debug_barrier()
+
+    def step(index, carry):
+        start, inside, rank_valid, e_bins = _rank_step_ids(ids_ref, program, index, tile, sub, num_flat,
+                                                           num_logical, rank_limit)
+        at = row + jnp.where(rank_valid, e_bins, expert_bins)
+        earlier = plgpu.load(hist_ref.at[at], mask=rank_valid, other=0)
+        if in_step == "match":
+            _, same = _warp_aggregate(e_bins)
+            before = _rank_in_warp(e_bins)
+        else:
+            equal = e_bins[:, None] == e_bins[None, :]
+            before = jnp.sum((equal & earlier_position).astype(jnp.int32), axis=1)
+            same = jnp.sum(equal.astype(jnp.int32), axis=1)
+        plgpu.store(rank_ref.at[pl.ds(start, sub)], earlier + before, mask=inside)
+        # Every entry of an expert stores the same new count (no masked-off lane can write back a stale one).
+        plgpu.store(hist_ref.at[at], earlier + same, mask=rank_valid)
+        if barrier:
+            plgpu.debug_barrier()
+        return carry
+
+    jax.lax.fori_loop(0, tile // sub, step, jnp.int32(0))
 
 
 def _join_varying(*arrays):
@@ -442,7 +498,8 @@ def _join_varying(*arrays):
 DEFAULTS = {"tile": None, "sub": _SUB, "tile_resolved": None, "sub_resolved": _SUB_RESOLVED,
             "warps_resolved": _WARPS_RESOLVED, "num_warps": 4, "num_stages": 3,
             "count_dtype": "int8", "count_method": "histogram", "tables": "head", "layout": "replica_major",
-            "reduce": "atomic", "rank_in_step": "match", "linear_search": _LINEAR_SEARCH, "share_buckets": 0}
+            "reduce": "atomic", "rank_in_step": "match", "linear_search": _LINEAR_SEARCH, "share_buckets": 0,
+            "rank_running": "registers"}
 # How the kernel counts: "histogram" (tt.histogram per loop step: warp ballots + popc, shared-memory atomics
 # across warps; also in interpret mode, as jnp), "onehot" (factorised one-hot products on the tensor cores),
 # "atomic" (one global atomic add per entry into the program's row of counters), "atomic_warp" (atomics
@@ -492,7 +549,10 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     methods by ``"histogram"``) and ``tables`` how it looks up the placement
     (:data:`TABLES`), ``layout`` how those tables lie in memory (:data:`LAYOUTS`),
     ``reduce`` how the programs' histograms become the loads (:data:`REDUCES`)
-    and ``rank_in_step`` how ``resolved`` ranks entries inside a 32-entry step
+    and ``rank_in_step`` how ``resolved`` ranks entries inside a 32-entry step,
+    ``rank_running`` where its rank kernel keeps the running per-expert counts
+    (``"registers"``: ``tt.histogram`` / ``tt.gather``; ``"memory"``: the
+    program's row of the histogram output)
     (``"match"``: ``match.any``, compiled one-warp 32-entry steps only, else
     ``"compare"``); ``linear_search`` how many of a row's first thresholds
     ``shares`` / ``resolved`` load independently before bisecting the rest
@@ -533,6 +593,9 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
         bucket_bits = 0  # only shares has uniform points; a wider row's base would not fit
     if config["rank_in_step"] not in ("compare", "match"):
         raise ValueError(f"rank_in_step must be 'compare' or 'match', got {config['rank_in_step']!r}")
+    if config["rank_running"] not in ("registers", "memory"):
+        raise ValueError(f"rank_running must be 'registers' or 'memory', got {config['rank_running']!r}")
+    running = config["rank_running"]
     # match.any ranks one entry per lane of one warp: only 32-entry steps of one-warp programs, compiled.
     one_per_lane = rank_sub == 32 and int(config["warps_resolved"]) == 1 and not interpret
     in_step = "match" if config["rank_in_step"] == "match" and one_per_lane else "compare"
@@ -570,18 +633,24 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
 
     if mode == "resolved":
         rank_tiles = pl.cdiv(num_flat, rank_tile)
+        # "memory": the histogram output is flat (each program gathers from and scatters to its own row, of
+        # which the first half is the histogram).
+        hist_spec = whole if running == "memory" else pl.BlockSpec((1, expert_bins), lambda i: (i, 0))
+        hist_shape = (rank_tiles * 2 * expert_bins,) if running == "memory" else (rank_tiles, expert_bins)
         rank, per_tile = pl.pallas_call(
             functools.partial(_rank_kernel, num_flat=num_flat, num_logical=num_logical, tile=rank_tile,
-                              sub=rank_sub, expert_bins=expert_bins, in_step=in_step),
+                              sub=rank_sub, expert_bins=expert_bins, in_step=in_step, running=running,
+                              barrier=not interpret),
             grid=(rank_tiles,),
             in_specs=[whole, whole],
-            out_specs=[whole, pl.BlockSpec((1, expert_bins), lambda i: (i, 0))],
-            out_shape=[out_struct((num_flat,), jnp.int32), out_struct((rank_tiles, expert_bins), jnp.int32)],
+            out_specs=[whole, hist_spec],
+            out_shape=[out_struct((num_flat,), jnp.int32), out_struct(hist_shape, jnp.int32)],
             compiler_params=plgpu.CompilerParams(num_warps=int(config["warps_resolved"]),
                                                  num_stages=config["num_stages"]),
             interpret=interpret,
             name="expert_rank",
         )(ids, limits)
+        per_tile = per_tile.reshape(rank_tiles, -1)[:, :expert_bins]
         base = (jnp.cumsum(per_tile, axis=0, dtype=jnp.int32) - per_tile).reshape(-1)
     else:
         base = rank = jnp.zeros_like(limits[:1])  # unused; share the inputs' manual axes
