@@ -199,8 +199,8 @@ def pallas_copy(x, block=2048, num_warps=4):
 
 SWEEP = [  # (mode, T, P, options): T x 8 entries; the defaults first in each group; "count": False skips counting
     # Next to measure: shares answered from a bucket table (share_buckets=b: 2**b buckets per expert, one load
-    # beside the head load instead of the threshold search's dependent loads; the table is built by XLA per call,
-    # its kernel counted here). Sixth session, bisection bounded by the replica count (the default): shares 20.95 /
+    # beside the head load instead of the threshold search's dependent loads; the table is built by XLA per call
+    # from the traced thresholds, its kernel counted here). Sixth session, bisection bounded by the replica count (the default): shares 20.95 /
     # 27.08 us at P = 288 / 512, mapping alone (count=False) 17.90 vs hash 7.95.
     ("shares", 262144, 288, {}), ("shares", 262144, 288, {"share_buckets": 6}),
     ("shares", 262144, 288, {"share_buckets": 4}), ("shares", 262144, 288, {"share_buckets": 8}),

@@ -201,13 +201,15 @@ def share_buckets(thresholds, bits: int):
     of almost every entry.
     """
     shift = _POINT_BITS - bits
-    start = jnp.arange(1 << bits, dtype=jnp.int32)[None, :, None] << shift  # [1, B, 1]
-    t = thresholds[:, None, :]  # [E, 1, S]; entries past an expert's count are int32 max
-    base = jnp.sum(t <= start, axis=-1, dtype=jnp.int32)
-    inner = (t > start) & (t < start + (1 << shift))
-    num_inner = jnp.sum(inner, axis=-1, dtype=jnp.int32)
-    first = jnp.min(jnp.where(inner, t, _INT32_MAX), axis=-1)
-    offset = jnp.where(num_inner == 0, 1 << shift, first - start[:, :, 0])
+    start = jnp.arange(1 << bits, dtype=jnp.int32) << shift  # [B]
+    # Rows are sorted (entries past an expert's count are int32 max): two binary searches per bucket, unrolled
+    # into one fusion, instead of comparing every bucket with every threshold ([E, B, S]).
+    count_le = jax.vmap(lambda row, points: jnp.searchsorted(row, points, side="right", method="scan_unrolled"),
+                        in_axes=(0, None))
+    base = count_le(thresholds, start).astype(jnp.int32)  # [E, B]: thresholds <= the bucket's start
+    num_inner = count_le(thresholds, start + ((1 << shift) - 1)).astype(jnp.int32) - base  # start < t < end
+    first = jnp.take_along_axis(thresholds, jnp.minimum(base, thresholds.shape[1] - 1), axis=1)  # the first inner
+    offset = jnp.where(num_inner == 0, 1 << shift, first - start[None, :])
     return jnp.where(num_inner >= 2, -1, base | (offset << _BASE_BITS)).reshape(-1)
 
 
