@@ -189,3 +189,26 @@ def test_auto_schedule_picks_put_only_where_the_kernel_runs(monkeypatch):
     assert resolve("auto", odd, mesh) == "stream"  # a 12-byte row: no TMA copies, not uint32 words
     grid = jax.make_mesh((2, 2), ("dp", "ep"), devices=jax.devices()[:4])
     assert resolve("auto", words, grid, "ep") == "stream"  # another axis of size 2: not measured, not automatic
+
+
+def test_put_executor_lowers_to_kernels_without_collectives(monkeypatch):
+    """The put executor's kernel path (traced on CPU only here, exported for CUDA): one Mosaic GPU kernel per
+    chunk, no collective-permute, the leaves aliased in place."""
+    monkeypatch.setattr(eps.transport, "_all_gpus", lambda devices: True)  # as if on GPUs
+    monkeypatch.setattr(_nvlink, "can_put", lambda widths, devices: all(_nvlink.put_chunk_words(w) for w in widths))
+    rng = np.random.default_rng(0)
+    mesh = eps.ep_mesh(2)
+    layers, slots = 3, 8
+    experts = {"w": np.zeros((layers, slots, 64), np.float32), "s": np.zeros((layers, slots, 128), np.uint8)}
+    monkeypatch.setattr(eps.transport, "WORD_VIEW", True)
+    experts = eps.shard_slots(experts, mesh, layered=True)
+    old = np.stack([rng.permutation(slots) for _ in range(layers)])
+    new = np.stack([np.roll(row, 4) for row in old])  # every slot changes rank: all rows move
+    plan = eps.plan_rearrangement(old, new, 2)
+    move = eps.prepare_move(experts, plan, mesh=mesh, max_chunk_bytes=3 * (64 * 4 + 128))  # 3 rows a chunk
+    leaves = [experts[k] for k in sorted(experts)]
+    text = jax.export.export(move.run, platforms=["cuda"])(move.tables, leaves).mlir_module()
+    steps = len(move.plan.chunk_bounds) - 1
+    assert steps > 1 and text.count("stablehlo.custom_call @mosaic_gpu_v2") == steps
+    assert "collective_permute" not in text
+    assert "uses_xla_collective_metadata = true" in text
