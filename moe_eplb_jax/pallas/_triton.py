@@ -223,30 +223,29 @@ def _bucket_passed(buckets_ref, expert, point, bits):
 
 
 def _warp_aggregate(values):
-    """Per element: ``(leader, count)`` over the lanes of its warp holding the same value at the same position.
+    """Per element: ``(rank, count)`` over the lanes of its warp holding the same value at the same position.
 
-    ``leader`` is true on the lowest such lane and ``count`` is how many lanes
-    share the value (PTX ``match.any`` + ``popc``): one atomic per distinct
-    value per warp instruction instead of one per entry, so a hot slot does not
-    serialise 32 atomics in L2. GPU only (inline PTX). One packed result
-    (``count | leader << 16``): jax 0.11.2 lowers a multi-result inline asm to
-    one value.
+    ``rank`` is how many lower lanes hold the value (0: the lane leads its
+    group) and ``count`` how many lanes hold it (PTX ``match.any`` + ``popc``):
+    e.g. one atomic per distinct value per warp instruction instead of one per
+    entry, so a hot slot does not serialise 32 atomics in L2. GPU only (inline
+    PTX). One packed result (``count | rank << 16``): jax 0.11.2 lowers a
+    multi-result inline asm to one value.
     """
     (packed,) = plgpu.elementwise_inline_asm(
         """{
-        .reg .b32 same, below, count;
-        .reg .pred first;
+        .reg .b32 same, below;
         match.any.sync.b32 same, $1, -1;
         mov.u32 below, %lanemask_lt;
         and.b32 below, same, below;
-        setp.eq.u32 first, below, 0;
-        popc.b32 count, same;
-        selp.u32 below, 65536, 0, first;
-        or.b32 $0, count, below;
+        popc.b32 below, below;
+        popc.b32 same, same;
+        shl.b32 below, below, 16;
+        or.b32 $0, same, below;
         }""",
         args=[values], constraints="=r,r", pack=1,
         result_shape_dtypes=[jax.ShapeDtypeStruct(values.shape, jnp.int32)])
-    return (packed >> 16) > 0, packed & 0xFFFF
+    return packed >> 16, packed & 0xFFFF
 
 
 def _rank_in_warp(values):
@@ -362,9 +361,9 @@ def _map_kernel(ids_ref, log2phy_ref, logcnt_ref, thresholds_ref, buckets_ref, b
                 plgpu.atomic_add(hist_ref, row0 + jnp.maximum(counted, 0), jnp.ones(counted.shape, jnp.float32),
                                  mask=counted >= 0)
             elif count_method == "atomic_warp":
-                leader, same = _warp_aggregate(counted)
+                below, same = _warp_aggregate(counted)
                 plgpu.atomic_add(hist_ref, row0 + jnp.maximum(counted, 0), same.astype(jnp.float32),
-                                 mask=leader & (counted >= 0))
+                                 mask=(below == 0) & (counted >= 0))
             elif count_method == "histogram":
                 hist = hist + histogram(counted, hist.shape[0])
             elif count_dtype == jnp.int8:
@@ -456,9 +455,8 @@ def _rank_in_memory(program, ids_ref, rank_limit, rank_ref, hist_ref, *, num_fla
                                                            num_logical, rank_limit)
         at = row + jnp.where(rank_valid, e_bins, expert_bins)
         earlier = plgpu.load(hist_ref.at[at], mask=rank_valid, other=0)
-        if in_step == "match":
-            _, same = _warp_aggregate(e_bins)
-            before = _rank_in_warp(e_bins)
+        if in_step == "match":  # one match.any for both
+            before, same = _warp_aggregate(e_bins)
         else:
             equal = e_bins[:, None] == e_bins[None, :]
             before = jnp.sum((equal & earlier_position).astype(jnp.int32), axis=1)
@@ -551,12 +549,11 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     methods by ``"histogram"``) and ``tables`` how it looks up the placement
     (:data:`TABLES`), ``layout`` how those tables lie in memory (:data:`LAYOUTS`),
     ``reduce`` how the programs' histograms become the loads (:data:`REDUCES`)
-    and ``rank_in_step`` how ``resolved`` ranks entries inside a 32-entry step,
-    ``rank_running`` where its rank kernel keeps the running per-expert counts
-    (``"registers"``: ``tt.histogram`` / ``tt.gather``; ``"memory"``: the
-    program's row of the histogram output)
+    and ``rank_in_step`` how ``resolved`` ranks entries inside a 32-entry step
     (``"match"``: ``match.any``, compiled one-warp 32-entry steps only, else
-    ``"compare"``); ``linear_search`` how many of a row's first thresholds
+    ``"compare"``), ``rank_running`` where its rank kernel keeps the running
+    per-expert counts (``"registers"``: ``tt.histogram`` / ``tt.gather``;
+    ``"memory"``: the program's row of the histogram output); ``linear_search`` how many of a row's first thresholds
     ``shares`` / ``resolved`` load independently before bisecting the rest
     (0: bisection only); ``share_buckets`` (``shares``, tables of at most 511
     replicas): ``b`` > 0 answers the search from a table of ``2**b`` buckets
