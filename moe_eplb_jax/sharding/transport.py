@@ -352,11 +352,8 @@ def resolve_schedule(schedule: str, layouts, mesh: Mesh, axis: str = "ep") -> st
     if schedule != "auto":
         return schedule
     devices = list(mesh.devices.flat)
-    widths = [layout.row_bytes // 4 for layout in layouts]
     one_axis = all(size == 1 for name, size in mesh.shape.items() if name != axis)
-    usable = (one_axis and _all_gpus(devices) and wire_dtype(layouts) == np.uint32
-              and _nvlink.can_put(widths, devices))
-    return "put" if usable else "stream"
+    return "put" if one_axis and _all_gpus(devices) and _kernel_moves(layouts, devices) else "stream"
 
 
 def _put_kind(schedule: str, layouts, mesh: Mesh) -> str:
@@ -370,8 +367,7 @@ def _put_kind(schedule: str, layouts, mesh: Mesh) -> str:
     devices = list(mesh.devices.flat)
     if not _all_gpus(devices):
         return "emulated"
-    widths = [layout.row_bytes // 4 for layout in layouts]
-    if wire_dtype(layouts) != np.uint32 or not _nvlink.can_put(widths, devices):
+    if not _kernel_moves(layouts, devices):
         raise ValueError(
             "schedule='put' needs every device of the mesh in this process and slot rows of a multiple of 128 "
             f"bytes per leaf (got {[layout.row_bytes for layout in layouts]} bytes, "
@@ -381,6 +377,12 @@ def _put_kind(schedule: str, layouts, mesh: Mesh) -> str:
 
 def _all_gpus(devices) -> bool:
     return all(d.platform == "gpu" for d in devices)
+
+
+def _kernel_moves(layouts, devices) -> bool:
+    """Whether the put kernel can move these rows (uint32 words of a multiple of 128 bytes) between ``devices``."""
+    widths = [layout.row_bytes // 4 for layout in layouts]
+    return wire_dtype(layouts) == np.uint32 and _nvlink.can_put(widths, devices)
 
 
 def _copy_programs(copy_programs, leaves, layouts, plan) -> int:
