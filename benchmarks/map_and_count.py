@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_eplb_jax.pallas import _reference, _triton
-from moe_eplb_jax.pallas.map_and_count import _build_thresholds, map_and_count
+from moe_eplb_jax.pallas.map_and_count import _build_thresholds, lookup_table, map_and_count
 from moe_eplb_jax.placement import Placement
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -121,18 +121,21 @@ def run_case(rng, num_tokens, top_k, num_physical, mode, bandwidth, log):
     # tables; shares change per batch): what the wrapper builds from them runs on the device and is timed. (Up to
     # the sixth session they were closed over, so XLA folded those small ops into constants.)
     def ours(impl):
-        return lambda x, log2phy, logcnt, kw: map_and_count(x, log2phy, logcnt, num_physical=num_physical,
-                                                            num_valid_tokens=valid, mode=mode, implementation=impl,
-                                                            **kw)
+        return lambda x, log2phy, logcnt, kw, lookup=None: map_and_count(
+            x, log2phy, logcnt, num_physical=num_physical, num_valid_tokens=valid, mode=mode, implementation=impl,
+            lookup=lookup, **kw)
 
     def xla_best(x, log2phy, logcnt, kw):
         phys, _ = ours("xla")(x, log2phy, logcnt, kw)  # the bincount is dead code here and is removed
         counted = (phys >= 0) & (jnp.arange(num_tokens, dtype=jnp.int32)[:, None] < valid)
         return phys, factorized_histogram(phys, counted, num_physical)
 
+    # "prepared": the lookup table built once per placement (as a model keeps it), passed in.
+    lookup = jax.jit(lookup_table)(log2phy, logcnt)
     # Correctness first: every column must agree on a fresh input.
     ref_phys, ref_load = ours("xla")(ids[0], log2phy, logcnt, kw)
-    for name, fn in (("pallas", ours("pallas")), ("xla_best", xla_best)):
+    for name, fn in (("pallas", ours("pallas")), ("xla_best", xla_best),
+                     ("prepared", functools.partial(ours("pallas"), lookup=lookup))):
         phys, load = jax.jit(fn)(ids[0], log2phy, logcnt, kw)
         if not (np.array_equal(phys, ref_phys) and np.array_equal(load, ref_load)):
             raise SystemExit(f"MISMATCH {name} T={num_tokens} P={num_physical} mode={mode}")
@@ -140,6 +143,9 @@ def run_case(rng, num_tokens, top_k, num_physical, mode, bandwidth, log):
     args = [(x, log2phy, logcnt, kw) for x in ids]
     row = {"T": num_tokens, "k": top_k, "P": num_physical, "mode": mode}
     row["pallas"] = timed(ours("pallas"), args)
+    if LAST_KERNELS:  # where a call's device time goes: the kernel and XLA's set-up of its inputs
+        print("    " + ", ".join(f"{name[:28]} {t * 1e6:.2f}" for name, t in LAST_KERNELS.items()), flush=True)
+    row["prepared"] = timed(ours("pallas"), [a + (lookup,) for a in args])
     row["xla_best"] = timed(xla_best, args)
     row["xla_ref"] = timed(ours("xla"), args)
     row["copy"] = timed(lambda x, *_: x + jnp.int32(1), args)
@@ -173,7 +179,7 @@ def time_variant(rng, mode, options, count=True, num_tokens=262144, num_physical
     except Exception as e:  # a configuration Triton cannot compile: report and go on
         print(f"  {mode} {options} count={count}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
         return None
-    kernels = ", ".join(f"{name[:24]} {t * 1e6:.2f}" for name, t in list(LAST_KERNELS.items())[:3])
+    kernels = ", ".join(f"{name[:24]} {t * 1e6:.2f}" for name, t in list(LAST_KERNELS.items())[:4])
     print(f"  T={num_tokens:<7} P={num_physical} {mode:<11} {str(options):<62} count={count!s:<5} "
           f"{seconds * 1e6:8.2f} us  [{kernels}]", flush=True)
     return seconds
@@ -198,23 +204,14 @@ def pallas_copy(x, block=2048, num_warps=4):
 
 
 SWEEP = [  # (mode, T, P, options): T x 8 entries; the defaults first in each group; "count": False skips counting
-    # Next to measure: shares answered from a bucket table (share_buckets=b: 2**b buckets per expert, one load
-    # beside the head load instead of the threshold search's dependent loads; the table is built by XLA per call
-    # from the traced thresholds, its kernel counted here). Sixth session, bisection bounded by the replica count (the default): shares 20.95 /
-    # 27.08 us at P = 288 / 512, mapping alone (count=False) 17.90 vs hash 7.95.
-    ("shares", 262144, 288, {}), ("shares", 262144, 288, {"share_buckets": 6}),
-    ("shares", 262144, 288, {"share_buckets": 4}), ("shares", 262144, 288, {"share_buckets": 8}),
-    ("shares", 262144, 512, {}), ("shares", 262144, 512, {"share_buckets": 6}),
-    ("shares", 262144, 512, {"share_buckets": 8}), ("shares", 65536, 512, {}),
-    ("shares", 65536, 512, {"share_buckets": 6}), ("shares", 4096, 288, {}), ("shares", 4096, 288, {"share_buckets": 6}),
-    ("shares", 262144, 288, {"share_buckets": 6, "count": False}), ("hash", 262144, 288, {"count": False}),
-    # resolved's rank kernel with its running counts in memory (a gather, a store and a block barrier per 32-entry
-    # step instead of tt.histogram + tt.gather); with a shorter chain per step, larger rank tiles (fewer rows for
-    # XLA's cumsum) may pay. Sixth session, defaults: 55.0 / 60.3 us at P = 288 / 512, rank kernel 26.2 us.
-    ("resolved", 262144, 288, {}), ("resolved", 262144, 288, {"rank_running": "memory"}),
-    ("resolved", 262144, 288, {"rank_running": "memory", "tile_resolved": 4096}),
-    ("resolved", 262144, 288, {"rank_running": "memory", "tile_resolved": 256}),
-    ("resolved", 262144, 512, {"rank_running": "memory"}), ("resolved", 8192, 288, {"rank_running": "memory"}),
+    # shares searches with a while loop per block (the default since the seventh session: 15.3 / 21.4 us kernel at
+    # P = 288 / 512 vs 19.1 / 25.5 unrolled); its trip count is the block's deepest search, so smaller blocks may
+    # stop sooner, and a few independent loads first (linear_search) may shorten the chain.
+    ("shares", 262144, 512, {}), ("shares", 262144, 512, {"tile": 4096, "sub": 1024, "num_warps": 4}),
+    ("shares", 262144, 512, {"tile": 2048, "sub": 2048, "num_warps": 8}),
+    ("shares", 262144, 512, {"linear_search": 2}), ("shares", 262144, 512, {"linear_search": 4}),
+    ("shares", 262144, 288, {}), ("shares", 262144, 288, {"tile": 4096, "sub": 1024, "num_warps": 4}),
+    ("shares", 262144, 288, {"linear_search": 2}),
 ]
 
 
@@ -231,12 +228,34 @@ def sweep(rng):
         time_variant(rng, mode, options, count=count, num_tokens=num_tokens, num_physical=num_physical)
 
 
+def setup_sweep(rng, num_tokens=262144):
+    """The whole public call (tables traced) with each way of building the thresholds' prefix sums."""
+    public = sys.modules["moe_eplb_jax.pallas.map_and_count"]  # the module (the package re-exports the function)
+
+    print("set-up sweep (262144 x 8; device time per call, every kernel):", flush=True)
+    for mode in ("shares", "resolved"):
+        for num_physical in (288, 512):
+            log2phy, logcnt, kw, ids = make_case(rng, num_tokens, 8, num_physical, mode)
+            for sums in ("rows", "cumsum", "matmul"):
+                if mode == "resolved" and sums == "matmul":
+                    continue
+                public._THRESHOLD_SUMS = sums
+                fn = lambda x, log2phy, logcnt, kw: map_and_count(  # noqa: E731
+                    x, log2phy, logcnt, num_physical=num_physical, num_valid_tokens=num_tokens - 3, mode=mode,
+                    implementation="pallas", **kw)
+                seconds = timed(fn, [(x, log2phy, logcnt, kw) for x in ids])
+                kernels = ", ".join(f"{name[:26]} {t * 1e6:.2f}" for name, t in LAST_KERNELS.items())
+                print(f"  {mode:<9} P={num_physical} sums={sums:<7} {seconds * 1e6:7.2f} us  [{kernels}]", flush=True)
+    public._THRESHOLD_SUMS = "cumsum"
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="hash mode, largest size only")
     parser.add_argument("--sizes", default="4096,65536,262144", help="comma-separated token counts")
     parser.add_argument("--sweep", action="store_true", help="time many kernel options first (defaults unchanged)")
     parser.add_argument("--no-table", action="store_true", help="skip the side-by-side table")
+    parser.add_argument("--setup", action="store_true", help="time the ways of building the thresholds first")
     parser.add_argument("--modes", default="hash,round_robin,shares,resolved", help="comma-separated modes")
     args = parser.parse_args()
     out_dir = os.environ.get("OUT", ".")
@@ -244,6 +263,8 @@ def main():
     bandwidth = copy_bandwidth(20 if jax.default_backend() == "cpu" else 28)
     print(f"copy bandwidth (read+write, 1 GiB int32 elementwise): {bandwidth / 1e12:.2f} TB/s", flush=True)
     rng = np.random.default_rng(2026_11_30)
+    if args.setup:
+        setup_sweep(rng)
     if args.sweep:
         sweep(rng)
     if args.no_table:
@@ -259,18 +280,19 @@ def main():
                     row = run_case(rng, num_tokens, 8, num_physical, mode, bandwidth, log)
                     rows.append(row)
                     print(_format(row), flush=True)
-    print("\nmap_and_count, E=256, top-8, microseconds per call (median); ratios: xla_ref/pallas, pallas/hbm")
-    print(f"{'T':>7} {'P':>4} {'mode':<12}{'pallas':>9}{'xla_best':>10}{'xla_ref':>10}{'copy':>8}{'hbm':>7}"
-          f"{'ref/pal':>9}{'pal/hbm':>9}")
+    print("\nmap_and_count, E=256, top-8, microseconds per call (median); ratios: xla_ref/pallas, pallas/hbm, "
+          "prepared/hbm ('prepared': lookup table built once per placement and passed in)")
+    print(f"{'T':>7} {'P':>4} {'mode':<12}{'pallas':>9}{'prepared':>9}{'xla_best':>10}{'xla_ref':>10}{'copy':>8}"
+          f"{'hbm':>7}{'ref/pal':>9}{'pal/hbm':>9}{'pre/hbm':>9}")
     for row in rows:
         print(_format(row))
 
 
 def _format(row):
-    us = {k: row[k] * 1e6 for k in ("pallas", "xla_best", "xla_ref", "copy", "hbm")}
-    return (f"{row['T']:>7} {row['P']:>4} {row['mode']:<12}{us['pallas']:>9.2f}{us['xla_best']:>10.2f}"
-            f"{us['xla_ref']:>10.2f}{us['copy']:>8.2f}{us['hbm']:>7.2f}"
-            f"{us['xla_ref'] / us['pallas']:>9.1f}{us['pallas'] / us['hbm']:>9.1f}")
+    us = {k: row[k] * 1e6 for k in ("pallas", "prepared", "xla_best", "xla_ref", "copy", "hbm")}
+    return (f"{row['T']:>7} {row['P']:>4} {row['mode']:<12}{us['pallas']:>9.2f}{us['prepared']:>9.2f}"
+            f"{us['xla_best']:>10.2f}{us['xla_ref']:>10.2f}{us['copy']:>8.2f}{us['hbm']:>7.2f}"
+            f"{us['xla_ref'] / us['pallas']:>9.1f}{us['pallas'] / us['hbm']:>9.1f}{us['prepared'] / us['hbm']:>9.1f}")
 
 
 if __name__ == "__main__":

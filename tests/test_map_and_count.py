@@ -36,7 +36,7 @@ def random_mode_inputs(rng, mode, placement, num_flat):
     if mode == "shares":
         # Dyadic weights (multiples of 1/4) so float32 sums are exact in every summation order.
         shares = rng.integers(0, 5, (num_logical, width)).astype(np.float32) / 4
-        shares[rng.random(num_logical) < 0.1] = 0.0  # some all-zero rows: hash fallback
+        shares[rng.random(num_logical) < 0.1] = 0.0  # some all-zero rows: equal shares
         return {"replica_shares": shares}
     if mode == "resolved":
         per_expert = max(1, 2 * num_flat // num_logical)
@@ -70,10 +70,12 @@ def oracle(ids, log2phy, logcnt, num_physical, num_valid, mode, replica_shares=N
         elif mode == "shares":
             weights = np.asarray(replica_shares[expert, :count], np.float32)
             weights = np.where(np.isfinite(weights) & (weights > 0), weights, np.float32(0))
+            weights = np.minimum(weights, np.float32(2.0**100))  # larger weights count as 2**100
+            if not np.any(weights > 0):  # no positive weight: equal shares
+                weights = np.ones(count, np.float32)
             cumulative = np.cumsum(weights, dtype=np.float32)
-            if cumulative[-1] > 0:
-                thresholds = np.floor(cumulative / cumulative[-1] * np.float32(2**24))
-                replica = int(np.sum(thresholds <= (hashed >> 8)))
+            thresholds = np.floor(cumulative / cumulative[-1] * np.float32(2**24))
+            replica = int(np.sum(thresholds <= (hashed >> 8)))
         elif mode == "resolved" and token < num_valid:
             quotas = np.maximum(resolved[expert, :count], 0)
             passed = int(np.sum(np.cumsum(quotas) <= consumed[expert]))
@@ -199,6 +201,25 @@ def test_shares_followed_within_two_percent(rng):
 
 
 @pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_shares_zero_and_huge_rows(implementation, rng):
+    """A row without a positive weight is split equally; weights near float32 max do not overflow the sums."""
+    num_tokens = 65536
+    placement = Placement.from_phy2log(np.array([0, 1, 0, 0, 1, 1]), 2)
+    shares = np.zeros((2, placement.max_replicas), np.float32)
+    shares[0, :3] = [np.nan, -1.0, 0.0]  # nothing positive: equal shares
+    shares[1, :3] = [3e38, 2.0**99, np.inf]  # counts as [2**100, 2**99, 0]: no overflow
+    ids = rng.integers(0, 2, (num_tokens, 1)).astype(np.int32)
+    phys, load = jitted(implementation, "shares", 6)(ids, placement.log2phy[0], placement.logcnt[0],
+                                                      np.int32(num_tokens), True, {"replica_shares": shares})
+    load = np.asarray(load)
+    for expert, fractions in ((0, [1 / 3, 1 / 3, 1 / 3]), (1, [2 / 3, 1 / 3, 0])):
+        replicas = placement.log2phy[0, expert, :3]
+        np.testing.assert_allclose(load[replicas], np.multiply(fractions, np.sum(ids == expert)), rtol=0.03, atol=0)
+    want, _ = oracle(ids, placement.log2phy[0], placement.logcnt[0], 6, num_tokens, "shares", replica_shares=shares)
+    np.testing.assert_array_equal(np.asarray(phys), want)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
 def test_resolved_matches_quotas_exactly(implementation, rng):
     num_logical, num_physical, top_k = 16, 28, 2
     placement = random_placement(rng, num_logical, num_physical)
@@ -321,7 +342,8 @@ def test_feeds_eplb_state_record(rng):
                                      {"reduce": "atomic", "layout": "replica_major", "tables": "shared"},
                                      {"linear_search": 16}, {"linear_search": 3, "layout": "expert_major"},
                                      {"share_buckets": 5}, {"rank_running": "memory"},
-                                     {"rank_running": "memory", "tile_resolved": 256, "sub_resolved": 64}])
+                                     {"rank_running": "memory", "tile_resolved": 256, "sub_resolved": 64},
+                                     {"search": "while"}, {"search": "while", "linear_search": 2}])
 @pytest.mark.parametrize("mode", ["hash", "resolved"])
 def test_kernel_options_match_reference(options, mode, rng):
     """The tuning knobs of the kernel (tile, sub-tile, one-hot dtype) never change the result."""
@@ -351,6 +373,9 @@ def test_kernel_options_match_reference(options, mode, rng):
     with pytest.raises(ValueError, match="linear_search must be >= 0"):
         _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode,
                                      linear_search=-1)
+    with pytest.raises(ValueError, match="search must be None, 'unrolled' or 'while'"):
+        _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode,
+                                     search="linear")
 
 
 @settings(max_examples=10)
@@ -366,11 +391,12 @@ def test_kernel_options_match_reference(options, mode, rng):
     linear_search=st.sampled_from([0, 2, 16]),
     share_buckets=st.sampled_from([0, 3, 6]),
     rank_running=st.sampled_from(["registers", "memory"]),
+    search=st.sampled_from([None, "unrolled", "while"]),
     seed=st.integers(0, 2**31),
 )
 def test_kernel_option_combinations_match_reference(num_tokens, top_k, num_logical, extra_slots, mode, layout,
                                                     reduce, tables, linear_search, share_buckets, rank_running,
-                                                    seed):
+                                                    search, seed):
     """Any combination of the kernel's layout / reduction / lookup / search / rank options gives the reference's
     ids and loads (Pallas in interpret mode on CPU, compiled on GPU)."""
     from moe_eplb_jax.pallas import _reference, _triton
@@ -392,7 +418,8 @@ def test_kernel_option_combinations_match_reference(num_tokens, top_k, num_logic
     got = _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=num_physical,
                                        mode=mode, layout=layout, reduce=reduce, tables=tables,
                                        linear_search=linear_search, share_buckets=share_buckets,
-                                       rank_running=rank_running, interpret=jax.default_backend() != "gpu")
+                                       rank_running=rank_running, search=search,
+                                       interpret=jax.default_backend() != "gpu")
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
 
@@ -465,6 +492,8 @@ def _tables(rng):
         (lambda a: a.update(num_valid_tokens=np.ones(2, np.int32)), "num_valid_tokens must be an integer scalar"),
         (lambda a: a.update(record=1), "record must be a boolean"),
         (lambda a: a.update(implementation="cuda"), "implementation must be one of"),
+        (lambda a: a.update(lookup=np.zeros(47, np.int32)), "lookup must be lookup_table"),
+        (lambda a: a.update(lookup=np.zeros(48, np.int64)), "lookup must be lookup_table"),
     ],
 )
 def test_validation_errors(change, message, rng):
@@ -473,6 +502,33 @@ def test_validation_errors(change, message, rng):
     change(kwargs)
     with pytest.raises(ValueError, match=message):
         map_and_count(**kwargs)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_prepared_lookup_gives_the_same_results(mode, rng):
+    """A lookup table built once per placement (vmapped over layers, as a model keeps it) changes nothing."""
+    from moe_eplb_jax.pallas import lookup_table
+
+    num_layers, num_tokens, top_k, num_logical, num_physical = 2, 48, 4, 16, 30
+    placements = [random_placement(rng, num_logical, num_physical) for _ in range(num_layers)]
+    log2phy = np.stack([p.log2phy[0] for p in placements])
+    logcnt = np.stack([p.logcnt[0] for p in placements])
+    ids = np.stack([random_ids(rng, num_tokens, top_k, num_logical) for _ in range(num_layers)])
+    extra = [random_mode_inputs(rng, mode, p, num_tokens * top_k) for p in placements]
+    extra = {k: np.stack([e[k] for e in extra]) for k in extra[0]}
+    lookup = jax.vmap(lookup_table)(log2phy, logcnt)
+    assert lookup.shape == (num_layers, num_logical * (1 + log2phy.shape[2])) and lookup.dtype == jnp.int32
+
+    def run(ids, log2phy, logcnt, extra, lookup=None):
+        return map_and_count(ids, log2phy, logcnt, num_physical=num_physical, num_valid_tokens=40, mode=mode,
+                             implementation="pallas", lookup=lookup, **extra)
+
+    got = jax.jit(jax.vmap(run))(ids, log2phy, logcnt, extra, lookup)
+    for layer in range(num_layers):
+        want = oracle(ids[layer], log2phy[layer], logcnt[layer], num_physical, 40, mode,
+                      **{k: v[layer] for k, v in extra.items()})
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g[layer]), w)
 
 
 def test_empty_input(rng):
@@ -493,6 +549,7 @@ def test_pallas_kernels_lower_to_triton_ir(h100_lowering):
              + [(m, {"tables": t, "layout": "expert_major", "reduce": "xla", "rank_in_step": "compare"})
                 for m in ("shares", "resolved") for t in _triton.TABLES]
              + [("shares", {"share_buckets": 6}), ("shares", {"share_buckets": 8, "tables": "global"}),
+                ("shares", {"search": "unrolled"}), ("resolved", {"search": "while"}),
                 ("resolved", {"rank_running": "memory"}),
                 ("resolved", {"rank_running": "memory", "sub_resolved": 64, "warps_resolved": 2})])
     for mode, options in cases:
@@ -628,7 +685,7 @@ def test_share_buckets_count_thresholds_exactly(bits, rng):
     width, num_logical = 12, 40
     logcnt = rng.integers(1, width + 1, num_logical)
     shares = rng.integers(0, 5, (num_logical, width)).astype(np.float32) / 4
-    shares[:4] = 0.0  # all-zero rows: every threshold 0
+    shares[:4] = 0.0  # all-zero rows: equal shares
     shares[4:8] = 1e-4  # tiny shares: many thresholds in one bucket
     shares[8:12, 1:] = 1e-7  # one big share, then tiny ones
     thresholds = np.asarray(_build_thresholds("shares", jnp.asarray(shares), jnp.asarray(logcnt), width))
@@ -694,3 +751,31 @@ def test_share_buckets_option_is_checked():
         with pytest.raises(ValueError, match="share_buckets must be 0 or between 3 and 16"):
             _triton.map_and_count_triton(ids, *tables, num_physical=2, mode="shares", share_buckets=bits,
                                          interpret=True)
+
+
+# ------------------------------------------------------------ mode tables
+@pytest.mark.parametrize("width", [1, 5, 33, 257])
+@pytest.mark.parametrize("limit", [None, 2**21, 2**26, 100])
+def test_thresholds_exact_by_every_summation(width, limit, rng):
+    """Quota thresholds are the capped int64 prefix sums exactly, whichever way the sums run (the triangular
+    product on three limbs, the saturating scan, the row cumsum); dyadic shares give one answer from every way."""
+    from moe_eplb_jax.pallas.map_and_count import _build_thresholds
+
+    num_logical = 40
+    logcnt = rng.integers(0, width + 1, num_logical)
+    live = np.arange(width)[None, :] < logcnt[:, None]
+    quotas = rng.integers(-5, 30_000_000, (num_logical, width)).astype(np.int32)  # all three 11-bit limbs
+    cap = np.iinfo(np.int32).max if limit is None else limit
+    sums = np.cumsum(np.clip(np.where(live, quotas, 0), 0, cap).astype(np.int64), axis=1)
+    want = np.where(live, np.minimum(sums, cap), np.iinfo(np.int32).max)
+    shares = rng.integers(0, 5, (num_logical, width)).astype(np.float32) / 4
+    shares[:3] = 0.0
+    answers = []
+    for method in ("matmul", "cumsum", "rows"):
+        got = _build_thresholds("resolved", jnp.asarray(quotas), jnp.asarray(logcnt), width, limit=limit, sums=method)
+        np.testing.assert_array_equal(np.asarray(got), want)
+        answers.append(np.asarray(_build_thresholds("shares", jnp.asarray(shares), jnp.asarray(logcnt), width,
+                                                    sums=method)))
+    for other in answers[1:]:
+        np.testing.assert_array_equal(other, answers[0])
+    assert np.all(np.diff(answers[0], axis=1) >= 0) and np.all(answers[0][live] <= 2**24)

@@ -68,7 +68,7 @@ from jax.experimental.pallas import triton as plgpu
 from moe_eplb_jax.pallas._reference import GOLDEN
 from moe_eplb_jax.pallas._triton_ops import atomic_add_int, histogram, take
 
-__all__ = ["map_and_count_triton", "default_tile"]
+__all__ = ["map_and_count_triton", "default_tile", "lookup_table", "lookup_size"]
 
 _INT32_MAX = np.iinfo(np.int32).max
 _SUB = 256  # entries per sub-tile (hash, round_robin, shares)
@@ -135,7 +135,7 @@ def _pair_histogram(bins, hi_bits, lo_bits, dtype, acc_dtype):
     return jnp.dot(rows, cols, preferred_element_type=acc_dtype)
 
 
-def _upper_bound(thresholds_ref, at, point, width, live, searching):
+def _upper_bound(thresholds_ref, at, point, width, live, searching, dynamic=False):
     """``#{j < live : thresholds[at(j)] <= point}`` for non-decreasing rows (binary search), ``live <= width``.
 
     ``at(j)`` is the flat index of each lane's threshold ``j`` (the table
@@ -143,24 +143,32 @@ def _upper_bound(thresholds_ref, at, point, width, live, searching):
     entries are never read). Only lanes where ``searching`` holds load
     thresholds, and only until their search has converged -- after
     ``bit_length(live)`` steps, so a 4-replica expert in a 257-wide table loads
-    3 thresholds, not 9; the others return 0.
+    3 thresholds, not 9; the others return 0. ``dynamic``: the block stops
+    stepping once all its lanes have converged (a ``while`` loop on a block
+    reduction) instead of issuing all ``bit_length(width)`` steps, masked.
     """
-    low = jnp.zeros_like(point)
-    high = jnp.where(searching, jnp.minimum(live, width), 0)
-    for _ in range(int(width).bit_length()):
+    def step(bounds):
+        low, high = bounds
         active = low < high
         mid = (low + high) // 2
         value = plgpu.load(thresholds_ref.at[at(jnp.minimum(mid, width - 1))], mask=active, other=0)
         passed = value <= point
-        low = jnp.where(active & passed, mid + 1, low)
-        high = jnp.where(active & ~passed, mid, high)
-    return low
+        return jnp.where(active & passed, mid + 1, low), jnp.where(active & ~passed, mid, high)
+
+    bounds = (jnp.zeros_like(point), jnp.where(searching, jnp.minimum(live, width), 0))
+    if dynamic:
+        # (jnp.max of an int, not jnp.any: Pallas Triton has no lowering of reduce_or)
+        bounds = jax.lax.while_loop(lambda b: jnp.max((b[0] < b[1]).astype(jnp.int32)) > 0, step, bounds)
+    else:
+        for _ in range(int(width).bit_length()):
+            bounds = step(bounds)
+    return bounds[0]
 
 
 _LINEAR_SEARCH = 0  # default: bisection bounded by the replica count (measured faster than independent loads)
 
 
-def _count_passed(thresholds_ref, at, point, width, count, searching, linear=_LINEAR_SEARCH):
+def _count_passed(thresholds_ref, at, point, width, count, searching, linear=_LINEAR_SEARCH, dynamic=False):
     """``#{j < width : thresholds[at(j)] <= point}`` where ``searching`` holds, else 0.
 
     The row's first ``linear`` entries: one independent load per entry below
@@ -181,7 +189,7 @@ def _count_passed(thresholds_ref, at, point, width, count, searching, linear=_LI
     if width > linear:
         deeper = searching & (count > linear) & (passed == linear)
         passed = passed + _upper_bound(thresholds_ref, lambda j: at(j + linear), point, width - linear,
-                                       count - linear, deeper)
+                                       count - linear, deeper, dynamic=dynamic)
     return jnp.where(searching, passed, 0)
 
 
@@ -269,11 +277,14 @@ def _rank_in_warp(values):
     return rank
 
 
-def _map_kernel(ids_ref, log2phy_ref, logcnt_ref, thresholds_ref, buckets_ref, base_ref, rank_ref, limits_ref,
-                zeros_ref, phys_ref, hist_ref, *, mode, num_flat, top_k, num_logical, width, num_physical, tile, sub,
-                bins, expert_bins, rank_tile, count_dtype, do_count, count_method, tables, layout, reduce,
-                linear_search, bucket_bits, num_tiles):
+def _map_kernel(ids_ref, tables_ref, thresholds_ref, buckets_ref, base_ref, rank_ref, limits_ref, zeros_ref, phys_ref,
+                hist_ref, *, mode, num_flat, top_k, num_logical, width, num_physical, tile, sub, bins, expert_bins,
+                rank_tile, count_dtype, do_count, count_method, tables, layout, reduce, linear_search, bucket_bits,
+                num_tiles, search):
+    """``tables_ref`` is :func:`lookup_table`'s: per-expert counts (or head entries) at ``[0, E)``, then ``log2phy``
+    at ``[E, E + E * S)``; ``thresholds_ref`` the ``[E, S]`` thresholds; both in ``layout``."""
     del zeros_ref  # reduce="atomic": the zeroed load counters, aliased to hist_ref
+    slot_at = num_logical
     program = pl.program_id(0)
     count_limit = limits_ref[0]
     rank_limit = limits_ref[1]
@@ -282,14 +293,14 @@ def _map_kernel(ids_ref, log2phy_ref, logcnt_ref, thresholds_ref, buckets_ref, b
     if tables == "shared":  # the two tables held by the program; lookups go through shared memory (tt.gather)
         count_size, slot_size = pl.next_power_of_2(num_logical), pl.next_power_of_2(num_logical * width)
         at = jnp.arange(count_size, dtype=jnp.int32)
-        count_table = plgpu.load(logcnt_ref.at[pl.ds(0, count_size)], mask=at < num_logical, other=1)
+        count_table = plgpu.load(tables_ref.at[pl.ds(0, count_size)], mask=at < num_logical, other=1)
         at = jnp.arange(slot_size, dtype=jnp.int32)
-        slot_table = plgpu.load(log2phy_ref.at[pl.ds(0, slot_size)], mask=at < num_logical * width, other=-1)
+        slot_table = plgpu.load(tables_ref.at[pl.ds(slot_at, slot_size)], mask=at < num_logical * width, other=-1)
         lookup_count = lambda expert: take(count_table, expert)  # noqa: E731
         lookup_slot = lambda index: take(slot_table, index)  # noqa: E731
-    else:  # one global (L1-cached) load per entry and table; "head": logcnt_ref holds (first slot + 1) | count << 16
-        lookup_count = lambda expert: logcnt_ref[expert]  # noqa: E731
-        lookup_slot = lambda index: log2phy_ref[index]  # noqa: E731
+    else:  # one global (L1-cached) load per entry and table; "head": the counts are (first slot + 1) | count << 16
+        lookup_count = lambda expert: tables_ref[expert]  # noqa: E731
+        lookup_slot = lambda index: tables_ref[slot_at + index]  # noqa: E731
     if layout == "replica_major":  # [S, E] tables: entry j of all experts in one row (fewer cache lines per gather)
         table_index = lambda expert, j: j * num_logical + expert  # noqa: E731
     else:  # [E, S]
@@ -318,10 +329,10 @@ def _map_kernel(ids_ref, log2phy_ref, logcnt_ref, thresholds_ref, buckets_ref, b
         # Unsigned division and remainder: both operands are >= 0, and the signed forms add sign fix-ups.
         token = (flat.astype(jnp.uint32) // jnp.uint32(top_k))
         hashed = token * jnp.uint32(GOLDEN)
-        by_hash = (hashed % count.astype(jnp.uint32)).astype(jnp.int32)
+        by_hash = lambda: (hashed % count.astype(jnp.uint32)).astype(jnp.int32)  # noqa: E731
 
         if mode == "hash":
-            replica = by_hash
+            replica = by_hash()
         elif mode == "round_robin":
             replica = (token % count.astype(jnp.uint32)).astype(jnp.int32)
         else:
@@ -338,14 +349,17 @@ def _map_kernel(ids_ref, log2phy_ref, logcnt_ref, thresholds_ref, buckets_ref, b
                 quick, crowded = _bucket_passed(buckets_ref, expert, point, bucket_bits)
                 searching = searching & crowded
             passed = _count_passed(thresholds_ref, functools.partial(table_index, expert), point, width, count,
-                                   searching, linear=linear_search)
+                                   searching, linear=linear_search, dynamic=search == "while")
             if bucket_bits:
                 passed = jnp.where(crowded, passed, quick)
-            replica = jnp.where(passed < count, passed, by_hash)
+            if mode == "shares":  # always below count (C[count - 1] = 2**24 > point): no hash fallback to compute
+                replica = jnp.minimum(passed, count - 1)
+            else:  # resolved: entries beyond the expert's total quota fall back to hash
+                replica = jnp.where(passed < count, passed, by_hash())
 
         replica = jnp.clip(replica, 0, width - 1)
         if tables == "head":  # the table is read only for replicas beyond the first
-            later = plgpu.load(log2phy_ref.at[table_index(expert, replica)], mask=replica > 0, other=-1)
+            later = plgpu.load(tables_ref.at[slot_at + table_index(expert, replica)], mask=replica > 0, other=-1)
             slot = jnp.where(replica > 0, later, first)
         else:
             slot = lookup_slot(table_index(expert, replica))
@@ -471,6 +485,29 @@ def _rank_in_memory(program, ids_ref, rank_limit, rank_ref, hist_ref, *, num_fla
     jax.lax.fori_loop(0, tile // sub, step, jnp.int32(0))
 
 
+def lookup_table(log2phy, logcnt, *, layout: str = "replica_major", tables: str = "head"):
+    """The map kernel's lookup table of one placement: flat int32 ``[E + E * S]`` (``E + 2**ceil(log2(E * S))``
+    for ``tables="shared"``).
+
+    ``[0, E)``: per expert its count, or for ``tables="head"`` ``(first slot + 1) | count << 16``; then
+    ``log2phy``, transposed to ``[S, E]`` for ``layout="replica_major"``. Built per call from the tables unless
+    the caller passes one built once per placement (``map_and_count(lookup=...)``).
+    """
+    log2phy, logcnt = jnp.asarray(log2phy, jnp.int32), jnp.asarray(logcnt, jnp.int32)
+    num_logical, width = log2phy.shape
+    if layout == "replica_major":
+        log2phy = log2phy.T  # [S, E]: log2phy.T[0] is still the first replicas
+    first_slots = log2phy[0] if layout == "replica_major" else log2phy[:, 0]
+    if tables == "head":
+        counts = (jnp.clip(first_slots, -1, 0xFFFE) + 1) | (jnp.clip(logcnt, 1, 0x7FFF) << 16)
+    else:
+        counts = logcnt
+    parts = [counts, log2phy.reshape(-1)]
+    if tables == "shared":  # the kernel loads E + [0, 2**ceil(log2 E * S)): padded to stay inside
+        parts.append(jnp.full((pl.next_power_of_2(num_logical * width) - num_logical * width,), -1, jnp.int32))
+    return jnp.concatenate(parts)
+
+
 def _join_varying(*arrays):
     """Inside ``shard_map``: makes every input vary over the union of the inputs' manual axes.
 
@@ -499,7 +536,7 @@ DEFAULTS = {"tile": None, "sub": _SUB, "tile_resolved": None, "sub_resolved": _S
             "warps_resolved": _WARPS_RESOLVED, "num_warps": 4, "num_stages": 3,
             "count_dtype": "int8", "count_method": "histogram", "tables": "head", "layout": "replica_major",
             "reduce": "atomic", "rank_in_step": "match", "linear_search": _LINEAR_SEARCH, "share_buckets": 0,
-            "rank_running": "registers"}
+            "rank_running": "registers", "search": None}
 # How the kernel counts: "histogram" (tt.histogram per loop step: warp ballots + popc, shared-memory atomics
 # across warps; also in interpret mode, as jnp), "onehot" (factorised one-hot products on the tensor cores),
 # "atomic" (one global atomic add per entry into the program's row of counters), "atomic_warp" (atomics
@@ -533,8 +570,14 @@ _SEARCHING = ((1 << 19, {"tile": 4096, "sub": 4096, "num_warps": 16}),)
 LARGE_OPTIONS = {"hash": _STREAMING, "round_robin": _STREAMING, "shares": _SEARCHING, "resolved": _SEARCHING}
 
 
+def lookup_size(num_logical: int, width: int, *, tables: str = "head") -> int:
+    """Entries of :func:`lookup_table`'s array for ``log2phy [num_logical, width]``."""
+    slots = num_logical * width
+    return num_logical + (pl.next_power_of_2(slots) if tables == "shared" else slots)
+
+
 def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_physical: int, mode: str,
-                         interpret: bool = False, count: bool = True, **config):
+                         interpret: bool = False, count: bool = True, lookup=None, **config):
     """Same contract as ``_reference.map_and_count_reference``.
 
     ``config`` overrides :data:`DEFAULTS` (tuning knobs, see the benchmark):
@@ -592,6 +635,11 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
         bucket_bits = 0  # only shares has uniform points; a wider row's base would not fit
     if config["rank_in_step"] not in ("compare", "match"):
         raise ValueError(f"rank_in_step must be 'compare' or 'match', got {config['rank_in_step']!r}")
+    if config["search"] not in (None, "unrolled", "while"):
+        raise ValueError(f"search must be None, 'unrolled' or 'while', got {config['search']!r}")
+    # shares: the block's loop stops once all its lanes converged (most entries search little); resolved's points
+    # spread over the whole row, and there the fixed unrolled steps were faster (H200, benchmarks/RESULTS.md).
+    search = config["search"] or ("while" if mode == "shares" else "unrolled")
     if config["rank_running"] not in ("registers", "memory"):
         raise ValueError(f"rank_running must be 'registers' or 'memory', got {config['rank_running']!r}")
     running = config["rank_running"]
@@ -625,8 +673,15 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     buckets = share_buckets(thresholds, bucket_bits) if bucket_bits else jnp.zeros_like(limits[:1])
     if mode not in ("shares", "resolved"):  # no search: no [E, S] buffer to write (transposed) on every call
         thresholds = jnp.zeros((1, 1), jnp.int32)
-    (ids, log2phy, logcnt, thresholds, buckets, limits), out_struct = _join_varying(
-        topk_ids.reshape(num_flat), log2phy, logcnt, thresholds, buckets, limits)
+    if lookup is not None:
+        lookup = jnp.asarray(lookup)
+        if lookup.shape != (lookup_size(num_logical, width),):
+            raise ValueError(f"lookup must have shape ({lookup_size(num_logical, width)},) for log2phy "
+                             f"[{num_logical}, {width}], got {lookup.shape}")
+    (ids, log2phy, logcnt, thresholds, buckets, limits, *maybe_lookup), out_struct = _join_varying(
+        topk_ids.reshape(num_flat), log2phy, logcnt, thresholds, buckets, limits,
+        *([] if lookup is None else [lookup]))
+    lookup = maybe_lookup[0] if maybe_lookup else None
     params = plgpu.CompilerParams(num_warps=config["num_warps"], num_stages=config["num_stages"])
     whole = pl.no_block_spec
 
@@ -659,21 +714,12 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
         num_physical=num_physical, tile=tile, sub=sub, bins=bins, expert_bins=expert_bins,
         rank_tile=rank_tile, count_dtype=count_dtype, do_count=count, count_method=count_method, tables=tables,
         layout=layout, reduce=reduce, linear_search=int(config["linear_search"]), bucket_bits=bucket_bits,
-        num_tiles=num_tiles)
+        num_tiles=num_tiles, search=search)
+    # A prepared table is lookup_table's default kind; other kernel options (or slots past 16 bits) rebuild it.
+    if lookup is None or (layout, tables) != (DEFAULTS["layout"], DEFAULTS["tables"]):
+        lookup = lookup_table(log2phy, logcnt, layout=layout, tables=tables)
     if layout == "replica_major":
-        log2phy, thresholds = log2phy.T, thresholds.T  # [S, E]; log2phy.T[0] is still the first replicas
-        first_slots = log2phy[0]
-    else:
-        first_slots = log2phy[:, 0]
-    if tables == "head":
-        log2phy_flat = log2phy.reshape(-1)
-        logcnt = (jnp.clip(first_slots, -1, 0xFFFE) + 1) | (jnp.clip(logcnt, 1, 0x7FFF) << 16)
-    elif tables == "shared":  # the kernel loads whole power-of-two tables: pad them
-        log2phy_flat = jnp.pad(log2phy.reshape(-1), (0, pl.next_power_of_2(log2phy.size) - log2phy.size),
-                               constant_values=-1)
-        logcnt = jnp.pad(logcnt, (0, pl.next_power_of_2(logcnt.size) - logcnt.size), constant_values=1)
-    else:
-        log2phy_flat = log2phy.reshape(-1)
+        thresholds = thresholds.T  # _build_thresholds makes them replica-major: this transpose cancels its own
     if count_method == "onehot":  # each program writes its [hi, lo] block
         hist_spec, hist_shape = pl.BlockSpec((1, hi, lo), lambda i: (i, 0, 0)), (num_tiles, hi, lo)
     elif count_method == "histogram" and reduce == "atomic":  # the loads themselves, zeroed here
@@ -690,14 +736,14 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     phys, partial = pl.pallas_call(
         kernel,
         grid=(num_tiles,),
-        in_specs=[whole] * 9,
+        in_specs=[whole] * 8,
         out_specs=[whole, hist_spec],
         out_shape=[out_struct((num_flat,), jnp.int32), out_struct(hist_shape, partial_dtype)],
-        input_output_aliases={8: 1} if reduce == "atomic" else {},
+        input_output_aliases={7: 1} if reduce == "atomic" else {},
         compiler_params=params,
         interpret=interpret,
         name="map_and_count",
-    )(ids, log2phy_flat, logcnt, thresholds.reshape(-1), buckets, base, rank, limits, zeros)
+    )(ids, lookup, thresholds.reshape(-1), buckets, base, rank, limits, zeros)
     if reduce == "atomic":
         return phys.reshape(num_tokens, top_k), partial
     if count_method == "histogram":  # a row reduction: XLA's column reductions of [num_tiles, P] were 2-3x slower

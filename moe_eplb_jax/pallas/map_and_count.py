@@ -23,10 +23,15 @@ Replica choice for an entry of expert ``e`` with ``c = logcnt[e]`` replicas
 * ``shares``: ``replica_shares [E, S]`` holds non-negative weights of the first
   ``c`` replicas (entries beyond ``c`` are ignored; negative or non-finite
   weights count as 0; rows need not be normalised). With ``W`` the row total and
-  ``C_j = floor(2**24 * (w_0 + ... + w_j) / W)`` (float32 sums), the token's
+  ``C_j = floor(2**24 * (w_0 + ... + w_j) / W)`` (float32 arithmetic: the sums
+  may round in any order and XLA may divide by multiplying with ``1 / W``, so a
+  threshold can move by one point; every implementation reads the same
+  thresholds, built once per call by the wrapper), the token's
   point ``v = h(t) >> 8`` (``u = v / 2**24`` uniform in ``[0, 1)``) picks the
-  replica ``#{j < c : C_j <= v}``. A zero-weight replica is never chosen; a row
-  with ``W = 0`` falls back to ``hash``.
+  replica ``#{j < c : C_j <= v}`` (always below ``c``: ``C_{c-1} = 2**24``). A
+  zero-weight replica is never chosen; a row with ``W = 0`` is split equally
+  (as if every live weight were 1). Weights above ``2**100`` count as
+  ``2**100``, so the sums cannot overflow.
 * ``resolved``: ``resolved [E, S]`` int32 token quotas of the first ``c``
   replicas for THIS caller's tokens (in EP, source rank ``g`` passes row ``g`` of
   a ``[G, E, S]`` plan). Entries of expert ``e`` with ``t < num_valid_tokens``
@@ -52,12 +57,13 @@ import numpy as np
 
 from moe_eplb_jax.pallas import _reference
 
-__all__ = ["map_and_count", "MODES", "IMPLEMENTATIONS"]
+__all__ = ["map_and_count", "lookup_table", "MODES", "IMPLEMENTATIONS"]
 
 MODES = ("hash", "round_robin", "shares", "resolved")
 IMPLEMENTATIONS = ("xla", "pallas")
 _POINT_SCALE = 1 << 24  # shares: the hash's top 24 bits are the uniform point
 _NEVER = np.iinfo(np.int32).max  # a threshold no point passes
+_MAX_WEIGHT = np.float32(2.0**100)  # shares: larger weights count as this
 
 
 def map_and_count(
@@ -72,6 +78,7 @@ def map_and_count(
     resolved=None,
     record=True,
     implementation: str | None = None,
+    lookup=None,
 ):
     """Maps logical expert ids to physical slots and counts the load per slot.
 
@@ -89,6 +96,10 @@ def map_and_count(
       record: count the load; a Python bool or a traced boolean scalar.
       implementation: ``"xla"``, ``"pallas"`` or ``None`` (pallas on GPU, xla
         elsewhere).
+      lookup: optional, :func:`lookup_table` of these ``log2phy`` / ``logcnt``,
+        built once per placement: the Pallas kernel then reads it instead of
+        rebuilding it on every call (one small XLA kernel less per call; the
+        XLA implementation ignores it). It must come from the same tables.
 
     Returns:
       ``(physical_ids, load)``: ``[T, k]`` int32 slots (``-1`` for invalid
@@ -103,13 +114,14 @@ def map_and_count(
     mode_values = _check_mode(mode, replica_shares, resolved, num_logical, width)
     implementation = _check_implementation(implementation)
     _check_flags(num_valid_tokens, record, num_tokens)
+    _check_lookup(lookup, num_logical, width)
 
     topk_ids, log2phy, logcnt = (jnp.asarray(a).astype(jnp.int32) for a in (topk_ids, log2phy, logcnt))
     if num_tokens * top_k == 0:
         return jnp.full((num_tokens, top_k), -1, jnp.int32), jnp.zeros((num_physical,), jnp.int32)
     limits = _limits(num_valid_tokens, record, num_tokens, top_k)
     if mode_values is not None:
-        thresholds = _build_thresholds(mode, jnp.asarray(mode_values), logcnt, width)
+        thresholds = _build_thresholds(mode, jnp.asarray(mode_values), logcnt, width, limit=num_tokens * top_k)
     else:
         thresholds = jnp.zeros((num_logical, width), jnp.int32)  # unused by hash / round_robin
 
@@ -121,8 +133,26 @@ def map_and_count(
 
     return _triton.map_and_count_triton(
         topk_ids, log2phy, logcnt, thresholds, limits,
-        num_physical=num_physical, mode=mode, interpret=jax.default_backend() != "gpu",
+        num_physical=num_physical, mode=mode, interpret=jax.default_backend() != "gpu", lookup=lookup,
     )
+
+
+def lookup_table(log2phy, logcnt):
+    """The Pallas kernel's lookup table of one placement layer, to pass as ``map_and_count(lookup=...)``.
+
+    Args:
+      log2phy: ``[E, S]`` integer replica slots (``-1`` padded), as for ``map_and_count``.
+      logcnt: ``[E]`` integer replicas per logical expert.
+
+    Returns:
+      ``[E * (1 + S)]`` int32: per expert ``(first slot + 1) | count << 16``,
+      then ``log2phy`` transposed (``[S, E]``, flat). Placements change only
+      at rearrangement, so a model builds this then and keeps it.
+    """
+    _check_tables(np.zeros((1, 1), np.int32), log2phy, logcnt)
+    from moe_eplb_jax.pallas import _triton  # imported lazily: pulls in Pallas
+
+    return _triton.lookup_table(log2phy, logcnt)
 
 
 # ------------------------------------------------------------------ validation
@@ -191,6 +221,16 @@ def _check_mode(mode, replica_shares, resolved, num_logical, width):
     return value
 
 
+def _check_lookup(lookup, num_logical, width):
+    if lookup is None:
+        return
+    shape, dtype = _shape_dtype(lookup)
+    want = (num_logical * (1 + width),)
+    if shape != want or dtype != np.int32:
+        raise ValueError(f"lookup must be lookup_table(log2phy, logcnt): int32 of shape {want}, got shape {shape} "
+                         f"dtype {dtype}")
+
+
 def _check_implementation(implementation):
     if implementation is None:
         return "pallas" if jax.default_backend() == "gpu" else "xla"
@@ -224,22 +264,76 @@ def _limits(num_valid_tokens, record, num_tokens, top_k):
 
 
 # ------------------------------------------------------------- mode tables
-def _build_thresholds(mode, values, logcnt, width):
+def _build_thresholds(mode, values, logcnt, width, *, limit=None, sums=None):
     """The ``[E, S]`` int32 non-decreasing thresholds of ``shares`` / ``resolved`` (module docstring).
 
     Entries at or beyond ``logcnt[e]`` are ``int32 max`` so no point passes them.
     Computed once here, so every implementation compares the same integers.
+    Built replica-major (``[S, E]``) and returned transposed: the Pallas kernel
+    reads them replica-major, so its transpose back cancels this one and XLA
+    writes no transposed copy per call. ``resolved``: the quotas and their
+    sums are capped at ``limit`` (the number of entries, a static int; ``None``:
+    no cap), which changes no result -- every rank is below it.
+
+    ``sums`` (a benchmark knob) says how the prefix sums along each row run:
+    ``"matmul"`` (default: one float32 product with a triangular ``[S, S]``
+    matrix -- at ``S = 257`` on an H200 2-3 us against 9 us for XLA's
+    reduce-window ``jnp.cumsum``; shares' float sums may round in any order,
+    as both implementations read these thresholds; quotas go in as three
+    11-bit limbs whose sums stay below ``2**24``, so theirs are exact; rows
+    wider than ``_MAX_MATMUL_WIDTH`` use ``jnp.cumsum``), ``"cumsum"``
+    (``jnp.cumsum``) or ``"rows"`` (``jnp.cumsum`` over expert-major rows).
     """
-    live = jnp.arange(width, dtype=jnp.int32)[None, :] < logcnt[:, None]
+    sums = _THRESHOLD_SUMS if sums is None else sums
+    if sums == "matmul" and width > _MAX_MATMUL_WIDTH:  # the [S, S] matrix grows as S**2
+        sums = "cumsum"
+    live_rows = jnp.arange(width, dtype=jnp.int32)[None, :] < logcnt[:, None]  # [E, S], as the input lies
+    live = live_rows.T
     if mode == "shares":
         weights = values.astype(jnp.float32)
-        weights = jnp.where(live & jnp.isfinite(weights) & (weights > 0), weights, jnp.float32(0))
-        cumulative = jnp.cumsum(weights, axis=1)
-        total = cumulative[:, -1:]
-        scaled = jnp.floor(cumulative / jnp.where(total > 0, total, jnp.float32(1)) * jnp.float32(_POINT_SCALE))
+        # Capped so sums of up to 2**27 terms cannot overflow (no row reduction before the prefix sums).
+        weights = jnp.where(live_rows & jnp.isfinite(weights) & (weights > 0), jnp.minimum(weights, _MAX_WEIGHT), 0.0)
+        cumulative = _prefix_sums(weights, sums)  # [S, E]
+        total = cumulative[-1:]
+        by_weight = jnp.floor(cumulative / jnp.where(total > 0, total, 1.0) * jnp.float32(_POINT_SCALE))
+        # A row without a positive weight is split equally: the thresholds of weights all 1 (same float ops).
+        position = jnp.arange(1, width + 1, dtype=jnp.float32)[:, None]
+        equal = jnp.floor(position / jnp.maximum(logcnt, 1).astype(jnp.float32)[None, :] * jnp.float32(_POINT_SCALE))
+        scaled = jnp.where(total > 0, by_weight, equal)
         thresholds = jnp.clip(scaled, 0, _POINT_SCALE).astype(jnp.int32)
-        # A row of all-zero weights gets thresholds 0: every point passes all c of them -> hash.
     else:
-        quotas = jnp.where(live, jnp.maximum(values.astype(jnp.int32), 0), 0)
-        thresholds = jnp.cumsum(quotas, axis=1, dtype=jnp.int32)
-    return jnp.where(live, thresholds, jnp.int32(_NEVER))
+        cap = _NEVER if limit is None else int(min(limit, _NEVER))
+        quotas = jnp.where(live_rows, jnp.clip(values.astype(jnp.int32), 0, cap), 0)  # [E, S]
+        thresholds = _quota_sums(quotas, cap, sums)
+    return jnp.where(live, thresholds, jnp.int32(_NEVER)).T
+
+
+_THRESHOLD_SUMS = "matmul"
+_MAX_MATMUL_WIDTH = 4096
+_LIMB_BITS = 11  # resolved's quotas as three limbs: column sums of up to 8192 rows stay below 2**24 (exact)
+
+
+def _prefix_sums(values, sums):
+    """Inclusive prefix sums of ``values [E, S]`` along ``S``, returned replica-major: ``[S, E]``."""
+    if sums == "matmul":  # writes [S, E] directly (XLA still transposes the small operand first: ~0.3 us)
+        width = values.shape[1]
+        lower = (jnp.arange(width)[:, None] >= jnp.arange(width)[None, :]).astype(jnp.float32)
+        return jnp.einsum("sj,ej->se", lower, values.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST,
+                          preferred_element_type=jnp.float32)
+    if sums == "rows":
+        return jnp.cumsum(values, axis=1, dtype=values.dtype).T
+    return jnp.cumsum(values.T, axis=0, dtype=values.dtype)
+
+
+def _quota_sums(quotas, cap, sums):
+    """``min(prefix sums of quotas [E, S] along S, cap)`` as ``[S, E]``, exact, for quotas in ``[0, cap]``."""
+    num_logical, width = quotas.shape
+    if sums == "matmul" and width * cap < 2**31:  # exact limbs (width <= 4096 < 8192), int32 total
+        mask = (1 << _LIMB_BITS) - 1
+        limbs = jnp.concatenate([(quotas >> (_LIMB_BITS * i)) & mask for i in range(3)], axis=0)  # [3E, S]
+        limb_sums = _prefix_sums(limbs, "matmul").astype(jnp.int32)  # [S, 3E]: integers < 2**24
+        total = sum(limb_sums[:, i * num_logical:(i + 1) * num_logical] << (_LIMB_BITS * i) for i in range(3))
+        return jnp.minimum(total, cap)
+    # Saturating sums, associative for values in [0, cap]: min(a + b, cap) without overflowing int32.
+    saturated = jax.lax.associative_scan(lambda a, b: jnp.minimum(a, cap - b) + b, quotas, axis=1)
+    return saturated.T
