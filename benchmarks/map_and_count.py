@@ -3,7 +3,11 @@
 For T in {4096, 65536, 262144} tokens x top-8, P in {288, 512} slots (E = 256)
 and every mode, prints side by side (microseconds per call):
 
-* ``pallas``   -- the Triton kernel (``implementation="pallas"``);
+* ``pallas``   -- the Triton kernel (``implementation="pallas"``), with the
+  lookup table and thresholds built from the traced tables on every call (the
+  kernels of each call are printed under its row);
+* ``prepared`` -- the same with the lookup table built once per placement and
+  passed in (``map_and_count(lookup=...)``, as ``MoELayer`` runs it);
 * ``xla_best`` -- the best pure-XLA version here: the reference mapping plus a
   factorized one-hot histogram (``onehot_hi^T @ onehot_lo`` on the tensor cores);
 * ``xla_ref``  -- the ``"xla"`` implementation: gather + ``jnp.bincount``
@@ -18,8 +22,9 @@ on GPU the time is the device time of its kernels from the profiler
 (``_timing.device_seconds``, no host dispatch or sync), divided by ``REPS``;
 elsewhere the host-timed median.
 
-Run on a GPU machine: ``PYTHONPATH=. python3 benchmarks/map_and_count.py [--quick] [--sweep] [--modes resolved]``
-(``--sweep`` first times the kernel options of ``SWEEP`` side by side; ``--modes`` limits the table).
+Run on a GPU machine: ``PYTHONPATH=. python3 benchmarks/map_and_count.py [--quick] [--sweep] [--setup]
+[--sizes 4096,262144] [--modes resolved]`` (``--sweep`` first times the kernel options of ``SWEEP`` side by
+side; ``--setup`` the ways of summing the thresholds, whole calls; ``--modes`` / ``--sizes`` limit the table).
 """
 
 from __future__ import annotations
@@ -156,8 +161,14 @@ def run_case(rng, num_tokens, top_k, num_physical, mode, bandwidth, log):
 
 
 def time_variant(rng, mode, options, count=True, num_tokens=262144, num_physical=288):
-    """Checks one kernel configuration against the reference on fresh data, then times it (seconds, or None)."""
-    log2phy, logcnt, kw, ids = make_case(rng, num_tokens, 8, num_physical, mode)
+    """Checks one kernel configuration against the reference on fresh data, then times it (seconds, or None).
+
+    The data depend on (mode, T, P) only, so the variants of one case are timed on the same placement and ids
+    (the search's cost depends on the replica counts drawn).
+    """
+    del rng
+    case_rng = np.random.default_rng([num_tokens, num_physical, ("hash", "round_robin", "shares", "resolved").index(mode)])
+    log2phy, logcnt, kw, ids = make_case(case_rng, num_tokens, 8, num_physical, mode)
     width = log2phy.shape[1]
     values = kw.get("replica_shares", kw.get("resolved"))
     thresholds = (jnp.zeros((NUM_LOGICAL, width), jnp.int32) if values is None
@@ -204,14 +215,15 @@ def pallas_copy(x, block=2048, num_warps=4):
 
 
 SWEEP = [  # (mode, T, P, options): T x 8 entries; the defaults first in each group; "count": False skips counting
-    # shares searches with a while loop per block (the default since the seventh session: 15.3 / 21.4 us kernel at
-    # P = 288 / 512 vs 19.1 / 25.5 unrolled); its trip count is the block's deepest search, so smaller blocks may
-    # stop sooner, and a few independent loads first (linear_search) may shorten the chain.
-    ("shares", 262144, 512, {}), ("shares", 262144, 512, {"tile": 4096, "sub": 1024, "num_warps": 4}),
-    ("shares", 262144, 512, {"tile": 2048, "sub": 2048, "num_warps": 8}),
-    ("shares", 262144, 512, {"linear_search": 2}), ("shares", 262144, 512, {"linear_search": 4}),
-    ("shares", 262144, 288, {}), ("shares", 262144, 288, {"tile": 4096, "sub": 1024, "num_warps": 4}),
-    ("shares", 262144, 288, {"linear_search": 2}),
+    # Next to measure, each group on one draw of data (time_variant seeds by case): resolved's rank kernel with its
+    # running counts in memory at both slot counts (seventh session: 24.65 vs 26.30 us rank kernel at P = 288, on
+    # different draws); shares with two independent loads first (14.93 vs 16.90 at P = 288 but 22.93 vs 18.83 at
+    # P = 512 -- different draws, so unsettled); the mapping alone (count=False) of shares vs hash.
+    ("resolved", 262144, 288, {}), ("resolved", 262144, 288, {"rank_running": "memory"}),
+    ("resolved", 262144, 512, {}), ("resolved", 262144, 512, {"rank_running": "memory"}),
+    ("shares", 262144, 288, {}), ("shares", 262144, 288, {"linear_search": 2}),
+    ("shares", 262144, 512, {}), ("shares", 262144, 512, {"linear_search": 2}),
+    ("shares", 262144, 512, {"count": False}), ("hash", 262144, 512, {"count": False}), ("hash", 262144, 512, {}),
 ]
 
 
@@ -236,9 +248,7 @@ def setup_sweep(rng, num_tokens=262144):
     for mode in ("shares", "resolved"):
         for num_physical in (288, 512):
             log2phy, logcnt, kw, ids = make_case(rng, num_tokens, 8, num_physical, mode)
-            for sums in ("rows", "cumsum", "matmul"):
-                if mode == "resolved" and sums == "matmul":
-                    continue
+            for sums in ("matmul", "matmul_rows", "cumsum"):
                 public._THRESHOLD_SUMS = sums
                 fn = lambda x, log2phy, logcnt, kw: map_and_count(  # noqa: E731
                     x, log2phy, logcnt, num_physical=num_physical, num_valid_tokens=num_tokens - 3, mode=mode,

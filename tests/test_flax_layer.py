@@ -218,6 +218,34 @@ def test_pallas_path_is_placement_invariant(rng):
     np.testing.assert_allclose(outs[0], outs[2], rtol=1e-5, atol=1e-5)
 
 
+def test_module_keeps_the_kernel_lookup_with_its_placement(rng):
+    """The layer rebuilds ``route_lookup`` with every placement and its Pallas map_and_count reads it: the slots
+    counted follow the lookup table, equal the XLA path's with the right one, and differ with a wrong one."""
+    from moe_eplb_jax.pallas import lookup_table
+
+    layer = MoELayer(D, H, E, K, mesh=MESH, num_physical=P, map_implementation="pallas", rngs=nnx.Rngs(0))
+    placement = _random_placement(rng)
+    layer.eplb_set_placement(placement.phy2log[0], placement.log2phy[0], placement.logcnt[0])
+    want = np.asarray(lookup_table(placement.log2phy[0], placement.logcnt[0]))
+    np.testing.assert_array_equal(np.asarray(layer.route_lookup.get_value()), want)
+    x = jnp.asarray(rng.standard_normal((G * 6, D)).astype(np.float32))
+
+    def load_after_pass(module):
+        module.expert_load.set_value(jnp.zeros_like(module.expert_load.get_value()))
+        module(x)
+        return np.asarray(module.expert_load.get_value()).sum(0)
+
+    pallas_load = load_after_pass(layer)
+    layer.map_implementation = "xla"
+    np.testing.assert_array_equal(load_after_pass(layer), pallas_load)
+    other = Placement.linear(1, E, P)  # a lookup of another placement: the kernel follows it
+    layer.route_lookup.set_value(put_host(np.asarray(lookup_table(other.log2phy[0], other.logcnt[0])), MESH, PS()))
+    layer.map_implementation = "pallas"
+    assert not np.array_equal(load_after_pass(layer), pallas_load)
+    with pytest.raises(ValueError, match="placement table must have shape"):
+        layer.eplb_set_placement(placement.phy2log[0], placement.log2phy[0][:, :1], placement.logcnt[0])
+
+
 def test_padding_tokens_are_computed_but_not_counted(rng):
     w_in, w_out, router = _weights(rng)
     placement = _random_placement(rng)

@@ -51,6 +51,15 @@ def random_ids(rng, num_tokens, top_k, num_logical, invalid_fraction=0.05):
     return ids.astype(np.int32)
 
 
+def layered_inputs(rng, num_layers, num_tokens, top_k, num_logical, num_physical):
+    """Per layer a random placement and ids: ``(placements, log2phy [L, E, S], logcnt [L, E], ids [L, T, k])``."""
+    placements = [random_placement(rng, num_logical, num_physical) for _ in range(num_layers)]
+    log2phy = np.stack([p.log2phy[0] for p in placements])
+    logcnt = np.stack([p.logcnt[0] for p in placements])
+    ids = np.stack([random_ids(rng, num_tokens, top_k, num_logical) for _ in range(num_layers)])
+    return placements, log2phy, logcnt, ids
+
+
 def oracle(ids, log2phy, logcnt, num_physical, num_valid, mode, replica_shares=None, resolved=None, record=True):
     """Entry-by-entry numpy model of the documented semantics."""
     num_tokens, top_k = ids.shape
@@ -276,10 +285,7 @@ def test_traced_flags_do_not_recompile(rng):
 @pytest.mark.parametrize("implementation", ["xla", "pallas"])
 def test_vmap_over_layers(implementation, rng):
     num_layers, num_tokens, top_k, num_logical, num_physical = 3, 40, 2, 8, 12
-    placements = [random_placement(rng, num_logical, num_physical) for _ in range(num_layers)]
-    log2phy = np.stack([p.log2phy[0] for p in placements])
-    logcnt = np.stack([p.logcnt[0] for p in placements])
-    ids = np.stack([random_ids(rng, num_tokens, top_k, num_logical) for _ in range(num_layers)])
+    placements, log2phy, logcnt, ids = layered_inputs(rng, num_layers, num_tokens, top_k, num_logical, num_physical)
     fn = functools.partial(map_and_count, num_physical=num_physical, num_valid_tokens=30, implementation=implementation)
     phys, load = jax.jit(jax.vmap(fn))(ids, log2phy, logcnt)
     for layer in range(num_layers):
@@ -510,10 +516,7 @@ def test_prepared_lookup_gives_the_same_results(mode, rng):
     from moe_eplb_jax.pallas import lookup_table
 
     num_layers, num_tokens, top_k, num_logical, num_physical = 2, 48, 4, 16, 30
-    placements = [random_placement(rng, num_logical, num_physical) for _ in range(num_layers)]
-    log2phy = np.stack([p.log2phy[0] for p in placements])
-    logcnt = np.stack([p.logcnt[0] for p in placements])
-    ids = np.stack([random_ids(rng, num_tokens, top_k, num_logical) for _ in range(num_layers)])
+    placements, log2phy, logcnt, ids = layered_inputs(rng, num_layers, num_tokens, top_k, num_logical, num_physical)
     extra = [random_mode_inputs(rng, mode, p, num_tokens * top_k) for p in placements]
     extra = {k: np.stack([e[k] for e in extra]) for k in extra[0]}
     lookup = jax.vmap(lookup_table)(log2phy, logcnt)
@@ -771,7 +774,7 @@ def test_thresholds_exact_by_every_summation(width, limit, rng):
     shares = rng.integers(0, 5, (num_logical, width)).astype(np.float32) / 4
     shares[:3] = 0.0
     answers = []
-    for method in ("matmul", "cumsum", "rows"):
+    for method in ("matmul", "matmul_rows", "cumsum", "rows"):
         got = _build_thresholds("resolved", jnp.asarray(quotas), jnp.asarray(logcnt), width, limit=limit, sums=method)
         np.testing.assert_array_equal(np.asarray(got), want)
         answers.append(np.asarray(_build_thresholds("shares", jnp.asarray(shares), jnp.asarray(logcnt), width,

@@ -17,9 +17,11 @@ over ``axis`` (or, after ``MoELayer.quantize(fmt)``, quantized pytrees of
 ``moe_eplb_jax.quant``); replicas of an expert hold identical bytes, and in
 training ``tie_replicas`` gives every replica the expert's summed gradient so
 they stay identical. The placement tables
-(``phy2log [P]``, ``log2phy [E, S]``, ``logcnt [E]``) are ``EplbTable``
-variables -- inputs of the compiled function, never constants in it, so a
-rearrangement never recompiles -- and the tokens per slot of every forward
+(``phy2log [P]``, ``log2phy [E, S]``, ``logcnt [E]``, and ``route_lookup``,
+the Pallas kernel's lookup table of them, rebuilt whenever they change so no
+forward pass rebuilds it) are ``EplbTable`` variables -- inputs of the
+compiled function, never constants in it, so a rearrangement never
+recompiles -- and the tokens per slot of every forward
 pass are added to the ``ExpertLoad`` variable, which the controller reads.
 
 Loads are not summed over the EP axis in the forward pass (``load_reduce=
@@ -43,7 +45,7 @@ from jax.sharding import PartitionSpec as PS
 
 from moe_eplb_jax.flax import grouped_matmul as _gmm
 from moe_eplb_jax.flax.experts import QuantizedExperts, _gated_mlp, expert_mlp, tie_replicas
-from moe_eplb_jax.pallas import map_and_count
+from moe_eplb_jax.pallas import lookup_table, map_and_count
 from moe_eplb_jax.placement import Placement
 from moe_eplb_jax.sharding import dispatch as _dispatch
 from moe_eplb_jax.sharding.mesh import put_host
@@ -124,6 +126,7 @@ def moe_apply(
     activation_scaling: str = "dynamic",
     capacity_factor: float | None = None,
     load_reduce: str = "none",
+    lookup=None,
 ):
     """The routed-expert part of the layer as a pure function.
 
@@ -133,6 +136,9 @@ def moe_apply(
       experts: expert weights with leading ``[P]`` slot axes sharded over ``axis``
         (see ``expert_mlp``: float ``w_in``/``w_out`` or quantized ``gate``/``up``/``down``).
       log2phy: ``[E, S]`` int32 (-1 padded); ``logcnt [E]`` int32.
+      lookup: optional ``moe_eplb_jax.pallas.lookup_table(log2phy, logcnt)``,
+        kept with the placement so the Pallas ``map_and_count`` does not
+        rebuild it every pass (``map_and_count(lookup=...)``).
       num_valid_tokens: tokens ``t >= num_valid_tokens`` (in ``x``'s order) are
         padding: computed, not counted in the load. ``None``: all count.
       capacity_factor: ``None`` exchanges the worst-case buffer in one
@@ -161,7 +167,7 @@ def moe_apply(
     capacity = _capacity(x.shape[0] // num_ranks * top_k, num_ranks, capacity_factor)
     total_valid = jnp.asarray(x.shape[0] if num_valid_tokens is None else num_valid_tokens, jnp.int32)
 
-    def per_rank(x, router_w, router_bias, experts, log2phy, logcnt, total_valid):
+    def per_rank(x, router_w, router_bias, experts, log2phy, logcnt, total_valid, lookup):
         ids, weights = route(
             x, router_w, top_k=top_k, num_groups=num_groups, topk_groups=topk_groups, bias=router_bias
         )
@@ -170,7 +176,7 @@ def moe_apply(
         local_valid = jnp.clip(total_valid - first, 0, x.shape[0]).astype(jnp.int32)
         physical, load = _map_and_count(
             ids, log2phy, logcnt, num_physical=num_physical, num_valid_tokens=local_valid, mode=routing,
-            implementation=map_implementation,
+            implementation=map_implementation, lookup=lookup,
         )
         load = load.astype(jnp.int32)
         load = jax.lax.psum(load, axis) if load_reduce == "psum" else load[None]
@@ -184,12 +190,12 @@ def moe_apply(
     return jax.shard_map(
         per_rank,
         mesh=mesh,
-        in_specs=(sharded, PS(), PS(), sharded, PS(), PS(), PS()),
+        in_specs=(sharded, PS(), PS(), sharded, PS(), PS(), PS(), PS()),
         out_specs=(sharded, PS() if load_reduce == "psum" else sharded),
         # The Pallas map_and_count (GPU) declares outputs without a varying-axes type; jax 0.11
         # rejects that under check_vma=True.
         check_vma=False,
-    )(x, router_w, router_bias, experts, log2phy, logcnt, total_valid)
+    )(x, router_w, router_bias, experts, log2phy, logcnt, total_valid, lookup)
 
 
 def _routed_experts(x, physical, weights, experts, *, axis, num_ranks, slots_per_rank, capacity, matmul,
@@ -344,6 +350,7 @@ class MoELayer(nnx.Module):
         self.phy2log = EplbTable(put_host(placement.phy2log[0], mesh, PS()))
         self.log2phy = EplbTable(put_host(placement.log2phy[0], mesh, PS()))
         self.logcnt = EplbTable(put_host(placement.logcnt[0], mesh, PS()))
+        self.route_lookup = EplbTable(_route_lookup(placement.log2phy[0], placement.logcnt[0], mesh))
         if load_reduce == "psum":
             self.expert_load = ExpertLoad(put_host(np.zeros(num_physical, np.int32), mesh, PS()))
         else:  # one row per EP rank, each on its rank: the forward pass adds to it without communication
@@ -374,7 +381,7 @@ class MoELayer(nnx.Module):
             topk_groups=self.topk_groups, routing=self.routing, matmul=self.matmul,
             map_implementation=self.map_implementation, quant_impl=self.quant_impl,
             activation_scaling=self.activation_scaling, capacity_factor=self.capacity_factor,
-            load_reduce=self.load_reduce,
+            load_reduce=self.load_reduce, lookup=self.route_lookup.get_value(),
         )
         self.expert_load.set_value(self.expert_load.get_value() + load)
         if self.shared_in is not None:
@@ -433,6 +440,13 @@ class MoELayer(nnx.Module):
         for var, value in ((self.phy2log, phy2log), (self.log2phy, log2phy), (self.logcnt, logcnt)):
             if tuple(np.shape(value)) != tuple(var.get_value().shape):
                 raise ValueError(f"placement table must have shape {tuple(var.get_value().shape)}, got {np.shape(value)}")
+        route_lookup = _route_lookup(log2phy, logcnt, self.mesh)  # before any table changes
         self.phy2log.set_value(put_host(np.asarray(phy2log, np.int32), self.mesh, PS()))
         self.log2phy.set_value(put_host(np.asarray(log2phy, np.int32), self.mesh, PS()))
         self.logcnt.set_value(put_host(np.asarray(logcnt, np.int32), self.mesh, PS()))
+        self.route_lookup.set_value(route_lookup)
+
+
+def _route_lookup(log2phy, logcnt, mesh):
+    """``lookup_table`` of one layer's placement, replicated on ``mesh`` (built once per placement)."""
+    return put_host(np.asarray(lookup_table(np.asarray(log2phy, np.int32), np.asarray(logcnt, np.int32))), mesh, PS())

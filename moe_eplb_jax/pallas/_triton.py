@@ -4,11 +4,13 @@ One program maps one *tile* of ``tile`` consecutive flat (token, k) entries,
 in a loop over *sub-tiles* of ``sub`` entries: load ids, gather ``logcnt`` and
 ``log2phy`` (tiny tables, cached), pick the replica, store the slot.
 
-Lookups (``tables``): by default the wrapper packs ``(first slot + 1) | count
-<< 16`` per expert ("head" table), so an entry costs one table load, and
-``log2phy`` is read only for entries sent to a later replica. ``log2phy`` and
-the thresholds lie replica-major by default (``layout``: ``[S, E]``, so a
-warp's gather of replica ``j`` touches one row's few cache lines).
+Lookups (``tables``): by default :func:`lookup_table` packs ``(first slot + 1)
+| count << 16`` per expert ("head" table), so an entry costs one table load,
+and ``log2phy`` after it, read only for entries sent to a later replica. It is
+one flat array: built per call in one XLA fusion, or once per placement by the
+caller (``map_and_count(lookup=...)``). ``log2phy`` and the thresholds lie
+replica-major by default (``layout``: ``[S, E]``, so a warp's gather of
+replica ``j`` touches one row's few cache lines).
 
 Counting (``count_method``), each program counting its tile:
 
@@ -602,8 +604,14 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     replicas): ``b`` > 0 answers the search from a table of ``2**b`` buckets
     per expert, one load beside the head load (:func:`share_buckets`),
     searching only in buckets holding two or more thresholds; 0 always
-    searches. For large inputs the defaults of a
-    mode come from :data:`LARGE_OPTIONS` by size (options passed explicitly win).
+    searches; ``search`` how the bisection steps (``"while"``: a loop that
+    ends when every lane of the block has converged, ``"unrolled"``: all
+    ``bit_length(S)`` steps, masked; ``None``: ``"while"`` for ``shares``,
+    ``"unrolled"`` for ``resolved``, the faster of each on an H200). For large
+    inputs the defaults of a mode come from :data:`LARGE_OPTIONS` by size
+    (options passed explicitly win). ``lookup``: :func:`lookup_table` of
+    ``log2phy`` / ``logcnt`` built by the caller (with the default ``tables`` /
+    ``layout``; other options rebuild it), else built here per call.
     """
     unknown = set(config) - set(DEFAULTS)
     if unknown:

@@ -281,11 +281,13 @@ def _build_thresholds(mode, values, logcnt, width, *, limit=None, sums=None):
     reduce-window ``jnp.cumsum``; shares' float sums may round in any order,
     as both implementations read these thresholds; quotas go in as three
     11-bit limbs whose sums stay below ``2**24``, so theirs are exact; rows
-    wider than ``_MAX_MATMUL_WIDTH`` use ``jnp.cumsum``), ``"cumsum"``
-    (``jnp.cumsum``) or ``"rows"`` (``jnp.cumsum`` over expert-major rows).
+    wider than ``_MAX_MATMUL_WIDTH`` use ``jnp.cumsum``), ``"matmul_rows"``
+    (the same product with the triangular matrix on the right, transposed
+    after; not measured yet), ``"cumsum"`` (``jnp.cumsum``) or ``"rows"``
+    (``jnp.cumsum`` over expert-major rows).
     """
     sums = _THRESHOLD_SUMS if sums is None else sums
-    if sums == "matmul" and width > _MAX_MATMUL_WIDTH:  # the [S, S] matrix grows as S**2
+    if sums.startswith("matmul") and width > _MAX_MATMUL_WIDTH:  # the [S, S] matrix grows as S**2
         sums = "cumsum"
     live_rows = jnp.arange(width, dtype=jnp.int32)[None, :] < logcnt[:, None]  # [E, S], as the input lies
     live = live_rows.T
@@ -320,6 +322,11 @@ def _prefix_sums(values, sums):
         lower = (jnp.arange(width)[:, None] >= jnp.arange(width)[None, :]).astype(jnp.float32)
         return jnp.einsum("sj,ej->se", lower, values.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST,
                           preferred_element_type=jnp.float32)
+    if sums == "matmul_rows":  # [E, S] @ upper-triangular [S, S], then transposed (which side XLA copies)
+        width = values.shape[1]
+        upper = (jnp.arange(width)[:, None] <= jnp.arange(width)[None, :]).astype(jnp.float32)
+        return jnp.dot(values.astype(jnp.float32), upper, precision=jax.lax.Precision.HIGHEST,
+                       preferred_element_type=jnp.float32).T
     if sums == "rows":
         return jnp.cumsum(values, axis=1, dtype=values.dtype).T
     return jnp.cumsum(values.T, axis=0, dtype=values.dtype)
@@ -328,10 +335,10 @@ def _prefix_sums(values, sums):
 def _quota_sums(quotas, cap, sums):
     """``min(prefix sums of quotas [E, S] along S, cap)`` as ``[S, E]``, exact, for quotas in ``[0, cap]``."""
     num_logical, width = quotas.shape
-    if sums == "matmul" and width * cap < 2**31:  # exact limbs (width <= 4096 < 8192), int32 total
+    if sums.startswith("matmul") and width * cap < 2**31:  # exact limbs (width <= 4096 < 8192), int32 total
         mask = (1 << _LIMB_BITS) - 1
         limbs = jnp.concatenate([(quotas >> (_LIMB_BITS * i)) & mask for i in range(3)], axis=0)  # [3E, S]
-        limb_sums = _prefix_sums(limbs, "matmul").astype(jnp.int32)  # [S, 3E]: integers < 2**24
+        limb_sums = _prefix_sums(limbs, sums).astype(jnp.int32)  # [S, 3E]: integers < 2**24
         total = sum(limb_sums[:, i * num_logical:(i + 1) * num_logical] << (_LIMB_BITS * i) for i in range(3))
         return jnp.minimum(total, cap)
     # Saturating sums, associative for values in [0, cap]: min(a + b, cap) without overflowing int32.
