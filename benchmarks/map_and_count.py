@@ -218,11 +218,17 @@ SWEEP = [  # (mode, T, P, options): T x 8 entries; the defaults first in each gr
     # Next to measure, each group on one draw of data (time_variant seeds by case): resolved's rank kernel with its
     # running counts in memory at both slot counts (seventh session: 24.65 vs 26.30 us rank kernel at P = 288, on
     # different draws); shares with two independent loads first (14.93 vs 16.90 at P = 288 but 22.93 vs 18.83 at
-    # P = 512 -- different draws, so unsettled); the mapping alone (count=False) of shares vs hash.
+    # P = 512 -- different draws, so unsettled); a 4- / 8-ary search (search_arity: 3 / 7 independent probes per
+    # step, 5 / 3 dependent steps instead of 9 over resolved's 257-wide unrolled rows); the mapping alone
+    # (count=False) of shares vs hash.
     ("resolved", 262144, 288, {}), ("resolved", 262144, 288, {"rank_running": "memory"}),
+    ("resolved", 262144, 288, {"search_arity": 4}),
     ("resolved", 262144, 512, {}), ("resolved", 262144, 512, {"rank_running": "memory"}),
+    ("resolved", 262144, 512, {"search_arity": 4}), ("resolved", 262144, 512, {"search_arity": 8}),
     ("shares", 262144, 288, {}), ("shares", 262144, 288, {"linear_search": 2}),
+    ("shares", 262144, 288, {"search_arity": 4}),
     ("shares", 262144, 512, {}), ("shares", 262144, 512, {"linear_search": 2}),
+    ("shares", 262144, 512, {"search_arity": 4}), ("shares", 262144, 512, {"search_arity": 8}),
     ("shares", 262144, 512, {"count": False}), ("hash", 262144, 512, {"count": False}), ("hash", 262144, 512, {}),
 ]
 

@@ -349,7 +349,9 @@ def test_feeds_eplb_state_record(rng):
                                      {"linear_search": 16}, {"linear_search": 3, "layout": "expert_major"},
                                      {"share_buckets": 5}, {"rank_running": "memory"},
                                      {"rank_running": "memory", "tile_resolved": 256, "sub_resolved": 64},
-                                     {"search": "while"}, {"search": "while", "linear_search": 2}])
+                                     {"search": "while"}, {"search": "while", "linear_search": 2},
+                                     {"search_arity": 4}, {"search_arity": 8, "search": "while"},
+                                     {"search_arity": 4, "linear_search": 2, "layout": "expert_major"}])
 @pytest.mark.parametrize("mode", ["hash", "resolved"])
 def test_kernel_options_match_reference(options, mode, rng):
     """The tuning knobs of the kernel (tile, sub-tile, one-hot dtype) never change the result."""
@@ -379,6 +381,9 @@ def test_kernel_options_match_reference(options, mode, rng):
     with pytest.raises(ValueError, match="linear_search must be >= 0"):
         _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode,
                                      linear_search=-1)
+    with pytest.raises(ValueError, match="search_arity must be 2, 4 or 8"):
+        _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode,
+                                     search_arity=3)
     with pytest.raises(ValueError, match="search must be None, 'unrolled' or 'while'"):
         _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode,
                                      search="linear")
@@ -398,11 +403,12 @@ def test_kernel_options_match_reference(options, mode, rng):
     share_buckets=st.sampled_from([0, 3, 6]),
     rank_running=st.sampled_from(["registers", "memory"]),
     search=st.sampled_from([None, "unrolled", "while"]),
+    search_arity=st.sampled_from([2, 4, 8]),
     seed=st.integers(0, 2**31),
 )
 def test_kernel_option_combinations_match_reference(num_tokens, top_k, num_logical, extra_slots, mode, layout,
                                                     reduce, tables, linear_search, share_buckets, rank_running,
-                                                    search, seed):
+                                                    search, search_arity, seed):
     """Any combination of the kernel's layout / reduction / lookup / search / rank options gives the reference's
     ids and loads (Pallas in interpret mode on CPU, compiled on GPU)."""
     from moe_eplb_jax.pallas import _reference, _triton
@@ -424,7 +430,7 @@ def test_kernel_option_combinations_match_reference(num_tokens, top_k, num_logic
     got = _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=num_physical,
                                        mode=mode, layout=layout, reduce=reduce, tables=tables,
                                        linear_search=linear_search, share_buckets=share_buckets,
-                                       rank_running=rank_running, search=search,
+                                       rank_running=rank_running, search=search, search_arity=search_arity,
                                        interpret=jax.default_backend() != "gpu")
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
@@ -432,13 +438,13 @@ def test_kernel_option_combinations_match_reference(num_tokens, top_k, num_logic
 
 @pytest.mark.parametrize("tables, layout", [("head", "expert_major"), ("global", "expert_major"),
                                             ("head", "replica_major"), ("shared", "replica_major")])
-@pytest.mark.parametrize("linear_search", [0, 16])
+@pytest.mark.parametrize("linear_search, search_arity", [(0, 2), (16, 2), (0, 4), (2, 8)])
 @pytest.mark.parametrize("wide", [True, False], ids=["wide", "narrow"])
 @pytest.mark.parametrize("mode", MODES)
-def test_wide_and_narrow_rows_match_reference(mode, wide, linear_search, tables, layout, rng):
-    """Experts with 1 to 20 replicas: the replica lookups and the threshold search (bisection bounded by each
-    expert's replica count; or independent loads up to 16 replicas, bisection beyond) give the reference's
-    result, in either table layout."""
+def test_wide_and_narrow_rows_match_reference(mode, wide, linear_search, search_arity, tables, layout, rng):
+    """Experts with 1 to 20 replicas: the replica lookups and the threshold search (bisection or a 4- / 8-ary
+    search bounded by each expert's replica count; or independent loads first, the search beyond) give the
+    reference's result, in either table layout."""
     from moe_eplb_jax.pallas import _reference, _triton
     from moe_eplb_jax.pallas.map_and_count import _build_thresholds
 
@@ -463,7 +469,7 @@ def test_wide_and_narrow_rows_match_reference(mode, wide, linear_search, tables,
                                               mode=mode)
     got = _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=num_physical,
                                        mode=mode, tables=tables, layout=layout, linear_search=linear_search,
-                                       interpret=jax.default_backend() != "gpu")
+                                       search_arity=search_arity, interpret=jax.default_backend() != "gpu")
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
     replica_of = {int(slot): int(np.flatnonzero(placement.log2phy[0, e] == slot)[0])
@@ -553,6 +559,7 @@ def test_pallas_kernels_lower_to_triton_ir(h100_lowering):
                 for m in ("shares", "resolved") for t in _triton.TABLES]
              + [("shares", {"share_buckets": 6}), ("shares", {"share_buckets": 8, "tables": "global"}),
                 ("shares", {"search": "unrolled"}), ("resolved", {"search": "while"}),
+                ("shares", {"search_arity": 4}), ("resolved", {"search_arity": 8}),
                 ("resolved", {"rank_running": "memory"}),
                 ("resolved", {"rank_running": "memory", "sub_resolved": 64, "warps_resolved": 2})])
     for mode, options in cases:

@@ -137,40 +137,54 @@ def _pair_histogram(bins, hi_bits, lo_bits, dtype, acc_dtype):
     return jnp.dot(rows, cols, preferred_element_type=acc_dtype)
 
 
-def _upper_bound(thresholds_ref, at, point, width, live, searching, dynamic=False):
-    """``#{j < live : thresholds[at(j)] <= point}`` for non-decreasing rows (binary search), ``live <= width``.
+def _upper_bound(thresholds_ref, at, point, width, live, searching, dynamic=False, arity=2):
+    """``#{j < live : thresholds[at(j)] <= point}`` for non-decreasing rows (an ``arity``-ary search), ``live <= width``.
 
     ``at(j)`` is the flat index of each lane's threshold ``j`` (the table
     layout); ``live`` each lane's number of real entries (its row's later
     entries are never read). Only lanes where ``searching`` holds load
     thresholds, and only until their search has converged -- after
-    ``bit_length(live)`` steps, so a 4-replica expert in a 257-wide table loads
-    3 thresholds, not 9; the others return 0. ``dynamic``: the block stops
-    stepping once all its lanes have converged (a ``while`` loop on a block
-    reduction) instead of issuing all ``bit_length(width)`` steps, masked.
+    ``floor(log_arity(live)) + 1`` steps, so a 4-replica expert in a 257-wide
+    table loads 3 thresholds by bisection, not 9; the others return 0.
+    ``dynamic``: the block stops stepping once all its lanes have converged (a
+    ``while`` loop on a block reduction) instead of issuing every step the
+    width needs, masked. ``arity`` > 2 probes ``arity - 1`` evenly spaced
+    thresholds per step, loaded independently: fewer dependent steps (5 instead
+    of 9 for 257 entries at arity 4) for more loads.
     """
-    def step(bounds):
+    def step(bounds):  # invariant: thresholds below `low` pass, those from `high` on do not
         low, high = bounds
         active = low < high
-        mid = (low + high) // 2
-        value = plgpu.load(thresholds_ref.at[at(jnp.minimum(mid, width - 1))], mask=active, other=0)
-        passed = value <= point
-        return jnp.where(active & passed, mid + 1, low), jnp.where(active & ~passed, mid, high)
+        size = high - low
+        probes = [low + size * i // arity for i in range(1, arity)]  # non-decreasing, in [low, high)
+        passed = [plgpu.load(thresholds_ref.at[at(jnp.minimum(probe, width - 1))], mask=active, other=0) <= point
+                  for probe in probes]
+        # Rows are non-decreasing, so the passing probes are a prefix: the answer lies after the last of them
+        # and at or before the first that fails.
+        new_low, new_high = low, high
+        for i, probe in enumerate(probes):
+            new_low = jnp.where(active & passed[i], probe + 1, new_low)
+        for i in reversed(range(len(probes))):
+            new_high = jnp.where(active & ~passed[i], probes[i], new_high)
+        return new_low, new_high
 
     bounds = (jnp.zeros_like(point), jnp.where(searching, jnp.minimum(live, width), 0))
     if dynamic:
         # (jnp.max of an int, not jnp.any: Pallas Triton has no lowering of reduce_or)
         bounds = jax.lax.while_loop(lambda b: jnp.max((b[0] < b[1]).astype(jnp.int32)) > 0, step, bounds)
     else:
-        for _ in range(int(width).bit_length()):
+        size = int(width)
+        while size:  # the step's largest remaining interval is floor(size / arity)
             bounds = step(bounds)
+            size //= arity
     return bounds[0]
 
 
 _LINEAR_SEARCH = 0  # default: bisection bounded by the replica count (measured faster than independent loads)
 
 
-def _count_passed(thresholds_ref, at, point, width, count, searching, linear=_LINEAR_SEARCH, dynamic=False):
+def _count_passed(thresholds_ref, at, point, width, count, searching, linear=_LINEAR_SEARCH, dynamic=False,
+                  arity=2):
     """``#{j < width : thresholds[at(j)] <= point}`` where ``searching`` holds, else 0.
 
     The row's first ``linear`` entries: one independent load per entry below
@@ -191,7 +205,7 @@ def _count_passed(thresholds_ref, at, point, width, count, searching, linear=_LI
     if width > linear:
         deeper = searching & (count > linear) & (passed == linear)
         passed = passed + _upper_bound(thresholds_ref, lambda j: at(j + linear), point, width - linear,
-                                       count - linear, deeper, dynamic=dynamic)
+                                       count - linear, deeper, dynamic=dynamic, arity=arity)
     return jnp.where(searching, passed, 0)
 
 
@@ -282,7 +296,7 @@ def _rank_in_warp(values):
 def _map_kernel(ids_ref, tables_ref, thresholds_ref, buckets_ref, base_ref, rank_ref, limits_ref, zeros_ref, phys_ref,
                 hist_ref, *, mode, num_flat, top_k, num_logical, width, num_physical, tile, sub, bins, expert_bins,
                 rank_tile, count_dtype, do_count, count_method, tables, layout, reduce, linear_search, bucket_bits,
-                num_tiles, search):
+                num_tiles, search, search_arity):
     """``tables_ref`` is :func:`lookup_table`'s: per-expert counts (or head entries) at ``[0, E)``, then ``log2phy``
     at ``[E, E + E * S)``; ``thresholds_ref`` the ``[E, S]`` thresholds; both in ``layout``."""
     del zeros_ref  # reduce="atomic": the zeroed load counters, aliased to hist_ref
@@ -351,7 +365,7 @@ def _map_kernel(ids_ref, tables_ref, thresholds_ref, buckets_ref, base_ref, rank
                 quick, crowded = _bucket_passed(buckets_ref, expert, point, bucket_bits)
                 searching = searching & crowded
             passed = _count_passed(thresholds_ref, functools.partial(table_index, expert), point, width, count,
-                                   searching, linear=linear_search, dynamic=search == "while")
+                                   searching, linear=linear_search, dynamic=search == "while", arity=search_arity)
             if bucket_bits:
                 passed = jnp.where(crowded, passed, quick)
             if mode == "shares":  # always below count (C[count - 1] = 2**24 > point): no hash fallback to compute
@@ -538,7 +552,7 @@ DEFAULTS = {"tile": None, "sub": _SUB, "tile_resolved": None, "sub_resolved": _S
             "warps_resolved": _WARPS_RESOLVED, "num_warps": 4, "num_stages": 3,
             "count_dtype": "int8", "count_method": "histogram", "tables": "head", "layout": "replica_major",
             "reduce": "atomic", "rank_in_step": "match", "linear_search": _LINEAR_SEARCH, "share_buckets": 0,
-            "rank_running": "registers", "search": None}
+            "rank_running": "registers", "search": None, "search_arity": 2}
 # How the kernel counts: "histogram" (tt.histogram per loop step: warp ballots + popc, shared-memory atomics
 # across warps; also in interpret mode, as jnp), "onehot" (factorised one-hot products on the tensor cores),
 # "atomic" (one global atomic add per entry into the program's row of counters), "atomic_warp" (atomics
@@ -607,7 +621,9 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     searches; ``search`` how the bisection steps (``"while"``: a loop that
     ends when every lane of the block has converged, ``"unrolled"``: all
     ``bit_length(S)`` steps, masked; ``None``: ``"while"`` for ``shares``,
-    ``"unrolled"`` for ``resolved``, the faster of each on an H200). For large
+    ``"unrolled"`` for ``resolved``, the faster of each on an H200) and
+    ``search_arity`` its fan-out (2: bisection; 4 / 8: three / seven
+    independent probes per step, fewer dependent steps -- not measured yet). For large
     inputs the defaults of a mode come from :data:`LARGE_OPTIONS` by size
     (options passed explicitly win). ``lookup``: :func:`lookup_table` of
     ``log2phy`` / ``logcnt`` built by the caller (with the default ``tables`` /
@@ -643,6 +659,8 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
         bucket_bits = 0  # only shares has uniform points; a wider row's base would not fit
     if config["rank_in_step"] not in ("compare", "match"):
         raise ValueError(f"rank_in_step must be 'compare' or 'match', got {config['rank_in_step']!r}")
+    if config["search_arity"] not in (2, 4, 8):
+        raise ValueError(f"search_arity must be 2, 4 or 8, got {config['search_arity']!r}")
     if config["search"] not in (None, "unrolled", "while"):
         raise ValueError(f"search must be None, 'unrolled' or 'while', got {config['search']!r}")
     # shares: the block's loop stops once all its lanes converged (most entries search little); resolved's points
@@ -722,7 +740,7 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
         num_physical=num_physical, tile=tile, sub=sub, bins=bins, expert_bins=expert_bins,
         rank_tile=rank_tile, count_dtype=count_dtype, do_count=count, count_method=count_method, tables=tables,
         layout=layout, reduce=reduce, linear_search=int(config["linear_search"]), bucket_bits=bucket_bits,
-        num_tiles=num_tiles, search=search)
+        num_tiles=num_tiles, search=search, search_arity=int(config["search_arity"]))
     # A prepared table is lookup_table's default kind; other kernel options (or slots past 16 bits) rebuild it.
     if lookup is None or (layout, tables) != (DEFAULTS["layout"], DEFAULTS["tables"]):
         lookup = lookup_table(log2phy, logcnt, layout=layout, tables=tables)
