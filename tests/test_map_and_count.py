@@ -180,7 +180,8 @@ def test_large_t_properties(mode, rng):
 
 def test_hash_is_uniform_over_replicas(rng):
     num_tokens, num_logical, num_physical = 65536, 8, 8 + 21
-    placement = Placement.from_phy2log(np.concatenate([np.arange(8), np.repeat(np.arange(1, 7), np.arange(1, 7))]), 8)
+    placement = Placement.from_phy2log(np.concatenate([np.arange(num_logical), np.repeat(np.arange(1, 7), np.arange(1, 7))]),
+                                       num_logical)
     assert placement.num_physical == num_physical
     for expert in range(1, 7):  # 2..7 replicas
         ids = np.full((num_tokens, 1), expert, np.int32)
@@ -689,7 +690,7 @@ def test_gpu_shard_map(rng):
 def test_share_buckets_count_thresholds_exactly(bits, rng):
     """Every bucket entry gives #thresholds <= point for every point of its bucket (sampled, plus every bucket
     start, every threshold and its neighbours), or says -1 where two or more thresholds fall inside."""
-    from moe_eplb_jax.pallas import _triton
+    from moe_eplb_jax.pallas import _search
     from moe_eplb_jax.pallas.map_and_count import _build_thresholds
 
     width, num_logical = 12, 40
@@ -699,7 +700,7 @@ def test_share_buckets_count_thresholds_exactly(bits, rng):
     shares[4:8] = 1e-4  # tiny shares: many thresholds in one bucket
     shares[8:12, 1:] = 1e-7  # one big share, then tiny ones
     thresholds = np.asarray(_build_thresholds("shares", jnp.asarray(shares), jnp.asarray(logcnt), width))
-    entries = _triton.share_buckets(jnp.asarray(thresholds), bits)
+    entries = _search.share_buckets(jnp.asarray(thresholds), bits)
     shift = 24 - bits
     experts, points = [], []
     for e in range(num_logical):
@@ -711,7 +712,7 @@ def test_share_buckets_count_thresholds_exactly(bits, rng):
         experts.append(np.full(mine.shape, e))
     experts, points = np.concatenate(experts).astype(np.int32), np.concatenate(points).astype(np.int32)
     # the kernel's own lookup (a gather from the flat table), for every point at once
-    got, busy = map(np.asarray, _triton._bucket_passed(entries, jnp.asarray(experts), jnp.asarray(points), bits))
+    got, busy = map(np.asarray, _search._bucket_passed(entries, jnp.asarray(experts), jnp.asarray(points), bits))
     rows = thresholds[experts]
     want = np.sum(rows <= points[:, None], axis=1)
     np.testing.assert_array_equal(got[~busy], want[~busy])

@@ -32,29 +32,11 @@ Counting (``count_method``), each program counting its tile:
   distinct slot of a warp instruction) into the program's row of float32
   counters, zeroed by atomic exchange.
 
-``resolved`` needs each entry's rank among earlier entries of the same expert
-(an exclusive per-expert cumsum in flat order) and Triton-Pallas has no
-cross-program look-back, so it runs three kernels over *rank tiles* of
-``tile_resolved`` entries:
-
-1. ``_rank_kernel``: each entry's rank inside its rank tile = count of ``e``
-   in earlier sub-tiles (a running ``[E_pad]`` int32 histogram in registers,
-   added to with ``tt.histogram`` and read with ``tt.gather``) + count of ``e``
-   at earlier positions of its 32-entry sub-tile (PTX ``match.any`` +
-   ``popc``, one entry per lane; ``rank_in_step="compare"`` and interpret mode:
-   a ``[sub, sub]`` pairwise compare).
-   Its loop reads only the ids (which Triton prefetches) and writes the ranks:
-   no gather from memory on the chain from one sub-tile to the next. Its
-   final running histogram is the tile's (quota-consuming entries only).
-   ``rank_running="memory"`` (an option, not yet measured) keeps the running
-   counts in the program's row of the histogram output instead: per step one
-   gather of the 32 entries' counts, one store of the new counts, and a block
-   barrier (which orders the block's global accesses) --
-   a short chain instead of ``tt.histogram`` + ``tt.gather`` per step.
-2. XLA: per-tile bases, an exclusive cumsum of those histograms over tiles
-   (``[num_rank_tiles, E_pad]``, small).
-3. ``_map_kernel``: point = base[rank tile, e] + rank, then the threshold
-   search of ``shares``, in the same large programs as the other modes.
+``resolved`` first ranks every entry among the earlier entries of its expert
+(:mod:`._rank`: a rank kernel over *rank tiles*, then XLA's exclusive cumsum
+of the tiles' histograms); ``_map_kernel`` then takes point = base[rank
+tile, e] + rank into the threshold search (:mod:`._search`) of ``shares``, in
+the same large programs as the other modes.
 """
 
 from __future__ import annotations
@@ -67,26 +49,16 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from moe_eplb_jax.pallas._rank import (_SUB_RESOLVED, _WARPS_RESOLVED, _rank_kernel, _rank_tile,
+                                       _warp_aggregate)
 from moe_eplb_jax.pallas._reference import GOLDEN
+from moe_eplb_jax.pallas._search import _BASE_BITS, _LINEAR_SEARCH, _bucket_passed, _count_passed, share_buckets
 from moe_eplb_jax.pallas._triton_ops import atomic_add_int, histogram, take
 
 __all__ = ["map_and_count_triton", "default_tile", "lookup_table", "lookup_size"]
 
 _INT32_MAX = np.iinfo(np.int32).max
 _SUB = 256  # entries per sub-tile (hash, round_robin, shares)
-# resolved, rank kernel (H200, benchmarks/RESULTS.md): one-warp programs of 32-entry steps ([32, 32] compares);
-# rank tiles of 1024 entries at 262144 x 8 (71 us in all vs 139 with 2048-entry tiles, 64-entry steps, 2 warps),
-# 256 at 8192 x 8 (15.8 us vs 45 with 2048): a program's time grows with its tile, so small inputs take small tiles.
-_SUB_RESOLVED = 32
-_WARPS_RESOLVED = 1
-_MIN_TILE_RESOLVED, _MAX_TILE_RESOLVED = 256, 1024
-
-
-def _rank_tile(num_flat: int) -> int:
-    """Entries per rank tile of ``resolved``: about 2048 tiles for large inputs, 256 to 1024 entries each."""
-    return int(min(_MAX_TILE_RESOLVED, max(_MIN_TILE_RESOLVED, pl.next_power_of_2(pl.cdiv(num_flat, 2048)))))
-
-
 def _split_bins(num_bins: int) -> tuple[int, int]:
     """``(hi_bits, lo_bits)`` with ``2**(hi+lo) >= num_bins`` and both factors >= 16 (tensor-core minimum)."""
     bits = max(8, int(num_bins - 1).bit_length())
@@ -135,162 +107,6 @@ def _pair_histogram(bins, hi_bits, lo_bits, dtype, acc_dtype):
     rows = _onehot_rows(hi, 1 << hi_bits, dtype)
     cols = _onehot_cols(lo, 1 << lo_bits, dtype)
     return jnp.dot(rows, cols, preferred_element_type=acc_dtype)
-
-
-def _upper_bound(thresholds_ref, at, point, width, live, searching, dynamic=False, arity=2):
-    """``#{j < live : thresholds[at(j)] <= point}`` for non-decreasing rows (an ``arity``-ary search), ``live <= width``.
-
-    ``at(j)`` is the flat index of each lane's threshold ``j`` (the table
-    layout); ``live`` each lane's number of real entries (its row's later
-    entries are never read). Only lanes where ``searching`` holds load
-    thresholds, and only until their search has converged -- after
-    ``floor(log_arity(live)) + 1`` steps, so a 4-replica expert in a 257-wide
-    table loads 3 thresholds by bisection, not 9; the others return 0.
-    ``dynamic``: the block stops stepping once all its lanes have converged (a
-    ``while`` loop on a block reduction) instead of issuing every step the
-    width needs, masked. ``arity`` > 2 probes ``arity - 1`` evenly spaced
-    thresholds per step, loaded independently: fewer dependent steps (5 instead
-    of 9 for 257 entries at arity 4) for more loads.
-    """
-    def step(bounds):  # invariant: thresholds below `low` pass, those from `high` on do not
-        low, high = bounds
-        active = low < high
-        size = high - low
-        probes = [low + size * i // arity for i in range(1, arity)]  # non-decreasing, in [low, high)
-        passed = [plgpu.load(thresholds_ref.at[at(jnp.minimum(probe, width - 1))], mask=active, other=0) <= point
-                  for probe in probes]
-        # Rows are non-decreasing, so the passing probes are a prefix: the answer lies after the last of them
-        # and at or before the first that fails.
-        new_low, new_high = low, high
-        for i, probe in enumerate(probes):
-            new_low = jnp.where(active & passed[i], probe + 1, new_low)
-        for i in reversed(range(len(probes))):
-            new_high = jnp.where(active & ~passed[i], probes[i], new_high)
-        return new_low, new_high
-
-    bounds = (jnp.zeros_like(point), jnp.where(searching, jnp.minimum(live, width), 0))
-    if dynamic:
-        # (jnp.max of an int, not jnp.any: Pallas Triton has no lowering of reduce_or)
-        bounds = jax.lax.while_loop(lambda b: jnp.max((b[0] < b[1]).astype(jnp.int32)) > 0, step, bounds)
-    else:
-        size = int(width)
-        while size:  # the step's largest remaining interval is floor(size / arity)
-            bounds = step(bounds)
-            size //= arity
-    return bounds[0]
-
-
-_LINEAR_SEARCH = 0  # default: bisection bounded by the replica count (measured faster than independent loads)
-
-
-def _count_passed(thresholds_ref, at, point, width, count, searching, linear=_LINEAR_SEARCH, dynamic=False,
-                  arity=2):
-    """``#{j < width : thresholds[at(j)] <= point}`` where ``searching`` holds, else 0.
-
-    The row's first ``linear`` entries: one independent load per entry below
-    ``count`` (the row's later entries are ``int32 max`` by construction, which
-    is also what the masked loads read), so the loads overlap instead of a
-    bisection's chain of dependent loads. Entries from ``linear`` on (rows of
-    a wide table: ``Placement`` tables are ``P - E + 1`` wide whatever the
-    replica counts) only for lanes that passed all of the first ``linear``
-    and have more live entries -- by bisection (:func:`_upper_bound`); every
-    other lane has its answer (rows are non-decreasing), so for experts of at
-    most ``linear`` replicas the bisection's loads are all masked off.
-    """
-    linear = min(width, linear)
-    passed = jnp.zeros_like(point)
-    for j in range(linear):
-        value = plgpu.load(thresholds_ref.at[at(j)], mask=searching & (j < count), other=_INT32_MAX)
-        passed = passed + (value <= point).astype(jnp.int32)
-    if width > linear:
-        deeper = searching & (count > linear) & (passed == linear)
-        passed = passed + _upper_bound(thresholds_ref, lambda j: at(j + linear), point, width - linear,
-                                       count - linear, deeper, dynamic=dynamic, arity=arity)
-    return jnp.where(searching, passed, 0)
-
-
-# shares with share_buckets=b: each expert's point range [0, 2**24) in 2**b buckets. A bucket's entry is
-# base | offset << 9: base = the thresholds at or below the bucket's start, offset = where in the bucket its one
-# inner threshold lies (2**(24 - b): none); -1 when two or more thresholds fall inside (those entries search).
-_POINT_BITS = 24
-_BASE_BITS = 9  # base <= the table width: buckets need rows of at most 511 replicas
-
-
-def share_buckets(thresholds, bits: int):
-    """``[E * 2**bits]`` int32 bucket entries (see above) of non-decreasing ``[E, S]`` shares thresholds.
-
-    For a point ``p`` in bucket ``k`` (``p >> (24 - bits)``) the number of
-    thresholds ``<= p`` is ``base + (p - start >= offset)`` exactly, unless
-    the entry is -1 -- so one load, beside the head load, replaces the search
-    of almost every entry.
-    """
-    shift = _POINT_BITS - bits
-    start = jnp.arange(1 << bits, dtype=jnp.int32) << shift  # [B]
-    # Rows are sorted (entries past an expert's count are int32 max): two binary searches per bucket, unrolled
-    # into one fusion, instead of comparing every bucket with every threshold ([E, B, S]).
-    count_le = jax.vmap(lambda row, points: jnp.searchsorted(row, points, side="right", method="scan_unrolled"),
-                        in_axes=(0, None))
-    base = count_le(thresholds, start).astype(jnp.int32)  # [E, B]: thresholds <= the bucket's start
-    num_inner = count_le(thresholds, start + ((1 << shift) - 1)).astype(jnp.int32) - base  # start < t < end
-    first = jnp.take_along_axis(thresholds, jnp.minimum(base, thresholds.shape[1] - 1), axis=1)  # the first inner
-    offset = jnp.where(num_inner == 0, 1 << shift, first - start[None, :])
-    return jnp.where(num_inner >= 2, -1, base | (offset << _BASE_BITS)).reshape(-1)
-
-
-def _bucket_passed(buckets_ref, expert, point, bits):
-    """``(passed, crowded)``: thresholds ``<= point`` from the expert's bucket entry; crowded lanes must search."""
-    shift = _POINT_BITS - bits
-    entry = buckets_ref[expert * (1 << bits) + (point >> shift)]  # no dependence on the head load
-    offset = (entry >> _BASE_BITS) & ((1 << (shift + 1)) - 1)
-    passed = (entry & ((1 << _BASE_BITS) - 1)) + ((point & ((1 << shift) - 1)) >= offset).astype(jnp.int32)
-    return passed, entry < 0
-
-
-def _warp_aggregate(values):
-    """Per element: ``(rank, count)`` over the lanes of its warp holding the same value at the same position.
-
-    ``rank`` is how many lower lanes hold the value (0: the lane leads its
-    group) and ``count`` how many lanes hold it (PTX ``match.any`` + ``popc``):
-    e.g. one atomic per distinct value per warp instruction instead of one per
-    entry, so a hot slot does not serialise 32 atomics in L2. GPU only (inline
-    PTX). One packed result (``count | rank << 16``): jax 0.11.2 lowers a
-    multi-result inline asm to one value.
-    """
-    (packed,) = plgpu.elementwise_inline_asm(
-        """{
-        .reg .b32 same, below;
-        match.any.sync.b32 same, $1, -1;
-        mov.u32 below, %lanemask_lt;
-        and.b32 below, same, below;
-        popc.b32 below, below;
-        popc.b32 same, same;
-        shl.b32 below, below, 16;
-        or.b32 $0, same, below;
-        }""",
-        args=[values], constraints="=r,r", pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(values.shape, jnp.int32)])
-    return packed >> 16, packed & 0xFFFF
-
-
-def _rank_in_warp(values):
-    """Per element of a one-warp, one-element-per-lane vector: how many lower lanes hold the same value.
-
-    PTX ``match.any`` (the lanes holding the same value) masked by
-    ``%lanemask_lt``, then ``popc``: three instructions instead of a ``[32, 32]``
-    compare and row sum. GPU only (inline PTX); the caller guarantees the
-    layout (32 entries, one warp).
-    """
-    (rank,) = plgpu.elementwise_inline_asm(
-        """{
-        .reg .b32 same, below;
-        match.any.sync.b32 same, $1, -1;
-        mov.u32 below, %lanemask_lt;
-        and.b32 below, same, below;
-        popc.b32 $0, below;
-        }""",
-        args=[values], constraints="=r,r", pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(values.shape, jnp.int32)])
-    return rank
 
 
 def _map_kernel(ids_ref, tables_ref, thresholds_ref, buckets_ref, base_ref, rank_ref, limits_ref, zeros_ref, phys_ref,
@@ -422,83 +238,6 @@ def _map_kernel(ids_ref, tables_ref, thresholds_ref, buckets_ref, base_ref, rank
         plgpu.store(hist_ref.at[offset], hist.astype(hist_ref.dtype), mask=inside)
     elif count_method == "onehot":
         hist_ref[0] = hist
-
-
-def _rank_step_ids(ids_ref, program, index, tile, sub, num_flat, num_logical, rank_limit):
-    """One rank step's ``(start, inside, rank_valid, e_bins)``: its entries' experts, -1 where they consume no quota."""
-    start = pl.multiple_of(program * tile + index * sub, sub)
-    flat = start + jnp.arange(sub, dtype=jnp.int32)
-    inside = flat < num_flat
-    ids = plgpu.load(ids_ref.at[pl.ds(start, sub)], mask=inside, other=-1)
-    rank_valid = (ids >= 0) & (ids < num_logical) & (flat < rank_limit)
-    return start, inside, rank_valid, jnp.where(rank_valid, ids, -1)
-
-
-def _rank_kernel(ids_ref, limits_ref, rank_ref, hist_ref, *, num_flat, num_logical, tile, sub, expert_bins,
-                 in_step, running, barrier):
-    """Each entry's rank among the earlier quota-consuming entries of its expert in this program's tile,
-    and the tile's histogram of those entries."""
-    program = pl.program_id(0)
-    rank_limit = limits_ref[1]
-    earlier_position = _iota((sub, sub), 1) < _iota((sub, sub), 0)
-    if running == "memory":
-        return _rank_in_memory(program, ids_ref, rank_limit, rank_ref, hist_ref, num_flat=num_flat,
-                               num_logical=num_logical, tile=tile, sub=sub, expert_bins=expert_bins,
-                               in_step=in_step, earlier_position=earlier_position, barrier=barrier)
-
-    def step(index, running):
-        start, inside, rank_valid, e_bins = _rank_step_ids(ids_ref, program, index, tile, sub, num_flat,
-                                                           num_logical, rank_limit)
-        earlier = take(running, jnp.maximum(e_bins, 0))  # entries of e in earlier sub-tiles
-        if in_step == "match":  # ... at earlier positions of this one (one entry per lane)
-            before = _rank_in_warp(e_bins)  # lanes of -1 rank among themselves: ranks nobody reads
-        else:
-            same = (e_bins[:, None] == e_bins[None, :]) & earlier_position
-            before = jnp.sum(same.astype(jnp.int32), axis=1)
-        plgpu.store(rank_ref.at[pl.ds(start, sub)], earlier + before, mask=inside)
-        return running + histogram(e_bins, expert_bins)
-
-    hist_ref[0] = jax.lax.fori_loop(0, tile // sub, step, jnp.zeros((expert_bins,), jnp.int32))
-
-
-def _rank_in_memory(program, ids_ref, rank_limit, rank_ref, hist_ref, *, num_flat, num_logical, tile, sub,
-                    expert_bins, in_step, earlier_position, barrier):
-    """``_rank_kernel`` with the running counts in this program's row of the flat ``[tiles * 2 * E_pad]`` output.
-
-    A row is ``2 * E_pad`` long: entry ``E_pad`` is where entries of no expert
-    point (masked off: on the GPU they write nothing; interpret mode's masked
-    scatter writes back the value it read, which must not land on a real bin).
-
-    Per step: gather the counts of the step's experts, rank inside the step,
-    every entry stores its expert's count plus the step's entries of that
-    expert (equal values to one address), then a block barrier, which makes
-    the block's global writes visible to its later reads (``barrier``; interpret
-    mode runs in order and has no barrier).
-    """
-    row = pl.multiple_of(program * 2 * expert_bins, expert_bins)
-    plgpu.store(hist_ref.at[pl.ds(row, expert_bins)], jnp.zeros((expert_bins,), jnp.int32))
-    if barrier:
-        plgpu.debug_barrier()
-
-    def step(index, carry):
-        start, inside, rank_valid, e_bins = _rank_step_ids(ids_ref, program, index, tile, sub, num_flat,
-                                                           num_logical, rank_limit)
-        at = row + jnp.where(rank_valid, e_bins, expert_bins)
-        earlier = plgpu.load(hist_ref.at[at], mask=rank_valid, other=0)
-        if in_step == "match":  # one match.any for both
-            before, same = _warp_aggregate(e_bins)
-        else:
-            equal = e_bins[:, None] == e_bins[None, :]
-            before = jnp.sum((equal & earlier_position).astype(jnp.int32), axis=1)
-            same = jnp.sum(equal.astype(jnp.int32), axis=1)
-        plgpu.store(rank_ref.at[pl.ds(start, sub)], earlier + before, mask=inside)
-        # Every entry of an expert stores the same new count (no masked-off lane can write back a stale one).
-        plgpu.store(hist_ref.at[at], earlier + same, mask=rank_valid)
-        if barrier:
-            plgpu.debug_barrier()
-        return carry
-
-    jax.lax.fori_loop(0, tile // sub, step, jnp.int32(0))
 
 
 def lookup_table(log2phy, logcnt, *, layout: str = "replica_major", tables: str = "head"):

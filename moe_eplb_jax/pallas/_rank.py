@@ -1,0 +1,178 @@
+"""Per-expert ranks of ``resolved`` (the first of its kernels), for :mod:`._triton`.
+
+``resolved`` needs each entry's rank among earlier entries of the same expert
+(an exclusive per-expert cumsum in flat order) and Triton-Pallas has no
+cross-program look-back, so it runs three kernels over *rank tiles* of
+``tile_resolved`` entries:
+
+1. ``_rank_kernel``: each entry's rank inside its rank tile = count of ``e``
+   in earlier sub-tiles (a running ``[E_pad]`` int32 histogram in registers,
+   added to with ``tt.histogram`` and read with ``tt.gather``) + count of ``e``
+   at earlier positions of its 32-entry sub-tile (PTX ``match.any`` +
+   ``popc``, one entry per lane; ``rank_in_step="compare"`` and interpret mode:
+   a ``[sub, sub]`` pairwise compare).
+   Its loop reads only the ids (which Triton prefetches) and writes the ranks:
+   no gather from memory on the chain from one sub-tile to the next. Its
+   final running histogram is the tile's (quota-consuming entries only).
+   ``rank_running="memory"`` (an option; 3% faster at one size, unsettled) keeps the running
+   counts in the program's row of the histogram output instead: per step one
+   gather of the 32 entries' counts, one store of the new counts, and a block
+   barrier (which orders the block's global accesses) --
+   a short chain instead of ``tt.histogram`` + ``tt.gather`` per step.
+2. XLA: per-tile bases, an exclusive cumsum of those histograms over tiles
+   (``[num_rank_tiles, E_pad]``, small).
+3. ``_triton._map_kernel``: point = base[rank tile, e] + rank, then the
+   threshold search of ``shares``, in the same large programs as the other
+   modes.
+
+Also here: the warp primitives on PTX ``match.any`` (:func:`_warp_aggregate`
+also serves the map kernel's ``count_method="atomic_warp"``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from moe_eplb_jax.pallas._triton_ops import histogram, take
+
+__all__ = []
+
+# resolved, rank kernel (H200, benchmarks/RESULTS.md): one-warp programs of 32-entry steps ([32, 32] compares);
+# rank tiles of 1024 entries at 262144 x 8 (71 us in all vs 139 with 2048-entry tiles, 64-entry steps, 2 warps),
+# 256 at 8192 x 8 (15.8 us vs 45 with 2048): a program's time grows with its tile, so small inputs take small tiles.
+_SUB_RESOLVED = 32
+_WARPS_RESOLVED = 1
+_MIN_TILE_RESOLVED, _MAX_TILE_RESOLVED = 256, 1024
+
+
+def _rank_tile(num_flat: int) -> int:
+    """Entries per rank tile of ``resolved``: about 2048 tiles for large inputs, 256 to 1024 entries each."""
+    return int(min(_MAX_TILE_RESOLVED, max(_MIN_TILE_RESOLVED, pl.next_power_of_2(pl.cdiv(num_flat, 2048)))))
+
+
+def _warp_aggregate(values):
+    """Per element: ``(rank, count)`` over the lanes of its warp holding the same value at the same position.
+
+    ``rank`` is how many lower lanes hold the value (0: the lane leads its
+    group) and ``count`` how many lanes hold it (PTX ``match.any`` + ``popc``):
+    e.g. one atomic per distinct value per warp instruction instead of one per
+    entry, so a hot slot does not serialise 32 atomics in L2. GPU only (inline
+    PTX). One packed result (``count | rank << 16``): jax 0.11.2 lowers a
+    multi-result inline asm to one value.
+    """
+    (packed,) = plgpu.elementwise_inline_asm(
+        """{
+        .reg .b32 same, below;
+        match.any.sync.b32 same, $1, -1;
+        mov.u32 below, %lanemask_lt;
+        and.b32 below, same, below;
+        popc.b32 below, below;
+        popc.b32 same, same;
+        shl.b32 below, below, 16;
+        or.b32 $0, same, below;
+        }""",
+        args=[values], constraints="=r,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(values.shape, jnp.int32)])
+    return packed >> 16, packed & 0xFFFF
+
+
+def _rank_in_warp(values):
+    """Per element of a one-warp, one-element-per-lane vector: how many lower lanes hold the same value.
+
+    PTX ``match.any`` (the lanes holding the same value) masked by
+    ``%lanemask_lt``, then ``popc``: three instructions instead of a ``[32, 32]``
+    compare and row sum. GPU only (inline PTX); the caller guarantees the
+    layout (32 entries, one warp).
+    """
+    (rank,) = plgpu.elementwise_inline_asm(
+        """{
+        .reg .b32 same, below;
+        match.any.sync.b32 same, $1, -1;
+        mov.u32 below, %lanemask_lt;
+        and.b32 below, same, below;
+        popc.b32 $0, below;
+        }""",
+        args=[values], constraints="=r,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(values.shape, jnp.int32)])
+    return rank
+
+
+def _rank_step_ids(ids_ref, program, index, tile, sub, num_flat, num_logical, rank_limit):
+    """One rank step's ``(start, inside, rank_valid, e_bins)``: its entries' experts, -1 where they consume no quota."""
+    start = pl.multiple_of(program * tile + index * sub, sub)
+    flat = start + jnp.arange(sub, dtype=jnp.int32)
+    inside = flat < num_flat
+    ids = plgpu.load(ids_ref.at[pl.ds(start, sub)], mask=inside, other=-1)
+    rank_valid = (ids >= 0) & (ids < num_logical) & (flat < rank_limit)
+    return start, inside, rank_valid, jnp.where(rank_valid, ids, -1)
+
+
+def _rank_kernel(ids_ref, limits_ref, rank_ref, hist_ref, *, num_flat, num_logical, tile, sub, expert_bins,
+                 in_step, running, barrier):
+    """Each entry's rank among the earlier quota-consuming entries of its expert in this program's tile,
+    and the tile's histogram of those entries."""
+    program = pl.program_id(0)
+    rank_limit = limits_ref[1]
+    iota = jax.lax.broadcasted_iota
+    earlier_position = iota(jnp.int32, (sub, sub), 1) < iota(jnp.int32, (sub, sub), 0)
+    if running == "memory":
+        return _rank_in_memory(program, ids_ref, rank_limit, rank_ref, hist_ref, num_flat=num_flat,
+                               num_logical=num_logical, tile=tile, sub=sub, expert_bins=expert_bins,
+                               in_step=in_step, earlier_position=earlier_position, barrier=barrier)
+
+    def step(index, running):
+        start, inside, rank_valid, e_bins = _rank_step_ids(ids_ref, program, index, tile, sub, num_flat,
+                                                           num_logical, rank_limit)
+        earlier = take(running, jnp.maximum(e_bins, 0))  # entries of e in earlier sub-tiles
+        if in_step == "match":  # ... at earlier positions of this one (one entry per lane)
+            before = _rank_in_warp(e_bins)  # lanes of -1 rank among themselves: ranks nobody reads
+        else:
+            same = (e_bins[:, None] == e_bins[None, :]) & earlier_position
+            before = jnp.sum(same.astype(jnp.int32), axis=1)
+        plgpu.store(rank_ref.at[pl.ds(start, sub)], earlier + before, mask=inside)
+        return running + histogram(e_bins, expert_bins)
+
+    hist_ref[0] = jax.lax.fori_loop(0, tile // sub, step, jnp.zeros((expert_bins,), jnp.int32))
+
+
+def _rank_in_memory(program, ids_ref, rank_limit, rank_ref, hist_ref, *, num_flat, num_logical, tile, sub,
+                    expert_bins, in_step, earlier_position, barrier):
+    """``_rank_kernel`` with the running counts in this program's row of the flat ``[tiles * 2 * E_pad]`` output.
+
+    A row is ``2 * E_pad`` long: entry ``E_pad`` is where entries of no expert
+    point (masked off: on the GPU they write nothing; interpret mode's masked
+    scatter writes back the value it read, which must not land on a real bin).
+
+    Per step: gather the counts of the step's experts, rank inside the step,
+    every entry stores its expert's count plus the step's entries of that
+    expert (equal values to one address), then a block barrier, which makes
+    the block's global writes visible to its later reads (``barrier``; interpret
+    mode runs in order and has no barrier).
+    """
+    row = pl.multiple_of(program * 2 * expert_bins, expert_bins)
+    plgpu.store(hist_ref.at[pl.ds(row, expert_bins)], jnp.zeros((expert_bins,), jnp.int32))
+    if barrier:
+        plgpu.debug_barrier()
+
+    def step(index, carry):
+        start, inside, rank_valid, e_bins = _rank_step_ids(ids_ref, program, index, tile, sub, num_flat,
+                                                           num_logical, rank_limit)
+        at = row + jnp.where(rank_valid, e_bins, expert_bins)
+        earlier = plgpu.load(hist_ref.at[at], mask=rank_valid, other=0)
+        if in_step == "match":  # one match.any for both
+            before, same = _warp_aggregate(e_bins)
+        else:
+            equal = e_bins[:, None] == e_bins[None, :]
+            before = jnp.sum((equal & earlier_position).astype(jnp.int32), axis=1)
+            same = jnp.sum(equal.astype(jnp.int32), axis=1)
+        plgpu.store(rank_ref.at[pl.ds(start, sub)], earlier + before, mask=inside)
+        # Every entry of an expert stores the same new count (no masked-off lane can write back a stale one).
+        plgpu.store(hist_ref.at[at], earlier + same, mask=rank_valid)
+        if barrier:
+            plgpu.debug_barrier()
+        return carry
+
+    jax.lax.fori_loop(0, tile // sub, step, jnp.int32(0))
