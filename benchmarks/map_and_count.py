@@ -167,7 +167,8 @@ def time_variant(rng, mode, options, count=True, num_tokens=262144, num_physical
     (the search's cost depends on the replica counts drawn).
     """
     del rng
-    case_rng = np.random.default_rng([num_tokens, num_physical, ("hash", "round_robin", "shares", "resolved").index(mode)])
+    mode_index = ("hash", "round_robin", "shares", "resolved").index(mode)
+    case_rng = np.random.default_rng([num_tokens, num_physical, mode_index])
     log2phy, logcnt, kw, ids = make_case(case_rng, num_tokens, 8, num_physical, mode)
     width = log2phy.shape[1]
     values = kw.get("replica_shares", kw.get("resolved"))
