@@ -541,6 +541,16 @@ def test_prepared_lookup_gives_the_same_results(mode, rng):
             np.testing.assert_array_equal(np.asarray(g[layer]), w)
 
 
+def test_lookup_table_rejects_bad_tables(rng):
+    from moe_eplb_jax.pallas import lookup_table
+
+    _, log2phy, logcnt = _tables(rng)
+    with pytest.raises(ValueError, match="logcnt must have shape"):
+        lookup_table(log2phy, logcnt[:-1])
+    with pytest.raises(ValueError, match="log2phy must have an integer dtype"):
+        lookup_table(log2phy.astype(np.float32), logcnt)
+
+
 def test_empty_input(rng):
     _, log2phy, logcnt = _tables(rng)
     phys, load = map_and_count(np.zeros((0, 4), np.int32), log2phy, logcnt, num_physical=12, implementation="pallas")
@@ -769,7 +779,8 @@ def test_share_buckets_option_is_checked():
 @pytest.mark.parametrize("limit", [None, 2**21, 2**26, 100])
 def test_thresholds_exact_by_every_summation(width, limit, rng):
     """Quota thresholds are the capped int64 prefix sums exactly, whichever way the sums run (the triangular
-    product on three limbs, the saturating scan, the row cumsum); dyadic shares give one answer from every way."""
+    product on three limbs, with the matrix on either side, or the saturating scan); dyadic shares give one answer
+    from every way."""
     from moe_eplb_jax.pallas.map_and_count import _build_thresholds
 
     num_logical = 40
@@ -782,7 +793,7 @@ def test_thresholds_exact_by_every_summation(width, limit, rng):
     shares = rng.integers(0, 5, (num_logical, width)).astype(np.float32) / 4
     shares[:3] = 0.0
     answers = []
-    for method in ("matmul", "matmul_rows", "cumsum", "rows"):
+    for method in ("matmul", "matmul_rows", "cumsum"):
         got = _build_thresholds("resolved", jnp.asarray(quotas), jnp.asarray(logcnt), width, limit=limit, sums=method)
         np.testing.assert_array_equal(np.asarray(got), want)
         answers.append(np.asarray(_build_thresholds("shares", jnp.asarray(shares), jnp.asarray(logcnt), width,

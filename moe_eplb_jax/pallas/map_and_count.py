@@ -149,7 +149,7 @@ def lookup_table(log2phy, logcnt):
       then ``log2phy`` transposed (``[S, E]``, flat). Placements change only
       at rearrangement, so a model builds this then and keeps it.
     """
-    _check_tables(np.zeros((1, 1), np.int32), log2phy, logcnt)
+    _check_placement(log2phy, logcnt)
     from moe_eplb_jax.pallas import _triton  # imported lazily: pulls in Pallas
 
     return _triton.lookup_table(log2phy, logcnt)
@@ -175,6 +175,16 @@ def _check_int_array(name, value, ndim):
 
 def _check_tables(topk_ids, log2phy, logcnt):
     ids_shape = _check_int_array("topk_ids", topk_ids, 2)
+    table_shape = _check_placement(log2phy, logcnt)
+    if ids_shape[1] < 1:
+        raise ValueError(f"topk_ids must have shape [T, k >= 1], got {ids_shape}")
+    if ids_shape[0] * ids_shape[1] >= 2**31:
+        raise ValueError(f"topk_ids has {ids_shape[0] * ids_shape[1]} entries; at most 2**31 - 1 are supported")
+    return ids_shape, table_shape
+
+
+def _check_placement(log2phy, logcnt):
+    """``(E, S)`` of one layer's ``log2phy [E, S]`` and ``logcnt [E]``."""
     table_shape = _check_int_array("log2phy", log2phy, 2)
     count_shape = _check_int_array("logcnt", logcnt, 1)
     num_logical, width = table_shape
@@ -182,11 +192,7 @@ def _check_tables(topk_ids, log2phy, logcnt):
         raise ValueError(f"log2phy must have shape [E >= 1, S >= 1], got {table_shape}")
     if count_shape != (num_logical,):
         raise ValueError(f"logcnt must have shape [E] = ({num_logical},), got {count_shape}")
-    if ids_shape[1] < 1:
-        raise ValueError(f"topk_ids must have shape [T, k >= 1], got {ids_shape}")
-    if ids_shape[0] * ids_shape[1] >= 2**31:
-        raise ValueError(f"topk_ids has {ids_shape[0] * ids_shape[1]} entries; at most 2**31 - 1 are supported")
-    return ids_shape, table_shape
+    return table_shape
 
 
 def _check_num_physical(num_physical, num_logical):
@@ -283,8 +289,7 @@ def _build_thresholds(mode, values, logcnt, width, *, limit=None, sums=None):
     11-bit limbs whose sums stay below ``2**24``, so theirs are exact; rows
     wider than ``_MAX_MATMUL_WIDTH`` use ``jnp.cumsum``), ``"matmul_rows"``
     (the same product with the triangular matrix on the right, transposed
-    after; not measured yet), ``"cumsum"`` (``jnp.cumsum``) or ``"rows"``
-    (``jnp.cumsum`` over expert-major rows).
+    after; not measured yet) or ``"cumsum"`` (``jnp.cumsum``).
     """
     sums = _THRESHOLD_SUMS if sums is None else sums
     if sums.startswith("matmul") and width > _MAX_MATMUL_WIDTH:  # the [S, S] matrix grows as S**2
@@ -327,8 +332,6 @@ def _prefix_sums(values, sums):
         upper = (jnp.arange(width)[:, None] <= jnp.arange(width)[None, :]).astype(jnp.float32)
         return jnp.dot(values.astype(jnp.float32), upper, precision=jax.lax.Precision.HIGHEST,
                        preferred_element_type=jnp.float32).T
-    if sums == "rows":
-        return jnp.cumsum(values, axis=1, dtype=values.dtype).T
     return jnp.cumsum(values.T, axis=0, dtype=values.dtype)
 
 

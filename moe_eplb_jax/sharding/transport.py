@@ -353,7 +353,7 @@ def resolve_schedule(schedule: str, layouts, mesh: Mesh, axis: str = "ep") -> st
         return schedule
     devices = list(mesh.devices.flat)
     one_axis = all(size == 1 for name, size in mesh.shape.items() if name != axis)
-    return "put" if one_axis and _all_gpus(devices) and _kernel_moves(layouts, devices) else "stream"
+    return "put" if one_axis and _kernel_moves(layouts, devices) else "stream"  # _kernel_moves: GPUs only
 
 
 def _put_kind(schedule: str, layouts, mesh: Mesh) -> str:
