@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_eplb_jax.pallas import _reference, _triton
+from moe_eplb_jax.pallas import _guide, _reference, _triton
 from moe_eplb_jax.pallas.map_and_count import _build_thresholds, lookup_table, map_and_count
 from moe_eplb_jax.placement import Placement
 
@@ -216,21 +216,13 @@ def pallas_copy(x, block=2048, num_warps=4):
 
 
 SWEEP = [  # (mode, T, P, options): T x 8 entries; the defaults first in each group; "count": False skips counting
-    # Next to measure, each group on one draw of data (time_variant seeds by case): resolved's rank kernel with its
-    # running counts in memory at both slot counts (seventh session: 24.65 vs 26.30 us rank kernel at P = 288, on
-    # different draws); shares with two independent loads first (14.93 vs 16.90 at P = 288 but 22.93 vs 18.83 at
-    # P = 512 -- different draws, so unsettled); a 4- / 8-ary search (search_arity: 3 / 7 independent probes per
-    # step, 5 / 3 dependent steps instead of 9 over resolved's 257-wide unrolled rows); the mapping alone
-    # (count=False) of shares vs hash.
-    ("resolved", 262144, 288, {}), ("resolved", 262144, 288, {"rank_running": "memory"}),
-    ("resolved", 262144, 288, {"search_arity": 4}),
-    ("resolved", 262144, 512, {}), ("resolved", 262144, 512, {"rank_running": "memory"}),
-    ("resolved", 262144, 512, {"search_arity": 4}), ("resolved", 262144, 512, {"search_arity": 8}),
-    ("shares", 262144, 288, {}), ("shares", 262144, 288, {"linear_search": 2}),
-    ("shares", 262144, 288, {"search_arity": 4}),
-    ("shares", 262144, 512, {}), ("shares", 262144, 512, {"linear_search": 2}),
-    ("shares", 262144, 512, {"search_arity": 4}), ("shares", 262144, 512, {"search_arity": 8}),
-    ("shares", 262144, 512, {"count": False}), ("hash", 262144, 512, {"count": False}), ("hash", 262144, 512, {}),
+    # Eighth session: the bucket guide (guide=F: F buckets or more per replica, built by one Pallas kernel per
+    # call; 0 = the plain bisection of the seventh session; None = by table width) on the same draws.
+    ("shares", 262144, 288, {}), ("shares", 262144, 288, {"guide": 8}),
+    ("shares", 262144, 512, {}), ("shares", 262144, 512, {"guide": 0}), ("shares", 262144, 512, {"guide": 4}),
+    ("shares", 262144, 512, {"guide": 16}),
+    ("resolved", 262144, 288, {}), ("resolved", 262144, 288, {"guide": 8}),
+    ("resolved", 262144, 512, {}), ("resolved", 262144, 512, {"guide": 0}), ("resolved", 262144, 512, {"guide": 4}),
 ]
 
 
@@ -241,6 +233,17 @@ def sweep(rng):
     us = timed(functools.partial(pallas_copy, block=2048, num_warps=4), [(x,) for x in flat]) * 1e6
     print(f"  pallas copy of 262144 x 8 (block 2048, 4 warps): {us:.2f} us", flush=True)
     del flat
+    for num_physical in (288, 512):  # the guide's set-up alone (one Pallas kernel per call)
+        case_rng = np.random.default_rng([262144, num_physical, 2])
+        log2phy, logcnt, kw, _ = make_case(case_rng, 4096, 8, num_physical, "shares")
+        width = log2phy.shape[1]
+        thresholds = _build_thresholds("shares", kw["replica_shares"], logcnt, width).T.reshape(-1)
+        lookup = lookup_table(log2phy, logcnt)
+        for factor in (4, 8, 16):
+            build = functools.partial(_guide.guide_kernel, mode="shares", factor=factor, num_logical=NUM_LOGICAL,
+                                      width=width, num_physical=num_physical, interpret=jax.default_backend() != "gpu")
+            us = timed(build, [(lookup, thresholds)] * REPS) * 1e6
+            print(f"  guide kernel P={num_physical} factor={factor}: {us:.2f} us", flush=True)
     for mode, num_tokens, num_physical, options in SWEEP:
         options = dict(options)
         count = options.pop("count", True)
@@ -252,6 +255,7 @@ def setup_sweep(rng, num_tokens=262144):
     public = sys.modules["moe_eplb_jax.pallas.map_and_count"]  # the module (the package re-exports the function)
 
     print("set-up sweep (262144 x 8; device time per call, every kernel):", flush=True)
+    default = public._THRESHOLD_SUMS
     for mode in ("shares", "resolved"):
         for num_physical in (288, 512):
             log2phy, logcnt, kw, ids = make_case(rng, num_tokens, 8, num_physical, mode)
@@ -263,7 +267,7 @@ def setup_sweep(rng, num_tokens=262144):
                 seconds = timed(fn, [(x, log2phy, logcnt, kw) for x in ids])
                 kernels = ", ".join(f"{name[:26]} {t * 1e6:.2f}" for name, t in LAST_KERNELS.items())
                 print(f"  {mode:<9} P={num_physical} sums={sums:<7} {seconds * 1e6:7.2f} us  [{kernels}]", flush=True)
-    public._THRESHOLD_SUMS = "cumsum"
+    public._THRESHOLD_SUMS = default
 
 
 def main():

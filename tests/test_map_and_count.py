@@ -348,11 +348,11 @@ def test_feeds_eplb_state_record(rng):
                                      {"reduce": "atomic", "tile": 128, "sub": 64},
                                      {"reduce": "atomic", "layout": "replica_major", "tables": "shared"},
                                      {"linear_search": 16}, {"linear_search": 3, "layout": "expert_major"},
-                                     {"share_buckets": 5}, {"rank_running": "memory"},
+                                     {"rank_running": "registers"},
                                      {"rank_running": "memory", "tile_resolved": 256, "sub_resolved": 64},
                                      {"search": "while"}, {"search": "while", "linear_search": 2},
-                                     {"search_arity": 4}, {"search_arity": 8, "search": "while"},
-                                     {"search_arity": 4, "linear_search": 2, "layout": "expert_major"}])
+                                     {"guide": 1}, {"guide": 16, "search": "unrolled"}, {"guide": 0},
+                                     {"guide": 4, "tables": "global"}])
 @pytest.mark.parametrize("mode", ["hash", "resolved"])
 def test_kernel_options_match_reference(options, mode, rng):
     """The tuning knobs of the kernel (tile, sub-tile, one-hot dtype) never change the result."""
@@ -382,9 +382,9 @@ def test_kernel_options_match_reference(options, mode, rng):
     with pytest.raises(ValueError, match="linear_search must be >= 0"):
         _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode,
                                      linear_search=-1)
-    with pytest.raises(ValueError, match="search_arity must be 2, 4 or 8"):
+    with pytest.raises(ValueError, match="guide must be None, 0, 1, 2, 4, 8 or 16"):
         _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode,
-                                     search_arity=3)
+                                     guide=3)
     with pytest.raises(ValueError, match="search must be None, 'unrolled' or 'while'"):
         _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode,
                                      search="linear")
@@ -401,15 +401,14 @@ def test_kernel_options_match_reference(options, mode, rng):
     reduce=st.sampled_from(["xla", "atomic"]),
     tables=st.sampled_from(["head", "global", "shared"]),
     linear_search=st.sampled_from([0, 2, 16]),
-    share_buckets=st.sampled_from([0, 3, 6]),
+    guide=st.sampled_from([None, 0, 1, 8]),
     rank_running=st.sampled_from(["registers", "memory"]),
     search=st.sampled_from([None, "unrolled", "while"]),
-    search_arity=st.sampled_from([2, 4, 8]),
     seed=st.integers(0, 2**31),
 )
 def test_kernel_option_combinations_match_reference(num_tokens, top_k, num_logical, extra_slots, mode, layout,
-                                                    reduce, tables, linear_search, share_buckets, rank_running,
-                                                    search, search_arity, seed):
+                                                    reduce, tables, linear_search, guide, rank_running,
+                                                    search, seed):
     """Any combination of the kernel's layout / reduction / lookup / search / rank options gives the reference's
     ids and loads (Pallas in interpret mode on CPU, compiled on GPU)."""
     from moe_eplb_jax.pallas import _reference, _triton
@@ -430,8 +429,8 @@ def test_kernel_option_combinations_match_reference(num_tokens, top_k, num_logic
                                               mode=mode)
     got = _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=num_physical,
                                        mode=mode, layout=layout, reduce=reduce, tables=tables,
-                                       linear_search=linear_search, share_buckets=share_buckets,
-                                       rank_running=rank_running, search=search, search_arity=search_arity,
+                                       linear_search=linear_search, guide=guide,
+                                       rank_running=rank_running, search=search,
                                        interpret=jax.default_backend() != "gpu")
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
@@ -439,13 +438,13 @@ def test_kernel_option_combinations_match_reference(num_tokens, top_k, num_logic
 
 @pytest.mark.parametrize("tables, layout", [("head", "expert_major"), ("global", "expert_major"),
                                             ("head", "replica_major"), ("shared", "replica_major")])
-@pytest.mark.parametrize("linear_search, search_arity", [(0, 2), (16, 2), (0, 4), (2, 8)])
+@pytest.mark.parametrize("linear_search, guide", [(0, 0), (16, 0), (0, 1), (2, 8)])
 @pytest.mark.parametrize("wide", [True, False], ids=["wide", "narrow"])
 @pytest.mark.parametrize("mode", MODES)
-def test_wide_and_narrow_rows_match_reference(mode, wide, linear_search, search_arity, tables, layout, rng):
-    """Experts with 1 to 20 replicas: the replica lookups and the threshold search (bisection or a 4- / 8-ary
-    search bounded by each expert's replica count; or independent loads first, the search beyond) give the
-    reference's result, in either table layout."""
+def test_wide_and_narrow_rows_match_reference(mode, wide, linear_search, guide, tables, layout, rng):
+    """Experts with 1 to 20 replicas: the replica lookups and the threshold search (bisection bounded by each
+    expert's replica count; or independent loads first, the search beyond; or the bucket guide, which the
+    replica-major head tables use) give the reference's result, in either table layout."""
     from moe_eplb_jax.pallas import _reference, _triton
     from moe_eplb_jax.pallas.map_and_count import _build_thresholds
 
@@ -470,7 +469,7 @@ def test_wide_and_narrow_rows_match_reference(mode, wide, linear_search, search_
                                               mode=mode)
     got = _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=num_physical,
                                        mode=mode, tables=tables, layout=layout, linear_search=linear_search,
-                                       search_arity=search_arity, interpret=jax.default_backend() != "gpu")
+                                       guide=guide, interpret=jax.default_backend() != "gpu")
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
     replica_of = {int(slot): int(np.flatnonzero(placement.log2phy[0, e] == slot)[0])
@@ -568,10 +567,9 @@ def test_pallas_kernels_lower_to_triton_ir(h100_lowering):
              + [(m, {"tables": t}) for m in ("hash", "resolved") for t in _triton.TABLES[1:]]
              + [(m, {"tables": t, "layout": "expert_major", "reduce": "xla", "rank_in_step": "compare"})
                 for m in ("shares", "resolved") for t in _triton.TABLES]
-             + [("shares", {"share_buckets": 6}), ("shares", {"share_buckets": 8, "tables": "global"}),
-                ("shares", {"search": "unrolled"}), ("resolved", {"search": "while"}),
-                ("shares", {"search_arity": 4}), ("resolved", {"search_arity": 8}),
-                ("resolved", {"rank_running": "memory"}),
+             + [("shares", {"guide": 4}), ("resolved", {"guide": 8, "search": "unrolled"}),
+                ("shares", {"search": "unrolled"}), ("resolved", {"search": "while", "guide": 0}),
+                ("resolved", {"rank_running": "registers"}),
                 ("resolved", {"rank_running": "memory", "sub_resolved": 64, "warps_resolved": 2})])
     for mode, options in cases:
 
@@ -629,8 +627,8 @@ def test_gpu_kernel_matches_reference(mode, shape, rng):
     {"reduce": "atomic"}, {"reduce": "atomic", "layout": "replica_major"},
     {"reduce": "atomic", "layout": "expert_major", "tables": "global"}, {"rank_in_step": "match"},
     {"rank_in_step": "match", "reduce": "atomic", "layout": "replica_major"}, {"linear_search": 16},
-    {"linear_search": 4}, {"share_buckets": 6}, {"share_buckets": 8, "layout": "expert_major"},
-    {"rank_running": "memory"}, {"rank_running": "memory", "rank_in_step": "compare"}],
+    {"linear_search": 4}, {"guide": 0}, {"guide": 1}, {"guide": 16, "search": "unrolled"},
+    {"rank_running": "registers"}, {"rank_running": "memory", "rank_in_step": "compare"}],
     ids=lambda o: "-".join(map(str, o.values())))
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("shape", [(1, 1, 8, 8), (333, 6, 512, 519), (65536, 8, 256, 288)],
@@ -695,83 +693,129 @@ def test_gpu_shard_map(rng):
     np.testing.assert_array_equal(np.asarray(load), want_load)
 
 
-# ------------------------------------------------------------ shares buckets
-@pytest.mark.parametrize("bits", [3, 6, 9])
-def test_share_buckets_count_thresholds_exactly(bits, rng):
-    """Every bucket entry gives #thresholds <= point for every point of its bucket (sampled, plus every bucket
-    start, every threshold and its neighbours), or says -1 where two or more thresholds fall inside."""
-    from moe_eplb_jax.pallas import _search
+# ------------------------------------------------------------ bucket guide
+def _guide_inputs(rng, mode, replicas, width=None):
+    """Thresholds [E, S] (crowded, zero and uneven rows), log2phy, the kernel's counts and lookup for a placement."""
+    from moe_eplb_jax.pallas import _triton
     from moe_eplb_jax.pallas.map_and_count import _build_thresholds
 
-    width, num_logical = 12, 40
-    logcnt = rng.integers(1, width + 1, num_logical)
-    shares = rng.integers(0, 5, (num_logical, width)).astype(np.float32) / 4
-    shares[:4] = 0.0  # all-zero rows: equal shares
-    shares[4:8] = 1e-4  # tiny shares: many thresholds in one bucket
-    shares[8:12, 1:] = 1e-7  # one big share, then tiny ones
-    thresholds = np.asarray(_build_thresholds("shares", jnp.asarray(shares), jnp.asarray(logcnt), width))
-    entries = _search.share_buckets(jnp.asarray(thresholds), bits)
-    shift = 24 - bits
-    experts, points = [], []
-    for e in range(num_logical):
-        live = thresholds[e][thresholds[e] < np.iinfo(np.int32).max]
-        mine = np.concatenate([rng.integers(0, 1 << 24, 200), np.arange(1 << bits) << shift, live, live - 1,
-                               live + 1])
-        mine = mine[(mine >= 0) & (mine < (1 << 24))]
-        points.append(mine)
-        experts.append(np.full(mine.shape, e))
-    experts, points = np.concatenate(experts).astype(np.int32), np.concatenate(points).astype(np.int32)
-    # the kernel's own lookup (a gather from the flat table), for every point at once
-    got, busy = map(np.asarray, _search._bucket_passed(entries, jnp.asarray(experts), jnp.asarray(points), bits))
-    rows = thresholds[experts]
-    want = np.sum(rows <= points[:, None], axis=1)
-    np.testing.assert_array_equal(got[~busy], want[~busy])
-    start = ((points >> shift) << shift)[:, None]
-    inner = (rows > start) & (rows < start + (1 << shift))
-    np.testing.assert_array_equal(busy, inner.sum(axis=1) >= 2)  # -1 exactly where two or more lie inside
-    crowded = int(busy.sum())
-    assert crowded > 0  # the tiny shares crowd some buckets: the fallback is exercised
+    phy2log = rng.permutation(np.repeat(np.arange(replicas.size), replicas))
+    placement = Placement.from_phy2log(phy2log, replicas.size)
+    log2phy, logcnt = jnp.asarray(placement.log2phy[0]), jnp.asarray(placement.logcnt[0])
+    if width is not None:  # a narrower table than Placement's P - E + 1
+        log2phy = log2phy[:, :width]
+    num_logical, width = log2phy.shape
+    if mode == "shares":
+        values = rng.integers(0, 5, (num_logical, width)).astype(np.float32) / 4
+        values[0] = 0.0  # equal shares
+        values[1, :] = 1e-5  # all thresholds but the last within a few points: a crowded bucket
+        values[2, ::2] = 1e-6
+    else:
+        values = rng.integers(0, 40, (num_logical, width)).astype(np.int32)
+        values[1, :] = 0  # no quota: every point past the total
+        values[2, ::2] = 0  # zero quotas: equal thresholds
+    thresholds = _build_thresholds(mode, jnp.asarray(values), logcnt, width, limit=10**6)
+    return thresholds, log2phy, jnp.clip(logcnt, 1, 0x7FFF), _triton.lookup_table(log2phy, logcnt)
 
 
-@pytest.mark.parametrize("tables, layout", [("head", "replica_major"), ("global", "expert_major")])
-@pytest.mark.parametrize("bits", [3, 6])
-def test_share_buckets_match_reference(bits, tables, layout, rng):
-    """shares with the bucket table (crowded buckets searching) equals the reference, Placement-wide tables."""
-    from moe_eplb_jax.pallas import _reference, _triton
-    from moe_eplb_jax.pallas.map_and_count import _build_thresholds
+def _guide_used(words, count, num_logical, width, factor, num_physical):
+    """Mask of the guide entries a lookup can read (head words; each multi-replica expert's buckets)."""
+    from moe_eplb_jax.pallas import _guide
+
+    caps = jnp.asarray(words[1 : 2 * num_logical : 2])
+    offset, _, end = map(np.asarray, _guide._layout(count, caps, width, factor, 2 * factor * num_physical))
+    used = np.zeros(words.size, bool)
+    used[: 2 * num_logical] = True
+    for e in np.flatnonzero(np.asarray(count) > 1):
+        size = 1 if end[e] == np.iinfo(np.int32).max else end[e] - offset[e]
+        used[2 * num_logical + offset[e] : 2 * num_logical + offset[e] + size] = True
+    return used
+
+
+@pytest.mark.parametrize("factor", [1, 4, 16])
+@pytest.mark.parametrize("mode", ["shares", "resolved"])
+def test_guide_answers_every_point(mode, factor, rng):
+    """Decoding the guide as the map kernel does gives, for every point tried (random, bucket edges, every
+    threshold and its neighbours, past the cap), the number of live thresholds <= the point: the slot itself
+    where no threshold lies inside the bucket, -1 only where resolved passes them all, else a search range
+    holding the answer. Experts that do not fit (counts summing past P) take one spare bucket."""
+    from moe_eplb_jax.pallas import _guide
 
     replicas = np.array([9, 5, 3, 2, 1, 1, 4, 1, 2, 12])
-    phy2log = rng.permutation(np.repeat(np.arange(replicas.size), replicas))
-    placement = Placement.from_phy2log(phy2log, replicas.size)  # rows P - E + 1 wide
-    log2phy, logcnt = jnp.asarray(placement.log2phy[0]), jnp.asarray(placement.logcnt[0])
-    width = log2phy.shape[1]
-    shares = rng.integers(0, 5, (replicas.size, width)).astype(np.float32) / 4
-    shares[0] = 0.0
-    shares[1, :] = 1e-5  # crowded: all thresholds of expert 1 but the last within a few points
-    shares[9, ::2] = 1e-6
-    thresholds = _build_thresholds("shares", jnp.asarray(shares), logcnt, width)
+    thresholds, log2phy, count, _ = _guide_inputs(rng, mode, replicas)
+    num_logical, width = thresholds.shape
+    tight = factor == 16  # too few main buckets for everyone: the later experts fall back to spares
+    num_physical = int(replicas.sum()) // (4 if tight else 1)
+    words = np.asarray(_guide.guide_table(thresholds, log2phy, count, mode=mode, factor=factor,
+                                          num_physical=num_physical)).astype(np.int64)
+    assert words.size == _guide.guide_size(num_logical, num_physical, factor)
+    thresholds, log2phy, count = map(np.asarray, (thresholds, log2phy, count))
+    heads = words[: 2 * num_logical].reshape(num_logical, 2)
+    offset, shift, cap = heads[:, 0] & ((1 << _guide.OFFSET_BITS) - 1), (heads[:, 0] >> _guide.OFFSET_BITS) & 31, heads[:, 1]
+    spares = offset >= 2 * factor * num_physical
+    assert spares.any() == tight
+    kinds = set()
+    for e in np.flatnonzero(count > 1):
+        live = thresholds[e, : min(count[e], width)]
+        top = (1 << 24) if mode == "shares" else int(live[-1]) + 50
+        points = np.concatenate([rng.integers(0, top, 300), live, live - 1, live + 1,
+                                 np.arange(0, top, 1 << int(shift[e]))[:500]])
+        points = points[(points >= 0) & (points < top)]
+        for point in points:
+            want = int(np.sum(live <= point))
+            word = words[2 * num_logical + offset[e] + (min(point, cap[e]) >> shift[e])]
+            if word < 0:
+                kinds.add("past")
+                assert mode == "resolved" and want >= count[e]
+            elif word < 1 << 16:
+                kinds.add("slot")
+                assert word - 1 == log2phy[e, min(want, width - 1)]
+            else:
+                kinds.add("search")
+                low, span = word & 0xFFFF, word >> 16
+                assert low <= want <= low + span and np.all(live[low:want] <= point)
+    assert kinds == ({"slot", "search"} if mode == "shares" else {"slot", "search", "past"})
+
+
+@pytest.mark.parametrize("factor", [1, 8])
+@pytest.mark.parametrize("mode", ["shares", "resolved"])
+def test_guide_kernel_matches_reference(mode, factor, rng):
+    """The Pallas guide kernel writes the jnp reference's words at every entry a lookup can read (interpret mode
+    on CPU, compiled on GPU); with too few main buckets, too."""
+    from moe_eplb_jax.pallas import _guide
+
+    replicas = np.array([9, 5, 3, 2, 1, 1, 4, 1, 2, 12, 1, 7])
+    for num_physical in (int(replicas.sum()), 12):
+        thresholds, log2phy, count, lookup = _guide_inputs(rng, mode, replicas)
+        num_logical, width = thresholds.shape
+        want = np.asarray(_guide.guide_table(thresholds, log2phy, count, mode=mode, factor=factor,
+                                             num_physical=num_physical))
+        got = np.asarray(jax.jit(functools.partial(
+            _guide.guide_kernel, mode=mode, factor=factor, num_logical=num_logical, width=width,
+            num_physical=num_physical, interpret=jax.default_backend() != "gpu"))(lookup, thresholds.T.reshape(-1)))
+        used = _guide_used(want, count, num_logical, width, factor, num_physical)
+        np.testing.assert_array_equal(got[used], want[used])
+
+
+@pytest.mark.parametrize("mode", ["shares", "resolved"])
+def test_guided_kernel_matches_reference(mode, rng):
+    """The map kernel reading the guide (crowded buckets, zero quotas, fallback spares) gives the reference's ids
+    and loads, as does the search without it."""
+    from moe_eplb_jax.pallas import _reference, _triton
+
+    replicas = np.array([9, 5, 3, 2, 1, 1, 4, 1, 2, 12])
+    thresholds, log2phy, _, _ = _guide_inputs(rng, mode, replicas)
+    logcnt = jnp.asarray(replicas)
     ids = jnp.asarray(random_ids(rng, 500, 4, replicas.size))
-    limits = jnp.asarray([480 * 4, 500 * 4], jnp.int32)
+    limits = jnp.asarray([480 * 4, 490 * 4], jnp.int32)
     num_physical = int(replicas.sum())
     want = _reference.map_and_count_reference(ids, log2phy, logcnt, thresholds, limits,
-                                              num_physical=num_physical, mode="shares")
-    got = _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=num_physical,
-                                       mode="shares", tables=tables, layout=layout, share_buckets=bits,
-                                       interpret=jax.default_backend() != "gpu")
-    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
-    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
-
-
-def test_share_buckets_option_is_checked():
-    from moe_eplb_jax.pallas import _triton
-
-    ids = jnp.zeros((4, 2), jnp.int32)
-    tables = (jnp.zeros((2, 1), jnp.int32), jnp.ones((2,), jnp.int32), jnp.zeros((2, 1), jnp.int32),
-              jnp.asarray([8, 8], jnp.int32))
-    for bits in (-1, 1, 17):
-        with pytest.raises(ValueError, match="share_buckets must be 0 or between 3 and 16"):
-            _triton.map_and_count_triton(ids, *tables, num_physical=2, mode="shares", share_buckets=bits,
-                                         interpret=True)
+                                              num_physical=num_physical, mode=mode)
+    for options in ({"guide": 4}, {"guide": 16, "search": "unrolled"}, {"guide": 0}):
+        got = _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=num_physical,
+                                           mode=mode, interpret=jax.default_backend() != "gpu", **options)
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
 
 
 # ------------------------------------------------------------ mode tables

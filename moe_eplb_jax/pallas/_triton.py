@@ -52,13 +52,22 @@ from jax.experimental.pallas import triton as plgpu
 from moe_eplb_jax.pallas._rank import (_SUB_RESOLVED, _WARPS_RESOLVED, _rank_kernel, _rank_tile,
                                        _warp_aggregate)
 from moe_eplb_jax.pallas._reference import GOLDEN
-from moe_eplb_jax.pallas._search import _BASE_BITS, _LINEAR_SEARCH, _bucket_passed, _count_passed, share_buckets
+from moe_eplb_jax.pallas import _guide
+from moe_eplb_jax.pallas._search import _LINEAR_SEARCH, _count_passed
 from moe_eplb_jax.pallas._triton_ops import atomic_add_int, histogram, take
 
 __all__ = ["map_and_count_triton", "default_tile", "lookup_table", "lookup_size"]
 
 _INT32_MAX = np.iinfo(np.int32).max
 _SUB = 256  # entries per sub-tile (hash, round_robin, shares)
+# guide=None, per mode: buckets per replica, from which table width, and from how many entries (H200, 262144 x 8,
+# same draws: shares P = 512 25.1 us with 4 vs 26.3 with 8 and 28.8 without, but P = 288 (S = 33) 21.6 with vs
+# 18.3 without; resolved P = 288 56.1 vs 58.8, P = 512 60.6 with 8 vs 61.6 with 4 and 67.1 without). The guide's
+# own kernel takes 2.5-4 us whatever the input's size, so smaller inputs lose (4096 x 8 resolved 18.1 / 24.3 us with
+# it vs 16.5 / 21.8 without, P = 288 / 512).
+_GUIDE_FACTOR = {"shares": 4, "resolved": 8}
+_GUIDE_MIN_WIDTH = {"shares": 64, "resolved": 1}
+_GUIDE_MIN_ENTRIES = 1 << 21
 def _split_bins(num_bins: int) -> tuple[int, int]:
     """``(hi_bits, lo_bits)`` with ``2**(hi+lo) >= num_bins`` and both factors >= 16 (tensor-core minimum)."""
     bits = max(8, int(num_bins - 1).bit_length())
@@ -109,10 +118,10 @@ def _pair_histogram(bins, hi_bits, lo_bits, dtype, acc_dtype):
     return jnp.dot(rows, cols, preferred_element_type=acc_dtype)
 
 
-def _map_kernel(ids_ref, tables_ref, thresholds_ref, buckets_ref, base_ref, rank_ref, limits_ref, zeros_ref, phys_ref,
+def _map_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, base_ref, rank_ref, limits_ref, zeros_ref, phys_ref,
                 hist_ref, *, mode, num_flat, top_k, num_logical, width, num_physical, tile, sub, bins, expert_bins,
-                rank_tile, count_dtype, do_count, count_method, tables, layout, reduce, linear_search, bucket_bits,
-                num_tiles, search, search_arity):
+                rank_tile, count_dtype, do_count, count_method, tables, layout, reduce, linear_search, guide,
+                num_tiles, search):
     """``tables_ref`` is :func:`lookup_table`'s: per-expert counts (or head entries) at ``[0, E)``, then ``log2phy``
     at ``[E, E + E * S)``; ``thresholds_ref`` the ``[E, S]`` thresholds; both in ``layout``."""
     del zeros_ref  # reduce="atomic": the zeroed load counters, aliased to hist_ref
@@ -162,6 +171,7 @@ def _map_kernel(ids_ref, tables_ref, thresholds_ref, buckets_ref, base_ref, rank
         token = (flat.astype(jnp.uint32) // jnp.uint32(top_k))
         hashed = token * jnp.uint32(GOLDEN)
         by_hash = lambda: (hashed % count.astype(jnp.uint32)).astype(jnp.int32)  # noqa: E731
+        known = None  # lanes whose slot the guide gave
 
         if mode == "hash":
             replica = by_hash()
@@ -176,14 +186,16 @@ def _map_kernel(ids_ref, tables_ref, thresholds_ref, buckets_ref, base_ref, rank
                 inside_tile = plgpu.load(rank_ref.at[pl.ds(start, sub)], mask=inside, other=0)
                 point = jnp.where(flat < rank_limit, before + inside_tile, _INT32_MAX)
             # A single-replica expert takes replica 0 whatever the thresholds: no search, no loads.
-            searching = count > 1
-            if bucket_bits:  # shares: the bucket entry answers exactly, except in crowded buckets
-                quick, crowded = _bucket_passed(buckets_ref, expert, point, bucket_bits)
-                searching = searching & crowded
-            passed = _count_passed(thresholds_ref, functools.partial(table_index, expert), point, width, count,
-                                   searching, linear=linear_search, dynamic=search == "while", arity=search_arity)
-            if bucket_bits:
-                passed = jnp.where(crowded, passed, quick)
+            searching = valid_id & (count > 1)
+            at = functools.partial(table_index, expert)
+            if guide:  # the bucket's word: the slot itself, or a short search's start and length (_search.py)
+                word, passed = _guide.guide_passed(guide_ref, thresholds_ref, at, expert, point, num_logical, width,
+                                             searching, mode=mode, dynamic=search == "while")
+                known = searching & (word >= 0) & (word < 0x10000)  # slot + 1: no threshold inside the bucket
+                passed = jnp.where(searching & (word < 0), count, passed)  # past every threshold: resolved's hash
+            else:
+                passed = _count_passed(thresholds_ref, at, point, width, count, searching, linear=linear_search,
+                                       dynamic=search == "while")
             if mode == "shares":  # always below count (C[count - 1] = 2**24 > point): no hash fallback to compute
                 replica = jnp.minimum(passed, count - 1)
             else:  # resolved: entries beyond the expert's total quota fall back to hash
@@ -191,10 +203,13 @@ def _map_kernel(ids_ref, tables_ref, thresholds_ref, buckets_ref, base_ref, rank
 
         replica = jnp.clip(replica, 0, width - 1)
         if tables == "head":  # the table is read only for replicas beyond the first
-            later = plgpu.load(tables_ref.at[slot_at + table_index(expert, replica)], mask=replica > 0, other=-1)
+            read = replica > 0 if known is None else (replica > 0) & ~known
+            later = plgpu.load(tables_ref.at[slot_at + table_index(expert, replica)], mask=read, other=-1)
             slot = jnp.where(replica > 0, later, first)
         else:
             slot = lookup_slot(table_index(expert, replica))
+        if known is not None:
+            slot = jnp.where(known, (word & 0xFFFF) - 1, slot)
         mapped = valid_id & (slot >= 0) & (slot < num_physical)
         phys = jnp.where(mapped, slot, -1)
         plgpu.store(phys_ref.at[pl.ds(start, sub)], phys, mask=inside)
@@ -290,8 +305,8 @@ def _join_varying(*arrays):
 DEFAULTS = {"tile": None, "sub": _SUB, "tile_resolved": None, "sub_resolved": _SUB_RESOLVED,
             "warps_resolved": _WARPS_RESOLVED, "num_warps": 4, "num_stages": 3,
             "count_dtype": "int8", "count_method": "histogram", "tables": "head", "layout": "replica_major",
-            "reduce": "atomic", "rank_in_step": "match", "linear_search": _LINEAR_SEARCH, "share_buckets": 0,
-            "rank_running": "registers", "search": None, "search_arity": 2}
+            "reduce": "atomic", "rank_in_step": "match", "linear_search": _LINEAR_SEARCH, "guide": None,
+            "rank_running": "memory", "search": None}
 # How the kernel counts: "histogram" (tt.histogram per loop step: warp ballots + popc, shared-memory atomics
 # across warps; also in interpret mode, as jnp), "onehot" (factorised one-hot products on the tensor cores),
 # "atomic" (one global atomic add per entry into the program's row of counters), "atomic_warp" (atomics
@@ -322,7 +337,24 @@ _MAX_SHARED_TABLE = 8192  # entries (32 KiB): larger tables stay in global memor
 _STREAMING = ((1 << 21, {"tile": 8192, "sub": 4096, "num_warps": 16}),
               (1 << 19, {"tile": 4096, "sub": 4096, "num_warps": 16}))
 _SEARCHING = ((1 << 19, {"tile": 4096, "sub": 4096, "num_warps": 16}),)
+_GUIDED = {"sub": 1024}  # with the guide (fewer registers live per loop step): P = 512 shares 19.2 vs 26.5 us
 LARGE_OPTIONS = {"hash": _STREAMING, "round_robin": _STREAMING, "shares": _SEARCHING, "resolved": _SEARCHING}
+
+
+def _guide_factor(config, mode, num_flat, num_logical, width, num_physical):
+    """The guide's buckets per replica (0: no guide) for these options and shapes; checks the option."""
+    guide = config["guide"]
+    if guide not in (None, 0, 1, 2, 4, 8, 16):
+        raise ValueError(f"guide must be None, 0, 1, 2, 4, 8 or 16, got {guide!r}")
+    if guide is None:
+        wide = width >= _GUIDE_MIN_WIDTH.get(mode, 0) and num_flat >= _GUIDE_MIN_ENTRIES
+        guide = _GUIDE_FACTOR.get(mode, 0) if wide else 0
+    too_big = _guide.guide_size(num_logical, num_physical, guide) >= 1 << _guide.OFFSET_BITS
+    # No search to guide; or the guide's kernel cannot read these tables; or a field would not fit its bits.
+    if (mode not in ("shares", "resolved") or (config["layout"], config["tables"]) != ("replica_major", "head")
+            or num_physical >= 0xFFFF or width >= _guide.MAX_WIDTH or too_big):
+        return 0
+    return guide
 
 
 def lookup_size(num_logical: int, width: int, *, tables: str = "head") -> int:
@@ -353,16 +385,13 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     per-expert counts (``"registers"``: ``tt.histogram`` / ``tt.gather``;
     ``"memory"``: the program's row of the histogram output); ``linear_search`` how many of a row's first thresholds
     ``shares`` / ``resolved`` load independently before bisecting the rest
-    (0: bisection only); ``share_buckets`` (``shares``, tables of at most 511
-    replicas): ``b`` > 0 answers the search from a table of ``2**b`` buckets
-    per expert, one load beside the head load (:func:`share_buckets`),
-    searching only in buckets holding two or more thresholds; 0 always
-    searches; ``search`` how the bisection steps (``"while"``: a loop that
-    ends when every lane of the block has converged, ``"unrolled"``: all
-    ``bit_length(S)`` steps, masked; ``None``: ``"while"`` for ``shares``,
-    ``"unrolled"`` for ``resolved``, the faster of each on an H200) and
-    ``search_arity`` its fan-out (2: bisection; 4 / 8: three / seven
-    independent probes per step, fewer dependent steps -- not measured yet). For large
+    (0: bisection only); ``guide`` the bucket guide's buckets per replica
+    (:mod:`._guide`: 1, 2, 4, 8 or 16; 0: none, every entry of a
+    multi-replica expert searches; ``None``: by mode and table width,
+    :data:`_GUIDE_FACTOR`, large inputs only); ``search`` how the bisection steps (``"while"``: a
+    loop that ends when every lane of the block has converged, ``"unrolled"``:
+    all ``bit_length(S)`` steps, masked; ``None``: ``"while"`` for ``shares``
+    and with the guide, else ``"unrolled"``, the faster of each on an H200). For large
     inputs the defaults of a mode come from :data:`LARGE_OPTIONS` by size
     (options passed explicitly win). ``lookup``: :func:`lookup_table` of
     ``log2phy`` / ``logcnt`` built by the caller (with the default ``tables`` /
@@ -374,7 +403,10 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     num_tokens, top_k = topk_ids.shape
     num_logical, width = log2phy.shape
     num_flat = num_tokens * top_k
+    guide = _guide_factor({**DEFAULTS, **config}, mode, num_flat, num_logical, width, num_physical)
     large = next((options for least, options in LARGE_OPTIONS.get(mode, ()) if num_flat >= least), {})
+    if guide and large:
+        large = {**large, **_GUIDED}
     if interpret:
         large = {}
     config = {**DEFAULTS, **large, **config}
@@ -391,20 +423,13 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
                          f"{rank_tile} and {rank_sub}")
     if int(config["linear_search"]) < 0:
         raise ValueError(f"linear_search must be >= 0, got {config['linear_search']}")
-    bucket_bits = int(config["share_buckets"])
-    if not 0 <= bucket_bits <= 16 or 0 < bucket_bits < 3:
-        raise ValueError(f"share_buckets must be 0 or between 3 and 16, got {bucket_bits}")
-    if mode != "shares" or width >= 1 << _BASE_BITS:
-        bucket_bits = 0  # only shares has uniform points; a wider row's base would not fit
     if config["rank_in_step"] not in ("compare", "match"):
         raise ValueError(f"rank_in_step must be 'compare' or 'match', got {config['rank_in_step']!r}")
-    if config["search_arity"] not in (2, 4, 8):
-        raise ValueError(f"search_arity must be 2, 4 or 8, got {config['search_arity']!r}")
     if config["search"] not in (None, "unrolled", "while"):
         raise ValueError(f"search must be None, 'unrolled' or 'while', got {config['search']!r}")
     # shares: the block's loop stops once all its lanes converged (most entries search little); resolved's points
     # spread over the whole row, and there the fixed unrolled steps were faster (H200, benchmarks/RESULTS.md).
-    search = config["search"] or ("while" if mode == "shares" else "unrolled")
+    search = config["search"] or ("while" if mode == "shares" or guide else "unrolled")
     if config["rank_running"] not in ("registers", "memory"):
         raise ValueError(f"rank_running must be 'registers' or 'memory', got {config['rank_running']!r}")
     running = config["rank_running"]
@@ -435,7 +460,6 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     expert_bins = _histogram_bins(num_logical) if mode == "resolved" else 32
     hi, lo = 1 << bins[0], 1 << bins[1]
     # From the [E, S] thresholds (transposed for the kernel only below); else unused.
-    buckets = share_buckets(thresholds, bucket_bits) if bucket_bits else jnp.zeros_like(limits[:1])
     if mode not in ("shares", "resolved"):  # no search: no [E, S] buffer to write (transposed) on every call
         thresholds = jnp.zeros((1, 1), jnp.int32)
     if lookup is not None:
@@ -443,8 +467,8 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
         if lookup.shape != (lookup_size(num_logical, width),):
             raise ValueError(f"lookup must have shape ({lookup_size(num_logical, width)},) for log2phy "
                              f"[{num_logical}, {width}], got {lookup.shape}")
-    (ids, log2phy, logcnt, thresholds, buckets, limits, *maybe_lookup), out_struct = _join_varying(
-        topk_ids.reshape(num_flat), log2phy, logcnt, thresholds, buckets, limits,
+    (ids, log2phy, logcnt, thresholds, limits, *maybe_lookup), out_struct = _join_varying(
+        topk_ids.reshape(num_flat), log2phy, logcnt, thresholds, limits,
         *([] if lookup is None else [lookup]))
     lookup = maybe_lookup[0] if maybe_lookup else None
     params = plgpu.CompilerParams(num_warps=config["num_warps"], num_stages=config["num_stages"])
@@ -478,13 +502,20 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
         _map_kernel, mode=mode, num_flat=num_flat, top_k=top_k, num_logical=num_logical, width=width,
         num_physical=num_physical, tile=tile, sub=sub, bins=bins, expert_bins=expert_bins,
         rank_tile=rank_tile, count_dtype=count_dtype, do_count=count, count_method=count_method, tables=tables,
-        layout=layout, reduce=reduce, linear_search=int(config["linear_search"]), bucket_bits=bucket_bits,
-        num_tiles=num_tiles, search=search, search_arity=int(config["search_arity"]))
+        layout=layout, reduce=reduce, linear_search=int(config["linear_search"]), guide=guide,
+        num_tiles=num_tiles, search=search)
     # A prepared table is lookup_table's default kind; other kernel options (or slots past 16 bits) rebuild it.
     if lookup is None or (layout, tables) != (DEFAULTS["layout"], DEFAULTS["tables"]):
         lookup = lookup_table(log2phy, logcnt, layout=layout, tables=tables)
     if layout == "replica_major":
         thresholds = thresholds.T  # _build_thresholds makes them replica-major: this transpose cancels its own
+    thresholds = thresholds.reshape(-1)
+    if guide:
+        guide_words = _guide.guide_kernel(lookup, thresholds, mode=mode, factor=guide, num_logical=num_logical,
+                                          width=width, num_physical=num_physical, out_struct=out_struct,
+                                          interpret=interpret)
+    else:
+        guide_words = jnp.zeros_like(limits[:1])  # unused
     if count_method == "onehot":  # each program writes its [hi, lo] block
         hist_spec, hist_shape = pl.BlockSpec((1, hi, lo), lambda i: (i, 0, 0)), (num_tiles, hi, lo)
     elif count_method == "histogram" and reduce == "atomic":  # the loads themselves, zeroed here
@@ -508,7 +539,7 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
         compiler_params=params,
         interpret=interpret,
         name="map_and_count",
-    )(ids, lookup, thresholds.reshape(-1), buckets, base, rank, limits, zeros)
+    )(ids, lookup, thresholds, guide_words, base, rank, limits, zeros)
     if reduce == "atomic":
         return phys.reshape(num_tokens, top_k), partial
     if count_method == "histogram":  # a row reduction: XLA's column reductions of [num_tiles, P] were 2-3x slower

@@ -1,0 +1,212 @@
+"""The bucket guide of ``shares`` / ``resolved``: most searches answered by one load, for :mod:`._triton`.
+
+A point's replica is how many of its expert's live thresholds it passes
+(:mod:`._search`). The guide cuts each multi-replica expert's point range
+``[0, cap]`` into ``2**g`` buckets of ``2**shift`` points, with ``2**g >=
+factor * replicas``, and stores per bucket the answer at its first point and
+how many thresholds lie inside it -- usually none, so the bucket's word *is*
+the answer (Chen and Asau's guide table, exact for every point). Flat int32
+layout: two words per expert, ``offset | shift << 27`` and ``cap`` (the
+largest point that matters: ``2**24 - 1`` for shares, the total quota for
+resolved -- a point past it passes every live threshold, as the total
+does), then the buckets. A bucket's word is
+
+* ``-1``: every point of it passes all the expert's live thresholds
+  (resolved: the entry falls back to hash);
+* ``slot + 1`` (below ``2**16``): no threshold inside, the answer's slot;
+* ``low | span << 16`` (``span > 0``): ``span`` thresholds inside; the answer
+  is ``low`` plus how many of thresholds ``[low, low + span)`` the point
+  passes (a short search).
+
+Experts take buckets in order while the ``2 * factor * P`` main entries
+last (enough when the replica counts sum to at most ``P``, as a placement's
+do: an expert's bucket count is below ``2 * factor * count``); a later expert
+gets one spare bucket spanning its whole range (still exact, it only searches
+more). Shares change per batch, so the guide is built on every call: by
+:func:`guide_kernel` (one Pallas kernel: XLA's ops for the same build cost
+7-11 us on an H200) or :func:`guide_table` (jnp, its reference).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from moe_eplb_jax.pallas._search import _upper_bound
+from moe_eplb_jax.pallas._triton_ops import take
+
+__all__ = ["guide_table", "guide_kernel", "guide_size"]
+
+_INT32_MAX = np.iinfo(np.int32).max
+OFFSET_BITS = 27
+MAX_WIDTH = 1 << 15  # low and span fit 15 bits
+_SHARES_CAP = (1 << 24) - 1  # shares' largest point
+_CHUNK = 512  # buckets per loop step of guide_kernel
+
+
+def guide_size(num_logical: int, num_physical: int, factor: int) -> int:
+    """Entries of the guide array: 2 per expert, ``2 * factor * P`` main buckets, one spare bucket per expert."""
+    return 2 * num_logical + 2 * factor * num_physical + num_logical
+
+
+def _bit_length(x):
+    return 32 - jax.lax.clz(x)
+
+
+def _layout(count, cap, width, factor, main):
+    """Per expert ``(offset, shift, end)`` of its buckets (``end``: past its last main bucket, else past ``main``)."""
+    live = jnp.minimum(count, width)
+    bits = _bit_length(jnp.maximum(factor * live, 1) - 1)  # ceil(log2(factor * live))
+    shift = jnp.maximum(_bit_length(cap) - bits, 0)
+    size = jnp.where(count > 1, (cap >> shift) + 1, 0)  # single-replica experts never read the guide
+    end = jnp.cumsum(size, dtype=jnp.int32)
+    fits = end <= main
+    spare = main + jnp.arange(count.shape[0], dtype=jnp.int32)
+    offset = jnp.where(fits, end - size, spare)
+    shift = jnp.where(fits, shift, 31)  # one bucket: every point in [0, cap] >> 31 = 0
+    return offset, shift, jnp.where(fits, end, _INT32_MAX)
+
+
+def _bucket_points(entry, offset, shift, cap):
+    """``(first, last)`` points of each entry's bucket (garbage for unused main entries, never read)."""
+    first = (entry - offset) << shift
+    points_minus_one = jnp.where(shift >= 31, _INT32_MAX, (1 << jnp.minimum(shift, 30)) - 1)
+    return first, jnp.minimum(first + points_minus_one, cap)
+
+
+def _word(low, span, slot, count, mode):
+    everything = (low >= count) if mode == "resolved" else jnp.zeros_like(low, bool)
+    return jnp.where(span > 0, low | (span << 16), jnp.where(everything, -1, jnp.clip(slot, -1, 0xFFFE) + 1))
+
+
+def guide_table(thresholds, log2phy, count, *, mode: str, factor: int, num_physical: int):
+    """The guide (module docstring) of ``thresholds [E, S]`` in jnp: the reference of :func:`guide_kernel`.
+
+    ``count [E]`` is the kernel's replica count (``logcnt`` clipped to
+    ``[1, 0x7FFF]``); ``log2phy [E, S]`` gives the slots of buckets with no
+    threshold inside.
+    """
+    num_logical, width = thresholds.shape
+    live = jnp.minimum(count, width)
+    if mode == "shares":
+        cap = jnp.full((num_logical,), _SHARES_CAP, jnp.int32)
+    else:
+        cap = jnp.maximum(jnp.take_along_axis(thresholds, (live - 1)[:, None], axis=1)[:, 0], 0)
+    main = 2 * factor * num_physical
+    offset, shift, end = _layout(count, cap, width, factor, main)
+    entry = jnp.arange(main + num_logical, dtype=jnp.int32)
+    owner = jnp.sum(end[None, :] <= entry[:, None], axis=1, dtype=jnp.int32)  # ends rise: the entry's expert
+    owner = jnp.where(entry < main, jnp.minimum(owner, num_logical - 1), entry - main)
+    first, last = _bucket_points(entry, offset[owner], shift[owner], cap[owner])
+    row = thresholds[owner]  # [entries, S]
+    is_live = jnp.arange(width)[None, :] < live[owner][:, None]
+    low = jnp.sum(is_live & (row <= first[:, None]), axis=1, dtype=jnp.int32)
+    span = jnp.sum(is_live & (row <= last[:, None]), axis=1, dtype=jnp.int32) - low
+    slot = jnp.take_along_axis(log2phy[owner], jnp.minimum(low, width - 1)[:, None], axis=1)[:, 0]
+    head = jnp.stack([offset | (shift << OFFSET_BITS), cap], axis=1).reshape(-1)
+    return jnp.concatenate([head, _word(low, span, slot, count[owner], mode)])
+
+
+def _guide_kernel(lookup_ref, thresholds_ref, guide_ref, *, mode, factor, num_logical, width, num_physical,
+                  chunk):
+    """Program ``e`` writes expert ``e``'s buckets, ``chunk`` at a time (program 0 also every head word).
+
+    ``lookup_ref`` is the map kernel's default lookup table (heads ``(first +
+    1) | count << 16``, then ``log2phy`` replica-major), ``thresholds_ref`` the
+    replica-major ``[S * E]`` thresholds. Every program derives the whole
+    layout (a few ``[E]`` vectors) and holds its expert's rows, so its
+    searches run in registers (``tt.gather``), not as chains of global loads.
+    """
+    program = pl.program_id(0)
+    experts = pl.next_power_of_2(num_logical)
+    expert = jnp.arange(experts, dtype=jnp.int32)
+    is_expert = expert < num_logical
+    head = plgpu.load(lookup_ref.at[expert], mask=is_expert, other=1 << 16)
+    count = jnp.where(is_expert, head >> 16, 0)  # padding experts: no buckets
+    live = jnp.minimum(count, width)
+    if mode == "shares":
+        cap = jnp.full((experts,), _SHARES_CAP, jnp.int32)
+    else:
+        at = jnp.maximum(live - 1, 0) * num_logical + expert
+        cap = jnp.maximum(plgpu.load(thresholds_ref.at[at], mask=is_expert, other=0), 0)
+    main = 2 * factor * num_physical
+    offset, shift, end = _layout(count, cap, width, factor, main)
+
+    @pl.when(program == 0)
+    def _():
+        plgpu.store(guide_ref.at[2 * expert], offset | (shift << OFFSET_BITS), mask=is_expert)
+        plgpu.store(guide_ref.at[2 * expert + 1], cap, mask=is_expert)
+
+    mine = expert == program
+    pick = lambda values: jnp.sum(jnp.where(mine, values, 0))  # noqa: E731  (this program's entry)
+    my_count, my_offset, my_shift, my_cap = pick(count), pick(offset), pick(shift), pick(cap)
+    my_live = jnp.minimum(my_count, width)
+    size = jnp.where(my_count > 1, jnp.where(pick(end) == _INT32_MAX, 1, pick(end) - my_offset), 0)
+    row_size = pl.next_power_of_2(width)
+    j = jnp.arange(row_size, dtype=jnp.int32)
+    row = plgpu.load(thresholds_ref.at[j * num_logical + program], mask=(j < my_live) & (my_count > 1),
+                     other=_INT32_MAX)  # non-decreasing; past the live entries never passed
+    slots = plgpu.load(lookup_ref.at[num_logical + j * num_logical + program], mask=(j < width) & (my_count > 1),
+                       other=-1)
+
+    def passed(points):  # how many of the row's entries are <= each point: bisection through tt.gather
+        low, high = jnp.zeros_like(points), jnp.full_like(points, row_size)
+        for _ in range(row_size.bit_length()):
+            middle = jnp.minimum((low + high) >> 1, row_size - 1)
+            below = (take(row, middle) <= points) & (low < high)
+            low, high = jnp.where(below, middle + 1, low), jnp.where(below | (low >= high), high, middle)
+        return low
+
+    def step(index, carry):
+        bucket = index * chunk + jnp.arange(chunk, dtype=jnp.int32)
+        first, last = _bucket_points(bucket + my_offset, my_offset, my_shift, my_cap)
+        low = passed(first)
+        slot = take(slots, jnp.minimum(low, width - 1))
+        word = _word(low, passed(last) - low, slot, my_count, mode)
+        plgpu.store(guide_ref.at[2 * num_logical + my_offset + bucket], word, mask=bucket < size)
+        return carry
+
+    jax.lax.fori_loop(0, pl.cdiv(size, chunk), step, jnp.int32(0))
+
+
+def guide_kernel(lookup, thresholds, *, mode: str, factor: int, num_logical: int, width: int, num_physical: int,
+                 out_struct=jax.ShapeDtypeStruct, interpret: bool = False):
+    """The guide of replica-major thresholds ``[S * E]`` and the default ``lookup`` table, as one Pallas kernel.
+
+    Entries no expert reads (past the last main bucket in use, spares of
+    experts that fit) are left unwritten.
+    """
+    kernel = functools.partial(_guide_kernel, mode=mode, factor=factor, num_logical=num_logical, width=width,
+                               num_physical=num_physical, chunk=_CHUNK)
+    return pl.pallas_call(
+        kernel,
+        grid=(num_logical,),
+        in_specs=[pl.no_block_spec, pl.no_block_spec],
+        out_specs=pl.no_block_spec,
+        out_shape=out_struct((guide_size(num_logical, num_physical, factor),), jnp.int32),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="share_guide",
+    )(lookup, thresholds)
+
+
+def guide_passed(guide_ref, thresholds_ref, at, expert, point, num_logical, width, searching, *, mode, dynamic):
+    """In the map kernel: ``(word, passed)`` of each entry where ``searching`` holds -- its bucket word and,
+    where the bucket has thresholds inside, how many live thresholds the point passes (else ``low``)."""
+    head = plgpu.load(guide_ref.at[2 * expert], mask=searching, other=0)
+    offset = head & ((1 << OFFSET_BITS) - 1)
+    shift = (head >> OFFSET_BITS) & 31
+    if mode == "shares":
+        bucket = point >> shift
+    else:
+        cap = plgpu.load(guide_ref.at[2 * expert + 1], mask=searching, other=0)
+        bucket = jnp.minimum(point, cap) >> shift
+    word = plgpu.load(guide_ref.at[2 * num_logical + offset + bucket], mask=searching, other=0)
+    low, span = word & 0xFFFF, (word >> 16) & 0x7FFF
+    inside = searching & (word >= 0x10000)  # span > 0
+    return word, _upper_bound(thresholds_ref, at, point, width, low + span, inside, dynamic=dynamic, low=low)
