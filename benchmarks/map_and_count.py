@@ -217,12 +217,15 @@ def pallas_copy(x, block=2048, num_warps=4):
 
 SWEEP = [  # (mode, T, P, options): T x 8 entries; the defaults first in each group; "count": False skips counting
     # Eighth session: the bucket guide (guide=F: F buckets or more per replica, built by one Pallas kernel per
-    # call; 0 = the plain bisection of the seventh session; None = by table width) on the same draws.
+    # call; 0 = the plain bisection of the seventh session; None = by mode, width and size) on the same draws.
+    # Next: with the thresholds now expert-major, whether the guide pays at 65536 x 8 (its default starts at 2**21).
     ("shares", 262144, 288, {}), ("shares", 262144, 288, {"guide": 8}),
     ("shares", 262144, 512, {}), ("shares", 262144, 512, {"guide": 0}), ("shares", 262144, 512, {"guide": 4}),
     ("shares", 262144, 512, {"guide": 16}),
     ("resolved", 262144, 288, {}), ("resolved", 262144, 288, {"guide": 8}),
     ("resolved", 262144, 512, {}), ("resolved", 262144, 512, {"guide": 0}), ("resolved", 262144, 512, {"guide": 4}),
+    ("shares", 65536, 512, {}), ("shares", 65536, 512, {"guide": 4}), ("resolved", 65536, 512, {}),
+    ("resolved", 65536, 512, {"guide": 8}), ("resolved", 65536, 288, {}), ("resolved", 65536, 288, {"guide": 8}),
 ]
 
 
@@ -237,7 +240,7 @@ def sweep(rng):
         case_rng = np.random.default_rng([262144, num_physical, 2])
         log2phy, logcnt, kw, _ = make_case(case_rng, 4096, 8, num_physical, "shares")
         width = log2phy.shape[1]
-        thresholds = _build_thresholds("shares", kw["replica_shares"], logcnt, width).T.reshape(-1)
+        thresholds = _build_thresholds("shares", kw["replica_shares"], logcnt, width).reshape(-1)
         lookup = lookup_table(log2phy, logcnt)
         for factor in (4, 8, 16):
             build = functools.partial(_guide.guide_kernel, mode="shares", factor=factor, num_logical=NUM_LOGICAL,
@@ -259,7 +262,7 @@ def setup_sweep(rng, num_tokens=262144):
     for mode in ("shares", "resolved"):
         for num_physical in (288, 512):
             log2phy, logcnt, kw, ids = make_case(rng, num_tokens, 8, num_physical, mode)
-            for sums in ("matmul", "matmul_rows", "cumsum"):
+            for sums in ("matmul", "cumsum"):
                 public._THRESHOLD_SUMS = sums
                 fn = lambda x, log2phy, logcnt, kw: map_and_count(  # noqa: E731
                     x, log2phy, logcnt, num_physical=num_physical, num_valid_tokens=num_tokens - 3, mode=mode,

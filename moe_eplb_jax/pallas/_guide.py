@@ -118,7 +118,7 @@ def _guide_kernel(lookup_ref, thresholds_ref, guide_ref, *, mode, factor, num_lo
 
     ``lookup_ref`` is the map kernel's default lookup table (heads ``(first +
     1) | count << 16``, then ``log2phy`` replica-major), ``thresholds_ref`` the
-    replica-major ``[S * E]`` thresholds. Every program derives the whole
+    expert-major ``[E * S]`` thresholds. Every program derives the whole
     layout (a few ``[E]`` vectors) and holds its expert's rows, so its
     searches run in registers (``tt.gather``), not as chains of global loads.
     """
@@ -132,7 +132,7 @@ def _guide_kernel(lookup_ref, thresholds_ref, guide_ref, *, mode, factor, num_lo
     if mode == "shares":
         cap = jnp.full((experts,), _SHARES_CAP, jnp.int32)
     else:
-        at = jnp.maximum(live - 1, 0) * num_logical + expert
+        at = expert * width + jnp.maximum(live - 1, 0)
         cap = jnp.maximum(plgpu.load(thresholds_ref.at[at], mask=is_expert, other=0), 0)
     main = 2 * factor * num_physical
     offset, shift, end = _layout(count, cap, width, factor, main)
@@ -149,7 +149,7 @@ def _guide_kernel(lookup_ref, thresholds_ref, guide_ref, *, mode, factor, num_lo
     size = jnp.where(my_count > 1, jnp.where(pick(end) == _INT32_MAX, 1, pick(end) - my_offset), 0)
     row_size = pl.next_power_of_2(width)
     j = jnp.arange(row_size, dtype=jnp.int32)
-    row = plgpu.load(thresholds_ref.at[j * num_logical + program], mask=(j < my_live) & (my_count > 1),
+    row = plgpu.load(thresholds_ref.at[program * width + j], mask=(j < my_live) & (my_count > 1),
                      other=_INT32_MAX)  # non-decreasing; past the live entries never passed
     slots = plgpu.load(lookup_ref.at[num_logical + j * num_logical + program], mask=(j < width) & (my_count > 1),
                        other=-1)
@@ -176,7 +176,7 @@ def _guide_kernel(lookup_ref, thresholds_ref, guide_ref, *, mode, factor, num_lo
 
 def guide_kernel(lookup, thresholds, *, mode: str, factor: int, num_logical: int, width: int, num_physical: int,
                  out_struct=jax.ShapeDtypeStruct, interpret: bool = False):
-    """The guide of replica-major thresholds ``[S * E]`` and the default ``lookup`` table, as one Pallas kernel.
+    """The guide of expert-major thresholds ``[E * S]`` and the default ``lookup`` table, as one Pallas kernel.
 
     Entries no expert reads (past the last main bucket in use, spares of
     experts that fit) are left unwritten.

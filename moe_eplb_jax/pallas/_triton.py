@@ -10,7 +10,9 @@ and ``log2phy`` after it, read only for entries sent to a later replica. It is
 one flat array: built per call in one XLA fusion, or once per placement by the
 caller (``map_and_count(lookup=...)``). ``log2phy`` and the thresholds lie
 replica-major by default (``layout``: ``[S, E]``, so a warp's gather of
-replica ``j`` touches one row's few cache lines).
+replica ``j`` touches one row's few cache lines) -- except the thresholds
+with the bucket guide, which stay expert-major as they are built (a bucket's
+few thresholds side by side, and no transposed copy per call).
 
 Counting (``count_method``), each program counting its tile:
 
@@ -123,7 +125,8 @@ def _map_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, base_ref, rank_r
                 rank_tile, count_dtype, do_count, count_method, tables, layout, reduce, linear_search, guide,
                 num_tiles, search):
     """``tables_ref`` is :func:`lookup_table`'s: per-expert counts (or head entries) at ``[0, E)``, then ``log2phy``
-    at ``[E, E + E * S)``; ``thresholds_ref`` the ``[E, S]`` thresholds; both in ``layout``."""
+    at ``[E, E + E * S)``, in ``layout``; ``thresholds_ref`` the ``[E, S]`` thresholds, expert-major with the guide
+    (a bucket's few thresholds lie side by side), else in ``layout``."""
     del zeros_ref  # reduce="atomic": the zeroed load counters, aliased to hist_ref
     slot_at = num_logical
     program = pl.program_id(0)
@@ -187,7 +190,10 @@ def _map_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, base_ref, rank_r
                 point = jnp.where(flat < rank_limit, before + inside_tile, _INT32_MAX)
             # A single-replica expert takes replica 0 whatever the thresholds: no search, no loads.
             searching = valid_id & (count > 1)
-            at = functools.partial(table_index, expert)
+            if guide:
+                at = lambda j: expert * width + j  # noqa: E731
+            else:
+                at = functools.partial(table_index, expert)
             if guide:  # the bucket's word: the slot itself, or a short search's start and length (_search.py)
                 word, passed = _guide.guide_passed(guide_ref, thresholds_ref, at, expert, point, num_logical, width,
                                              searching, mode=mode, dynamic=search == "while")
@@ -507,8 +513,8 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     # A prepared table is lookup_table's default kind; other kernel options (or slots past 16 bits) rebuild it.
     if lookup is None or (layout, tables) != (DEFAULTS["layout"], DEFAULTS["tables"]):
         lookup = lookup_table(log2phy, logcnt, layout=layout, tables=tables)
-    if layout == "replica_major":
-        thresholds = thresholds.T  # _build_thresholds makes them replica-major: this transpose cancels its own
+    if layout == "replica_major" and not guide:  # the search's table as log2phy lies (the guide reads rows)
+        thresholds = thresholds.T
     thresholds = thresholds.reshape(-1)
     if guide:
         guide_words = _guide.guide_kernel(lookup, thresholds, mode=mode, factor=guide, num_logical=num_logical,

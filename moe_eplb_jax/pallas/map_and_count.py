@@ -275,44 +275,42 @@ def _build_thresholds(mode, values, logcnt, width, *, limit=None, sums=None):
 
     Entries at or beyond ``logcnt[e]`` are ``int32 max`` so no point passes them.
     Computed once here, so every implementation compares the same integers.
-    Built replica-major (``[S, E]``) and returned transposed: the Pallas kernel
-    reads them replica-major, so its transpose back cancels this one and XLA
-    writes no transposed copy per call. ``resolved``: the quotas and their
+    Built expert-major from ``values [E, S]`` as it lies (no transposed copy
+    of it or of the result; the Pallas kernel reads them so when it uses the
+    bucket guide, else transposes them). ``resolved``: the quotas and their
     sums are capped at ``limit`` (the number of entries, a static int; ``None``:
     no cap), which changes no result -- every rank is below it.
 
     ``sums`` (a benchmark knob) says how the prefix sums along each row run:
-    ``"matmul"`` (default: one float32 product with a triangular ``[S, S]``
-    matrix -- at ``S = 257`` on an H200 2-3 us against 9 us for XLA's
-    reduce-window ``jnp.cumsum``; shares' float sums may round in any order,
-    as both implementations read these thresholds; quotas go in as three
-    11-bit limbs whose sums stay below ``2**24``, so theirs are exact; rows
-    wider than ``_MAX_MATMUL_WIDTH`` use ``jnp.cumsum``), ``"matmul_rows"``
-    (the same product with the triangular matrix on the right, transposed
-    after; not measured yet) or ``"cumsum"`` (``jnp.cumsum``).
+    ``"matmul"`` (default: one float32 product with an upper-triangular
+    ``[S, S]`` matrix -- at ``S = 257`` on an H200 2-3 us against 9 us for
+    XLA's reduce-window ``jnp.cumsum``; shares' float sums may round in any
+    order, as both implementations read these thresholds; quotas go in as
+    three 11-bit limbs whose sums stay below ``2**24``, so theirs are exact;
+    rows wider than ``_MAX_MATMUL_WIDTH`` use ``jnp.cumsum``) or ``"cumsum"``
+    (``jnp.cumsum``).
     """
     sums = _THRESHOLD_SUMS if sums is None else sums
-    if sums.startswith("matmul") and width > _MAX_MATMUL_WIDTH:  # the [S, S] matrix grows as S**2
+    if sums == "matmul" and width > _MAX_MATMUL_WIDTH:  # the [S, S] matrix grows as S**2
         sums = "cumsum"
-    live_rows = jnp.arange(width, dtype=jnp.int32)[None, :] < logcnt[:, None]  # [E, S], as the input lies
-    live = live_rows.T
+    live = jnp.arange(width, dtype=jnp.int32)[None, :] < logcnt[:, None]  # [E, S]
     if mode == "shares":
         weights = values.astype(jnp.float32)
         # Capped so sums of up to 2**27 terms cannot overflow (no row reduction before the prefix sums).
-        weights = jnp.where(live_rows & jnp.isfinite(weights) & (weights > 0), jnp.minimum(weights, _MAX_WEIGHT), 0.0)
-        cumulative = _prefix_sums(weights, sums)  # [S, E]
-        total = cumulative[-1:]
+        weights = jnp.where(live & jnp.isfinite(weights) & (weights > 0), jnp.minimum(weights, _MAX_WEIGHT), 0.0)
+        cumulative = _prefix_sums(weights, sums)  # [E, S]
+        total = cumulative[:, -1:]
         by_weight = jnp.floor(cumulative / jnp.where(total > 0, total, 1.0) * jnp.float32(_POINT_SCALE))
         # A row without a positive weight is split equally: the thresholds of weights all 1 (same float ops).
-        position = jnp.arange(1, width + 1, dtype=jnp.float32)[:, None]
-        equal = jnp.floor(position / jnp.maximum(logcnt, 1).astype(jnp.float32)[None, :] * jnp.float32(_POINT_SCALE))
+        position = jnp.arange(1, width + 1, dtype=jnp.float32)[None, :]
+        equal = jnp.floor(position / jnp.maximum(logcnt, 1).astype(jnp.float32)[:, None] * jnp.float32(_POINT_SCALE))
         scaled = jnp.where(total > 0, by_weight, equal)
         thresholds = jnp.clip(scaled, 0, _POINT_SCALE).astype(jnp.int32)
     else:
         cap = _NEVER if limit is None else int(min(limit, _NEVER))
-        quotas = jnp.where(live_rows, jnp.clip(values.astype(jnp.int32), 0, cap), 0)  # [E, S]
+        quotas = jnp.where(live, jnp.clip(values.astype(jnp.int32), 0, cap), 0)  # [E, S]
         thresholds = _quota_sums(quotas, cap, sums)
-    return jnp.where(live, thresholds, jnp.int32(_NEVER)).T
+    return jnp.where(live, thresholds, jnp.int32(_NEVER))
 
 
 _THRESHOLD_SUMS = "matmul"
@@ -321,29 +319,23 @@ _LIMB_BITS = 11  # resolved's quotas as three limbs: column sums of up to 8192 r
 
 
 def _prefix_sums(values, sums):
-    """Inclusive prefix sums of ``values [E, S]`` along ``S``, returned replica-major: ``[S, E]``."""
-    if sums == "matmul":  # writes [S, E] directly (XLA still transposes the small operand first: ~0.3 us)
-        width = values.shape[1]
-        lower = (jnp.arange(width)[:, None] >= jnp.arange(width)[None, :]).astype(jnp.float32)
-        return jnp.einsum("sj,ej->se", lower, values.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST,
-                          preferred_element_type=jnp.float32)
-    if sums == "matmul_rows":  # [E, S] @ upper-triangular [S, S], then transposed (which side XLA copies)
+    """Inclusive prefix sums of ``values [R, S]`` along ``S`` (``[R, S]``)."""
+    if sums == "matmul":
         width = values.shape[1]
         upper = (jnp.arange(width)[:, None] <= jnp.arange(width)[None, :]).astype(jnp.float32)
         return jnp.dot(values.astype(jnp.float32), upper, precision=jax.lax.Precision.HIGHEST,
-                       preferred_element_type=jnp.float32).T
-    return jnp.cumsum(values.T, axis=0, dtype=values.dtype)
+                       preferred_element_type=jnp.float32)
+    return jnp.cumsum(values, axis=1, dtype=values.dtype)
 
 
 def _quota_sums(quotas, cap, sums):
-    """``min(prefix sums of quotas [E, S] along S, cap)`` as ``[S, E]``, exact, for quotas in ``[0, cap]``."""
+    """``min(prefix sums of quotas [E, S] along S, cap)`` as ``[E, S]``, exact, for quotas in ``[0, cap]``."""
     num_logical, width = quotas.shape
-    if sums.startswith("matmul") and width * cap < 2**31:  # exact limbs (width <= 4096 < 8192), int32 total
+    if sums == "matmul" and width * cap < 2**31:  # exact limbs (width <= 4096 < 8192), int32 total
         mask = (1 << _LIMB_BITS) - 1
         limbs = jnp.concatenate([(quotas >> (_LIMB_BITS * i)) & mask for i in range(3)], axis=0)  # [3E, S]
-        limb_sums = _prefix_sums(limbs, sums).astype(jnp.int32)  # [S, 3E]: integers < 2**24
-        total = sum(limb_sums[:, i * num_logical:(i + 1) * num_logical] << (_LIMB_BITS * i) for i in range(3))
+        limb_sums = _prefix_sums(limbs, sums).astype(jnp.int32)  # [3E, S]: integers < 2**24
+        total = sum(limb_sums[i * num_logical:(i + 1) * num_logical] << (_LIMB_BITS * i) for i in range(3))
         return jnp.minimum(total, cap)
     # Saturating sums, associative for values in [0, cap]: min(a + b, cap) without overflowing int32.
-    saturated = jax.lax.associative_scan(lambda a, b: jnp.minimum(a, cap - b) + b, quotas, axis=1)
-    return saturated.T
+    return jax.lax.associative_scan(lambda a, b: jnp.minimum(a, cap - b) + b, quotas, axis=1)
