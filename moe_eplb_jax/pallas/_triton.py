@@ -51,10 +51,10 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from moe_eplb_jax.pallas import _guide
 from moe_eplb_jax.pallas._rank import (_SUB_RESOLVED, _WARPS_RESOLVED, _rank_kernel, _rank_tile,
                                        _warp_aggregate)
 from moe_eplb_jax.pallas._reference import GOLDEN
-from moe_eplb_jax.pallas import _guide
 from moe_eplb_jax.pallas._search import _LINEAR_SEARCH, _count_passed
 from moe_eplb_jax.pallas._triton_ops import atomic_add_int, histogram, take
 
@@ -70,6 +70,8 @@ _SUB = 256  # entries per sub-tile (hash, round_robin, shares)
 _GUIDE_FACTOR = {"shares": 4, "resolved": 8}
 _GUIDE_MIN_WIDTH = {"shares": 64, "resolved": 1}
 _GUIDE_MIN_ENTRIES = 1 << 21
+
+
 def _split_bins(num_bins: int) -> tuple[int, int]:
     """``(hi_bits, lo_bits)`` with ``2**(hi+lo) >= num_bins`` and both factors >= 16 (tensor-core minimum)."""
     bits = max(8, int(num_bins - 1).bit_length())
@@ -190,18 +192,15 @@ def _map_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, base_ref, rank_r
                 point = jnp.where(flat < rank_limit, before + inside_tile, _INT32_MAX)
             # A single-replica expert takes replica 0 whatever the thresholds: no search, no loads.
             searching = valid_id & (count > 1)
-            if guide:
-                at = lambda j: expert * width + j  # noqa: E731
-            else:
-                at = functools.partial(table_index, expert)
-            if guide:  # the bucket's word: the slot itself, or a short search's start and length (_search.py)
+            if guide:  # the bucket's word: the slot itself, or a short search's start and length (_guide.py)
+                at = lambda j: expert * width + j  # noqa: E731  (expert-major thresholds)
                 word, passed = _guide.guide_passed(guide_ref, thresholds_ref, at, expert, point, num_logical, width,
-                                             searching, mode=mode, dynamic=search == "while")
+                                                   searching, mode=mode, dynamic=search == "while")
                 known = searching & (word >= 0) & (word < 0x10000)  # slot + 1: no threshold inside the bucket
                 passed = jnp.where(searching & (word < 0), count, passed)  # past every threshold: resolved's hash
             else:
-                passed = _count_passed(thresholds_ref, at, point, width, count, searching, linear=linear_search,
-                                       dynamic=search == "while")
+                passed = _count_passed(thresholds_ref, functools.partial(table_index, expert), point, width, count,
+                                       searching, linear=linear_search, dynamic=search == "while")
             if mode == "shares":  # always below count (C[count - 1] = 2**24 > point): no hash fallback to compute
                 replica = jnp.minimum(passed, count - 1)
             else:  # resolved: entries beyond the expert's total quota fall back to hash
@@ -434,7 +433,8 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     if config["search"] not in (None, "unrolled", "while"):
         raise ValueError(f"search must be None, 'unrolled' or 'while', got {config['search']!r}")
     # shares: the block's loop stops once all its lanes converged (most entries search little); resolved's points
-    # spread over the whole row, and there the fixed unrolled steps were faster (H200, benchmarks/RESULTS.md).
+    # spread over the whole row, and there the fixed unrolled steps were faster (H200, benchmarks/RESULTS.md);
+    # with the guide few entries search, one or two steps: the loop.
     search = config["search"] or ("while" if mode == "shares" or guide else "unrolled")
     if config["rank_running"] not in ("registers", "memory"):
         raise ValueError(f"rank_running must be 'registers' or 'memory', got {config['rank_running']!r}")
@@ -465,7 +465,6 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     bins = _split_bins(num_physical)
     expert_bins = _histogram_bins(num_logical) if mode == "resolved" else 32
     hi, lo = 1 << bins[0], 1 << bins[1]
-    # From the [E, S] thresholds (transposed for the kernel only below); else unused.
     if mode not in ("shares", "resolved"):  # no search: no [E, S] buffer to write (transposed) on every call
         thresholds = jnp.zeros((1, 1), jnp.int32)
     if lookup is not None:
