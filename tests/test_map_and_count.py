@@ -540,6 +540,58 @@ def test_prepared_lookup_gives_the_same_results(mode, rng):
             np.testing.assert_array_equal(np.asarray(g[layer]), w)
 
 
+@pytest.mark.parametrize("mode", ["shares", "resolved"])
+def test_guide_under_vmap_and_shard_map(mode, monkeypatch, rng):
+    """The guided path (forced on for small inputs here) under vmap over layers with prepared lookups, and inside
+    shard_map with per-rank quotas or shares, equals the oracle: the guide kernel batches and shards like the map
+    kernel."""
+    from moe_eplb_jax.pallas import _triton, lookup_table
+
+    monkeypatch.setattr(_triton, "_GUIDE_MIN_ENTRIES", 0)
+    monkeypatch.setattr(_triton, "_GUIDE_MIN_WIDTH", {"shares": 1, "resolved": 1})
+    num_layers, num_tokens, top_k, num_logical, num_physical = 2, 48, 4, 16, 30
+    placements, log2phy, logcnt, ids = layered_inputs(rng, num_layers, num_tokens, top_k, num_logical, num_physical)
+    extra = [random_mode_inputs(rng, mode, p, num_tokens * top_k) for p in placements]
+    extra = {k: np.stack([e[k] for e in extra]) for k in extra[0]}
+
+    def run(ids, log2phy, logcnt, extra, lookup=None):
+        return map_and_count(ids, log2phy, logcnt, num_physical=num_physical, num_valid_tokens=40, mode=mode,
+                             implementation="pallas", lookup=lookup, **extra)
+
+    got = jax.jit(jax.vmap(run))(ids, log2phy, logcnt, extra, jax.vmap(lookup_table)(log2phy, logcnt))
+    for layer in range(num_layers):
+        want = oracle(ids[layer], log2phy[layer], logcnt[layer], num_physical, 40, mode,
+                      **{k: v[layer] for k, v in extra.items()})
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g[layer]), w)
+
+    devices = jax.devices()
+    mesh = jax.make_mesh((len(devices),), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
+    P = jax.sharding.PartitionSpec
+    num_local = 12
+    ids = random_ids(rng, num_local * len(devices), top_k, num_logical)
+    per_rank = [random_mode_inputs(rng, mode, placements[0], num_local * top_k) for _ in devices]
+    values = np.stack([r[next(iter(r))] for r in per_rank])  # [G, E, S]: each rank its own row
+    name = next(iter(per_rank[0]))
+
+    def local(ids_shard, values, log2phy, logcnt):
+        phys, load = map_and_count(ids_shard, log2phy, logcnt, num_physical=num_physical, mode=mode,
+                                   implementation="pallas", **{name: values[0]})
+        return phys, jax.lax.psum(load, "ep")
+
+    fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("ep"), P("ep"), P(), P()), out_specs=(P("ep"), P()),
+                               check_vma=jax.default_backend() == "gpu"))  # interpret mode: see above
+    phys, load = fn(ids, values, log2phy[0], logcnt[0])
+    want_load = np.zeros(num_physical, np.int64)
+    for rank in range(len(devices)):
+        shard = ids[rank * num_local:(rank + 1) * num_local]
+        want_phys, shard_load = oracle(shard, log2phy[0], logcnt[0], num_physical, num_local, mode,
+                                       **{name: values[rank]})
+        np.testing.assert_array_equal(np.asarray(phys[rank * num_local:(rank + 1) * num_local]), want_phys)
+        want_load += shard_load
+    np.testing.assert_array_equal(np.asarray(load), want_load)
+
+
 def test_lookup_table_rejects_bad_tables(rng):
     from moe_eplb_jax.pallas import lookup_table
 
