@@ -849,6 +849,29 @@ def test_guide_kernel_matches_reference(mode, factor, rng):
         np.testing.assert_array_equal(got[used], want[used])
 
 
+def test_guide_is_used_only_where_it_fits():
+    """guide=None picks the guide by mode, width and size; shapes whose offsets or bucket sums would overflow their
+    bits, non-default tables and slots past 16 bits get none; a bad factor is an error."""
+    from moe_eplb_jax.pallas import _triton
+
+    def factor(mode, num_flat, num_logical, width, num_physical, **options):
+        return _triton._guide_factor({**_triton.DEFAULTS, **options}, mode, num_flat, num_logical, width, num_physical)
+
+    big = _triton._GUIDE_MIN_ENTRIES
+    assert factor("shares", big, 256, 257, 512) == _triton._GUIDE_FACTOR["shares"]
+    assert factor("resolved", big, 256, 33, 288) == _triton._GUIDE_FACTOR["resolved"]
+    assert factor("shares", big, 256, 33, 288) == 0  # narrow table
+    assert factor("resolved", big // 2, 256, 257, 512) == 0  # small input
+    assert factor("hash", big, 256, 257, 512, guide=8) == 0
+    assert factor("shares", 8, 256, 257, 512, guide=2) == 2  # explicit: any size
+    assert factor("shares", big, 256, 257, 512, layout="expert_major") == 0
+    assert factor("shares", big, 256, 257, 512, tables="global") == 0
+    assert factor("shares", big, 256, 257, 0xFFFF) == 0
+    assert factor("shares", big, 1 << 14, 1 << 13, 1 << 14, guide=8) == 0  # bucket counts could overflow int32
+    with pytest.raises(ValueError, match="guide must be"):
+        factor("shares", big, 256, 257, 512, guide=3)
+
+
 @pytest.mark.parametrize("mode", ["shares", "resolved"])
 def test_guided_kernel_matches_reference(mode, rng):
     """The map kernel reading the guide (crowded buckets, zero quotas, fallback spares) gives the reference's ids

@@ -354,7 +354,9 @@ def _guide_factor(config, mode, num_flat, num_logical, width, num_physical):
     if guide is None:
         wide = width >= _GUIDE_MIN_WIDTH.get(mode, 0) and num_flat >= _GUIDE_MIN_ENTRIES
         guide = _GUIDE_FACTOR.get(mode, 0) if wide else 0
-    too_big = _guide.guide_size(num_logical, num_physical, guide) >= 1 << _guide.OFFSET_BITS
+    # Offsets must fit their bits, and the experts' bucket counts (each below 2 * factor * width) their int32 sum.
+    too_big = (_guide.guide_size(num_logical, num_physical, guide) >= 1 << _guide.OFFSET_BITS
+               or num_logical * 2 * guide * width >= 1 << 31)
     # No search to guide; or the guide's kernel cannot read these tables; or a field would not fit its bits.
     if (mode not in ("shares", "resolved") or (config["layout"], config["tables"]) != ("replica_major", "head")
             or num_physical >= 0xFFFF or width >= _guide.MAX_WIDTH or too_big):
