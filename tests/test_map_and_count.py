@@ -849,6 +849,31 @@ def test_guide_kernel_matches_reference(mode, factor, rng):
         np.testing.assert_array_equal(got[used], want[used])
 
 
+def test_guide_kernel_with_saturated_quotas(rng):
+    """Quotas summing past int32 (thresholds saturate at int32 max, as an uncapped build gives): the guide kernel
+    still writes its reference's words -- a bucket ending at int32 max counts only live thresholds."""
+    from moe_eplb_jax.pallas import _guide, _triton
+    from moe_eplb_jax.pallas.map_and_count import _build_thresholds
+
+    replicas = np.array([5, 3, 1, 2, 4])
+    phy2log = rng.permutation(np.repeat(np.arange(replicas.size), replicas))
+    placement = Placement.from_phy2log(phy2log, replicas.size)
+    log2phy, logcnt = jnp.asarray(placement.log2phy[0]), jnp.asarray(placement.logcnt[0])
+    num_logical, width = log2phy.shape
+    quotas = rng.integers(2**29, 2**30, (num_logical, width)).astype(np.int32)
+    thresholds = _build_thresholds("resolved", jnp.asarray(quotas), logcnt, width)  # no cap: saturating sums
+    assert int(thresholds.max()) == np.iinfo(np.int32).max
+    count = jnp.clip(logcnt, 1, 0x7FFF)
+    num_physical = int(replicas.sum())
+    want = np.asarray(_guide.guide_table(thresholds, log2phy, count, mode="resolved", factor=4,
+                                         num_physical=num_physical))
+    got = np.asarray(_guide.guide_kernel(_triton.lookup_table(log2phy, logcnt), thresholds.reshape(-1),
+                                         mode="resolved", factor=4, num_logical=num_logical, width=width,
+                                         num_physical=num_physical, interpret=jax.default_backend() != "gpu"))
+    used = _guide_used(want, count, num_logical, width, 4, num_physical)
+    np.testing.assert_array_equal(got[used], want[used])
+
+
 def test_guide_is_used_only_where_it_fits():
     """guide=None picks the guide by mode, width and size; shapes whose offsets or bucket sums would overflow their
     bits, non-default tables and slots past 16 bits get none; a bad factor is an error."""

@@ -154,8 +154,8 @@ def _guide_kernel(lookup_ref, thresholds_ref, guide_ref, *, mode, factor, num_lo
     slots = plgpu.load(lookup_ref.at[num_logical + j * num_logical + program], mask=(j < width) & (my_count > 1),
                        other=-1)
 
-    def passed(points):  # how many of the row's entries are <= each point: bisection through tt.gather
-        low, high = jnp.zeros_like(points), jnp.full_like(points, row_size)
+    def passed(points):  # how many of the row's live entries are <= each point: bisection through tt.gather
+        low, high = jnp.zeros_like(points), jnp.full_like(points, my_live)
         for _ in range(row_size.bit_length()):
             middle = jnp.minimum((low + high) >> 1, row_size - 1)
             below = (take(row, middle) <= points) & (low < high)
