@@ -644,6 +644,15 @@ def test_pallas_kernels_lower_to_triton_ir(h100_lowering):
         )(spec((least // 8, 8), jnp.int32), spec((256, 33), jnp.int32), spec((256,), jnp.int32),
           spec((256, 33), jnp.int32), spec((2,), jnp.int32))
         assert "xla.gpu.triton" in big.mlir_module()
+    # The guided path as it runs by default (2**21 entries, a 257-wide table): guide kernel + map kernel (+ rank).
+    for mode in ("shares", "resolved"):
+        guided = jax.export.export(
+            jax.jit(lambda *a, mode=mode: _triton.map_and_count_triton(*a, num_physical=512, mode=mode)),
+            platforms=["cuda"],
+            disabled_checks=h100_lowering,
+        )(spec((_triton._GUIDE_MIN_ENTRIES // 8, 8), jnp.int32), spec((256, 257), jnp.int32),
+          spec((256,), jnp.int32), spec((256, 257), jnp.int32), spec((2,), jnp.int32))
+        assert guided.mlir_module().count("xla.gpu.triton") == (2 if mode == "shares" else 3)
 
 
 # ------------------------------------------------------------------ GPU only
