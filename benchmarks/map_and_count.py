@@ -226,6 +226,9 @@ SWEEP = [  # (mode, T, P, options): T x 8 entries; the defaults first in each gr
     ("resolved", 262144, 512, {}), ("resolved", 262144, 512, {"guide": 0}), ("resolved", 262144, 512, {"guide": 4}),
     ("shares", 65536, 512, {}), ("shares", 65536, 512, {"guide": 4}), ("resolved", 65536, 512, {}),
     ("resolved", 65536, 512, {"guide": 8}), ("resolved", 65536, 288, {}), ("resolved", 65536, 288, {"guide": 8}),
+    # Decode: resolved's rank-tile sums as a small triangular product instead of XLA's cumsum (3.8 us).
+    ("resolved", 4096, 288, {}), ("resolved", 4096, 288, {"tile_bases": "matmul"}),
+    ("resolved", 4096, 512, {}), ("resolved", 4096, 512, {"tile_bases": "matmul"}),
 ]
 
 

@@ -352,7 +352,8 @@ def test_feeds_eplb_state_record(rng):
                                      {"rank_running": "memory", "tile_resolved": 256, "sub_resolved": 64},
                                      {"search": "while"}, {"search": "while", "linear_search": 2},
                                      {"guide": 1}, {"guide": 16, "search": "unrolled"}, {"guide": 0},
-                                     {"guide": 4, "tables": "global"}])
+                                     {"guide": 4, "tables": "global"}, {"tile_bases": "matmul"},
+                                     {"tile_bases": "matmul", "tile_resolved": 16, "sub_resolved": 16}])
 @pytest.mark.parametrize("mode", ["hash", "resolved"])
 def test_kernel_options_match_reference(options, mode, rng):
     """The tuning knobs of the kernel (tile, sub-tile, one-hot dtype) never change the result."""
@@ -382,6 +383,10 @@ def test_kernel_options_match_reference(options, mode, rng):
     with pytest.raises(ValueError, match="linear_search must be >= 0"):
         _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode,
                                      linear_search=-1)
+    if mode == "resolved":
+        with pytest.raises(ValueError, match="tile_bases must be 'cumsum' or 'matmul'"):
+            _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode,
+                                         tile_bases="scan")
     with pytest.raises(ValueError, match="guide must be None, 0, 1, 2, 4, 8 or 16"):
         _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode,
                                      guide=3)

@@ -311,7 +311,7 @@ DEFAULTS = {"tile": None, "sub": _SUB, "tile_resolved": None, "sub_resolved": _S
             "warps_resolved": _WARPS_RESOLVED, "num_warps": 4, "num_stages": 3,
             "count_dtype": "int8", "count_method": "histogram", "tables": "head", "layout": "replica_major",
             "reduce": "atomic", "rank_in_step": "match", "linear_search": _LINEAR_SEARCH, "guide": None,
-            "rank_running": "memory", "search": None}
+            "rank_running": "memory", "search": None, "tile_bases": "cumsum"}
 # How the kernel counts: "histogram" (tt.histogram per loop step: warp ballots + popc, shared-memory atomics
 # across warps; also in interpret mode, as jnp), "onehot" (factorised one-hot products on the tensor cores),
 # "atomic" (one global atomic add per entry into the program's row of counters), "atomic_warp" (atomics
@@ -364,6 +364,25 @@ def _guide_factor(config, mode, num_flat, num_logical, width, num_physical):
     return guide
 
 
+def _tile_bases(per_tile, how, num_flat):
+    """Exclusive prefix sums of the rank tiles' histograms ``[tiles, E_pad]`` down the tiles (int32).
+
+    ``"cumsum"``: XLA's cumsum (reduce-window kernels: 3.8 us at 128 tiles, 6.8 at 2048 on an H200);
+    ``"matmul"``: one float32 product with a strictly lower-triangular ``[tiles, tiles]`` matrix, exact (no sum
+    exceeds the ``num_flat <= 2**24`` entries), for at most ``_MAX_MATMUL_TILES`` tiles -- decode sizes; not
+    measured yet.
+    """
+    tiles = per_tile.shape[0]
+    if how == "matmul" and tiles <= _MAX_MATMUL_TILES and num_flat <= 1 << 24:
+        earlier = (jnp.arange(tiles)[:, None] > jnp.arange(tiles)[None, :]).astype(jnp.float32)
+        return jnp.dot(earlier, per_tile.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST,
+                       preferred_element_type=jnp.float32).astype(jnp.int32)
+    return jnp.cumsum(per_tile, axis=0, dtype=jnp.int32) - per_tile
+
+
+_MAX_MATMUL_TILES = 256  # the [tiles, tiles] matrix stays small
+
+
 def lookup_size(num_logical: int, width: int, *, tables: str = "head") -> int:
     """Entries of :func:`lookup_table`'s array for ``log2phy [num_logical, width]``."""
     slots = num_logical * width
@@ -398,7 +417,9 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     :data:`_GUIDE_FACTOR`, large inputs only); ``search`` how the bisection steps (``"while"``: a
     loop that ends when every lane of the block has converged, ``"unrolled"``:
     all ``bit_length(S)`` steps, masked; ``None``: ``"while"`` for ``shares``
-    and with the guide, else ``"unrolled"``, the faster of each on an H200). For large
+    and with the guide, else ``"unrolled"``, the faster of each on an H200);
+    ``tile_bases`` how ``resolved`` sums its rank tiles' histograms
+    (:func:`_tile_bases`). For large
     inputs the defaults of a mode come from :data:`LARGE_OPTIONS` by size
     (options passed explicitly win). ``lookup``: :func:`lookup_table` of
     ``log2phy`` / ``logcnt`` built by the caller (with the default ``tables`` /
@@ -432,6 +453,8 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
         raise ValueError(f"linear_search must be >= 0, got {config['linear_search']}")
     if config["rank_in_step"] not in ("compare", "match"):
         raise ValueError(f"rank_in_step must be 'compare' or 'match', got {config['rank_in_step']!r}")
+    if config["tile_bases"] not in ("cumsum", "matmul"):
+        raise ValueError(f"tile_bases must be 'cumsum' or 'matmul', got {config['tile_bases']!r}")
     if config["search"] not in (None, "unrolled", "while"):
         raise ValueError(f"search must be None, 'unrolled' or 'while', got {config['search']!r}")
     # shares: the block's loop stops once all its lanes converged (most entries search little); resolved's points
@@ -501,7 +524,7 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
             name="expert_rank",
         )(ids, limits)
         per_tile = per_tile.reshape(rank_tiles, -1)[:, :expert_bins]
-        base = (jnp.cumsum(per_tile, axis=0, dtype=jnp.int32) - per_tile).reshape(-1)
+        base = _tile_bases(per_tile, config["tile_bases"], num_flat).reshape(-1)
     else:
         base = rank = jnp.zeros_like(limits[:1])  # unused; share the inputs' manual axes
 
