@@ -37,7 +37,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from moe_eplb_jax.pallas._search import _upper_bound
+from moe_eplb_jax.pallas._search import _loads, _upper_bound
 from moe_eplb_jax.pallas._triton_ops import take
 
 __all__ = ["guide_table", "guide_kernel", "guide_size"]
@@ -150,25 +150,21 @@ def _guide_kernel(lookup_ref, thresholds_ref, guide_ref, *, mode, factor, num_lo
     row_size = pl.next_power_of_2(width)
     j = jnp.arange(row_size, dtype=jnp.int32)
     row = plgpu.load(thresholds_ref.at[program * width + j], mask=(j < my_live) & (my_count > 1),
-                     other=_INT32_MAX)  # non-decreasing; past the live entries never passed
+                     other=_INT32_MAX)  # non-decreasing; the bisection reads only the live entries
     slots = plgpu.load(lookup_ref.at[num_logical + j * num_logical + program], mask=(j < width) & (my_count > 1),
                        other=-1)
 
-    def passed(points):  # how many of the row's live entries are <= each point: bisection through tt.gather
-        low, high = jnp.zeros_like(points), jnp.full_like(points, my_live)
-        for _ in range(row_size.bit_length()):
-            middle = jnp.minimum((low + high) >> 1, row_size - 1)
-            below = (take(row, middle) <= points) & (low < high)
-            low, high = jnp.where(below, middle + 1, low), jnp.where(below | (low >= high), high, middle)
-        return low
-
     def step(index, carry):
         bucket = index * chunk + jnp.arange(chunk, dtype=jnp.int32)
+        used = bucket < size
         first, last = _bucket_points(bucket + my_offset, my_offset, my_shift, my_cap)
+        # How many of the row's live entries each point passes: the map kernel's bisection, through tt.gather.
+        passed = lambda points: _upper_bound(lambda j, active: take(row, j), points, width,  # noqa: E731
+                                             jnp.full_like(points, my_live), used)
         low = passed(first)
         slot = take(slots, jnp.minimum(low, width - 1))
         word = _word(low, passed(last) - low, slot, my_count, mode)
-        plgpu.store(guide_ref.at[2 * num_logical + my_offset + bucket], word, mask=bucket < size)
+        plgpu.store(guide_ref.at[2 * num_logical + my_offset + bucket], word, mask=used)
         return carry
 
     jax.lax.fori_loop(0, pl.cdiv(size, chunk), step, jnp.int32(0))
@@ -209,4 +205,4 @@ def guide_passed(guide_ref, thresholds_ref, at, expert, point, num_logical, widt
     word = plgpu.load(guide_ref.at[2 * num_logical + offset + bucket], mask=searching, other=0)
     low, span = word & 0xFFFF, (word >> 16) & 0x7FFF
     inside = searching & (word >= 0x10000)  # span > 0
-    return word, _upper_bound(thresholds_ref, at, point, width, low + span, inside, dynamic=dynamic, low=low)
+    return word, _upper_bound(_loads(thresholds_ref, at), point, width, low + span, inside, dynamic=dynamic, low=low)

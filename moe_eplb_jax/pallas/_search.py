@@ -21,13 +21,19 @@ __all__ = []
 _INT32_MAX = np.iinfo(np.int32).max
 
 
-def _upper_bound(thresholds_ref, at, point, width, live, searching, dynamic=False, low=None):
-    """``#{j < live : thresholds[at(j)] <= point}`` for non-decreasing rows, by bisection, ``live <= width``.
+def _loads(thresholds_ref, at):
+    """A reader for :func:`_upper_bound`: each lane's threshold ``j`` is a global load at flat index ``at(j)``."""
+    return lambda j, active: plgpu.load(thresholds_ref.at[at(j)], mask=active, other=0)
 
-    ``at(j)`` is the flat index of each lane's threshold ``j`` (the table
-    layout); ``live`` each lane's number of real entries (its row's later
-    entries are never read). Only lanes where ``searching`` holds load
-    thresholds, and only until their search has converged -- after
+
+def _upper_bound(read, point, width, live, searching, dynamic=False, low=None):
+    """``#{j < live : threshold j <= point}`` for non-decreasing rows, by bisection, ``live <= width``.
+
+    ``read(j, active)`` gives each lane's threshold ``j`` (``j < width``) where
+    ``active`` holds: a global load in the table's layout (:func:`_loads`), or
+    a gather from a row the program holds. ``live`` is each lane's number of
+    real entries (its row's later entries are never read). Only lanes where
+    ``searching`` holds read thresholds, and only until their search has converged -- after
     ``bit_length(live - low)`` steps, so a 4-replica expert in a 257-wide table
     loads 3 thresholds, not 9; the others return ``low``. ``dynamic``: the
     block stops stepping once all its lanes have converged (a ``while`` loop
@@ -41,7 +47,7 @@ def _upper_bound(thresholds_ref, at, point, width, live, searching, dynamic=Fals
         low, high = bounds
         active = low < high
         middle = (low + high) >> 1
-        passed = plgpu.load(thresholds_ref.at[at(jnp.minimum(middle, width - 1))], mask=active, other=0) <= point
+        passed = read(jnp.minimum(middle, width - 1), active) <= point
         return jnp.where(active & passed, middle + 1, low), jnp.where(active & ~passed, middle, high)
 
     low = jnp.zeros_like(point) if low is None else low
@@ -78,6 +84,6 @@ def _count_passed(thresholds_ref, at, point, width, count, searching, linear=_LI
         passed = passed + (value <= point).astype(jnp.int32)
     if width > linear:
         deeper = searching & (count > linear) & (passed == linear)
-        passed = passed + _upper_bound(thresholds_ref, lambda j: at(j + linear), point, width - linear,
+        passed = passed + _upper_bound(_loads(thresholds_ref, lambda j: at(j + linear)), point, width - linear,
                                        count - linear, deeper, dynamic=dynamic)
     return jnp.where(searching, passed, 0)
