@@ -191,9 +191,16 @@ def guide_kernel(lookup, thresholds, *, mode: str, factor: int, num_logical: int
     )(lookup, thresholds)
 
 
-def guide_passed(guide_ref, thresholds_ref, at, expert, point, num_logical, width, searching, *, mode, dynamic):
-    """In the map kernel: ``(word, passed)`` of each entry where ``searching`` holds -- its bucket word and,
-    where the bucket has thresholds inside, how many live thresholds the point passes (else ``low``)."""
+def guide_passed(guide_ref, thresholds_ref, at, expert, point, count, num_logical, width, searching, *, mode,
+                 dynamic):
+    """In the map kernel, for each entry where ``searching`` holds: ``(known, slot, passed)``.
+
+    ``known``: the bucket holds no threshold, so ``slot`` is the answer's
+    slot (``-1``: none) and no ``log2phy`` load is needed; otherwise
+    ``passed`` is how many live thresholds the point passes (a short search
+    inside the bucket), or ``count`` where it passes them all (resolved's
+    hash fallback).
+    """
     head = plgpu.load(guide_ref.at[2 * expert], mask=searching, other=0)
     offset = head & ((1 << OFFSET_BITS) - 1)
     shift = (head >> OFFSET_BITS) & 31
@@ -205,4 +212,6 @@ def guide_passed(guide_ref, thresholds_ref, at, expert, point, num_logical, widt
     word = plgpu.load(guide_ref.at[2 * num_logical + offset + bucket], mask=searching, other=0)
     low, span = word & 0xFFFF, (word >> 16) & 0x7FFF
     inside = searching & (word >= 0x10000)  # span > 0
-    return word, _upper_bound(_loads(thresholds_ref, at), point, width, low + span, inside, dynamic=dynamic, low=low)
+    passed = _upper_bound(_loads(thresholds_ref, at), point, width, low + span, inside, dynamic=dynamic, low=low)
+    known = searching & (word >= 0) & (word < 0x10000)  # slot + 1
+    return known, low - 1, jnp.where(searching & (word < 0), count, passed)

@@ -194,10 +194,9 @@ def _map_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, base_ref, rank_r
             searching = valid_id & (count > 1)
             if guide:  # the bucket's word: the slot itself, or a short search's start and length (_guide.py)
                 at = lambda j: expert * width + j  # noqa: E731  (expert-major thresholds)
-                word, passed = _guide.guide_passed(guide_ref, thresholds_ref, at, expert, point, num_logical, width,
-                                                   searching, mode=mode, dynamic=search == "while")
-                known = searching & (word >= 0) & (word < 0x10000)  # slot + 1: no threshold inside the bucket
-                passed = jnp.where(searching & (word < 0), count, passed)  # past every threshold: resolved's hash
+                known, known_slot, passed = _guide.guide_passed(
+                    guide_ref, thresholds_ref, at, expert, point, count, num_logical, width, searching, mode=mode,
+                    dynamic=search == "while")
             else:
                 passed = _count_passed(thresholds_ref, functools.partial(table_index, expert), point, width, count,
                                        searching, linear=linear_search, dynamic=search == "while")
@@ -214,7 +213,7 @@ def _map_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, base_ref, rank_r
         else:
             slot = lookup_slot(table_index(expert, replica))
         if known is not None:
-            slot = jnp.where(known, (word & 0xFFFF) - 1, slot)
+            slot = jnp.where(known, known_slot, slot)
         mapped = valid_id & (slot >= 0) & (slot < num_physical)
         phys = jnp.where(mapped, slot, -1)
         plgpu.store(phys_ref.at[pl.ds(start, sub)], phys, mask=inside)
