@@ -216,19 +216,26 @@ def pallas_copy(x, block=2048, num_warps=4):
 
 
 SWEEP = [  # (mode, T, P, options): T x 8 entries; the defaults first in each group; "count": False skips counting
-    # Eighth session: the bucket guide (guide=F: F buckets or more per replica, built by one Pallas kernel per
-    # call; 0 = the plain bisection of the seventh session; None = by mode, width and size) on the same draws.
-    # Next: with the thresholds now expert-major, whether the guide pays at 65536 x 8 (its default starts at 2**21).
-    ("shares", 262144, 288, {}), ("shares", 262144, 288, {"guide": 8}),
-    ("shares", 262144, 512, {}), ("shares", 262144, 512, {"guide": 0}), ("shares", 262144, 512, {"guide": 4}),
-    ("shares", 262144, 512, {"guide": 16}),
-    ("resolved", 262144, 288, {}), ("resolved", 262144, 288, {"guide": 8}),
-    ("resolved", 262144, 512, {}), ("resolved", 262144, 512, {"guide": 0}), ("resolved", 262144, 512, {"guide": 4}),
-    ("shares", 65536, 512, {}), ("shares", 65536, 512, {"guide": 4}), ("resolved", 65536, 512, {}),
-    ("resolved", 65536, 512, {"guide": 8}), ("resolved", 65536, 288, {}), ("resolved", 65536, 288, {"guide": 8}),
-    # Decode: resolved's rank-tile sums as a small triangular product instead of XLA's cumsum (3.8 us).
+    # Ninth session: the search reading the thresholds expert-major as they are built (no transposed copy per
+    # call) against the replica-major copy (threshold_layout=None follows layout), with and without the guide.
+    ("shares", 262144, 288, {}), ("shares", 262144, 288, {"threshold_layout": "expert_major"}),
+    ("shares", 262144, 512, {}), ("shares", 262144, 512, {"guide": 0}),
+    ("shares", 262144, 512, {"guide": 0, "threshold_layout": "expert_major"}),
+    ("resolved", 262144, 288, {}), ("resolved", 262144, 288, {"guide": 0}),
+    ("resolved", 262144, 288, {"guide": 0, "threshold_layout": "expert_major"}),
+    ("resolved", 262144, 512, {}), ("resolved", 262144, 512, {"guide": 0}),
+    ("resolved", 262144, 512, {"guide": 0, "threshold_layout": "expert_major"}),
+    ("shares", 65536, 288, {}), ("shares", 65536, 288, {"threshold_layout": "expert_major"}),
+    ("shares", 65536, 512, {}), ("shares", 65536, 512, {"threshold_layout": "expert_major"}),
+    ("resolved", 65536, 288, {}), ("resolved", 65536, 288, {"threshold_layout": "expert_major"}),
+    ("resolved", 65536, 512, {}), ("resolved", 65536, 512, {"threshold_layout": "expert_major"}),
+    ("shares", 4096, 288, {}), ("shares", 4096, 288, {"threshold_layout": "expert_major"}),
+    ("shares", 4096, 512, {}), ("shares", 4096, 512, {"threshold_layout": "expert_major"}),
+    # Decode: resolved's rank-tile sums as a small triangular product instead of XLA's cumsum (again).
     ("resolved", 4096, 288, {}), ("resolved", 4096, 288, {"tile_bases": "matmul"}),
+    ("resolved", 4096, 288, {"tile_bases": "matmul", "threshold_layout": "expert_major"}),
     ("resolved", 4096, 512, {}), ("resolved", 4096, 512, {"tile_bases": "matmul"}),
+    ("resolved", 4096, 512, {"tile_bases": "matmul", "threshold_layout": "expert_major"}),
 ]
 
 

@@ -310,10 +310,18 @@ def _section(text, marker, fallback=15):
     return lines[starts[-1]:] if starts else lines[-fallback:]
 
 
+SUMMARY_FIELDS = ("EP ranks", "balancedness", "rearrangement:")
+
+
 def _summary_lines(text):
-    """A serve process's summary, without its header and the throughput line (timing differs per process)."""
+    """A serve process's summary: the lines every process must agree on.
+
+    Only the lines ``examples/serve.py`` prints for its result are kept: the log interleaves stderr, and
+    runtime messages (a process's coordination-service warnings at shut-down, Gloo lines) differ per
+    process; the throughput line is timing, which differs too.
+    """
     lines = _section(text, "=== summary", fallback=0)
-    return [ln for ln in lines[1:] if not ln.startswith("throughput") and not ln.startswith("[Gloo]")]
+    return [ln for ln in lines[1:] if ln.startswith(SUMMARY_FIELDS)]
 
 
 def headline(part, out, text):

@@ -115,8 +115,9 @@ def main(argv=None):
         if report:
             print(f"rearrangement: {report['slots_moved']} slots moved, policy-predicted balancedness "
                   f"{report['balancedness_after']:.3f}")
-        print(f"throughput: {tps_before:.1f} tok/s before, {tps_after:.1f} tok/s after "
-              f"(CPU simulated devices: throughput does not show the balance)")
+        simulated = jax.devices()[0].platform == "cpu"
+        print(f"throughput: {tps_before:.1f} tok/s before, {tps_after:.1f} tok/s after"
+              + (" (CPU simulated devices: throughput does not show the balance)" if simulated else ""))
         if args.save_placement:
             print(f"placement saved to {args.save_placement}")
 

@@ -353,7 +353,10 @@ def test_feeds_eplb_state_record(rng):
                                      {"search": "while"}, {"search": "while", "linear_search": 2},
                                      {"guide": 1}, {"guide": 16, "search": "unrolled"}, {"guide": 0},
                                      {"guide": 4, "tables": "global"}, {"tile_bases": "matmul"},
-                                     {"tile_bases": "matmul", "tile_resolved": 16, "sub_resolved": 16}])
+                                     {"tile_bases": "matmul", "tile_resolved": 16, "sub_resolved": 16},
+                                     {"tile_bases": "cumsum"}, {"threshold_layout": "expert_major", "guide": 0},
+                                     {"threshold_layout": "expert_major", "linear_search": 3},
+                                     {"threshold_layout": "replica_major", "layout": "expert_major"}])
 @pytest.mark.parametrize("mode", ["hash", "resolved"])
 def test_kernel_options_match_reference(options, mode, rng):
     """The tuning knobs of the kernel (tile, sub-tile, one-hot dtype) never change the result."""
@@ -376,7 +379,8 @@ def test_kernel_options_match_reference(options, mode, rng):
     with pytest.raises(ValueError, match="tile_resolved and sub_resolved must be powers of two"):
         _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode,
                                      tile_resolved=96)
-    for name, value in (("layout", "row_major"), ("reduce", "psum"), ("tables", "texture")):
+    for name, value in (("layout", "row_major"), ("reduce", "psum"), ("tables", "texture"),
+                        ("threshold_layout", "column_major")):
         with pytest.raises(ValueError, match=f"{name} must be one of"):
             _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode,
                                          **{name: value})

@@ -125,10 +125,10 @@ def _pair_histogram(bins, hi_bits, lo_bits, dtype, acc_dtype):
 def _map_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, base_ref, rank_ref, limits_ref, zeros_ref, phys_ref,
                 hist_ref, *, mode, num_flat, top_k, num_logical, width, num_physical, tile, sub, bins, expert_bins,
                 rank_tile, count_dtype, do_count, count_method, tables, layout, reduce, linear_search, guide,
-                num_tiles, search):
+                num_tiles, search, threshold_layout):
     """``tables_ref`` is :func:`lookup_table`'s: per-expert counts (or head entries) at ``[0, E)``, then ``log2phy``
     at ``[E, E + E * S)``, in ``layout``; ``thresholds_ref`` the ``[E, S]`` thresholds, expert-major with the guide
-    (a bucket's few thresholds lie side by side), else in ``layout``."""
+    (a bucket's few thresholds lie side by side), else in ``threshold_layout``."""
     del zeros_ref  # reduce="atomic": the zeroed load counters, aliased to hist_ref
     slot_at = num_logical
     program = pl.program_id(0)
@@ -151,6 +151,10 @@ def _map_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, base_ref, rank_r
         table_index = lambda expert, j: j * num_logical + expert  # noqa: E731
     else:  # [E, S]
         table_index = lambda expert, j: expert * width + j  # noqa: E731
+    if threshold_layout == "replica_major":  # (the guide's rows are always expert-major)
+        threshold_index = lambda expert, j: j * num_logical + expert  # noqa: E731
+    else:
+        threshold_index = lambda expert, j: expert * width + j  # noqa: E731
     row0 = program * num_bins  # atomic methods: this program's row of counters
     if do_count and count_method.startswith("atomic"):
         # Zeroed by atomic exchange, i.e. in L2 where the atomics add: a plain store is only ordered with the
@@ -192,13 +196,13 @@ def _map_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, base_ref, rank_r
                 point = jnp.where(flat < rank_limit, before + inside_tile, _INT32_MAX)
             # A single-replica expert takes replica 0 whatever the thresholds: no search, no loads.
             searching = valid_id & (count > 1)
+            at = functools.partial(threshold_index, expert)
             if guide:  # the bucket's word: the slot itself, or a short search's start and length (_guide.py)
-                at = lambda j: expert * width + j  # noqa: E731  (expert-major thresholds)
                 known, known_slot, passed = _guide.guide_passed(
                     guide_ref, thresholds_ref, at, expert, point, count, num_logical, width, searching, mode=mode,
                     dynamic=search == "while")
             else:
-                passed = _count_passed(thresholds_ref, functools.partial(table_index, expert), point, width, count,
+                passed = _count_passed(thresholds_ref, at, point, width, count,
                                        searching, linear=linear_search, dynamic=search == "while")
             if mode == "shares":  # always below count (C[count - 1] = 2**24 > point): no hash fallback to compute
                 replica = jnp.minimum(passed, count - 1)
@@ -310,7 +314,7 @@ DEFAULTS = {"tile": None, "sub": _SUB, "tile_resolved": None, "sub_resolved": _S
             "warps_resolved": _WARPS_RESOLVED, "num_warps": 4, "num_stages": 3,
             "count_dtype": "int8", "count_method": "histogram", "tables": "head", "layout": "replica_major",
             "reduce": "atomic", "rank_in_step": "match", "linear_search": _LINEAR_SEARCH, "guide": None,
-            "rank_running": "memory", "search": None, "tile_bases": "cumsum"}
+            "rank_running": "memory", "search": None, "tile_bases": "cumsum", "threshold_layout": None}
 # How the kernel counts: "histogram" (tt.histogram per loop step: warp ballots + popc, shared-memory atomics
 # across warps; also in interpret mode, as jnp), "onehot" (factorised one-hot products on the tensor cores),
 # "atomic" (one global atomic add per entry into the program's row of counters), "atomic_warp" (atomics
@@ -418,7 +422,8 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     all ``bit_length(S)`` steps, masked; ``None``: ``"while"`` for ``shares``
     and with the guide, else ``"unrolled"``, the faster of each on an H200);
     ``tile_bases`` how ``resolved`` sums its rank tiles' histograms
-    (:func:`_tile_bases`). For large
+    (:func:`_tile_bases`); ``threshold_layout`` how the search reads the thresholds
+    (:data:`LAYOUTS`; ``None``: as ``layout``; always expert-major with the guide). For large
     inputs the defaults of a mode come from :data:`LARGE_OPTIONS` by size
     (options passed explicitly win). ``lookup``: :func:`lookup_table` of
     ``log2phy`` / ``logcnt`` built by the caller (with the default ``tables`` /
@@ -478,6 +483,11 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     layout = config["layout"]
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    threshold_layout = config["threshold_layout"] or layout
+    if threshold_layout not in LAYOUTS:
+        raise ValueError(f"threshold_layout must be one of {LAYOUTS} (or None), got {threshold_layout!r}")
+    if guide:  # the guide reads an expert's thresholds side by side
+        threshold_layout = "expert_major"
     if config["reduce"] not in REDUCES:
         raise ValueError(f"reduce must be one of {REDUCES}, got {config['reduce']!r}")
     reduce = config["reduce"] if count_method == "histogram" else "xla"
@@ -532,11 +542,11 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
         num_physical=num_physical, tile=tile, sub=sub, bins=bins, expert_bins=expert_bins,
         rank_tile=rank_tile, count_dtype=count_dtype, do_count=count, count_method=count_method, tables=tables,
         layout=layout, reduce=reduce, linear_search=int(config["linear_search"]), guide=guide,
-        num_tiles=num_tiles, search=search)
+        num_tiles=num_tiles, search=search, threshold_layout=threshold_layout)
     # A prepared table is lookup_table's default kind; other kernel options (or slots past 16 bits) rebuild it.
     if lookup is None or (layout, tables) != (DEFAULTS["layout"], DEFAULTS["tables"]):
         lookup = lookup_table(log2phy, logcnt, layout=layout, tables=tables)
-    if layout == "replica_major" and not guide:  # the search's table as log2phy lies (the guide reads rows)
+    if threshold_layout == "replica_major":  # built expert-major: a transposed copy per call
         thresholds = thresholds.T
     thresholds = thresholds.reshape(-1)
     if guide:
