@@ -391,7 +391,7 @@ def test_kernel_options_match_reference(options, mode, rng):
         with pytest.raises(ValueError, match="tile_bases must be 'cumsum' or 'matmul'"):
             _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode,
                                          tile_bases="scan")
-    with pytest.raises(ValueError, match="guide must be None, 0, 1, 2, 4, 8 or 16"):
+    with pytest.raises(ValueError, match="guide must be 0, 1, 2, 4, 8 or 16"):
         _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode,
                                      guide=3)
     with pytest.raises(ValueError, match="search must be None, 'unrolled' or 'while'"):
@@ -410,14 +410,16 @@ def test_kernel_options_match_reference(options, mode, rng):
     reduce=st.sampled_from(["xla", "atomic"]),
     tables=st.sampled_from(["head", "global", "shared"]),
     linear_search=st.sampled_from([0, 2, 16]),
-    guide=st.sampled_from([None, 0, 1, 8]),
+    guide=st.sampled_from([0, 1, 8]),
+    threshold_layout=st.sampled_from(["expert_major", "replica_major"]),
+    tile_bases=st.sampled_from(["matmul", "cumsum"]),
     rank_running=st.sampled_from(["registers", "memory"]),
     search=st.sampled_from([None, "unrolled", "while"]),
     seed=st.integers(0, 2**31),
 )
 def test_kernel_option_combinations_match_reference(num_tokens, top_k, num_logical, extra_slots, mode, layout,
-                                                    reduce, tables, linear_search, guide, rank_running,
-                                                    search, seed):
+                                                    reduce, tables, linear_search, guide, threshold_layout,
+                                                    tile_bases, rank_running, search, seed):
     """Any combination of the kernel's layout / reduction / lookup / search / rank options gives the reference's
     ids and loads (Pallas in interpret mode on CPU, compiled on GPU)."""
     from moe_eplb_jax.pallas import _reference, _triton
@@ -438,8 +440,8 @@ def test_kernel_option_combinations_match_reference(num_tokens, top_k, num_logic
                                               mode=mode)
     got = _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=num_physical,
                                        mode=mode, layout=layout, reduce=reduce, tables=tables,
-                                       linear_search=linear_search, guide=guide,
-                                       rank_running=rank_running, search=search,
+                                       linear_search=linear_search, guide=guide, threshold_layout=threshold_layout,
+                                       tile_bases=tile_bases, rank_running=rank_running, search=search,
                                        interpret=jax.default_backend() != "gpu")
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
@@ -556,8 +558,7 @@ def test_guide_under_vmap_and_shard_map(mode, monkeypatch, rng):
     kernel."""
     from moe_eplb_jax.pallas import _triton, lookup_table
 
-    monkeypatch.setattr(_triton, "_GUIDE_MIN_ENTRIES", 0)
-    monkeypatch.setattr(_triton, "_GUIDE_MIN_WIDTH", {"shares": 1, "resolved": 1})
+    monkeypatch.setitem(_triton.DEFAULTS, "guide", 4)
     num_layers, num_tokens, top_k, num_logical, num_physical = 2, 48, 4, 16, 30
     placements, log2phy, logcnt, ids = layered_inputs(rng, num_layers, num_tokens, top_k, num_logical, num_physical)
     extra = [random_mode_inputs(rng, mode, p, num_tokens * top_k) for p in placements]
@@ -653,13 +654,13 @@ def test_pallas_kernels_lower_to_triton_ir(h100_lowering):
         )(spec((least // 8, 8), jnp.int32), spec((256, 33), jnp.int32), spec((256,), jnp.int32),
           spec((256, 33), jnp.int32), spec((2,), jnp.int32))
         assert "xla.gpu.triton" in big.mlir_module()
-    # The guided path as it runs by default (2**21 entries, a 257-wide table): guide kernel + map kernel (+ rank).
+    # The guided path at a large size (2**21 entries, a 257-wide table): guide kernel + map kernel (+ rank).
     for mode in ("shares", "resolved"):
         guided = jax.export.export(
-            jax.jit(lambda *a, mode=mode: _triton.map_and_count_triton(*a, num_physical=512, mode=mode)),
+            jax.jit(lambda *a, mode=mode: _triton.map_and_count_triton(*a, num_physical=512, mode=mode, guide=8)),
             platforms=["cuda"],
             disabled_checks=h100_lowering,
-        )(spec((_triton._GUIDE_MIN_ENTRIES // 8, 8), jnp.int32), spec((256, 257), jnp.int32),
+        )(spec((1 << 18, 8), jnp.int32), spec((256, 257), jnp.int32),
           spec((256,), jnp.int32), spec((256, 257), jnp.int32), spec((2,), jnp.int32))
         assert guided.mlir_module().count("xla.gpu.triton") == (2 if mode == "shares" else 3)
 
@@ -893,23 +894,23 @@ def test_guide_kernel_with_saturated_quotas(rng):
 
 
 def test_guide_is_used_only_where_it_fits():
-    """guide=None picks the guide by mode, width and size; shapes whose offsets or bucket sums would overflow their
-    bits, non-default tables and slots past 16 bits get none; a bad factor is an error."""
+    """No guide by default; an explicit factor is used where it fits: shapes whose offsets or bucket sums would
+    overflow their bits, non-default tables and slots past 16 bits get none; a bad factor is an error."""
     from moe_eplb_jax.pallas import _triton
 
     def factor(mode, num_flat, num_logical, width, num_physical, **options):
         return _triton._guide_factor({**_triton.DEFAULTS, **options}, mode, num_flat, num_logical, width, num_physical)
 
-    big = _triton._GUIDE_MIN_ENTRIES
-    assert factor("shares", big, 256, 257, 512) == _triton._GUIDE_FACTOR["shares"]
-    assert factor("resolved", big, 256, 33, 288) == _triton._GUIDE_FACTOR["resolved"]
-    assert factor("shares", big, 256, 33, 288) == 0  # narrow table
-    assert factor("resolved", big // 2, 256, 257, 512) == 0  # small input
+    big = 1 << 21
+    assert factor("shares", big, 256, 257, 512) == 0  # the default
+    assert factor("resolved", big, 256, 33, 288) == 0
+    assert factor("shares", big, 256, 257, 512, guide=4) == 4
+    assert factor("resolved", big, 256, 33, 288, guide=8) == 8
     assert factor("hash", big, 256, 257, 512, guide=8) == 0
     assert factor("shares", 8, 256, 257, 512, guide=2) == 2  # explicit: any size
-    assert factor("shares", big, 256, 257, 512, layout="expert_major") == 0
-    assert factor("shares", big, 256, 257, 512, tables="global") == 0
-    assert factor("shares", big, 256, 257, 0xFFFF) == 0
+    assert factor("shares", big, 256, 257, 512, layout="expert_major", guide=4) == 0
+    assert factor("shares", big, 256, 257, 512, tables="global", guide=4) == 0
+    assert factor("shares", big, 256, 257, 0xFFFF, guide=4) == 0
     assert factor("shares", big, 1 << 14, 1 << 13, 1 << 14, guide=8) == 0  # bucket counts could overflow int32
     with pytest.raises(ValueError, match="guide must be"):
         factor("shares", big, 256, 257, 512, guide=3)

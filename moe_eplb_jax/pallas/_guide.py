@@ -25,6 +25,10 @@ gets one spare bucket spanning its whole range (still exact, it only searches
 more). Shares change per batch, so the guide is built on every call: by
 :func:`guide_kernel` (one Pallas kernel: XLA's ops for the same build cost
 7-11 us on an H200) or :func:`guide_table` (jnp, its reference).
+
+An option of the map kernel (``guide=factor``), off by default: it paid while the search read a transposed copy
+of the thresholds (eighth session), but once the search reads them expert-major as built, its own kernel
+(2.5-4 us) costs about what it saves (H200, ``benchmarks/RESULTS.md``).
 """
 
 from __future__ import annotations

@@ -8,11 +8,11 @@ Lookups (``tables``): by default :func:`lookup_table` packs ``(first slot + 1)
 | count << 16`` per expert ("head" table), so an entry costs one table load,
 and ``log2phy`` after it, read only for entries sent to a later replica. It is
 one flat array: built per call in one XLA fusion, or once per placement by the
-caller (``map_and_count(lookup=...)``). ``log2phy`` and the thresholds lie
-replica-major by default (``layout``: ``[S, E]``, so a warp's gather of
-replica ``j`` touches one row's few cache lines) -- except the thresholds
-with the bucket guide, which stay expert-major as they are built (a bucket's
-few thresholds side by side, and no transposed copy per call).
+caller (``map_and_count(lookup=...)``). ``log2phy`` lies replica-major by
+default (``layout``: ``[S, E]``, so a warp's gather of replica ``j`` touches
+one row's few cache lines); the thresholds of ``shares`` / ``resolved`` are
+read expert-major as they are built per call (``threshold_layout``: an
+expert's row side by side, and no transposed copy per call).
 
 Counting (``count_method``), each program counting its tile:
 
@@ -62,14 +62,6 @@ __all__ = ["map_and_count_triton", "default_tile", "lookup_table", "lookup_size"
 
 _INT32_MAX = np.iinfo(np.int32).max
 _SUB = 256  # entries per sub-tile (hash, round_robin, shares)
-# guide=None, per mode: buckets per replica, from which table width, and from how many entries (H200, 262144 x 8,
-# same draws: shares P = 512 25.1 us with 4 vs 26.3 with 8 and 28.8 without, but P = 288 (S = 33) 21.6 with vs
-# 18.3 without; resolved P = 288 56.1 vs 58.8, P = 512 60.6 with 8 vs 61.6 with 4 and 67.1 without). The guide's
-# own kernel takes 2.5-4 us whatever the input's size, so smaller inputs lose (4096 x 8 resolved 18.1 / 24.3 us with
-# it vs 16.5 / 21.8 without, P = 288 / 512).
-_GUIDE_FACTOR = {"shares": 4, "resolved": 8}
-_GUIDE_MIN_WIDTH = {"shares": 64, "resolved": 1}
-_GUIDE_MIN_ENTRIES = 1 << 21
 
 
 def _split_bins(num_bins: int) -> tuple[int, int]:
@@ -309,12 +301,15 @@ def _join_varying(*arrays):
 # (262144 x 8 hash: 11.7 us vs 47 atomic / 56 one-hot; 4096 x 8: 4.2 vs 5.2; resolved 8192 x 8: 22.8 vs 27.4);
 # replica-major tables (P = 512 shares 34.7 vs 44.3 us), per-bin atomics instead of partials + row sum
 # (4096 x 8 hash 3.2 vs 5.2 us, 262144 x 8 P = 512 11.0 vs 13.5), match.any ranks (resolved rank kernel 26.7 vs
-# 37.6 us).
+# 37.6 us). Ninth session (same draws): thresholds read expert-major, as built (262144 x 8 shares P = 288 15.6 vs
+# 16.7 us, P = 512 22.7 vs 24.5; decode 4.8 vs 5.9), which leaves the bucket guide no gain (shares P = 512 24.0
+# with it vs 22.7; resolved P = 288 54.8 vs 51.4, P = 512 58.8 vs 58.3): off by default; the rank tiles' sums as
+# a triangular product at decode sizes (resolved 4096 x 8 P = 288 11.9 vs 13.6 us, P = 512 13.2 vs 15.2).
 DEFAULTS = {"tile": None, "sub": _SUB, "tile_resolved": None, "sub_resolved": _SUB_RESOLVED,
             "warps_resolved": _WARPS_RESOLVED, "num_warps": 4, "num_stages": 3,
             "count_dtype": "int8", "count_method": "histogram", "tables": "head", "layout": "replica_major",
-            "reduce": "atomic", "rank_in_step": "match", "linear_search": _LINEAR_SEARCH, "guide": None,
-            "rank_running": "memory", "search": None, "tile_bases": "cumsum", "threshold_layout": None}
+            "reduce": "atomic", "rank_in_step": "match", "linear_search": _LINEAR_SEARCH, "guide": 0,
+            "rank_running": "memory", "search": None, "tile_bases": "matmul", "threshold_layout": "expert_major"}
 # How the kernel counts: "histogram" (tt.histogram per loop step: warp ballots + popc, shared-memory atomics
 # across warps; also in interpret mode, as jnp), "onehot" (factorised one-hot products on the tensor cores),
 # "atomic" (one global atomic add per entry into the program's row of counters), "atomic_warp" (atomics
@@ -329,7 +324,8 @@ COUNT_METHODS = ("histogram", "onehot", "atomic", "atomic_warp")
 TABLES = ("head", "global", "shared")
 # How the [E, S] tables (log2phy, thresholds) lie in memory: "expert_major" (row e holds expert e's replicas) or
 # "replica_major" (transposed: row j holds replica j of every expert, so a warp's gather of entry j for up to
-# 32 experts touches the few cache lines of one row instead of one line per expert).
+# 32 experts touches the few cache lines of one row instead of one line per expert). log2phy follows "layout"
+# (prepared once per placement), the per-call thresholds "threshold_layout".
 LAYOUTS = ("expert_major", "replica_major")
 # How the per-program histograms of count_method="histogram" become the loads: "xla" (each program stores its
 # counts as column t of [P, num_tiles] int16 partials; XLA sums the rows) or "atomic" (each program adds its
@@ -346,17 +342,15 @@ _STREAMING = ((1 << 21, {"tile": 8192, "sub": 4096, "num_warps": 16}),
               (1 << 19, {"tile": 4096, "sub": 4096, "num_warps": 16}))
 _SEARCHING = ((1 << 19, {"tile": 4096, "sub": 4096, "num_warps": 16}),)
 _GUIDED = {"sub": 1024}  # with the guide (fewer registers live per loop step): P = 512 shares 19.2 vs 26.5 us
+# (eighth session, thresholds then transposed per call)
 LARGE_OPTIONS = {"hash": _STREAMING, "round_robin": _STREAMING, "shares": _SEARCHING, "resolved": _SEARCHING}
 
 
 def _guide_factor(config, mode, num_flat, num_logical, width, num_physical):
     """The guide's buckets per replica (0: no guide) for these options and shapes; checks the option."""
     guide = config["guide"]
-    if guide not in (None, 0, 1, 2, 4, 8, 16):
-        raise ValueError(f"guide must be None, 0, 1, 2, 4, 8 or 16, got {guide!r}")
-    if guide is None:
-        wide = width >= _GUIDE_MIN_WIDTH.get(mode, 0) and num_flat >= _GUIDE_MIN_ENTRIES
-        guide = _GUIDE_FACTOR.get(mode, 0) if wide else 0
+    if guide not in (0, 1, 2, 4, 8, 16):
+        raise ValueError(f"guide must be 0, 1, 2, 4, 8 or 16, got {guide!r}")
     # Offsets must fit their bits, and the experts' bucket counts (each below 2 * factor * width) their int32 sum.
     too_big = (_guide.guide_size(num_logical, num_physical, guide) >= 1 << _guide.OFFSET_BITS
                or num_logical * 2 * guide * width >= 1 << 31)
@@ -372,8 +366,8 @@ def _tile_bases(per_tile, how, num_flat):
 
     ``"cumsum"``: XLA's cumsum (reduce-window kernels: 3.8 us at 128 tiles, 6.8 at 2048 on an H200);
     ``"matmul"``: one float32 product with a strictly lower-triangular ``[tiles, tiles]`` matrix, exact (no sum
-    exceeds the ``num_flat <= 2**24`` entries), for at most ``_MAX_MATMUL_TILES`` tiles -- decode sizes; not
-    measured yet.
+    exceeds the ``num_flat <= 2**24`` entries), for at most ``_MAX_MATMUL_TILES`` tiles -- decode sizes
+    (4096 x 8 resolved: 1.6-1.9 us less per call than the cumsum on an H200); more tiles use the cumsum.
     """
     tiles = per_tile.shape[0]
     if how == "matmul" and tiles <= _MAX_MATMUL_TILES and num_flat <= 1 << 24:
@@ -416,14 +410,14 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     ``shares`` / ``resolved`` load independently before bisecting the rest
     (0: bisection only); ``guide`` the bucket guide's buckets per replica
     (:mod:`._guide`: 1, 2, 4, 8 or 16; 0: none, every entry of a
-    multi-replica expert searches; ``None``: by mode and table width,
-    :data:`_GUIDE_FACTOR`, large inputs only); ``search`` how the bisection steps (``"while"``: a
+    multi-replica expert searches, the default: with the thresholds
+    read expert-major the guide's own kernel costs what it saves); ``search`` how the bisection steps (``"while"``: a
     loop that ends when every lane of the block has converged, ``"unrolled"``:
     all ``bit_length(S)`` steps, masked; ``None``: ``"while"`` for ``shares``
     and with the guide, else ``"unrolled"``, the faster of each on an H200);
     ``tile_bases`` how ``resolved`` sums its rank tiles' histograms
     (:func:`_tile_bases`); ``threshold_layout`` how the search reads the thresholds
-    (:data:`LAYOUTS`; ``None``: as ``layout``; always expert-major with the guide). For large
+    (:data:`LAYOUTS`; always expert-major with the guide). For large
     inputs the defaults of a mode come from :data:`LARGE_OPTIONS` by size
     (options passed explicitly win). ``lookup``: :func:`lookup_table` of
     ``log2phy`` / ``logcnt`` built by the caller (with the default ``tables`` /
@@ -483,9 +477,9 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     layout = config["layout"]
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    threshold_layout = config["threshold_layout"] or layout
+    threshold_layout = config["threshold_layout"]
     if threshold_layout not in LAYOUTS:
-        raise ValueError(f"threshold_layout must be one of {LAYOUTS} (or None), got {threshold_layout!r}")
+        raise ValueError(f"threshold_layout must be one of {LAYOUTS}, got {threshold_layout!r}")
     if guide:  # the guide reads an expert's thresholds side by side
         threshold_layout = "expert_major"
     if config["reduce"] not in REDUCES:

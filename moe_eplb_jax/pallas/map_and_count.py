@@ -276,8 +276,8 @@ def _build_thresholds(mode, values, logcnt, width, *, limit=None, sums=None):
     Entries at or beyond ``logcnt[e]`` are ``int32 max`` so no point passes them.
     Computed once here, so every implementation compares the same integers.
     Built expert-major from ``values [E, S]`` as it lies (no transposed copy
-    of it or of the result; the Pallas kernel reads them so when it uses the
-    bucket guide, else transposes them). ``resolved``: the quotas and their
+    of it or of the result; the Pallas kernel reads them so by default,
+    option ``threshold_layout``). ``resolved``: the quotas and their
     sums are capped at ``limit`` (the number of entries, a static int; ``None``:
     no cap), which changes no result -- every rank is below it.
 
