@@ -939,17 +939,19 @@ def test_guided_kernel_matches_reference(mode, rng):
 
 # ------------------------------------------------------------ mode tables
 @pytest.mark.parametrize("width", [1, 5, 33, 257])
-@pytest.mark.parametrize("limit", [None, 2**21, 2**26, 100])
+@pytest.mark.parametrize("limit", [None, 2**21, 2**26, 100, 2**24 - 1, 3 * 2**23])
 def test_thresholds_exact_by_every_summation(width, limit, rng):
     """Quota thresholds are the capped int64 prefix sums exactly, whichever way the sums run (the triangular
-    product on three limbs or the saturating scan); dyadic shares give one answer
-    from every way."""
+    product on the quotas themselves below a cap of 2**24, else on two or three limbs; or the saturating scan);
+    dyadic shares give one answer from every way."""
     from moe_eplb_jax.pallas.map_and_count import _build_thresholds
 
     num_logical = 40
     logcnt = rng.integers(0, width + 1, num_logical)
     live = np.arange(width)[None, :] < logcnt[:, None]
-    quotas = rng.integers(-5, 30_000_000, (num_logical, width)).astype(np.int32)  # all three 11-bit limbs
+    # All three 11-bit limbs; below a cap, mostly unclipped (odd sums near 2**24 would round in float32).
+    high = 30_000_000 if limit is None else min(30_000_000, limit + limit // 4)
+    quotas = rng.integers(-5, high, (num_logical, width)).astype(np.int32)
     cap = np.iinfo(np.int32).max if limit is None else limit
     sums = np.cumsum(np.clip(np.where(live, quotas, 0), 0, cap).astype(np.int64), axis=1)
     want = np.where(live, np.minimum(sums, cap), np.iinfo(np.int32).max)

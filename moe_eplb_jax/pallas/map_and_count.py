@@ -286,7 +286,9 @@ def _build_thresholds(mode, values, logcnt, width, *, limit=None, sums=None):
     ``[S, S]`` matrix -- at ``S = 257`` on an H200 2-3 us against 9 us for
     XLA's reduce-window ``jnp.cumsum``; shares' float sums may round in any
     order, as both implementations read these thresholds; quotas go in as
-    three 11-bit limbs whose sums stay below ``2**24``, so theirs are exact;
+    they are where ``limit < 2**24`` (every input of fewer than ``2**24``
+    entries), else as two or three 11-bit limbs whose sums stay below
+    ``2**24``; theirs are exact either way;
     rows wider than ``_MAX_MATMUL_WIDTH`` use ``jnp.cumsum``) or ``"cumsum"``
     (``jnp.cumsum``).
     """
@@ -332,10 +334,17 @@ def _quota_sums(quotas, cap, sums):
     """``min(prefix sums of quotas [E, S] along S, cap)`` as ``[E, S]``, exact, for quotas in ``[0, cap]``."""
     num_logical, width = quotas.shape
     if sums == "matmul" and width * cap < 2**31:  # exact limbs (width <= 4096 < 8192), int32 total
+        if cap < 2**24:
+            # One product of the quotas themselves: a float32 sum of non-negative integers is exact while the
+            # true sum is below 2**24 (every partial sum is too), and a larger one rounds to >= 2**24 > cap, so
+            # the capped result is exact (capped in float32 first: an uncapped sum may not fit int32).
+            return jnp.minimum(_prefix_sums(quotas, sums), jnp.float32(cap)).astype(jnp.int32)
+        # As few 11-bit limbs as the cap needs (at most 3).
+        num_limbs = -(-cap.bit_length() // _LIMB_BITS)
         mask = (1 << _LIMB_BITS) - 1
-        limbs = jnp.concatenate([(quotas >> (_LIMB_BITS * i)) & mask for i in range(3)], axis=0)  # [3E, S]
-        limb_sums = _prefix_sums(limbs, sums).astype(jnp.int32)  # [3E, S]: integers < 2**24
-        total = sum(limb_sums[i * num_logical:(i + 1) * num_logical] << (_LIMB_BITS * i) for i in range(3))
+        limbs = jnp.concatenate([(quotas >> (_LIMB_BITS * i)) & mask for i in range(num_limbs)], axis=0)
+        limb_sums = _prefix_sums(limbs, sums).astype(jnp.int32)  # [num_limbs * E, S]: integers < 2**24
+        total = sum(limb_sums[i * num_logical:(i + 1) * num_logical] << (_LIMB_BITS * i) for i in range(num_limbs))
         return jnp.minimum(total, cap)
     # Saturating sums, associative for values in [0, cap]: min(a + b, cap) without overflowing int32.
     return jax.lax.associative_scan(lambda a, b: jnp.minimum(a, cap - b) + b, quotas, axis=1)
