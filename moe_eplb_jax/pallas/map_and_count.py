@@ -317,7 +317,7 @@ def _build_thresholds(mode, values, logcnt, width, *, limit=None, sums=None):
 
 _THRESHOLD_SUMS = "matmul"
 _MAX_MATMUL_WIDTH = 4096
-_LIMB_BITS = 11  # resolved's quotas as three limbs: column sums of up to 8192 rows stay below 2**24 (exact)
+_LIMB_BITS = 11  # resolved's quotas as limbs (caps from 2**24): sums of up to 8192 limbs stay below 2**24 (exact)
 
 
 def _prefix_sums(values, sums):
@@ -333,12 +333,12 @@ def _prefix_sums(values, sums):
 def _quota_sums(quotas, cap, sums):
     """``min(prefix sums of quotas [E, S] along S, cap)`` as ``[E, S]``, exact, for quotas in ``[0, cap]``."""
     num_logical, width = quotas.shape
+    if sums == "matmul" and cap < 2**24:
+        # One product of the quotas themselves: a float32 sum of non-negative integers is exact while the true
+        # sum is below 2**24 (every partial sum is too), and a larger one rounds to >= 2**24 > cap, so the capped
+        # result is exact (capped in float32 first: an uncapped sum may not fit int32).
+        return jnp.minimum(_prefix_sums(quotas, sums), jnp.float32(cap)).astype(jnp.int32)
     if sums == "matmul" and width * cap < 2**31:  # exact limbs (width <= 4096 < 8192), int32 total
-        if cap < 2**24:
-            # One product of the quotas themselves: a float32 sum of non-negative integers is exact while the
-            # true sum is below 2**24 (every partial sum is too), and a larger one rounds to >= 2**24 > cap, so
-            # the capped result is exact (capped in float32 first: an uncapped sum may not fit int32).
-            return jnp.minimum(_prefix_sums(quotas, sums), jnp.float32(cap)).astype(jnp.int32)
         # As few 11-bit limbs as the cap needs (at most 3).
         num_limbs = -(-cap.bit_length() // _LIMB_BITS)
         mask = (1 << _LIMB_BITS) - 1
