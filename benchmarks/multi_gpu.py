@@ -4,8 +4,13 @@ GPU (one call on kind ``nvidia-h200-x8``, ``run`` tool ``timeout_s=600``; whole 
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/multi_gpu.py --out $OUT
 
-On ``nvidia-h200-x4`` the same command uses the 4 GPUs it finds (EP4, serving 2 x 2). With a 420 s call
-limit add ``--budget 400`` (the later parts then get less time or are skipped, and say so).
+On ``nvidia-h200-x4`` the same command uses the 4 GPUs it finds (EP4, serving 2 x 2; run 2026-11-30, all
+parts ok, ``benchmarks/RESULTS.md``). With a 420 s call limit add ``--budget 400`` (the later parts then get
+less time or are skipped, and say so). The device tool brings back only a few files from ``$OUT`` (on the x4
+run five of the thirteen logs stayed behind), so keep the logs in one archive::
+
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/multi_gpu.py --out /tmp/mg > $OUT/multi_gpu.txt 2>&1; \
+        tar czf $OUT/logs.tgz -C /tmp/mg .
 
 CPU smoke run (8 simulated CPU devices, tiny shapes, ~2 minutes on a 2-core machine)::
 
