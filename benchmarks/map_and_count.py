@@ -216,26 +216,18 @@ def pallas_copy(x, block=2048, num_warps=4):
 
 
 SWEEP = [  # (mode, T, P, options): T x 8 entries; the defaults first in each group; "count": False skips counting
-    # Ninth session: the search reading the thresholds expert-major as they are built (no transposed copy per
-    # call) against the replica-major copy (threshold_layout=None follows layout), with and without the guide.
-    ("shares", 262144, 288, {}), ("shares", 262144, 288, {"threshold_layout": "expert_major"}),
-    ("shares", 262144, 512, {}), ("shares", 262144, 512, {"guide": 0}),
-    ("shares", 262144, 512, {"guide": 0, "threshold_layout": "expert_major"}),
-    ("resolved", 262144, 288, {}), ("resolved", 262144, 288, {"guide": 0}),
-    ("resolved", 262144, 288, {"guide": 0, "threshold_layout": "expert_major"}),
-    ("resolved", 262144, 512, {}), ("resolved", 262144, 512, {"guide": 0}),
-    ("resolved", 262144, 512, {"guide": 0, "threshold_layout": "expert_major"}),
-    ("shares", 65536, 288, {}), ("shares", 65536, 288, {"threshold_layout": "expert_major"}),
-    ("shares", 65536, 512, {}), ("shares", 65536, 512, {"threshold_layout": "expert_major"}),
-    ("resolved", 65536, 288, {}), ("resolved", 65536, 288, {"threshold_layout": "expert_major"}),
-    ("resolved", 65536, 512, {}), ("resolved", 65536, 512, {"threshold_layout": "expert_major"}),
-    ("shares", 4096, 288, {}), ("shares", 4096, 288, {"threshold_layout": "expert_major"}),
-    ("shares", 4096, 512, {}), ("shares", 4096, 512, {"threshold_layout": "expert_major"}),
-    # Decode: resolved's rank-tile sums as a small triangular product instead of XLA's cumsum (again).
-    ("resolved", 4096, 288, {}), ("resolved", 4096, 288, {"tile_bases": "matmul"}),
-    ("resolved", 4096, 288, {"tile_bases": "matmul", "threshold_layout": "expert_major"}),
-    ("resolved", 4096, 512, {}), ("resolved", 4096, 512, {"tile_bases": "matmul"}),
-    ("resolved", 4096, 512, {"tile_bases": "matmul", "threshold_layout": "expert_major"}),
+    # Ninth session's defaults (thresholds read expert-major as built, no guide, rank-tile sums as a product up
+    # to 256 tiles) against what they replaced, on the same draws: the replica-major copy, the guide, the cumsum.
+    ("shares", 262144, 288, {}), ("shares", 262144, 288, {"threshold_layout": "replica_major"}),
+    ("shares", 262144, 512, {}), ("shares", 262144, 512, {"guide": 4}),
+    ("resolved", 262144, 288, {}), ("resolved", 262144, 288, {"guide": 8}),
+    ("resolved", 262144, 512, {}), ("resolved", 262144, 512, {"threshold_layout": "replica_major"}),
+    ("resolved", 262144, 512, {"guide": 8}),
+    ("shares", 65536, 512, {}), ("shares", 65536, 512, {"threshold_layout": "replica_major"}),
+    ("resolved", 65536, 512, {}), ("resolved", 65536, 512, {"threshold_layout": "replica_major"}),
+    ("shares", 4096, 512, {}), ("shares", 4096, 512, {"threshold_layout": "replica_major"}),
+    ("resolved", 4096, 288, {}), ("resolved", 4096, 288, {"tile_bases": "cumsum"}),
+    ("resolved", 4096, 512, {}), ("resolved", 4096, 512, {"tile_bases": "cumsum"}),
 ]
 
 
