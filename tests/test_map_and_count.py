@@ -354,8 +354,7 @@ def test_feeds_eplb_state_record(rng):
                                      {"guide": 1}, {"guide": 16, "search": "unrolled"}, {"guide": 0},
                                      {"guide": 4, "tables": "global"}, {"tile_bases": "matmul"},
                                      {"tile_bases": "matmul", "tile_resolved": 16, "sub_resolved": 16},
-                                     {"tile_bases": "cumsum"}, {"tile_bases": "blocked", "tile_resolved": 16,
-                                                                "sub_resolved": 16},
+                                     {"tile_bases": "cumsum"},
                                      {"threshold_layout": "expert_major", "guide": 0},
                                      {"threshold_layout": "expert_major", "linear_search": 3},
                                      {"threshold_layout": "replica_major", "layout": "expert_major"}])
@@ -390,7 +389,7 @@ def test_kernel_options_match_reference(options, mode, rng):
         _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode,
                                      linear_search=-1)
     if mode == "resolved":
-        with pytest.raises(ValueError, match="tile_bases must be 'cumsum', 'matmul' or 'blocked'"):
+        with pytest.raises(ValueError, match="tile_bases must be 'cumsum' or 'matmul'"):
             _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode,
                                          tile_bases="scan")
     with pytest.raises(ValueError, match="guide must be 0, 1, 2, 4, 8 or 16"):
@@ -414,7 +413,7 @@ def test_kernel_options_match_reference(options, mode, rng):
     linear_search=st.sampled_from([0, 2, 16]),
     guide=st.sampled_from([0, 1, 8]),
     threshold_layout=st.sampled_from(["expert_major", "replica_major"]),
-    tile_bases=st.sampled_from(["matmul", "cumsum", "blocked"]),
+    tile_bases=st.sampled_from(["matmul", "cumsum"]),
     rank_running=st.sampled_from(["registers", "memory"]),
     search=st.sampled_from([None, "unrolled", "while"]),
     seed=st.integers(0, 2**31),
@@ -940,10 +939,10 @@ def test_guided_kernel_matches_reference(mode, rng):
 
 
 @pytest.mark.parametrize("tiles", [1, 7, 256, 257, 1000, 2048])
-@pytest.mark.parametrize("how", ["cumsum", "matmul", "blocked"])
+@pytest.mark.parametrize("how", ["cumsum", "matmul"])
 def test_tile_bases_are_exclusive_sums(tiles, how, rng):
-    """resolved's rank-tile bases are the exclusive sums down the tiles, exactly, by every method (one or two
-    levels of triangular products, or the cumsum), with counts whose sums approach 2**24."""
+    """resolved's rank-tile bases are the exclusive sums down the tiles, exactly, by either method (the
+    triangular product up to 256 tiles, the cumsum above), with counts whose sums approach 2**24."""
     from moe_eplb_jax.pallas import _triton
 
     bins = 64
@@ -956,7 +955,8 @@ def test_tile_bases_are_exclusive_sums(tiles, how, rng):
 
 
 def test_rank_tile_bases_over_many_tiles_match_reference(rng):
-    """The blocked tile sums (two levels above 256 rank tiles) inside the resolved kernel give the reference."""
+    """With more than 256 rank tiles (the triangular product's limit) the default falls back to the cumsum inside
+    the resolved kernel and gives the reference."""
     from moe_eplb_jax.pallas import _reference, _triton
     from moe_eplb_jax.pallas.map_and_count import _build_thresholds
 
@@ -969,8 +969,8 @@ def test_rank_tile_bases_over_many_tiles_match_reference(rng):
     want = _reference.map_and_count_reference(ids, log2phy, logcnt, thresholds, limits, num_physical=40,
                                               mode="resolved")
     got = _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode="resolved",
-                                       interpret=jax.default_backend() != "gpu", tile_bases="blocked",
-                                       tile_resolved=16, sub_resolved=16, tile=1024, sub=512)
+                                       interpret=jax.default_backend() != "gpu", tile_resolved=16,
+                                       sub_resolved=16, tile=1024, sub=512)
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
 

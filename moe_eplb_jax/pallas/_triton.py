@@ -367,32 +367,16 @@ def _tile_bases(per_tile, how, num_flat):
     ``"cumsum"``: XLA's cumsum (reduce-window kernels: 3.8 us at 128 tiles, 6.8 at 2048 on an H200);
     ``"matmul"``: one float32 product with a strictly lower-triangular ``[tiles, tiles]`` matrix, exact (no sum
     exceeds the ``num_flat <= 2**24`` entries), for at most ``_MAX_MATMUL_TILES`` tiles -- decode sizes
-    (4096 x 8 resolved: 1.6-1.9 us less per call than the cumsum on an H200); more tiles use the cumsum.
-    ``"blocked"``: as ``"matmul"`` up to ``_MAX_MATMUL_TILES`` tiles, above it two levels of such products
-    (inside blocks of about ``sqrt(tiles)`` tiles, batched, then across the blocks' totals), as exact.
+    (4096 x 8 resolved: 1.6-1.9 us less per call than the cumsum on an H200); more tiles use the cumsum (two
+    levels of such products above 256 tiles -- batched inside blocks, then across the blocks' totals -- were
+    5-6.5 us slower than the cumsum at 2048 tiles: cuBLAS, a transposed copy, a slower map kernel).
     """
-    tiles, bins = per_tile.shape
-    exact = num_flat <= 1 << 24
-    if how in ("matmul", "blocked") and tiles <= _MAX_MATMUL_TILES and exact:
-        return _exclusive_product(per_tile.astype(jnp.float32)).astype(jnp.int32)
-    if how == "blocked" and exact:
-        block = pl.next_power_of_2(int(np.ceil(np.sqrt(tiles))))
-        groups = pl.cdiv(tiles, block)
-        x = jnp.pad(per_tile.astype(jnp.float32), ((0, groups * block - tiles), (0, 0))).reshape(groups, block, bins)
-        inside = _exclusive_product(x)  # [groups, block, bins]: earlier tiles of the same block
-        totals = inside[:, -1] + x[:, -1]  # [groups, bins]: each block's sum
-        base = inside + _exclusive_product(totals)[:, None, :]
-        return base.reshape(groups * block, bins)[:tiles].astype(jnp.int32)
+    tiles = per_tile.shape[0]
+    if how == "matmul" and tiles <= _MAX_MATMUL_TILES and num_flat <= 1 << 24:
+        earlier = (jnp.arange(tiles)[:, None] > jnp.arange(tiles)[None, :]).astype(jnp.float32)
+        return jnp.dot(earlier, per_tile.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST,
+                       preferred_element_type=jnp.float32).astype(jnp.int32)
     return jnp.cumsum(per_tile, axis=0, dtype=jnp.int32) - per_tile
-
-
-def _exclusive_product(values):
-    """Exclusive prefix sums down axis -2 of float32 ``values [..., n, bins]``: a strictly lower-triangular
-    ``[n, n]`` product (exact for integer sums below ``2**24``)."""
-    n = values.shape[-2]
-    earlier = (jnp.arange(n)[:, None] > jnp.arange(n)[None, :]).astype(jnp.float32)
-    return jnp.einsum("ij,...jb->...ib", earlier, values, precision=jax.lax.Precision.HIGHEST,
-                      preferred_element_type=jnp.float32)
 
 
 _MAX_MATMUL_TILES = 256  # the [tiles, tiles] matrix stays small
@@ -469,8 +453,8 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
         raise ValueError(f"linear_search must be >= 0, got {config['linear_search']}")
     if config["rank_in_step"] not in ("compare", "match"):
         raise ValueError(f"rank_in_step must be 'compare' or 'match', got {config['rank_in_step']!r}")
-    if config["tile_bases"] not in ("cumsum", "matmul", "blocked"):
-        raise ValueError(f"tile_bases must be 'cumsum', 'matmul' or 'blocked', got {config['tile_bases']!r}")
+    if config["tile_bases"] not in ("cumsum", "matmul"):
+        raise ValueError(f"tile_bases must be 'cumsum' or 'matmul', got {config['tile_bases']!r}")
     if config["search"] not in (None, "unrolled", "while"):
         raise ValueError(f"search must be None, 'unrolled' or 'while', got {config['search']!r}")
     # shares: the block's loop stops once all its lanes converged (most entries search little); resolved's points
