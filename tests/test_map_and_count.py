@@ -899,22 +899,20 @@ def test_guide_is_used_only_where_it_fits():
     overflow their bits, non-default tables and slots past 16 bits get none; a bad factor is an error."""
     from moe_eplb_jax.pallas import _triton
 
-    def factor(mode, num_flat, num_logical, width, num_physical, **options):
-        return _triton._guide_factor({**_triton.DEFAULTS, **options}, mode, num_flat, num_logical, width, num_physical)
+    def factor(mode, num_logical, width, num_physical, **options):
+        return _triton._guide_factor({**_triton.DEFAULTS, **options}, mode, num_logical, width, num_physical)
 
-    big = 1 << 21
-    assert factor("shares", big, 256, 257, 512) == 0  # the default
-    assert factor("resolved", big, 256, 33, 288) == 0
-    assert factor("shares", big, 256, 257, 512, guide=4) == 4
-    assert factor("resolved", big, 256, 33, 288, guide=8) == 8
-    assert factor("hash", big, 256, 257, 512, guide=8) == 0
-    assert factor("shares", 8, 256, 257, 512, guide=2) == 2  # explicit: any size
-    assert factor("shares", big, 256, 257, 512, layout="expert_major", guide=4) == 0
-    assert factor("shares", big, 256, 257, 512, tables="global", guide=4) == 0
-    assert factor("shares", big, 256, 257, 0xFFFF, guide=4) == 0
-    assert factor("shares", big, 1 << 14, 1 << 13, 1 << 14, guide=8) == 0  # bucket counts could overflow int32
+    assert factor("shares", 256, 257, 512) == 0  # the default
+    assert factor("resolved", 256, 33, 288) == 0
+    assert factor("shares", 256, 257, 512, guide=4) == 4
+    assert factor("resolved", 256, 33, 288, guide=8) == 8
+    assert factor("hash", 256, 257, 512, guide=8) == 0
+    assert factor("shares", 256, 257, 512, layout="expert_major", guide=4) == 0
+    assert factor("shares", 256, 257, 512, tables="global", guide=4) == 0
+    assert factor("shares", 256, 257, 0xFFFF, guide=4) == 0
+    assert factor("shares", 1 << 14, 1 << 13, 1 << 14, guide=8) == 0  # bucket counts could overflow int32
     with pytest.raises(ValueError, match="guide must be"):
-        factor("shares", big, 256, 257, 512, guide=3)
+        factor("shares", 256, 257, 512, guide=3)
 
 
 @pytest.mark.parametrize("mode", ["shares", "resolved"])

@@ -346,7 +346,7 @@ _GUIDED = {"sub": 1024}  # with the guide (fewer registers live per loop step): 
 LARGE_OPTIONS = {"hash": _STREAMING, "round_robin": _STREAMING, "shares": _SEARCHING, "resolved": _SEARCHING}
 
 
-def _guide_factor(config, mode, num_flat, num_logical, width, num_physical):
+def _guide_factor(config, mode, num_logical, width, num_physical):
     """The guide's buckets per replica (0: no guide) for these options and shapes; checks the option."""
     guide = config["guide"]
     if guide not in (0, 1, 2, 4, 8, 16):
@@ -431,7 +431,7 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     num_tokens, top_k = topk_ids.shape
     num_logical, width = log2phy.shape
     num_flat = num_tokens * top_k
-    guide = _guide_factor({**DEFAULTS, **config}, mode, num_flat, num_logical, width, num_physical)
+    guide = _guide_factor({**DEFAULTS, **config}, mode, num_logical, width, num_physical)
     large = next((options for least, options in LARGE_OPTIONS.get(mode, ()) if num_flat >= least), {})
     if guide and large:
         large = {**large, **_GUIDED}
