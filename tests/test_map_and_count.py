@@ -355,8 +355,8 @@ def test_feeds_eplb_state_record(rng):
                                      {"guide": 4, "tables": "global"}, {"tile_bases": "matmul"},
                                      {"tile_bases": "matmul", "tile_resolved": 16, "sub_resolved": 16},
                                      {"tile_bases": "cumsum"},
-                                     {"threshold_layout": "expert_major", "guide": 0},
-                                     {"threshold_layout": "expert_major", "linear_search": 3},
+                                     {"threshold_layout": "replica_major"},
+                                     {"threshold_layout": "replica_major", "linear_search": 3},
                                      {"threshold_layout": "replica_major", "layout": "expert_major"}])
 @pytest.mark.parametrize("mode", ["hash", "resolved"])
 def test_kernel_options_match_reference(options, mode, rng):

@@ -114,6 +114,13 @@ def _pair_histogram(bins, hi_bits, lo_bits, dtype, acc_dtype):
     return jnp.dot(rows, cols, preferred_element_type=acc_dtype)
 
 
+def _flat_index(layout, num_logical, width):
+    """``(expert, j) -> `` the flat index of entry ``[expert, j]`` of an ``[E, S]`` table lying in ``layout``."""
+    if layout == "replica_major":  # [S, E]: entry j of all experts in one row (fewer cache lines per gather)
+        return lambda expert, j: j * num_logical + expert
+    return lambda expert, j: expert * width + j  # [E, S]
+
+
 def _map_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, base_ref, rank_ref, limits_ref, zeros_ref, phys_ref,
                 hist_ref, *, mode, num_flat, top_k, num_logical, width, num_physical, tile, sub, bins, expert_bins,
                 rank_tile, count_dtype, do_count, count_method, tables, layout, reduce, linear_search, guide,
@@ -139,14 +146,8 @@ def _map_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, base_ref, rank_r
     else:  # one global (L1-cached) load per entry and table; "head": the counts are (first slot + 1) | count << 16
         lookup_count = lambda expert: tables_ref[expert]  # noqa: E731
         lookup_slot = lambda index: tables_ref[slot_at + index]  # noqa: E731
-    if layout == "replica_major":  # [S, E] tables: entry j of all experts in one row (fewer cache lines per gather)
-        table_index = lambda expert, j: j * num_logical + expert  # noqa: E731
-    else:  # [E, S]
-        table_index = lambda expert, j: expert * width + j  # noqa: E731
-    if threshold_layout == "replica_major":  # (the guide's rows are always expert-major)
-        threshold_index = lambda expert, j: j * num_logical + expert  # noqa: E731
-    else:
-        threshold_index = lambda expert, j: expert * width + j  # noqa: E731
+    table_index = _flat_index(layout, num_logical, width)  # log2phy in the lookup table
+    threshold_index = _flat_index(threshold_layout, num_logical, width)  # (with the guide: expert-major)
     row0 = program * num_bins  # atomic methods: this program's row of counters
     if do_count and count_method.startswith("atomic"):
         # Zeroed by atomic exchange, i.e. in L2 where the atomics add: a plain store is only ordered with the
