@@ -52,6 +52,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from moe_eplb_jax.pallas import _guide
+from moe_eplb_jax.pallas._crossings import crossing_tile, settle_straddling, tile_histograms
 from moe_eplb_jax.pallas._rank import (_SUB_RESOLVED, _WARPS_RESOLVED, _rank_kernel, _rank_tile,
                                        _warp_aggregate)
 from moe_eplb_jax.pallas._reference import GOLDEN
@@ -124,7 +125,7 @@ def _flat_index(layout, num_logical, width):
 def _map_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, base_ref, rank_ref, limits_ref, zeros_ref, phys_ref,
                 hist_ref, *, mode, num_flat, top_k, num_logical, width, num_physical, tile, sub, bins, expert_bins,
                 rank_tile, count_dtype, do_count, count_method, tables, layout, reduce, linear_search, guide,
-                num_tiles, search, threshold_layout):
+                num_tiles, search, threshold_layout, ranks):
     """``tables_ref`` is :func:`lookup_table`'s: per-expert counts (or head entries) at ``[0, E)``, then ``log2phy``
     at ``[E, E + E * S)``, in ``layout``; ``thresholds_ref`` the ``[E, S]`` thresholds, expert-major with the guide
     (a bucket's few thresholds lie side by side), else in ``threshold_layout``."""
@@ -184,9 +185,14 @@ def _map_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, base_ref, rank_r
                 point = (hashed >> 8).astype(jnp.int32)
             else:  # resolved: the rank among this expert's entries = earlier rank tiles + inside its rank tile
                 # Lanes past the end (masked everywhere else) clamped too: this gather is not masked.
-                before = base_ref[jax.lax.div(jnp.minimum(flat, num_flat - 1), rank_tile) * expert_bins + expert]
-                inside_tile = plgpu.load(rank_ref.at[pl.ds(start, sub)], mask=inside, other=0)
-                point = jnp.where(flat < rank_limit, before + inside_tile, _INT32_MAX)
+                pair = jax.lax.div(jnp.minimum(flat, num_flat - 1), rank_tile) * expert_bins + expert
+                before = base_ref[pair]
+                if ranks == "kernel":  # rank_ref: every entry's rank in its tile
+                    inside_tile = plgpu.load(rank_ref.at[pl.ds(start, sub)], mask=inside, other=0)
+                    point = jnp.where(flat < rank_limit, before + inside_tile, _INT32_MAX)
+                else:  # crossings: the pair's first point; rank_ref holds the tiles' histograms (_crossings.py)
+                    rank_valid = valid_id & (flat < rank_limit)
+                    point = jnp.where(rank_valid, before, _INT32_MAX)
             # A single-replica expert takes replica 0 whatever the thresholds: no search, no loads.
             searching = valid_id & (count > 1)
             at = functools.partial(threshold_index, expert)
@@ -197,6 +203,14 @@ def _map_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, base_ref, rank_r
             else:
                 passed = _count_passed(thresholds_ref, at, point, width, count,
                                        searching, linear=linear_search, dynamic=search == "while")
+            if mode == "resolved" and ranks == "crossings":
+                passed = settle_straddling(
+                    passed, ids_ref=ids_ref, first=point, pair_count=rank_ref[pair], expert=expert,
+                    thresholds_at=lambda j, mask: plgpu.load(thresholds_ref.at[at(j)], mask=mask, other=_INT32_MAX),
+                    search=lambda point, lanes: _count_passed(thresholds_ref, at, point, width, count, lanes,
+                                                              linear=linear_search, dynamic=search == "while"),
+                    rank_valid=rank_valid, searching=searching, count=count, start=start, sub=sub,
+                    rank_tile=rank_tile, num_flat=num_flat, rank_limit=rank_limit, width=width, never=_INT32_MAX)
             if mode == "shares":  # always below count (C[count - 1] = 2**24 > point): no hash fallback to compute
                 replica = jnp.minimum(passed, count - 1)
             else:  # resolved: entries beyond the expert's total quota fall back to hash
@@ -310,7 +324,8 @@ DEFAULTS = {"tile": None, "sub": _SUB, "tile_resolved": None, "sub_resolved": _S
             "warps_resolved": _WARPS_RESOLVED, "num_warps": 4, "num_stages": 3,
             "count_dtype": "int8", "count_method": "histogram", "tables": "head", "layout": "replica_major",
             "reduce": "atomic", "rank_in_step": "match", "linear_search": _LINEAR_SEARCH, "guide": 0,
-            "rank_running": "memory", "search": None, "tile_bases": "matmul", "threshold_layout": "expert_major"}
+            "rank_running": "memory", "search": None, "tile_bases": "matmul", "threshold_layout": "expert_major",
+            "resolved_ranks": "crossings"}
 # How the kernel counts: "histogram" (tt.histogram per loop step: warp ballots + popc, shared-memory atomics
 # across warps; also in interpret mode, as jnp), "onehot" (factorised one-hot products on the tensor cores),
 # "atomic" (one global atomic add per entry into the program's row of counters), "atomic_warp" (atomics
@@ -328,6 +343,10 @@ TABLES = ("head", "global", "shared")
 # 32 experts touches the few cache lines of one row instead of one line per expert). log2phy follows "layout"
 # (prepared once per placement), the per-call thresholds "threshold_layout".
 LAYOUTS = ("expert_major", "replica_major")
+# How resolved finds each entry's rank among its expert's entries: "crossings" (a histogram per rank tile, then
+# a rank only for the entries of the few (tile, expert) pairs a threshold falls inside: _crossings.py) or
+# "kernel" (every entry's rank in its tile from a rank kernel: _rank.py; always with the guide).
+RESOLVED_RANKS = ("crossings", "kernel")
 # How the per-program histograms of count_method="histogram" become the loads: "xla" (each program stores its
 # counts as column t of [P, num_tiles] int16 partials; XLA sums the rows) or "atomic" (each program adds its
 # counts to the [P] loads with one integer atomic per bin: no partials, no second kernel).
@@ -444,8 +463,13 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     tile = max(tile, sub)
     if tile & (tile - 1) or sub & (sub - 1) or sub < 16:
         raise ValueError(f"tile and sub must be powers of two (sub >= 16), got tile={tile} sub={sub}")
+    if config["resolved_ranks"] not in RESOLVED_RANKS:
+        raise ValueError(f"resolved_ranks must be one of {RESOLVED_RANKS}, got {config['resolved_ranks']!r}")
+    # The guide answers with slots, not with the count of thresholds passed that crossings settle: rank kernel.
+    ranks = "kernel" if guide else config["resolved_ranks"]
     rank_sub = int(config["sub_resolved"])
-    rank_tile = _rank_tile(num_flat) if config["tile_resolved"] is None else int(config["tile_resolved"])
+    rank_tile = ((_rank_tile if ranks == "kernel" else crossing_tile)(num_flat) if config["tile_resolved"] is None
+                 else int(config["tile_resolved"]))
     rank_tile = max(rank_tile, rank_sub)
     if rank_tile & (rank_tile - 1) or rank_sub & (rank_sub - 1) or rank_sub < 16:
         raise ValueError(f"tile_resolved and sub_resolved must be powers of two (sub_resolved >= 16), got "
@@ -510,7 +534,13 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     params = plgpu.CompilerParams(num_warps=config["num_warps"], num_stages=config["num_stages"])
     whole = pl.no_block_spec
 
-    if mode == "resolved":
+    if mode == "resolved" and ranks == "crossings":
+        rank = tile_histograms(ids, limits, num_flat=num_flat, num_logical=num_logical, tile=rank_tile,
+                               expert_bins=expert_bins, num_warps=config["num_warps"],
+                               num_stages=config["num_stages"], out_struct=out_struct, interpret=interpret)
+        base = _tile_bases(rank, config["tile_bases"], num_flat).reshape(-1)
+        rank = rank.reshape(-1)  # the map kernel reads each pair's count beside its base
+    elif mode == "resolved":
         rank_tiles = pl.cdiv(num_flat, rank_tile)
         # "memory": the histogram output is flat (each program gathers from and scatters to its own row, of
         # which the first half is the histogram).
@@ -539,7 +569,7 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
         num_physical=num_physical, tile=tile, sub=sub, bins=bins, expert_bins=expert_bins,
         rank_tile=rank_tile, count_dtype=count_dtype, do_count=count, count_method=count_method, tables=tables,
         layout=layout, reduce=reduce, linear_search=int(config["linear_search"]), guide=guide,
-        num_tiles=num_tiles, search=search, threshold_layout=threshold_layout)
+        num_tiles=num_tiles, search=search, threshold_layout=threshold_layout, ranks=ranks)
     # A prepared table is lookup_table's default kind; other kernel options (or slots past 16 bits) rebuild it.
     if lookup is None or (layout, tables) != (DEFAULTS["layout"], DEFAULTS["tables"]):
         lookup = lookup_table(log2phy, logcnt, layout=layout, tables=tables)
