@@ -193,7 +193,7 @@ def time_variant(rng, mode, options, count=True, num_tokens=262144, num_physical
     except Exception as e:  # a configuration Triton cannot compile: report and go on
         print(f"  {mode} {options} count={count}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
         return None
-    kernels = ", ".join(f"{name[:24]} {t * 1e6:.2f}" for name, t in list(LAST_KERNELS.items())[:4])
+    kernels = ", ".join(f"{name[:24]} {t * 1e6:.2f}" for name, t in list(LAST_KERNELS.items())[:6])
     label = options if quota_scale is None else {**options, "quota_scale": quota_scale}
     print(f"  T={num_tokens:<7} P={num_physical} {mode:<11} {str(label):<62} count={count!s:<5} "
           f"{seconds * 1e6:8.2f} us  [{kernels}]", flush=True)
@@ -220,20 +220,19 @@ def pallas_copy(x, block=2048, num_warps=4):
 
 SWEEP = [  # (mode, T, P, options): T x 8 entries; the defaults first in each group; "count": False skips counting;
     # "quota_scale": resolved's quotas times this (small: every expert's thresholds crowd into its first tile)
-    # Tenth session: resolved's ranks by crossings (a histogram per rank tile; ranks only where a threshold falls
-    # inside a (tile, expert) pair) against the rank kernel, on the same draws.
+    # Tenth session: resolved's ranks only in the tiles where a threshold falls inside a (tile, expert) pair
+    # ("straddling": tile histograms, a first map pass, ranks and a second pass in the flagged tiles) against the
+    # rank kernel for every tile, on the same draws.
     ("resolved", 262144, 288, {}), ("resolved", 262144, 288, {"resolved_ranks": "kernel"}),
-    ("resolved", 262144, 288, {"tile_resolved": 4096}), ("resolved", 262144, 288, {"tile_resolved": 2048}),
+    ("resolved", 262144, 288, {"tile_resolved": 2048}), ("resolved", 262144, 288, {"tile_resolved": 512}),
     ("resolved", 262144, 512, {}), ("resolved", 262144, 512, {"resolved_ranks": "kernel"}),
-    ("resolved", 262144, 512, {"tile_resolved": 4096}),
+    ("resolved", 262144, 512, {"tile_resolved": 2048}),
     ("resolved", 262144, 512, {"quota_scale": 1e-3}),
     ("resolved", 262144, 512, {"quota_scale": 1e-3, "resolved_ranks": "kernel"}),
-    ("resolved", 262144, 512, {"quota_scale": 0.0}),
     ("resolved", 65536, 512, {}), ("resolved", 65536, 512, {"resolved_ranks": "kernel"}),
     ("resolved", 4096, 288, {}), ("resolved", 4096, 288, {"resolved_ranks": "kernel"}),
     ("resolved", 4096, 512, {}), ("resolved", 4096, 512, {"resolved_ranks": "kernel"}),
-    ("resolved", 4096, 512, {"quota_scale": 1e-3}),
-    ("shares", 262144, 512, {}), ("hash", 262144, 512, {}),
+    ("resolved", 4096, 512, {"quota_scale": 1e-3}), ("resolved", 4096, 512, {"quota_scale": 1e-3, "resolved_ranks": "kernel"}),
 ]
 
 

@@ -417,7 +417,7 @@ def test_kernel_options_match_reference(options, mode, rng):
     threshold_layout=st.sampled_from(["expert_major", "replica_major"]),
     tile_bases=st.sampled_from(["matmul", "cumsum"]),
     rank_running=st.sampled_from(["registers", "memory"]),
-    resolved_ranks=st.sampled_from(["crossings", "kernel"]),
+    resolved_ranks=st.sampled_from(["straddling", "kernel"]),
     search=st.sampled_from([None, "unrolled", "while"]),
     seed=st.integers(0, 2**31),
 )
