@@ -160,7 +160,7 @@ def run_case(rng, num_tokens, top_k, num_physical, mode, bandwidth, log):
     return row
 
 
-def time_variant(rng, mode, options, count=True, num_tokens=262144, num_physical=288, quota_scale=None):
+def time_variant(rng, mode, options, count=True, num_tokens=262144, num_physical=288):
     """Checks one kernel configuration against the reference on fresh data, then times it (seconds, or None).
 
     The data depend on (mode, T, P) only, so the variants of one case are timed on the same placement and ids
@@ -172,8 +172,6 @@ def time_variant(rng, mode, options, count=True, num_tokens=262144, num_physical
     log2phy, logcnt, kw, ids = make_case(case_rng, num_tokens, 8, num_physical, mode)
     width = log2phy.shape[1]
     values = kw.get("replica_shares", kw.get("resolved"))
-    if quota_scale is not None:  # at least 1 per live replica: every threshold a crossing
-        values = jnp.maximum(jnp.floor(values * quota_scale), 1).astype(jnp.int32)
     thresholds = (jnp.zeros((NUM_LOGICAL, width), jnp.int32) if values is None
                   else _build_thresholds(mode, values, logcnt, width))
     limits = jnp.asarray([(num_tokens - 3) * 8] * 2, jnp.int32)
@@ -193,9 +191,8 @@ def time_variant(rng, mode, options, count=True, num_tokens=262144, num_physical
     except Exception as e:  # a configuration Triton cannot compile: report and go on
         print(f"  {mode} {options} count={count}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
         return None
-    kernels = ", ".join(f"{name[:24]} {t * 1e6:.2f}" for name, t in list(LAST_KERNELS.items())[:6])
-    label = options if quota_scale is None else {**options, "quota_scale": quota_scale}
-    print(f"  T={num_tokens:<7} P={num_physical} {mode:<11} {str(label):<62} count={count!s:<5} "
+    kernels = ", ".join(f"{name[:24]} {t * 1e6:.2f}" for name, t in list(LAST_KERNELS.items())[:4])
+    print(f"  T={num_tokens:<7} P={num_physical} {mode:<11} {str(options):<62} count={count!s:<5} "
           f"{seconds * 1e6:8.2f} us  [{kernels}]", flush=True)
     return seconds
 
@@ -218,21 +215,19 @@ def pallas_copy(x, block=2048, num_warps=4):
     return out.reshape(x.shape)
 
 
-SWEEP = [  # (mode, T, P, options): T x 8 entries; the defaults first in each group; "count": False skips counting;
-    # "quota_scale": resolved's quotas times this (small: every expert's thresholds crowd into its first tile)
-    # Tenth session: resolved's ranks only in the tiles where a threshold falls inside a (tile, expert) pair
-    # ("straddling": tile histograms, a first map pass, ranks and a second pass in the flagged tiles) against the
-    # rank kernel for every tile, on the same draws.
-    ("resolved", 262144, 288, {}), ("resolved", 262144, 288, {"resolved_ranks": "kernel"}),
-    ("resolved", 262144, 288, {"tile_resolved": 2048}), ("resolved", 262144, 288, {"tile_resolved": 512}),
-    ("resolved", 262144, 512, {}), ("resolved", 262144, 512, {"resolved_ranks": "kernel"}),
-    ("resolved", 262144, 512, {"tile_resolved": 2048}),
-    ("resolved", 262144, 512, {"quota_scale": 1e-3}),
-    ("resolved", 262144, 512, {"quota_scale": 1e-3, "resolved_ranks": "kernel"}),
-    ("resolved", 65536, 512, {}), ("resolved", 65536, 512, {"resolved_ranks": "kernel"}),
-    ("resolved", 4096, 288, {}), ("resolved", 4096, 288, {"resolved_ranks": "kernel"}),
-    ("resolved", 4096, 512, {}), ("resolved", 4096, 512, {"resolved_ranks": "kernel"}),
-    ("resolved", 4096, 512, {"quota_scale": 1e-3}), ("resolved", 4096, 512, {"quota_scale": 1e-3, "resolved_ranks": "kernel"}),
+SWEEP = [  # (mode, T, P, options): T x 8 entries; the defaults first in each group; "count": False skips counting
+    # Ninth session's defaults (thresholds read expert-major as built, no guide, rank-tile sums as a product up
+    # to 256 tiles) against what they replaced, on the same draws: the replica-major copy, the guide, the cumsum.
+    ("shares", 262144, 288, {}), ("shares", 262144, 288, {"threshold_layout": "replica_major"}),
+    ("shares", 262144, 512, {}), ("shares", 262144, 512, {"guide": 4}),
+    ("resolved", 262144, 288, {}), ("resolved", 262144, 288, {"guide": 8}),
+    ("resolved", 262144, 512, {}), ("resolved", 262144, 512, {"threshold_layout": "replica_major"}),
+    ("resolved", 262144, 512, {"guide": 8}),
+    ("shares", 65536, 512, {}), ("shares", 65536, 512, {"threshold_layout": "replica_major"}),
+    ("resolved", 65536, 512, {}), ("resolved", 65536, 512, {"threshold_layout": "replica_major"}),
+    ("shares", 4096, 512, {}), ("shares", 4096, 512, {"threshold_layout": "replica_major"}),
+    ("resolved", 4096, 288, {}), ("resolved", 4096, 288, {"tile_bases": "cumsum"}),
+    ("resolved", 4096, 512, {}), ("resolved", 4096, 512, {"tile_bases": "cumsum"}),
 ]
 
 
@@ -257,9 +252,7 @@ def sweep(rng):
     for mode, num_tokens, num_physical, options in SWEEP:
         options = dict(options)
         count = options.pop("count", True)
-        quota_scale = options.pop("quota_scale", None)
-        time_variant(rng, mode, options, count=count, num_tokens=num_tokens, num_physical=num_physical,
-                     quota_scale=quota_scale)
+        time_variant(rng, mode, options, count=count, num_tokens=num_tokens, num_physical=num_physical)
 
 
 def setup_sweep(rng, num_tokens=262144):

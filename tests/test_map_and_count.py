@@ -348,10 +348,8 @@ def test_feeds_eplb_state_record(rng):
                                      {"reduce": "atomic", "tile": 128, "sub": 64},
                                      {"reduce": "atomic", "layout": "replica_major", "tables": "shared"},
                                      {"linear_search": 16}, {"linear_search": 3, "layout": "expert_major"},
-                                     {"rank_running": "registers", "resolved_ranks": "kernel"},
-                                     {"rank_running": "memory", "tile_resolved": 256, "sub_resolved": 64,
-                                      "resolved_ranks": "kernel"},
-                                     {"resolved_ranks": "kernel"}, {"resolved_ranks": "kernel", "tile_resolved": 16},
+                                     {"rank_running": "registers"},
+                                     {"rank_running": "memory", "tile_resolved": 256, "sub_resolved": 64},
                                      {"search": "while"}, {"search": "while", "linear_search": 2},
                                      {"guide": 1}, {"guide": 16, "search": "unrolled"}, {"guide": 0},
                                      {"guide": 4, "tables": "global"}, {"tile_bases": "matmul"},
@@ -383,7 +381,7 @@ def test_kernel_options_match_reference(options, mode, rng):
         _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode,
                                      tile_resolved=96)
     for name, value in (("layout", "row_major"), ("reduce", "psum"), ("tables", "texture"),
-                        ("threshold_layout", "column_major"), ("resolved_ranks", "sort")):
+                        ("threshold_layout", "column_major")):
         with pytest.raises(ValueError, match=f"{name} must be one of"):
             _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode,
                                          **{name: value})
@@ -417,13 +415,12 @@ def test_kernel_options_match_reference(options, mode, rng):
     threshold_layout=st.sampled_from(["expert_major", "replica_major"]),
     tile_bases=st.sampled_from(["matmul", "cumsum"]),
     rank_running=st.sampled_from(["registers", "memory"]),
-    resolved_ranks=st.sampled_from(["straddling", "kernel"]),
     search=st.sampled_from([None, "unrolled", "while"]),
     seed=st.integers(0, 2**31),
 )
 def test_kernel_option_combinations_match_reference(num_tokens, top_k, num_logical, extra_slots, mode, layout,
                                                     reduce, tables, linear_search, guide, threshold_layout,
-                                                    tile_bases, rank_running, resolved_ranks, search, seed):
+                                                    tile_bases, rank_running, search, seed):
     """Any combination of the kernel's layout / reduction / lookup / search / rank options gives the reference's
     ids and loads (Pallas in interpret mode on CPU, compiled on GPU)."""
     from moe_eplb_jax.pallas import _reference, _triton
@@ -445,8 +442,7 @@ def test_kernel_option_combinations_match_reference(num_tokens, top_k, num_logic
     got = _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=num_physical,
                                        mode=mode, layout=layout, reduce=reduce, tables=tables,
                                        linear_search=linear_search, guide=guide, threshold_layout=threshold_layout,
-                                       tile_bases=tile_bases, rank_running=rank_running,
-                                       resolved_ranks=resolved_ranks, search=search,
+                                       tile_bases=tile_bases, rank_running=rank_running, search=search,
                                        interpret=jax.default_backend() != "gpu")
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
@@ -704,9 +700,7 @@ def test_gpu_kernel_matches_reference(mode, shape, rng):
     {"reduce": "atomic", "layout": "expert_major", "tables": "global"}, {"rank_in_step": "match"},
     {"rank_in_step": "match", "reduce": "atomic", "layout": "replica_major"}, {"linear_search": 16},
     {"linear_search": 4}, {"guide": 0}, {"guide": 1}, {"guide": 16, "search": "unrolled"},
-    {"rank_running": "registers", "resolved_ranks": "kernel"},
-    {"rank_running": "memory", "rank_in_step": "compare", "resolved_ranks": "kernel"},
-    {"resolved_ranks": "kernel"}, {"tile_resolved": 512}, {"tile_resolved": 8192}],
+    {"rank_running": "registers"}, {"rank_running": "memory", "rank_in_step": "compare"}],
     ids=lambda o: "-".join(map(str, o.values())))
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("shape", [(1, 1, 8, 8), (333, 6, 512, 519), (65536, 8, 256, 288)],

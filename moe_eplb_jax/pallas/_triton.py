@@ -52,7 +52,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from moe_eplb_jax.pallas import _guide
-from moe_eplb_jax.pallas._crossings import STRADDLING, flag_tiles, straddles, tile_histograms
 from moe_eplb_jax.pallas._rank import (_SUB_RESOLVED, _WARPS_RESOLVED, _rank_kernel, _rank_tile,
                                        _warp_aggregate)
 from moe_eplb_jax.pallas._reference import GOLDEN
@@ -122,33 +121,16 @@ def _flat_index(layout, num_logical, width):
     return lambda expert, j: expert * width + j  # [E, S]
 
 
-def _map_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, base_ref, rank_ref, limits_ref, zeros_ref, flags_in_ref,
-                prior_ref, phys_ref, hist_ref, flags_ref, *, mode, num_flat, top_k, num_logical, width, num_physical, tile, sub, bins, expert_bins,
+def _map_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, base_ref, rank_ref, limits_ref, zeros_ref, phys_ref,
+                hist_ref, *, mode, num_flat, top_k, num_logical, width, num_physical, tile, sub, bins, expert_bins,
                 rank_tile, count_dtype, do_count, count_method, tables, layout, reduce, linear_search, guide,
-                num_tiles, search, threshold_layout, ranks, program=None):
+                num_tiles, search, threshold_layout):
     """``tables_ref`` is :func:`lookup_table`'s: per-expert counts (or head entries) at ``[0, E)``, then ``log2phy``
     at ``[E, E + E * S)``, in ``layout``; ``thresholds_ref`` the ``[E, S]`` thresholds, expert-major with the guide
-    (a bucket's few thresholds lie side by side), else in ``threshold_layout``.
-
-    ``resolved`` (``ranks``, see :mod:`._crossings`): ``"kernel"`` reads every entry's rank in its tile from
-    ``rank_ref``; ``"straddling"`` reads the tiles' histograms there instead, maps every entry from its pair's
-    first point, marks the entries of straddling pairs and flags their tiles in ``flags_ref`` (zeroed, aliased to
-    ``flags_in_ref``); ``"fixup"`` (one rank tile per program) runs only on flagged tiles, with their ranks, and
-    writes and counts only the entries ``prior_ref`` (the first pass's ids, aliased to ``phys_ref``) marks.
-    """
+    (a bucket's few thresholds lie side by side), else in ``threshold_layout``."""
     del zeros_ref  # reduce="atomic": the zeroed load counters, aliased to hist_ref
-    program = pl.program_id(0) if program is None else program  # (interpret mode: not read inside pl.when)
-    if ranks == "fixup":  # only the flagged tiles have work
-        pl.when(flags_in_ref[program] > 0)(lambda: _map_kernel(
-            ids_ref, tables_ref, thresholds_ref, guide_ref, base_ref, rank_ref, limits_ref, None, flags_in_ref,
-            prior_ref, phys_ref, hist_ref, flags_ref, mode=mode, num_flat=num_flat, top_k=top_k,
-            num_logical=num_logical, width=width, num_physical=num_physical, tile=tile, sub=sub, bins=bins,
-            expert_bins=expert_bins, rank_tile=rank_tile, count_dtype=count_dtype, do_count=do_count,
-            count_method=count_method, tables=tables, layout=layout, reduce=reduce, linear_search=linear_search,
-            guide=guide, num_tiles=num_tiles, search=search, threshold_layout=threshold_layout, ranks="fixed",
-            program=program))
-        return
     slot_at = num_logical
+    program = pl.program_id(0)
     count_limit = limits_ref[0]
     rank_limit = limits_ref[1]
     hi_bits, lo_bits = bins
@@ -192,7 +174,6 @@ def _map_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, base_ref, rank_r
         hashed = token * jnp.uint32(GOLDEN)
         by_hash = lambda: (hashed % count.astype(jnp.uint32)).astype(jnp.int32)  # noqa: E731
         known = None  # lanes whose slot the guide gave
-        straddling = None  # resolved, ranks="straddling": lanes left to the fix-up pass
 
         if mode == "hash":
             replica = by_hash()
@@ -203,14 +184,9 @@ def _map_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, base_ref, rank_r
                 point = (hashed >> 8).astype(jnp.int32)
             else:  # resolved: the rank among this expert's entries = earlier rank tiles + inside its rank tile
                 # Lanes past the end (masked everywhere else) clamped too: this gather is not masked.
-                pair = jax.lax.div(jnp.minimum(flat, num_flat - 1), rank_tile) * expert_bins + expert
-                before = base_ref[pair]
-                if ranks == "straddling":  # the pair's first point; rank_ref holds the tiles' histograms
-                    rank_valid = valid_id & (flat < rank_limit)
-                    point = jnp.where(rank_valid, before, _INT32_MAX)
-                else:  # rank_ref: every entry's rank in its tile (the fix-up pass: in the flagged tiles)
-                    inside_tile = plgpu.load(rank_ref.at[pl.ds(start, sub)], mask=inside, other=0)
-                    point = jnp.where(flat < rank_limit, before + inside_tile, _INT32_MAX)
+                before = base_ref[jax.lax.div(jnp.minimum(flat, num_flat - 1), rank_tile) * expert_bins + expert]
+                inside_tile = plgpu.load(rank_ref.at[pl.ds(start, sub)], mask=inside, other=0)
+                point = jnp.where(flat < rank_limit, before + inside_tile, _INT32_MAX)
             # A single-replica expert takes replica 0 whatever the thresholds: no search, no loads.
             searching = valid_id & (count > 1)
             at = functools.partial(threshold_index, expert)
@@ -221,12 +197,6 @@ def _map_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, base_ref, rank_r
             else:
                 passed = _count_passed(thresholds_ref, at, point, width, count,
                                        searching, linear=linear_search, dynamic=search == "while")
-            if mode == "resolved" and ranks == "straddling":
-                straddling = inside & straddles(
-                    passed, first=point, pair_count=rank_ref[pair], rank_valid=rank_valid, searching=searching,
-                    count=count, width=width,
-                    thresholds_at=lambda j, mask: plgpu.load(thresholds_ref.at[at(j)], mask=mask, other=_INT32_MAX))
-                flag_tiles(flags_ref, straddling, jax.lax.div(flat, rank_tile), pl.cdiv(num_flat, rank_tile))
             if mode == "shares":  # always below count (C[count - 1] = 2**24 > point): no hash fallback to compute
                 replica = jnp.minimum(passed, count - 1)
             else:  # resolved: entries beyond the expert's total quota fall back to hash
@@ -243,14 +213,7 @@ def _map_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, base_ref, rank_r
             slot = jnp.where(known, known_slot, slot)
         mapped = valid_id & (slot >= 0) & (slot < num_physical)
         phys = jnp.where(mapped, slot, -1)
-        writing = inside
-        if straddling is not None:  # marked, not counted: the fix-up pass maps and counts them
-            phys = jnp.where(straddling, STRADDLING, phys)
-            mapped = mapped & ~straddling
-        if ranks == "fixed":  # the fix-up pass: only the marked entries
-            marked = plgpu.load(prior_ref.at[pl.ds(start, sub)], mask=inside, other=0) == STRADDLING
-            writing, mapped = inside & marked, mapped & marked
-        plgpu.store(phys_ref.at[pl.ds(start, sub)], phys, mask=writing)
+        plgpu.store(phys_ref.at[pl.ds(start, sub)], phys, mask=inside)
         if do_count:
             counted = jnp.where(mapped & (flat < count_limit), phys, -1)
             # float32 counters: jax 0.11.2 lowers an atomic add of an int32 *vector* to a float add (it tests the
@@ -347,8 +310,7 @@ DEFAULTS = {"tile": None, "sub": _SUB, "tile_resolved": None, "sub_resolved": _S
             "warps_resolved": _WARPS_RESOLVED, "num_warps": 4, "num_stages": 3,
             "count_dtype": "int8", "count_method": "histogram", "tables": "head", "layout": "replica_major",
             "reduce": "atomic", "rank_in_step": "match", "linear_search": _LINEAR_SEARCH, "guide": 0,
-            "rank_running": "memory", "search": None, "tile_bases": "matmul", "threshold_layout": "expert_major",
-            "resolved_ranks": "straddling"}
+            "rank_running": "memory", "search": None, "tile_bases": "matmul", "threshold_layout": "expert_major"}
 # How the kernel counts: "histogram" (tt.histogram per loop step: warp ballots + popc, shared-memory atomics
 # across warps; also in interpret mode, as jnp), "onehot" (factorised one-hot products on the tensor cores),
 # "atomic" (one global atomic add per entry into the program's row of counters), "atomic_warp" (atomics
@@ -366,11 +328,6 @@ TABLES = ("head", "global", "shared")
 # 32 experts touches the few cache lines of one row instead of one line per expert). log2phy follows "layout"
 # (prepared once per placement), the per-call thresholds "threshold_layout".
 LAYOUTS = ("expert_major", "replica_major")
-# How resolved finds each entry's rank among its expert's entries: "straddling" (a histogram per rank tile; the
-# map kernel maps every entry whose (tile, expert) pair no threshold falls inside, then ranks and a second map
-# pass only in the tiles that have such a pair: _crossings.py) or "kernel" (every entry's rank in its tile from
-# the rank kernel first: _rank.py; always with the guide or counting other than per-bin atomics).
-RESOLVED_RANKS = ("straddling", "kernel")
 # How the per-program histograms of count_method="histogram" become the loads: "xla" (each program stores its
 # counts as column t of [P, num_tiles] int16 partials; XLA sums the rows) or "atomic" (each program adds its
 # counts to the [P] loads with one integer atomic per bin: no partials, no second kernel).
@@ -487,8 +444,6 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     tile = max(tile, sub)
     if tile & (tile - 1) or sub & (sub - 1) or sub < 16:
         raise ValueError(f"tile and sub must be powers of two (sub >= 16), got tile={tile} sub={sub}")
-    if config["resolved_ranks"] not in RESOLVED_RANKS:
-        raise ValueError(f"resolved_ranks must be one of {RESOLVED_RANKS}, got {config['resolved_ranks']!r}")
     rank_sub = int(config["sub_resolved"])
     rank_tile = _rank_tile(num_flat) if config["tile_resolved"] is None else int(config["tile_resolved"])
     rank_tile = max(rank_tile, rank_sub)
@@ -533,10 +488,6 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     if config["reduce"] not in REDUCES:
         raise ValueError(f"reduce must be one of {REDUCES}, got {config['reduce']!r}")
     reduce = config["reduce"] if count_method == "histogram" else "xla"
-    # "straddling" needs the count of thresholds passed (the guide answers with slots) and loads that a second
-    # pass can add to (per-bin atomics): else the rank kernel.
-    straddling_fits = not guide and count_method == "histogram" and reduce == "atomic"
-    ranks = config["resolved_ranks"] if straddling_fits else "kernel"
     if tables == "shared" and pl.next_power_of_2(log2phy.shape[0] * log2phy.shape[1]) > _MAX_SHARED_TABLE:
         tables = "global"
     if tables == "head" and num_physical >= 0xFFFF:  # slots must fit in 16 bits
@@ -559,42 +510,25 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     params = plgpu.CompilerParams(num_warps=config["num_warps"], num_stages=config["num_stages"])
     whole = pl.no_block_spec
 
-    rank_tiles = pl.cdiv(num_flat, rank_tile)
-
-    def rank_kernel(flags=None):
-        """Every entry's rank in its rank tile (``flags``: only in the flagged tiles) and the tiles' histograms."""
+    if mode == "resolved":
+        rank_tiles = pl.cdiv(num_flat, rank_tile)
         # "memory": the histogram output is flat (each program gathers from and scatters to its own row, of
         # which the first half is the histogram).
         hist_spec = whole if running == "memory" else pl.BlockSpec((1, expert_bins), lambda i: (i, 0))
         hist_shape = (rank_tiles * 2 * expert_bins,) if running == "memory" else (rank_tiles, expert_bins)
-        body = functools.partial(_rank_kernel, num_flat=num_flat, num_logical=num_logical, tile=rank_tile,
-                                 sub=rank_sub, expert_bins=expert_bins, in_step=in_step, running=running,
-                                 barrier=not interpret)
-        if flags is not None:
-            def body(ids_ref, limits_ref, flags_ref, rank_ref, hist_ref, body=body):  # noqa: F811
-                program = pl.program_id(0)  # (interpret mode: not read inside pl.when)
-                pl.when(flags_ref[program] > 0)(lambda: body(ids_ref, limits_ref, rank_ref, hist_ref,
-                                                             program=program))
-        return pl.pallas_call(
-            body,
+        rank, per_tile = pl.pallas_call(
+            functools.partial(_rank_kernel, num_flat=num_flat, num_logical=num_logical, tile=rank_tile,
+                              sub=rank_sub, expert_bins=expert_bins, in_step=in_step, running=running,
+                              barrier=not interpret),
             grid=(rank_tiles,),
-            in_specs=[whole] * (2 if flags is None else 3),
+            in_specs=[whole, whole],
             out_specs=[whole, hist_spec],
             out_shape=[out_struct((num_flat,), jnp.int32), out_struct(hist_shape, jnp.int32)],
             compiler_params=plgpu.CompilerParams(num_warps=int(config["warps_resolved"]),
                                                  num_stages=config["num_stages"]),
             interpret=interpret,
             name="expert_rank",
-        )(ids, limits, *([] if flags is None else [flags]))
-
-    if mode == "resolved" and ranks == "straddling":
-        per_tile = tile_histograms(ids, limits, num_flat=num_flat, num_logical=num_logical, tile=rank_tile,
-                                   expert_bins=expert_bins, num_warps=4, num_stages=config["num_stages"],
-                                   out_struct=out_struct, interpret=interpret)
-        base = _tile_bases(per_tile, config["tile_bases"], num_flat).reshape(-1)
-        rank = per_tile.reshape(-1)  # the first pass reads each pair's count beside its base
-    elif mode == "resolved":
-        rank, per_tile = rank_kernel()
+        )(ids, limits)
         per_tile = per_tile.reshape(rank_tiles, -1)[:, :expert_bins]
         base = _tile_bases(per_tile, config["tile_bases"], num_flat).reshape(-1)
     else:
@@ -602,10 +536,10 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
 
     kernel = functools.partial(
         _map_kernel, mode=mode, num_flat=num_flat, top_k=top_k, num_logical=num_logical, width=width,
-        num_physical=num_physical, bins=bins, expert_bins=expert_bins,
+        num_physical=num_physical, tile=tile, sub=sub, bins=bins, expert_bins=expert_bins,
         rank_tile=rank_tile, count_dtype=count_dtype, do_count=count, count_method=count_method, tables=tables,
         layout=layout, reduce=reduce, linear_search=int(config["linear_search"]), guide=guide,
-        search=search, threshold_layout=threshold_layout)
+        num_tiles=num_tiles, search=search, threshold_layout=threshold_layout)
     # A prepared table is lookup_table's default kind; other kernel options (or slots past 16 bits) rebuild it.
     if lookup is None or (layout, tables) != (DEFAULTS["layout"], DEFAULTS["tables"]):
         lookup = lookup_table(log2phy, logcnt, layout=layout, tables=tables)
@@ -631,39 +565,17 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
         (zeros, _), _ = _join_varying(jnp.zeros(hist_shape, jnp.int32), limits)  # vary like the other inputs
     else:
         zeros = jnp.zeros_like(limits[:1])  # unused
-    unused = jnp.zeros_like(limits[:1])
-
-    def map_pass(ranks, rank, zeros, flags=unused, prior=unused, tile=tile, sub=sub, params=params):
-        """``(phys, loads or partials, flags)`` of one pass of the map kernel; ``flags`` / ``prior`` (and the
-        zeroed loads) are aliased to the outputs where the pass reads them."""
-        aliases = {7: 1} if reduce == "atomic" else {}
-        if ranks in ("straddling", "fixup"):
-            aliases[8] = 2
-        if ranks == "fixup":
-            aliases[9] = 0
-        grid = pl.cdiv(num_flat, tile)
-        return pl.pallas_call(
-            functools.partial(kernel, ranks=ranks, tile=tile, sub=sub, num_tiles=grid),
-            grid=(grid,),
-            in_specs=[whole] * 10,
-            out_specs=[whole, hist_spec, whole],
-            out_shape=[out_struct((num_flat,), jnp.int32), out_struct(hist_shape, partial_dtype),
-                       out_struct(flags.shape, jnp.int32)],
-            input_output_aliases=aliases,
-            compiler_params=params,
-            interpret=interpret,
-            name="map_and_count",
-        )(ids, lookup, thresholds, guide_words, base, rank, limits, zeros, flags, prior)
-
-    if mode == "resolved" and ranks == "straddling":
-        # One flag per rank tile and a spare one (_crossings.flag_tiles), zeroed here.
-        (flags, _), _ = _join_varying(jnp.zeros((rank_tiles + 1,), jnp.int32), limits)
-        first, partial, flags = map_pass("straddling", rank, zeros, flags)
-        rank, _ = rank_kernel(flags)  # ranks in the flagged tiles only
-        phys, partial, _ = map_pass("fixup", rank, partial, flags, first, tile=rank_tile, sub=rank_tile,
-                                    params=plgpu.CompilerParams(num_warps=4, num_stages=config["num_stages"]))
-    else:
-        phys, partial, _ = map_pass("kernel", rank, zeros)
+    phys, partial = pl.pallas_call(
+        kernel,
+        grid=(num_tiles,),
+        in_specs=[whole] * 8,
+        out_specs=[whole, hist_spec],
+        out_shape=[out_struct((num_flat,), jnp.int32), out_struct(hist_shape, partial_dtype)],
+        input_output_aliases={7: 1} if reduce == "atomic" else {},
+        compiler_params=params,
+        interpret=interpret,
+        name="map_and_count",
+    )(ids, lookup, thresholds, guide_words, base, rank, limits, zeros)
     if reduce == "atomic":
         return phys.reshape(num_tokens, top_k), partial
     if count_method == "histogram":  # a row reduction: XLA's column reductions of [num_tiles, P] were 2-3x slower
