@@ -191,7 +191,7 @@ def time_variant(rng, mode, options, count=True, num_tokens=262144, num_physical
     except Exception as e:  # a configuration Triton cannot compile: report and go on
         print(f"  {mode} {options} count={count}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
         return None
-    kernels = ", ".join(f"{name[:24]} {t * 1e6:.2f}" for name, t in list(LAST_KERNELS.items())[:4])
+    kernels = ", ".join(f"{name[:24]} {t * 1e6:.2f}" for name, t in list(LAST_KERNELS.items())[:6])
     print(f"  T={num_tokens:<7} P={num_physical} {mode:<11} {str(options):<62} count={count!s:<5} "
           f"{seconds * 1e6:8.2f} us  [{kernels}]", flush=True)
     return seconds
@@ -216,18 +216,17 @@ def pallas_copy(x, block=2048, num_warps=4):
 
 
 SWEEP = [  # (mode, T, P, options): T x 8 entries; the defaults first in each group; "count": False skips counting
-    # Ninth session's defaults (thresholds read expert-major as built, no guide, rank-tile sums as a product up
-    # to 256 tiles) against what they replaced, on the same draws: the replica-major copy, the guide, the cumsum.
-    ("shares", 262144, 288, {}), ("shares", 262144, 288, {"threshold_layout": "replica_major"}),
-    ("shares", 262144, 512, {}), ("shares", 262144, 512, {"guide": 4}),
-    ("resolved", 262144, 288, {}), ("resolved", 262144, 288, {"guide": 8}),
-    ("resolved", 262144, 512, {}), ("resolved", 262144, 512, {"threshold_layout": "replica_major"}),
-    ("resolved", 262144, 512, {"guide": 8}),
-    ("shares", 65536, 512, {}), ("shares", 65536, 512, {"threshold_layout": "replica_major"}),
-    ("resolved", 65536, 512, {}), ("resolved", 65536, 512, {"threshold_layout": "replica_major"}),
-    ("shares", 4096, 512, {}), ("shares", 4096, 512, {"threshold_layout": "replica_major"}),
-    ("resolved", 4096, 288, {}), ("resolved", 4096, 288, {"tile_bases": "cumsum"}),
-    ("resolved", 4096, 512, {}), ("resolved", 4096, 512, {"tile_bases": "cumsum"}),
+    # Tenth session: the rank kernel's tile (its chain of 32-entry steps is latency-bound: shorter chains, more
+    # tiles to sum) on the same draws.
+    ("resolved", 262144, 288, {}), ("resolved", 262144, 288, {"tile_resolved": 512}),
+    ("resolved", 262144, 288, {"tile_resolved": 256}),
+    ("resolved", 262144, 512, {}), ("resolved", 262144, 512, {"tile_resolved": 512}),
+    ("resolved", 262144, 512, {"tile_resolved": 256}),
+    ("resolved", 65536, 512, {}), ("resolved", 65536, 512, {"tile_resolved": 128}),
+    ("resolved", 65536, 512, {"tile_resolved": 512}),
+    ("resolved", 4096, 288, {}), ("resolved", 4096, 288, {"tile_resolved": 128}),
+    ("resolved", 4096, 512, {}), ("resolved", 4096, 512, {"tile_resolved": 128}),
+    ("resolved", 4096, 512, {"tile_resolved": 64}),
 ]
 
 

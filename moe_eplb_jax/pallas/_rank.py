@@ -43,6 +43,9 @@ __all__ = []
 # resolved, rank kernel (H200, benchmarks/RESULTS.md): one-warp programs of 32-entry steps ([32, 32] compares);
 # rank tiles of 1024 entries at 262144 x 8 (71 us in all vs 139 with 2048-entry tiles, 64-entry steps, 2 warps),
 # 256 at 8192 x 8 (15.8 us vs 45 with 2048): a program's time grows with its tile, so small inputs take small tiles.
+# Tenth session, same draws: 512-entry tiles at 262144 x 8 50.8 vs 51.2 us (P = 288), 58.7 vs 58.6 (P = 512) -- the
+# rank kernel 20.4 vs 24.6 but XLA's cumsum over twice the tiles 6.8 vs 3.8; 128 at 4096 x 8 within 0.3 us: kept.
+# Ranking only the tiles where a quota threshold falls inside a (tile, expert) pair was slower (RESULTS.md).
 _SUB_RESOLVED = 32
 _WARPS_RESOLVED = 1
 _MIN_TILE_RESOLVED, _MAX_TILE_RESOLVED = 256, 1024
