@@ -216,17 +216,14 @@ def pallas_copy(x, block=2048, num_warps=4):
 
 
 SWEEP = [  # (mode, T, P, options): T x 8 entries; the defaults first in each group; "count": False skips counting
-    # Tenth session: the rank kernel's tile (its chain of 32-entry steps is latency-bound: shorter chains, more
-    # tiles to sum) on the same draws.
-    ("resolved", 262144, 288, {}), ("resolved", 262144, 288, {"tile_resolved": 512}),
-    ("resolved", 262144, 288, {"tile_resolved": 256}),
-    ("resolved", 262144, 512, {}), ("resolved", 262144, 512, {"tile_resolved": 512}),
-    ("resolved", 262144, 512, {"tile_resolved": 256}),
-    ("resolved", 65536, 512, {}), ("resolved", 65536, 512, {"tile_resolved": 128}),
-    ("resolved", 65536, 512, {"tile_resolved": 512}),
-    ("resolved", 4096, 288, {}), ("resolved", 4096, 288, {"tile_resolved": 128}),
-    ("resolved", 4096, 512, {}), ("resolved", 4096, 512, {"tile_resolved": 128}),
-    ("resolved", 4096, 512, {"tile_resolved": 64}),
+    ("resolved", 262144, 288, {}), ("resolved", 262144, 288, {"rank_chains": 2}),
+    ("resolved", 262144, 288, {"rank_chains": 4}), ("resolved", 262144, 288, {"rank_chains": 4, "tile_resolved": 2048}),
+    ("resolved", 262144, 288, {"rank_chains": 8, "tile_resolved": 2048}),
+    ("resolved", 262144, 288, {"rank_chains": 8, "tile_resolved": 4096}),
+    ("resolved", 262144, 512, {}), ("resolved", 262144, 512, {"rank_chains": 4}),
+    ("resolved", 262144, 512, {"rank_chains": 8, "tile_resolved": 2048}),
+    ("resolved", 4096, 512, {}), ("resolved", 4096, 512, {"rank_chains": 2}), ("resolved", 4096, 512, {"rank_chains": 4}),
+    ("resolved", 4096, 512, {"rank_chains": 4, "tile_resolved": 512}),
 ]
 
 

@@ -114,13 +114,17 @@ def _rank_step_ids(ids_ref, program, index, tile, sub, num_flat, num_logical, ra
 
 
 def _rank_kernel(ids_ref, limits_ref, rank_ref, hist_ref, *, num_flat, num_logical, tile, sub, expert_bins,
-                 in_step, running, barrier):
+                 in_step, running, barrier, chains=1):
     """Each entry's rank among the earlier quota-consuming entries of its expert in this program's tile,
     and the tile's histogram of those entries."""
     program = pl.program_id(0)
     rank_limit = limits_ref[1]
     iota = jax.lax.broadcasted_iota
     earlier_position = iota(jnp.int32, (sub, sub), 1) < iota(jnp.int32, (sub, sub), 0)
+    if chains > 1:
+        return _rank_in_chains(program, ids_ref, rank_limit, rank_ref, hist_ref, num_flat=num_flat,
+                               num_logical=num_logical, tile=tile, sub=sub, expert_bins=expert_bins, chains=chains,
+                               barrier=barrier)
     if running == "memory":
         return _rank_in_memory(program, ids_ref, rank_limit, rank_ref, hist_ref, num_flat=num_flat,
                                num_logical=num_logical, tile=tile, sub=sub, expert_bins=expert_bins,
@@ -179,3 +183,68 @@ def _rank_in_memory(program, ids_ref, rank_limit, rank_ref, hist_ref, *, num_fla
         return carry
 
     jax.lax.fori_loop(0, tile // sub, step, jnp.int32(0))
+
+
+def _rank_in_chains(program, ids_ref, rank_limit, rank_ref, hist_ref, *, num_flat, num_logical, tile, sub,
+                    expert_bins, chains, barrier):
+    """``_rank_in_memory`` with ``chains`` warps each ranking its own ``tile / chains`` entries (a shorter chain of
+    steps), then one pass adding the earlier chains' counts. Rows of ``2 * E_pad`` per chain; the program's first
+    row ends up holding the tile's histogram. EXPERIMENT."""
+    row_size = 2 * expert_bins
+    region = program * chains * row_size
+    span = tile // chains
+    iota = jax.lax.broadcasted_iota
+    chain = iota(jnp.int32, (chains, sub), 0)
+    lane = iota(jnp.int32, (chains, sub), 1)
+    row = region + chain * row_size
+    rows = region + iota(jnp.int32, (chains, expert_bins), 0) * row_size + iota(jnp.int32, (chains, expert_bins), 1)
+    plgpu.store(hist_ref.at[rows], jnp.zeros((chains, expert_bins), jnp.int32))
+    if barrier:
+        plgpu.debug_barrier()
+
+    def flat_ids(index):
+        flat = program * tile + chain * span + index * sub + lane
+        inside = flat < num_flat
+        ids = plgpu.load(ids_ref.at[flat], mask=inside, other=-1)
+        rank_valid = (ids >= 0) & (ids < num_logical) & (flat < rank_limit)
+        return flat, inside, rank_valid, jnp.where(rank_valid, ids, -1)
+
+    def step(index, carry):
+        flat, inside, rank_valid, e_bins = flat_ids(index)
+        at = row + jnp.where(rank_valid, e_bins, expert_bins)
+        earlier = plgpu.load(hist_ref.at[at], mask=rank_valid, other=0)
+        if barrier:  # compiled: one row per warp, one entry per lane
+            before, same = _warp_aggregate(e_bins)
+        else:
+            equal = e_bins[:, :, None] == e_bins[:, None, :]
+            earlier_lane = iota(jnp.int32, (chains, sub, sub), 2) < iota(jnp.int32, (chains, sub, sub), 1)
+            before = jnp.sum((equal & earlier_lane).astype(jnp.int32), axis=2)
+            same = jnp.sum(equal.astype(jnp.int32), axis=2)
+        plgpu.store(rank_ref.at[flat], earlier + before, mask=inside)
+        plgpu.store(hist_ref.at[at], earlier + same, mask=rank_valid)
+        if barrier:
+            plgpu.debug_barrier()
+        return carry
+
+    jax.lax.fori_loop(0, span // sub, step, jnp.int32(0))
+    counts = plgpu.load(hist_ref.at[rows])
+    prefix = jnp.cumsum(counts, axis=0) - counts
+    total = jnp.sum(counts, axis=0)
+    if barrier:
+        plgpu.debug_barrier()
+    plgpu.store(hist_ref.at[rows], prefix)
+    if barrier:
+        plgpu.debug_barrier()
+
+    def add(index, carry):
+        flat, inside, rank_valid, e_bins = flat_ids(index)
+        later = rank_valid & (chain > 0)
+        extra = plgpu.load(hist_ref.at[row + jnp.where(later, e_bins, expert_bins)], mask=later, other=0)
+        rank = plgpu.load(rank_ref.at[flat], mask=later, other=0)
+        plgpu.store(rank_ref.at[flat], rank + extra, mask=later)
+        return carry
+
+    jax.lax.fori_loop(0, span // sub, add, jnp.int32(0))
+    if barrier:
+        plgpu.debug_barrier()
+    plgpu.store(hist_ref.at[pl.ds(region, expert_bins)], total)

@@ -310,7 +310,8 @@ DEFAULTS = {"tile": None, "sub": _SUB, "tile_resolved": None, "sub_resolved": _S
             "warps_resolved": _WARPS_RESOLVED, "num_warps": 4, "num_stages": 3,
             "count_dtype": "int8", "count_method": "histogram", "tables": "head", "layout": "replica_major",
             "reduce": "atomic", "rank_in_step": "match", "linear_search": _LINEAR_SEARCH, "guide": 0,
-            "rank_running": "memory", "search": None, "tile_bases": "matmul", "threshold_layout": "expert_major"}
+            "rank_running": "memory", "search": None, "tile_bases": "matmul", "threshold_layout": "expert_major",
+            "rank_chains": 1}
 # How the kernel counts: "histogram" (tt.histogram per loop step: warp ballots + popc, shared-memory atomics
 # across warps; also in interpret mode, as jnp), "onehot" (factorised one-hot products on the tensor cores),
 # "atomic" (one global atomic add per entry into the program's row of counters), "atomic_warp" (atomics
@@ -514,17 +515,21 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
         rank_tiles = pl.cdiv(num_flat, rank_tile)
         # "memory": the histogram output is flat (each program gathers from and scatters to its own row, of
         # which the first half is the histogram).
+        chains = int(config["rank_chains"])
+        if chains > 1:
+            running = "memory"
         hist_spec = whole if running == "memory" else pl.BlockSpec((1, expert_bins), lambda i: (i, 0))
-        hist_shape = (rank_tiles * 2 * expert_bins,) if running == "memory" else (rank_tiles, expert_bins)
+        hist_shape = ((rank_tiles * chains * 2 * expert_bins,) if running == "memory"
+                      else (rank_tiles, expert_bins))
         rank, per_tile = pl.pallas_call(
             functools.partial(_rank_kernel, num_flat=num_flat, num_logical=num_logical, tile=rank_tile,
                               sub=rank_sub, expert_bins=expert_bins, in_step=in_step, running=running,
-                              barrier=not interpret),
+                              barrier=not interpret, chains=chains),
             grid=(rank_tiles,),
             in_specs=[whole, whole],
             out_specs=[whole, hist_spec],
             out_shape=[out_struct((num_flat,), jnp.int32), out_struct(hist_shape, jnp.int32)],
-            compiler_params=plgpu.CompilerParams(num_warps=int(config["warps_resolved"]),
+            compiler_params=plgpu.CompilerParams(num_warps=max(chains, int(config["warps_resolved"])),
                                                  num_stages=config["num_stages"]),
             interpret=interpret,
             name="expert_rank",
