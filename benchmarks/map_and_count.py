@@ -216,14 +216,15 @@ def pallas_copy(x, block=2048, num_warps=4):
 
 
 SWEEP = [  # (mode, T, P, options): T x 8 entries; the defaults first in each group; "count": False skips counting
-    ("resolved", 262144, 288, {}), ("resolved", 262144, 288, {"rank_chains": 2}),
-    ("resolved", 262144, 288, {"rank_chains": 4}), ("resolved", 262144, 288, {"rank_chains": 4, "tile_resolved": 2048}),
-    ("resolved", 262144, 288, {"rank_chains": 8, "tile_resolved": 2048}),
-    ("resolved", 262144, 288, {"rank_chains": 8, "tile_resolved": 4096}),
-    ("resolved", 262144, 512, {}), ("resolved", 262144, 512, {"rank_chains": 4}),
-    ("resolved", 262144, 512, {"rank_chains": 8, "tile_resolved": 2048}),
-    ("resolved", 4096, 512, {}), ("resolved", 4096, 512, {"rank_chains": 2}), ("resolved", 4096, 512, {"rank_chains": 4}),
-    ("resolved", 4096, 512, {"rank_chains": 4, "tile_resolved": 512}),
+    # Tenth session: the rank kernel's tile (its chain of 32-entry steps is latency-bound: shorter chains, more
+    # tiles to sum) and its chains per program (rank_chains: warps each ranking a part of the tile; default 4 up
+    # to 256 tiles, else 1) on the same draws.
+    ("resolved", 262144, 288, {}), ("resolved", 262144, 288, {"tile_resolved": 512}),
+    ("resolved", 262144, 288, {"rank_chains": 4}), ("resolved", 262144, 288, {"rank_chains": 8, "tile_resolved": 4096}),
+    ("resolved", 262144, 512, {}), ("resolved", 262144, 512, {"tile_resolved": 512}),
+    ("resolved", 65536, 512, {}), ("resolved", 65536, 512, {"rank_chains": 4, "tile_resolved": 1024}),
+    ("resolved", 4096, 288, {}), ("resolved", 4096, 288, {"rank_chains": 1}), ("resolved", 4096, 288, {"rank_chains": 2}),
+    ("resolved", 4096, 512, {}), ("resolved", 4096, 512, {"rank_chains": 1}), ("resolved", 4096, 512, {"rank_chains": 8}),
 ]
 
 

@@ -348,8 +348,11 @@ def test_feeds_eplb_state_record(rng):
                                      {"reduce": "atomic", "tile": 128, "sub": 64},
                                      {"reduce": "atomic", "layout": "replica_major", "tables": "shared"},
                                      {"linear_search": 16}, {"linear_search": 3, "layout": "expert_major"},
-                                     {"rank_running": "registers"},
-                                     {"rank_running": "memory", "tile_resolved": 256, "sub_resolved": 64},
+                                     {"rank_running": "registers", "rank_chains": 1},
+                                     {"rank_running": "memory", "tile_resolved": 256, "sub_resolved": 64,
+                                      "rank_chains": 1},
+                                     {"rank_chains": 2}, {"rank_chains": 4, "tile_resolved": 512},
+                                     {"rank_chains": 8, "tile_resolved": 256, "sub_resolved": 32},
                                      {"search": "while"}, {"search": "while", "linear_search": 2},
                                      {"guide": 1}, {"guide": 16, "search": "unrolled"}, {"guide": 0},
                                      {"guide": 4, "tables": "global"}, {"tile_bases": "matmul"},
@@ -385,6 +388,10 @@ def test_kernel_options_match_reference(options, mode, rng):
         with pytest.raises(ValueError, match=f"{name} must be one of"):
             _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode,
                                          **{name: value})
+    if mode == "resolved":
+        with pytest.raises(ValueError, match="rank_chains must be a power of two"):
+            _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode,
+                                         rank_chains=3)
     with pytest.raises(ValueError, match="linear_search must be >= 0"):
         _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode,
                                      linear_search=-1)
@@ -415,12 +422,13 @@ def test_kernel_options_match_reference(options, mode, rng):
     threshold_layout=st.sampled_from(["expert_major", "replica_major"]),
     tile_bases=st.sampled_from(["matmul", "cumsum"]),
     rank_running=st.sampled_from(["registers", "memory"]),
+    rank_chains=st.sampled_from([None, 1, 2]),
     search=st.sampled_from([None, "unrolled", "while"]),
     seed=st.integers(0, 2**31),
 )
 def test_kernel_option_combinations_match_reference(num_tokens, top_k, num_logical, extra_slots, mode, layout,
                                                     reduce, tables, linear_search, guide, threshold_layout,
-                                                    tile_bases, rank_running, search, seed):
+                                                    tile_bases, rank_running, rank_chains, search, seed):
     """Any combination of the kernel's layout / reduction / lookup / search / rank options gives the reference's
     ids and loads (Pallas in interpret mode on CPU, compiled on GPU)."""
     from moe_eplb_jax.pallas import _reference, _triton
@@ -442,7 +450,8 @@ def test_kernel_option_combinations_match_reference(num_tokens, top_k, num_logic
     got = _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=num_physical,
                                        mode=mode, layout=layout, reduce=reduce, tables=tables,
                                        linear_search=linear_search, guide=guide, threshold_layout=threshold_layout,
-                                       tile_bases=tile_bases, rank_running=rank_running, search=search,
+                                       tile_bases=tile_bases, rank_running=rank_running, rank_chains=rank_chains,
+                                       search=search,
                                        interpret=jax.default_backend() != "gpu")
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
@@ -632,7 +641,7 @@ def test_pallas_kernels_lower_to_triton_ir(h100_lowering):
                 for m in ("shares", "resolved") for t in _triton.TABLES]
              + [("shares", {"guide": 4}), ("resolved", {"guide": 8, "search": "unrolled"}),
                 ("shares", {"search": "unrolled"}), ("resolved", {"search": "while", "guide": 0}),
-                ("resolved", {"rank_running": "registers"}),
+                ("resolved", {"rank_running": "registers", "rank_chains": 1}), ("resolved", {"rank_chains": 2}),
                 ("resolved", {"rank_running": "memory", "sub_resolved": 64, "warps_resolved": 2})])
     for mode, options in cases:
 
@@ -700,7 +709,8 @@ def test_gpu_kernel_matches_reference(mode, shape, rng):
     {"reduce": "atomic", "layout": "expert_major", "tables": "global"}, {"rank_in_step": "match"},
     {"rank_in_step": "match", "reduce": "atomic", "layout": "replica_major"}, {"linear_search": 16},
     {"linear_search": 4}, {"guide": 0}, {"guide": 1}, {"guide": 16, "search": "unrolled"},
-    {"rank_running": "registers"}, {"rank_running": "memory", "rank_in_step": "compare"}],
+    {"rank_running": "registers", "rank_chains": 1}, {"rank_running": "memory", "rank_in_step": "compare"},
+    {"rank_chains": 1}, {"rank_chains": 2}, {"rank_chains": 4}],
     ids=lambda o: "-".join(map(str, o.values())))
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("shape", [(1, 1, 8, 8), (333, 6, 512, 519), (65536, 8, 256, 288)],

@@ -187,9 +187,11 @@ def _rank_in_memory(program, ids_ref, rank_limit, rank_ref, hist_ref, *, num_fla
 
 def _rank_in_chains(program, ids_ref, rank_limit, rank_ref, hist_ref, *, num_flat, num_logical, tile, sub,
                     expert_bins, chains, barrier):
-    """``_rank_in_memory`` with ``chains`` warps each ranking its own ``tile / chains`` entries (a shorter chain of
-    steps), then one pass adding the earlier chains' counts. Rows of ``2 * E_pad`` per chain; the program's first
-    row ends up holding the tile's histogram. EXPERIMENT."""
+    """``_rank_in_memory`` with ``chains`` warps, each ranking its own ``tile / chains`` consecutive entries in a
+    chain of steps that many times shorter, then one pass adding to each entry the counts of its expert in the
+    earlier chains. A step is ``[chains, sub]``: one row per warp, one entry per lane for ``match.any`` (the
+    compiled kernel checks it against the reference in the tests; interpret mode: a pairwise compare). Each chain
+    counts in its own row of ``2 * E_pad``; the program's first row ends with the tile's histogram."""
     row_size = 2 * expert_bins
     region = program * chains * row_size
     span = tile // chains

@@ -311,7 +311,7 @@ DEFAULTS = {"tile": None, "sub": _SUB, "tile_resolved": None, "sub_resolved": _S
             "count_dtype": "int8", "count_method": "histogram", "tables": "head", "layout": "replica_major",
             "reduce": "atomic", "rank_in_step": "match", "linear_search": _LINEAR_SEARCH, "guide": 0,
             "rank_running": "memory", "search": None, "tile_bases": "matmul", "threshold_layout": "expert_major",
-            "rank_chains": 1}
+            "rank_chains": None}
 # How the kernel counts: "histogram" (tt.histogram per loop step: warp ballots + popc, shared-memory atomics
 # across warps; also in interpret mode, as jnp), "onehot" (factorised one-hot products on the tensor cores),
 # "atomic" (one global atomic add per entry into the program's row of counters), "atomic_warp" (atomics
@@ -515,7 +515,14 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
         rank_tiles = pl.cdiv(num_flat, rank_tile)
         # "memory": the histogram output is flat (each program gathers from and scatters to its own row, of
         # which the first half is the histogram).
-        chains = int(config["rank_chains"])
+        chains = config["rank_chains"]
+        # Few rank tiles (decode sizes): each program's one-warp chain of steps is the critical path, so four
+        # warps split it (4096 x 8, P = 512: rank kernel 2.62 vs 3.96 us). Many tiles: no gain (262144 x 8: 35.0
+        # vs 24.8 with 4 chains; the GPU is busy anyway).
+        chains = (4 if rank_tiles <= 256 else 1) if chains is None else int(chains)
+        if chains < 1 or chains & (chains - 1) or rank_tile // chains < rank_sub:
+            raise ValueError(f"rank_chains must be a power of two with tile_resolved / rank_chains >= sub_resolved, "
+                             f"got {chains} for tiles of {rank_tile} and steps of {rank_sub}")
         if chains > 1:
             running = "memory"
         hist_spec = whole if running == "memory" else pl.BlockSpec((1, expert_bins), lambda i: (i, 0))
