@@ -419,6 +419,8 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     loop that ends when every lane of the block has converged, ``"unrolled"``:
     all ``bit_length(S)`` steps, masked; ``None``: ``"while"`` for ``shares``
     and with the guide, else ``"unrolled"``, the faster of each on an H200);
+    ``rank_chains`` how many warps of a rank program each rank their own
+    part of its tile (``None``: 4 up to 256 rank tiles, else 1);
     ``tile_bases`` how ``resolved`` sums its rank tiles' histograms
     (:func:`_tile_bases`); ``threshold_layout`` how the search reads the thresholds
     (:data:`LAYOUTS`; always expert-major with the guide). For large
@@ -519,7 +521,9 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
         # Few rank tiles (decode sizes): each program's one-warp chain of steps is the critical path, so four
         # warps split it (4096 x 8, P = 512: rank kernel 2.62 vs 3.96 us). Many tiles: no gain (262144 x 8: 35.0
         # vs 24.8 with 4 chains; the GPU is busy anyway).
-        chains = (4 if rank_tiles <= 256 else 1) if chains is None else int(chains)
+        if chains is None:  # as many of the 4 as leave each chain whole steps
+            chains = max(1, min(4, rank_tile // rank_sub)) if rank_tiles <= 256 else 1
+        chains = int(chains)
         if chains < 1 or chains & (chains - 1) or rank_tile // chains < rank_sub:
             raise ValueError(f"rank_chains must be a power of two with tile_resolved / rank_chains >= sub_resolved, "
                              f"got {chains} for tiles of {rank_tile} and steps of {rank_sub}")
