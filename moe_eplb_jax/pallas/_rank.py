@@ -215,7 +215,7 @@ def _rank_in_chains(program, ids_ref, rank_limit, rank_ref, hist_ref, *, num_fla
         flat, inside, rank_valid, e_bins = flat_ids(index)
         at = row + jnp.where(rank_valid, e_bins, expert_bins)
         earlier = plgpu.load(hist_ref.at[at], mask=rank_valid, other=0)
-        if barrier:  # compiled: one row per warp, one entry per lane
+        if barrier and sub == 32:  # compiled 32-entry rows: one row per warp, one entry per lane
             before, same = _warp_aggregate(e_bins)
         else:
             equal = e_bins[:, :, None] == e_bins[:, None, :]

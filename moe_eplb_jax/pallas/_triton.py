@@ -522,7 +522,8 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
         # warps split it (4096 x 8, P = 512: rank kernel 2.62 vs 3.96 us). Many tiles: no gain (262144 x 8: 35.0
         # vs 24.8 with 4 chains; the GPU is busy anyway).
         if chains is None:  # as many of the 4 as leave each chain whole steps
-            chains = max(1, min(4, rank_tile // rank_sub)) if rank_tiles <= 256 else 1
+            # (match.any needs 32-entry steps: other steps keep one chain)
+            chains = max(1, min(4, rank_tile // rank_sub)) if rank_tiles <= 256 and rank_sub == 32 else 1
         chains = int(chains)
         if chains < 1 or chains & (chains - 1) or rank_tile // chains < rank_sub:
             raise ValueError(f"rank_chains must be a power of two with tile_resolved / rank_chains >= sub_resolved, "
