@@ -420,7 +420,9 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     all ``bit_length(S)`` steps, masked; ``None``: ``"while"`` for ``shares``
     and with the guide, else ``"unrolled"``, the faster of each on an H200);
     ``rank_chains`` how many warps of a rank program each rank their own
-    part of its tile (``None``: 4 up to 256 rank tiles, else 1);
+    part of its tile (``None``: up to 4 where there are at most 256 rank
+    tiles and 32-entry steps, else 1; more than 1 implies
+    ``rank_running="memory"`` and, for compiled 32-entry steps, ``match.any``);
     ``tile_bases`` how ``resolved`` sums its rank tiles' histograms
     (:func:`_tile_bases`); ``threshold_layout`` how the search reads the thresholds
     (:data:`LAYOUTS`; always expert-major with the guide). For large
@@ -515,8 +517,6 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
 
     if mode == "resolved":
         rank_tiles = pl.cdiv(num_flat, rank_tile)
-        # "memory": the histogram output is flat (each program gathers from and scatters to its own row, of
-        # which the first half is the histogram).
         chains = config["rank_chains"]
         # Few rank tiles (decode sizes): each program's one-warp chain of steps is the critical path, so four
         # warps split it (4096 x 8, P = 512: rank kernel 2.62 vs 3.96 us). Many tiles: no gain (262144 x 8: 35.0
@@ -528,8 +528,10 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
         if chains < 1 or chains & (chains - 1) or rank_tile // chains < rank_sub:
             raise ValueError(f"rank_chains must be a power of two with tile_resolved / rank_chains >= sub_resolved, "
                              f"got {chains} for tiles of {rank_tile} and steps of {rank_sub}")
-        if chains > 1:
+        if chains > 1:  # chains always count in memory, and compiled 32-entry steps always use match.any
             running = "memory"
+        # "memory": the histogram output is flat (each program gathers from and scatters to its own rows, the
+        # first of which ends with the histogram).
         hist_spec = whole if running == "memory" else pl.BlockSpec((1, expert_bins), lambda i: (i, 0))
         hist_shape = ((rank_tiles * chains * 2 * expert_bins,) if running == "memory"
                       else (rank_tiles, expert_bins))
