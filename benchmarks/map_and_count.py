@@ -216,15 +216,25 @@ def pallas_copy(x, block=2048, num_warps=4):
 
 
 SWEEP = [  # (mode, T, P, options): T x 8 entries; the defaults first in each group; "count": False skips counting
-    # Tenth session: the rank kernel's tile (its chain of 32-entry steps is latency-bound: shorter chains, more
-    # tiles to sum) and its chains per program (rank_chains: warps each ranking a part of the tile; default 4 up
-    # to 256 tiles, else 1) on the same draws.
-    ("resolved", 262144, 288, {}), ("resolved", 262144, 288, {"tile_resolved": 512}),
-    ("resolved", 262144, 288, {"rank_chains": 4}), ("resolved", 262144, 288, {"rank_chains": 8, "tile_resolved": 4096}),
-    ("resolved", 262144, 512, {}), ("resolved", 262144, 512, {"tile_resolved": 512}),
-    ("resolved", 65536, 512, {}), ("resolved", 65536, 512, {"rank_chains": 4, "tile_resolved": 1024}),
-    ("resolved", 4096, 288, {}), ("resolved", 4096, 288, {"rank_chains": 1}), ("resolved", 4096, 288, {"rank_chains": 2}),
-    ("resolved", 4096, 512, {}), ("resolved", 4096, 512, {"rank_chains": 1}), ("resolved", 4096, 512, {"rank_chains": 8}),
+    # Eleventh session: resolved by boundary positions (default) against ranks; the position tile, the tile-count
+    # kernel's steps, warps and layout, the boundary kernel's lanes, scan and warps.
+    ("resolved", 262144, 288, {}), ("resolved", 262144, 288, {"resolved_by": "ranks"}),
+    ("resolved", 262144, 288, {"counts_layout": "expert_major"}),
+    ("resolved", 262144, 288, {"position_lanes": 4}), ("resolved", 262144, 288, {"position_lanes": 16}),
+    ("resolved", 262144, 288, {"position_scan": 512}), ("resolved", 262144, 288, {"position_scan": 2048}),
+    ("resolved", 262144, 288, {"boundary_warps": 8}),
+    ("resolved", 262144, 288, {"position_sub": 4096, "position_warps": 8}),
+    ("resolved", 262144, 288, {"position_tile": 2048, "position_sub": 2048, "position_warps": 8}),
+    ("resolved", 262144, 512, {}), ("resolved", 262144, 512, {"resolved_by": "ranks"}),
+    ("resolved", 262144, 512, {"position_lanes": 16}), ("resolved", 262144, 512, {"boundary_warps": 8}),
+    ("resolved", 262144, 512, {"position_sub": 4096, "position_warps": 8}),
+    ("resolved", 65536, 512, {}), ("resolved", 65536, 512, {"resolved_by": "ranks"}),
+    ("resolved", 65536, 512, {"position_lanes": 16}), ("resolved", 65536, 512, {"position_tile": 2048}),
+    ("resolved", 4096, 288, {}), ("resolved", 4096, 288, {"resolved_by": "ranks"}),
+    ("resolved", 4096, 288, {"position_lanes": 16}), ("resolved", 4096, 288, {"position_tile": 512}),
+    ("resolved", 4096, 288, {"position_warps": 1}), ("resolved", 4096, 288, {"boundary_warps": 8}),
+    ("resolved", 4096, 512, {}), ("resolved", 4096, 512, {"resolved_by": "ranks"}),
+    ("resolved", 4096, 512, {"position_lanes": 16}), ("resolved", 4096, 512, {"position_lanes": 32}),
 ]
 
 

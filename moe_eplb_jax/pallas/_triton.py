@@ -54,6 +54,7 @@ from jax.experimental.pallas import triton as plgpu
 from moe_eplb_jax.pallas import _guide
 from moe_eplb_jax.pallas._rank import (_SUB_RESOLVED, _WARPS_RESOLVED, _rank_kernel, _rank_tile,
                                        _warp_aggregate)
+from moe_eplb_jax.pallas._positions import boundary_positions
 from moe_eplb_jax.pallas._reference import GOLDEN
 from moe_eplb_jax.pallas._search import _LINEAR_SEARCH, _count_passed
 from moe_eplb_jax.pallas._triton_ops import atomic_add_int, histogram, take
@@ -124,7 +125,7 @@ def _flat_index(layout, num_logical, width):
 def _map_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, base_ref, rank_ref, limits_ref, zeros_ref, phys_ref,
                 hist_ref, *, mode, num_flat, top_k, num_logical, width, num_physical, tile, sub, bins, expert_bins,
                 rank_tile, count_dtype, do_count, count_method, tables, layout, reduce, linear_search, guide,
-                num_tiles, search, threshold_layout):
+                num_tiles, search, threshold_layout, by_positions):
     """``tables_ref`` is :func:`lookup_table`'s: per-expert counts (or head entries) at ``[0, E)``, then ``log2phy``
     at ``[E, E + E * S)``, in ``layout``; ``thresholds_ref`` the ``[E, S]`` thresholds, expert-major with the guide
     (a bucket's few thresholds lie side by side), else in ``threshold_layout``."""
@@ -182,6 +183,8 @@ def _map_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, base_ref, rank_r
         else:
             if mode == "shares":
                 point = (hashed >> 8).astype(jnp.int32)
+            elif by_positions:  # resolved, thresholds = boundary positions (_positions.py): the flat index
+                point = jnp.where(flat < rank_limit, flat, _INT32_MAX)
             else:  # resolved: the rank among this expert's entries = earlier rank tiles + inside its rank tile
                 # Lanes past the end (masked everywhere else) clamped too: this gather is not masked.
                 before = base_ref[jax.lax.div(jnp.minimum(flat, num_flat - 1), rank_tile) * expert_bins + expert]
@@ -311,7 +314,9 @@ DEFAULTS = {"tile": None, "sub": _SUB, "tile_resolved": None, "sub_resolved": _S
             "count_dtype": "int8", "count_method": "histogram", "tables": "head", "layout": "replica_major",
             "reduce": "atomic", "rank_in_step": "match", "linear_search": _LINEAR_SEARCH, "guide": 0,
             "rank_running": "memory", "search": None, "tile_bases": "matmul", "threshold_layout": "expert_major",
-            "rank_chains": None}
+            "rank_chains": None, "resolved_by": "positions", "position_tile": None, "position_lanes": None,
+            "position_sub": None, "position_scan": None, "position_warps": 4, "boundary_warps": 4,
+            "counts_layout": "tile_major"}
 # How the kernel counts: "histogram" (tt.histogram per loop step: warp ballots + popc, shared-memory atomics
 # across warps; also in interpret mode, as jnp), "onehot" (factorised one-hot products on the tensor cores),
 # "atomic" (one global atomic add per entry into the program's row of counters), "atomic_warp" (atomics
@@ -437,7 +442,11 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     num_tokens, top_k = topk_ids.shape
     num_logical, width = log2phy.shape
     num_flat = num_tokens * top_k
-    guide = _guide_factor({**DEFAULTS, **config}, mode, num_logical, width, num_physical)
+    by_positions = mode == "resolved" and {**DEFAULTS, **config}["resolved_by"] == "positions"
+    if {**DEFAULTS, **config}["resolved_by"] not in ("positions", "ranks"):
+        raise ValueError(f"resolved_by must be 'positions' or 'ranks', got {config['resolved_by']!r}")
+    # The guide's buckets cut the rank range: no guide over positions.
+    guide = 0 if by_positions else _guide_factor({**DEFAULTS, **config}, mode, num_logical, width, num_physical)
     large = next((options for least, options in LARGE_OPTIONS.get(mode, ()) if num_flat >= least), {})
     if guide and large:
         large = {**large, **_GUIDED}
@@ -466,7 +475,7 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     # shares: the block's loop stops once all its lanes converged (most entries search little); resolved's points
     # spread over the whole row, and there the fixed unrolled steps were faster (H200, benchmarks/RESULTS.md);
     # with the guide few entries search, one or two steps: the loop.
-    search = config["search"] or ("while" if mode == "shares" or guide else "unrolled")
+    search = config["search"] or ("while" if mode == "shares" or guide or by_positions else "unrolled")
     if config["rank_running"] not in ("registers", "memory"):
         raise ValueError(f"rank_running must be 'registers' or 'memory', got {config['rank_running']!r}")
     running = config["rank_running"]
@@ -515,7 +524,15 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     params = plgpu.CompilerParams(num_warps=config["num_warps"], num_stages=config["num_stages"])
     whole = pl.no_block_spec
 
-    if mode == "resolved":
+    if by_positions:  # the thresholds become their boundary positions
+        thresholds = boundary_positions(
+            ids, thresholds.reshape(-1), limits, logcnt, num_logical=num_logical, width=width,
+            expert_bins=expert_bins, tile=config["position_tile"], lanes=config["position_lanes"],
+            sub=config["position_sub"], scan=config["position_scan"], count_warps=config["position_warps"],
+            num_warps=config["boundary_warps"], layout=config["counts_layout"], interpret=interpret,
+            out_struct=out_struct).reshape(num_logical, width)
+        base = rank = jnp.zeros_like(limits[:1])  # unused
+    elif mode == "resolved":
         rank_tiles = pl.cdiv(num_flat, rank_tile)
         chains = config["rank_chains"]
         # Few rank tiles (decode sizes): each program's one-warp chain of steps is the critical path, so four
@@ -558,7 +575,7 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
         num_physical=num_physical, tile=tile, sub=sub, bins=bins, expert_bins=expert_bins,
         rank_tile=rank_tile, count_dtype=count_dtype, do_count=count, count_method=count_method, tables=tables,
         layout=layout, reduce=reduce, linear_search=int(config["linear_search"]), guide=guide,
-        num_tiles=num_tiles, search=search, threshold_layout=threshold_layout)
+        num_tiles=num_tiles, search=search, threshold_layout=threshold_layout, by_positions=by_positions)
     # A prepared table is lookup_table's default kind; other kernel options (or slots past 16 bits) rebuild it.
     if lookup is None or (layout, tables) != (DEFAULTS["layout"], DEFAULTS["tables"]):
         lookup = lookup_table(log2phy, logcnt, layout=layout, tables=tables)

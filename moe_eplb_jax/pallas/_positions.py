@@ -1,0 +1,169 @@
+"""Where each quota of ``resolved`` runs out: its boundary positions, for :mod:`._triton`.
+
+``resolved`` gives an entry of expert ``e`` with rank ``r`` (its earlier
+quota-consuming entries of ``e``, in flat order) the replica ``#{j : C[e, j]
+<= r}``, ``C`` the quotas' running sums (the thresholds). Ranks rise with the
+flat index, so ``C[e, j] <= r`` holds exactly for the entries at or after the
+position of ``e``'s occurrence number ``C[e, j]`` (0-based). With those
+*boundary positions* ``pos[e, j]`` (``int32 max`` where ``e`` has at most
+``C[e, j]`` entries) the replica is ``#{j : pos[e, j] <= i}`` for the entry at
+flat index ``i``: the map kernel's threshold search with the flat index as the
+point, and no per-entry rank at all. There are at most ``sum(logcnt)`` live
+boundaries (``P`` for a placement), so finding them is small work:
+
+1. :func:`_tile_counts_kernel`: each *position tile* of ``tile`` entries counts
+   its quota-consuming entries per expert (``tt.histogram``) into column
+   ``t`` of ``counts [E_pad, tiles]`` (an expert's counts side by side).
+2. :func:`_boundary_kernel`: programs ``(e, g)`` take the boundaries ``j = g,
+   g + G, ...`` of expert ``e`` while ``j < logcnt[e]``: the running sum of
+   ``e``'s row of counts finds the tile holding occurrence ``C[e, j]`` and how
+   many of ``e``'s entries precede that tile; a scan of that one tile (a
+   ``cumsum`` of its matches) finds the entry.
+
+The positions overwrite the thresholds they came from (aliased); entries at or
+beyond ``logcnt[e]`` keep their ``int32 max``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from moe_eplb_jax.pallas._triton_ops import histogram
+
+__all__ = ["boundary_positions", "position_tile"]
+
+_INT32_MAX = np.iinfo(np.int32).max
+_MIN_TILE, _MAX_TILE = 256, 4096
+_SCAN = 1024  # entries per step of a tile scan
+_LANES = 8  # boundaries of an expert found side by side
+
+
+def position_tile(num_flat: int) -> int:
+    """Entries per position tile: about 512 tiles for large inputs, 256 to 4096 entries each."""
+    return int(min(_MAX_TILE, max(_MIN_TILE, pl.next_power_of_2(pl.cdiv(num_flat, 512)))))
+
+
+def _tile_counts_kernel(ids_ref, limits_ref, counts_ref, *, num_flat, num_logical, tile, sub, expert_bins,
+                        num_tiles, layout):
+    """Column ``program`` of the flat ``counts [E_pad, tiles]``: the tile's quota-consuming entries per expert."""
+    program = pl.program_id(0)
+    rank_limit = limits_ref[1]
+
+    def step(index, hist):
+        start = pl.multiple_of(program * tile + index * sub, sub)
+        flat = start + jnp.arange(sub, dtype=jnp.int32)
+        ids = plgpu.load(ids_ref.at[pl.ds(start, sub)], mask=flat < num_flat, other=-1)
+        consuming = (ids >= 0) & (ids < num_logical) & (flat < rank_limit)
+        return hist + histogram(jnp.where(consuming, ids, -1), expert_bins)
+
+    hist = jax.lax.fori_loop(0, tile // sub, step, jnp.zeros((expert_bins,), jnp.int32))
+    plgpu.store(counts_ref.at[_counts_index(layout, jnp.arange(expert_bins, dtype=jnp.int32), program, num_tiles,
+                                            expert_bins)], hist)
+
+
+def _counts_index(layout, expert, tile, num_tiles, expert_bins):
+    """Flat index of ``counts[expert, tile]``: ``[E_pad, tiles]`` (``"expert_major"``) or ``[tiles, E_pad]``."""
+    return expert * num_tiles + tile if layout == "expert_major" else tile * expert_bins + expert
+
+
+def _boundary_kernel(ids_ref, counts_ref, thresholds_ref, limits_ref, logcnt_ref, positions_ref, *, num_flat,
+                     width, tile, scan, num_tiles, lanes, layout, expert_bins):
+    """Row ``e`` (this program's expert) of the positions: its live boundaries ``lanes`` at a time, each lane of a
+    ``[lanes, ...]`` block finding one (module docstring); entries from ``logcnt[e]`` on ``int32 max``."""
+    expert = pl.program_id(0)
+    rank_limit = limits_ref[1]
+    live = jnp.minimum(logcnt_ref[expert], width)
+    # Masked-off lanes of a store point at distinct spare entries past the E * S positions (interpret mode's
+    # masked scatter writes back what it read there, which must not land on an entry another lane writes).
+    spare = positions_ref.shape[0] - max(pl.next_power_of_2(width), lanes)
+    j = jnp.arange(pl.next_power_of_2(width), dtype=jnp.int32)
+    dead = (j >= live) & (j < width)
+    plgpu.store(positions_ref.at[jnp.where(dead, expert * width + j, spare + j)], jnp.full(j.shape, _INT32_MAX),
+                mask=dead)
+    at = jnp.arange(pl.next_power_of_2(num_tiles), dtype=jnp.int32)
+    row = plgpu.load(counts_ref.at[_counts_index(layout, expert, jnp.minimum(at, num_tiles - 1), num_tiles,
+                                                 expert_bins)], mask=at < num_tiles, other=0)
+    running = jnp.cumsum(row)  # occurrences of e up to and including each tile
+    total = jnp.sum(row)
+    lane = jnp.arange(lanes, dtype=jnp.int32)
+
+    def chunk(first):
+        j = first + lane
+        mine = j < live
+        c = plgpu.load(thresholds_ref.at[expert * width + jnp.minimum(j, width - 1)], mask=mine, other=_INT32_MAX)
+        alive = c < total  # the lanes that scan: occurrence c exists
+        in_tile = jnp.sum((running[None, :] <= c[:, None]).astype(jnp.int32), axis=1)  # the tile holding it
+        before = jnp.sum(jnp.where(at[None, :] < in_tile[:, None], row[None, :], 0), axis=1)
+        wanted = c - before + 1  # its 1-based number inside that tile
+
+        def step(carry):
+            index, seen, found = carry
+            flat = (in_tile * tile + index * scan)[:, None] + jnp.arange(scan, dtype=jnp.int32)[None, :]
+            reading = alive[:, None] & (flat < num_flat)
+            ids = plgpu.load(ids_ref.at[jnp.where(reading, flat, 0)], mask=reading, other=-1)
+            match = (ids == expert) & (flat < rank_limit)
+            number = seen[:, None] + jnp.cumsum(match.astype(jnp.int32), axis=1)
+            hit = jnp.min(jnp.where(match & (number == wanted[:, None]), flat, _INT32_MAX), axis=1)
+            return index + 1, seen + jnp.sum(match.astype(jnp.int32), axis=1), jnp.minimum(found, hit)
+
+        def scanning(carry):  # steps until every alive lane found its entry
+            index, _, found = carry
+            return (index < tile // scan) & (jnp.max((alive & (found == _INT32_MAX)).astype(jnp.int32)) > 0)
+
+        start = (jnp.int32(0), jnp.zeros((lanes,), jnp.int32), jnp.full((lanes,), _INT32_MAX, jnp.int32))
+        found = jax.lax.while_loop(scanning, step, start)[2]
+        plgpu.store(positions_ref.at[jnp.where(mine, expert * width + j, spare + lane)], found, mask=mine)
+        return first + lanes
+
+    jax.lax.while_loop(lambda first: first < live, chunk, jnp.int32(0))
+
+
+def boundary_positions(ids, thresholds, limits, logcnt, *, num_logical, width, expert_bins, tile=None, sub=None,
+                       lanes=None, scan=None, count_warps=4, num_warps=4, layout="expert_major", interpret=False,
+                       out_struct=jax.ShapeDtypeStruct):
+    """``[E * S]`` int32 boundary positions (expert-major) from the flat ``ids [N]`` and ``thresholds [E * S]``.
+
+    ``tile``: entries per position tile (default :func:`position_tile`); ``sub``
+    the tile-count kernel's entries per step; ``lanes`` an expert's boundaries found side by side;
+    ``scan`` entries per step of their tile scans.
+    ``out_struct`` makes the outputs' ``ShapeDtypeStruct`` (inside ``shard_map``:
+    varying over the inputs' manual axes).
+    """
+    num_flat = ids.shape[0]
+    tile = position_tile(num_flat) if tile is None else int(tile)
+    sub = min(tile, 1024) if sub is None else min(int(sub), tile)
+    scan = min(tile, _SCAN if scan is None else int(scan))
+    lanes = min(pl.next_power_of_2(width), _LANES) if lanes is None else int(lanes)
+    if tile & (tile - 1) or sub & (sub - 1) or sub < 16 or scan & (scan - 1) or lanes & (lanes - 1):
+        raise ValueError(f"position tile, step, scan and lanes must be powers of two (step >= 16), got "
+                         f"tile={tile} sub={sub} scan={scan} lanes={lanes}")
+    num_tiles = pl.cdiv(num_flat, tile)
+    whole = pl.no_block_spec
+    counts = pl.pallas_call(
+        functools.partial(_tile_counts_kernel, num_flat=num_flat, num_logical=num_logical, tile=tile, sub=sub,
+                          expert_bins=expert_bins, num_tiles=num_tiles, layout=layout),
+        grid=(num_tiles,),
+        in_specs=[whole, whole],
+        out_specs=whole,
+        out_shape=out_struct((expert_bins * num_tiles,), jnp.int32),
+        compiler_params=plgpu.CompilerParams(num_warps=count_warps, num_stages=3),
+        interpret=interpret,
+        name="tile_counts",
+    )(ids, limits)
+    return pl.pallas_call(
+        functools.partial(_boundary_kernel, num_flat=num_flat, width=width, tile=tile, scan=scan,
+                          num_tiles=num_tiles, lanes=lanes, layout=layout, expert_bins=expert_bins),
+        grid=(num_logical,),
+        in_specs=[whole] * 5,
+        out_specs=whole,
+        out_shape=out_struct((num_logical * width + max(pl.next_power_of_2(width), lanes),), jnp.int32),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="boundary_positions",
+    )(ids, counts, thresholds, limits, logcnt)[:num_logical * width]
