@@ -216,25 +216,16 @@ def pallas_copy(x, block=2048, num_warps=4):
 
 
 SWEEP = [  # (mode, T, P, options): T x 8 entries; the defaults first in each group; "count": False skips counting
-    # Eleventh session: resolved by boundary positions (default) against ranks; the position tile, the tile-count
-    # kernel's steps, warps and layout, the boundary kernel's lanes, scan and warps.
+    # Eleventh session: resolved by boundary positions (default) against ranks; the layout of the tile counts; the
+    # boundary kernel's programs per expert at decode.
     ("resolved", 262144, 288, {}), ("resolved", 262144, 288, {"resolved_by": "ranks"}),
     ("resolved", 262144, 288, {"counts_layout": "expert_major"}),
-    ("resolved", 262144, 288, {"position_lanes": 4}), ("resolved", 262144, 288, {"position_lanes": 16}),
-    ("resolved", 262144, 288, {"position_scan": 512}), ("resolved", 262144, 288, {"position_scan": 2048}),
-    ("resolved", 262144, 288, {"boundary_warps": 8}),
-    ("resolved", 262144, 288, {"position_sub": 4096, "position_warps": 8}),
-    ("resolved", 262144, 288, {"position_tile": 2048, "position_sub": 2048, "position_warps": 8}),
     ("resolved", 262144, 512, {}), ("resolved", 262144, 512, {"resolved_by": "ranks"}),
-    ("resolved", 262144, 512, {"position_lanes": 16}), ("resolved", 262144, 512, {"boundary_warps": 8}),
-    ("resolved", 262144, 512, {"position_sub": 4096, "position_warps": 8}),
     ("resolved", 65536, 512, {}), ("resolved", 65536, 512, {"resolved_by": "ranks"}),
-    ("resolved", 65536, 512, {"position_lanes": 16}), ("resolved", 65536, 512, {"position_tile": 2048}),
     ("resolved", 4096, 288, {}), ("resolved", 4096, 288, {"resolved_by": "ranks"}),
-    ("resolved", 4096, 288, {"position_lanes": 16}), ("resolved", 4096, 288, {"position_tile": 512}),
-    ("resolved", 4096, 288, {"position_warps": 1}), ("resolved", 4096, 288, {"boundary_warps": 8}),
+    ("resolved", 4096, 288, {"position_groups": 2}), ("resolved", 4096, 288, {"position_groups": 4}),
     ("resolved", 4096, 512, {}), ("resolved", 4096, 512, {"resolved_by": "ranks"}),
-    ("resolved", 4096, 512, {"position_lanes": 16}), ("resolved", 4096, 512, {"position_lanes": 32}),
+    ("resolved", 4096, 512, {"position_groups": 2}), ("resolved", 4096, 512, {"position_groups": 4}),
 ]
 
 

@@ -41,7 +41,7 @@ __all__ = ["boundary_positions", "position_tile"]
 _INT32_MAX = np.iinfo(np.int32).max
 _MIN_TILE, _MAX_TILE = 256, 4096
 _SCAN = 1024  # entries per step of a tile scan
-_LANES = 8  # boundaries of an expert found side by side
+_GROUPS = 8  # programs per expert (each takes every G-th boundary)
 
 
 def position_tile(num_flat: int) -> int:
@@ -73,76 +73,76 @@ def _counts_index(layout, expert, tile, num_tiles, expert_bins):
 
 
 def _boundary_kernel(ids_ref, counts_ref, thresholds_ref, limits_ref, logcnt_ref, positions_ref, *, num_flat,
-                     width, tile, scan, num_tiles, lanes, layout, expert_bins):
-    """Row ``e`` (this program's expert) of the positions: its live boundaries ``lanes`` at a time, each lane of a
-    ``[lanes, ...]`` block finding one (module docstring); entries from ``logcnt[e]`` on ``int32 max``."""
-    expert = pl.program_id(0)
+                     width, tile, scan, num_tiles, groups, layout, expert_bins):
+    """Positions of expert ``e``'s boundaries ``g, g + G, ...`` below its replica count (module docstring); its
+    other entries of them ``int32 max``."""
+    program = pl.program_id(0)  # read here: interpret mode cannot read it inside the loop's branches
+    expert, group = program // groups, program % groups
     rank_limit = limits_ref[1]
     live = jnp.minimum(logcnt_ref[expert], width)
-    # Masked-off lanes of a store point at distinct spare entries past the E * S positions (interpret mode's
-    # masked scatter writes back what it read there, which must not land on an entry another lane writes).
-    spare = positions_ref.shape[0] - max(pl.next_power_of_2(width), lanes)
-    j = jnp.arange(pl.next_power_of_2(width), dtype=jnp.int32)
-    dead = (j >= live) & (j < width)
-    plgpu.store(positions_ref.at[jnp.where(dead, expert * width + j, spare + j)], jnp.full(j.shape, _INT32_MAX),
-                mask=dead)
-    at = jnp.arange(pl.next_power_of_2(num_tiles), dtype=jnp.int32)
-    row = plgpu.load(counts_ref.at[_counts_index(layout, expert, jnp.minimum(at, num_tiles - 1), num_tiles,
-                                                 expert_bins)], mask=at < num_tiles, other=0)
-    running = jnp.cumsum(row)  # occurrences of e up to and including each tile
-    total = jnp.sum(row)
-    lane = jnp.arange(lanes, dtype=jnp.int32)
+    mine = group + groups * jnp.arange(pl.next_power_of_2(pl.cdiv(width, groups)), dtype=jnp.int32)
+    dead = (mine >= live) & (mine < width)
+    # Masked-off lanes point at distinct spare entries past the E * S positions (interpret mode's masked scatter
+    # writes back what it read there, which must not land on an entry another lane writes).
+    spare = positions_ref.shape[0] - mine.shape[0]
+    plgpu.store(positions_ref.at[jnp.where(dead, expert * width + mine, spare + jnp.arange(mine.shape[0]))],
+                jnp.full(mine.shape, _INT32_MAX), mask=dead)
 
-    def chunk(first):
-        j = first + lane
-        mine = j < live
-        c = plgpu.load(thresholds_ref.at[expert * width + jnp.minimum(j, width - 1)], mask=mine, other=_INT32_MAX)
-        alive = c < total  # the lanes that scan: occurrence c exists
-        in_tile = jnp.sum((running[None, :] <= c[:, None]).astype(jnp.int32), axis=1)  # the tile holding it
-        before = jnp.sum(jnp.where(at[None, :] < in_tile[:, None], row[None, :], 0), axis=1)
-        wanted = c - before + 1  # its 1-based number inside that tile
+    @pl.when(group < live)  # programs without a live boundary stop here (most of them: E * G programs, P boundaries)
+    def _():
+        at = jnp.arange(pl.next_power_of_2(num_tiles), dtype=jnp.int32)
+        row = plgpu.load(counts_ref.at[_counts_index(layout, expert, jnp.minimum(at, num_tiles - 1), num_tiles,
+                                                     expert_bins)], mask=at < num_tiles, other=0)
+        running = jnp.cumsum(row)  # occurrences of e up to and including each tile
+        total = jnp.sum(row)
 
-        def step(carry):
-            index, seen, found = carry
-            flat = (in_tile * tile + index * scan)[:, None] + jnp.arange(scan, dtype=jnp.int32)[None, :]
-            reading = alive[:, None] & (flat < num_flat)
-            ids = plgpu.load(ids_ref.at[jnp.where(reading, flat, 0)], mask=reading, other=-1)
-            match = (ids == expert) & (flat < rank_limit)
-            number = seen[:, None] + jnp.cumsum(match.astype(jnp.int32), axis=1)
-            hit = jnp.min(jnp.where(match & (number == wanted[:, None]), flat, _INT32_MAX), axis=1)
-            return index + 1, seen + jnp.sum(match.astype(jnp.int32), axis=1), jnp.minimum(found, hit)
+        def find(c):
+            """Flat index of e's occurrence number c (0-based); ``int32 max`` where c >= total (no scan)."""
+            in_tile = jnp.sum((running <= c).astype(jnp.int32))  # the tile holding it
+            wanted = c - jnp.sum(jnp.where(at < in_tile, row, 0)) + 1  # its 1-based number inside the tile
 
-        def scanning(carry):  # steps until every alive lane found its entry
-            index, _, found = carry
-            return (index < tile // scan) & (jnp.max((alive & (found == _INT32_MAX)).astype(jnp.int32)) > 0)
+            def step(carry):
+                index, seen, found = carry
+                flat = in_tile * tile + index * scan + jnp.arange(scan, dtype=jnp.int32)
+                ids = plgpu.load(ids_ref.at[jnp.minimum(flat, num_flat - 1)], mask=flat < num_flat, other=-1)
+                match = (ids == expert) & (flat < rank_limit)
+                number = seen + jnp.cumsum(match.astype(jnp.int32))
+                hit = jnp.min(jnp.where(match & (number == wanted), flat, _INT32_MAX))
+                return index + 1, seen + jnp.sum(match.astype(jnp.int32)), jnp.minimum(found, hit)
 
-        start = (jnp.int32(0), jnp.zeros((lanes,), jnp.int32), jnp.full((lanes,), _INT32_MAX, jnp.int32))
-        found = jax.lax.while_loop(scanning, step, start)[2]
-        plgpu.store(positions_ref.at[jnp.where(mine, expert * width + j, spare + lane)], found, mask=mine)
-        return first + lanes
+            # Steps until found; none where c >= total (a loop, not lax.cond: Pallas Triton cannot yield a
+            # constant from a branch).
+            alive = c < total
+            start = (jnp.int32(0), jnp.int32(0), jnp.int32(_INT32_MAX))
+            return jax.lax.while_loop(
+                lambda carry: alive & (carry[0] < tile // scan) & (carry[2] == _INT32_MAX), step, start)[2]
 
-    jax.lax.while_loop(lambda first: first < live, chunk, jnp.int32(0))
+        def body(j):
+            positions_ref[expert * width + j] = find(thresholds_ref[expert * width + j])
+            return j + groups
+
+        jax.lax.while_loop(lambda j: j < live, body, group)
 
 
 def boundary_positions(ids, thresholds, limits, logcnt, *, num_logical, width, expert_bins, tile=None, sub=None,
-                       lanes=None, scan=None, count_warps=4, num_warps=4, layout="expert_major", interpret=False,
+                       groups=None, scan=None, count_warps=None, num_warps=4, layout="tile_major", interpret=False,
                        out_struct=jax.ShapeDtypeStruct):
     """``[E * S]`` int32 boundary positions (expert-major) from the flat ``ids [N]`` and ``thresholds [E * S]``.
 
     ``tile``: entries per position tile (default :func:`position_tile`); ``sub``
-    the tile-count kernel's entries per step; ``lanes`` an expert's boundaries found side by side;
+    the tile-count kernel's entries per step; ``groups`` programs per expert;
     ``scan`` entries per step of their tile scans.
     ``out_struct`` makes the outputs' ``ShapeDtypeStruct`` (inside ``shard_map``:
     varying over the inputs' manual axes).
     """
     num_flat = ids.shape[0]
     tile = position_tile(num_flat) if tile is None else int(tile)
-    sub = min(tile, 1024) if sub is None else min(int(sub), tile)
+    sub = min(tile, 4096) if sub is None else min(int(sub), tile)  # one step per tile
     scan = min(tile, _SCAN if scan is None else int(scan))
-    lanes = min(pl.next_power_of_2(width), _LANES) if lanes is None else int(lanes)
-    if tile & (tile - 1) or sub & (sub - 1) or sub < 16 or scan & (scan - 1) or lanes & (lanes - 1):
-        raise ValueError(f"position tile, step, scan and lanes must be powers of two (step >= 16), got "
-                         f"tile={tile} sub={sub} scan={scan} lanes={lanes}")
+    groups = min(width, _GROUPS) if groups is None else int(groups)
+    if tile & (tile - 1) or sub & (sub - 1) or sub < 16 or scan & (scan - 1) or groups < 1:
+        raise ValueError(f"position tile, step and scan must be powers of two (step >= 16), groups >= 1, got "
+                         f"tile={tile} sub={sub} scan={scan} groups={groups}")
     num_tiles = pl.cdiv(num_flat, tile)
     whole = pl.no_block_spec
     counts = pl.pallas_call(
@@ -152,17 +152,18 @@ def boundary_positions(ids, thresholds, limits, logcnt, *, num_logical, width, e
         in_specs=[whole, whole],
         out_specs=whole,
         out_shape=out_struct((expert_bins * num_tiles,), jnp.int32),
-        compiler_params=plgpu.CompilerParams(num_warps=count_warps, num_stages=3),
+        # (8 warps for 4096-entry steps: 262144 x 8 tile counts 4.2 vs 5.1 us with 4 on an H200)
+        compiler_params=plgpu.CompilerParams(num_warps=count_warps or (8 if sub >= 2048 else 4), num_stages=3),
         interpret=interpret,
         name="tile_counts",
     )(ids, limits)
     return pl.pallas_call(
         functools.partial(_boundary_kernel, num_flat=num_flat, width=width, tile=tile, scan=scan,
-                          num_tiles=num_tiles, lanes=lanes, layout=layout, expert_bins=expert_bins),
-        grid=(num_logical,),
+                          num_tiles=num_tiles, groups=groups, layout=layout, expert_bins=expert_bins),
+        grid=(num_logical * groups,),
         in_specs=[whole] * 5,
         out_specs=whole,
-        out_shape=out_struct((num_logical * width + max(pl.next_power_of_2(width), lanes),), jnp.int32),
+        out_shape=out_struct((num_logical * width + pl.next_power_of_2(pl.cdiv(width, groups)),), jnp.int32),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="boundary_positions",

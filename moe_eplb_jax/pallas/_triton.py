@@ -314,8 +314,8 @@ DEFAULTS = {"tile": None, "sub": _SUB, "tile_resolved": None, "sub_resolved": _S
             "count_dtype": "int8", "count_method": "histogram", "tables": "head", "layout": "replica_major",
             "reduce": "atomic", "rank_in_step": "match", "linear_search": _LINEAR_SEARCH, "guide": 0,
             "rank_running": "memory", "search": None, "tile_bases": "matmul", "threshold_layout": "expert_major",
-            "rank_chains": None, "resolved_by": "positions", "position_tile": None, "position_lanes": None,
-            "position_sub": None, "position_scan": None, "position_warps": 4, "boundary_warps": 4,
+            "rank_chains": None, "resolved_by": "positions", "position_tile": None, "position_groups": None,
+            "position_sub": None, "position_scan": None, "position_warps": None, "boundary_warps": 4,
             "counts_layout": "tile_major"}
 # How the kernel counts: "histogram" (tt.histogram per loop step: warp ballots + popc, shared-memory atomics
 # across warps; also in interpret mode, as jnp), "onehot" (factorised one-hot products on the tensor cores),
@@ -527,7 +527,7 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     if by_positions:  # the thresholds become their boundary positions
         thresholds = boundary_positions(
             ids, thresholds.reshape(-1), limits, logcnt, num_logical=num_logical, width=width,
-            expert_bins=expert_bins, tile=config["position_tile"], lanes=config["position_lanes"],
+            expert_bins=expert_bins, tile=config["position_tile"], groups=config["position_groups"],
             sub=config["position_sub"], scan=config["position_scan"], count_warps=config["position_warps"],
             num_warps=config["boundary_warps"], layout=config["counts_layout"], interpret=interpret,
             out_struct=out_struct).reshape(num_logical, width)
