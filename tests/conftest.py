@@ -46,7 +46,9 @@ def rng():
 def h100_lowering(monkeypatch):
     """Lets Pallas lower Triton kernels for an H100/H200 on a machine without a GPU (lowering checks only).
 
-    Returns the ``disabled_checks`` that ``jax.export`` needs for the Triton custom call.
+    Every Triton module is also verified as it is lowered (MLIR's verifier: e.g. a loop whose bounds differ in
+    type, which otherwise only fails when XLA parses the module on a GPU). Returns the ``disabled_checks`` that
+    ``jax.export`` needs for the Triton custom call.
     """
     try:
         from jax._src.pallas.triton import gpu_info, pallas_call_registration
@@ -54,4 +56,12 @@ def h100_lowering(monkeypatch):
         pytest.skip("jax private Triton modules not found")
     monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
                         lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100))
+    lower = pallas_call_registration.lowering.lower_jaxpr_to_triton_module
+
+    def lower_and_verify(*args, **kwargs):
+        result = lower(*args, **kwargs)
+        result.module.operation.verify()  # raises MLIRError naming the op
+        return result
+
+    monkeypatch.setattr(pallas_call_registration.lowering, "lower_jaxpr_to_triton_module", lower_and_verify)
     return [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]

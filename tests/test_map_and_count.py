@@ -642,7 +642,10 @@ def test_pallas_kernels_lower_to_triton_ir(h100_lowering):
              + [("shares", {"guide": 4}), ("resolved", {"guide": 8, "search": "unrolled"}),
                 ("shares", {"search": "unrolled"}), ("resolved", {"search": "while", "guide": 0}),
                 ("resolved", {"rank_running": "registers", "rank_chains": 1}), ("resolved", {"rank_chains": 2}),
-                ("resolved", {"rank_running": "memory", "sub_resolved": 64, "warps_resolved": 2})])
+                ("resolved", {"rank_running": "memory", "sub_resolved": 64, "warps_resolved": 2}),
+                ("resolved", {"resolved_by": "positions"}),
+                ("resolved", {"resolved_by": "positions", "position_groups": 1, "position_tile": 1024,
+                              "position_scan": 256, "position_warps": 1, "boundary_warps": 1})])
     for mode, options in cases:
 
         def run(ids, log2phy, logcnt, thresholds, limits):  # the compiled path (interpret=False)
@@ -710,7 +713,9 @@ def test_gpu_kernel_matches_reference(mode, shape, rng):
     {"rank_in_step": "match", "reduce": "atomic", "layout": "replica_major"}, {"linear_search": 16},
     {"linear_search": 4}, {"guide": 0}, {"guide": 1}, {"guide": 16, "search": "unrolled"},
     {"rank_running": "registers", "rank_chains": 1}, {"rank_running": "memory", "rank_in_step": "compare"},
-    {"rank_chains": 1}, {"rank_chains": 2}, {"rank_chains": 4}],
+    {"rank_chains": 1}, {"rank_chains": 2}, {"rank_chains": 4}, {"resolved_by": "positions"},
+    {"resolved_by": "ranks"}, {"resolved_by": "positions", "position_tile": 256, "position_groups": 1},
+    {"resolved_by": "positions", "position_tile": 4096, "position_groups": 3, "position_scan": 512}],
     ids=lambda o: "-".join(map(str, o.values())))
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("shape", [(1, 1, 8, 8), (333, 6, 512, 519), (65536, 8, 256, 288)],

@@ -50,7 +50,7 @@ def position_tile(num_flat: int) -> int:
 
 
 def _tile_counts_kernel(ids_ref, limits_ref, counts_ref, *, num_flat, num_logical, tile, sub, expert_bins,
-                        num_tiles, layout):
+                        num_tiles):
     """Column ``program`` of the flat ``counts [E_pad, tiles]``: the tile's quota-consuming entries per expert."""
     program = pl.program_id(0)
     rank_limit = limits_ref[1]
@@ -63,17 +63,13 @@ def _tile_counts_kernel(ids_ref, limits_ref, counts_ref, *, num_flat, num_logica
         return hist + histogram(jnp.where(consuming, ids, -1), expert_bins)
 
     hist = jax.lax.fori_loop(0, tile // sub, step, jnp.zeros((expert_bins,), jnp.int32))
-    plgpu.store(counts_ref.at[_counts_index(layout, jnp.arange(expert_bins, dtype=jnp.int32), program, num_tiles,
-                                            expert_bins)], hist)
-
-
-def _counts_index(layout, expert, tile, num_tiles, expert_bins):
-    """Flat index of ``counts[expert, tile]``: ``[E_pad, tiles]`` (``"expert_major"``) or ``[tiles, E_pad]``."""
-    return expert * num_tiles + tile if layout == "expert_major" else tile * expert_bins + expert
+    # Column `program` of [E_pad, tiles]: each boundary program then reads its expert's row side by side (H200:
+    # boundary kernel 7.2 vs 9.0 us at 262144 x 8, tile counts 5.3 vs 4.2 us with [tiles, E_pad] rows).
+    plgpu.store(counts_ref.at[jnp.arange(expert_bins, dtype=jnp.int32) * num_tiles + program], hist)
 
 
 def _boundary_kernel(ids_ref, counts_ref, thresholds_ref, limits_ref, logcnt_ref, positions_ref, *, num_flat,
-                     width, tile, scan, num_tiles, groups, layout, expert_bins):
+                     width, tile, scan, num_tiles, groups):
     """Positions of expert ``e``'s boundaries ``g, g + G, ...`` below its replica count (module docstring); its
     other entries of them ``int32 max``."""
     program = pl.program_id(0)  # read here: interpret mode cannot read it inside the loop's branches
@@ -91,8 +87,8 @@ def _boundary_kernel(ids_ref, counts_ref, thresholds_ref, limits_ref, logcnt_ref
     @pl.when(group < live)  # programs without a live boundary stop here (most of them: E * G programs, P boundaries)
     def _():
         at = jnp.arange(pl.next_power_of_2(num_tiles), dtype=jnp.int32)
-        row = plgpu.load(counts_ref.at[_counts_index(layout, expert, jnp.minimum(at, num_tiles - 1), num_tiles,
-                                                     expert_bins)], mask=at < num_tiles, other=0)
+        row = plgpu.load(counts_ref.at[expert * num_tiles + jnp.minimum(at, num_tiles - 1)], mask=at < num_tiles,
+                         other=0)
         running = jnp.cumsum(row)  # occurrences of e up to and including each tile
         total = jnp.sum(row)
 
@@ -125,7 +121,7 @@ def _boundary_kernel(ids_ref, counts_ref, thresholds_ref, limits_ref, logcnt_ref
 
 
 def boundary_positions(ids, thresholds, limits, logcnt, *, num_logical, width, expert_bins, tile=None, sub=None,
-                       groups=None, scan=None, count_warps=None, num_warps=4, layout="tile_major", interpret=False,
+                       groups=None, scan=None, count_warps=None, num_warps=4, interpret=False,
                        out_struct=jax.ShapeDtypeStruct):
     """``[E * S]`` int32 boundary positions (expert-major) from the flat ``ids [N]`` and ``thresholds [E * S]``.
 
@@ -147,7 +143,7 @@ def boundary_positions(ids, thresholds, limits, logcnt, *, num_logical, width, e
     whole = pl.no_block_spec
     counts = pl.pallas_call(
         functools.partial(_tile_counts_kernel, num_flat=num_flat, num_logical=num_logical, tile=tile, sub=sub,
-                          expert_bins=expert_bins, num_tiles=num_tiles, layout=layout),
+                          expert_bins=expert_bins, num_tiles=num_tiles),
         grid=(num_tiles,),
         in_specs=[whole, whole],
         out_specs=whole,
@@ -159,7 +155,7 @@ def boundary_positions(ids, thresholds, limits, logcnt, *, num_logical, width, e
     )(ids, limits)
     return pl.pallas_call(
         functools.partial(_boundary_kernel, num_flat=num_flat, width=width, tile=tile, scan=scan,
-                          num_tiles=num_tiles, groups=groups, layout=layout, expert_bins=expert_bins),
+                          num_tiles=num_tiles, groups=groups),
         grid=(num_logical * groups,),
         in_specs=[whole] * 5,
         out_specs=whole,

@@ -314,9 +314,8 @@ DEFAULTS = {"tile": None, "sub": _SUB, "tile_resolved": None, "sub_resolved": _S
             "count_dtype": "int8", "count_method": "histogram", "tables": "head", "layout": "replica_major",
             "reduce": "atomic", "rank_in_step": "match", "linear_search": _LINEAR_SEARCH, "guide": 0,
             "rank_running": "memory", "search": None, "tile_bases": "matmul", "threshold_layout": "expert_major",
-            "rank_chains": None, "resolved_by": "positions", "position_tile": None, "position_groups": None,
-            "position_sub": None, "position_scan": None, "position_warps": None, "boundary_warps": 4,
-            "counts_layout": "tile_major"}
+            "rank_chains": None, "resolved_by": None, "position_tile": None, "position_groups": None,
+            "position_sub": None, "position_scan": None, "position_warps": None, "boundary_warps": 4}
 # How the kernel counts: "histogram" (tt.histogram per loop step: warp ballots + popc, shared-memory atomics
 # across warps; also in interpret mode, as jnp), "onehot" (factorised one-hot products on the tensor cores),
 # "atomic" (one global atomic add per entry into the program's row of counters), "atomic_warp" (atomics
@@ -338,6 +337,11 @@ LAYOUTS = ("expert_major", "replica_major")
 # counts as column t of [P, num_tiles] int16 partials; XLA sums the rows) or "atomic" (each program adds its
 # counts to the [P] loads with one integer atomic per bin: no partials, no second kernel).
 REDUCES = ("xla", "atomic")
+# resolved: from how many entries on the boundary positions (_positions.py) replace the per-entry ranks. H200,
+# same draws (benchmarks/RESULTS.md, eleventh session): 262144 x 8 30.7 vs 52.3 us (P = 288), 38.9 vs 59.1
+# (P = 512); 65536 x 8 22.6 vs 26.9; but 4096 x 8 10.2-10.6 vs 9.5 (P = 288), 12.4-13.5 vs 10.8 (P = 512): at
+# decode the boundary kernel's chain of dependent loads (3.2-4.8 us) outlasts the rank kernel's four chains.
+_POSITIONS_FROM = 1 << 16
 _MAX_SHARED_TABLE = 8192  # entries (32 KiB): larger tables stay in global memory
 # Larger inputs (GPU), per mode: (min entries, options), largest first (resolved: its mapping kernel; the rank
 # kernel keeps its own tiles). One big loop step per program is fastest (H200, benchmarks/RESULTS.md
@@ -442,9 +446,12 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     num_tokens, top_k = topk_ids.shape
     num_logical, width = log2phy.shape
     num_flat = num_tokens * top_k
-    by_positions = mode == "resolved" and {**DEFAULTS, **config}["resolved_by"] == "positions"
-    if {**DEFAULTS, **config}["resolved_by"] not in ("positions", "ranks"):
-        raise ValueError(f"resolved_by must be 'positions' or 'ranks', got {config['resolved_by']!r}")
+    resolved_by = {**DEFAULTS, **config}["resolved_by"]
+    if resolved_by not in (None, "positions", "ranks"):
+        raise ValueError(f"resolved_by must be None, 'positions' or 'ranks', got {resolved_by!r}")
+    if resolved_by is None:  # ranks at decode sizes, boundary positions above (H200: _POSITIONS_FROM)
+        resolved_by = "positions" if num_flat > _POSITIONS_FROM else "ranks"
+    by_positions = mode == "resolved" and resolved_by == "positions"
     # The guide's buckets cut the rank range: no guide over positions.
     guide = 0 if by_positions else _guide_factor({**DEFAULTS, **config}, mode, num_logical, width, num_physical)
     large = next((options for least, options in LARGE_OPTIONS.get(mode, ()) if num_flat >= least), {})
@@ -529,8 +536,7 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
             ids, thresholds.reshape(-1), limits, logcnt, num_logical=num_logical, width=width,
             expert_bins=expert_bins, tile=config["position_tile"], groups=config["position_groups"],
             sub=config["position_sub"], scan=config["position_scan"], count_warps=config["position_warps"],
-            num_warps=config["boundary_warps"], layout=config["counts_layout"], interpret=interpret,
-            out_struct=out_struct).reshape(num_logical, width)
+            num_warps=config["boundary_warps"], interpret=interpret, out_struct=out_struct).reshape(num_logical, width)
         base = rank = jnp.zeros_like(limits[:1])  # unused
     elif mode == "resolved":
         rank_tiles = pl.cdiv(num_flat, rank_tile)
