@@ -216,16 +216,12 @@ def pallas_copy(x, block=2048, num_warps=4):
 
 
 SWEEP = [  # (mode, T, P, options): T x 8 entries; the defaults first in each group; "count": False skips counting
-    # Eleventh session: resolved by boundary positions (default) against ranks; the layout of the tile counts; the
-    # boundary kernel's programs per expert at decode.
+    # Eleventh session: resolved by boundary positions (default from 65536 entries on) against ranks.
     ("resolved", 262144, 288, {}), ("resolved", 262144, 288, {"resolved_by": "ranks"}),
-    ("resolved", 262144, 288, {"counts_layout": "expert_major"}),
     ("resolved", 262144, 512, {}), ("resolved", 262144, 512, {"resolved_by": "ranks"}),
     ("resolved", 65536, 512, {}), ("resolved", 65536, 512, {"resolved_by": "ranks"}),
-    ("resolved", 4096, 288, {}), ("resolved", 4096, 288, {"resolved_by": "ranks"}),
-    ("resolved", 4096, 288, {"position_groups": 2}), ("resolved", 4096, 288, {"position_groups": 4}),
-    ("resolved", 4096, 512, {}), ("resolved", 4096, 512, {"resolved_by": "ranks"}),
-    ("resolved", 4096, 512, {"position_groups": 2}), ("resolved", 4096, 512, {"position_groups": 4}),
+    ("resolved", 4096, 288, {}), ("resolved", 4096, 288, {"resolved_by": "positions"}),
+    ("resolved", 4096, 512, {}), ("resolved", 4096, 512, {"resolved_by": "positions"}),
 ]
 
 

@@ -123,7 +123,9 @@ def _boundary_kernel(ids_ref, counts_ref, thresholds_ref, limits_ref, logcnt_ref
 def boundary_positions(ids, thresholds, limits, logcnt, *, num_logical, width, expert_bins, tile=None, sub=None,
                        groups=None, scan=None, count_warps=None, num_warps=4, interpret=False,
                        out_struct=jax.ShapeDtypeStruct):
-    """``[E * S]`` int32 boundary positions (expert-major) from the flat ``ids [N]`` and ``thresholds [E * S]``.
+    """Boundary positions, expert-major, from the flat ``ids [N]`` and ``thresholds [E * S]``: flat int32, the
+    ``E * S`` positions then a few spare entries (the store target of masked-off lanes; returned as they are,
+    since a slice would be a copy kernel, and never read).
 
     ``tile``: entries per position tile (default :func:`position_tile`); ``sub``
     the tile-count kernel's entries per step; ``groups`` programs per expert;
@@ -163,4 +165,4 @@ def boundary_positions(ids, thresholds, limits, logcnt, *, num_logical, width, e
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="boundary_positions",
-    )(ids, counts, thresholds, limits, logcnt)[:num_logical * width]
+    )(ids, counts, thresholds, limits, logcnt)

@@ -504,7 +504,7 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     threshold_layout = config["threshold_layout"]
     if threshold_layout not in LAYOUTS:
         raise ValueError(f"threshold_layout must be one of {LAYOUTS}, got {threshold_layout!r}")
-    if guide:  # the guide reads an expert's thresholds side by side
+    if guide or by_positions:  # the guide reads an expert's thresholds side by side; positions come so
         threshold_layout = "expert_major"
     if config["reduce"] not in REDUCES:
         raise ValueError(f"reduce must be one of {REDUCES}, got {config['reduce']!r}")
@@ -536,7 +536,7 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
             ids, thresholds.reshape(-1), limits, logcnt, num_logical=num_logical, width=width,
             expert_bins=expert_bins, tile=config["position_tile"], groups=config["position_groups"],
             sub=config["position_sub"], scan=config["position_scan"], count_warps=config["position_warps"],
-            num_warps=config["boundary_warps"], interpret=interpret, out_struct=out_struct).reshape(num_logical, width)
+            num_warps=config["boundary_warps"], interpret=interpret, out_struct=out_struct)
         base = rank = jnp.zeros_like(limits[:1])  # unused
     elif mode == "resolved":
         rank_tiles = pl.cdiv(num_flat, rank_tile)
@@ -587,7 +587,7 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
         lookup = lookup_table(log2phy, logcnt, layout=layout, tables=tables)
     if threshold_layout == "replica_major":  # built expert-major: a transposed copy per call
         thresholds = thresholds.T
-    thresholds = thresholds.reshape(-1)
+    thresholds = thresholds.reshape(-1)  # (positions: flat already, with a spare tail never read)
     if guide:
         guide_words = _guide.guide_kernel(lookup, thresholds, mode=mode, factor=guide, num_logical=num_logical,
                                           width=width, num_physical=num_physical, out_struct=out_struct,
