@@ -360,7 +360,13 @@ def test_feeds_eplb_state_record(rng):
                                      {"tile_bases": "cumsum"},
                                      {"threshold_layout": "replica_major"},
                                      {"threshold_layout": "replica_major", "linear_search": 3},
-                                     {"threshold_layout": "replica_major", "layout": "expert_major"}])
+                                     {"threshold_layout": "replica_major", "layout": "expert_major"},
+                                     {"resolved_by": "positions"}, {"resolved_by": "ranks"},
+                                     {"resolved_by": "positions", "position_tile": 256, "position_groups": 1,
+                                      "position_scan": 32},
+                                     {"resolved_by": "positions", "position_tile": 64, "position_sub": 16,
+                                      "position_groups": 3, "position_scan": 16, "search": "unrolled"},
+                                     {"resolved_by": "positions", "threshold_layout": "replica_major", "guide": 8}])
 @pytest.mark.parametrize("mode", ["hash", "resolved"])
 def test_kernel_options_match_reference(options, mode, rng):
     """The tuning knobs of the kernel (tile, sub-tile, one-hot dtype) never change the result."""
@@ -405,6 +411,14 @@ def test_kernel_options_match_reference(options, mode, rng):
     with pytest.raises(ValueError, match="search must be None, 'unrolled' or 'while'"):
         _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode,
                                      search="linear")
+    with pytest.raises(ValueError, match="resolved_by must be None, 'positions' or 'ranks'"):
+        _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode,
+                                     resolved_by="sorted")
+    if mode == "resolved":
+        for bad in ({"position_tile": 96}, {"position_scan": 48}, {"position_sub": 8}, {"position_groups": 0}):
+            with pytest.raises(ValueError, match="position tile, step and scan must be powers of two"):
+                _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode,
+                                             resolved_by="positions", **bad)
 
 
 @settings(max_examples=10)
@@ -424,11 +438,15 @@ def test_kernel_options_match_reference(options, mode, rng):
     rank_running=st.sampled_from(["registers", "memory"]),
     rank_chains=st.sampled_from([None, 1, 2]),
     search=st.sampled_from([None, "unrolled", "while"]),
+    positions=st.sampled_from([{}, {"resolved_by": "ranks"}, {"resolved_by": "positions"},
+                               {"resolved_by": "positions", "position_tile": 16, "position_groups": 2,
+                                "position_scan": 16},
+                               {"resolved_by": "positions", "position_tile": 64, "position_groups": 1}]),
     seed=st.integers(0, 2**31),
 )
 def test_kernel_option_combinations_match_reference(num_tokens, top_k, num_logical, extra_slots, mode, layout,
                                                     reduce, tables, linear_search, guide, threshold_layout,
-                                                    tile_bases, rank_running, rank_chains, search, seed):
+                                                    tile_bases, rank_running, rank_chains, search, positions, seed):
     """Any combination of the kernel's layout / reduction / lookup / search / rank options gives the reference's
     ids and loads (Pallas in interpret mode on CPU, compiled on GPU)."""
     from moe_eplb_jax.pallas import _reference, _triton
@@ -451,7 +469,7 @@ def test_kernel_option_combinations_match_reference(num_tokens, top_k, num_logic
                                        mode=mode, layout=layout, reduce=reduce, tables=tables,
                                        linear_search=linear_search, guide=guide, threshold_layout=threshold_layout,
                                        tile_bases=tile_bases, rank_running=rank_running, rank_chains=rank_chains,
-                                       search=search,
+                                       search=search, **positions,
                                        interpret=jax.default_backend() != "gpu")
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
@@ -983,9 +1001,78 @@ def test_rank_tile_bases_over_many_tiles_match_reference(rng):
                                               mode="resolved")
     got = _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode="resolved",
                                        interpret=jax.default_backend() != "gpu", tile_resolved=16,
-                                       sub_resolved=16, tile=1024, sub=512)
+                                       sub_resolved=16, tile=1024, sub=512, resolved_by="ranks")
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
+def boundary_oracle(ids, thresholds, logcnt, rank_limit):
+    """``[E, S]``: flat index of expert e's occurrence number ``thresholds[e, j]`` (0-based) among the entries before
+    ``rank_limit``, for ``j < min(logcnt[e], S)``; ``int32 max`` where it has no such occurrence or ``j`` is past."""
+    num_logical, width = thresholds.shape
+    out = np.full((num_logical, width), np.iinfo(np.int32).max, np.int64)
+    for e in range(num_logical):
+        where = np.flatnonzero(ids[:rank_limit] == e)
+        for j in range(min(max(int(logcnt[e]), 0), width)):
+            if thresholds[e, j] < len(where):
+                out[e, j] = where[thresholds[e, j]]
+    return out
+
+
+@settings(max_examples=12, deadline=None)
+@given(num_flat=st.integers(1, 700), num_logical=st.sampled_from([1, 3, 16, 40]), width=st.sampled_from([1, 2, 5, 9]),
+       tile=st.sampled_from([16, 32, 128, None]), groups=st.sampled_from([1, 2, 3, None]),
+       scan=st.sampled_from([16, 64, None]), quota_scale=st.sampled_from([0.0, 0.3, 1.0, 3.0]),
+       seed=st.integers(0, 2**31))
+def test_boundary_positions_match_oracle(num_flat, num_logical, width, tile, groups, scan, quota_scale, seed):
+    """The boundary kernel (resolved by positions) finds, for every live quota threshold, the flat index of that
+    occurrence of its expert -- across tile edges, with equal thresholds (zero quotas), thresholds past the demand,
+    invalid ids, replica counts of 0 or above the width, a rank limit; rows past the count stay int32 max."""
+    from moe_eplb_jax.pallas import _positions
+    from moe_eplb_jax.pallas.map_and_count import _build_thresholds
+
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(-1, num_logical + 1, num_flat).astype(np.int32)
+    logcnt = rng.integers(0, width + 2, num_logical).astype(np.int32)
+    demand = num_flat / max(num_logical, 1)
+    quotas = rng.integers(0, int(quota_scale * demand / width) + 2, (num_logical, width)).astype(np.int32)
+    thresholds = np.asarray(_build_thresholds("resolved", jnp.asarray(quotas), jnp.asarray(logcnt), width,
+                                              limit=num_flat))
+    rank_limit = int(rng.integers(0, num_flat + 1))
+    limits = jnp.asarray([rank_limit, rank_limit], jnp.int32)
+    got = _positions.boundary_positions(
+        jnp.asarray(ids), jnp.asarray(thresholds.reshape(-1)), limits, jnp.asarray(logcnt), num_logical=num_logical,
+        width=width, expert_bins=max(32, 1 << (num_logical - 1).bit_length()), tile=tile, groups=groups, scan=scan,
+        interpret=True)
+    got = np.asarray(got)[:num_logical * width].reshape(num_logical, width)
+    np.testing.assert_array_equal(got, boundary_oracle(ids, thresholds, logcnt, rank_limit))
+
+
+def test_boundary_positions_exact_at_tile_edges():
+    """Thresholds that fall exactly on a tile's first or last occurrence of an expert (the running counts' steps),
+    in tiles holding none of it between, and past its last occurrence."""
+    from moe_eplb_jax.pallas import _positions
+
+    tile = 16
+    ids = np.full(8 * tile, 5, np.int32)
+    ids[::3] = 0  # expert 0 every third entry: 6 per tile for the first tiles ...
+    ids[2 * tile:4 * tile] = 7  # ... none in tiles 2-3
+    where = np.flatnonzero(ids == 0)
+    per_tile = np.bincount(where // tile, minlength=8)
+    edges = np.cumsum(per_tile)  # occurrence number edges[t] is the first one after tile t
+    picks = sorted({0, int(edges[0]) - 1, int(edges[0]), int(edges[1]), int(edges[3]), int(edges[4]) - 1,
+                    len(where) - 1})
+    thresholds = np.full((8, 8), np.iinfo(np.int32).max, np.int32)
+    thresholds[0, :len(picks) + 1] = picks + [len(where)]  # the last is past the demand
+    logcnt = np.zeros(8, np.int32)
+    logcnt[0] = len(picks) + 1
+    got = _positions.boundary_positions(
+        jnp.asarray(ids), jnp.asarray(thresholds.reshape(-1)), jnp.asarray([ids.size, ids.size], jnp.int32),
+        jnp.asarray(logcnt), num_logical=8, width=8, expert_bins=32, tile=tile, groups=2, scan=16, interpret=True)
+    got = np.asarray(got)[:64].reshape(8, 8)
+    np.testing.assert_array_equal(got[0, :len(picks)], where[picks])
+    assert got[0, len(picks)] == np.iinfo(np.int32).max
+    np.testing.assert_array_equal(got[1:], np.iinfo(np.int32).max)
 
 
 # ------------------------------------------------------------ mode tables
