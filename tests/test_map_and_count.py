@@ -579,14 +579,17 @@ def test_prepared_lookup_gives_the_same_results(mode, rng):
             np.testing.assert_array_equal(np.asarray(g[layer]), w)
 
 
-@pytest.mark.parametrize("mode", ["shares", "resolved"])
-def test_guide_under_vmap_and_shard_map(mode, monkeypatch, rng):
-    """The guided path (forced on for small inputs here) under vmap over layers with prepared lookups, and inside
-    shard_map with per-rank quotas or shares, equals the oracle: the guide kernel batches and shards like the map
-    kernel."""
+@pytest.mark.parametrize("mode, path", [("shares", "guide"), ("resolved", "guide"), ("resolved", "positions")])
+def test_searching_paths_under_vmap_and_shard_map(mode, path, monkeypatch, rng):
+    """The guided path, and resolved by boundary positions (both forced on for small inputs here), under vmap over
+    layers with prepared lookups, and inside shard_map with per-rank quotas or shares, equal the oracle: their
+    extra kernels batch and shard like the map kernel."""
     from moe_eplb_jax.pallas import _triton, lookup_table
 
-    monkeypatch.setitem(_triton.DEFAULTS, "guide", 4)
+    if path == "guide":
+        monkeypatch.setitem(_triton.DEFAULTS, "guide", 4)
+    else:
+        monkeypatch.setattr(_triton, "_POSITIONS_FROM", 0)
     num_layers, num_tokens, top_k, num_logical, num_physical = 2, 48, 4, 16, 30
     placements, log2phy, logcnt, ids = layered_inputs(rng, num_layers, num_tokens, top_k, num_logical, num_physical)
     extra = [random_mode_inputs(rng, mode, p, num_tokens * top_k) for p in placements]
@@ -685,7 +688,8 @@ def test_pallas_kernels_lower_to_triton_ir(h100_lowering):
         )(spec((least // 8, 8), jnp.int32), spec((256, 33), jnp.int32), spec((256,), jnp.int32),
           spec((256, 33), jnp.int32), spec((2,), jnp.int32))
         assert "xla.gpu.triton" in big.mlir_module()
-    # The guided path at a large size (2**21 entries, a 257-wide table): guide kernel + map kernel (+ rank).
+    # The guided path at a large size (2**21 entries, a 257-wide table): guide kernel + map kernel; resolved there
+    # finds boundary positions (tile counts + boundaries + map: no guide over positions).
     for mode in ("shares", "resolved"):
         guided = jax.export.export(
             jax.jit(lambda *a, mode=mode: _triton.map_and_count_triton(*a, num_physical=512, mode=mode, guide=8)),

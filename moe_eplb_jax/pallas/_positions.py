@@ -18,10 +18,20 @@ boundaries (``P`` for a placement), so finding them is small work:
    g + G, ...`` of expert ``e`` while ``j < logcnt[e]``: the running sum of
    ``e``'s row of counts finds the tile holding occurrence ``C[e, j]`` and how
    many of ``e``'s entries precede that tile; a scan of that one tile (a
-   ``cumsum`` of its matches) finds the entry.
+   ``cumsum`` of its matches, steps of ``scan`` entries until found) finds
+   the entry. Entries from ``logcnt[e]`` on are ``int32 max`` (never read).
 
-The positions overwrite the thresholds they came from (aliased); entries at or
-beyond ``logcnt[e]`` keep their ``int32 max``.
+An earlier way, ranking only where a threshold falls inside a (tile, expert)
+pair (tenth session), settled those pairs in the tile's own program: every
+expert's last threshold crowds into the last tile, so one program did nearly
+all the work. Here each boundary is its own search, whichever tile it is in.
+On an H200 (``benchmarks/RESULTS.md``, eleventh session) 262144 x 8 resolved
+takes 30.7 / 38.9 us (P = 288 / 512) against 52.3 / 59.1 with ranks, the
+boundary kernel 7-11 us and the counts 5 us of it; at 4096 x 8 the two
+kernels' chains of dependent loads (~5 us) outlast the rank kernel (2.6 us),
+so decode sizes keep the ranks (``_triton._POSITIONS_FROM``). Programs per
+expert: 8 (one per expert, its boundaries side by side in ``[lanes, scan]``
+blocks, was 1.6-3.5x slower; 32 per expert 2x slower at decode).
 """
 
 from __future__ import annotations
@@ -68,13 +78,12 @@ def _tile_counts_kernel(ids_ref, limits_ref, counts_ref, *, num_flat, num_logica
     plgpu.store(counts_ref.at[jnp.arange(expert_bins, dtype=jnp.int32) * num_tiles + program], hist)
 
 
-def _boundary_kernel(ids_ref, counts_ref, thresholds_ref, limits_ref, logcnt_ref, positions_ref, *, num_flat,
+def _boundary_kernel(ids_ref, counts_ref, thresholds_ref, logcnt_ref, positions_ref, *, num_flat,
                      width, tile, scan, num_tiles, groups):
     """Positions of expert ``e``'s boundaries ``g, g + G, ...`` below its replica count (module docstring); its
     other entries of them ``int32 max``."""
     program = pl.program_id(0)  # read here: interpret mode cannot read it inside the loop's branches
     expert, group = program // groups, program % groups
-    rank_limit = limits_ref[1]
     live = jnp.minimum(logcnt_ref[expert], width)
     mine = group + groups * jnp.arange(pl.next_power_of_2(pl.cdiv(width, groups)), dtype=jnp.int32)
     dead = (mine >= live) & (mine < width)
@@ -101,7 +110,8 @@ def _boundary_kernel(ids_ref, counts_ref, thresholds_ref, limits_ref, logcnt_ref
                 index, seen, found = carry
                 flat = in_tile * tile + index * scan + jnp.arange(scan, dtype=jnp.int32)
                 ids = plgpu.load(ids_ref.at[jnp.minimum(flat, num_flat - 1)], mask=flat < num_flat, other=-1)
-                match = (ids == expert) & (flat < rank_limit)
+                # (entries past the rank limit need no mask: the wanted one, counted, comes before them all)
+                match = ids == expert
                 number = seen + jnp.cumsum(match.astype(jnp.int32))
                 hit = jnp.min(jnp.where(match & (number == wanted), flat, _INT32_MAX))
                 return index + 1, seen + jnp.sum(match.astype(jnp.int32)), jnp.minimum(found, hit)
@@ -159,10 +169,10 @@ def boundary_positions(ids, thresholds, limits, logcnt, *, num_logical, width, e
         functools.partial(_boundary_kernel, num_flat=num_flat, width=width, tile=tile, scan=scan,
                           num_tiles=num_tiles, groups=groups),
         grid=(num_logical * groups,),
-        in_specs=[whole] * 5,
+        in_specs=[whole] * 4,
         out_specs=whole,
         out_shape=out_struct((num_logical * width + pl.next_power_of_2(pl.cdiv(width, groups)),), jnp.int32),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="boundary_positions",
-    )(ids, counts, thresholds, limits, logcnt)
+    )(ids, counts, thresholds, logcnt)

@@ -1,5 +1,9 @@
 """Per-expert ranks of ``resolved`` (the first of its kernels), for :mod:`._triton`.
 
+The default for inputs of up to ``_triton._POSITIONS_FROM`` entries (decode
+sizes); larger inputs find the quotas' boundary positions instead
+(:mod:`._positions`, no per-entry rank; option ``resolved_by``).
+
 ``resolved`` needs each entry's rank among earlier entries of the same expert
 (an exclusive per-expert cumsum in flat order) and Triton-Pallas has no
 cross-program look-back, so it runs three kernels over *rank tiles* of

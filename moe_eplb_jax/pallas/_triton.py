@@ -34,11 +34,16 @@ Counting (``count_method``), each program counting its tile:
   distinct slot of a warp instruction) into the program's row of float32
   counters, zeroed by atomic exchange.
 
-``resolved`` first ranks every entry among the earlier entries of its expert
-(:mod:`._rank`: a rank kernel over *rank tiles*, then XLA's exclusive cumsum
-of the tiles' histograms); ``_map_kernel`` then takes point = base[rank
-tile, e] + rank into the threshold search (:mod:`._search`) of ``shares``, in
-the same large programs as the other modes.
+``resolved`` has two ways to its point (option ``resolved_by``), both then
+running the threshold search (:mod:`._search`) of ``shares`` in the same
+large programs as the other modes. Above ``_POSITIONS_FROM`` entries
+(default): the *boundary positions* (:mod:`._positions`: per-tile expert
+counts, then for each live quota threshold the flat index where it runs out)
+replace the thresholds, and the point is the entry's flat index -- no
+per-entry rank. Up to it (decode sizes, where those two kernels' chains of
+dependent loads take longer): every entry's rank among the earlier entries of
+its expert (:mod:`._rank`: a rank kernel over *rank tiles*, then the tiles'
+histograms summed down the tiles), and point = base[rank tile, e] + rank.
 """
 
 from __future__ import annotations
@@ -432,7 +437,15 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     part of its tile (``None``: up to 4 where there are at most 256 rank
     tiles and 32-entry steps, else 1; more than 1 implies
     ``rank_running="memory"`` and, for compiled 32-entry steps, ``match.any``);
-    ``tile_bases`` how ``resolved`` sums its rank tiles' histograms
+    ``resolved_by`` how ``resolved`` finds its points (``"positions"``:
+    boundary positions, :mod:`._positions`; ``"ranks"``: per-entry ranks,
+    :mod:`._rank`; ``None``: ranks up to ``_POSITIONS_FROM`` entries, else
+    positions), and for the positions ``position_tile`` (entries per tile of
+    the counts), ``position_sub`` / ``position_warps`` (the count kernel's
+    step and warps), ``position_groups`` (boundary programs per expert),
+    ``position_scan`` (entries per step of a tile scan) and
+    ``boundary_warps`` (``None``: :func:`._positions.boundary_positions`'
+    defaults); ``tile_bases`` how ``resolved`` sums its rank tiles' histograms
     (:func:`_tile_bases`); ``threshold_layout`` how the search reads the thresholds
     (:data:`LAYOUTS`; always expert-major with the guide). For large
     inputs the defaults of a mode come from :data:`LARGE_OPTIONS` by size
