@@ -1,0 +1,528 @@
+"""Tests of the Pallas kernels behind ``map_and_count``: their tuning options, the bucket guide, the rank tiles of
+``resolved`` and its boundary positions, and the lowering of every kernel to Triton IR on CPU.
+
+Every option is checked against the reference (``implementation="xla"``'s function) on fresh random inputs: in
+interpret mode on CPU, compiled on GPU. The public function's semantics are tested in ``test_map_and_count.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from _map_and_count_data import random_ids, random_mode_inputs, random_placement
+from moe_eplb_jax.pallas import MODES
+from moe_eplb_jax.placement import Placement
+
+
+# ------------------------------------------------------------ kernel options
+@pytest.mark.parametrize("options", [{"count_dtype": "float16", "sub": 32, "sub_resolved": 32},
+                                     {"count_dtype": "int8", "sub": 512, "sub_resolved": 128, "tile": 1024},
+                                     {"tile_resolved": 64, "sub_resolved": 16, "warps_resolved": 1, "tile": 128},
+                                     {"tile_resolved": 4096, "sub_resolved": 256},
+                                     {"count_method": "histogram", "tables": "shared", "sub": 64},
+                                     {"count_method": "histogram", "tables": "head", "tile": 1024, "sub": 256},
+                                     {"reduce": "atomic", "tile": 128, "sub": 64},
+                                     {"reduce": "atomic", "layout": "replica_major", "tables": "shared"},
+                                     {"linear_search": 16}, {"linear_search": 3, "layout": "expert_major"},
+                                     {"rank_running": "registers", "rank_chains": 1},
+                                     {"rank_running": "memory", "tile_resolved": 256, "sub_resolved": 64,
+                                      "rank_chains": 1},
+                                     {"rank_chains": 2}, {"rank_chains": 4, "tile_resolved": 512},
+                                     {"rank_chains": 8, "tile_resolved": 256, "sub_resolved": 32},
+                                     {"search": "while"}, {"search": "while", "linear_search": 2},
+                                     {"guide": 1}, {"guide": 16, "search": "unrolled"}, {"guide": 0},
+                                     {"guide": 4, "tables": "global"}, {"tile_bases": "matmul"},
+                                     {"tile_bases": "matmul", "tile_resolved": 16, "sub_resolved": 16},
+                                     {"tile_bases": "cumsum"},
+                                     {"threshold_layout": "replica_major"},
+                                     {"threshold_layout": "replica_major", "linear_search": 3},
+                                     {"threshold_layout": "replica_major", "layout": "expert_major"},
+                                     {"resolved_by": "positions"}, {"resolved_by": "ranks"},
+                                     {"resolved_by": "positions", "position_tile": 256, "position_groups": 1,
+                                      "position_scan": 32},
+                                     {"resolved_by": "positions", "position_tile": 64, "position_sub": 16,
+                                      "position_groups": 3, "position_scan": 16, "search": "unrolled"},
+                                     {"resolved_by": "positions", "threshold_layout": "replica_major", "guide": 8}])
+@pytest.mark.parametrize("mode", ["hash", "resolved"])
+def test_kernel_options_match_reference(options, mode, rng):
+    """The tuning knobs of the kernel (tile, sub-tile, one-hot dtype) never change the result."""
+    from moe_eplb_jax.pallas import _reference, _triton
+    from moe_eplb_jax.pallas.map_and_count import _build_thresholds
+
+    placement = random_placement(rng, 16, 40)
+    log2phy, logcnt = jnp.asarray(placement.log2phy[0]), jnp.asarray(placement.logcnt[0])
+    ids = jnp.asarray(random_ids(rng, 300, 6, 16))
+    limits = jnp.asarray([250 * 6, 280 * 6], jnp.int32)
+    quotas = jnp.asarray(rng.integers(0, 60, (16, 25)).astype(np.int32))
+    thresholds = _build_thresholds("resolved", quotas, logcnt, 25) if mode == "resolved" else jnp.zeros_like(log2phy)
+    want = _reference.map_and_count_reference(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode)
+    got = _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode,
+                                       interpret=jax.default_backend() != "gpu", **options)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    with pytest.raises(ValueError, match="unknown kernel options"):
+        _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode, warps=2)
+    with pytest.raises(ValueError, match="tile_resolved and sub_resolved must be powers of two"):
+        _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode,
+                                     tile_resolved=96)
+    for name, value in (("layout", "row_major"), ("reduce", "psum"), ("tables", "texture"),
+                        ("threshold_layout", "column_major")):
+        with pytest.raises(ValueError, match=f"{name} must be one of"):
+            _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode,
+                                         **{name: value})
+    if mode == "resolved":
+        with pytest.raises(ValueError, match="rank_chains must be a power of two"):
+            _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode,
+                                         rank_chains=3)
+    with pytest.raises(ValueError, match="linear_search must be >= 0"):
+        _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode,
+                                     linear_search=-1)
+    if mode == "resolved":
+        with pytest.raises(ValueError, match="tile_bases must be 'cumsum' or 'matmul'"):
+            _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode,
+                                         tile_bases="scan")
+    with pytest.raises(ValueError, match="guide must be 0, 1, 2, 4, 8 or 16"):
+        _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode,
+                                     guide=3)
+    with pytest.raises(ValueError, match="search must be None, 'unrolled' or 'while'"):
+        _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode,
+                                     search="linear")
+    with pytest.raises(ValueError, match="resolved_by must be None, 'positions' or 'ranks'"):
+        _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode,
+                                     resolved_by="sorted")
+    if mode == "resolved":
+        for bad in ({"position_tile": 96}, {"position_scan": 48}, {"position_sub": 8}, {"position_groups": 0}):
+            with pytest.raises(ValueError, match="position tile, step and scan must be powers of two"):
+                _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode,
+                                             resolved_by="positions", **bad)
+
+
+@settings(max_examples=10)
+@given(
+    num_tokens=st.integers(1, 300),
+    top_k=st.sampled_from([1, 3, 8]),
+    num_logical=st.sampled_from([2, 9, 40]),
+    extra_slots=st.integers(0, 30),
+    mode=st.sampled_from(MODES),
+    layout=st.sampled_from(["expert_major", "replica_major"]),
+    reduce=st.sampled_from(["xla", "atomic"]),
+    tables=st.sampled_from(["head", "global", "shared"]),
+    linear_search=st.sampled_from([0, 2, 16]),
+    guide=st.sampled_from([0, 1, 8]),
+    threshold_layout=st.sampled_from(["expert_major", "replica_major"]),
+    tile_bases=st.sampled_from(["matmul", "cumsum"]),
+    rank_running=st.sampled_from(["registers", "memory"]),
+    rank_chains=st.sampled_from([None, 1, 2]),
+    search=st.sampled_from([None, "unrolled", "while"]),
+    positions=st.sampled_from([{}, {"resolved_by": "ranks"}, {"resolved_by": "positions"},
+                               {"resolved_by": "positions", "position_tile": 16, "position_groups": 2,
+                                "position_scan": 16},
+                               {"resolved_by": "positions", "position_tile": 64, "position_groups": 1}]),
+    seed=st.integers(0, 2**31),
+)
+def test_kernel_option_combinations_match_reference(num_tokens, top_k, num_logical, extra_slots, mode, layout,
+                                                    reduce, tables, linear_search, guide, threshold_layout,
+                                                    tile_bases, rank_running, rank_chains, search, positions, seed):
+    """Any combination of the kernel's layout / reduction / lookup / search / rank options gives the reference's
+    ids and loads (Pallas in interpret mode on CPU, compiled on GPU)."""
+    from moe_eplb_jax.pallas import _reference, _triton
+    from moe_eplb_jax.pallas.map_and_count import _build_thresholds
+
+    rng = np.random.default_rng(seed)
+    placement = random_placement(rng, num_logical, num_logical + extra_slots)
+    log2phy, logcnt = jnp.asarray(placement.log2phy[0]), jnp.asarray(placement.logcnt[0])
+    ids = jnp.asarray(random_ids(rng, num_tokens, top_k, num_logical))
+    extra = random_mode_inputs(rng, mode, placement, ids.size)
+    values = extra.get("replica_shares", extra.get("resolved"))
+    thresholds = (jnp.zeros_like(log2phy) if values is None
+                  else _build_thresholds(mode, jnp.asarray(values), logcnt, log2phy.shape[1]))
+    valid = int(rng.integers(0, num_tokens + 1)) * top_k
+    limits = jnp.asarray([valid, valid], jnp.int32)
+    num_physical = num_logical + extra_slots
+    want = _reference.map_and_count_reference(ids, log2phy, logcnt, thresholds, limits, num_physical=num_physical,
+                                              mode=mode)
+    got = _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=num_physical,
+                                       mode=mode, layout=layout, reduce=reduce, tables=tables,
+                                       linear_search=linear_search, guide=guide, threshold_layout=threshold_layout,
+                                       tile_bases=tile_bases, rank_running=rank_running, rank_chains=rank_chains,
+                                       search=search, **positions,
+                                       interpret=jax.default_backend() != "gpu")
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
+@pytest.mark.parametrize("tables, layout", [("head", "expert_major"), ("global", "expert_major"),
+                                            ("head", "replica_major"), ("shared", "replica_major")])
+@pytest.mark.parametrize("linear_search, guide", [(0, 0), (16, 0), (0, 1), (2, 8)])
+@pytest.mark.parametrize("wide", [True, False], ids=["wide", "narrow"])
+@pytest.mark.parametrize("mode", MODES)
+def test_wide_and_narrow_rows_match_reference(mode, wide, linear_search, guide, tables, layout, rng):
+    """Experts with 1 to 20 replicas: the replica lookups and the threshold search (bisection bounded by each
+    expert's replica count; or independent loads first, the search beyond; or the bucket guide, which the
+    replica-major head tables use) give the reference's result, in either table layout."""
+    from moe_eplb_jax.pallas import _reference, _triton
+    from moe_eplb_jax.pallas.map_and_count import _build_thresholds
+
+    # Per expert: wide rows cross the linear-search limit, narrow ones reach it.
+    replicas = np.array([20, 17, 16, 3, 2, 1, 1, 4] if wide else [16, 9, 5, 3, 2, 1, 1, 4])
+    phy2log = rng.permutation(np.repeat(np.arange(replicas.size), replicas))
+    placement = Placement.from_phy2log(phy2log, replicas.size)
+    # The table as wide as the most replicated expert needs (Placement pads it to P - E + 1).
+    log2phy = jnp.asarray(placement.log2phy[0, :, : replicas.max()])
+    logcnt = jnp.asarray(placement.logcnt[0])
+    assert (log2phy.shape[1] > 16) == wide
+    ids = jnp.asarray(random_ids(rng, 200, 4, replicas.size))
+    extra = random_mode_inputs(rng, mode, placement, ids.size)
+    values = extra.get("replica_shares", extra.get("resolved"))
+    if mode == "resolved":  # quotas below demand: entries past an expert's last threshold fall back to hash
+        values = values // 32
+    thresholds = (jnp.zeros_like(log2phy) if values is None
+                  else _build_thresholds(mode, jnp.asarray(values[:, : log2phy.shape[1]]), logcnt, log2phy.shape[1]))
+    limits = jnp.asarray([190 * 4, 195 * 4], jnp.int32)
+    num_physical = int(replicas.sum())
+    want = _reference.map_and_count_reference(ids, log2phy, logcnt, thresholds, limits, num_physical=num_physical,
+                                              mode=mode)
+    got = _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=num_physical,
+                                       mode=mode, tables=tables, layout=layout, linear_search=linear_search,
+                                       guide=guide, interpret=jax.default_backend() != "gpu")
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    replica_of = {int(slot): int(np.flatnonzero(placement.log2phy[0, e] == slot)[0])
+                  for e in range(replicas.size) for slot in placement.log2phy[0, e] if slot >= 0}
+    used = {replica_of[int(p)] for p in np.asarray(got[0]).ravel() if p >= 0}
+    assert max(used) >= 3  # late replicas were picked
+
+
+# ------------------------------------------------------ Triton lowering on CPU
+def test_pallas_kernels_lower_to_triton_ir(h100_lowering):
+    """Lowers every mode's kernels to Triton IR for an H100/H200 without a GPU (catches lowering breakage)."""
+    from moe_eplb_jax.pallas import _triton
+
+    spec = jax.ShapeDtypeStruct
+    cases = ([(m, {}) for m in MODES]  # the defaults
+             + [("hash", {"count_method": m, "tables": "global"}) for m in _triton.COUNT_METHODS[1:]]
+             + [(m, {"tables": t}) for m in ("hash", "resolved") for t in _triton.TABLES[1:]]
+             + [(m, {"tables": t, "layout": "expert_major", "reduce": "xla", "rank_in_step": "compare"})
+                for m in ("shares", "resolved") for t in _triton.TABLES]
+             + [("shares", {"guide": 4}), ("resolved", {"guide": 8, "search": "unrolled"}),
+                ("shares", {"search": "unrolled"}), ("resolved", {"search": "while", "guide": 0}),
+                ("resolved", {"rank_running": "registers", "rank_chains": 1}), ("resolved", {"rank_chains": 2}),
+                ("resolved", {"rank_running": "memory", "sub_resolved": 64, "warps_resolved": 2}),
+                ("resolved", {"resolved_by": "positions"}),
+                ("resolved", {"resolved_by": "positions", "position_groups": 1, "position_tile": 1024,
+                              "position_scan": 256, "position_warps": 1, "boundary_warps": 1})])
+    for mode, options in cases:
+
+        def run(ids, log2phy, logcnt, thresholds, limits):  # the compiled path (interpret=False)
+            return _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=288, mode=mode,
+                                                **options)
+
+        exported = jax.export.export(
+            jax.jit(run), platforms=["cuda"],
+            disabled_checks=h100_lowering,
+        )(spec((4096, 8), jnp.int32), spec((256, 33), jnp.int32), spec((256,), jnp.int32),
+          spec((256, 33), jnp.int32), spec((2,), jnp.int32))
+        assert "xla.gpu.triton" in exported.mlir_module()
+    # Large inputs switch to larger loop steps (LARGE_OPTIONS, by size): those kernels must lower too.
+    for mode, least in {(m, least) for m, sizes in _triton.LARGE_OPTIONS.items() for least, _ in sizes}:
+        big = jax.export.export(
+            jax.jit(lambda *a, mode=mode: _triton.map_and_count_triton(*a, num_physical=288, mode=mode)),
+            platforms=["cuda"],
+            disabled_checks=h100_lowering,
+        )(spec((least // 8, 8), jnp.int32), spec((256, 33), jnp.int32), spec((256,), jnp.int32),
+          spec((256, 33), jnp.int32), spec((2,), jnp.int32))
+        assert "xla.gpu.triton" in big.mlir_module()
+    # The guided path at a large size (2**21 entries, a 257-wide table): guide kernel + map kernel; resolved there
+    # finds boundary positions (tile counts + boundaries + map: no guide over positions).
+    for mode in ("shares", "resolved"):
+        guided = jax.export.export(
+            jax.jit(lambda *a, mode=mode: _triton.map_and_count_triton(*a, num_physical=512, mode=mode, guide=8)),
+            platforms=["cuda"],
+            disabled_checks=h100_lowering,
+        )(spec((1 << 18, 8), jnp.int32), spec((256, 257), jnp.int32),
+          spec((256,), jnp.int32), spec((256, 257), jnp.int32), spec((2,), jnp.int32))
+        assert guided.mlir_module().count("xla.gpu.triton") == (2 if mode == "shares" else 3)
+
+
+# ------------------------------------------------------------ bucket guide
+def _guide_inputs(rng, mode, replicas, width=None):
+    """Thresholds [E, S] (crowded, zero and uneven rows), log2phy, the kernel's counts and lookup for a placement."""
+    from moe_eplb_jax.pallas import _triton
+    from moe_eplb_jax.pallas.map_and_count import _build_thresholds
+
+    phy2log = rng.permutation(np.repeat(np.arange(replicas.size), replicas))
+    placement = Placement.from_phy2log(phy2log, replicas.size)
+    log2phy, logcnt = jnp.asarray(placement.log2phy[0]), jnp.asarray(placement.logcnt[0])
+    if width is not None:  # a narrower table than Placement's P - E + 1
+        log2phy = log2phy[:, :width]
+    num_logical, width = log2phy.shape
+    if mode == "shares":
+        values = rng.integers(0, 5, (num_logical, width)).astype(np.float32) / 4
+        values[0] = 0.0  # equal shares
+        values[1, :] = 1e-5  # all thresholds but the last within a few points: a crowded bucket
+        values[2, ::2] = 1e-6
+    else:
+        values = rng.integers(0, 40, (num_logical, width)).astype(np.int32)
+        values[1, :] = 0  # no quota: every point past the total
+        values[2, ::2] = 0  # zero quotas: equal thresholds
+    thresholds = _build_thresholds(mode, jnp.asarray(values), logcnt, width, limit=10**6)
+    return thresholds, log2phy, jnp.clip(logcnt, 1, 0x7FFF), _triton.lookup_table(log2phy, logcnt)
+
+
+def _guide_used(words, count, num_logical, width, factor, num_physical):
+    """Mask of the guide entries a lookup can read (head words; each multi-replica expert's buckets)."""
+    from moe_eplb_jax.pallas import _guide
+
+    caps = jnp.asarray(words[1 : 2 * num_logical : 2])
+    offset, _, end = map(np.asarray, _guide._layout(count, caps, width, factor, 2 * factor * num_physical))
+    used = np.zeros(words.size, bool)
+    used[: 2 * num_logical] = True
+    for e in np.flatnonzero(np.asarray(count) > 1):
+        size = 1 if end[e] == np.iinfo(np.int32).max else end[e] - offset[e]
+        used[2 * num_logical + offset[e] : 2 * num_logical + offset[e] + size] = True
+    return used
+
+
+@pytest.mark.parametrize("factor", [1, 4, 16])
+@pytest.mark.parametrize("mode", ["shares", "resolved"])
+def test_guide_answers_every_point(mode, factor, rng):
+    """Decoding the guide as the map kernel does gives, for every point tried (random, bucket edges, every
+    threshold and its neighbours, past the cap), the number of live thresholds <= the point: the slot itself
+    where no threshold lies inside the bucket, -1 only where resolved passes them all, else a search range
+    holding the answer. Experts that do not fit (counts summing past P) take one spare bucket."""
+    from moe_eplb_jax.pallas import _guide
+
+    replicas = np.array([9, 5, 3, 2, 1, 1, 4, 1, 2, 12])
+    thresholds, log2phy, count, _ = _guide_inputs(rng, mode, replicas)
+    num_logical, width = thresholds.shape
+    tight = factor == 16  # too few main buckets for everyone: the later experts fall back to spares
+    num_physical = int(replicas.sum()) // (4 if tight else 1)
+    words = np.asarray(_guide.guide_table(thresholds, log2phy, count, mode=mode, factor=factor,
+                                          num_physical=num_physical)).astype(np.int64)
+    assert words.size == _guide.guide_size(num_logical, num_physical, factor)
+    thresholds, log2phy, count = map(np.asarray, (thresholds, log2phy, count))
+    heads = words[: 2 * num_logical].reshape(num_logical, 2)
+    offset, shift, cap = heads[:, 0] & ((1 << _guide.OFFSET_BITS) - 1), (heads[:, 0] >> _guide.OFFSET_BITS) & 31, heads[:, 1]
+    spares = offset >= 2 * factor * num_physical
+    assert spares.any() == tight
+    kinds = set()
+    for e in np.flatnonzero(count > 1):
+        live = thresholds[e, : min(count[e], width)]
+        top = (1 << 24) if mode == "shares" else int(live[-1]) + 50
+        points = np.concatenate([rng.integers(0, top, 300), live, live - 1, live + 1,
+                                 np.arange(0, top, 1 << int(shift[e]))[:500]])
+        points = points[(points >= 0) & (points < top)]
+        for point in points:
+            want = int(np.sum(live <= point))
+            word = words[2 * num_logical + offset[e] + (min(point, cap[e]) >> shift[e])]
+            if word < 0:
+                kinds.add("past")
+                assert mode == "resolved" and want >= count[e]
+            elif word < 1 << 16:
+                kinds.add("slot")
+                assert word - 1 == log2phy[e, min(want, width - 1)]
+            else:
+                kinds.add("search")
+                low, span = word & 0xFFFF, word >> 16
+                assert low <= want <= low + span and np.all(live[low:want] <= point)
+    assert kinds == ({"slot", "search"} if mode == "shares" else {"slot", "search", "past"})
+
+
+@pytest.mark.parametrize("factor", [1, 8])
+@pytest.mark.parametrize("mode", ["shares", "resolved"])
+def test_guide_kernel_matches_reference(mode, factor, rng):
+    """The Pallas guide kernel writes the jnp reference's words at every entry a lookup can read (interpret mode
+    on CPU, compiled on GPU); with too few main buckets, too."""
+    from moe_eplb_jax.pallas import _guide
+
+    replicas = np.array([9, 5, 3, 2, 1, 1, 4, 1, 2, 12, 1, 7])
+    for num_physical in (int(replicas.sum()), 12):
+        thresholds, log2phy, count, lookup = _guide_inputs(rng, mode, replicas)
+        num_logical, width = thresholds.shape
+        want = np.asarray(_guide.guide_table(thresholds, log2phy, count, mode=mode, factor=factor,
+                                             num_physical=num_physical))
+        got = np.asarray(jax.jit(functools.partial(
+            _guide.guide_kernel, mode=mode, factor=factor, num_logical=num_logical, width=width,
+            num_physical=num_physical, interpret=jax.default_backend() != "gpu"))(lookup, thresholds.reshape(-1)))
+        used = _guide_used(want, count, num_logical, width, factor, num_physical)
+        np.testing.assert_array_equal(got[used], want[used])
+
+
+def test_guide_kernel_with_saturated_quotas(rng):
+    """Quotas summing past int32 (thresholds saturate at int32 max, as an uncapped build gives): the guide kernel
+    still writes its reference's words -- a bucket ending at int32 max counts only live thresholds."""
+    from moe_eplb_jax.pallas import _guide, _triton
+    from moe_eplb_jax.pallas.map_and_count import _build_thresholds
+
+    replicas = np.array([5, 3, 1, 2, 4])
+    phy2log = rng.permutation(np.repeat(np.arange(replicas.size), replicas))
+    placement = Placement.from_phy2log(phy2log, replicas.size)
+    log2phy, logcnt = jnp.asarray(placement.log2phy[0]), jnp.asarray(placement.logcnt[0])
+    num_logical, width = log2phy.shape
+    quotas = rng.integers(2**29, 2**30, (num_logical, width)).astype(np.int32)
+    thresholds = _build_thresholds("resolved", jnp.asarray(quotas), logcnt, width)  # no cap: saturating sums
+    assert int(thresholds.max()) == np.iinfo(np.int32).max
+    count = jnp.clip(logcnt, 1, 0x7FFF)
+    num_physical = int(replicas.sum())
+    want = np.asarray(_guide.guide_table(thresholds, log2phy, count, mode="resolved", factor=4,
+                                         num_physical=num_physical))
+    got = np.asarray(_guide.guide_kernel(_triton.lookup_table(log2phy, logcnt), thresholds.reshape(-1),
+                                         mode="resolved", factor=4, num_logical=num_logical, width=width,
+                                         num_physical=num_physical, interpret=jax.default_backend() != "gpu"))
+    used = _guide_used(want, count, num_logical, width, 4, num_physical)
+    np.testing.assert_array_equal(got[used], want[used])
+
+
+def test_guide_is_used_only_where_it_fits():
+    """No guide by default; an explicit factor is used where it fits: shapes whose offsets or bucket sums would
+    overflow their bits, non-default tables and slots past 16 bits get none; a bad factor is an error."""
+    from moe_eplb_jax.pallas import _triton
+
+    def factor(mode, num_logical, width, num_physical, **options):
+        return _triton._guide_factor({**_triton.DEFAULTS, **options}, mode, num_logical, width, num_physical)
+
+    assert factor("shares", 256, 257, 512) == 0  # the default
+    assert factor("resolved", 256, 33, 288) == 0
+    assert factor("shares", 256, 257, 512, guide=4) == 4
+    assert factor("resolved", 256, 33, 288, guide=8) == 8
+    assert factor("hash", 256, 257, 512, guide=8) == 0
+    assert factor("shares", 256, 257, 512, layout="expert_major", guide=4) == 0
+    assert factor("shares", 256, 257, 512, tables="global", guide=4) == 0
+    assert factor("shares", 256, 257, 0xFFFF, guide=4) == 0
+    assert factor("shares", 1 << 14, 1 << 13, 1 << 14, guide=8) == 0  # bucket counts could overflow int32
+    with pytest.raises(ValueError, match="guide must be"):
+        factor("shares", 256, 257, 512, guide=3)
+
+
+@pytest.mark.parametrize("mode", ["shares", "resolved"])
+def test_guided_kernel_matches_reference(mode, rng):
+    """The map kernel reading the guide (crowded buckets, zero quotas, fallback spares) gives the reference's ids
+    and loads, as does the search without it."""
+    from moe_eplb_jax.pallas import _reference, _triton
+
+    replicas = np.array([9, 5, 3, 2, 1, 1, 4, 1, 2, 12])
+    thresholds, log2phy, _, _ = _guide_inputs(rng, mode, replicas)
+    logcnt = jnp.asarray(replicas)
+    ids = jnp.asarray(random_ids(rng, 500, 4, replicas.size))
+    limits = jnp.asarray([480 * 4, 490 * 4], jnp.int32)
+    num_physical = int(replicas.sum())
+    want = _reference.map_and_count_reference(ids, log2phy, logcnt, thresholds, limits,
+                                              num_physical=num_physical, mode=mode)
+    for options in ({"guide": 4}, {"guide": 16, "search": "unrolled"}, {"guide": 0}):
+        got = _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=num_physical,
+                                           mode=mode, interpret=jax.default_backend() != "gpu", **options)
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
+@pytest.mark.parametrize("tiles", [1, 7, 256, 257, 1000, 2048])
+@pytest.mark.parametrize("how", ["cumsum", "matmul"])
+def test_tile_bases_are_exclusive_sums(tiles, how, rng):
+    """resolved's rank-tile bases are the exclusive sums down the tiles, exactly, by either method (the
+    triangular product up to 256 tiles, the cumsum above), with counts whose sums approach 2**24."""
+    from moe_eplb_jax.pallas import _triton
+
+    bins = 64
+    per_tile = rng.integers(0, (1 << 24) // tiles, (tiles, bins)).astype(np.int32)
+    per_tile[:, 0] = (1 << 24) // tiles  # a column whose total is close to 2**24: odd sums must stay exact
+    per_tile[:, 1] = 0
+    want = np.cumsum(per_tile.astype(np.int64), axis=0) - per_tile
+    got = _triton._tile_bases(jnp.asarray(per_tile), how, num_flat=1 << 24)
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_rank_tile_bases_over_many_tiles_match_reference(rng):
+    """With more than 256 rank tiles (the triangular product's limit) the default falls back to the cumsum inside
+    the resolved kernel and gives the reference."""
+    from moe_eplb_jax.pallas import _reference, _triton
+    from moe_eplb_jax.pallas.map_and_count import _build_thresholds
+
+    placement = random_placement(rng, 16, 40)
+    log2phy, logcnt = jnp.asarray(placement.log2phy[0]), jnp.asarray(placement.logcnt[0])
+    ids = jnp.asarray(random_ids(rng, 700, 8, 16))  # 5600 entries: 350 rank tiles of 16
+    limits = jnp.asarray([690 * 8, 695 * 8], jnp.int32)
+    quotas = jnp.asarray(rng.integers(0, 400, (16, 25)).astype(np.int32))
+    thresholds = _build_thresholds("resolved", quotas, logcnt, 25)
+    want = _reference.map_and_count_reference(ids, log2phy, logcnt, thresholds, limits, num_physical=40,
+                                              mode="resolved")
+    got = _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode="resolved",
+                                       interpret=jax.default_backend() != "gpu", tile_resolved=16,
+                                       sub_resolved=16, tile=1024, sub=512, resolved_by="ranks")
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
+def boundary_oracle(ids, thresholds, logcnt, rank_limit):
+    """``[E, S]``: flat index of expert e's occurrence number ``thresholds[e, j]`` (0-based) among the entries before
+    ``rank_limit``, for ``j < min(logcnt[e], S)``; ``int32 max`` where it has no such occurrence or ``j`` is past."""
+    num_logical, width = thresholds.shape
+    out = np.full((num_logical, width), np.iinfo(np.int32).max, np.int64)
+    for e in range(num_logical):
+        where = np.flatnonzero(ids[:rank_limit] == e)
+        for j in range(min(max(int(logcnt[e]), 0), width)):
+            if thresholds[e, j] < len(where):
+                out[e, j] = where[thresholds[e, j]]
+    return out
+
+
+@settings(max_examples=12, deadline=None)
+@given(num_flat=st.integers(1, 700), num_logical=st.sampled_from([1, 3, 16, 40]), width=st.sampled_from([1, 2, 5, 9]),
+       tile=st.sampled_from([16, 32, 128, None]), groups=st.sampled_from([1, 2, 3, None]),
+       scan=st.sampled_from([16, 64, None]), quota_scale=st.sampled_from([0.0, 0.3, 1.0, 3.0]),
+       seed=st.integers(0, 2**31))
+def test_boundary_positions_match_oracle(num_flat, num_logical, width, tile, groups, scan, quota_scale, seed):
+    """The boundary kernel (resolved by positions) finds, for every live quota threshold, the flat index of that
+    occurrence of its expert -- across tile edges, with equal thresholds (zero quotas), thresholds past the demand,
+    invalid ids, replica counts of 0 or above the width, a rank limit; rows past the count stay int32 max."""
+    from moe_eplb_jax.pallas import _positions
+    from moe_eplb_jax.pallas.map_and_count import _build_thresholds
+
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(-1, num_logical + 1, num_flat).astype(np.int32)
+    logcnt = rng.integers(0, width + 2, num_logical).astype(np.int32)
+    demand = num_flat / max(num_logical, 1)
+    quotas = rng.integers(0, int(quota_scale * demand / width) + 2, (num_logical, width)).astype(np.int32)
+    thresholds = np.asarray(_build_thresholds("resolved", jnp.asarray(quotas), jnp.asarray(logcnt), width,
+                                              limit=num_flat))
+    rank_limit = int(rng.integers(0, num_flat + 1))
+    limits = jnp.asarray([rank_limit, rank_limit], jnp.int32)
+    got = _positions.boundary_positions(
+        jnp.asarray(ids), jnp.asarray(thresholds.reshape(-1)), limits, jnp.asarray(logcnt), num_logical=num_logical,
+        width=width, expert_bins=max(32, 1 << (num_logical - 1).bit_length()), tile=tile, groups=groups, scan=scan,
+        interpret=True)
+    got = np.asarray(got)[:num_logical * width].reshape(num_logical, width)
+    np.testing.assert_array_equal(got, boundary_oracle(ids, thresholds, logcnt, rank_limit))
+
+
+def test_boundary_positions_exact_at_tile_edges():
+    """Thresholds that fall exactly on a tile's first or last occurrence of an expert (the running counts' steps),
+    in tiles holding none of it between, and past its last occurrence."""
+    from moe_eplb_jax.pallas import _positions
+
+    tile = 16
+    ids = np.full(8 * tile, 5, np.int32)
+    ids[::3] = 0  # expert 0 every third entry: 6 per tile for the first tiles ...
+    ids[2 * tile:4 * tile] = 7  # ... none in tiles 2-3
+    where = np.flatnonzero(ids == 0)
+    per_tile = np.bincount(where // tile, minlength=8)
+    edges = np.cumsum(per_tile)  # occurrence number edges[t] is the first one after tile t
+    picks = sorted({0, int(edges[0]) - 1, int(edges[0]), int(edges[1]), int(edges[3]), int(edges[4]) - 1,
+                    len(where) - 1})
+    thresholds = np.full((8, 8), np.iinfo(np.int32).max, np.int32)
+    thresholds[0, :len(picks) + 1] = picks + [len(where)]  # the last is past the demand
+    logcnt = np.zeros(8, np.int32)
+    logcnt[0] = len(picks) + 1
+    got = _positions.boundary_positions(
+        jnp.asarray(ids), jnp.asarray(thresholds.reshape(-1)), jnp.asarray([ids.size, ids.size], jnp.int32),
+        jnp.asarray(logcnt), num_logical=8, width=8, expert_bins=32, tile=tile, groups=2, scan=16, interpret=True)
+    got = np.asarray(got)[:64].reshape(8, 8)
+    np.testing.assert_array_equal(got[0, :len(picks)], where[picks])
+    assert got[0, len(picks)] == np.iinfo(np.int32).max
+    np.testing.assert_array_equal(got[1:], np.iinfo(np.int32).max)
