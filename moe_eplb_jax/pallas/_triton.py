@@ -347,6 +347,19 @@ REDUCES = ("xla", "atomic")
 # (P = 512); 65536 x 8 22.6 vs 26.9; but 4096 x 8 10.2-10.6 vs 9.5 (P = 288), 12.4-13.5 vs 10.8 (P = 512): at
 # decode the boundary kernel's chain of dependent loads (3.2-4.8 us) outlasts the rank kernel's four chains.
 _POSITIONS_FROM = 1 << 16
+# The options that name one of a few choices.
+_CHOICES = {"count_method": COUNT_METHODS, "tables": TABLES, "layout": LAYOUTS, "threshold_layout": LAYOUTS,
+            "reduce": REDUCES, "rank_in_step": ("compare", "match"), "rank_running": ("registers", "memory"),
+            "tile_bases": ("cumsum", "matmul"), "search": (None, "unrolled", "while"),
+            "resolved_by": (None, "positions", "ranks")}
+
+
+def _check_choices(config):
+    for name, choices in _CHOICES.items():
+        if config[name] not in choices:
+            raise ValueError(f"{name} must be one of {choices}, got {config[name]!r}")
+
+
 _MAX_SHARED_TABLE = 8192  # entries (32 KiB): larger tables stay in global memory
 # Larger inputs (GPU), per mode: (min entries, options), largest first (resolved: its mapping kernel; the rank
 # kernel keeps its own tiles). One big loop step per program is fastest (H200, benchmarks/RESULTS.md
@@ -459,9 +472,8 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     num_tokens, top_k = topk_ids.shape
     num_logical, width = log2phy.shape
     num_flat = num_tokens * top_k
+    _check_choices({**DEFAULTS, **config})
     resolved_by = {**DEFAULTS, **config}["resolved_by"]
-    if resolved_by not in (None, "positions", "ranks"):
-        raise ValueError(f"resolved_by must be None, 'positions' or 'ranks', got {resolved_by!r}")
     if resolved_by is None:  # ranks at decode sizes, boundary positions above (H200: _POSITIONS_FROM)
         resolved_by = "positions" if num_flat > _POSITIONS_FROM else "ranks"
     by_positions = mode == "resolved" and resolved_by == "positions"
@@ -486,42 +498,22 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
                          f"{rank_tile} and {rank_sub}")
     if int(config["linear_search"]) < 0:
         raise ValueError(f"linear_search must be >= 0, got {config['linear_search']}")
-    if config["rank_in_step"] not in ("compare", "match"):
-        raise ValueError(f"rank_in_step must be 'compare' or 'match', got {config['rank_in_step']!r}")
-    if config["tile_bases"] not in ("cumsum", "matmul"):
-        raise ValueError(f"tile_bases must be 'cumsum' or 'matmul', got {config['tile_bases']!r}")
-    if config["search"] not in (None, "unrolled", "while"):
-        raise ValueError(f"search must be None, 'unrolled' or 'while', got {config['search']!r}")
     # shares: the block's loop stops once all its lanes converged (most entries search little); resolved's ranks
     # spread over the whole row, and there the fixed unrolled steps were faster (H200, benchmarks/RESULTS.md);
     # with the guide few entries search, one or two steps: the loop; over boundary positions the loop too
     # (262144 x 8: 30.7 vs 32.7 us at P = 288, 38.0 vs 40.8 at P = 512).
     search = config["search"] or ("while" if mode == "shares" or guide or by_positions else "unrolled")
-    if config["rank_running"] not in ("registers", "memory"):
-        raise ValueError(f"rank_running must be 'registers' or 'memory', got {config['rank_running']!r}")
     running = config["rank_running"]
     # match.any ranks one entry per lane of one warp: only 32-entry steps of one-warp programs, compiled.
     one_per_lane = rank_sub == 32 and int(config["warps_resolved"]) == 1 and not interpret
     in_step = "match" if config["rank_in_step"] == "match" and one_per_lane else "compare"
     count_dtype = jnp.dtype(config["count_dtype"])
     count_method = config["count_method"]
-    if count_method not in COUNT_METHODS:
-        raise ValueError(f"count_method must be one of {COUNT_METHODS}, got {count_method!r}")
     if interpret and count_method.startswith("atomic"):
         count_method = "histogram"
-    if config["tables"] not in TABLES:
-        raise ValueError(f"tables must be one of {TABLES}, got {config['tables']!r}")
-    tables = config["tables"]
-    layout = config["layout"]
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    threshold_layout = config["threshold_layout"]
-    if threshold_layout not in LAYOUTS:
-        raise ValueError(f"threshold_layout must be one of {LAYOUTS}, got {threshold_layout!r}")
+    tables, layout, threshold_layout = config["tables"], config["layout"], config["threshold_layout"]
     if guide or by_positions:  # the guide reads an expert's thresholds side by side; positions come so
         threshold_layout = "expert_major"
-    if config["reduce"] not in REDUCES:
-        raise ValueError(f"reduce must be one of {REDUCES}, got {config['reduce']!r}")
     reduce = config["reduce"] if count_method == "histogram" else "xla"
     if tables == "shared" and pl.next_power_of_2(log2phy.shape[0] * log2phy.shape[1]) > _MAX_SHARED_TABLE:
         tables = "global"
