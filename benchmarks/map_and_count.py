@@ -216,7 +216,7 @@ def pallas_copy(x, block=2048, num_warps=4):
 
 
 SWEEP = [  # (mode, T, P, options): T x 8 entries; the defaults first in each group; "count": False skips counting
-    # Eleventh session: resolved by boundary positions (default from 65536 entries on) against ranks.
+    # Eleventh session: resolved by boundary positions (the default above 65536 entries) against ranks.
     ("resolved", 262144, 288, {}), ("resolved", 262144, 288, {"resolved_by": "ranks"}),
     ("resolved", 262144, 512, {}), ("resolved", 262144, 512, {"resolved_by": "ranks"}),
     ("resolved", 65536, 512, {}), ("resolved", 65536, 512, {"resolved_by": "ranks"}),
