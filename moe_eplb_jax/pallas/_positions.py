@@ -44,6 +44,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from moe_eplb_jax.pallas._rank import _rank_step_ids
 from moe_eplb_jax.pallas._triton_ops import histogram
 
 __all__ = ["boundary_positions", "position_tile"]
@@ -65,12 +66,9 @@ def _tile_counts_kernel(ids_ref, limits_ref, counts_ref, *, num_flat, num_logica
     program = pl.program_id(0)
     rank_limit = limits_ref[1]
 
-    def step(index, hist):
-        start = pl.multiple_of(program * tile + index * sub, sub)
-        flat = start + jnp.arange(sub, dtype=jnp.int32)
-        ids = plgpu.load(ids_ref.at[pl.ds(start, sub)], mask=flat < num_flat, other=-1)
-        consuming = (ids >= 0) & (ids < num_logical) & (flat < rank_limit)
-        return hist + histogram(jnp.where(consuming, ids, -1), expert_bins)
+    def step(index, hist):  # the rank kernel's step of ids: experts, -1 where an entry consumes no quota
+        *_, experts = _rank_step_ids(ids_ref, program, index, tile, sub, num_flat, num_logical, rank_limit)
+        return hist + histogram(experts, expert_bins)
 
     hist = jax.lax.fori_loop(0, tile // sub, step, jnp.zeros((expert_bins,), jnp.int32))
     # Column `program` of [E_pad, tiles]: each boundary program then reads its expert's row side by side (H200,

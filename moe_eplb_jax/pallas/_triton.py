@@ -472,13 +472,14 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     num_tokens, top_k = topk_ids.shape
     num_logical, width = log2phy.shape
     num_flat = num_tokens * top_k
-    _check_choices({**DEFAULTS, **config})
-    resolved_by = {**DEFAULTS, **config}["resolved_by"]
+    given = {**DEFAULTS, **config}  # (before the size-based LARGE_OPTIONS, which depend on the guide)
+    _check_choices(given)
+    resolved_by = given["resolved_by"]
     if resolved_by is None:  # ranks at decode sizes, boundary positions above (H200: _POSITIONS_FROM)
         resolved_by = "positions" if num_flat > _POSITIONS_FROM else "ranks"
     by_positions = mode == "resolved" and resolved_by == "positions"
     # The guide's buckets cut the rank range: no guide over positions.
-    guide = 0 if by_positions else _guide_factor({**DEFAULTS, **config}, mode, num_logical, width, num_physical)
+    guide = 0 if by_positions else _guide_factor(given, mode, num_logical, width, num_physical)
     large = next((options for least, options in LARGE_OPTIONS.get(mode, ()) if num_flat >= least), {})
     if guide and large:
         large = {**large, **_GUIDED}
