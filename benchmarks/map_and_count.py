@@ -216,12 +216,21 @@ def pallas_copy(x, block=2048, num_warps=4):
 
 
 SWEEP = [  # (mode, T, P, options): T x 8 entries; the defaults first in each group; "count": False skips counting
-    # Eleventh session: resolved by boundary positions (the default above 65536 entries) against ranks.
-    ("resolved", 262144, 288, {}), ("resolved", 262144, 288, {"resolved_by": "ranks"}),
-    ("resolved", 262144, 512, {}), ("resolved", 262144, 512, {"resolved_by": "ranks"}),
-    ("resolved", 65536, 512, {}), ("resolved", 65536, 512, {"resolved_by": "ranks"}),
-    ("resolved", 4096, 288, {}), ("resolved", 4096, 288, {"resolved_by": "positions"}),
-    ("resolved", 4096, 512, {}), ("resolved", 4096, 512, {"resolved_by": "positions"}),
+    # Twelfth session: over boundary positions (above 65536 entries), each expert's boundaries before a map step
+    # looked up once per step (position_map="start") against every entry's search, one boundary program per live
+    # boundary (boundary_grid="flat") against 8 per expert; by ranks (up to 65536 entries) the rank kernel, the
+    # tiles' sums and the map in one kernel with a look-back (tile_bases="lookback") against three kernels.
+    ("resolved", 262144, 288, {}), ("resolved", 262144, 288, {"position_map": "search"}),
+    ("resolved", 262144, 512, {}), ("resolved", 262144, 512, {"position_map": "search"}),
+    ("resolved", 65536, 288, {}), ("resolved", 65536, 288, {"position_map": "search"}),
+    ("resolved", 8192, 288, {}), ("resolved", 8192, 288, {"tile_bases": "matmul"}),
+    ("resolved", 8192, 512, {}), ("resolved", 8192, 512, {"tile_bases": "matmul"}),
+    ("resolved", 4096, 288, {}), ("resolved", 4096, 288, {"tile_bases": "matmul"}),
+    ("resolved", 4096, 288, {"tile_bases": "lookback", "tile_resolved": 512}),
+    ("resolved", 4096, 512, {}), ("resolved", 4096, 512, {"tile_bases": "matmul"}),
+    ("resolved", 4096, 512, {"tile_bases": "lookback", "tile_resolved": 512}),
+    ("resolved", 1024, 288, {}), ("resolved", 1024, 288, {"tile_bases": "matmul"}),
+    ("resolved", 1024, 512, {}), ("resolved", 1024, 512, {"tile_bases": "matmul"}),
 ]
 
 

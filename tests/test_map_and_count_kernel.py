@@ -75,7 +75,7 @@ def test_kernel_options_match_reference(options, mode, rng):
     for name, value in (("layout", "row_major"), ("reduce", "psum"), ("tables", "texture"),
                         ("threshold_layout", "column_major"), ("count_method", "sort"), ("rank_in_step", "ballot"),
                         ("rank_running", "shared"), ("tile_bases", "scan"), ("search", "linear"),
-                        ("resolved_by", "sorted")):
+                        ("resolved_by", "sorted"), ("position_map", "bisect"), ("boundary_grid", "tiles")):
         with pytest.raises(ValueError, match=f"{name} must be one of"):
             _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode,
                                          **{name: value})
@@ -208,6 +208,8 @@ def test_pallas_kernels_lower_to_triton_ir(h100_lowering):
                 ("resolved", {"rank_running": "registers", "rank_chains": 1}), ("resolved", {"rank_chains": 2}),
                 ("resolved", {"rank_running": "memory", "sub_resolved": 64, "warps_resolved": 2}),
                 ("resolved", {"resolved_by": "positions"}),
+                ("resolved", {"resolved_by": "positions", "boundary_grid": "expert", "tables": "shared"}),
+                ("resolved", {"resolved_by": "positions", "position_map": "search", "tables": "global"}),
                 ("resolved", {"resolved_by": "positions", "position_groups": 1, "position_tile": 1024,
                               "position_scan": 256, "position_warps": 1, "boundary_warps": 1})])
     for mode, options in cases:
@@ -468,11 +470,13 @@ def boundary_oracle(ids, thresholds, logcnt, rank_limit):
 @given(num_flat=st.integers(1, 700), num_logical=st.sampled_from([1, 3, 16, 40]), width=st.sampled_from([1, 2, 5, 9]),
        tile=st.sampled_from([16, 32, 128, None]), groups=st.sampled_from([1, 2, 3, None]),
        scan=st.sampled_from([16, 64, None]), quota_scale=st.sampled_from([0.0, 0.3, 1.0, 3.0]),
-       seed=st.integers(0, 2**31))
-def test_boundary_positions_match_oracle(num_flat, num_logical, width, tile, groups, scan, quota_scale, seed):
+       grid=st.sampled_from(["expert", "flat"]), programs=st.sampled_from([1, 3, 64]), seed=st.integers(0, 2**31))
+def test_boundary_positions_match_oracle(num_flat, num_logical, width, tile, groups, scan, quota_scale, grid, programs,
+                                         seed):
     """The boundary kernel (resolved by positions) finds, for every live quota threshold, the flat index of that
     occurrence of its expert -- across tile edges, with equal thresholds (zero quotas), thresholds past the demand,
-    invalid ids, replica counts of 0 or above the width, a rank limit; rows past the count stay int32 max."""
+    invalid ids, replica counts of 0 or above the width, a rank limit; rows past the count stay int32 max. Both
+    grids: programs per expert, or one per live boundary (fewer programs than boundaries: each takes several)."""
     from moe_eplb_jax.pallas import _positions
     from moe_eplb_jax.pallas.map_and_count import _build_thresholds
 
@@ -488,12 +492,13 @@ def test_boundary_positions_match_oracle(num_flat, num_logical, width, tile, gro
     got = _positions.boundary_positions(
         jnp.asarray(ids), jnp.asarray(thresholds.reshape(-1)), limits, jnp.asarray(logcnt), num_logical=num_logical,
         width=width, expert_bins=max(32, 1 << (num_logical - 1).bit_length()), tile=tile, groups=groups, scan=scan,
-        interpret=True)
+        grid=grid, programs=programs, interpret=True)
     got = np.asarray(got)[:num_logical * width].reshape(num_logical, width)
     np.testing.assert_array_equal(got, boundary_oracle(ids, thresholds, logcnt, rank_limit))
 
 
-def test_boundary_positions_exact_at_tile_edges():
+@pytest.mark.parametrize("grid", ["expert", "flat"])
+def test_boundary_positions_exact_at_tile_edges(grid):
     """Thresholds that fall exactly on a tile's first or last occurrence of an expert (the running counts' steps),
     in tiles holding none of it between, and past its last occurrence."""
     from moe_eplb_jax.pallas import _positions
@@ -513,8 +518,126 @@ def test_boundary_positions_exact_at_tile_edges():
     logcnt[0] = len(picks) + 1
     got = _positions.boundary_positions(
         jnp.asarray(ids), jnp.asarray(thresholds.reshape(-1)), jnp.asarray([ids.size, ids.size], jnp.int32),
-        jnp.asarray(logcnt), num_logical=8, width=8, expert_bins=32, tile=tile, groups=2, scan=16, interpret=True)
+        jnp.asarray(logcnt), num_logical=8, width=8, expert_bins=32, tile=tile, groups=2, scan=16, grid=grid,
+        programs=5, interpret=True)
     got = np.asarray(got)[:64].reshape(8, 8)
     np.testing.assert_array_equal(got[0, :len(picks)], where[picks])
     assert got[0, len(picks)] == np.iinfo(np.int32).max
     np.testing.assert_array_equal(got[1:], np.iinfo(np.int32).max)
+    args = (jnp.asarray(ids), jnp.asarray(thresholds.reshape(-1)), jnp.asarray([ids.size, ids.size], jnp.int32),
+            jnp.asarray(logcnt))
+    with pytest.raises(ValueError, match="groups and programs >= 1"):
+        _positions.boundary_positions(*args, num_logical=8, width=8, expert_bins=32, grid=grid, programs=0)
+    with pytest.raises(ValueError, match="the boundary grid must be"):
+        _positions.boundary_positions(*args, num_logical=8, width=8, expert_bins=32, grid="tiles")
+
+
+@settings(max_examples=12, deadline=None)
+@given(num_tokens=st.integers(1, 200), top_k=st.sampled_from([1, 4, 8]), num_logical=st.sampled_from([1, 2, 5, 16]),
+       extra_slots=st.integers(0, 12), sub=st.sampled_from([16, 32, 256]), quota_scale=st.sampled_from([0.0, 0.2, 1.0, 3.0]),
+       position_map=st.sampled_from(["start", "search"]), boundary_grid=st.sampled_from(["expert", "flat"]),
+       seed=st.integers(0, 2**31))
+def test_positions_map_matches_reference(num_tokens, top_k, num_logical, extra_slots, sub, quota_scale, position_map,
+                                         boundary_grid, seed):
+    """The map kernel over boundary positions: with each expert's boundaries before the step looked up once per
+    step (``position_map="start"``), entries before their expert's next boundary take it as their answer and the
+    rest search on -- right with several boundaries in one step, a boundary on a step's first or last entry, zero
+    quotas (equal positions), quotas past the demand, a rank limit inside a step; same as the plain search."""
+    from moe_eplb_jax.pallas import _reference, _triton
+    from moe_eplb_jax.pallas.map_and_count import _build_thresholds
+
+    rng = np.random.default_rng(seed)
+    placement = random_placement(rng, num_logical, num_logical + extra_slots)
+    log2phy, logcnt = jnp.asarray(placement.log2phy[0]), jnp.asarray(placement.logcnt[0])
+    width = log2phy.shape[1]
+    ids = jnp.asarray(random_ids(rng, num_tokens, top_k, num_logical))
+    demand = ids.size / num_logical
+    quotas = rng.integers(0, int(quota_scale * demand / width) + 2, (num_logical, width)).astype(np.int32)
+    thresholds = _build_thresholds("resolved", jnp.asarray(quotas), logcnt, width, limit=ids.size)
+    valid = int(rng.integers(0, num_tokens + 1)) * top_k
+    limits = jnp.asarray([int(rng.integers(0, valid + 1)), valid], jnp.int32)
+    want = _reference.map_and_count_reference(ids, log2phy, logcnt, thresholds, limits,
+                                              num_physical=num_logical + extra_slots, mode="resolved")
+    got = _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=num_logical + extra_slots,
+                                       mode="resolved", interpret=jax.default_backend() != "gpu",
+                                       resolved_by="positions", position_map=position_map, sub=sub, tile=sub,
+                                       position_tile=16, boundary_grid=boundary_grid)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
+# ------------------------------------------------------------ resolved in one kernel (look-back)
+@pytest.mark.parametrize("programs, window", [(7, 16), (40, 16), (40, 1), (23, 4), (1, 16)])
+@pytest.mark.parametrize("seed", range(2))
+def test_lookback_walks_aggregates_and_inclusive_words(programs, window, seed):
+    """The look-back of one program over a board where the earlier programs' words are a mix, per expert, of
+    aggregates (their own counts: walk on) and inclusive sums (stop there): every lane gets the counts of all
+    earlier programs, over several windows of them, and the program posts its inclusive word. (On a GPU the
+    programs run at once, so a lane may meet any mix; interpret mode runs them in order and always meets an
+    inclusive word first.)"""
+    from jax.experimental import pallas as pl
+
+    from moe_eplb_jax.pallas import _rank
+
+    rng = np.random.default_rng(seed)
+    bins = 32
+    counts = rng.integers(0, 1000, (programs, bins)).astype(np.int32)
+    inclusive = rng.random((programs - 1, bins)) < 0.1
+    inclusive[:1] = True  # the first program posts its inclusive word at once
+    board = np.where(inclusive, (np.cumsum(counts[:-1], axis=0) << 2) | 2, (counts[:-1] << 2) | 1)
+    board = np.concatenate([board, np.zeros((1, bins), np.int64)]).astype(np.int32).reshape(-1)
+
+    def kernel(board_in_ref, total_ref, board_ref, bases_ref):
+        del board_in_ref
+        bases_ref[...] = _rank.lookback_bases(board_ref, jnp.int32(programs - 1), total_ref[...], expert_bins=bins,
+                                              window=window)
+
+    board_out, bases = pl.pallas_call(
+        kernel, out_shape=[jax.ShapeDtypeStruct(board.shape, jnp.int32), jax.ShapeDtypeStruct((bins,), jnp.int32)],
+        input_output_aliases={0: 0}, interpret=True)(jnp.asarray(board), jnp.asarray(counts[-1]))
+    want = counts[:-1].sum(axis=0)
+    np.testing.assert_array_equal(np.asarray(bases), want)
+    np.testing.assert_array_equal(np.asarray(board_out)[-bins:], ((want + counts[-1]) << 2) | 2)
+    np.testing.assert_array_equal(np.asarray(board_out)[:-bins], board[:-bins])
+
+
+@settings(max_examples=10, deadline=None)
+@given(num_tokens=st.integers(1, 400), top_k=st.sampled_from([1, 2, 8]), num_logical=st.sampled_from([1, 5, 40]),
+       extra_slots=st.integers(0, 20), rank_tile=st.sampled_from([64, 128, 256]), chains=st.sampled_from([1, 2]),
+       rank_sub=st.sampled_from([16, 32]), seed=st.integers(0, 2**31))
+def test_lookback_kernel_matches_reference(num_tokens, top_k, num_logical, extra_slots, rank_tile, chains, rank_sub,
+                                           seed):
+    """``resolved`` by ranks in one kernel (``tile_bases="lookback"``) over many rank tiles -- each program's bases
+    from the programs before it -- gives the reference's ids and loads, with padding and a record limit."""
+    from moe_eplb_jax.pallas import _reference, _triton
+    from moe_eplb_jax.pallas.map_and_count import _build_thresholds
+
+    rng = np.random.default_rng(seed)
+    placement = random_placement(rng, num_logical, num_logical + extra_slots)
+    log2phy, logcnt = jnp.asarray(placement.log2phy[0]), jnp.asarray(placement.logcnt[0])
+    ids = jnp.asarray(random_ids(rng, num_tokens, top_k, num_logical))
+    extra = random_mode_inputs(rng, "resolved", placement, ids.size)
+    thresholds = _build_thresholds("resolved", jnp.asarray(extra["resolved"]), logcnt, log2phy.shape[1])
+    valid = int(rng.integers(0, num_tokens + 1)) * top_k
+    limits = jnp.asarray([int(rng.integers(0, valid + 1)), valid], jnp.int32)
+    want = _reference.map_and_count_reference(ids, log2phy, logcnt, thresholds, limits,
+                                              num_physical=num_logical + extra_slots, mode="resolved")
+    options = {"tile_bases": "lookback", "tile_resolved": rank_tile, "sub_resolved": rank_sub, "rank_chains": chains,
+               "resolved_by": "ranks"}
+    got = _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=num_logical + extra_slots,
+                                       mode="resolved", interpret=jax.default_backend() != "gpu", **options)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
+def test_lookback_refuses_inputs_its_words_cannot_count():
+    """A board word holds ``count << 2``: forcing the one-kernel path on 2**29 entries or more is a clear error
+    (traced shapes only: nothing that size is allocated)."""
+    from moe_eplb_jax.pallas import _triton
+
+    spec = jax.ShapeDtypeStruct
+    with pytest.raises(ValueError, match="tile_bases='lookback' supports fewer than 2\\*\\*29 entries"):
+        jax.eval_shape(functools.partial(_triton.map_and_count_triton, num_physical=40, mode="resolved",
+                                         tile_bases="lookback", resolved_by="ranks"),
+                       spec((1 << 26, 8), jnp.int32), spec((16, 25), jnp.int32), spec((16,), jnp.int32),
+                       spec((16, 25), jnp.int32), spec((2,), jnp.int32))

@@ -14,12 +14,17 @@ boundaries (``P`` for a placement), so finding them is small work:
 1. :func:`_tile_counts_kernel`: each *position tile* of ``tile`` entries counts
    its quota-consuming entries per expert (``tt.histogram``) into column
    ``t`` of ``counts [E_pad, tiles]`` (an expert's counts side by side).
-2. :func:`_boundary_kernel`: programs ``(e, g)`` take the boundaries ``j = g,
-   g + G, ...`` of expert ``e`` while ``j < logcnt[e]``: the running sum of
-   ``e``'s row of counts finds the tile holding occurrence ``C[e, j]`` and how
-   many of ``e``'s entries precede that tile; a scan of that one tile (a
+2. :func:`_flat_boundary_kernel` (default): program ``b`` takes the ``b``-th
+   live boundary (expert-major; the expert from the running sum of
+   ``logcnt``), or :func:`_boundary_kernel`: programs ``(e, g)`` take the
+   boundaries ``j = g, g + G, ...`` of expert ``e``. Either way the running sum
+   of ``e``'s row of counts finds the tile holding occurrence ``C[e, j]`` and
+   how many of ``e``'s entries precede that tile; a scan of that one tile (a
    ``cumsum`` of its matches, steps of ``scan`` entries until found) finds
    the entry. Entries from ``logcnt[e]`` on are ``int32 max`` (never read).
+3. In the map kernel, :func:`start_words` / :func:`start_passed`: each loop
+   step first finds every expert's boundaries before it and its next one, so
+   only entries past their expert's next boundary search.
 
 An earlier way, ranking only where a threshold falls inside a (tile, expert)
 pair (tenth session), settled those pairs in the tile's own program: every
@@ -29,9 +34,11 @@ On an H200 (``benchmarks/RESULTS.md``, eleventh session) 262144 x 8 resolved
 takes 30.7 / 38.9 us (P = 288 / 512) against 52.3 / 59.1 with ranks, the
 boundary kernel 7-11 us and the counts 5 us of it; at 4096 x 8 the two
 kernels' chains of dependent loads (~5 us) outlast the rank kernel (2.6 us),
-so decode sizes keep the ranks (``_triton._POSITIONS_FROM``). Programs per
-expert: 8 (one per expert, its boundaries side by side in ``[lanes, scan]``
-blocks, was 1.6-3.5x slower; 32 per expert 2x slower at decode).
+so decode sizes keep the ranks (``_triton._POSITIONS_FROM``). Twelfth
+session: step-start words and a program per boundary, 27.7 / 33.3 us (the
+flat grid: 65536 x 8, P = 512, boundaries 4.9 vs 8.3 us). Per expert, one
+program with its boundaries side by side in ``[lanes, scan]`` blocks was
+1.6-3.5x slower than 8, 32 per expert 2x slower at decode.
 """
 
 from __future__ import annotations
@@ -45,14 +52,18 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from moe_eplb_jax.pallas._rank import _rank_step_ids
-from moe_eplb_jax.pallas._triton_ops import histogram
+from moe_eplb_jax.pallas._search import _loads, _upper_bound
+from moe_eplb_jax.pallas._triton_ops import histogram, take
 
-__all__ = ["boundary_positions", "position_tile"]
+__all__ = ["boundary_positions", "position_tile", "start_passed", "start_table_fits", "start_words"]
 
 _INT32_MAX = np.iinfo(np.int32).max
 _MIN_TILE, _MAX_TILE = 256, 4096
 _SCAN = 1024  # entries per step of a tile scan
 _GROUPS = 8  # programs per expert (each takes every G-th boundary)
+# Boundary programs: one per live boundary ("flat", P programs; H200, 65536 x 8 P = 512: 4.9 vs 8.3 us; 262144 x 8:
+# 6.4 / 8.0 vs 6.9 / 8.4 at P = 288 / 512) or G per expert ("expert"; at 4096 x 8, where ranks are used, 0.2 us faster).
+_GRID = "flat"
 
 
 def position_tile(num_flat: int) -> int:
@@ -93,33 +104,8 @@ def _boundary_kernel(ids_ref, counts_ref, thresholds_ref, logcnt_ref, positions_
 
     @pl.when(group < live)  # programs without a live boundary stop here (most of them: E * G programs, P boundaries)
     def _():
-        at = jnp.arange(pl.next_power_of_2(num_tiles), dtype=jnp.int32)
-        row = plgpu.load(counts_ref.at[expert * num_tiles + jnp.minimum(at, num_tiles - 1)], mask=at < num_tiles,
-                         other=0)
-        running = jnp.cumsum(row)  # occurrences of e up to and including each tile
-        total = jnp.sum(row)
-
-        def find(c):
-            """Flat index of e's occurrence number c (0-based); ``int32 max`` where c >= total (no scan)."""
-            in_tile = jnp.sum((running <= c).astype(jnp.int32))  # the tile holding it
-            wanted = c - jnp.sum(jnp.where(at < in_tile, row, 0)) + 1  # its 1-based number inside the tile
-
-            def step(carry):
-                index, seen, found = carry
-                flat = in_tile * tile + index * scan + jnp.arange(scan, dtype=jnp.int32)
-                ids = plgpu.load(ids_ref.at[jnp.minimum(flat, num_flat - 1)], mask=flat < num_flat, other=-1)
-                # (entries past the rank limit need no mask: the wanted one, counted, comes before them all)
-                match = ids == expert
-                number = seen + jnp.cumsum(match.astype(jnp.int32))
-                hit = jnp.min(jnp.where(match & (number == wanted), flat, _INT32_MAX))
-                return index + 1, seen + jnp.sum(match.astype(jnp.int32)), jnp.minimum(found, hit)
-
-            # Steps until found; none where c >= total (a loop, not lax.cond: Pallas Triton cannot yield a
-            # constant from a branch).
-            alive = c < total
-            start = (jnp.int32(0), jnp.int32(0), jnp.int32(_INT32_MAX))
-            return jax.lax.while_loop(
-                lambda carry: alive & (carry[0] < tile // scan) & (carry[2] == _INT32_MAX), step, start)[2]
+        find = _occurrence_finder(ids_ref, counts_ref, expert, num_flat=num_flat, tile=tile, scan=scan,
+                                  num_tiles=num_tiles)
 
         def body(j):
             positions_ref[expert * width + j] = find(thresholds_ref[expert * width + j])
@@ -128,27 +114,99 @@ def _boundary_kernel(ids_ref, counts_ref, thresholds_ref, logcnt_ref, positions_
         jax.lax.while_loop(lambda j: j < live, body, group)
 
 
+def _flat_boundary_kernel(ids_ref, counts_ref, thresholds_ref, logcnt_ref, positions_ref, *, num_flat, num_logical,
+                          width, tile, scan, num_tiles, programs):
+    """The same positions, a program per live boundary: program ``b`` finds the ``b``-th live boundary in
+    expert-major order (then ``b + programs``, ... if there are more), and writes every ``programs``-th dead entry
+    (``j >= logcnt[e]``) of the table as ``int32 max``."""
+    program = pl.program_id(0)
+    lanes = jnp.arange(max(16, pl.next_power_of_2(num_logical)), dtype=jnp.int32)
+    live = jnp.where(lanes < num_logical,
+                     jnp.clip(plgpu.load(logcnt_ref.at[jnp.minimum(lanes, num_logical - 1)]), 0, width), 0)
+    ends = jnp.cumsum(live)  # expert e's boundaries are the live ones numbered [ends[e] - live[e], ends[e])
+    total = jnp.sum(live)
+    # Dead entries, every programs-th of the table: masked-off lanes point at distinct spare entries past it (see
+    # _boundary_kernel).
+    chunk = pl.next_power_of_2(pl.cdiv(num_logical * width, programs))
+    entry = program + programs * jnp.arange(chunk, dtype=jnp.int32)
+    inside = entry < num_logical * width
+    entry_expert = jnp.minimum(entry // width, num_logical - 1)
+    dead = inside & (entry % width >= jnp.clip(plgpu.load(logcnt_ref.at[entry_expert]), 0, width))
+    spare = positions_ref.shape[0] - chunk
+    plgpu.store(positions_ref.at[jnp.where(dead, entry, spare + jnp.arange(chunk, dtype=jnp.int32))],
+                jnp.full((chunk,), _INT32_MAX, jnp.int32), mask=dead)
+
+    def body(number):
+        expert = jnp.sum((ends <= number).astype(jnp.int32))  # the expert holding live boundary `number`
+        j = number - jnp.sum(jnp.where(lanes < expert, live, 0))
+        find = _occurrence_finder(ids_ref, counts_ref, expert, num_flat=num_flat, tile=tile, scan=scan,
+                                  num_tiles=num_tiles)
+        positions_ref[expert * width + j] = find(thresholds_ref[expert * width + j])
+        return number + programs
+
+    jax.lax.while_loop(lambda number: number < total, body, program)
+
+
+def _occurrence_finder(ids_ref, counts_ref, expert, *, num_flat, tile, scan, num_tiles):
+    """``find(c)``: the flat index of ``expert``'s occurrence number ``c`` (0-based), ``int32 max`` where it has at
+    most ``c`` quota-consuming entries. Loads the expert's row of tile counts once; each ``find`` scans one tile."""
+    at = jnp.arange(pl.next_power_of_2(num_tiles), dtype=jnp.int32)
+    row = plgpu.load(counts_ref.at[expert * num_tiles + jnp.minimum(at, num_tiles - 1)], mask=at < num_tiles,
+                     other=0)
+    running = jnp.cumsum(row)  # occurrences of e up to and including each tile
+    total = jnp.sum(row)
+
+    def find(c):
+        in_tile = jnp.sum((running <= c).astype(jnp.int32))  # the tile holding it
+        wanted = c - jnp.sum(jnp.where(at < in_tile, row, 0)) + 1  # its 1-based number inside the tile
+
+        def step(carry):
+            index, seen, found = carry
+            flat = in_tile * tile + index * scan + jnp.arange(scan, dtype=jnp.int32)
+            ids = plgpu.load(ids_ref.at[jnp.minimum(flat, num_flat - 1)], mask=flat < num_flat, other=-1)
+            # (entries past the rank limit need no mask: the wanted one, counted, comes before them all)
+            match = ids == expert
+            number = seen + jnp.cumsum(match.astype(jnp.int32))
+            hit = jnp.min(jnp.where(match & (number == wanted), flat, _INT32_MAX))
+            return index + 1, seen + jnp.sum(match.astype(jnp.int32)), jnp.minimum(found, hit)
+
+        # Steps until found; none where c >= total (a loop, not lax.cond: Pallas Triton cannot yield a constant
+        # from a branch).
+        alive = c < total
+        start = (jnp.int32(0), jnp.int32(0), jnp.int32(_INT32_MAX))
+        return jax.lax.while_loop(
+            lambda carry: alive & (carry[0] < tile // scan) & (carry[2] == _INT32_MAX), step, start)[2]
+
+    return find
+
+
 def boundary_positions(ids, thresholds, limits, logcnt, *, num_logical, width, expert_bins, tile=None, sub=None,
-                       groups=None, scan=None, count_warps=None, num_warps=4, interpret=False,
-                       out_struct=jax.ShapeDtypeStruct):
+                       groups=None, scan=None, count_warps=None, num_warps=4, grid=None, programs=None,
+                       interpret=False, out_struct=jax.ShapeDtypeStruct):
     """Boundary positions, expert-major, from the flat ``ids [N]`` and ``thresholds [E * S]``: flat int32, the
     ``E * S`` positions then a few spare entries (the store target of masked-off lanes; returned as they are,
     since a slice would be a copy kernel, and never read).
 
     ``tile``: entries per position tile (default :func:`position_tile`); ``sub``
-    the tile-count kernel's entries per step; ``groups`` programs per expert;
-    ``scan`` entries per step of their tile scans.
-    ``out_struct`` makes the outputs' ``ShapeDtypeStruct`` (inside ``shard_map``:
-    varying over the inputs' manual axes).
+    the tile-count kernel's entries per step; ``scan`` entries per step of the tile
+    scans. ``grid``: ``"flat"`` (``programs`` programs -- say ``P``, the live
+    boundaries of a placement -- each taking one live boundary,
+    :func:`_flat_boundary_kernel`) or ``"expert"`` (``groups`` programs per
+    expert, :func:`_boundary_kernel`); ``None``: ``_GRID`` (flat). ``out_struct`` makes the outputs'
+    ``ShapeDtypeStruct`` (inside ``shard_map``: varying over the inputs' manual axes).
     """
     num_flat = ids.shape[0]
     tile = position_tile(num_flat) if tile is None else int(tile)
     sub = min(tile, 4096) if sub is None else min(int(sub), tile)  # one step per tile
     scan = min(tile, _SCAN if scan is None else int(scan))
     groups = min(width, _GROUPS) if groups is None else int(groups)
-    if tile & (tile - 1) or sub & (sub - 1) or sub < 16 or scan & (scan - 1) or groups < 1:
-        raise ValueError(f"position tile, step and scan must be powers of two (step >= 16), groups >= 1, got "
-                         f"tile={tile} sub={sub} scan={scan} groups={groups}")
+    grid = grid or _GRID
+    programs = num_logical * width if programs is None else int(programs)
+    if tile & (tile - 1) or sub & (sub - 1) or sub < 16 or scan & (scan - 1) or groups < 1 or programs < 1:
+        raise ValueError(f"position tile, step and scan must be powers of two (step >= 16), groups and programs "
+                         f">= 1, got tile={tile} sub={sub} scan={scan} groups={groups} programs={programs}")
+    if grid not in ("expert", "flat"):
+        raise ValueError(f"the boundary grid must be 'expert' or 'flat', got {grid!r}")
     num_tiles = pl.cdiv(num_flat, tile)
     whole = pl.no_block_spec
     counts = pl.pallas_call(
@@ -163,14 +221,72 @@ def boundary_positions(ids, thresholds, limits, logcnt, *, num_logical, width, e
         interpret=interpret,
         name="tile_counts",
     )(ids, limits)
+    if grid == "flat":
+        programs = min(programs, num_logical * width)
+        kernel = functools.partial(_flat_boundary_kernel, num_flat=num_flat, num_logical=num_logical, width=width,
+                                   tile=tile, scan=scan, num_tiles=num_tiles, programs=programs)
+        spare = pl.next_power_of_2(pl.cdiv(num_logical * width, programs))
+    else:
+        programs = num_logical * groups
+        kernel = functools.partial(_boundary_kernel, num_flat=num_flat, width=width, tile=tile, scan=scan,
+                                   num_tiles=num_tiles, groups=groups)
+        spare = pl.next_power_of_2(pl.cdiv(width, groups))
     return pl.pallas_call(
-        functools.partial(_boundary_kernel, num_flat=num_flat, width=width, tile=tile, scan=scan,
-                          num_tiles=num_tiles, groups=groups),
-        grid=(num_logical * groups,),
+        kernel,
+        grid=(programs,),
         in_specs=[whole] * 4,
         out_specs=whole,
-        out_shape=out_struct((num_logical * width + pl.next_power_of_2(pl.cdiv(width, groups)),), jnp.int32),
+        out_shape=out_struct((num_logical * width + spare,), jnp.int32),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="boundary_positions",
     )(ids, counts, thresholds, logcnt)
+
+
+# ------------------------------------------------------------- in the map kernel
+_OFFSET_SHIFT = 16  # a start word: boundaries passed before the step (low 16 bits) | next boundary's offset << 16
+
+
+def start_table_fits(width: int, sub: int) -> bool:
+    """Whether :func:`start_words`' words hold these shapes (the count below ``2**16``, the offset its 15 bits)."""
+    return width < 1 << _OFFSET_SHIFT and sub < 1 << 15
+
+
+def start_words(positions_ref, count_of, start, *, num_logical, width, sub, dynamic=True):
+    """Per expert (``[E_pad]`` lanes): its boundaries below ``start`` and the offset of its next one from
+    ``start`` (clamped to ``sub``), packed ``before | offset << 16``: one bisection over every expert's row at once
+    (``dynamic``: a ``while`` loop until all lanes converged). ``count_of(experts)``: replica counts (>= 1)."""
+    lanes = jnp.arange(max(16, pl.next_power_of_2(num_logical)), dtype=jnp.int32)
+    lane_expert = jnp.minimum(lanes, num_logical - 1)
+    lane_count = count_of(lane_expert)
+    lane_live = jnp.minimum(lane_count, width)
+    multi = (lanes < num_logical) & (lane_count > 1)  # one replica: no boundaries
+    row = lambda j: lane_expert * width + j  # noqa: E731
+    before = _upper_bound(_loads(positions_ref, row), jnp.full(lanes.shape, start - 1, jnp.int32), width,
+                          lane_live, multi, dynamic=dynamic)
+    following = plgpu.load(positions_ref.at[row(jnp.minimum(before, width - 1))], mask=multi & (before < lane_live),
+                           other=_INT32_MAX)
+    # following >= start (every earlier boundary is counted in `before`); past the step it is clamped to `sub`.
+    return before | (jnp.minimum(following - start, sub) << _OFFSET_SHIFT)
+
+
+def start_passed(words, positions_ref, at, start, flat, point, expert, count, searching, *, width, dynamic=True):
+    """``#{j < count : positions[e, j] <= point}`` per entry of a map-kernel step, mostly without a search.
+
+    Boundaries rise with the flat index, so for the step's entries from
+    ``start`` each expert has ``before[e]`` boundaries below ``start`` and
+    the next one at ``start + offset[e]`` (:func:`start_words`, once per step
+    for all experts): every entry before its expert's next boundary has its
+    answer, ``before[e]`` (a ``take`` from the per-expert words); only entries
+    at or after one -- at most ``P`` boundaries in the whole input, so few steps
+    hold any -- search on from ``before[e] + 1``. ``at(j)``: the entries' flat
+    indices of their expert's position ``j``. Entries at ``point = int32 max``
+    (past the rank limit: no quota) get ``count`` (every quota spent).
+    """
+    word = take(words, expert)
+    before, offset = word & ((1 << _OFFSET_SHIFT) - 1), word >> _OFFSET_SHIFT
+    counted = point != _INT32_MAX
+    crossed = searching & counted & (flat - start >= offset)  # at or past the expert's next boundary
+    passed = _upper_bound(_loads(positions_ref, at), point, width, count, crossed, dynamic=dynamic,
+                          low=before + crossed.astype(jnp.int32))
+    return jnp.where(counted, passed, count)

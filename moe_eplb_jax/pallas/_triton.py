@@ -43,7 +43,10 @@ replace the thresholds, and the point is the entry's flat index -- no
 per-entry rank. Up to it (decode sizes, where those two kernels' chains of
 dependent loads take longer): every entry's rank among the earlier entries of
 its expert (:mod:`._rank`: a rank kernel over *rank tiles*, then the tiles'
-histograms summed down the tiles), and point = base[rank tile, e] + rank.
+histograms summed down the tiles), and point = base[rank tile, e] + rank;
+for the smallest inputs all in one kernel (:func:`_lookback_kernel`).
+Over positions each loop step first looks up every expert's boundaries
+before it (:func:`._positions.start_words`), so few entries search.
 """
 
 from __future__ import annotations
@@ -57,9 +60,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from moe_eplb_jax.pallas import _guide
-from moe_eplb_jax.pallas._rank import (_SUB_RESOLVED, _WARPS_RESOLVED, _rank_kernel, _rank_tile,
+from moe_eplb_jax.pallas._rank import (_SUB_RESOLVED, _WARPS_RESOLVED, _rank_in_chains, _rank_kernel, _rank_tile,
+                                       lookback_bases,
                                        _warp_aggregate)
-from moe_eplb_jax.pallas._positions import boundary_positions
+from moe_eplb_jax.pallas._positions import boundary_positions, start_passed, start_table_fits, start_words
 from moe_eplb_jax.pallas._reference import GOLDEN
 from moe_eplb_jax.pallas._search import _LINEAR_SEARCH, _count_passed
 from moe_eplb_jax.pallas._triton_ops import atomic_add_int, histogram, take
@@ -130,10 +134,11 @@ def _flat_index(layout, num_logical, width):
 def _map_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, base_ref, rank_ref, limits_ref, zeros_ref, phys_ref,
                 hist_ref, *, mode, num_flat, top_k, num_logical, width, num_physical, tile, sub, bins, expert_bins,
                 rank_tile, count_dtype, do_count, count_method, tables, layout, reduce, linear_search, guide,
-                num_tiles, search, threshold_layout, by_positions):
+                num_tiles, search, threshold_layout, by_positions, from_start, lookback=False):
     """``tables_ref`` is :func:`lookup_table`'s: per-expert counts (or head entries) at ``[0, E)``, then ``log2phy``
     at ``[E, E + E * S)``, in ``layout``; ``thresholds_ref`` the ``[E, S]`` thresholds, expert-major with the guide
-    (a bucket's few thresholds lie side by side), else in ``threshold_layout``."""
+    (a bucket's few thresholds lie side by side), else in ``threshold_layout``. ``lookback`` (called from
+    :func:`_lookback_kernel`): ``base_ref`` is this program's ``[E_pad]`` bases, the program one rank tile."""
     del zeros_ref  # reduce="atomic": the zeroed load counters, aliased to hist_ref
     slot_at = num_logical
     program = pl.program_id(0)
@@ -152,6 +157,10 @@ def _map_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, base_ref, rank_r
     else:  # one global (L1-cached) load per entry and table; "head": the counts are (first slot + 1) | count << 16
         lookup_count = lambda expert: tables_ref[expert]  # noqa: E731
         lookup_slot = lambda index: tables_ref[slot_at + index]  # noqa: E731
+    if tables == "head":  # replica counts (>= 1)
+        count_of = lambda expert: lookup_count(expert) >> 16  # noqa: E731
+    else:
+        count_of = lambda expert: jnp.maximum(lookup_count(expert), 1)  # noqa: E731
     table_index = _flat_index(layout, num_logical, width)  # log2phy in the lookup table
     threshold_index = _flat_index(threshold_layout, num_logical, width)  # (with the guide: expert-major)
     row0 = program * num_bins  # atomic methods: this program's row of counters
@@ -174,7 +183,7 @@ def _map_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, base_ref, rank_r
             head = lookup_count(expert)
             count, first = head >> 16, (head & 0xFFFF) - 1
         else:
-            count = jnp.maximum(lookup_count(expert), 1)
+            count = count_of(expert)
         # Unsigned division and remainder: both operands are >= 0, and the signed forms add sign fix-ups.
         token = (flat.astype(jnp.uint32) // jnp.uint32(top_k))
         hashed = token * jnp.uint32(GOLDEN)
@@ -191,8 +200,10 @@ def _map_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, base_ref, rank_r
             elif by_positions:  # resolved, thresholds = boundary positions (_positions.py): the flat index
                 point = jnp.where(flat < rank_limit, flat, _INT32_MAX)
             else:  # resolved: the rank among this expert's entries = earlier rank tiles + inside its rank tile
-                # Lanes past the end (masked everywhere else) clamped too: this gather is not masked.
-                before = base_ref[jax.lax.div(jnp.minimum(flat, num_flat - 1), rank_tile) * expert_bins + expert]
+                if lookback:  # the program's own bases, from the look-back
+                    before = take(base_ref, expert)
+                else:  # lanes past the end (masked everywhere else) clamped too: this gather is not masked
+                    before = base_ref[jax.lax.div(jnp.minimum(flat, num_flat - 1), rank_tile) * expert_bins + expert]
                 inside_tile = plgpu.load(rank_ref.at[pl.ds(start, sub)], mask=inside, other=0)
                 point = jnp.where(flat < rank_limit, before + inside_tile, _INT32_MAX)
             # A single-replica expert takes replica 0 whatever the thresholds: no search, no loads.
@@ -202,6 +213,13 @@ def _map_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, base_ref, rank_r
                 known, known_slot, passed = _guide.guide_passed(
                     guide_ref, thresholds_ref, at, expert, point, count, num_logical, width, searching, mode=mode,
                     dynamic=search == "while")
+            elif from_start:  # positions: each expert's boundaries before the step, then few entries search
+                # (The per-step words built here, after the ids arrived: built between the ids' load and their
+                # first use the map kernel took 18.7 us instead of 14.7 at 262144 x 8, P = 288, on an H200.)
+                words = start_words(thresholds_ref, count_of, start, num_logical=num_logical, width=width, sub=sub,
+                                    dynamic=search == "while")
+                passed = start_passed(words, thresholds_ref, at, start, flat, point, expert, count, searching,
+                                      width=width, dynamic=search == "while")
             else:
                 passed = _count_passed(thresholds_ref, at, point, width, count,
                                        searching, linear=linear_search, dynamic=search == "while")
@@ -264,6 +282,26 @@ def _map_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, base_ref, rank_r
         hist_ref[0] = hist
 
 
+def _lookback_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, limits_ref, zeros_ref, board_zeros_ref, phys_ref,
+                     hist_ref, rank_ref, rank_hist_ref, board_ref, *, rank_sub, chains, barrier, **map_options):
+    """``resolved`` by ranks in one kernel (``tile_bases="lookback"``), a program per rank tile: its in-tile ranks
+    (:func:`._rank._rank_in_chains`, into ``rank_ref``), the counts of the earlier tiles by a look-back over the
+    zeroed ``board_ref`` (:func:`._rank.lookback_bases`) instead of XLA's sum over tiles between two kernels, then
+    the map kernel's work on the same tile."""
+    del board_zeros_ref  # aliased to board_ref (zeroed by XLA)
+    program = pl.program_id(0)
+    expert_bins = map_options["expert_bins"]
+    total = _rank_in_chains(program, ids_ref, limits_ref[1], rank_ref, rank_hist_ref,
+                            num_flat=map_options["num_flat"], num_logical=map_options["num_logical"],
+                            tile=map_options["tile"], sub=rank_sub, expert_bins=expert_bins, chains=chains,
+                            barrier=barrier)
+    bases = lookback_bases(board_ref, program, total, expert_bins=expert_bins)
+    if barrier:  # the ranks the block's other warps stored, read below
+        plgpu.debug_barrier()
+    _map_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, bases, rank_ref, limits_ref, zeros_ref, phys_ref,
+                hist_ref, lookback=True, **map_options)
+
+
 def lookup_table(log2phy, logcnt, *, layout: str = "replica_major", tables: str = "head"):
     """The map kernel's lookup table of one placement: flat int32 ``[E + E * S]`` (``E + 2**ceil(log2(E * S))``
     for ``tables="shared"``).
@@ -318,9 +356,10 @@ DEFAULTS = {"tile": None, "sub": _SUB, "tile_resolved": None, "sub_resolved": _S
             "warps_resolved": _WARPS_RESOLVED, "num_warps": 4, "num_stages": 3,
             "count_dtype": "int8", "count_method": "histogram", "tables": "head", "layout": "replica_major",
             "reduce": "atomic", "rank_in_step": "match", "linear_search": _LINEAR_SEARCH, "guide": 0,
-            "rank_running": "memory", "search": None, "tile_bases": "matmul", "threshold_layout": "expert_major",
+            "rank_running": "memory", "search": None, "tile_bases": None, "threshold_layout": "expert_major",
             "rank_chains": None, "resolved_by": None, "position_tile": None, "position_groups": None,
-            "position_sub": None, "position_scan": None, "position_warps": None, "boundary_warps": 4}
+            "position_sub": None, "position_scan": None, "position_warps": None, "boundary_warps": 4,
+            "position_map": "start", "boundary_grid": None}
 # How the kernel counts: "histogram" (tt.histogram per loop step: warp ballots + popc, shared-memory atomics
 # across warps; also in interpret mode, as jnp), "onehot" (factorised one-hot products on the tensor cores),
 # "atomic" (one global atomic add per entry into the program's row of counters), "atomic_warp" (atomics
@@ -350,8 +389,9 @@ _POSITIONS_FROM = 1 << 16
 # The options that name one of a few choices.
 _CHOICES = {"count_method": COUNT_METHODS, "tables": TABLES, "layout": LAYOUTS, "threshold_layout": LAYOUTS,
             "reduce": REDUCES, "rank_in_step": ("compare", "match"), "rank_running": ("registers", "memory"),
-            "tile_bases": ("cumsum", "matmul"), "search": (None, "unrolled", "while"),
-            "resolved_by": (None, "positions", "ranks")}
+            "tile_bases": (None, "cumsum", "matmul", "lookback"), "search": (None, "unrolled", "while"),
+            "resolved_by": (None, "positions", "ranks"), "position_map": ("start", "search"),
+            "boundary_grid": (None, "expert", "flat")}
 
 
 def _check_choices(config):
@@ -409,6 +449,11 @@ def _tile_bases(per_tile, how, num_flat):
 
 
 _MAX_MATMUL_TILES = 256  # the [tiles, tiles] matrix stays small
+# tile_bases=None: one kernel with a look-back up to this many rank tiles, else the "matmul" sums (H200, same draws,
+# twelfth session: 1024 x 8 (32 tiles) 7.15 / 7.90 us vs 7.70 / 8.67 at P = 288 / 512; but 4096 x 8 (128 tiles)
+# 9.81 / 10.92 vs 9.38 / 10.52 and 8192 x 8 13.71 / 14.66 vs 13.19 / 14.48: one program doing its rank tile's
+# ranks, look-back and mapping in turn outlasts the three kernels once there are enough tiles to fill the GPU).
+_MAX_LOOKBACK_TILES = 32
 
 
 def lookup_size(num_logical: int, width: int, *, tables: str = "head") -> int:
@@ -457,9 +502,17 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     the counts), ``position_sub`` / ``position_warps`` (the count kernel's
     step and warps), ``position_groups`` (boundary programs per expert),
     ``position_scan`` (entries per step of a tile scan; ``None`` for these:
-    :func:`._positions.boundary_positions`' defaults) and ``boundary_warps``
-    (the boundary kernel's warps); ``tile_bases`` how ``resolved`` sums its rank tiles' histograms
-    (:func:`_tile_bases`); ``threshold_layout`` how the search reads the thresholds
+    :func:`._positions.boundary_positions`' defaults), ``boundary_warps``
+    (the boundary kernel's warps), ``boundary_grid`` (``"flat"``: a program per
+    live boundary; ``"expert"``: ``position_groups`` per expert; ``None``: the
+    module's default) and ``position_map`` (``"start"``: each map step looks up
+    every expert's boundaries before it once, and only entries past their
+    expert's next boundary search; ``"search"``: every entry of a
+    multi-replica expert searches); ``tile_bases`` how ``resolved`` sums its rank tiles' histograms
+    (:func:`_tile_bases`: ``"cumsum"`` / ``"matmul"`` in XLA between the rank and map kernels; ``"lookback"``:
+    one kernel, :func:`_lookback_kernel`, whose programs wait for the earlier ones -- as CUB's scans do, it
+    relies on the GPU starting programs in order; ``None``: the look-back up to ``_MAX_LOOKBACK_TILES`` rank
+    tiles, where every program is resident at once, else ``"matmul"``); ``threshold_layout`` how the search reads the thresholds
     (:data:`LAYOUTS`; always expert-major with the guide and for positions). For large
     inputs the defaults of a mode come from :data:`LARGE_OPTIONS` by size
     (options passed explicitly win). ``lookup``: :func:`lookup_table` of
@@ -538,12 +591,14 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     params = plgpu.CompilerParams(num_warps=config["num_warps"], num_stages=config["num_stages"])
     whole = pl.no_block_spec
 
+    lookback = False  # resolved by ranks in one kernel (below)
     if by_positions:  # the thresholds become their boundary positions
         thresholds = boundary_positions(
             ids, thresholds.reshape(-1), limits, logcnt, num_logical=num_logical, width=width,
             expert_bins=expert_bins, tile=config["position_tile"], groups=config["position_groups"],
             sub=config["position_sub"], scan=config["position_scan"], count_warps=config["position_warps"],
-            num_warps=config["boundary_warps"], interpret=interpret, out_struct=out_struct)
+            num_warps=config["boundary_warps"], grid=config["boundary_grid"], programs=num_physical,
+            interpret=interpret, out_struct=out_struct)
         base = rank = jnp.zeros_like(limits[:1])  # unused
     elif mode == "resolved":
         rank_tiles = pl.cdiv(num_flat, rank_tile)
@@ -560,35 +615,47 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
                              f"got {chains} for tiles of {rank_tile} and steps of {rank_sub}")
         if chains > 1:  # chains always count in memory, and compiled 32-entry steps always use match.any
             running = "memory"
-        # "memory": the histogram output is flat (each program gathers from and scatters to its own rows, the
-        # first of which ends with the histogram).
-        hist_spec = whole if running == "memory" else pl.BlockSpec((1, expert_bins), lambda i: (i, 0))
-        hist_shape = ((rank_tiles * chains * 2 * expert_bins,) if running == "memory"
-                      else (rank_tiles, expert_bins))
-        rank, per_tile = pl.pallas_call(
-            functools.partial(_rank_kernel, num_flat=num_flat, num_logical=num_logical, tile=rank_tile,
-                              sub=rank_sub, expert_bins=expert_bins, in_step=in_step, running=running,
-                              barrier=not interpret, chains=chains),
-            grid=(rank_tiles,),
-            in_specs=[whole, whole],
-            out_specs=[whole, hist_spec],
-            out_shape=[out_struct((num_flat,), jnp.int32), out_struct(hist_shape, jnp.int32)],
-            compiler_params=plgpu.CompilerParams(num_warps=max(chains, int(config["warps_resolved"])),
-                                                 num_stages=config["num_stages"]),
-            interpret=interpret,
-            name="expert_rank",
-        )(ids, limits)
-        per_tile = per_tile.reshape(rank_tiles, -1)[:, :expert_bins]
-        base = _tile_bases(per_tile, config["tile_bases"], num_flat).reshape(-1)
+        tile_bases = config["tile_bases"]
+        if tile_bases is None:  # few rank tiles (decode sizes): one kernel, its programs looking back
+            tile_bases = "lookback" if rank_tiles <= _MAX_LOOKBACK_TILES and chains > 1 else "matmul"
+        lookback = tile_bases == "lookback"
+        if lookback and num_flat >= 1 << 29:  # a board word holds count << 2 in 32 bits
+            raise ValueError(f"tile_bases='lookback' supports fewer than 2**29 entries, got {num_flat}")
+        if lookback:  # ranks, bases and mapping in one kernel: a program per rank tile, one warp per chain
+            tile, sub, num_tiles = rank_tile, min(sub, rank_tile), rank_tiles
+            params = plgpu.CompilerParams(num_warps=chains, num_stages=config["num_stages"])
+            base = rank = None
+        else:
+            # "memory": the histogram output is flat (each program gathers from and scatters to its own rows, the
+            # first of which ends with the histogram).
+            hist_spec = whole if running == "memory" else pl.BlockSpec((1, expert_bins), lambda i: (i, 0))
+            hist_shape = ((rank_tiles * chains * 2 * expert_bins,) if running == "memory"
+                          else (rank_tiles, expert_bins))
+            rank, per_tile = pl.pallas_call(
+                functools.partial(_rank_kernel, num_flat=num_flat, num_logical=num_logical, tile=rank_tile,
+                                  sub=rank_sub, expert_bins=expert_bins, in_step=in_step, running=running,
+                                  barrier=not interpret, chains=chains),
+                grid=(rank_tiles,),
+                in_specs=[whole, whole],
+                out_specs=[whole, hist_spec],
+                out_shape=[out_struct((num_flat,), jnp.int32), out_struct(hist_shape, jnp.int32)],
+                compiler_params=plgpu.CompilerParams(num_warps=max(chains, int(config["warps_resolved"])),
+                                                     num_stages=config["num_stages"]),
+                interpret=interpret,
+                name="expert_rank",
+            )(ids, limits)
+            per_tile = per_tile.reshape(rank_tiles, -1)[:, :expert_bins]
+            base = _tile_bases(per_tile, tile_bases, num_flat).reshape(-1)
     else:
         base = rank = jnp.zeros_like(limits[:1])  # unused; share the inputs' manual axes
 
-    kernel = functools.partial(
-        _map_kernel, mode=mode, num_flat=num_flat, top_k=top_k, num_logical=num_logical, width=width,
+    map_options = dict(
+        mode=mode, num_flat=num_flat, top_k=top_k, num_logical=num_logical, width=width,
         num_physical=num_physical, tile=tile, sub=sub, bins=bins, expert_bins=expert_bins,
         rank_tile=rank_tile, count_dtype=count_dtype, do_count=count, count_method=count_method, tables=tables,
         layout=layout, reduce=reduce, linear_search=int(config["linear_search"]), guide=guide,
-        num_tiles=num_tiles, search=search, threshold_layout=threshold_layout, by_positions=by_positions)
+        num_tiles=num_tiles, search=search, threshold_layout=threshold_layout, by_positions=by_positions,
+        from_start=by_positions and config["position_map"] == "start" and start_table_fits(width, sub))
     # A prepared table is lookup_table's default kind; other kernel options (or slots past 16 bits) rebuild it.
     if lookup is None or (layout, tables) != (DEFAULTS["layout"], DEFAULTS["tables"]):
         lookup = lookup_table(log2phy, logcnt, layout=layout, tables=tables)
@@ -614,17 +681,36 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
         (zeros, _), _ = _join_varying(jnp.zeros(hist_shape, jnp.int32), limits)  # vary like the other inputs
     else:
         zeros = jnp.zeros_like(limits[:1])  # unused
-    phys, partial = pl.pallas_call(
-        kernel,
-        grid=(num_tiles,),
-        in_specs=[whole] * 8,
-        out_specs=[whole, hist_spec],
-        out_shape=[out_struct((num_flat,), jnp.int32), out_struct(hist_shape, partial_dtype)],
-        input_output_aliases={7: 1} if reduce == "atomic" else {},
-        compiler_params=params,
-        interpret=interpret,
-        name="map_and_count",
-    )(ids, lookup, thresholds, guide_words, base, rank, limits, zeros)
+    aliases = {5: 1} if reduce == "atomic" else {}  # (inputs: ids, lookup, thresholds, guide, limits, zeros, ...)
+    map_outputs = [out_struct((num_flat,), jnp.int32), out_struct(hist_shape, partial_dtype)]
+    if lookback:  # scratch outputs: the in-tile ranks, the chains' counts, the look-back board (zeroed, aliased)
+        (board_zeros, _), _ = _join_varying(jnp.zeros((num_tiles * expert_bins,), jnp.int32), limits)
+        phys, partial, *_ = pl.pallas_call(
+            functools.partial(_lookback_kernel, rank_sub=rank_sub, chains=chains, barrier=not interpret,
+                              **map_options),
+            grid=(num_tiles,),
+            in_specs=[whole] * 7,
+            out_specs=[whole, hist_spec, whole, whole, whole],
+            out_shape=map_outputs + [out_struct((num_flat,), jnp.int32),
+                                     out_struct((num_tiles * chains * 2 * expert_bins,), jnp.int32),
+                                     out_struct((num_tiles * expert_bins,), jnp.int32)],
+            input_output_aliases={**aliases, 6: 4},
+            compiler_params=params,
+            interpret=interpret,
+            name="map_and_count",
+        )(ids, lookup, thresholds, guide_words, limits, zeros, board_zeros)
+    else:
+        phys, partial = pl.pallas_call(
+            functools.partial(_map_kernel, **map_options),
+            grid=(num_tiles,),
+            in_specs=[whole] * 8,
+            out_specs=[whole, hist_spec],
+            out_shape=map_outputs,
+            input_output_aliases={7: 1} if reduce == "atomic" else {},
+            compiler_params=params,
+            interpret=interpret,
+            name="map_and_count",
+        )(ids, lookup, thresholds, guide_words, base, rank, limits, zeros)
     if reduce == "atomic":
         return phys.reshape(num_tokens, top_k), partial
     if count_method == "histogram":  # a row reduction: XLA's column reductions of [num_tiles, P] were 2-3x slower
