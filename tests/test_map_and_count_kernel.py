@@ -534,7 +534,8 @@ def test_boundary_positions_exact_at_tile_edges(grid):
 
 @settings(max_examples=12, deadline=None)
 @given(num_tokens=st.integers(1, 200), top_k=st.sampled_from([1, 4, 8]), num_logical=st.sampled_from([1, 2, 5, 16]),
-       extra_slots=st.integers(0, 12), sub=st.sampled_from([16, 32, 256]), quota_scale=st.sampled_from([0.0, 0.2, 1.0, 3.0]),
+       extra_slots=st.integers(0, 12), sub=st.sampled_from([16, 32, 256]),
+       quota_scale=st.sampled_from([0.0, 0.2, 1.0, 3.0]),
        position_map=st.sampled_from(["start", "search"]), boundary_grid=st.sampled_from(["expert", "flat"]),
        seed=st.integers(0, 2**31))
 def test_positions_map_matches_reference(num_tokens, top_k, num_logical, extra_slots, sub, quota_scale, position_map,

@@ -61,8 +61,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from moe_eplb_jax.pallas import _guide
 from moe_eplb_jax.pallas._rank import (_SUB_RESOLVED, _WARPS_RESOLVED, _rank_in_chains, _rank_kernel, _rank_tile,
-                                       lookback_bases,
-                                       _warp_aggregate)
+                                       _warp_aggregate, lookback_bases)
 from moe_eplb_jax.pallas._positions import boundary_positions, start_passed, start_table_fits, start_words
 from moe_eplb_jax.pallas._reference import GOLDEN
 from moe_eplb_jax.pallas._search import _LINEAR_SEARCH, _count_passed
@@ -512,8 +511,8 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     (:func:`_tile_bases`: ``"cumsum"`` / ``"matmul"`` in XLA between the rank and map kernels; ``"lookback"``:
     one kernel, :func:`_lookback_kernel`, whose programs wait for the earlier ones -- as CUB's scans do, it
     relies on the GPU starting programs in order; ``None``: the look-back up to ``_MAX_LOOKBACK_TILES`` rank
-    tiles, where every program is resident at once, else ``"matmul"``); ``threshold_layout`` how the search reads the thresholds
-    (:data:`LAYOUTS`; always expert-major with the guide and for positions). For large
+    tiles, where every program is resident at once, else ``"matmul"``); ``threshold_layout`` how the search
+    reads the thresholds (:data:`LAYOUTS`; always expert-major with the guide and for positions). For large
     inputs the defaults of a mode come from :data:`LARGE_OPTIONS` by size
     (options passed explicitly win). ``lookup``: :func:`lookup_table` of
     ``log2phy`` / ``logcnt`` built by the caller (with the default ``tables`` /
@@ -681,10 +680,11 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
         (zeros, _), _ = _join_varying(jnp.zeros(hist_shape, jnp.int32), limits)  # vary like the other inputs
     else:
         zeros = jnp.zeros_like(limits[:1])  # unused
-    aliases = {5: 1} if reduce == "atomic" else {}  # (inputs: ids, lookup, thresholds, guide, limits, zeros, ...)
     map_outputs = [out_struct((num_flat,), jnp.int32), out_struct(hist_shape, partial_dtype)]
     if lookback:  # scratch outputs: the in-tile ranks, the chains' counts, the look-back board (zeroed, aliased)
         (board_zeros, _), _ = _join_varying(jnp.zeros((num_tiles * expert_bins,), jnp.int32), limits)
+        # (inputs: ids, lookup, thresholds, guide, limits, zeros, board_zeros)
+        aliases = {5: 1, 6: 4} if reduce == "atomic" else {6: 4}
         phys, partial, *_ = pl.pallas_call(
             functools.partial(_lookback_kernel, rank_sub=rank_sub, chains=chains, barrier=not interpret,
                               **map_options),
@@ -694,7 +694,7 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
             out_shape=map_outputs + [out_struct((num_flat,), jnp.int32),
                                      out_struct((num_tiles * chains * 2 * expert_bins,), jnp.int32),
                                      out_struct((num_tiles * expert_bins,), jnp.int32)],
-            input_output_aliases={**aliases, 6: 4},
+            input_output_aliases=aliases,
             compiler_params=params,
             interpret=interpret,
             name="map_and_count",
