@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_eplb_jax.pallas import _guide, _reference, _triton
+from moe_eplb_jax.pallas import _reference, _triton
 from moe_eplb_jax.pallas.map_and_count import _build_thresholds, lookup_table, map_and_count
 from moe_eplb_jax.placement import Placement
 
@@ -167,6 +167,10 @@ def time_variant(rng, mode, options, count=True, num_tokens=262144, num_physical
     (the search's cost depends on the replica counts drawn).
     """
     del rng
+    # "setup": the thresholds built inside the timed call, as the public wrapper builds them ("thresholds"), and
+    # for resolved also the raw quotas passed on ("quotas": the boundary programs sum them, the product is dead).
+    options = dict(options)
+    setup = options.pop("setup", None)
     mode_index = ("hash", "round_robin", "shares", "resolved").index(mode)
     case_rng = np.random.default_rng([num_tokens, num_physical, mode_index])
     log2phy, logcnt, kw, ids = make_case(case_rng, num_tokens, 8, num_physical, mode)
@@ -177,13 +181,23 @@ def time_variant(rng, mode, options, count=True, num_tokens=262144, num_physical
     limits = jnp.asarray([(num_tokens - 3) * 8] * 2, jnp.int32)
 
     def fn(x, log2phy, logcnt, thresholds):  # tables traced, as in use: what the wrapper builds is timed
+        quotas = None
+        if setup is not None:  # `thresholds` holds the shares / quotas here
+            quotas = thresholds if setup == "quotas" else None
+            thresholds = _build_thresholds(mode, thresholds, logcnt, width, limit=x.size)
         return _triton.map_and_count_triton(x, log2phy, logcnt, thresholds, limits, num_physical=num_physical,
-                                            mode=mode, count=count, interpret=jax.default_backend() != "gpu", **options)
+                                            mode=mode, count=count, interpret=jax.default_backend() != "gpu",
+                                            quotas=quotas, **options)
+
+    if setup is not None:
+        thresholds = jnp.asarray(values)
 
     try:
         got = jax.jit(fn)(ids[0], log2phy, logcnt, thresholds)
-        want = _reference.map_and_count_reference(ids[0], log2phy, logcnt, thresholds, limits,
-                                                  num_physical=num_physical, mode=mode)
+        want = _reference.map_and_count_reference(
+            ids[0], log2phy, logcnt,
+            thresholds if setup is None else _build_thresholds(mode, thresholds, logcnt, width, limit=ids[0].size),
+            limits, num_physical=num_physical, mode=mode)
         if not np.array_equal(got[0], want[0]) or (count and not np.array_equal(got[1], want[1])):
             print(f"  {mode} {options} count={count}: WRONG RESULT", flush=True)
             return None
@@ -192,7 +206,8 @@ def time_variant(rng, mode, options, count=True, num_tokens=262144, num_physical
         print(f"  {mode} {options} count={count}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
         return None
     kernels = ", ".join(f"{name[:24]} {t * 1e6:.2f}" for name, t in list(LAST_KERNELS.items())[:6])
-    print(f"  T={num_tokens:<7} P={num_physical} {mode:<11} {str(options):<62} count={count!s:<5} "
+    shown = options if setup is None else {**options, "setup": setup}
+    print(f"  T={num_tokens:<7} P={num_physical} {mode:<11} {str(shown):<62} count={count!s:<5} "
           f"{seconds * 1e6:8.2f} us  [{kernels}]", flush=True)
     return seconds
 
@@ -215,22 +230,56 @@ def pallas_copy(x, block=2048, num_warps=4):
     return out.reshape(x.shape)
 
 
+def gather_probe(x, table, *, rows_bits, bucket_major, tile=8192, sub=4096, num_warps=16):
+    """Diagnostic: one load per entry from ``table`` at (expert, the token hash's top ``rows_bits`` bits), stored.
+
+    ``rows_bits = 0`` is the head table's access (one word per expert); more bits spread a warp's loads over more
+    of the table, as a per-expert bucket table does (expert-major rows, or ``bucket_major``: ``[2**bits, E]``).
+    """
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    flat = x.reshape(-1)
+    num_flat = flat.size
+
+    def kernel(ids_ref, table_ref, out_ref):
+        program = pl.program_id(0)
+
+        def step(index, carry):
+            start = pl.multiple_of(program * tile + index * sub, sub)
+            at = start + jnp.arange(sub, dtype=jnp.int32)
+            ids = plgpu.load(ids_ref.at[pl.ds(start, sub)], mask=at < num_flat, other=0)
+            hashed = (at.astype(jnp.uint32) // jnp.uint32(8)) * jnp.uint32(2654435769)
+            bucket = (hashed >> (32 - rows_bits)).astype(jnp.int32) if rows_bits else jnp.zeros_like(ids)
+            where = bucket * NUM_LOGICAL + ids if bucket_major else (ids << rows_bits) + bucket
+            plgpu.store(out_ref.at[pl.ds(start, sub)], plgpu.load(table_ref.at[where]), mask=at < num_flat)
+            return carry
+
+        jax.lax.fori_loop(0, tile // sub, step, 0)
+
+    return pl.pallas_call(kernel, grid=(pl.cdiv(num_flat, tile),), in_specs=[pl.no_block_spec] * 2,
+                          out_specs=pl.no_block_spec, out_shape=jax.ShapeDtypeStruct(flat.shape, jnp.int32),
+                          compiler_params=plgpu.CompilerParams(num_warps=num_warps),
+                          interpret=jax.default_backend() != "gpu")(flat, table)
+
+
 SWEEP = [  # (mode, T, P, options): T x 8 entries; the defaults first in each group; "count": False skips counting
-    # Twelfth session: over boundary positions (above 65536 entries), each expert's boundaries before a map step
-    # looked up once per step (position_map="start") against every entry's search, one boundary program per live
-    # boundary (boundary_grid="flat") against 8 per expert; by ranks (up to 65536 entries) the rank kernel, the
-    # tiles' sums and the map in one kernel with a look-back (tile_bases="lookback") against three kernels.
-    ("resolved", 262144, 288, {}), ("resolved", 262144, 288, {"position_map": "search"}),
-    ("resolved", 262144, 512, {}), ("resolved", 262144, 512, {"position_map": "search"}),
-    ("resolved", 65536, 288, {}), ("resolved", 65536, 288, {"position_map": "search"}),
-    ("resolved", 8192, 288, {}), ("resolved", 8192, 288, {"tile_bases": "matmul"}),
-    ("resolved", 8192, 512, {}), ("resolved", 8192, 512, {"tile_bases": "matmul"}),
-    ("resolved", 4096, 288, {}), ("resolved", 4096, 288, {"tile_bases": "matmul"}),
-    ("resolved", 4096, 288, {"tile_bases": "lookback", "tile_resolved": 512}),
-    ("resolved", 4096, 512, {}), ("resolved", 4096, 512, {"tile_bases": "matmul"}),
-    ("resolved", 4096, 512, {"tile_bases": "lookback", "tile_resolved": 512}),
-    ("resolved", 1024, 288, {}), ("resolved", 1024, 288, {"tile_bases": "matmul"}),
-    ("resolved", 1024, 512, {}), ("resolved", 1024, 512, {"tile_bases": "matmul"}),
+    # Thirteenth session: shares against hash (the same work without a threshold search). (A per-expert bucket
+    # table for shares -- every expert's point range in 2**bits buckets, the bucket's word at an address of the
+    # id and the hash: the slot unless a threshold lies inside -- ran 1.9-2x slower at 65536 x 8 and up and was
+    # removed; benchmarks/RESULTS.md.) Resolved with the thresholds built in the timed call ("setup":
+    # "thresholds") against the raw quotas passed on ("quotas": the boundary programs, or by ranks the rank
+    # kernel's extra programs, build what they need; the [E, S] product is then dead code).
+    ("hash", 262144, 288, {}), ("shares", 262144, 288, {}), ("hash", 262144, 512, {}), ("shares", 262144, 512, {}),
+    ("resolved", 262144, 288, {"setup": "thresholds"}), ("resolved", 262144, 288, {"setup": "quotas"}),
+    ("resolved", 262144, 512, {"setup": "thresholds"}), ("resolved", 262144, 512, {"setup": "quotas"}),
+    ("resolved", 65536, 288, {"setup": "thresholds"}), ("resolved", 65536, 288, {"setup": "quotas"}),
+    ("resolved", 65536, 512, {"setup": "thresholds"}), ("resolved", 65536, 512, {"setup": "quotas"}),
+    # By ranks (decode sizes): the rank kernel's extra programs build the thresholds from the quotas.
+    ("resolved", 8192, 288, {"setup": "thresholds"}), ("resolved", 8192, 288, {"setup": "quotas"}),
+    ("resolved", 8192, 512, {"setup": "thresholds"}), ("resolved", 8192, 512, {"setup": "quotas"}),
+    ("resolved", 4096, 288, {"setup": "thresholds"}), ("resolved", 4096, 288, {"setup": "quotas"}),
+    ("resolved", 4096, 512, {"setup": "thresholds"}), ("resolved", 4096, 512, {"setup": "quotas"}),
 ]
 
 
@@ -240,18 +289,13 @@ def sweep(rng):
     flat = jnp.asarray(rng.integers(0, NUM_LOGICAL, size=(REPS, 262144, 8)), jnp.int32)
     us = timed(functools.partial(pallas_copy, block=2048, num_warps=4), [(x,) for x in flat]) * 1e6
     print(f"  pallas copy of 262144 x 8 (block 2048, 4 warps): {us:.2f} us", flush=True)
+    for rows_bits, bucket_major in ((0, False), (2, False), (4, False), (6, False), (8, False), (6, True), (8, True)):
+        table = jnp.arange(NUM_LOGICAL << rows_bits, dtype=jnp.int32)
+        us = timed(functools.partial(gather_probe, rows_bits=rows_bits, bucket_major=bucket_major),
+                   [(x, table) for x in flat]) * 1e6
+        print(f"  gather probe 262144 x 8, {NUM_LOGICAL} x 2**{rows_bits} words"
+              f"{' bucket-major' if bucket_major else ''}: {us:.2f} us", flush=True)
     del flat
-    for num_physical in (288, 512):  # the guide's set-up alone (one Pallas kernel per call)
-        case_rng = np.random.default_rng([262144, num_physical, 2])
-        log2phy, logcnt, kw, _ = make_case(case_rng, 4096, 8, num_physical, "shares")
-        width = log2phy.shape[1]
-        thresholds = _build_thresholds("shares", kw["replica_shares"], logcnt, width).reshape(-1)
-        lookup = lookup_table(log2phy, logcnt)
-        for factor in (4, 8, 16):
-            build = functools.partial(_guide.guide_kernel, mode="shares", factor=factor, num_logical=NUM_LOGICAL,
-                                      width=width, num_physical=num_physical, interpret=jax.default_backend() != "gpu")
-            us = timed(build, [(lookup, thresholds)] * REPS) * 1e6
-            print(f"  guide kernel P={num_physical} factor={factor}: {us:.2f} us", flush=True)
     for mode, num_tokens, num_physical, options in SWEEP:
         options = dict(options)
         count = options.pop("count", True)

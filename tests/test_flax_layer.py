@@ -230,9 +230,11 @@ def test_module_keeps_the_kernel_lookup_with_its_placement(rng):
     np.testing.assert_array_equal(np.asarray(layer.route_lookup.get_value()), want)
     x = jnp.asarray(rng.standard_normal((G * 6, D)).astype(np.float32))
 
+    forward = nnx.jit(lambda module, x: module(x))  # (eager, the interpret-mode kernel took ~50 s of CPU)
+
     def load_after_pass(module):
         module.expert_load.set_value(jnp.zeros_like(module.expert_load.get_value()))
-        module(x)
+        forward(module, x)
         return np.asarray(module.expert_load.get_value()).sum(0)
 
     pallas_load = load_after_pass(layer)

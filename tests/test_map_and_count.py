@@ -500,3 +500,22 @@ def test_thresholds_exact_by_every_summation(width, limit, rng):
     for other in answers[1:]:
         np.testing.assert_array_equal(other, answers[0])
     assert np.all(np.diff(answers[0], axis=1) >= 0) and np.all(answers[0][live] <= 2**24)
+
+
+@pytest.mark.parametrize("method", ["matmul", "cumsum"])
+def test_share_thresholds_end_at_the_point_range(method, rng):
+    """Each expert's last live share threshold is exactly 2**24 (no point passes it: the Pallas search skips it),
+    whatever the float sums round to -- weights spanning 60 orders of magnitude, rows narrower than the table."""
+    from moe_eplb_jax.pallas.map_and_count import _build_thresholds
+
+    num_logical, width = 64, 33
+    logcnt = rng.integers(0, width + 3, num_logical)  # some beyond the table's width
+    shares = (10.0 ** rng.uniform(-30, 30, (num_logical, width))).astype(np.float32)
+    shares[rng.random((num_logical, width)) < 0.2] = 0.0
+    got = np.asarray(_build_thresholds("shares", jnp.asarray(shares), jnp.asarray(logcnt), width, sums=method))
+    live = np.minimum(logcnt, width)
+    for expert in np.flatnonzero(live > 0):
+        row = got[expert, : live[expert]]
+        assert row[-1] == 2**24, (expert, row)
+        assert np.all(np.diff(row) >= 0) and np.all(row >= 0)
+    assert np.all(got[np.arange(width)[None, :] >= live[:, None]] == np.iinfo(np.int32).max)

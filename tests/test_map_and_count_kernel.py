@@ -243,6 +243,26 @@ def test_pallas_kernels_lower_to_triton_ir(h100_lowering):
         )(spec((1 << 18, 8), jnp.int32), spec((256, 257), jnp.int32),
           spec((256,), jnp.int32), spec((256, 257), jnp.int32), spec((2,), jnp.int32))
         assert guided.mlir_module().count("xla.gpu.triton") == (2 if mode == "shares" else 3)
+    # Resolved over positions with the boundary programs summing the raw quotas (the public call's path).
+    summed = jax.export.export(
+        jax.jit(lambda ids, log2phy, logcnt, quotas, limits: _triton.map_and_count_triton(
+            ids, log2phy, logcnt, quotas, limits, num_physical=288, mode="resolved", resolved_by="positions",
+            quotas=quotas)),
+        platforms=["cuda"],
+        disabled_checks=h100_lowering,
+    )(spec((4096, 8), jnp.int32), spec((256, 33), jnp.int32), spec((256,), jnp.int32), spec((256, 33), jnp.int32),
+      spec((2,), jnp.int32))
+    assert summed.mlir_module().count("xla.gpu.triton") == 3
+    for chains in (1, 4):  # by ranks, the rank kernel's extra programs building the thresholds from the quotas
+        fused = jax.export.export(
+            jax.jit(lambda ids, log2phy, logcnt, quotas, limits, chains=chains: _triton.map_and_count_triton(
+                ids, log2phy, logcnt, quotas, limits, num_physical=288, mode="resolved", resolved_by="ranks",
+                tile_bases="matmul", rank_chains=chains, quotas=quotas)),
+            platforms=["cuda"],
+            disabled_checks=h100_lowering,
+        )(spec((4096, 8), jnp.int32), spec((256, 33), jnp.int32), spec((256,), jnp.int32), spec((256, 33), jnp.int32),
+          spec((2,), jnp.int32))
+        assert fused.mlir_module().count("xla.gpu.triton") == 2
 
 
 # ------------------------------------------------------------ bucket guide
@@ -470,13 +490,16 @@ def boundary_oracle(ids, thresholds, logcnt, rank_limit):
 @given(num_flat=st.integers(1, 700), num_logical=st.sampled_from([1, 3, 16, 40]), width=st.sampled_from([1, 2, 5, 9]),
        tile=st.sampled_from([16, 32, 128, None]), groups=st.sampled_from([1, 2, 3, None]),
        scan=st.sampled_from([16, 64, None]), quota_scale=st.sampled_from([0.0, 0.3, 1.0, 3.0]),
-       grid=st.sampled_from(["expert", "flat"]), programs=st.sampled_from([1, 3, 64]), seed=st.integers(0, 2**31))
+       grid=st.sampled_from(["expert", "flat"]), programs=st.sampled_from([1, 3, 64]), from_quotas=st.booleans(),
+       seed=st.integers(0, 2**31))
 def test_boundary_positions_match_oracle(num_flat, num_logical, width, tile, groups, scan, quota_scale, grid, programs,
-                                         seed):
+                                         from_quotas, seed):
     """The boundary kernel (resolved by positions) finds, for every live quota threshold, the flat index of that
     occurrence of its expert -- across tile edges, with equal thresholds (zero quotas), thresholds past the demand,
     invalid ids, replica counts of 0 or above the width, a rank limit; rows past the count stay int32 max. Both
-    grids: programs per expert, or one per live boundary (fewer programs than boundaries: each takes several)."""
+    grids: programs per expert, or one per live boundary (fewer programs than boundaries: each takes several).
+    ``from_quotas``: the programs sum the raw quotas themselves (negative ones and ones far past the entry count
+    among them), as the wrapper's thresholds are built."""
     from moe_eplb_jax.pallas import _positions
     from moe_eplb_jax.pallas.map_and_count import _build_thresholds
 
@@ -485,14 +508,18 @@ def test_boundary_positions_match_oracle(num_flat, num_logical, width, tile, gro
     logcnt = rng.integers(0, width + 2, num_logical).astype(np.int32)
     demand = num_flat / max(num_logical, 1)
     quotas = rng.integers(0, int(quota_scale * demand / width) + 2, (num_logical, width)).astype(np.int32)
+    odd = rng.random(quotas.shape)
+    quotas = np.where(odd < 0.1, -rng.integers(1, 2**31 - 1, quotas.shape),
+                      np.where(odd > 0.95, rng.integers(2**28, 2**31 - 1, quotas.shape), quotas)).astype(np.int32)
     thresholds = np.asarray(_build_thresholds("resolved", jnp.asarray(quotas), jnp.asarray(logcnt), width,
                                               limit=num_flat))
     rank_limit = int(rng.integers(0, num_flat + 1))
     limits = jnp.asarray([rank_limit, rank_limit], jnp.int32)
     got = _positions.boundary_positions(
-        jnp.asarray(ids), jnp.asarray(thresholds.reshape(-1)), limits, jnp.asarray(logcnt), num_logical=num_logical,
-        width=width, expert_bins=max(32, 1 << (num_logical - 1).bit_length()), tile=tile, groups=groups, scan=scan,
-        grid=grid, programs=programs, interpret=True)
+        jnp.asarray(ids), jnp.asarray((quotas if from_quotas else thresholds).reshape(-1)), limits,
+        jnp.asarray(logcnt), num_logical=num_logical, width=width,
+        expert_bins=max(32, 1 << (num_logical - 1).bit_length()), tile=tile, groups=groups, scan=scan,
+        grid=grid, programs=programs, quota_cap=num_flat if from_quotas else None, interpret=True)
     got = np.asarray(got)[:num_logical * width].reshape(num_logical, width)
     np.testing.assert_array_equal(got, boundary_oracle(ids, thresholds, logcnt, rank_limit))
 
@@ -530,6 +557,8 @@ def test_boundary_positions_exact_at_tile_edges(grid):
         _positions.boundary_positions(*args, num_logical=8, width=8, expert_bins=32, grid=grid, programs=0)
     with pytest.raises(ValueError, match="the boundary grid must be"):
         _positions.boundary_positions(*args, num_logical=8, width=8, expert_bins=32, grid="tiles")
+    with pytest.raises(ValueError, match="quota_cap must be >= 0"):  # sums of 8 quotas of 2**28 would not fit
+        _positions.boundary_positions(*args, num_logical=8, width=8, expert_bins=32, quota_cap=2**28)
 
 
 @settings(max_examples=12, deadline=None)
@@ -537,13 +566,14 @@ def test_boundary_positions_exact_at_tile_edges(grid):
        extra_slots=st.integers(0, 12), sub=st.sampled_from([16, 32, 256]),
        quota_scale=st.sampled_from([0.0, 0.2, 1.0, 3.0]),
        position_map=st.sampled_from(["start", "search"]), boundary_grid=st.sampled_from(["expert", "flat"]),
-       seed=st.integers(0, 2**31))
+       from_quotas=st.booleans(), seed=st.integers(0, 2**31))
 def test_positions_map_matches_reference(num_tokens, top_k, num_logical, extra_slots, sub, quota_scale, position_map,
-                                         boundary_grid, seed):
+                                         boundary_grid, from_quotas, seed):
     """The map kernel over boundary positions: with each expert's boundaries before the step looked up once per
     step (``position_map="start"``), entries before their expert's next boundary take it as their answer and the
     rest search on -- right with several boundaries in one step, a boundary on a step's first or last entry, zero
-    quotas (equal positions), quotas past the demand, a rank limit inside a step; same as the plain search."""
+    quotas (equal positions), quotas past the demand, a rank limit inside a step; same as the plain search; the
+    boundaries from the thresholds or from the raw quotas (``quotas=``)."""
     from moe_eplb_jax.pallas import _reference, _triton
     from moe_eplb_jax.pallas.map_and_count import _build_thresholds
 
@@ -562,7 +592,8 @@ def test_positions_map_matches_reference(num_tokens, top_k, num_logical, extra_s
     got = _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=num_logical + extra_slots,
                                        mode="resolved", interpret=jax.default_backend() != "gpu",
                                        resolved_by="positions", position_map=position_map, sub=sub, tile=sub,
-                                       position_tile=16, boundary_grid=boundary_grid)
+                                       position_tile=16, boundary_grid=boundary_grid,
+                                       quotas=quotas if from_quotas else None)
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
 
@@ -642,3 +673,39 @@ def test_lookback_refuses_inputs_its_words_cannot_count():
                                          tile_bases="lookback", resolved_by="ranks"),
                        spec((1 << 26, 8), jnp.int32), spec((16, 25), jnp.int32), spec((16,), jnp.int32),
                        spec((16, 25), jnp.int32), spec((2,), jnp.int32))
+
+
+@pytest.mark.parametrize("chains, tile_bases", [(1, "matmul"), (4, "matmul"), (4, "cumsum"), (2, "lookback")])
+@pytest.mark.parametrize("seed", range(3))
+def test_ranks_with_quotas_build_the_wrapper_thresholds(chains, tile_bases, seed):
+    """By ranks with the raw quotas passed (as the public call does), the rank kernel's extra programs build the
+    thresholds the wrapper would -- negative quotas, quotas far past the entry count, replica counts of 0 and past
+    the table's width, a rank limit -- and the mapping equals the reference's (the look-back path keeps the
+    wrapper's thresholds)."""
+    from moe_eplb_jax.pallas import _reference, _triton
+    from moe_eplb_jax.pallas.map_and_count import _build_thresholds
+
+    rng = np.random.default_rng(seed)
+    num_logical, width, num_tokens, top_k = 12, 7, 150, 4
+    placement = random_placement(rng, num_logical, num_logical + 20)
+    log2phy = jnp.asarray(placement.log2phy[0, :, :width])
+    logcnt = placement.logcnt[0].copy()
+    logcnt[:2] = [0, width + 3]
+    ids = jnp.asarray(random_ids(rng, num_tokens, top_k, num_logical))
+    quotas = rng.integers(0, 30, (num_logical, width))
+    odd = rng.random(quotas.shape)
+    quotas = np.where(odd < 0.1, -rng.integers(1, 2**31 - 1, quotas.shape),
+                      np.where(odd > 0.93, rng.integers(2**28, 2**31 - 1, quotas.shape), quotas)).astype(np.int32)
+    quotas[2] = 2**31 - 1 - np.arange(width)  # unclipped, their sums would overflow int32
+    logcnt[2] = width
+    thresholds = _build_thresholds("resolved", jnp.asarray(quotas), jnp.asarray(logcnt), width, limit=ids.size)
+    limits = jnp.asarray([130 * top_k, 140 * top_k], jnp.int32)
+    want = _reference.map_and_count_reference(ids, log2phy, jnp.asarray(logcnt), thresholds, limits,
+                                              num_physical=num_logical + 20, mode="resolved")
+    got = _triton.map_and_count_triton(
+        ids, log2phy, jnp.asarray(logcnt), jnp.zeros_like(thresholds) if tile_bases != "lookback" else thresholds,
+        limits, num_physical=num_logical + 20, mode="resolved", interpret=jax.default_backend() != "gpu",
+        quotas=jnp.asarray(quotas), resolved_by="ranks", tile_resolved=128, sub_resolved=32, rank_chains=chains,
+        tile_bases=tile_bases, tile=128, sub=64)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))

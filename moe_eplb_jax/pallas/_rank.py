@@ -123,10 +123,11 @@ def _rank_step_ids(ids_ref, program, index, tile, sub, num_flat, num_logical, ra
 
 
 def _rank_kernel(ids_ref, limits_ref, rank_ref, hist_ref, *, num_flat, num_logical, tile, sub, expert_bins,
-                 in_step, running, barrier, chains=1):
+                 in_step, running, barrier, chains=1, program=None):
     """Each entry's rank among the earlier quota-consuming entries of its expert in this program's tile,
-    and the tile's histogram of those entries."""
-    program = pl.program_id(0)
+    and the tile's histogram of those entries. (``program``: the program id, read by a caller outside a
+    ``pl.when`` -- interpret mode cannot read it inside one.)"""
+    program = pl.program_id(0) if program is None else program
     rank_limit = limits_ref[1]
     iota = jax.lax.broadcasted_iota
     earlier_position = iota(jnp.int32, (sub, sub), 1) < iota(jnp.int32, (sub, sub), 0)

@@ -219,8 +219,9 @@ def _map_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, base_ref, rank_r
                                     dynamic=search == "while")
                 passed = start_passed(words, thresholds_ref, at, start, flat, point, expert, count, searching,
                                       width=width, dynamic=search == "while")
-            else:
-                passed = _count_passed(thresholds_ref, at, point, width, count,
+            else:  # shares: no point passes an expert's last threshold (2**24), so its search skips it -- one
+                # step less for every 2-replica expert
+                passed = _count_passed(thresholds_ref, at, point, width, count - 1 if mode == "shares" else count,
                                        searching, linear=linear_search, dynamic=search == "while")
             if mode == "shares":  # always below count (C[count - 1] = 2**24 > point): no hash fallback to compute
                 replica = jnp.minimum(passed, count - 1)
@@ -299,6 +300,32 @@ def _lookback_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, limits_ref,
         plgpu.debug_barrier()
     _map_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, bases, rank_ref, limits_ref, zeros_ref, phys_ref,
                 hist_ref, lookback=True, **map_options)
+
+
+def _rank_and_thresholds_kernel(ids_ref, limits_ref, quotas_ref, logcnt_ref, rank_ref, hist_ref, thresholds_ref, *,
+                                rank_tiles, width, cap, **rank_options):
+    """:func:`._rank._rank_kernel` in programs ``[0, rank_tiles)``; program ``rank_tiles + e`` writes expert ``e``'s
+    row of the ``resolved`` thresholds ``[E * S]`` from the raw quotas, as the wrapper builds them: the running
+    sums of the live quotas clipped to ``[0, cap]``, capped at ``cap`` (exact in int32: the caller checks ``width
+    * cap < 2**31``), ``int32 max`` past the replica count."""
+    program = pl.program_id(0)  # (read here: interpret mode cannot read it inside a pl.when)
+
+    @pl.when(program < rank_tiles)
+    def _():
+        _rank_kernel(ids_ref, limits_ref, rank_ref, hist_ref, program=program, **rank_options)
+
+    @pl.when(program >= rank_tiles)
+    def _():
+        expert = program - rank_tiles
+        lanes = jnp.arange(pl.next_power_of_2(width), dtype=jnp.int32)
+        live = lanes < jnp.minimum(logcnt_ref[expert], width)
+        quotas = plgpu.load(quotas_ref.at[expert * width + jnp.minimum(lanes, width - 1)], mask=live, other=0)
+        sums = jnp.minimum(jnp.cumsum(jnp.clip(quotas, 0, cap)), cap)
+        # Lanes past the row point at distinct spare entries after the E * S thresholds (interpret mode's masked
+        # scatter writes back what it read, which must not land on an entry another lane writes).
+        inside = lanes < width
+        at = jnp.where(inside, expert * width + lanes, thresholds_ref.shape[0] - lanes.shape[0] + lanes)
+        plgpu.store(thresholds_ref.at[at], jnp.where(live, sums, _INT32_MAX), mask=inside)
 
 
 def lookup_table(log2phy, logcnt, *, layout: str = "replica_major", tables: str = "head"):
@@ -462,8 +489,14 @@ def lookup_size(num_logical: int, width: int, *, tables: str = "head") -> int:
 
 
 def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_physical: int, mode: str,
-                         interpret: bool = False, count: bool = True, lookup=None, **config):
+                         interpret: bool = False, count: bool = True, lookup=None, quotas=None, **config):
     """Same contract as ``_reference.map_and_count_reference``.
+
+    ``quotas`` (``resolved``, optional): the ``[E, S]`` integer quotas the ``thresholds`` were built from (capped
+    at the entry count). The kernels then build what they need from them -- over boundary positions each
+    boundary program sums its row, by ranks ``E`` extra programs of the rank kernel write the thresholds (not
+    the look-back kernel) -- so under ``jit`` the wrapper's ``[E, S]`` threshold product is dead code (an H200
+    ran it in 2.1 us at P = 512; 4096 x 8 resolved 11.3 vs 14.8 us, 262144 x 8 33.4 vs 38.2).
 
     ``config`` overrides :data:`DEFAULTS` (tuning knobs, see the benchmark):
     ``tile`` entries per program (power of two), ``sub`` entries per loop
@@ -583,21 +616,26 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
         if lookup.shape != (lookup_size(num_logical, width),):
             raise ValueError(f"lookup must have shape ({lookup_size(num_logical, width)},) for log2phy "
                              f"[{num_logical}, {width}], got {lookup.shape}")
-    (ids, log2phy, logcnt, thresholds, limits, *maybe_lookup), out_struct = _join_varying(
+    # resolved from the raw quotas (capped at the entry count, as the wrapper's thresholds are, while their sums
+    # fit int32): the boundary programs sum them over positions, the rank kernel's extra programs by ranks.
+    from_quotas = mode == "resolved" and quotas is not None and width * num_flat < 2**31 - 1
+    (ids, log2phy, logcnt, thresholds, limits, *rest), out_struct = _join_varying(
         topk_ids.reshape(num_flat), log2phy, logcnt, thresholds, limits,
+        *([jnp.asarray(quotas).astype(jnp.int32).reshape(-1)] if from_quotas else []),
         *([] if lookup is None else [lookup]))
-    lookup = maybe_lookup[0] if maybe_lookup else None
+    quotas = rest.pop(0) if from_quotas else None
+    lookup = rest[0] if rest else None
     params = plgpu.CompilerParams(num_warps=config["num_warps"], num_stages=config["num_stages"])
     whole = pl.no_block_spec
 
     lookback = False  # resolved by ranks in one kernel (below)
     if by_positions:  # the thresholds become their boundary positions
         thresholds = boundary_positions(
-            ids, thresholds.reshape(-1), limits, logcnt, num_logical=num_logical, width=width,
-            expert_bins=expert_bins, tile=config["position_tile"], groups=config["position_groups"],
+            ids, quotas if from_quotas else thresholds.reshape(-1), limits, logcnt, num_logical=num_logical,
+            width=width, expert_bins=expert_bins, tile=config["position_tile"], groups=config["position_groups"],
             sub=config["position_sub"], scan=config["position_scan"], count_warps=config["position_warps"],
             num_warps=config["boundary_warps"], grid=config["boundary_grid"], programs=num_physical,
-            interpret=interpret, out_struct=out_struct)
+            quota_cap=num_flat if from_quotas else None, interpret=interpret, out_struct=out_struct)
         base = rank = jnp.zeros_like(limits[:1])  # unused
     elif mode == "resolved":
         rank_tiles = pl.cdiv(num_flat, rank_tile)
@@ -630,19 +668,31 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
             hist_spec = whole if running == "memory" else pl.BlockSpec((1, expert_bins), lambda i: (i, 0))
             hist_shape = ((rank_tiles * chains * 2 * expert_bins,) if running == "memory"
                           else (rank_tiles, expert_bins))
-            rank, per_tile = pl.pallas_call(
-                functools.partial(_rank_kernel, num_flat=num_flat, num_logical=num_logical, tile=rank_tile,
-                                  sub=rank_sub, expert_bins=expert_bins, in_step=in_step, running=running,
-                                  barrier=not interpret, chains=chains),
-                grid=(rank_tiles,),
-                in_specs=[whole, whole],
-                out_specs=[whole, hist_spec],
-                out_shape=[out_struct((num_flat,), jnp.int32), out_struct(hist_shape, jnp.int32)],
+            rank_options = dict(num_flat=num_flat, num_logical=num_logical, tile=rank_tile, sub=rank_sub,
+                                expert_bins=expert_bins, in_step=in_step, running=running, barrier=not interpret,
+                                chains=chains)
+            rank_shapes = [out_struct((num_flat,), jnp.int32), out_struct(hist_shape, jnp.int32)]
+            # With the quotas (and the counts in memory: no per-program block of the output), E more programs
+            # build the thresholds beside the ranks: no [E, S] product between kernels (H200, 4096 x 8, P = 512:
+            # a 2.1 us cuBLAS GEMM and a 0.3 us fusion).
+            fused = from_quotas and running == "memory" and threshold_layout == "expert_major"
+            outputs = pl.pallas_call(
+                (functools.partial(_rank_and_thresholds_kernel, rank_tiles=rank_tiles, width=width, cap=num_flat,
+                                   **rank_options) if fused
+                 else functools.partial(_rank_kernel, **rank_options)),
+                grid=(rank_tiles + (num_logical if fused else 0),),
+                in_specs=[whole] * (4 if fused else 2),
+                out_specs=[whole, hist_spec] + ([whole] if fused else []),
+                out_shape=rank_shapes + ([out_struct((num_logical * width + pl.next_power_of_2(width),), jnp.int32)]
+                                         if fused else []),
                 compiler_params=plgpu.CompilerParams(num_warps=max(chains, int(config["warps_resolved"])),
                                                      num_stages=config["num_stages"]),
                 interpret=interpret,
                 name="expert_rank",
-            )(ids, limits)
+            )(ids, limits, *([quotas, logcnt] if fused else []))
+            rank, per_tile = outputs[:2]
+            if fused:  # flat, expert-major, with a spare tail never read (a slice would be a copy kernel)
+                thresholds = outputs[2]
             per_tile = per_tile.reshape(rank_tiles, -1)[:, :expert_bins]
             base = _tile_bases(per_tile, tile_bases, num_flat).reshape(-1)
     else:

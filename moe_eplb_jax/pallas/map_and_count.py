@@ -28,7 +28,8 @@ Replica choice for an entry of expert ``e`` with ``c = logcnt[e]`` replicas
   threshold can move by one point; every implementation reads the same
   thresholds, built once per call by the wrapper), the token's
   point ``v = h(t) >> 8`` (``u = v / 2**24`` uniform in ``[0, 1)``) picks the
-  replica ``#{j < c : C_j <= v}`` (always below ``c``: ``C_{c-1} = 2**24``). A
+  replica ``#{j < c : C_j <= v}`` (always below ``c``: ``C_{c-1}`` is set to
+  ``2**24`` exactly, whatever its sum rounded to). A
   zero-weight replica is never chosen; a row with ``W = 0`` is split equally
   (as if every live weight were 1). Weights above ``2**100`` count as
   ``2**100``, so the sums cannot overflow.
@@ -131,9 +132,12 @@ def map_and_count(
         )
     from moe_eplb_jax.pallas import _triton  # imported lazily: pulls in Pallas
 
+    # resolved: the raw quotas too, from which the kernels build what they read (so under jit the thresholds'
+    # product above is dead code there).
     return _triton.map_and_count_triton(
         topk_ids, log2phy, logcnt, thresholds, limits,
         num_physical=num_physical, mode=mode, interpret=jax.default_backend() != "gpu", lookup=lookup,
+        quotas=mode_values if mode == "resolved" else None,
     )
 
 
@@ -307,7 +311,10 @@ def _build_thresholds(mode, values, logcnt, width, *, limit=None, sums=None):
         position = jnp.arange(1, width + 1, dtype=jnp.float32)[None, :]
         equal = jnp.floor(position / jnp.maximum(logcnt, 1).astype(jnp.float32)[:, None] * jnp.float32(_POINT_SCALE))
         scaled = jnp.where(total > 0, by_weight, equal)
-        thresholds = jnp.clip(scaled, 0, _POINT_SCALE).astype(jnp.int32)
+        # The last live threshold is 2**24 whatever the float sums rounded to, so no point passes it: every
+        # implementation may skip it (the Pallas search does).
+        last = jnp.arange(width, dtype=jnp.int32)[None, :] == jnp.clip(logcnt, 1, width)[:, None] - 1
+        thresholds = jnp.where(last, _POINT_SCALE, jnp.clip(scaled, 0, _POINT_SCALE)).astype(jnp.int32)
     else:
         cap = _NEVER if limit is None else int(min(limit, _NEVER))
         quotas = jnp.where(live, jnp.clip(values.astype(jnp.int32), 0, cap), 0)  # [E, S]
