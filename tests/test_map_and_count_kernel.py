@@ -473,6 +473,13 @@ def test_rank_tile_bases_over_many_tiles_match_reference(rng):
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
 
 
+def unruly_quotas(rng, quotas, *, huge):
+    """``quotas`` with a tenth of them negative and a fraction ``huge`` far past any entry count (int32)."""
+    odd = rng.random(quotas.shape)
+    return np.where(odd < 0.1, -rng.integers(1, 2**31 - 1, quotas.shape),
+                    np.where(odd > 1 - huge, rng.integers(2**28, 2**31 - 1, quotas.shape), quotas)).astype(np.int32)
+
+
 def boundary_oracle(ids, thresholds, logcnt, rank_limit):
     """``[E, S]``: flat index of expert e's occurrence number ``thresholds[e, j]`` (0-based) among the entries before
     ``rank_limit``, for ``j < min(logcnt[e], S)``; ``int32 max`` where it has no such occurrence or ``j`` is past."""
@@ -508,9 +515,7 @@ def test_boundary_positions_match_oracle(num_flat, num_logical, width, tile, gro
     logcnt = rng.integers(0, width + 2, num_logical).astype(np.int32)
     demand = num_flat / max(num_logical, 1)
     quotas = rng.integers(0, int(quota_scale * demand / width) + 2, (num_logical, width)).astype(np.int32)
-    odd = rng.random(quotas.shape)
-    quotas = np.where(odd < 0.1, -rng.integers(1, 2**31 - 1, quotas.shape),
-                      np.where(odd > 0.95, rng.integers(2**28, 2**31 - 1, quotas.shape), quotas)).astype(np.int32)
+    quotas = unruly_quotas(rng, quotas, huge=0.05)
     thresholds = np.asarray(_build_thresholds("resolved", jnp.asarray(quotas), jnp.asarray(logcnt), width,
                                               limit=num_flat))
     rank_limit = int(rng.integers(0, num_flat + 1))
@@ -693,9 +698,7 @@ def test_ranks_with_quotas_build_the_wrapper_thresholds(chains, tile_bases, seed
     logcnt[:2] = [0, width + 3]
     ids = jnp.asarray(random_ids(rng, num_tokens, top_k, num_logical))
     quotas = rng.integers(0, 30, (num_logical, width))
-    odd = rng.random(quotas.shape)
-    quotas = np.where(odd < 0.1, -rng.integers(1, 2**31 - 1, quotas.shape),
-                      np.where(odd > 0.93, rng.integers(2**28, 2**31 - 1, quotas.shape), quotas)).astype(np.int32)
+    quotas = unruly_quotas(rng, quotas, huge=0.07)
     quotas[2] = 2**31 - 1 - np.arange(width)  # unclipped, their sums would overflow int32
     logcnt[2] = width
     thresholds = _build_thresholds("resolved", jnp.asarray(quotas), jnp.asarray(logcnt), width, limit=ids.size)

@@ -57,7 +57,8 @@ from moe_eplb_jax.pallas._rank import _rank_step_ids
 from moe_eplb_jax.pallas._search import _loads, _upper_bound
 from moe_eplb_jax.pallas._triton_ops import histogram, take
 
-__all__ = ["boundary_positions", "position_tile", "start_passed", "start_table_fits", "start_words"]
+__all__ = ["boundary_positions", "clipped_quotas", "position_tile", "start_passed", "start_table_fits",
+           "start_words"]
 
 _INT32_MAX = np.iinfo(np.int32).max
 _MIN_TILE, _MAX_TILE = 256, 4096
@@ -89,18 +90,24 @@ def _tile_counts_kernel(ids_ref, limits_ref, counts_ref, *, num_flat, num_logica
     plgpu.store(counts_ref.at[jnp.arange(expert_bins, dtype=jnp.int32) * num_tiles + program], hist)
 
 
+def clipped_quotas(quotas_ref, expert, count, *, width, cap):
+    """``(lanes, quotas)``, ``[2**ceil(log2 S)]`` lanes: ``expert``'s first ``count`` raw quotas (of the flat
+    ``[E * S]``) clipped to ``[0, cap]`` as the wrapper clips them, 0 past them. Their running sums capped at
+    ``cap`` are the wrapper's thresholds exactly (int32: callers check ``width * cap < 2**31``)."""
+    lanes = jnp.arange(pl.next_power_of_2(width), dtype=jnp.int32)
+    quotas = plgpu.load(quotas_ref.at[expert * width + jnp.minimum(lanes, width - 1)], mask=lanes < count, other=0)
+    return lanes, jnp.clip(quotas, 0, cap)
+
+
 def _threshold_reader(thresholds_ref, *, width, cap):
-    """``threshold(expert, j)``: ``C[e, j]``, read from the built thresholds (``cap is None``) or, from the raw
-    quotas ``[E * S]``, their running sum clipped and capped as the wrapper builds it (``min(sum(clip(q[e, :j + 1],
-    0, cap)), cap)``, exact: the caller checks ``width * cap < 2**31``) -- so no ``[E, S]`` product runs per call."""
+    """``threshold(expert, j)``: ``C[e, j]``, read from the built thresholds (``cap is None``) or summed from the
+    raw quotas ``[E * S]`` (:func:`clipped_quotas`) -- so no ``[E, S]`` product runs per call."""
     if cap is None:
         return lambda expert, j: thresholds_ref[expert * width + j]
-    lanes = jnp.arange(pl.next_power_of_2(width), dtype=jnp.int32)
 
     def threshold(expert, j):
-        quotas = plgpu.load(thresholds_ref.at[expert * width + jnp.minimum(lanes, width - 1)],
-                            mask=lanes <= j, other=0)
-        return jnp.minimum(jnp.sum(jnp.clip(quotas, 0, cap)), cap)
+        _, quotas = clipped_quotas(thresholds_ref, expert, j + 1, width=width, cap=cap)
+        return jnp.minimum(jnp.sum(quotas), cap)
 
     return threshold
 

@@ -62,7 +62,8 @@ from jax.experimental.pallas import triton as plgpu
 from moe_eplb_jax.pallas import _guide
 from moe_eplb_jax.pallas._rank import (_SUB_RESOLVED, _WARPS_RESOLVED, _rank_in_chains, _rank_kernel, _rank_tile,
                                        _warp_aggregate, lookback_bases)
-from moe_eplb_jax.pallas._positions import boundary_positions, start_passed, start_table_fits, start_words
+from moe_eplb_jax.pallas._positions import (boundary_positions, clipped_quotas, start_passed, start_table_fits,
+                                            start_words)
 from moe_eplb_jax.pallas._reference import GOLDEN
 from moe_eplb_jax.pallas._search import _LINEAR_SEARCH, _count_passed
 from moe_eplb_jax.pallas._triton_ops import atomic_add_int, histogram, take
@@ -306,8 +307,8 @@ def _rank_and_thresholds_kernel(ids_ref, limits_ref, quotas_ref, logcnt_ref, ran
                                 rank_tiles, width, cap, **rank_options):
     """:func:`._rank._rank_kernel` in programs ``[0, rank_tiles)``; program ``rank_tiles + e`` writes expert ``e``'s
     row of the ``resolved`` thresholds ``[E * S]`` from the raw quotas, as the wrapper builds them: the running
-    sums of the live quotas clipped to ``[0, cap]``, capped at ``cap`` (exact in int32: the caller checks ``width
-    * cap < 2**31``), ``int32 max`` past the replica count."""
+    sums of the live quotas clipped to ``[0, cap]`` (:func:`._positions.clipped_quotas`), capped at ``cap``,
+    ``int32 max`` past the replica count."""
     program = pl.program_id(0)  # (read here: interpret mode cannot read it inside a pl.when)
 
     @pl.when(program < rank_tiles)
@@ -317,10 +318,10 @@ def _rank_and_thresholds_kernel(ids_ref, limits_ref, quotas_ref, logcnt_ref, ran
     @pl.when(program >= rank_tiles)
     def _():
         expert = program - rank_tiles
-        lanes = jnp.arange(pl.next_power_of_2(width), dtype=jnp.int32)
-        live = lanes < jnp.minimum(logcnt_ref[expert], width)
-        quotas = plgpu.load(quotas_ref.at[expert * width + jnp.minimum(lanes, width - 1)], mask=live, other=0)
-        sums = jnp.minimum(jnp.cumsum(jnp.clip(quotas, 0, cap)), cap)
+        count = jnp.minimum(logcnt_ref[expert], width)
+        lanes, quotas = clipped_quotas(quotas_ref, expert, count, width=width, cap=cap)
+        live = lanes < count
+        sums = jnp.minimum(jnp.cumsum(quotas), cap)
         # Lanes past the row point at distinct spare entries after the E * S thresholds (interpret mode's masked
         # scatter writes back what it read, which must not land on an entry another lane writes).
         inside = lanes < width
