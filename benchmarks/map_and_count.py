@@ -264,32 +264,30 @@ def gather_probe(x, table, *, rows_bits, bucket_major, tile=8192, sub=4096, num_
 
 
 SWEEP = [  # (mode, T, P, options): T x 8 entries; the defaults first in each group; "count": False skips counting
-    # Thirteenth session: shares against hash (the same work without a threshold search). (A per-expert bucket
-    # table for shares -- every expert's point range in 2**bits buckets, the bucket's word at an address of the
-    # id and the hash: the slot unless a threshold lies inside -- ran 1.9-2x slower at 65536 x 8 and up and was
-    # removed; benchmarks/RESULTS.md.) Resolved with the thresholds built in the timed call ("setup":
-    # "thresholds") against the raw quotas passed on ("quotas": the boundary programs, or by ranks the rank
-    # kernel's extra programs, build what they need; the [E, S] product is then dead code).
-    ("hash", 262144, 288, {}), ("shares", 262144, 288, {}), ("hash", 262144, 512, {}), ("shares", 262144, 512, {}),
-    ("resolved", 262144, 288, {"setup": "thresholds"}), ("resolved", 262144, 288, {"setup": "quotas"}),
-    ("resolved", 262144, 512, {"setup": "thresholds"}), ("resolved", 262144, 512, {"setup": "quotas"}),
-    ("resolved", 65536, 288, {"setup": "thresholds"}), ("resolved", 65536, 288, {"setup": "quotas"}),
-    ("resolved", 65536, 512, {"setup": "thresholds"}), ("resolved", 65536, 512, {"setup": "quotas"}),
-    # By ranks (decode sizes): the rank kernel's extra programs build the thresholds from the quotas.
-    ("resolved", 8192, 288, {"setup": "thresholds"}), ("resolved", 8192, 288, {"setup": "quotas"}),
-    ("resolved", 8192, 512, {"setup": "thresholds"}), ("resolved", 8192, 512, {"setup": "quotas"}),
-    ("resolved", 4096, 288, {"setup": "thresholds"}), ("resolved", 4096, 288, {"setup": "quotas"}),
-    ("resolved", 4096, 512, {"setup": "thresholds"}), ("resolved", 4096, 512, {"setup": "quotas"}),
+    # Fourteenth session: shares' search kernel ran at half the hash kernel's occupancy under Nsight Compute (62
+    # registers: 2 blocks of 512 threads per SM, 512 programs in two waves): fewer entries per thread per loop
+    # step, fewer warps per program, larger programs.
+    ("hash", 262144, 288, {}), ("shares", 262144, 288, {}),
+    ("shares", 262144, 288, {"sub": 2048}), ("shares", 262144, 288, {"sub": 1024}),
+    ("shares", 262144, 288, {"tile": 2048, "sub": 2048, "num_warps": 8}),
+    ("shares", 262144, 288, {"tile": 4096, "sub": 2048, "num_warps": 8}),
+    ("shares", 262144, 288, {"tile": 8192, "sub": 2048, "num_warps": 16}),
+    ("shares", 262144, 288, {"tile": 8192, "sub": 4096, "num_warps": 16}),
+    ("shares", 262144, 512, {}), ("shares", 262144, 512, {"sub": 2048}), ("shares", 262144, 512, {"sub": 1024}),
+    ("shares", 262144, 512, {"tile": 2048, "sub": 2048, "num_warps": 8}),
+    ("shares", 262144, 512, {"tile": 8192, "sub": 2048, "num_warps": 16}),
 ]
 
 
-def sweep(rng):
-    """Kernel options side by side (device time per call, each checked against the reference); no defaults change."""
+def sweep(rng, probe=False):
+    """Kernel options side by side (device time per call, each checked against the reference); no defaults change.
+
+    ``probe``: first the gather probe (:func:`gather_probe`) at a few table sizes."""
     print("sweep (k=8; device time per call):", flush=True)
     flat = jnp.asarray(rng.integers(0, NUM_LOGICAL, size=(REPS, 262144, 8)), jnp.int32)
     us = timed(functools.partial(pallas_copy, block=2048, num_warps=4), [(x,) for x in flat]) * 1e6
     print(f"  pallas copy of 262144 x 8 (block 2048, 4 warps): {us:.2f} us", flush=True)
-    for rows_bits, bucket_major in ((0, False), (2, False), (4, False), (6, False), (8, False), (6, True), (8, True)):
+    for rows_bits, bucket_major in () if not probe else ((0, False), (2, False), (4, False), (6, False), (8, False), (6, True), (8, True)):
         table = jnp.arange(NUM_LOGICAL << rows_bits, dtype=jnp.int32)
         us = timed(functools.partial(gather_probe, rows_bits=rows_bits, bucket_major=bucket_major),
                    [(x, table) for x in flat]) * 1e6
@@ -329,6 +327,7 @@ def main():
     parser.add_argument("--sweep", action="store_true", help="time many kernel options first (defaults unchanged)")
     parser.add_argument("--no-table", action="store_true", help="skip the side-by-side table")
     parser.add_argument("--setup", action="store_true", help="time the ways of building the thresholds first")
+    parser.add_argument("--probe", action="store_true", help="with --sweep: the gather probe first")
     parser.add_argument("--modes", default="hash,round_robin,shares,resolved", help="comma-separated modes")
     args = parser.parse_args()
     out_dir = os.environ.get("OUT", ".")
@@ -339,7 +338,7 @@ def main():
     if args.setup:
         setup_sweep(rng)
     if args.sweep:
-        sweep(rng)
+        sweep(rng, probe=args.probe)
     if args.no_table:
         return
     print(f"kernel options used below: {_triton.DEFAULTS}", flush=True)

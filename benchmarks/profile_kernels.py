@@ -1,0 +1,71 @@
+"""Diagnostic: runs ``map_and_count``'s kernels once per case, for a hardware profiler to read.
+
+Each case is one (mode, T, P, options) of ``benchmarks/map_and_count.py``'s sweep, on the same draws (checked
+against the reference first), then called ``--calls`` more times. Under Nsight Compute, on the GPU machine::
+
+    ncu --clock-control none --target-processes all -k regex:'map_and_count|expert_rank|tile_counts|boundary' \\
+        --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \\
+        python3 benchmarks/profile_kernels.py --cases "shares:262144:288;hash:262144:288"
+
+Options of a case follow a fourth colon as JSON (``shares:262144:288:{"num_warps": 8}``). The profiler's kernel
+launches come in the order of ``--cases``; ``--copy`` first runs the Pallas copy of the ids (the floor's kernel).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import map_and_count as bench  # noqa: E402
+
+from moe_eplb_jax.pallas import _reference, _triton  # noqa: E402
+from moe_eplb_jax.pallas.map_and_count import _build_thresholds  # noqa: E402
+
+
+def case_call(mode, num_tokens, num_physical, options):
+    """A jitted call of the kernels and its arguments, the draws of ``bench.time_variant``; checked."""
+    mode_index = ("hash", "round_robin", "shares", "resolved").index(mode)
+    case_rng = np.random.default_rng([num_tokens, num_physical, mode_index])
+    log2phy, logcnt, kw, ids = bench.make_case(case_rng, num_tokens, 8, num_physical, mode)
+    width = log2phy.shape[1]
+    values = kw.get("replica_shares", kw.get("resolved"))
+    thresholds = (jnp.zeros((bench.NUM_LOGICAL, width), jnp.int32) if values is None
+                  else _build_thresholds(mode, values, logcnt, width))
+    limits = jnp.asarray([(num_tokens - 3) * 8] * 2, jnp.int32)
+    fn = jax.jit(lambda x, log2phy, logcnt, thresholds: _triton.map_and_count_triton(
+        x, log2phy, logcnt, thresholds, limits, num_physical=num_physical, mode=mode,
+        interpret=jax.default_backend() != "gpu", **options))
+    args = (ids[0], log2phy, logcnt, thresholds)
+    got = fn(*args)
+    want = _reference.map_and_count_reference(*args, limits, num_physical=num_physical, mode=mode)
+    ok = np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+    return fn, args, ok
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", required=True, help="semicolon-separated mode:T:P[:options JSON]")
+    parser.add_argument("--calls", type=int, default=1, help="calls per case after the checked one")
+    parser.add_argument("--copy", action="store_true", help="first the Pallas copy of 262144 x 8 ids")
+    args = parser.parse_args()
+    if args.copy:
+        x = jnp.asarray(np.random.default_rng(0).integers(0, 256, (262144, 8)), jnp.int32)
+        jax.block_until_ready(bench.pallas_copy(x))
+    for case in args.cases.split(";"):
+        mode, num_tokens, num_physical, *rest = case.split(":", 3)
+        options = json.loads(rest[0]) if rest else {}
+        fn, call_args, ok = case_call(mode, int(num_tokens), int(num_physical), options)
+        for _ in range(args.calls):
+            jax.block_until_ready(fn(*call_args))
+        print(f"case {case}: {'ok' if ok else 'WRONG RESULT'}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
