@@ -9,6 +9,8 @@ against the reference first), then called ``--calls`` more times. Under Nsight C
 
 Options of a case follow a fourth colon as JSON (``shares:262144:288:{"num_warps": 8}``). The profiler's kernel
 launches come in the order of ``--cases``; ``--copy`` first runs the Pallas copy of the ids (the floor's kernel).
+Under ncu's replay ``resolved``'s ``tile_counts`` kernel did not finish within a 600 s call (H200, fourteenth
+session): profile ``resolved`` on its own, and give the command a timeout.
 """
 
 from __future__ import annotations
