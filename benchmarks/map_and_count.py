@@ -160,17 +160,10 @@ def run_case(rng, num_tokens, top_k, num_physical, mode, bandwidth, log):
     return row
 
 
-def time_variant(rng, mode, options, count=True, num_tokens=262144, num_physical=288):
-    """Checks one kernel configuration against the reference on fresh data, then times it (seconds, or None).
-
-    The data depend on (mode, T, P) only, so the variants of one case are timed on the same placement and ids
-    (the search's cost depends on the replica counts drawn).
-    """
-    del rng
-    # "setup": the thresholds built inside the timed call, as the public wrapper builds them ("thresholds"), and
-    # for resolved also the raw quotas passed on ("quotas": the boundary programs sum them, the product is dead).
-    options = dict(options)
-    setup = options.pop("setup", None)
+def variant_case(mode, num_tokens, num_physical):
+    """The draws of one sweep case, ``(log2phy, logcnt, values, ids, thresholds, limits)``: they depend on (mode,
+    T, P) only, so the variants of one case run on the same placement and ids. ``values``: the shares / quotas
+    (``None`` for hash / round robin); ``thresholds`` built from them as the wrapper does."""
     mode_index = ("hash", "round_robin", "shares", "resolved").index(mode)
     case_rng = np.random.default_rng([num_tokens, num_physical, mode_index])
     log2phy, logcnt, kw, ids = make_case(case_rng, num_tokens, 8, num_physical, mode)
@@ -179,6 +172,20 @@ def time_variant(rng, mode, options, count=True, num_tokens=262144, num_physical
     thresholds = (jnp.zeros((NUM_LOGICAL, width), jnp.int32) if values is None
                   else _build_thresholds(mode, values, logcnt, width))
     limits = jnp.asarray([(num_tokens - 3) * 8] * 2, jnp.int32)
+    return log2phy, logcnt, values, ids, thresholds, limits
+
+
+def time_variant(rng, mode, options, count=True, num_tokens=262144, num_physical=288):
+    """Checks one kernel configuration against the reference on :func:`variant_case`'s draws, then times it
+    (seconds, or None). (The search's cost depends on the replica counts drawn, so variants share the draws.)
+    """
+    del rng
+    # "setup": the thresholds built inside the timed call, as the public wrapper builds them ("thresholds"), and
+    # for resolved also the raw quotas passed on ("quotas": the boundary programs sum them, the product is dead).
+    options = dict(options)
+    setup = options.pop("setup", None)
+    log2phy, logcnt, values, ids, thresholds, limits = variant_case(mode, num_tokens, num_physical)
+    width = log2phy.shape[1]
 
     def fn(x, log2phy, logcnt, thresholds):  # tables traced, as in use: what the wrapper builds is timed
         quotas = None
@@ -287,7 +294,8 @@ def sweep(rng, probe=False):
     flat = jnp.asarray(rng.integers(0, NUM_LOGICAL, size=(REPS, 262144, 8)), jnp.int32)
     us = timed(functools.partial(pallas_copy, block=2048, num_warps=4), [(x,) for x in flat]) * 1e6
     print(f"  pallas copy of 262144 x 8 (block 2048, 4 warps): {us:.2f} us", flush=True)
-    for rows_bits, bucket_major in () if not probe else ((0, False), (2, False), (4, False), (6, False), (8, False), (6, True), (8, True)):
+    probes = ((0, False), (2, False), (4, False), (6, False), (8, False), (6, True), (8, True)) if probe else ()
+    for rows_bits, bucket_major in probes:
         table = jnp.arange(NUM_LOGICAL << rows_bits, dtype=jnp.int32)
         us = timed(functools.partial(gather_probe, rows_bits=rows_bits, bucket_major=bucket_major),
                    [(x, table) for x in flat]) * 1e6
