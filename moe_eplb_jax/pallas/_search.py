@@ -4,8 +4,8 @@ Each entry's point is compared with its expert's non-decreasing thresholds:
 the replica is how many of the first ``count`` it passes. A bisection per
 lane (:func:`_upper_bound`: unrolled, or a ``while`` loop per block),
 optionally after independent loads of a row's first entries
-(:func:`_count_passed`). With the bucket guide (:mod:`._guide`, the default
-for wide tables) most entries skip the search and the rest search a bucket's
+(:func:`_count_passed`). With the bucket guide (:mod:`._guide`, an option,
+off by default) most entries skip the search and the rest search a bucket's
 few thresholds.
 """
 
