@@ -8,6 +8,9 @@ and every mode, prints side by side (microseconds per call):
   kernels of each call are printed under its row);
 * ``prepared`` -- the same with the lookup table built once per placement and
   passed in (``map_and_count(lookup=...)``, as ``MoELayer`` runs it);
+* ``+words``   -- ``shares`` only: the prepared table with the alias words
+  too (``lookup_table(..., replica_shares=...)``: shares kept per placement,
+  so no table is built per call);
 * ``xla_best`` -- the best pure-XLA version here: the reference mapping plus a
   factorized one-hot histogram (``onehot_hi^T @ onehot_lo`` on the tensor cores);
 * ``xla_ref``  -- the ``"xla"`` implementation: gather + ``jnp.bincount``
@@ -42,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_eplb_jax.pallas import _reference, _triton
-from moe_eplb_jax.pallas.map_and_count import _build_thresholds, lookup_table, map_and_count
+from moe_eplb_jax.pallas.map_and_count import _build_mode_table, lookup_table, map_and_count
 from moe_eplb_jax.placement import Placement
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -135,12 +138,16 @@ def run_case(rng, num_tokens, top_k, num_physical, mode, bandwidth, log):
         counted = (phys >= 0) & (jnp.arange(num_tokens, dtype=jnp.int32)[:, None] < valid)
         return phys, factorized_histogram(phys, counted, num_physical)
 
-    # "prepared": the lookup table built once per placement (as a model keeps it), passed in.
+    # "prepared": the lookup table built once per placement (as a model keeps it), passed in; "words": with
+    # shares' alias words in it too.
     lookup = jax.jit(lookup_table)(log2phy, logcnt)
+    words = (jax.jit(functools.partial(lookup_table, replica_shares=kw["replica_shares"]))(log2phy, logcnt)
+             if mode == "shares" else None)
     # Correctness first: every column must agree on a fresh input.
     ref_phys, ref_load = ours("xla")(ids[0], log2phy, logcnt, kw)
     for name, fn in (("pallas", ours("pallas")), ("xla_best", xla_best),
-                     ("prepared", functools.partial(ours("pallas"), lookup=lookup))):
+                     ("prepared", functools.partial(ours("pallas"), lookup=lookup)),
+                     *((("words", functools.partial(ours("pallas"), lookup=words)),) if words is not None else ())):
         phys, load = jax.jit(fn)(ids[0], log2phy, logcnt, kw)
         if not (np.array_equal(phys, ref_phys) and np.array_equal(load, ref_load)):
             raise SystemExit(f"MISMATCH {name} T={num_tokens} P={num_physical} mode={mode}")
@@ -151,6 +158,7 @@ def run_case(rng, num_tokens, top_k, num_physical, mode, bandwidth, log):
     if LAST_KERNELS:  # where a call's device time goes: the kernel and XLA's set-up of its inputs
         print("    " + ", ".join(f"{name[:28]} {t * 1e6:.2f}" for name, t in LAST_KERNELS.items()), flush=True)
     row["prepared"] = timed(ours("pallas"), [a + (lookup,) for a in args])
+    row["words"] = timed(ours("pallas"), [a + (words,) for a in args]) if words is not None else None
     row["xla_best"] = timed(xla_best, args)
     row["xla_ref"] = timed(ours("xla"), args)
     row["copy"] = timed(lambda x, *_: x + jnp.int32(1), args)
@@ -170,7 +178,7 @@ def variant_case(mode, num_tokens, num_physical):
     width = log2phy.shape[1]
     values = kw.get("replica_shares", kw.get("resolved"))
     thresholds = (jnp.zeros((NUM_LOGICAL, width), jnp.int32) if values is None
-                  else _build_thresholds(mode, values, logcnt, width))
+                  else _build_mode_table(mode, values, log2phy, logcnt))
     limits = jnp.asarray([(num_tokens - 3) * 8] * 2, jnp.int32)
     return log2phy, logcnt, values, ids, thresholds, limits
 
@@ -180,30 +188,36 @@ def time_variant(rng, mode, options, count=True, num_tokens=262144, num_physical
     (seconds, or None). (The search's cost depends on the replica counts drawn, so variants share the draws.)
     """
     del rng
-    # "setup": the thresholds built inside the timed call, as the public wrapper builds them ("thresholds"), and
-    # for resolved also the raw quotas passed on ("quotas": the boundary programs sum them, the product is dead).
+    # "setup": the tables built inside the timed call, as the public wrapper builds them ("thresholds": shares'
+    # alias words by their Pallas kernel, resolved's thresholds), for resolved also the raw quotas passed on
+    # ("quotas": the boundary programs sum them, the product is dead); "words": shares' alias words read from a
+    # prepared lookup table (built outside the timed call).
     options = dict(options)
     setup = options.pop("setup", None)
     log2phy, logcnt, values, ids, thresholds, limits = variant_case(mode, num_tokens, num_physical)
-    width = log2phy.shape[1]
+    prepared = (jax.jit(functools.partial(lookup_table, replica_shares=values))(log2phy, logcnt)
+                if setup == "words" else None)
 
     def fn(x, log2phy, logcnt, thresholds):  # tables traced, as in use: what the wrapper builds is timed
-        quotas = None
-        if setup is not None:  # `thresholds` holds the shares / quotas here
+        quotas = shares = None
+        if setup == "thresholds" and mode == "shares":  # as the public call: the words by their Pallas kernel
+            shares = thresholds
+        elif setup in ("thresholds", "quotas"):  # `thresholds` holds the quotas here
             quotas = thresholds if setup == "quotas" else None
-            thresholds = _build_thresholds(mode, thresholds, logcnt, width, limit=x.size)
+            thresholds = _build_mode_table(mode, thresholds, log2phy, logcnt, limit=x.size)
         return _triton.map_and_count_triton(x, log2phy, logcnt, thresholds, limits, num_physical=num_physical,
                                             mode=mode, count=count, interpret=jax.default_backend() != "gpu",
-                                            quotas=quotas, **options)
+                                            quotas=quotas, shares=shares, lookup=prepared, **options)
 
-    if setup is not None:
+    if setup in ("thresholds", "quotas"):
         thresholds = jnp.asarray(values)
 
     try:
         got = jax.jit(fn)(ids[0], log2phy, logcnt, thresholds)
         want = _reference.map_and_count_reference(
             ids[0], log2phy, logcnt,
-            thresholds if setup is None else _build_thresholds(mode, thresholds, logcnt, width, limit=ids[0].size),
+            thresholds if setup in (None, "words")
+            else _build_mode_table(mode, thresholds, log2phy, logcnt, limit=ids[0].size),
             limits, num_physical=num_physical, mode=mode)
         if not np.array_equal(got[0], want[0]) or (count and not np.array_equal(got[1], want[1])):
             print(f"  {mode} {options} count={count}: WRONG RESULT", flush=True)
@@ -271,18 +285,19 @@ def gather_probe(x, table, *, rows_bits, bucket_major, tile=8192, sub=4096, num_
 
 
 SWEEP = [  # (mode, T, P, options): T x 8 entries; the defaults first in each group; "count": False skips counting
-    # Fourteenth session: shares' search kernel ran at half the hash kernel's occupancy under Nsight Compute (62
-    # registers: 2 blocks of 512 threads per SM, 512 programs in two waves): fewer entries per thread per loop
-    # step, fewer warps per program, larger programs.
-    ("hash", 262144, 288, {}), ("shares", 262144, 288, {}),
-    ("shares", 262144, 288, {"sub": 2048}), ("shares", 262144, 288, {"sub": 1024}),
-    ("shares", 262144, 288, {"tile": 2048, "sub": 2048, "num_warps": 8}),
-    ("shares", 262144, 288, {"tile": 4096, "sub": 2048, "num_warps": 8}),
-    ("shares", 262144, 288, {"tile": 8192, "sub": 2048, "num_warps": 16}),
-    ("shares", 262144, 288, {"tile": 8192, "sub": 4096, "num_warps": 16}),
-    ("shares", 262144, 512, {}), ("shares", 262144, 512, {"sub": 2048}), ("shares", 262144, 512, {"sub": 1024}),
-    ("shares", 262144, 512, {"tile": 2048, "sub": 2048, "num_warps": 8}),
-    ("shares", 262144, 512, {"tile": 8192, "sub": 2048, "num_warps": 16}),
+    # Fifteenth session: shares by its alias table (integer masses; packed: per expert its bucket offset, then per
+    # live bucket its word and own slot), built by one Pallas kernel from the raw weights ("setup": "thresholds",
+    # the public call's path) or read from a prepared lookup ("words"); hash's larger programs for it too.
+    ("hash", 262144, 288, {}), ("shares", 262144, 288, {"setup": "thresholds"}),
+    ("shares", 262144, 288, {"setup": "words"}),
+    ("shares", 262144, 288, {"tile": 8192, "sub": 4096, "num_warps": 16, "setup": "words"}),
+    ("hash", 262144, 512, {}), ("shares", 262144, 512, {"setup": "thresholds"}),
+    ("shares", 262144, 512, {"setup": "words"}),
+    ("shares", 262144, 512, {"tile": 8192, "sub": 4096, "num_warps": 16, "setup": "words"}),
+    ("hash", 65536, 512, {}), ("shares", 65536, 288, {"setup": "thresholds"}), ("shares", 65536, 288, {"setup": "words"}),
+    ("shares", 65536, 512, {"setup": "thresholds"}), ("shares", 65536, 512, {"setup": "words"}),
+    ("hash", 4096, 512, {}), ("shares", 4096, 288, {"setup": "thresholds"}), ("shares", 4096, 288, {"setup": "words"}),
+    ("shares", 4096, 512, {"setup": "thresholds"}), ("shares", 4096, 512, {"setup": "words"}),
 ]
 
 
@@ -361,18 +376,22 @@ def main():
                     rows.append(row)
                     print(_format(row), flush=True)
     print("\nmap_and_count, E=256, top-8, microseconds per call (median); ratios: xla_ref/pallas, pallas/hbm, "
-          "prepared/hbm ('prepared': lookup table built once per placement and passed in)")
-    print(f"{'T':>7} {'P':>4} {'mode':<12}{'pallas':>9}{'prepared':>9}{'xla_best':>10}{'xla_ref':>10}{'copy':>8}"
-          f"{'hbm':>7}{'ref/pal':>9}{'pal/hbm':>9}{'pre/hbm':>9}")
+          "prepared/hbm ('prepared': lookup table built once per placement and passed in; '+words': shares' alias "
+          "words in it too)")
+    print(f"{'T':>7} {'P':>4} {'mode':<12}{'pallas':>9}{'prepared':>9}{'+words':>8}{'xla_best':>10}{'xla_ref':>10}"
+          f"{'copy':>8}{'hbm':>7}{'ref/pal':>9}{'pal/hbm':>9}{'pre/hbm':>9}{'wds/hbm':>9}")
     for row in rows:
         print(_format(row))
 
 
 def _format(row):
     us = {k: row[k] * 1e6 for k in ("pallas", "prepared", "xla_best", "xla_ref", "copy", "hbm")}
-    return (f"{row['T']:>7} {row['P']:>4} {row['mode']:<12}{us['pallas']:>9.2f}{us['prepared']:>9.2f}"
+    words = "--" if row.get("words") is None else f"{row['words'] * 1e6:.2f}"
+    words_ratio = "--" if row.get("words") is None else f"{row['words'] * 1e6 / us['hbm']:.1f}"
+    return (f"{row['T']:>7} {row['P']:>4} {row['mode']:<12}{us['pallas']:>9.2f}{us['prepared']:>9.2f}{words:>8}"
             f"{us['xla_best']:>10.2f}{us['xla_ref']:>10.2f}{us['copy']:>8.2f}{us['hbm']:>7.2f}"
-            f"{us['xla_ref'] / us['pallas']:>9.1f}{us['pallas'] / us['hbm']:>9.1f}{us['prepared'] / us['hbm']:>9.1f}")
+            f"{us['xla_ref'] / us['pallas']:>9.1f}{us['pallas'] / us['hbm']:>9.1f}{us['prepared'] / us['hbm']:>9.1f}"
+            f"{words_ratio:>9}")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ The oracle is written entry by entry from the documented semantics, independent 
 from __future__ import annotations
 
 import functools
+import math
+from fractions import Fraction
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +55,53 @@ def layered_inputs(rng, num_layers, num_tokens, top_k, num_logical, num_physical
     return placements, log2phy, logcnt, ids
 
 
+def share_masses(weights, width):
+    """Integer masses of one expert's live weights, summing to ``len(weights) * 2**16``: the documented rule in
+    exact rational arithmetic (an independent model of ``_alias.integer_masses``). Each weight times the power of
+    two that puts the largest in ``[2**(B-1), 2**B)``, floored; every replica but the last with a positive
+    integer weight gets ``floor(c * U * q / Q)``, that one the rest; equal masses for ``Q = 0``."""
+    count, unit = len(weights), 1 << 16
+    weights = [float(w) if (w > 0 and w < np.inf) else 0.0 for w in np.asarray(weights, np.float32)]
+    if max(weights) == 0:
+        return [unit] * count
+    bits = min(24, 30 - (width - 1).bit_length())
+    exponent = math.frexp(max(weights))[1] - 1  # floor(log2(largest))
+    quanta = [math.floor(Fraction(w) * Fraction(2) ** (bits - 1 - exponent)) for w in weights]
+    assert 2 ** (bits - 1) <= max(quanta) < 2**bits
+    total = sum(quanta)
+    last = max(j for j in range(count) if quanta[j] > 0)
+    masses = [count * unit * q // total if j != last else 0 for j, q in enumerate(quanta)]
+    masses[last] = count * unit - sum(masses)
+    return masses
+
+
+def sweep_alias_table(masses, unit):
+    """Vose's alias construction run as a sequential sweep (an independent model of ``_alias.alias_words``): light
+    replicas in index order, each filled by the current heavy one; a heavy one whose excess runs out closes (keeps
+    all of its bucket when exactly none is left, else becomes light and the next heavy one fills it first)."""
+    count = len(masses)
+    prob, alias = [unit] * count, list(range(count))
+    heavy = [j for j in range(count) if masses[j] > unit]
+    current, left = 0, (masses[heavy[0]] if heavy else 0)
+
+    def close():
+        nonlocal current, left
+        while current < len(heavy) and left <= unit:
+            closing = heavy[current]
+            current += 1
+            if left == unit:  # its excess given away exactly: the next light starts with the next heavy
+                left = masses[heavy[current]] if current < len(heavy) else 0
+                continue
+            prob[closing], alias[closing] = left, heavy[current]
+            left = masses[heavy[current]] - (unit - left)
+
+    for light in (j for j in range(count) if masses[j] < unit):
+        prob[light], alias[light] = masses[light], heavy[current]
+        left -= unit - masses[light]
+        close()
+    return prob, alias
+
+
 def oracle(ids, log2phy, logcnt, num_physical, num_valid, mode, replica_shares=None, resolved=None, record=True):
     """Entry-by-entry numpy model of the documented semantics."""
     num_tokens, top_k = ids.shape
@@ -70,14 +119,12 @@ def oracle(ids, log2phy, logcnt, num_physical, num_valid, mode, replica_shares=N
         if mode == "round_robin":
             replica = token % count
         elif mode == "shares":
-            weights = np.asarray(replica_shares[expert, :count], np.float32)
-            weights = np.where(np.isfinite(weights) & (weights > 0), weights, np.float32(0))
-            weights = np.minimum(weights, np.float32(2.0**100))  # larger weights count as 2**100
-            if not np.any(weights > 0):  # no positive weight: equal shares
-                weights = np.ones(count, np.float32)
-            cumulative = np.cumsum(weights, dtype=np.float32)
-            thresholds = np.floor(cumulative / cumulative[-1] * np.float32(2**24))
-            replica = int(np.sum(thresholds <= (hashed >> 8)))
+            live = min(count, width)
+            masses = share_masses(replica_shares[expert, :live], width)
+            prob, alias = sweep_alias_table(masses, 1 << 16)
+            scaled = hashed * live // 2**16  # exact in Python ints
+            bucket, fraction = scaled >> 16, scaled & 0xFFFF
+            replica = bucket if fraction < prob[bucket] else alias[bucket]
         elif mode == "resolved" and token < num_valid:
             quotas = np.maximum(resolved[expert, :count], 0)
             passed = int(np.sum(np.cumsum(quotas) <= consumed[expert]))

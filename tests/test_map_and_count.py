@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from _map_and_count_data import (GOLDEN, check_against_oracle, jitted, layered_inputs, oracle, random_ids,
-                                 random_mode_inputs, random_placement)
+                                 random_mode_inputs, random_placement, share_masses, sweep_alias_table)
 from moe_eplb_jax.pallas import MODES, map_and_count
 from moe_eplb_jax.placement import Placement
 
@@ -115,7 +115,7 @@ def test_shares_zero_and_huge_rows(implementation, rng):
     placement = Placement.from_phy2log(np.array([0, 1, 0, 0, 1, 1]), 2)
     shares = np.zeros((2, placement.max_replicas), np.float32)
     shares[0, :3] = [np.nan, -1.0, 0.0]  # nothing positive: equal shares
-    shares[1, :3] = [3e38, 2.0**99, np.inf]  # counts as [2**100, 2**99, 0]: no overflow
+    shares[1, :3] = [3e38, 1.5e38, np.inf]  # counts as [3e38, 1.5e38, 0]: no overflow
     ids = rng.integers(0, 2, (num_tokens, 1)).astype(np.int32)
     phys, load = jitted(implementation, "shares", 6)(ids, placement.log2phy[0], placement.logcnt[0],
                                                       np.int32(num_tokens), True, {"replica_shares": shares})
@@ -277,38 +277,44 @@ def test_validation_errors(change, message, rng):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_prepared_lookup_gives_the_same_results(mode, rng):
-    """A lookup table built once per placement (vmapped over layers, as a model keeps it) changes nothing."""
+    """A lookup table built once per placement (vmapped over layers, as a model keeps it) changes nothing, with
+    or without shares' alias words in it (which every mode accepts; shares then reads them)."""
     from moe_eplb_jax.pallas import lookup_table
 
     num_layers, num_tokens, top_k, num_logical, num_physical = 2, 48, 4, 16, 30
     placements, log2phy, logcnt, ids = layered_inputs(rng, num_layers, num_tokens, top_k, num_logical, num_physical)
     extra = [random_mode_inputs(rng, mode, p, num_tokens * top_k) for p in placements]
     extra = {k: np.stack([e[k] for e in extra]) for k in extra[0]}
-    lookup = jax.vmap(lookup_table)(log2phy, logcnt)
-    assert lookup.shape == (num_layers, num_logical * (1 + log2phy.shape[2])) and lookup.dtype == jnp.int32
+    width = log2phy.shape[2]
+    weights = extra["replica_shares"] if mode == "shares" else rng.random(log2phy.shape).astype(np.float32)
+    lookups = [jax.vmap(lookup_table)(log2phy, logcnt), jax.vmap(lookup_table)(log2phy, logcnt, replica_shares=weights)]
+    assert lookups[0].shape == (num_layers, num_logical * (1 + width)) and lookups[0].dtype == jnp.int32
+    assert lookups[1].shape == (num_layers, num_logical * (2 + 3 * width)) and lookups[1].dtype == jnp.int32
+    np.testing.assert_array_equal(lookups[1][:, : num_logical * (1 + width)], lookups[0])
 
     def run(ids, log2phy, logcnt, extra, lookup=None):
         return map_and_count(ids, log2phy, logcnt, num_physical=num_physical, num_valid_tokens=40, mode=mode,
                              implementation="pallas", lookup=lookup, **extra)
 
-    got = jax.jit(jax.vmap(run))(ids, log2phy, logcnt, extra, lookup)
-    for layer in range(num_layers):
-        want = oracle(ids[layer], log2phy[layer], logcnt[layer], num_physical, 40, mode,
-                      **{k: v[layer] for k, v in extra.items()})
-        for g, w in zip(got, want):
-            np.testing.assert_array_equal(np.asarray(g[layer]), w)
+    for lookup in lookups:
+        got = jax.jit(jax.vmap(run))(ids, log2phy, logcnt, extra, lookup)
+        for layer in range(num_layers):
+            want = oracle(ids[layer], log2phy[layer], logcnt[layer], num_physical, 40, mode,
+                          **{k: v[layer] for k, v in extra.items()})
+            for g, w in zip(got, want):
+                np.testing.assert_array_equal(np.asarray(g[layer]), w)
 
 
-@pytest.mark.parametrize("mode, path", [("shares", "guide"), ("resolved", "guide"), ("resolved", "positions")])
-def test_searching_paths_under_vmap_and_shard_map(mode, path, monkeypatch, rng):
-    """The guided path, and resolved by boundary positions (both forced on for small inputs here), under vmap over
-    layers with prepared lookups, and inside shard_map with per-rank quotas or shares, equal the oracle: their
-    extra kernels batch and shard like the map kernel."""
+@pytest.mark.parametrize("mode, path", [("shares", "alias"), ("resolved", "guide"), ("resolved", "positions")])
+def test_extra_kernels_under_vmap_and_shard_map(mode, path, monkeypatch, rng):
+    """Shares' alias-table kernel, resolved's guided path and resolved by boundary positions (both forced on for
+    small inputs here), under vmap over layers with prepared lookups, and inside shard_map with per-rank quotas or
+    shares, equal the oracle: their extra kernels batch and shard like the map kernel."""
     from moe_eplb_jax.pallas import _triton, lookup_table
 
     if path == "guide":
         monkeypatch.setitem(_triton.DEFAULTS, "guide", 4)
-    else:
+    elif path == "positions":
         monkeypatch.setattr(_triton, "_POSITIONS_FROM", 0)
     num_layers, num_tokens, top_k, num_logical, num_physical = 2, 48, 4, 16, 30
     placements, log2phy, logcnt, ids = layered_inputs(rng, num_layers, num_tokens, top_k, num_logical, num_physical)
@@ -361,6 +367,10 @@ def test_lookup_table_rejects_bad_tables(rng):
         lookup_table(log2phy, logcnt[:-1])
     with pytest.raises(ValueError, match="log2phy must have an integer dtype"):
         lookup_table(log2phy.astype(np.float32), logcnt)
+    with pytest.raises(ValueError, match="replica_shares must have shape"):
+        lookup_table(log2phy, logcnt, replica_shares=np.ones((log2phy.shape[0], 2), np.float32))
+    with pytest.raises(ValueError, match="replica_shares must have a floating dtype"):
+        lookup_table(log2phy, logcnt, replica_shares=np.ones(log2phy.shape, np.int32))
 
 
 def test_empty_input(rng):
@@ -415,7 +425,7 @@ def test_gpu_count_methods_match_reference(options, mode, shape, rng):
     """Every counting method and table layout of the compiled kernel gives the reference's ids and loads on fresh
     inputs."""
     from moe_eplb_jax.pallas import _reference, _triton
-    from moe_eplb_jax.pallas.map_and_count import _build_thresholds
+    from moe_eplb_jax.pallas.map_and_count import _build_mode_table
 
     num_tokens, top_k, num_logical, num_physical = shape
     placement = random_placement(rng, num_logical, num_physical)
@@ -426,7 +436,7 @@ def test_gpu_count_methods_match_reference(options, mode, shape, rng):
         extra = random_mode_inputs(rng, mode, placement, ids.size)
         values = extra.get("replica_shares", extra.get("resolved"))
         thresholds = (jnp.zeros_like(log2phy) if values is None
-                      else _build_thresholds(mode, jnp.asarray(values), logcnt, width))
+                      else _build_mode_table(mode, jnp.asarray(values), log2phy, logcnt))
         valid = int(rng.integers(0, num_tokens + 1)) * top_k
         limits = jnp.asarray([valid, valid], jnp.int32)
         want = _reference.map_and_count_reference(ids, log2phy, logcnt, thresholds, limits,
@@ -476,8 +486,7 @@ def test_gpu_shard_map(rng):
 @pytest.mark.parametrize("limit", [None, 2**21, 2**26, 100, 2**24 - 1, 3 * 2**23])
 def test_thresholds_exact_by_every_summation(width, limit, rng):
     """Quota thresholds are the capped int64 prefix sums exactly, whichever way the sums run (the triangular
-    product on the quotas themselves below a cap of 2**24, else on two or three limbs; or the saturating scan);
-    dyadic shares give one answer from every way."""
+    product on the quotas themselves below a cap of 2**24, else on two or three limbs; or the saturating scan)."""
     from moe_eplb_jax.pallas.map_and_count import _build_thresholds
 
     num_logical = 40
@@ -489,33 +498,96 @@ def test_thresholds_exact_by_every_summation(width, limit, rng):
     cap = np.iinfo(np.int32).max if limit is None else limit
     sums = np.cumsum(np.clip(np.where(live, quotas, 0), 0, cap).astype(np.int64), axis=1)
     want = np.where(live, np.minimum(sums, cap), np.iinfo(np.int32).max)
-    shares = rng.integers(0, 5, (num_logical, width)).astype(np.float32) / 4
-    shares[:3] = 0.0
-    answers = []
     for method in ("matmul", "cumsum"):
         got = _build_thresholds("resolved", jnp.asarray(quotas), jnp.asarray(logcnt), width, limit=limit, sums=method)
         np.testing.assert_array_equal(np.asarray(got), want)
-        answers.append(np.asarray(_build_thresholds("shares", jnp.asarray(shares), jnp.asarray(logcnt), width,
-                                                    sums=method)))
-    for other in answers[1:]:
-        np.testing.assert_array_equal(other, answers[0])
-    assert np.all(np.diff(answers[0], axis=1) >= 0) and np.all(answers[0][live] <= 2**24)
+    with pytest.raises(ValueError, match="thresholds are resolved's"):
+        _build_thresholds("shares", jnp.asarray(quotas, jnp.float32), jnp.asarray(logcnt), width)
 
 
-@pytest.mark.parametrize("method", ["matmul", "cumsum"])
-def test_share_thresholds_end_at_the_point_range(method, rng):
-    """Each expert's last live share threshold is exactly 2**24 (no point passes it: the Pallas search skips it),
-    whatever the float sums round to -- weights spanning 60 orders of magnitude, rows narrower than the table."""
-    from moe_eplb_jax.pallas.map_and_count import _build_thresholds
+@pytest.mark.parametrize("draw", ["spread", "ties", "tiny"])
+@pytest.mark.parametrize("width", [1, 5, 33, 257, 300])
+def test_alias_table_is_the_sequential_sweep(width, draw, rng):
+    """shares' alias table -- jnp, and the Pallas kernel in interpret mode -- is Vose's sequential sweep over the
+    documented masses (modelled in exact rational arithmetic), each replica's parts add up to its mass (none for a
+    zero weight) and the words name the alias's slot: weights spanning 60 orders of magnitude, a few small
+    integers (masses that tie running sums exactly) or subnormal ones, zeros, NaN, infinities and negatives, rows
+    without a positive weight, counts past the table's width."""
+    from moe_eplb_jax.pallas import _alias
 
-    num_logical, width = 64, 33
-    logcnt = rng.integers(0, width + 3, num_logical)  # some beyond the table's width
-    shares = (10.0 ** rng.uniform(-30, 30, (num_logical, width))).astype(np.float32)
+    num_logical = 24
+    logcnt = rng.integers(0, width + 3, num_logical)
+    if draw == "spread":
+        shares = (10.0 ** rng.uniform(-30, 30, (num_logical, width))).astype(np.float32)
+    elif draw == "ties":
+        shares = rng.choice(np.asarray([1.0, 2.0, 3.0, 4.0, 6.0], np.float32), (num_logical, width))
+    else:  # subnormal and the smallest normal weights: the largest weight scaled up, not down
+        shares = (rng.integers(1, 1 << 12, (num_logical, width)) * 2.0**-149).astype(np.float32)
+        shares[::3] *= np.float32(2.0**20)
     shares[rng.random((num_logical, width)) < 0.2] = 0.0
-    got = np.asarray(_build_thresholds("shares", jnp.asarray(shares), jnp.asarray(logcnt), width, sums=method))
-    live = np.minimum(logcnt, width)
-    for expert in np.flatnonzero(live > 0):
-        row = got[expert, : live[expert]]
-        assert row[-1] == 2**24, (expert, row)
-        assert np.all(np.diff(row) >= 0) and np.all(row >= 0)
-    assert np.all(got[np.arange(width)[None, :] >= live[:, None]] == np.iinfo(np.int32).max)
+    shares[rng.random((num_logical, width)) < 0.05] = rng.choice([np.nan, np.inf, -1.0])
+    shares[:2] = 0.0
+    log2phy = rng.permutation(num_logical * width + 7)[: num_logical * width].reshape(num_logical, width)
+    words = np.asarray(_alias.alias_words(jnp.asarray(shares), jnp.asarray(log2phy), jnp.asarray(logcnt)))
+    # The map kernel's packed layout: per expert its offset, then (word, own slot) per live bucket in order.
+    packed = np.asarray(_alias.pack_words(jnp.asarray(words), jnp.asarray(log2phy), jnp.asarray(logcnt)))
+    counts = np.clip(logcnt, 1, width)
+    used = num_logical + 2 * counts.sum()
+    assert packed.shape == (_alias.packed_size(num_logical, width),) and not packed[used:].any()
+    np.testing.assert_array_equal(packed[:num_logical], np.cumsum(counts) - counts)
+    pairs = packed[num_logical:used].reshape(-1, 2)
+    np.testing.assert_array_equal(pairs[:, 0], np.concatenate([words[e, :c] for e, c in enumerate(counts)]))
+    np.testing.assert_array_equal(pairs[:, 1], np.concatenate([log2phy[e, :c] for e, c in enumerate(counts)]))
+    built = _alias.alias_kernel(jnp.asarray(shares), jnp.asarray(log2phy), jnp.asarray(logcnt, jnp.int32),
+                                interpret=True)
+    np.testing.assert_array_equal(np.asarray(built)[:used], packed[:used])
+    unit = 1 << 16
+    for expert in range(num_logical):
+        count = int(counts[expert])
+        masses = share_masses(shares[expert, :count], width)
+        prob, alias = sweep_alias_table(masses, unit)
+        slots = log2phy[expert]
+        want = [(p << 16 | slots[a]) if p < unit else slots[j] for j, (p, a) in enumerate(zip(prob, alias))]
+        got = words[expert, :count].astype(np.int64) & 0xFFFFFFFF
+        np.testing.assert_array_equal(got, want)
+        assert not words[expert, count:].any()
+        parts = dict.fromkeys(slots[:count], 0)
+        for bucket, word in enumerate(got):
+            keep = word >> 16
+            parts[slots[bucket]] += keep
+            parts[word & 0xFFFF] += unit - keep
+        np.testing.assert_array_equal([parts[slot] for slot in slots[:count]], masses)
+        weights = shares[expert, :count]
+        if np.any((weights > 0) & (weights < np.inf)):
+            assert not np.asarray(masses)[~((weights > 0) & (weights < np.inf))].any()
+
+
+def test_bucket_and_fraction_split_the_hash_exactly(rng):
+    """The bucket is floor(h * c / 2**32) and the fraction the next 16 bits of h * c, computed in 32 bits (h
+    split in 16-bit halves) exactly as in 64."""
+    from moe_eplb_jax.pallas import _alias
+
+    hashes = np.concatenate([rng.integers(0, 2**32, 4000, dtype=np.uint64),
+                             np.array([0, 2**32 - 1, 2**31, 65535, 65536], np.uint64)])
+    for count in (1, 2, 3, 257, 300, _alias.MAX_WIDTH):
+        scaled = (hashes * np.uint64(count)) >> np.uint64(16)
+        bucket, fraction = _alias.bucket_and_fraction(jnp.asarray(hashes.astype(np.uint32)),
+                                                      jnp.full(hashes.shape, count, jnp.int32))
+        np.testing.assert_array_equal(np.asarray(bucket), (scaled >> np.uint64(16)).astype(np.int64))
+        np.testing.assert_array_equal(np.asarray(fraction), scaled & np.uint64(0xFFFF))
+        assert np.asarray(bucket).max() < count
+
+
+def test_shares_rejects_tables_its_words_cannot_hold(rng):
+    from moe_eplb_jax.pallas import _alias, lookup_table
+
+    width = _alias.MAX_WIDTH + 1
+    with pytest.raises(ValueError, match="at most 32767 replicas per expert"):
+        map_and_count(np.zeros((2, 1), np.int32), np.zeros((1, width), np.int32), np.ones(1, np.int32),
+                      num_physical=2, mode="shares", replica_shares=np.ones((1, width), np.float32))
+    with pytest.raises(ValueError, match="at most 32767 replicas per expert"):
+        lookup_table(np.zeros((1, width), np.int32), np.ones(1, np.int32),
+                     replica_shares=np.ones((1, width), np.float32))
+    with pytest.raises(ValueError, match="num_physical up to 65535"):
+        map_and_count(np.zeros((2, 1), np.int32), np.zeros((1, 2), np.int32), np.ones(1, np.int32),
+                      num_physical=65536, mode="shares", replica_shares=np.ones((1, 2), np.float32))

@@ -125,7 +125,7 @@ def test_kernel_option_combinations_match_reference(num_tokens, top_k, num_logic
     """Any combination of the kernel's layout / reduction / lookup / search / rank options gives the reference's
     ids and loads (Pallas in interpret mode on CPU, compiled on GPU)."""
     from moe_eplb_jax.pallas import _reference, _triton
-    from moe_eplb_jax.pallas.map_and_count import _build_thresholds
+    from moe_eplb_jax.pallas.map_and_count import _build_mode_table
 
     rng = np.random.default_rng(seed)
     placement = random_placement(rng, num_logical, num_logical + extra_slots)
@@ -134,7 +134,7 @@ def test_kernel_option_combinations_match_reference(num_tokens, top_k, num_logic
     extra = random_mode_inputs(rng, mode, placement, ids.size)
     values = extra.get("replica_shares", extra.get("resolved"))
     thresholds = (jnp.zeros_like(log2phy) if values is None
-                  else _build_thresholds(mode, jnp.asarray(values), logcnt, log2phy.shape[1]))
+                  else _build_mode_table(mode, jnp.asarray(values), log2phy, logcnt))
     valid = int(rng.integers(0, num_tokens + 1)) * top_k
     limits = jnp.asarray([valid, valid], jnp.int32)
     num_physical = num_logical + extra_slots
@@ -156,11 +156,12 @@ def test_kernel_option_combinations_match_reference(num_tokens, top_k, num_logic
 @pytest.mark.parametrize("wide", [True, False], ids=["wide", "narrow"])
 @pytest.mark.parametrize("mode", MODES)
 def test_wide_and_narrow_rows_match_reference(mode, wide, linear_search, guide, tables, layout, rng):
-    """Experts with 1 to 20 replicas: the replica lookups and the threshold search (bisection bounded by each
-    expert's replica count; or independent loads first, the search beyond; or the bucket guide, which the
-    replica-major head tables use) give the reference's result, in either table layout."""
+    """Experts with 1 to 20 replicas: the replica lookups, shares' alias words and resolved's threshold search
+    (bisection bounded by each expert's replica count; or independent loads first, the search beyond; or the
+    bucket guide, which the replica-major head tables use) give the reference's result, in either table
+    layout."""
     from moe_eplb_jax.pallas import _reference, _triton
-    from moe_eplb_jax.pallas.map_and_count import _build_thresholds
+    from moe_eplb_jax.pallas.map_and_count import _build_mode_table
 
     # Per expert: wide rows cross the linear-search limit, narrow ones reach it.
     replicas = np.array([20, 17, 16, 3, 2, 1, 1, 4] if wide else [16, 9, 5, 3, 2, 1, 1, 4])
@@ -176,7 +177,7 @@ def test_wide_and_narrow_rows_match_reference(mode, wide, linear_search, guide, 
     if mode == "resolved":  # quotas below demand: entries past an expert's last threshold fall back to hash
         values = values // 32
     thresholds = (jnp.zeros_like(log2phy) if values is None
-                  else _build_thresholds(mode, jnp.asarray(values[:, : log2phy.shape[1]]), logcnt, log2phy.shape[1]))
+                  else _build_mode_table(mode, jnp.asarray(values[:, : log2phy.shape[1]]), log2phy, logcnt))
     limits = jnp.asarray([190 * 4, 195 * 4], jnp.int32)
     num_physical = int(replicas.sum())
     want = _reference.map_and_count_reference(ids, log2phy, logcnt, thresholds, limits, num_physical=num_physical,
@@ -203,8 +204,8 @@ def test_pallas_kernels_lower_to_triton_ir(h100_lowering):
              + [(m, {"tables": t}) for m in ("hash", "resolved") for t in _triton.TABLES[1:]]
              + [(m, {"tables": t, "layout": "expert_major", "reduce": "xla", "rank_in_step": "compare"})
                 for m in ("shares", "resolved") for t in _triton.TABLES]
-             + [("shares", {"guide": 4}), ("resolved", {"guide": 8, "search": "unrolled"}),
-                ("shares", {"search": "unrolled"}), ("resolved", {"search": "while", "guide": 0}),
+             + [("shares", {"threshold_layout": "replica_major"}), ("resolved", {"guide": 8, "search": "unrolled"}),
+                ("resolved", {"search": "while", "guide": 0}),
                 ("resolved", {"rank_running": "registers", "rank_chains": 1}), ("resolved", {"rank_chains": 2}),
                 ("resolved", {"rank_running": "memory", "sub_resolved": 64, "warps_resolved": 2}),
                 ("resolved", {"resolved_by": "positions"}),
@@ -242,7 +243,26 @@ def test_pallas_kernels_lower_to_triton_ir(h100_lowering):
             disabled_checks=h100_lowering,
         )(spec((1 << 18, 8), jnp.int32), spec((256, 257), jnp.int32),
           spec((256,), jnp.int32), spec((256, 257), jnp.int32), spec((2,), jnp.int32))
-        assert guided.mlir_module().count("xla.gpu.triton") == (2 if mode == "shares" else 3)
+        assert guided.mlir_module().count("xla.gpu.triton") == (1 if mode == "shares" else 3)  # shares: no guide
+    # Shares with its alias table built by the Pallas kernel (the public call's path): two kernels; with the words
+    # in a prepared lookup table: one.
+    for num_tokens, width in ((4096, 33), (1 << 18, 257)):
+        built = jax.export.export(
+            jax.jit(lambda ids, log2phy, logcnt, values, limits: _triton.map_and_count_triton(
+                ids, log2phy, logcnt, None, limits, num_physical=512, mode="shares", shares=values)),
+            platforms=["cuda"],
+            disabled_checks=h100_lowering,
+        )(spec((num_tokens, 8), jnp.int32), spec((256, width), jnp.int32), spec((256,), jnp.int32),
+          spec((256, width), jnp.float32), spec((2,), jnp.int32))
+        assert built.mlir_module().count("xla.gpu.triton") == 2
+        prepared = jax.export.export(
+            jax.jit(lambda ids, log2phy, logcnt, lookup, limits: _triton.map_and_count_triton(
+                ids, log2phy, logcnt, None, limits, num_physical=512, mode="shares", lookup=lookup)),
+            platforms=["cuda"],
+            disabled_checks=h100_lowering,
+        )(spec((num_tokens, 8), jnp.int32), spec((256, width), jnp.int32), spec((256,), jnp.int32),
+          spec((256 * (2 + 3 * width),), jnp.int32), spec((2,), jnp.int32))
+        assert prepared.mlir_module().count("xla.gpu.triton") == 1
     # Resolved over positions with the boundary programs summing the raw quotas (the public call's path).
     summed = jax.export.export(
         jax.jit(lambda ids, log2phy, logcnt, quotas, limits: _triton.map_and_count_triton(
@@ -266,8 +286,9 @@ def test_pallas_kernels_lower_to_triton_ir(h100_lowering):
 
 
 # ------------------------------------------------------------ bucket guide
-def _guide_inputs(rng, mode, replicas, width=None):
-    """Thresholds [E, S] (crowded, zero and uneven rows), log2phy, the kernel's counts and lookup for a placement."""
+def _guide_inputs(rng, replicas, width=None):
+    """Resolved's thresholds [E, S] (zero and uneven quota rows), log2phy, the kernel's counts and lookup for a
+    placement."""
     from moe_eplb_jax.pallas import _triton
     from moe_eplb_jax.pallas.map_and_count import _build_thresholds
 
@@ -277,16 +298,10 @@ def _guide_inputs(rng, mode, replicas, width=None):
     if width is not None:  # a narrower table than Placement's P - E + 1
         log2phy = log2phy[:, :width]
     num_logical, width = log2phy.shape
-    if mode == "shares":
-        values = rng.integers(0, 5, (num_logical, width)).astype(np.float32) / 4
-        values[0] = 0.0  # equal shares
-        values[1, :] = 1e-5  # all thresholds but the last within a few points: a crowded bucket
-        values[2, ::2] = 1e-6
-    else:
-        values = rng.integers(0, 40, (num_logical, width)).astype(np.int32)
-        values[1, :] = 0  # no quota: every point past the total
-        values[2, ::2] = 0  # zero quotas: equal thresholds
-    thresholds = _build_thresholds(mode, jnp.asarray(values), logcnt, width, limit=10**6)
+    values = rng.integers(0, 40, (num_logical, width)).astype(np.int32)
+    values[1, :] = 0  # no quota: every point past the total
+    values[2, ::2] = 0  # zero quotas: equal thresholds
+    thresholds = _build_thresholds("resolved", jnp.asarray(values), logcnt, width, limit=10**6)
     return thresholds, log2phy, jnp.clip(logcnt, 1, 0x7FFF), _triton.lookup_table(log2phy, logcnt)
 
 
@@ -305,8 +320,7 @@ def _guide_used(words, count, num_logical, width, factor, num_physical):
 
 
 @pytest.mark.parametrize("factor", [1, 4, 16])
-@pytest.mark.parametrize("mode", ["shares", "resolved"])
-def test_guide_answers_every_point(mode, factor, rng):
+def test_guide_answers_every_point(factor, rng):
     """Decoding the guide as the map kernel does gives, for every point tried (random, bucket edges, every
     threshold and its neighbours, past the cap), the number of live thresholds <= the point: the slot itself
     where no threshold lies inside the bucket, -1 only where resolved passes them all, else a search range
@@ -314,11 +328,11 @@ def test_guide_answers_every_point(mode, factor, rng):
     from moe_eplb_jax.pallas import _guide
 
     replicas = np.array([9, 5, 3, 2, 1, 1, 4, 1, 2, 12])
-    thresholds, log2phy, count, _ = _guide_inputs(rng, mode, replicas)
+    thresholds, log2phy, count, _ = _guide_inputs(rng, replicas)
     num_logical, width = thresholds.shape
     tight = factor == 16  # too few main buckets for everyone: the later experts fall back to spares
     num_physical = int(replicas.sum()) // (4 if tight else 1)
-    words = np.asarray(_guide.guide_table(thresholds, log2phy, count, mode=mode, factor=factor,
+    words = np.asarray(_guide.guide_table(thresholds, log2phy, count, factor=factor,
                                           num_physical=num_physical)).astype(np.int64)
     assert words.size == _guide.guide_size(num_logical, num_physical, factor)
     thresholds, log2phy, count = map(np.asarray, (thresholds, log2phy, count))
@@ -329,7 +343,7 @@ def test_guide_answers_every_point(mode, factor, rng):
     kinds = set()
     for e in np.flatnonzero(count > 1):
         live = thresholds[e, : min(count[e], width)]
-        top = (1 << 24) if mode == "shares" else int(live[-1]) + 50
+        top = int(live[-1]) + 50
         points = np.concatenate([rng.integers(0, top, 300), live, live - 1, live + 1,
                                  np.arange(0, top, 1 << int(shift[e]))[:500]])
         points = points[(points >= 0) & (points < top)]
@@ -338,7 +352,7 @@ def test_guide_answers_every_point(mode, factor, rng):
             word = words[2 * num_logical + offset[e] + (min(point, cap[e]) >> shift[e])]
             if word < 0:
                 kinds.add("past")
-                assert mode == "resolved" and want >= count[e]
+                assert want >= count[e]
             elif word < 1 << 16:
                 kinds.add("slot")
                 assert word - 1 == log2phy[e, min(want, width - 1)]
@@ -346,24 +360,23 @@ def test_guide_answers_every_point(mode, factor, rng):
                 kinds.add("search")
                 low, span = word & 0xFFFF, word >> 16
                 assert low <= want <= low + span and np.all(live[low:want] <= point)
-    assert kinds == ({"slot", "search"} if mode == "shares" else {"slot", "search", "past"})
+    assert kinds == {"slot", "search", "past"}
 
 
 @pytest.mark.parametrize("factor", [1, 8])
-@pytest.mark.parametrize("mode", ["shares", "resolved"])
-def test_guide_kernel_matches_reference(mode, factor, rng):
+def test_guide_kernel_matches_reference(factor, rng):
     """The Pallas guide kernel writes the jnp reference's words at every entry a lookup can read (interpret mode
     on CPU, compiled on GPU); with too few main buckets, too."""
     from moe_eplb_jax.pallas import _guide
 
     replicas = np.array([9, 5, 3, 2, 1, 1, 4, 1, 2, 12, 1, 7])
     for num_physical in (int(replicas.sum()), 12):
-        thresholds, log2phy, count, lookup = _guide_inputs(rng, mode, replicas)
+        thresholds, log2phy, count, lookup = _guide_inputs(rng, replicas)
         num_logical, width = thresholds.shape
-        want = np.asarray(_guide.guide_table(thresholds, log2phy, count, mode=mode, factor=factor,
+        want = np.asarray(_guide.guide_table(thresholds, log2phy, count, factor=factor,
                                              num_physical=num_physical))
         got = np.asarray(jax.jit(functools.partial(
-            _guide.guide_kernel, mode=mode, factor=factor, num_logical=num_logical, width=width,
+            _guide.guide_kernel, factor=factor, num_logical=num_logical, width=width,
             num_physical=num_physical, interpret=jax.default_backend() != "gpu"))(lookup, thresholds.reshape(-1)))
         used = _guide_used(want, count, num_logical, width, factor, num_physical)
         np.testing.assert_array_equal(got[used], want[used])
@@ -385,10 +398,9 @@ def test_guide_kernel_with_saturated_quotas(rng):
     assert int(thresholds.max()) == np.iinfo(np.int32).max
     count = jnp.clip(logcnt, 1, 0x7FFF)
     num_physical = int(replicas.sum())
-    want = np.asarray(_guide.guide_table(thresholds, log2phy, count, mode="resolved", factor=4,
-                                         num_physical=num_physical))
+    want = np.asarray(_guide.guide_table(thresholds, log2phy, count, factor=4, num_physical=num_physical))
     got = np.asarray(_guide.guide_kernel(_triton.lookup_table(log2phy, logcnt), thresholds.reshape(-1),
-                                         mode="resolved", factor=4, num_logical=num_logical, width=width,
+                                         factor=4, num_logical=num_logical, width=width,
                                          num_physical=num_physical, interpret=jax.default_backend() != "gpu"))
     used = _guide_used(want, count, num_logical, width, 4, num_physical)
     np.testing.assert_array_equal(got[used], want[used])
@@ -402,28 +414,29 @@ def test_guide_is_used_only_where_it_fits():
     def factor(mode, num_logical, width, num_physical, **options):
         return _triton._guide_factor({**_triton.DEFAULTS, **options}, mode, num_logical, width, num_physical)
 
-    assert factor("shares", 256, 257, 512) == 0  # the default
+    assert factor("resolved", 256, 257, 512) == 0  # the default
     assert factor("resolved", 256, 33, 288) == 0
-    assert factor("shares", 256, 257, 512, guide=4) == 4
+    assert factor("resolved", 256, 257, 512, guide=4) == 4
     assert factor("resolved", 256, 33, 288, guide=8) == 8
     assert factor("hash", 256, 257, 512, guide=8) == 0
-    assert factor("shares", 256, 257, 512, layout="expert_major", guide=4) == 0
-    assert factor("shares", 256, 257, 512, tables="global", guide=4) == 0
-    assert factor("shares", 256, 257, 0xFFFF, guide=4) == 0
-    assert factor("shares", 1 << 14, 1 << 13, 1 << 14, guide=8) == 0  # bucket counts could overflow int32
+    assert factor("shares", 256, 257, 512, guide=8) == 0  # shares reads its alias table: nothing to search
+    assert factor("resolved", 256, 257, 512, layout="expert_major", guide=4) == 0
+    assert factor("resolved", 256, 257, 512, tables="global", guide=4) == 0
+    assert factor("resolved", 256, 257, 0xFFFF, guide=4) == 0
+    assert factor("resolved", 1 << 14, 1 << 13, 1 << 14, guide=8) == 0  # bucket counts could overflow int32
     with pytest.raises(ValueError, match="guide must be"):
-        factor("shares", 256, 257, 512, guide=3)
+        factor("resolved", 256, 257, 512, guide=3)
 
 
-@pytest.mark.parametrize("mode", ["shares", "resolved"])
-def test_guided_kernel_matches_reference(mode, rng):
-    """The map kernel reading the guide (crowded buckets, zero quotas, fallback spares) gives the reference's ids
-    and loads, as does the search without it."""
+def test_guided_kernel_matches_reference(rng):
+    """The map kernel reading the guide (zero quotas, fallback spares) gives the reference's ids and loads, as
+    does the search without it."""
     from moe_eplb_jax.pallas import _reference, _triton
 
     replicas = np.array([9, 5, 3, 2, 1, 1, 4, 1, 2, 12])
-    thresholds, log2phy, _, _ = _guide_inputs(rng, mode, replicas)
+    thresholds, log2phy, _, _ = _guide_inputs(rng, replicas)
     logcnt = jnp.asarray(replicas)
+    mode = "resolved"
     ids = jnp.asarray(random_ids(rng, 500, 4, replicas.size))
     limits = jnp.asarray([480 * 4, 490 * 4], jnp.int32)
     num_physical = int(replicas.sum())

@@ -1,4 +1,4 @@
-"""The bucket guide of ``shares`` / ``resolved``: most searches answered by one load, for :mod:`._triton`.
+"""The bucket guide of ``resolved``: most searches answered by one load, for :mod:`._triton`.
 
 A point's replica is how many of its expert's live thresholds it passes
 (:mod:`._search`). The guide cuts each multi-replica expert's point range
@@ -7,12 +7,11 @@ factor * replicas``, and stores per bucket the answer at its first point and
 how many thresholds lie inside it -- usually none, so the bucket's word *is*
 the answer (Chen and Asau's guide table, exact for every point). Flat int32
 layout: two words per expert, ``offset | shift << 27`` and ``cap`` (the
-largest point that matters: ``2**24 - 1`` for shares, the total quota for
-resolved -- a point past it passes every live threshold, as the total
-does), then the buckets. A bucket's word is
+largest point that matters: the total quota -- a point past it passes every
+live threshold, as the total does), then the buckets. A bucket's word is
 
-* ``-1``: every point of it passes all the expert's live thresholds
-  (resolved: the entry falls back to hash);
+* ``-1``: every point of it passes all the expert's live thresholds (the
+  entry falls back to hash);
 * ``slot + 1`` (below ``2**16``): no threshold inside, the answer's slot;
 * ``low | span << 16`` (``span > 0``): ``span`` thresholds inside; the answer
   is ``low`` plus how many of thresholds ``[low, low + span)`` the point
@@ -22,7 +21,7 @@ Experts take buckets in order while the ``2 * factor * P`` main entries
 last (enough when the replica counts sum to at most ``P``, as a placement's
 do: an expert's bucket count is below ``2 * factor * count``); a later expert
 gets one spare bucket spanning its whole range (still exact, it only searches
-more). Shares change per batch, so the guide is built on every call: by
+more). Quotas change per batch, so the guide is built on every call: by
 :func:`guide_kernel` (one Pallas kernel: XLA's ops for the same build cost
 7-11 us on an H200) or :func:`guide_table` (jnp, its reference).
 
@@ -49,7 +48,6 @@ __all__ = ["guide_table", "guide_kernel", "guide_size"]
 _INT32_MAX = np.iinfo(np.int32).max
 OFFSET_BITS = 27
 MAX_WIDTH = 1 << 15  # low and span fit 15 bits
-_SHARES_CAP = (1 << 24) - 1  # shares' largest point
 _CHUNK = 512  # buckets per loop step of guide_kernel
 
 
@@ -83,12 +81,12 @@ def _bucket_points(entry, offset, shift, cap):
     return first, jnp.minimum(first + points_minus_one, cap)
 
 
-def _word(low, span, slot, count, mode):
-    everything = (low >= count) if mode == "resolved" else jnp.zeros_like(low, bool)
+def _word(low, span, slot, count):
+    everything = low >= count  # past every live threshold: the hash fallback
     return jnp.where(span > 0, low | (span << 16), jnp.where(everything, -1, jnp.clip(slot, -1, 0xFFFE) + 1))
 
 
-def guide_table(thresholds, log2phy, count, *, mode: str, factor: int, num_physical: int):
+def guide_table(thresholds, log2phy, count, *, factor: int, num_physical: int):
     """The guide (module docstring) of ``thresholds [E, S]`` in jnp: the reference of :func:`guide_kernel`.
 
     ``count [E]`` is the kernel's replica count (``logcnt`` clipped to
@@ -97,10 +95,7 @@ def guide_table(thresholds, log2phy, count, *, mode: str, factor: int, num_physi
     """
     num_logical, width = thresholds.shape
     live = jnp.minimum(count, width)
-    if mode == "shares":
-        cap = jnp.full((num_logical,), _SHARES_CAP, jnp.int32)
-    else:
-        cap = jnp.maximum(jnp.take_along_axis(thresholds, (live - 1)[:, None], axis=1)[:, 0], 0)
+    cap = jnp.maximum(jnp.take_along_axis(thresholds, (live - 1)[:, None], axis=1)[:, 0], 0)
     main = 2 * factor * num_physical
     offset, shift, end = _layout(count, cap, width, factor, main)
     entry = jnp.arange(main + num_logical, dtype=jnp.int32)
@@ -113,11 +108,10 @@ def guide_table(thresholds, log2phy, count, *, mode: str, factor: int, num_physi
     span = jnp.sum(is_live & (row <= last[:, None]), axis=1, dtype=jnp.int32) - low
     slot = jnp.take_along_axis(log2phy[owner], jnp.minimum(low, width - 1)[:, None], axis=1)[:, 0]
     head = jnp.stack([offset | (shift << OFFSET_BITS), cap], axis=1).reshape(-1)
-    return jnp.concatenate([head, _word(low, span, slot, count[owner], mode)])
+    return jnp.concatenate([head, _word(low, span, slot, count[owner])])
 
 
-def _guide_kernel(lookup_ref, thresholds_ref, guide_ref, *, mode, factor, num_logical, width, num_physical,
-                  chunk):
+def _guide_kernel(lookup_ref, thresholds_ref, guide_ref, *, factor, num_logical, width, num_physical, chunk):
     """Program ``e`` writes expert ``e``'s buckets, ``chunk`` at a time (program 0 also every head word).
 
     ``lookup_ref`` is the map kernel's default lookup table (heads ``(first +
@@ -133,11 +127,8 @@ def _guide_kernel(lookup_ref, thresholds_ref, guide_ref, *, mode, factor, num_lo
     head = plgpu.load(lookup_ref.at[expert], mask=is_expert, other=1 << 16)
     count = jnp.where(is_expert, head >> 16, 0)  # padding experts: no buckets
     live = jnp.minimum(count, width)
-    if mode == "shares":
-        cap = jnp.full((experts,), _SHARES_CAP, jnp.int32)
-    else:
-        at = expert * width + jnp.maximum(live - 1, 0)
-        cap = jnp.maximum(plgpu.load(thresholds_ref.at[at], mask=is_expert, other=0), 0)
+    at = expert * width + jnp.maximum(live - 1, 0)
+    cap = jnp.maximum(plgpu.load(thresholds_ref.at[at], mask=is_expert, other=0), 0)
     main = 2 * factor * num_physical
     offset, shift, end = _layout(count, cap, width, factor, main)
 
@@ -167,21 +158,21 @@ def _guide_kernel(lookup_ref, thresholds_ref, guide_ref, *, mode, factor, num_lo
                                              jnp.full_like(points, my_live), used)
         low = passed(first)
         slot = take(slots, jnp.minimum(low, width - 1))
-        word = _word(low, passed(last) - low, slot, my_count, mode)
+        word = _word(low, passed(last) - low, slot, my_count)
         plgpu.store(guide_ref.at[2 * num_logical + my_offset + bucket], word, mask=used)
         return carry
 
     jax.lax.fori_loop(0, pl.cdiv(size, chunk), step, jnp.int32(0))
 
 
-def guide_kernel(lookup, thresholds, *, mode: str, factor: int, num_logical: int, width: int, num_physical: int,
+def guide_kernel(lookup, thresholds, *, factor: int, num_logical: int, width: int, num_physical: int,
                  out_struct=jax.ShapeDtypeStruct, interpret: bool = False):
     """The guide of expert-major thresholds ``[E * S]`` and the default ``lookup`` table, as one Pallas kernel.
 
     Entries no expert reads (past the last main bucket in use, spares of
     experts that fit) are left unwritten.
     """
-    kernel = functools.partial(_guide_kernel, mode=mode, factor=factor, num_logical=num_logical, width=width,
+    kernel = functools.partial(_guide_kernel, factor=factor, num_logical=num_logical, width=width,
                                num_physical=num_physical, chunk=_CHUNK)
     return pl.pallas_call(
         kernel,
@@ -195,8 +186,7 @@ def guide_kernel(lookup, thresholds, *, mode: str, factor: int, num_logical: int
     )(lookup, thresholds)
 
 
-def guide_passed(guide_ref, thresholds_ref, at, expert, point, count, num_logical, width, searching, *, mode,
-                 dynamic):
+def guide_passed(guide_ref, thresholds_ref, at, expert, point, count, num_logical, width, searching, *, dynamic):
     """In the map kernel, for each entry where ``searching`` holds: ``(known, slot, passed)``.
 
     ``known``: the bucket holds no threshold, so ``slot`` is the answer's
@@ -208,11 +198,8 @@ def guide_passed(guide_ref, thresholds_ref, at, expert, point, count, num_logica
     head = plgpu.load(guide_ref.at[2 * expert], mask=searching, other=0)
     offset = head & ((1 << OFFSET_BITS) - 1)
     shift = (head >> OFFSET_BITS) & 31
-    if mode == "shares":
-        bucket = point >> shift
-    else:
-        cap = plgpu.load(guide_ref.at[2 * expert + 1], mask=searching, other=0)
-        bucket = jnp.minimum(point, cap) >> shift
+    cap = plgpu.load(guide_ref.at[2 * expert + 1], mask=searching, other=0)
+    bucket = jnp.minimum(point, cap) >> shift
     word = plgpu.load(guide_ref.at[2 * num_logical + offset + bucket], mask=searching, other=0)
     low, span = word & 0xFFFF, (word >> 16) & 0x7FFF
     inside = searching & (word >= 0x10000)  # span > 0

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from moe_eplb_jax.pallas import _alias
+
 __all__ = ["map_and_count_reference", "hash_token", "replica_rank", "GOLDEN"]
 
 GOLDEN = 2654435769  # 2**32 / golden ratio: Knuth's multiplicative hash constant
@@ -44,8 +46,9 @@ def replica_rank(expert, rank_valid, num_logical: int):
 def map_and_count_reference(topk_ids, log2phy, logcnt, thresholds, limits, *, num_physical: int, mode: str):
     """Maps ``topk_ids [T, k]`` to ``(physical_ids [T, k] int32, load [num_physical] int32)``.
 
-    ``log2phy [E, S]``, ``logcnt [E]``, ``thresholds [E, S]`` (ignored for
-    ``hash`` / ``round_robin``) and ``limits [2]`` are int32.
+    ``log2phy [E, S]``, ``logcnt [E]``, ``thresholds [E, S]`` (the alias words of
+    ``shares``, the quota sums of ``resolved``; ignored for ``hash`` /
+    ``round_robin``) and ``limits [2]`` are int32.
     """
     num_tokens, top_k = topk_ids.shape
     num_logical, width = log2phy.shape
@@ -62,12 +65,12 @@ def map_and_count_reference(topk_ids, log2phy, logcnt, thresholds, limits, *, nu
         replica = by_hash
     elif mode == "round_robin":
         replica = token % count
-    elif mode in ("shares", "resolved"):
-        if mode == "shares":
-            point = (hashed >> 8).astype(jnp.int32)  # the hash's top 24 bits: u = point / 2**24
-        else:
-            point = replica_rank(expert, valid_id & (flat < limits[1]), num_logical)
-            point = jnp.where(flat < limits[1], point, jnp.iinfo(jnp.int32).max)  # padding: no quota
+    elif mode == "shares":  # thresholds holds the alias words: the hash picks a bucket and a point inside it
+        bucket, fraction = _alias.bucket_and_fraction(hashed, _alias.live_counts(logcnt[expert], width))
+        replica = bucket  # (the word names the slot itself where the point falls to the alias)
+    elif mode == "resolved":
+        point = replica_rank(expert, valid_id & (flat < limits[1]), num_logical)
+        point = jnp.where(flat < limits[1], point, jnp.iinfo(jnp.int32).max)  # padding: no quota
         # Thresholds rise along each row; the replica is how many of them the point has passed.
         passed = jnp.sum(thresholds[expert] <= point[:, None], axis=1, dtype=jnp.int32)
         replica = jnp.where(passed < count, passed, by_hash)
@@ -76,6 +79,8 @@ def map_and_count_reference(topk_ids, log2phy, logcnt, thresholds, limits, *, nu
 
     replica = jnp.clip(replica, 0, width - 1)
     slot = log2phy[expert, replica]
+    if mode == "shares":
+        slot = _alias.alias_slot(thresholds[expert, replica], slot, fraction)
     mapped = valid_id & (slot >= 0) & (slot < num_physical)
     physical_ids = jnp.where(mapped, slot, -1)
     counted = mapped & (flat < limits[0])

@@ -1,4 +1,4 @@
-"""Threshold search inside the map kernel (``shares`` / ``resolved``), for :mod:`._triton`.
+"""Threshold search inside the map kernel (``resolved``), for :mod:`._triton`.
 
 Each entry's point is compared with its expert's non-decreasing thresholds:
 the replica is how many of the first ``count`` it passes. A bisection per

@@ -10,9 +10,13 @@ and ``log2phy`` after it, read only for entries sent to a later replica. It is
 one flat array: built per call in one XLA fusion, or once per placement by the
 caller (``map_and_count(lookup=...)``). ``log2phy`` lies replica-major by
 default (``layout``: ``[S, E]``, so a warp's gather of replica ``j`` touches
-one row's few cache lines); the thresholds of ``shares`` / ``resolved`` are
-read expert-major as they are built per call (``threshold_layout``: an
-expert's row side by side, and no transposed copy per call).
+one row's few cache lines); ``resolved``'s per-call thresholds are read
+expert-major as they are built (``threshold_layout``: an expert's row side by
+side, and no transposed copy per call). ``shares`` reads its packed alias
+table (:mod:`._alias`: built per call by :func:`._alias.alias_kernel` from the
+weights, or prepared after the lookup table): the expert's bucket offset
+beside its head word, then for a multi-replica expert its bucket's alias word
+and own slot -- no search, and not the lookup table's ``log2phy``.
 
 Counting (``count_method``), each program counting its tile:
 
@@ -35,8 +39,8 @@ Counting (``count_method``), each program counting its tile:
   counters, zeroed by atomic exchange.
 
 ``resolved`` has two ways to its point (option ``resolved_by``), both then
-running the threshold search (:mod:`._search`) of ``shares`` in the same
-large programs as the other modes. Above ``_POSITIONS_FROM`` entries
+running the threshold search (:mod:`._search`) in the same large programs as
+the other modes. Above ``_POSITIONS_FROM`` entries
 (default): the *boundary positions* (:mod:`._positions`: per-tile expert
 counts, then for each live quota threshold the flat index where it runs out)
 replace the thresholds, and the point is the entry's flat index -- no
@@ -59,7 +63,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from moe_eplb_jax.pallas import _guide
+from moe_eplb_jax.pallas import _alias, _guide
 from moe_eplb_jax.pallas._rank import (_SUB_RESOLVED, _WARPS_RESOLVED, _rank_in_chains, _rank_kernel, _rank_tile,
                                        _warp_aggregate, lookback_bases)
 from moe_eplb_jax.pallas._positions import (boundary_positions, clipped_quotas, start_passed, start_table_fits,
@@ -134,10 +138,12 @@ def _flat_index(layout, num_logical, width):
 def _map_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, base_ref, rank_ref, limits_ref, zeros_ref, phys_ref,
                 hist_ref, *, mode, num_flat, top_k, num_logical, width, num_physical, tile, sub, bins, expert_bins,
                 rank_tile, count_dtype, do_count, count_method, tables, layout, reduce, linear_search, guide,
-                num_tiles, search, threshold_layout, by_positions, from_start, lookback=False):
+                num_tiles, search, threshold_layout, by_positions, from_start, alias_at=0, lookback=False):
     """``tables_ref`` is :func:`lookup_table`'s: per-expert counts (or head entries) at ``[0, E)``, then ``log2phy``
     at ``[E, E + E * S)``, in ``layout``; ``thresholds_ref`` the ``[E, S]`` thresholds, expert-major with the guide
-    (a bucket's few thresholds lie side by side), else in ``threshold_layout``. ``lookback`` (called from
+    (a bucket's few thresholds lie side by side), else in ``threshold_layout`` (``shares``: its packed alias table,
+    :func:`._alias.pack_words`, from entry ``alias_at`` on -- a prepared lookup table holds it after its own).
+    ``lookback`` (called from
     :func:`_lookback_kernel`): ``base_ref`` is this program's ``[E_pad]`` bases, the program one rank tile."""
     del zeros_ref  # reduce="atomic": the zeroed load counters, aliased to hist_ref
     slot_at = num_logical
@@ -194,10 +200,21 @@ def _map_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, base_ref, rank_r
             replica = by_hash()
         elif mode == "round_robin":
             replica = (token % count.astype(jnp.uint32)).astype(jnp.int32)
+        elif mode == "shares":  # the packed alias table (_alias.py): the expert's offset beside its head, then
+            # its bucket's word and own slot -- for a single-replica expert the head's first slot instead
+            offset = plgpu.load(thresholds_ref.at[alias_at + expert], mask=valid_id, other=0)
+            buckets = jnp.minimum(count, width)
+            bucket, fraction = _alias.bucket_and_fraction(hashed, buckets)
+            multi = valid_id & (buckets > 1) if tables == "head" else valid_id
+            pair_at = alias_at + num_logical + 2 * (offset + bucket)
+            word = plgpu.load(thresholds_ref.at[pair_at], mask=multi, other=0)
+            own = plgpu.load(thresholds_ref.at[pair_at + 1], mask=multi, other=0)
+            shares_slot = _alias.alias_slot(word, own, fraction)
+            if tables == "head":
+                shares_slot = jnp.where(multi, shares_slot, first)
+            replica = jnp.zeros_like(expert)  # (unused: the slot is known)
         else:
-            if mode == "shares":
-                point = (hashed >> 8).astype(jnp.int32)
-            elif by_positions:  # resolved, thresholds = boundary positions (_positions.py): the flat index
+            if by_positions:  # resolved, thresholds = boundary positions (_positions.py): the flat index
                 point = jnp.where(flat < rank_limit, flat, _INT32_MAX)
             else:  # resolved: the rank among this expert's entries = earlier rank tiles + inside its rank tile
                 if lookback:  # the program's own bases, from the look-back
@@ -211,7 +228,7 @@ def _map_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, base_ref, rank_r
             at = functools.partial(threshold_index, expert)
             if guide:  # the bucket's word: the slot itself, or a short search's start and length (_guide.py)
                 known, known_slot, passed = _guide.guide_passed(
-                    guide_ref, thresholds_ref, at, expert, point, count, num_logical, width, searching, mode=mode,
+                    guide_ref, thresholds_ref, at, expert, point, count, num_logical, width, searching,
                     dynamic=search == "while")
             elif from_start:  # positions: each expert's boundaries before the step, then few entries search
                 # (The per-step words built here, after the ids arrived: built between the ids' load and their
@@ -220,17 +237,16 @@ def _map_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, base_ref, rank_r
                                     dynamic=search == "while")
                 passed = start_passed(words, thresholds_ref, at, start, flat, point, expert, count, searching,
                                       width=width, dynamic=search == "while")
-            else:  # shares: no point passes an expert's last threshold (2**24), so its search skips it -- one
-                # step less for every 2-replica expert
-                passed = _count_passed(thresholds_ref, at, point, width, count - 1 if mode == "shares" else count,
-                                       searching, linear=linear_search, dynamic=search == "while")
-            if mode == "shares":  # always below count (C[count - 1] = 2**24 > point): no hash fallback to compute
-                replica = jnp.minimum(passed, count - 1)
-            else:  # resolved: entries beyond the expert's total quota fall back to hash
-                replica = jnp.where(passed < count, passed, by_hash())
+            else:
+                passed = _count_passed(thresholds_ref, at, point, width, count, searching, linear=linear_search,
+                                       dynamic=search == "while")
+            # Entries beyond the expert's total quota fall back to hash.
+            replica = jnp.where(passed < count, passed, by_hash())
 
         replica = jnp.clip(replica, 0, width - 1)
-        if tables == "head":  # the table is read only for replicas beyond the first
+        if mode == "shares":  # (the placement's lookup table is not read)
+            slot = shares_slot
+        elif tables == "head":  # the table is read only for replicas beyond the first
             read = replica > 0 if known is None else (replica > 0) & ~known
             later = plgpu.load(tables_ref.at[slot_at + table_index(expert, replica)], mask=read, other=-1)
             slot = jnp.where(replica > 0, later, first)
@@ -352,6 +368,19 @@ def lookup_table(log2phy, logcnt, *, layout: str = "replica_major", tables: str 
     return jnp.concatenate(parts)
 
 
+def alias_table(log2phy, logcnt, replica_shares, *, interpret: bool = False):
+    """``shares``' packed alias table (:func:`._alias.pack_words`) of one placement layer, as the public
+    ``lookup_table`` appends it: the Pallas kernel on GPU, the jnp build (the same words) elsewhere."""
+    log2phy, logcnt = jnp.asarray(log2phy, jnp.int32), jnp.asarray(logcnt, jnp.int32)
+    if interpret:
+        return _alias.pack_words(_alias.alias_words(jnp.asarray(replica_shares), log2phy, logcnt), log2phy, logcnt)
+    size = _alias.packed_size(*log2phy.shape)
+    table = _alias.alias_kernel(jnp.asarray(replica_shares), log2phy, logcnt)[:size]
+    # The kernel leaves the entries past the last live bucket unwritten: zero, as pack_words has them.
+    used = log2phy.shape[0] + 2 * jnp.sum(_alias.live_counts(logcnt, log2phy.shape[1]))
+    return jnp.where(jnp.arange(size) < used, table, 0)
+
+
 def _join_varying(*arrays):
     """Inside ``shard_map``: makes every input vary over the union of the inputs' manual axes.
 
@@ -386,7 +415,7 @@ DEFAULTS = {"tile": None, "sub": _SUB, "tile_resolved": None, "sub_resolved": _S
             "rank_running": "memory", "search": None, "tile_bases": None, "threshold_layout": "expert_major",
             "rank_chains": None, "resolved_by": None, "position_tile": None, "position_groups": None,
             "position_sub": None, "position_scan": None, "position_warps": None, "boundary_warps": 4,
-            "position_map": "start", "boundary_grid": None}
+            "position_map": "start", "boundary_grid": None, "alias_warps": 4}
 # How the kernel counts: "histogram" (tt.histogram per loop step: warp ballots + popc, shared-memory atomics
 # across warps; also in interpret mode, as jnp), "onehot" (factorised one-hot products on the tensor cores),
 # "atomic" (one global atomic add per entry into the program's row of counters), "atomic_warp" (atomics
@@ -434,12 +463,14 @@ _MAX_SHARED_TABLE = 8192  # entries (32 KiB): larger tables stay in global memor
 # 262144 x 8 take 8192-entry programs (9.7-10.7 us vs 10.2-11.3 with 4096), at 65536 x 8 4096-entry programs
 # (4.8 us vs 6.4 with 2048 / 8 warps); shares / resolved, with more work per entry, take 4096-entry programs at
 # both sizes (262144 x 8 resolved 57.9 us vs 63.6 with 8192; 65536 x 8 shares 8.6 vs 9.6 with 2048 / 8 warps).
+# Shares by its packed alias table (fifteenth session) streams like hash: 8192-entry programs at 262144 x 8 map
+# in 10.4 / 12.0 us at P = 288 / 512 vs 11.0 / 12.9 with 4096.
 _STREAMING = ((1 << 21, {"tile": 8192, "sub": 4096, "num_warps": 16}),
               (1 << 19, {"tile": 4096, "sub": 4096, "num_warps": 16}))
 _SEARCHING = ((1 << 19, {"tile": 4096, "sub": 4096, "num_warps": 16}),)
 _GUIDED = {"sub": 1024}  # with the guide (fewer registers live per loop step): P = 512 shares 19.2 vs 26.5 us
 # (eighth session, thresholds then transposed per call)
-LARGE_OPTIONS = {"hash": _STREAMING, "round_robin": _STREAMING, "shares": _SEARCHING, "resolved": _SEARCHING}
+LARGE_OPTIONS = {"hash": _STREAMING, "round_robin": _STREAMING, "shares": _STREAMING, "resolved": _SEARCHING}
 
 
 def _guide_factor(config, mode, num_logical, width, num_physical):
@@ -451,7 +482,7 @@ def _guide_factor(config, mode, num_logical, width, num_physical):
     too_big = (_guide.guide_size(num_logical, num_physical, guide) >= 1 << _guide.OFFSET_BITS
                or num_logical * 2 * guide * width >= 1 << 31)
     # No search to guide; or the guide's kernel cannot read these tables; or a field would not fit its bits.
-    if (mode not in ("shares", "resolved") or (config["layout"], config["tables"]) != ("replica_major", "head")
+    if (mode != "resolved" or (config["layout"], config["tables"]) != ("replica_major", "head")
             or num_physical >= 0xFFFF or width >= _guide.MAX_WIDTH or too_big):
         return 0
     return guide
@@ -490,7 +521,8 @@ def lookup_size(num_logical: int, width: int, *, tables: str = "head") -> int:
 
 
 def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_physical: int, mode: str,
-                         interpret: bool = False, count: bool = True, lookup=None, quotas=None, **config):
+                         interpret: bool = False, count: bool = True, lookup=None, quotas=None, shares=None,
+                         **config):
     """Same contract as ``_reference.map_and_count_reference``.
 
     ``quotas`` (``resolved``, optional): the ``[E, S]`` integer quotas the ``thresholds`` were built from (capped
@@ -498,6 +530,10 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     boundary program sums its row, by ranks ``E`` extra programs of the rank kernel write the thresholds (not
     the look-back kernel) -- so under ``jit`` the wrapper's ``[E, S]`` threshold product is dead code (an H200
     ran it in 2.1 us at P = 512; 4096 x 8 resolved 11.3 vs 14.8 us, 262144 x 8 33.4 vs 38.2).
+
+    ``shares`` (``shares``, optional): ``replica_shares [E, S]``; a Pallas kernel then builds the alias table
+    (:func:`._alias.alias_kernel`) unless ``lookup`` holds it (:func:`alias_table` after the lookup table), and
+    ``thresholds`` is ignored. Without it ``thresholds`` holds the words (tests, benchmarks).
 
     ``config`` overrides :data:`DEFAULTS` (tuning knobs, see the benchmark):
     ``tile`` entries per program (power of two), ``sub`` entries per loop
@@ -516,14 +552,14 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     ``"compare"``), ``rank_running`` where its rank kernel keeps the running
     per-expert counts (``"registers"``: ``tt.histogram`` / ``tt.gather``;
     ``"memory"``: the program's row of the histogram output); ``linear_search`` how many of a row's first thresholds
-    ``shares`` / ``resolved`` load independently before bisecting the rest
+    ``resolved`` loads independently before bisecting the rest
     (0: bisection only); ``guide`` the bucket guide's buckets per replica
     (:mod:`._guide`: 1, 2, 4, 8 or 16; 0: none, every entry of a
     multi-replica expert searches, the default: with the thresholds
     read expert-major the guide's own kernel costs what it saves); ``search`` how the bisection steps (``"while"``: a
     loop that ends when every lane of the block has converged, ``"unrolled"``:
-    all ``bit_length(S)`` steps, masked; ``None``: ``"while"`` for ``shares``
-    and with the guide, else ``"unrolled"``, the faster of each on an H200);
+    all ``bit_length(S)`` steps, masked; ``None``: ``"while"`` with the guide
+    and over positions, else ``"unrolled"``, the faster of each on an H200);
     ``rank_chains`` how many warps of a rank program each rank their own
     part of its tile (``None``: up to 4 where there are at most 256 rank
     tiles and 32-entry steps, else 1; more than 1 implies
@@ -585,11 +621,11 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
                          f"{rank_tile} and {rank_sub}")
     if int(config["linear_search"]) < 0:
         raise ValueError(f"linear_search must be >= 0, got {config['linear_search']}")
-    # shares: the block's loop stops once all its lanes converged (most entries search little); resolved's ranks
+    # The block's loop stops once all its lanes converged where most entries search little; resolved's ranks
     # spread over the whole row, and there the fixed unrolled steps were faster (H200, benchmarks/RESULTS.md);
     # with the guide few entries search, one or two steps: the loop; over boundary positions the loop too
     # (262144 x 8: 30.7 vs 32.7 us at P = 288, 38.0 vs 40.8 at P = 512).
-    search = config["search"] or ("while" if mode == "shares" or guide or by_positions else "unrolled")
+    search = config["search"] or ("while" if guide or by_positions else "unrolled")
     running = config["rank_running"]
     # match.any ranks one entry per lane of one warp: only 32-entry steps of one-warp programs, compiled.
     one_per_lane = rank_sub == 32 and int(config["warps_resolved"]) == 1 and not interpret
@@ -599,8 +635,8 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     if interpret and count_method.startswith("atomic"):
         count_method = "histogram"
     tables, layout, threshold_layout = config["tables"], config["layout"], config["threshold_layout"]
-    if guide or by_positions:  # the guide reads an expert's thresholds side by side; positions come so
-        threshold_layout = "expert_major"
+    if guide or by_positions or mode == "shares":  # the guide reads an expert's thresholds side by side;
+        threshold_layout = "expert_major"  # positions and the alias kernel's words come so
     reduce = config["reduce"] if count_method == "histogram" else "xla"
     if tables == "shared" and pl.next_power_of_2(log2phy.shape[0] * log2phy.shape[1]) > _MAX_SHARED_TABLE:
         tables = "global"
@@ -610,22 +646,35 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     bins = _split_bins(num_physical)
     expert_bins = _histogram_bins(num_logical) if mode == "resolved" else 32
     hi, lo = 1 << bins[0], 1 << bins[1]
-    if mode not in ("shares", "resolved"):  # no search: no [E, S] buffer to write (transposed) on every call
+    if mode not in ("shares", "resolved") or shares is not None or thresholds is None:  # none passed in, or built here
         thresholds = jnp.zeros((1, 1), jnp.int32)
+    alias_at = 0  # shares: where its words start in the thresholds' array
     if lookup is not None:
         lookup = jnp.asarray(lookup)
-        if lookup.shape != (lookup_size(num_logical, width),):
-            raise ValueError(f"lookup must have shape ({lookup_size(num_logical, width)},) for log2phy "
-                             f"[{num_logical}, {width}], got {lookup.shape}")
+        plain = lookup_size(num_logical, width)
+        with_words = plain + _alias.packed_size(num_logical, width)
+        if lookup.shape not in ((plain,), (with_words,)):
+            raise ValueError(f"lookup must have shape ({plain},) or, with shares' alias words, ({with_words},) for "
+                             f"log2phy [{num_logical}, {width}], got {lookup.shape}")
+        if mode == "shares" and lookup.shape == (with_words,):  # prepared words: read from the lookup itself
+            shares, alias_at = None, plain
     # resolved from the raw quotas (capped at the entry count, as the wrapper's thresholds are, while their sums
     # fit int32): the boundary programs sum them over positions, the rank kernel's extra programs by ranks.
     from_quotas = mode == "resolved" and quotas is not None and width * num_flat < 2**31 - 1
     (ids, log2phy, logcnt, thresholds, limits, *rest), out_struct = _join_varying(
         topk_ids.reshape(num_flat), log2phy, logcnt, thresholds, limits,
         *([jnp.asarray(quotas).astype(jnp.int32).reshape(-1)] if from_quotas else []),
+        *([jnp.asarray(shares).astype(jnp.float32)] if shares is not None else []),
         *([] if lookup is None else [lookup]))
     quotas = rest.pop(0) if from_quotas else None
+    if shares is not None:
+        thresholds = _alias.alias_kernel(rest.pop(0), log2phy, logcnt, out_struct=out_struct, interpret=interpret,
+                                         num_warps=int(config["alias_warps"]))
+    elif mode == "shares" and not alias_at:  # the words [E, S] given (tests, benchmarks): packed here
+        thresholds = _alias.pack_words(thresholds, log2phy, logcnt)
     lookup = rest[0] if rest else None
+    if alias_at:
+        thresholds = lookup
     params = plgpu.CompilerParams(num_warps=config["num_warps"], num_stages=config["num_stages"])
     whole = pl.no_block_spec
 
@@ -705,7 +754,8 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
         rank_tile=rank_tile, count_dtype=count_dtype, do_count=count, count_method=count_method, tables=tables,
         layout=layout, reduce=reduce, linear_search=int(config["linear_search"]), guide=guide,
         num_tiles=num_tiles, search=search, threshold_layout=threshold_layout, by_positions=by_positions,
-        from_start=by_positions and config["position_map"] == "start" and start_table_fits(width, sub))
+        from_start=by_positions and config["position_map"] == "start" and start_table_fits(width, sub),
+        alias_at=alias_at)
     # A prepared table is lookup_table's default kind; other kernel options (or slots past 16 bits) rebuild it.
     if lookup is None or (layout, tables) != (DEFAULTS["layout"], DEFAULTS["tables"]):
         lookup = lookup_table(log2phy, logcnt, layout=layout, tables=tables)
@@ -713,7 +763,7 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
         thresholds = thresholds.T
     thresholds = thresholds.reshape(-1)  # (positions: flat already, with a spare tail never read)
     if guide:
-        guide_words = _guide.guide_kernel(lookup, thresholds, mode=mode, factor=guide, num_logical=num_logical,
+        guide_words = _guide.guide_kernel(lookup, thresholds, factor=guide, num_logical=num_logical,
                                           width=width, num_physical=num_physical, out_struct=out_struct,
                                           interpret=interpret)
     else:

@@ -22,17 +22,25 @@ Replica choice for an entry of expert ``e`` with ``c = logcnt[e]`` replicas
   replicas; all k entries of a token use the same rule).
 * ``shares``: ``replica_shares [E, S]`` holds non-negative weights of the first
   ``c`` replicas (entries beyond ``c`` are ignored; negative or non-finite
-  weights count as 0; rows need not be normalised). With ``W`` the row total and
-  ``C_j = floor(2**24 * (w_0 + ... + w_j) / W)`` (float32 arithmetic: the sums
-  may round in any order and XLA may divide by multiplying with ``1 / W``, so a
-  threshold can move by one point; every implementation reads the same
-  thresholds, built once per call by the wrapper), the token's
-  point ``v = h(t) >> 8`` (``u = v / 2**24`` uniform in ``[0, 1)``) picks the
-  replica ``#{j < c : C_j <= v}`` (always below ``c``: ``C_{c-1}`` is set to
-  ``2**24`` exactly, whatever its sum rounded to). A
-  zero-weight replica is never chosen; a row with ``W = 0`` is split equally
-  (as if every live weight were 1). Weights above ``2**100`` count as
-  ``2**100``, so the sums cannot overflow.
+  weights count as 0; rows need not be normalised), and each replica receives
+  its share of the expert's entries through Walker's alias method
+  (:mod:`._alias`): constant work per entry. Integer work only, so every
+  implementation and a prepared table agree bit for bit. Weights become
+  integers ``q_j = floor(w_j * 2**k)``, the power of two putting the row's
+  largest weight in ``[2**(B-1), 2**B)`` (``B = min(24, 30 - ceil(log2
+  S))``); with ``Q`` their sum and ``U = 2**16``, replica ``j`` gets the mass
+  ``m_j = floor(c * U * q_j / Q)``, except the last with ``q_j > 0``, which
+  takes the rest of ``c * U``; a row with ``Q = 0`` is split equally. The
+  expert's ``c`` buckets of ``U`` units are filled by Vose's sweep: light
+  replicas (``m < U``) in index order each keep ``m`` in their own bucket and
+  are topped up by the current heavy replica (``m > U``, in index order); a
+  heavy one whose excess runs out becomes light, keeps what it has left, and
+  the next heavy one tops it up first. Entry ``(t, j)``: ``s = floor(h(t) * c
+  / 2**16)``, bucket ``b = s >> 16``, fraction ``f = s mod 2**16``; the
+  replica is ``b`` if ``f`` is below the bucket's own part, else the bucket's
+  other replica. So replica loads follow ``m_j / (c * U)``, the shares to
+  within ``2**-(B-1)`` of the largest; a zero-weight replica is never chosen.
+  Needs ``S <= 32767`` and ``num_physical <= 65535`` (slots in 16 bits).
 * ``resolved``: ``resolved [E, S]`` int32 token quotas of the first ``c``
   replicas for THIS caller's tokens (in EP, source rank ``g`` passes row ``g`` of
   a ``[G, E, S]`` plan). Entries of expert ``e`` with ``t < num_valid_tokens``
@@ -56,15 +64,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_eplb_jax.pallas import _reference
+from moe_eplb_jax.pallas import _alias, _reference
 
 __all__ = ["map_and_count", "lookup_table", "MODES", "IMPLEMENTATIONS"]
 
 MODES = ("hash", "round_robin", "shares", "resolved")
 IMPLEMENTATIONS = ("xla", "pallas")
-_POINT_SCALE = 1 << 24  # shares: the hash's top 24 bits are the uniform point
 _NEVER = np.iinfo(np.int32).max  # a threshold no point passes
-_MAX_WEIGHT = np.float32(2.0**100)  # shares: larger weights count as this
 
 
 def map_and_count(
@@ -112,7 +118,7 @@ def map_and_count(
     # Every check reads shapes and dtypes only: nothing moves to the device before they all pass.
     (num_tokens, top_k), (num_logical, width) = _check_tables(topk_ids, log2phy, logcnt)
     num_physical = _check_num_physical(num_physical, num_logical)
-    mode_values = _check_mode(mode, replica_shares, resolved, num_logical, width)
+    mode_values = _check_mode(mode, replica_shares, resolved, num_logical, width, num_physical)
     implementation = _check_implementation(implementation)
     _check_flags(num_valid_tokens, record, num_tokens)
     _check_lookup(lookup, num_logical, width)
@@ -121,7 +127,11 @@ def map_and_count(
     if num_tokens * top_k == 0:
         return jnp.full((num_tokens, top_k), -1, jnp.int32), jnp.zeros((num_physical,), jnp.int32)
     limits = _limits(num_valid_tokens, record, num_tokens, top_k)
-    if mode_values is not None:
+    if mode == "shares":  # the alias table, integer work: built by each implementation (or prepared)
+        mode_values = jnp.asarray(mode_values).astype(jnp.float32)  # converted once, for every implementation
+        thresholds = (_alias.alias_words(mode_values, log2phy, logcnt)
+                      if implementation == "xla" else None)
+    elif mode == "resolved":
         thresholds = _build_thresholds(mode, jnp.asarray(mode_values), logcnt, width, limit=num_tokens * top_k)
     else:
         thresholds = jnp.zeros((num_logical, width), jnp.int32)  # unused by hash / round_robin
@@ -138,25 +148,41 @@ def map_and_count(
         topk_ids, log2phy, logcnt, thresholds, limits,
         num_physical=num_physical, mode=mode, interpret=jax.default_backend() != "gpu", lookup=lookup,
         quotas=mode_values if mode == "resolved" else None,
+        shares=mode_values if mode == "shares" else None,
     )
 
 
-def lookup_table(log2phy, logcnt):
+def lookup_table(log2phy, logcnt, *, replica_shares=None):
     """The Pallas kernel's lookup table of one placement layer, to pass as ``map_and_count(lookup=...)``.
 
     Args:
       log2phy: ``[E, S]`` integer replica slots (``-1`` padded), as for ``map_and_count``.
       logcnt: ``[E]`` integer replicas per logical expert.
+      replica_shares: optional ``[E, S]`` float weights of ``mode="shares"``:
+        their alias table is then built here too, so the kernel does not
+        build it per call.
 
     Returns:
       ``[E * (1 + S)]`` int32: per expert ``(first slot + 1) | count << 16``,
-      then ``log2phy`` transposed (``[S, E]``, flat). Placements change only
-      at rearrangement, so a model builds this then and keeps it.
+      then ``log2phy`` transposed (``[S, E]``, flat); with ``replica_shares``
+      ``[E (2 + 3 S)]``, the alias table packed for the kernel after them
+      (per expert its bucket offset, then per live bucket its alias word and
+      slot).
+      Placements (and a policy's replica shares) change only at
+      rearrangement, so a model builds this then and keeps it. A table with
+      the alias words serves every mode; one without them serves ``shares``
+      too, the kernel then building the words per call.
     """
-    _check_placement(log2phy, logcnt)
+    (num_logical, width) = _check_placement(log2phy, logcnt)
+    if replica_shares is not None:
+        _check_shares(replica_shares, num_logical, width)
     from moe_eplb_jax.pallas import _triton  # imported lazily: pulls in Pallas
 
-    return _triton.lookup_table(log2phy, logcnt)
+    table = _triton.lookup_table(log2phy, logcnt)
+    if replica_shares is None:
+        return table
+    words = _triton.alias_table(log2phy, logcnt, replica_shares, interpret=jax.default_backend() != "gpu")
+    return jnp.concatenate([table, words])
 
 
 # ------------------------------------------------------------------ validation
@@ -209,7 +235,7 @@ def _check_num_physical(num_physical, num_logical):
     return num_physical
 
 
-def _check_mode(mode, replica_shares, resolved, num_logical, width):
+def _check_mode(mode, replica_shares, resolved, num_logical, width, num_physical):
     """Returns the per-mode ``[E, S]`` input (shares or quotas), or ``None`` for hash / round_robin."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -219,26 +245,43 @@ def _check_mode(mode, replica_shares, resolved, num_logical, width):
         raise ValueError(f"resolved is only used with mode='resolved', got mode={mode!r}")
     if mode in ("hash", "round_robin"):
         return None
-    name, value, kind = (("replica_shares", replica_shares, jnp.floating) if mode == "shares"
-                         else ("resolved", resolved, jnp.integer))
-    if value is None:
-        raise ValueError(f"mode={mode!r} needs {name} [E, S]")
-    shape, dtype = _shape_dtype(value)
+    if mode == "shares":
+        if num_physical > _alias.MAX_SLOTS:
+            raise ValueError(f"mode='shares' supports num_physical up to {_alias.MAX_SLOTS} (slots in 16 bits), "
+                             f"got {num_physical}")
+        return _check_shares(replica_shares, num_logical, width)
+    if resolved is None:
+        raise ValueError("mode='resolved' needs resolved [E, S]")
+    shape, dtype = _shape_dtype(resolved)
     if shape != (num_logical, width):
-        raise ValueError(f"{name} must have shape [E, S] = {(num_logical, width)}, got {shape}")
-    if not jnp.issubdtype(dtype, kind):
-        raise ValueError(f"{name} must have {'a floating' if mode == 'shares' else 'an integer'} dtype, got {dtype}")
-    return value
+        raise ValueError(f"resolved must have shape [E, S] = {(num_logical, width)}, got {shape}")
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise ValueError(f"resolved must have an integer dtype, got {dtype}")
+    return resolved
+
+
+def _check_shares(replica_shares, num_logical, width):
+    if replica_shares is None:
+        raise ValueError("mode='shares' needs replica_shares [E, S]")
+    shape, dtype = _shape_dtype(replica_shares)
+    if shape != (num_logical, width):
+        raise ValueError(f"replica_shares must have shape [E, S] = {(num_logical, width)}, got {shape}")
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"replica_shares must have a floating dtype, got {dtype}")
+    if width > _alias.MAX_WIDTH:
+        raise ValueError(f"mode='shares' supports at most {_alias.MAX_WIDTH} replicas per expert (log2phy's S), "
+                         f"got S = {width}")
+    return replica_shares
 
 
 def _check_lookup(lookup, num_logical, width):
     if lookup is None:
         return
     shape, dtype = _shape_dtype(lookup)
-    want = (num_logical * (1 + width),)
-    if shape != want or dtype != np.int32:
-        raise ValueError(f"lookup must be lookup_table(log2phy, logcnt): int32 of shape {want}, got shape {shape} "
-                         f"dtype {dtype}")
+    sizes = (num_logical * (1 + width), num_logical * (2 + 3 * width))
+    if shape not in [(size,) for size in sizes] or dtype != np.int32:
+        raise ValueError(f"lookup must be lookup_table(log2phy, logcnt[, replica_shares=...]): int32 of shape "
+                         f"({sizes[0]},) or, with shares, ({sizes[1]},), got shape {shape} dtype {dtype}")
 
 
 def _check_implementation(implementation):
@@ -274,52 +317,45 @@ def _limits(num_valid_tokens, record, num_tokens, top_k):
 
 
 # ------------------------------------------------------------- mode tables
-def _build_thresholds(mode, values, logcnt, width, *, limit=None, sums=None):
-    """The ``[E, S]`` int32 non-decreasing thresholds of ``shares`` / ``resolved`` (module docstring).
+def _build_mode_table(mode, values, log2phy, logcnt, *, limit=None):
+    """The ``[E, S]`` table ``shares`` / ``resolved`` read as the jnp implementation builds it (tests,
+    benchmarks): the alias words (:func:`._alias.alias_words`) or the quota thresholds
+    (:func:`_build_thresholds`)."""
+    if mode == "shares":
+        return _alias.alias_words(values, log2phy, logcnt)
+    return _build_thresholds(mode, values, logcnt, log2phy.shape[1], limit=limit)
 
-    Entries at or beyond ``logcnt[e]`` are ``int32 max`` so no point passes them.
-    Computed once here, so every implementation compares the same integers.
-    Built expert-major from ``values [E, S]`` as it lies (no transposed copy
-    of it or of the result; the Pallas kernel reads them so by default,
-    option ``threshold_layout``). ``resolved``: the quotas and their
-    sums are capped at ``limit`` (the number of entries, a static int; ``None``:
-    no cap), which changes no result -- every rank is below it.
+
+def _build_thresholds(mode, values, logcnt, width, *, limit=None, sums=None):
+    """The ``[E, S]`` int32 non-decreasing thresholds of ``resolved``: the running sums of its quotas.
+
+    ``mode`` must be ``"resolved"`` (``shares`` reads its alias words). Entries at or
+    beyond ``logcnt[e]`` are ``int32 max`` so no point passes them. Computed
+    once here, so every implementation compares the same integers. Built
+    expert-major from ``values [E, S]`` as it lies (no transposed copy of it
+    or of the result; the Pallas kernel reads them so by default, option
+    ``threshold_layout``). The quotas and their sums are capped at ``limit``
+    (the number of entries, a static int; ``None``: no cap), which changes no
+    result -- every rank is below it.
 
     ``sums`` (a benchmark knob) says how the prefix sums along each row run:
     ``"matmul"`` (default: one float32 product with an upper-triangular
     ``[S, S]`` matrix -- at ``S = 257`` on an H200 2-3 us against 9 us for
-    XLA's reduce-window ``jnp.cumsum``; shares' float sums may round in any
-    order, as both implementations read these thresholds; quotas go in as
-    they are where ``limit < 2**24`` (every input of fewer than ``2**24``
-    entries), else as two or three 11-bit limbs whose sums stay below
-    ``2**24``; theirs are exact either way;
-    rows wider than ``_MAX_MATMUL_WIDTH`` use ``jnp.cumsum``) or ``"cumsum"``
-    (``jnp.cumsum``).
+    XLA's reduce-window ``jnp.cumsum``; quotas go in as they are where
+    ``limit < 2**24`` (every input of fewer than ``2**24`` entries), else as
+    two or three 11-bit limbs whose sums stay below ``2**24``; exact either
+    way; rows wider than ``_MAX_MATMUL_WIDTH`` use ``jnp.cumsum``) or
+    ``"cumsum"`` (``jnp.cumsum``).
     """
+    if mode != "resolved":
+        raise ValueError(f"thresholds are resolved's; got mode={mode!r} (shares reads its alias words)")
     sums = _THRESHOLD_SUMS if sums is None else sums
     if sums == "matmul" and width > _MAX_MATMUL_WIDTH:  # the [S, S] matrix grows as S**2
         sums = "cumsum"
     live = jnp.arange(width, dtype=jnp.int32)[None, :] < logcnt[:, None]  # [E, S]
-    if mode == "shares":
-        weights = values.astype(jnp.float32)
-        # Capped so sums of up to 2**27 terms cannot overflow (no row reduction before the prefix sums).
-        weights = jnp.where(live & jnp.isfinite(weights) & (weights > 0), jnp.minimum(weights, _MAX_WEIGHT), 0.0)
-        cumulative = _prefix_sums(weights, sums)  # [E, S]
-        total = cumulative[:, -1:]
-        by_weight = jnp.floor(cumulative / jnp.where(total > 0, total, 1.0) * jnp.float32(_POINT_SCALE))
-        # A row without a positive weight is split equally: the thresholds of weights all 1 (same float ops).
-        position = jnp.arange(1, width + 1, dtype=jnp.float32)[None, :]
-        equal = jnp.floor(position / jnp.maximum(logcnt, 1).astype(jnp.float32)[:, None] * jnp.float32(_POINT_SCALE))
-        scaled = jnp.where(total > 0, by_weight, equal)
-        # The last live threshold is 2**24 whatever the float sums rounded to, so no point passes it: every
-        # implementation may skip it (the Pallas search does).
-        last = jnp.arange(width, dtype=jnp.int32)[None, :] == jnp.clip(logcnt, 1, width)[:, None] - 1
-        thresholds = jnp.where(last, _POINT_SCALE, jnp.clip(scaled, 0, _POINT_SCALE)).astype(jnp.int32)
-    else:
-        cap = _NEVER if limit is None else int(min(limit, _NEVER))
-        quotas = jnp.where(live, jnp.clip(values.astype(jnp.int32), 0, cap), 0)  # [E, S]
-        thresholds = _quota_sums(quotas, cap, sums)
-    return jnp.where(live, thresholds, jnp.int32(_NEVER))
+    cap = _NEVER if limit is None else int(min(limit, _NEVER))
+    quotas = jnp.where(live, jnp.clip(values.astype(jnp.int32), 0, cap), 0)  # [E, S]
+    return jnp.where(live, _quota_sums(quotas, cap, sums), jnp.int32(_NEVER))
 
 
 _THRESHOLD_SUMS = "matmul"

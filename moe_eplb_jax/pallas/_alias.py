@@ -1,0 +1,269 @@
+"""Walker's alias table of ``shares``: each entry's slot from one table word, for :mod:`.map_and_count`.
+
+An expert with ``c`` replicas gets ``c`` buckets of ``U = 2**16`` mass units
+each. Its float weights become integer masses ``m_j`` summing to ``c * U``
+(:func:`integer_masses`: integer work only, so every implementation builds
+the same words bit for bit); bucket ``b`` holds its own replica ``b`` with
+``prob_b`` units and one other replica, ``alias_b``, with the rest, and every
+replica's parts over all buckets add up to its mass (:func:`alias_words`,
+jnp; :func:`alias_kernel`, one Pallas program per expert). A word holds
+``prob_b << 16`` and the *slot* of ``alias_b``, so an entry's token hash picks
+a bucket and a point inside it (:func:`bucket_and_fraction`) and the map
+kernel loads that word and the bucket's own slot side by side
+(:func:`alias_slot`): constant work per entry and no dependent third load,
+where the inverse of the cumulative shares needed a search over the expert's
+thresholds (on an H200 the map kernel at 262144 x 8 took 14.1 / 20.7 us that
+way at P = 288 / 512; benchmarks/RESULTS.md has the alias table's figures).
+
+Masses. Weights that are not positive and finite count as 0. A float32 weight
+is ``M * 2**(e - 150)`` with an integer significand ``M < 2**24``; the row's
+weights become ``q_j = floor(w_j * 2**k)``, ``k`` putting the row's largest
+weight in ``[2**(B-1), 2**B)`` (``B = min(24, 30 - ceil(log2 S))``, so that
+``c * q_j`` and ``Q = sum q_j`` stay below ``2**30``) -- shifts of the
+significands, exact. Every live replica but the last with ``q_j > 0`` gets
+``m_j = floor(c * U * q_j / Q)`` (binary long division in int32) and that last
+one the rest of ``c * U``; a row with ``Q = 0`` is split equally (every mass
+``U``).
+
+The table is built by the *sweep* order of Vose's construction, in closed
+form: light replicas (``m < U``) in index order each need ``d = U - m``,
+heavy ones (``m > U``) in index order give their excess ``x = m - U``. Put the
+deficits end to end on one axis (light ``k`` covers ``[D_k - d_k, D_k)``, ``D``
+their running sums) and the excesses on the same axis (heavy ``h`` covers
+``[X_h - x_h, X_h)``). A light bucket's alias is the heavy whose excess
+interval holds the start of its deficit; a heavy ``h`` gives away ``x_h`` plus
+what the light crossing ``X_h`` still needs beyond it (``o_h = D_k - X_h`` for
+that light ``k``), so its own bucket keeps ``U - o_h`` and takes the rest from
+the next heavy -- the one whose interval holds ``X_h``. Each replica then
+totals its mass exactly: a heavy keeps ``U - o_h``, gets ``o_{h'}`` back as the
+alias of the heavy ``h'`` before it, and the deficits of the lights starting in
+its interval, ``x_h + o_h - o_{h'}``. Every search is over a non-decreasing
+row, so the build is two running sums and three bisections (no sequential
+loop); the tests check it against the sequential sweep.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+__all__ = ["weight_bits", "integer_masses", "alias_words", "pack_words", "packed_size", "alias_kernel",
+           "bucket_and_fraction", "alias_slot", "MAX_WIDTH", "MAX_SLOTS", "UNIT_BITS"]
+
+UNIT_BITS = 16  # U = 2**16 mass units per bucket: prob fits the word's top half, c * U int32 for c < 2**15
+MAX_WIDTH = 0x7FFF  # replicas per expert: c * U and the running sums of deficits stay below 2**31
+MAX_SLOTS = 0xFFFF  # physical slots: the alias slot fills the word's low 16 bits
+_SIGNIFICAND = (1 << 23) - 1
+
+
+def weight_bits(width: int) -> int:
+    """``B``: the largest weight of a row becomes an integer in ``[2**(B-1), 2**B)``; ``c * q`` and the row's
+    sum of ``width`` of them stay below ``2**30`` (so the long division's doubled remainder fits int32)."""
+    return min(24, 30 - (int(width) - 1).bit_length())
+
+
+def live_counts(logcnt, width):
+    """The replica counts the table uses: ``logcnt`` clipped to ``[1, width]``."""
+    return jnp.clip(logcnt, 1, width)
+
+
+def _significand(bits):
+    """The integer significand ``M`` of non-negative float32 bit patterns (the implicit bit of normal ones)."""
+    return (bits & _SIGNIFICAND) | ((bits >> 23) > 0).astype(jnp.int32) << 23
+
+
+def _integer_weights(values, live, width):
+    """``q_j = floor(w_j * 2**k)`` (module docstring) from the float32 bit patterns: shifts only.
+
+    Integer tests throughout, even which weights count: float compares may treat subnormals as zero on one
+    backend and not on another (XLA on CPU does)."""
+    bits = jax.lax.bitcast_convert_type(values.astype(jnp.float32), jnp.int32)
+    # Positive and finite: above +0 and below +inf's pattern (negatives have the sign bit: below 0; NaN above).
+    bits = jnp.where(live & (bits > 0) & (bits < 0x7F800000), bits, 0)  # >= 0, ordered as the weights are
+    exponent = jnp.maximum(bits >> 23, 1)  # subnormals scale as exponent field 1, without the implicit bit
+    significand = _significand(bits)
+    top = jnp.max(bits, axis=-1, keepdims=bits.ndim > 1)
+    top_exponent = jnp.maximum(top >> 23, 1)
+    top_length = 32 - jax.lax.clz(_significand(top))  # bit length
+    # q = M * 2**(e - e_top - len(M_top) + B): a right shift, or a left one for a subnormal largest weight.
+    right = top_exponent - exponent + top_length - weight_bits(width)
+    shifted_right = jax.lax.shift_right_logical(significand, jnp.clip(right, 0, 31))
+    shifted_left = jax.lax.shift_left(significand, jnp.clip(-right, 0, 31))
+    return jnp.where(top > 0, jnp.where(right >= 0, shifted_right, shifted_left), 0)
+
+
+def integer_masses(values, index, count, width):
+    """One row's (or ``[E, S]`` rows') integer masses (module docstring), lanes ``index``, summing to
+    ``count * U`` over the live lanes (``count`` a scalar or ``[E, 1]``); 0 past the count."""
+    unit = 1 << UNIT_BITS
+    live = index < count
+    quanta = _integer_weights(values, live, width)
+    keep = dict(axis=-1, keepdims=index.ndim > 1)
+    total = jnp.sum(quanta, **keep)  # Q < 2**30
+    last = jnp.max(jnp.where(quanta > 0, index, -1), **keep)  # -1: Q = 0
+    # floor(count * q * U / Q): the integer part of count * q / Q, then UNIT_BITS quotient bits one at a time
+    # (the remainder stays below Q < 2**30, so doubling it fits int32).
+    divisor = jnp.maximum(total, 1)
+    scaled = count * quanta  # < 2**30
+    quotient, remainder = jax.lax.div(scaled, divisor), jax.lax.rem(scaled, divisor)
+    for _ in range(UNIT_BITS):
+        remainder = remainder << 1
+        carry = remainder >= divisor
+        quotient = (quotient << 1) | carry.astype(jnp.int32)
+        remainder = jnp.where(carry, remainder - divisor, remainder)
+    floors = jnp.where(live & (index != last), quotient, 0)
+    masses = jnp.where(index == last, count * unit - jnp.sum(floors, **keep), floors)
+    return jnp.where(total > 0, masses, jnp.where(live, unit, 0))
+
+
+def _count_at_most(read, queries, count, steps):
+    """``#{i < count : row_i <= q}`` per query of a non-decreasing row (``read(i)`` gathers it), by bisection
+    in ``steps`` steps (enough for ``count``)."""
+    def step(_, bounds):
+        low, high = bounds
+        middle = (low + high) >> 1
+        passed = (low < high) & (read(middle) <= queries)
+        return jnp.where(passed, middle + 1, low), jnp.where(passed | (low >= high), high, middle)
+
+    low = jnp.zeros_like(queries)
+    return jax.lax.fori_loop(0, steps, step, (low, jnp.zeros_like(queries) + count))[0]
+
+
+def row_words(masses, slots, index, count, read_from, steps):
+    """One row's (or rows') alias words (:func:`alias_words`), lanes ``index``, from its masses and the slots of
+    its replicas; ``read_from(row)`` gives a gather from a row's values for :func:`_count_at_most`."""
+    unit = 1 << UNIT_BITS
+    live = index < count
+    light = live & (masses < unit)
+    heavy = live & (masses > unit)
+    deficit = jnp.where(light, unit - masses, 0)
+    excess = jnp.where(heavy, masses - unit, 0)
+    deficit_end = jnp.cumsum(deficit, axis=-1)  # inclusive; exact integers below 2**31
+    excess_end = jnp.cumsum(excess, axis=-1)
+    after_excess = read_from(excess_end)
+    # A light's alias: the first heavy whose excess interval ends past the light's deficit start.
+    light_alias = _count_at_most(after_excess, deficit_end - deficit, count, steps)
+    # A heavy's own bucket gives up what the light crossing its end still needs: the first light end at or past
+    # it, minus it (0 for the last heavy, whose end is the total); the next heavy fills that part.
+    crossing = jnp.minimum(_count_at_most(read_from(deficit_end), excess_end - 1, count, steps), count - 1)
+    overshoot = read_from(deficit_end)(crossing) - excess_end
+    heavy_alias = _count_at_most(after_excess, excess_end, count, steps)
+    prob = jnp.where(light, jnp.maximum(masses, 0), jnp.where(heavy, unit - overshoot, unit))
+    alias = jnp.where(light, light_alias, jnp.where(heavy & (prob < unit), heavy_alias, index))
+    alias = jnp.clip(alias, 0, count - 1)  # (already inside for exact totals)
+    prob = jnp.where(prob >= unit, 0, prob)  # keeps everything: the alias is its own slot
+    return jnp.where(live, (prob << 16) | (read_from(slots)(alias) & 0xFFFF), 0)
+
+
+def alias_words(values, log2phy, logcnt):
+    """The alias table ``[E, S]`` int32 of ``shares`` in jnp (the reference of :func:`alias_kernel`).
+
+    ``values [E, S]`` the raw weights, ``log2phy [E, S]`` the replicas' slots.
+    Word ``b`` of a live bucket: ``prob << 16 | slot of alias_b`` -- the
+    bucket keeps its own replica ``b`` for fractions below ``prob``
+    (``0 <= prob < U``) and sends the rest to the alias; a bucket that keeps
+    all of its mass has ``prob = 0`` and its own slot as the alias. Entries
+    past the count are 0.
+    """
+    width = log2phy.shape[1]
+    count = live_counts(logcnt, width)[:, None]
+    index = jnp.arange(width, dtype=jnp.int32)[None, :]
+    masses = integer_masses(values, index, count, width)
+    read_from = lambda row: lambda at: jnp.take_along_axis(row, jnp.clip(at, 0, width - 1), axis=1)  # noqa: E731
+    return row_words(masses, log2phy, index, count, read_from, int(width).bit_length())
+
+
+def packed_size(num_logical: int, width: int) -> int:
+    """Entries of the packed table (:func:`pack_words`) of ``[num_logical, width]`` words."""
+    return num_logical * (1 + 2 * width)
+
+
+def pack_words(words, log2phy, logcnt):
+    """The map kernel's layout of the alias table: flat int32 ``[E + 2 E S]``.
+
+    Per expert its ``offset`` (the earlier experts' bucket counts summed,
+    :func:`live_counts`), then from entry ``E`` on, bucket by bucket in
+    expert order, ``(word, own slot)``; the rest is 0. An entry reads its
+    expert's offset beside the placement's head word (count, first slot),
+    then -- for a multi-replica expert -- its bucket's two words: a few KB of
+    the table in use (the live buckets number about ``P``), where ``[E, S]``
+    rows padded to the widest expert spread the words over ``4 E S`` bytes
+    (263 KB at ``S = 257``; H200, 262144 x 8, P = 512: map kernel 13.7 us
+    with the rows, fifteenth session).
+    """
+    num_logical, width = words.shape
+    count = live_counts(logcnt, width)
+    offset = jnp.cumsum(count) - count
+    index = jnp.arange(width, dtype=jnp.int32)[None, :]
+    at = jnp.where(index < count[:, None], offset[:, None] + index, num_logical * width)  # dead lanes: a spare row
+    pairs = jnp.stack([words, log2phy.astype(jnp.int32)], axis=-1).reshape(-1, 2)
+    packed = jnp.zeros((num_logical * width + 1, 2), jnp.int32).at[at.reshape(-1)].set(pairs)
+    return jnp.concatenate([offset, packed[:-1].reshape(-1)])
+
+
+def _alias_kernel(values_ref, log2phy_ref, logcnt_ref, table_ref, *, num_logical, width, lanes, experts):
+    """Program ``e`` writes expert ``e``'s offset and buckets of the packed table (:func:`pack_words`), its row held
+    in registers (bisections through ``tt.gather``, ``bit_length(count)`` steps each)."""
+    from moe_eplb_jax.pallas._triton_ops import take
+
+    expert = pl.program_id(0)
+    others = jnp.arange(experts, dtype=jnp.int32)
+    earlier = plgpu.load(logcnt_ref.at[jnp.minimum(others, num_logical - 1)], mask=others < expert, other=0)
+    offset = jnp.sum(jnp.where(others < expert, jnp.clip(earlier, 1, width), 0))
+    count = jnp.clip(logcnt_ref[expert], 1, width)
+    index = jnp.arange(lanes, dtype=jnp.int32)
+    at = expert * width + jnp.minimum(index, width - 1)
+    values = plgpu.load(values_ref.at[at], mask=index < count, other=0.0)
+    slots = plgpu.load(log2phy_ref.at[at], mask=index < count, other=0)
+    masses = integer_masses(values, index, count, width)
+    read_from = lambda row: lambda at: take(row, jnp.clip(at, 0, lanes - 1))  # noqa: E731
+    steps = sum((count >= 1 << bit).astype(jnp.int32) for bit in range(int(width).bit_length()))  # bit_length
+    words = row_words(masses, slots, index, count, read_from, steps)
+    # Lanes past the row point at distinct spare entries past the table (interpret mode's masked scatter writes
+    # back what it read, which must not land on an entry another lane writes).
+    spare = table_ref.shape[0] - 2 * lanes + 2 * index
+    pair = jnp.where(index < count, num_logical + 2 * (offset + index), spare)
+    plgpu.store(table_ref.at[pair], words, mask=index < count)
+    plgpu.store(table_ref.at[pair + 1], slots, mask=index < count)
+    plgpu.store(table_ref.at[jnp.where(index == 0, expert, spare)], jnp.zeros_like(index) + offset, mask=index == 0)
+
+
+def alias_kernel(values, log2phy, logcnt, *, out_struct=jax.ShapeDtypeStruct, interpret=False, num_warps=4):
+    """:func:`alias_words`, packed (:func:`pack_words`), as one Pallas kernel, a program per expert: flat
+    ``[E + 2 E S + 2 lanes]`` int32, the table and then a spare tail never read (``lanes = max(32,
+    2**ceil(log2 S))``); entries past the last live bucket are left unwritten (never read)."""
+    num_logical, width = log2phy.shape
+    lanes = max(32, pl.next_power_of_2(width))
+    return pl.pallas_call(
+        functools.partial(_alias_kernel, num_logical=num_logical, width=width, lanes=lanes,
+                          experts=max(32, pl.next_power_of_2(num_logical))),
+        grid=(num_logical,),
+        in_specs=[pl.no_block_spec] * 3,
+        out_specs=pl.no_block_spec,
+        out_shape=out_struct((packed_size(num_logical, width) + 2 * lanes,), jnp.int32),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="alias_table",
+    )(values.astype(jnp.float32).reshape(-1), log2phy.astype(jnp.int32).reshape(-1), logcnt)
+
+
+def bucket_and_fraction(hashed, count):
+    """``(bucket, fraction)`` int32 of uint32 hashes for ``count`` buckets of ``U`` units (``count < 2**16``).
+
+    ``s = floor(h * count / 2**16)`` in uint32 (``h`` split in 16-bit halves),
+    ``bucket = s >> 16`` (uniform over ``[0, count)``), ``fraction = s mod
+    2**16`` (uniform over ``[0, U)``).
+    """
+    scale = count.astype(jnp.uint32)
+    scaled = (hashed >> 16) * scale + (((hashed & 0xFFFF) * scale) >> 16)
+    return (scaled >> 16).astype(jnp.int32), (scaled & 0xFFFF).astype(jnp.int32)
+
+
+def alias_slot(word, own_slot, fraction):
+    """The slot of a bucket's word (:func:`alias_words`) for a fraction of the bucket whose own replica's slot is
+    ``own_slot``."""
+    return jnp.where(fraction < jax.lax.shift_right_logical(word, 16), own_slot, word & 0xFFFF)
