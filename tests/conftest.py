@@ -10,7 +10,12 @@ import zlib
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
-    os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+    _flags += " --xla_force_host_platform_device_count=8"
+# The suite compiles hundreds of small CPU programs (Pallas interpret mode above all) and runs each on tiny
+# inputs: LLVM's optimisation passes cost more than they save (about 13% of an interpret-mode test's time).
+if "xla_backend_optimization_level" not in _flags:
+    _flags += " --xla_backend_optimization_level=0"
+os.environ["XLA_FLAGS"] = _flags.strip()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

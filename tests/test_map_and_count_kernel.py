@@ -96,7 +96,7 @@ def test_kernel_options_match_reference(options, mode, rng):
                                              resolved_by="positions", **bad)
 
 
-@settings(max_examples=10)
+@settings(max_examples=7)
 @given(
     num_tokens=st.integers(1, 300),
     top_k=st.sampled_from([1, 3, 8]),
@@ -506,7 +506,7 @@ def boundary_oracle(ids, thresholds, logcnt, rank_limit):
     return out
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(num_flat=st.integers(1, 700), num_logical=st.sampled_from([1, 3, 16, 40]), width=st.sampled_from([1, 2, 5, 9]),
        tile=st.sampled_from([16, 32, 128, None]), groups=st.sampled_from([1, 2, 3, None]),
        scan=st.sampled_from([16, 64, None]), quota_scale=st.sampled_from([0.0, 0.3, 1.0, 3.0]),
@@ -579,7 +579,7 @@ def test_boundary_positions_exact_at_tile_edges(grid):
         _positions.boundary_positions(*args, num_logical=8, width=8, expert_bins=32, quota_cap=2**28)
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=7, deadline=None)
 @given(num_tokens=st.integers(1, 200), top_k=st.sampled_from([1, 4, 8]), num_logical=st.sampled_from([1, 2, 5, 16]),
        extra_slots=st.integers(0, 12), sub=st.sampled_from([16, 32, 256]),
        quota_scale=st.sampled_from([0.0, 0.2, 1.0, 3.0]),
@@ -651,7 +651,7 @@ def test_lookback_walks_aggregates_and_inclusive_words(programs, window, seed):
     np.testing.assert_array_equal(np.asarray(board_out)[:-bins], board[:-bins])
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(num_tokens=st.integers(1, 400), top_k=st.sampled_from([1, 2, 8]), num_logical=st.sampled_from([1, 5, 40]),
        extra_slots=st.integers(0, 20), rank_tile=st.sampled_from([64, 128, 256]), chains=st.sampled_from([1, 2]),
        rank_sub=st.sampled_from([16, 32]), seed=st.integers(0, 2**31))

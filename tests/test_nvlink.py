@@ -30,7 +30,7 @@ def test_chunk_words():
     assert not _nvlink.can_put([64], jax.devices()[:2]) or jax.default_backend() == "gpu"
 
 
-@pytest.mark.parametrize("programs, pack_programs, stages", [(2, 1, 2), (4, 1, 2), (8, 3, 3), (40, 16, 4),
+@pytest.mark.parametrize("programs, pack_programs, stages", [(2, 1, 2), (4, 1, 2), (8, 3, 3), (20, 9, 4),
                                                               (3, None, 2)])
 def test_copy_pipeline_under_the_interpreter(programs, pack_programs, stages, rng):
     """Local mode (the rank's own rows; the interpreter has no remote refs): rows, chunks, padding, and the
