@@ -294,9 +294,11 @@ SWEEP = [  # (mode, T, P, options): T x 8 entries; the defaults first in each gr
     ("hash", 262144, 512, {}), ("shares", 262144, 512, {"setup": "thresholds"}),
     ("shares", 262144, 512, {"setup": "words"}),
     ("shares", 262144, 512, {"tile": 8192, "sub": 4096, "num_warps": 16, "setup": "words"}),
-    ("hash", 65536, 512, {}), ("shares", 65536, 288, {"setup": "thresholds"}), ("shares", 65536, 288, {"setup": "words"}),
+    ("hash", 65536, 512, {}),
+    ("shares", 65536, 288, {"setup": "thresholds"}), ("shares", 65536, 288, {"setup": "words"}),
     ("shares", 65536, 512, {"setup": "thresholds"}), ("shares", 65536, 512, {"setup": "words"}),
-    ("hash", 4096, 512, {}), ("shares", 4096, 288, {"setup": "thresholds"}), ("shares", 4096, 288, {"setup": "words"}),
+    ("hash", 4096, 512, {}),
+    ("shares", 4096, 288, {"setup": "thresholds"}), ("shares", 4096, 288, {"setup": "words"}),
     ("shares", 4096, 512, {"setup": "thresholds"}), ("shares", 4096, 512, {"setup": "words"}),
 ]
 

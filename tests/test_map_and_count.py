@@ -289,7 +289,7 @@ def test_prepared_lookup_gives_the_same_results(mode, rng):
     weights = extra["replica_shares"] if mode == "shares" else rng.random(log2phy.shape).astype(np.float32)
     lookups = [jax.vmap(lookup_table)(log2phy, logcnt), jax.vmap(lookup_table)(log2phy, logcnt, replica_shares=weights)]
     assert lookups[0].shape == (num_layers, num_logical * (1 + width)) and lookups[0].dtype == jnp.int32
-    assert lookups[1].shape == (num_layers, num_logical * (2 + 3 * width)) and lookups[1].dtype == jnp.int32
+    assert lookups[1].shape == (num_layers, 3 * num_logical * (1 + width)) and lookups[1].dtype == jnp.int32
     np.testing.assert_array_equal(lookups[1][:, : num_logical * (1 + width)], lookups[0])
 
     def run(ids, log2phy, logcnt, extra, lookup=None):
@@ -529,13 +529,15 @@ def test_alias_table_is_the_sequential_sweep(width, draw, rng):
     shares[:2] = 0.0
     log2phy = rng.permutation(num_logical * width + 7)[: num_logical * width].reshape(num_logical, width)
     words = np.asarray(_alias.alias_words(jnp.asarray(shares), jnp.asarray(log2phy), jnp.asarray(logcnt)))
-    # The map kernel's packed layout: per expert its offset, then (word, own slot) per live bucket in order.
+    # The map kernel's packed layout: per expert ((first slot + 1) | count << 16, offset), then (word, own slot)
+    # per live bucket in order.
     packed = np.asarray(_alias.pack_words(jnp.asarray(words), jnp.asarray(log2phy), jnp.asarray(logcnt)))
     counts = np.clip(logcnt, 1, width)
-    used = num_logical + 2 * counts.sum()
+    used = 2 * (num_logical + counts.sum())
     assert packed.shape == (_alias.packed_size(num_logical, width),) and not packed[used:].any()
-    np.testing.assert_array_equal(packed[:num_logical], np.cumsum(counts) - counts)
-    pairs = packed[num_logical:used].reshape(-1, 2)
+    np.testing.assert_array_equal(packed[: 2 * num_logical].reshape(-1, 2),
+                                  np.stack([(log2phy[:, 0] + 1) | (counts << 16), np.cumsum(counts) - counts], 1))
+    pairs = packed[2 * num_logical: used].reshape(-1, 2)
     np.testing.assert_array_equal(pairs[:, 0], np.concatenate([words[e, :c] for e, c in enumerate(counts)]))
     np.testing.assert_array_equal(pairs[:, 1], np.concatenate([log2phy[e, :c] for e, c in enumerate(counts)]))
     built = _alias.alias_kernel(jnp.asarray(shares), jnp.asarray(log2phy), jnp.asarray(logcnt, jnp.int32),

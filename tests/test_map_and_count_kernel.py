@@ -261,7 +261,7 @@ def test_pallas_kernels_lower_to_triton_ir(h100_lowering):
             platforms=["cuda"],
             disabled_checks=h100_lowering,
         )(spec((num_tokens, 8), jnp.int32), spec((256, width), jnp.int32), spec((256,), jnp.int32),
-          spec((256 * (2 + 3 * width),), jnp.int32), spec((2,), jnp.int32))
+          spec((3 * 256 * (1 + width),), jnp.int32), spec((2,), jnp.int32))
         assert prepared.mlir_module().count("xla.gpu.triton") == 1
     # Resolved over positions with the boundary programs summing the raw quotas (the public call's path).
     summed = jax.export.export(

@@ -179,34 +179,38 @@ def alias_words(values, log2phy, logcnt):
 
 def packed_size(num_logical: int, width: int) -> int:
     """Entries of the packed table (:func:`pack_words`) of ``[num_logical, width]`` words."""
-    return num_logical * (1 + 2 * width)
+    return 2 * num_logical * (1 + width)
 
 
 def pack_words(words, log2phy, logcnt):
-    """The map kernel's layout of the alias table: flat int32 ``[E + 2 E S]``.
+    """The map kernel's layout of the alias table: flat int32 ``[2 E + 2 E S]``.
 
-    Per expert its ``offset`` (the earlier experts' bucket counts summed,
-    :func:`live_counts`), then from entry ``E`` on, bucket by bucket in
-    expert order, ``(word, own slot)``; the rest is 0. An entry reads its
-    expert's offset beside the placement's head word (count, first slot),
-    then -- for a multi-replica expert -- its bucket's two words: a few KB of
-    the table in use (the live buckets number about ``P``), where ``[E, S]``
-    rows padded to the widest expert spread the words over ``4 E S`` bytes
-    (263 KB at ``S = 257``; H200, 262144 x 8, P = 512: map kernel 13.7 us
-    with the rows, fifteenth session).
+    Per expert a head pair, ``(first slot + 1) | count << 16`` (``count`` its
+    buckets, :func:`live_counts`; the first slot clipped to ``[-1, 2**16 -
+    2]``) and ``offset`` (the earlier experts' counts summed); then from entry
+    ``2 E`` on, bucket by bucket in expert order, ``(word, own slot)``; the
+    rest is 0. An entry reads its expert's head pair (one cache line), then --
+    for a multi-replica expert -- its bucket's pair: the placement's lookup
+    table is not read, and a few KB of this one are in use (the live buckets
+    number about ``P``), where ``[E, S]`` rows padded to the widest expert
+    spread the words over ``4 E S`` bytes (263 KB at ``S = 257``; H200,
+    262144 x 8, P = 512: map kernel 13.7 us with such rows, 12.0 packed;
+    fifteenth session).
     """
     num_logical, width = words.shape
+    log2phy = log2phy.astype(jnp.int32)
     count = live_counts(logcnt, width)
     offset = jnp.cumsum(count) - count
+    heads = jnp.stack([(jnp.clip(log2phy[:, 0], -1, 0xFFFE) + 1) | (count << 16), offset], axis=1).reshape(-1)
     index = jnp.arange(width, dtype=jnp.int32)[None, :]
     at = jnp.where(index < count[:, None], offset[:, None] + index, num_logical * width)  # dead lanes: a spare row
-    pairs = jnp.stack([words, log2phy.astype(jnp.int32)], axis=-1).reshape(-1, 2)
+    pairs = jnp.stack([words, log2phy], axis=-1).reshape(-1, 2)
     packed = jnp.zeros((num_logical * width + 1, 2), jnp.int32).at[at.reshape(-1)].set(pairs)
-    return jnp.concatenate([offset, packed[:-1].reshape(-1)])
+    return jnp.concatenate([heads, packed[:-1].reshape(-1)])
 
 
 def _alias_kernel(values_ref, log2phy_ref, logcnt_ref, table_ref, *, num_logical, width, lanes, experts):
-    """Program ``e`` writes expert ``e``'s offset and buckets of the packed table (:func:`pack_words`), its row held
+    """Program ``e`` writes expert ``e``'s head pair and buckets of the packed table (:func:`pack_words`), its row held
     in registers (bisections through ``tt.gather``, ``bit_length(count)`` steps each)."""
     from moe_eplb_jax.pallas._triton_ops import take
 
@@ -226,15 +230,17 @@ def _alias_kernel(values_ref, log2phy_ref, logcnt_ref, table_ref, *, num_logical
     # Lanes past the row point at distinct spare entries past the table (interpret mode's masked scatter writes
     # back what it read, which must not land on an entry another lane writes).
     spare = table_ref.shape[0] - 2 * lanes + 2 * index
-    pair = jnp.where(index < count, num_logical + 2 * (offset + index), spare)
+    pair = jnp.where(index < count, 2 * (num_logical + offset + index), spare)
     plgpu.store(table_ref.at[pair], words, mask=index < count)
     plgpu.store(table_ref.at[pair + 1], slots, mask=index < count)
-    plgpu.store(table_ref.at[jnp.where(index == 0, expert, spare)], jnp.zeros_like(index) + offset, mask=index == 0)
+    head = (jnp.clip(log2phy_ref[expert * width], -1, 0xFFFE) + 1) | (count << 16)
+    plgpu.store(table_ref.at[jnp.where(index < 2, 2 * expert + index, spare)],
+                jnp.where(index == 0, head, offset), mask=index < 2)
 
 
 def alias_kernel(values, log2phy, logcnt, *, out_struct=jax.ShapeDtypeStruct, interpret=False, num_warps=4):
     """:func:`alias_words`, packed (:func:`pack_words`), as one Pallas kernel, a program per expert: flat
-    ``[E + 2 E S + 2 lanes]`` int32, the table and then a spare tail never read (``lanes = max(32,
+    ``[2 E + 2 E S + 2 lanes]`` int32, the table and then a spare tail never read (``lanes = max(32,
     2**ceil(log2 S))``); entries past the last live bucket are left unwritten (never read)."""
     num_logical, width = log2phy.shape
     lanes = max(32, pl.next_power_of_2(width))

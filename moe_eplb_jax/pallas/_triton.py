@@ -185,7 +185,9 @@ def _map_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, base_ref, rank_r
         ids = plgpu.load(ids_ref.at[pl.ds(start, sub)], mask=inside, other=-1)
         valid_id = (ids >= 0) & (ids < num_logical)
         expert = jnp.where(valid_id, ids, 0)
-        if tables == "head":  # count >= 1 already (the wrapper clips it)
+        if mode == "shares":  # its own table holds what it needs
+            count = None
+        elif tables == "head":  # count >= 1 already (the wrapper clips it)
             head = lookup_count(expert)
             count, first = head >> 16, (head & 0xFFFF) - 1
         else:
@@ -200,18 +202,18 @@ def _map_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, base_ref, rank_r
             replica = by_hash()
         elif mode == "round_robin":
             replica = (token % count.astype(jnp.uint32)).astype(jnp.int32)
-        elif mode == "shares":  # the packed alias table (_alias.py): the expert's offset beside its head, then
-            # its bucket's word and own slot -- for a single-replica expert the head's first slot instead
-            offset = plgpu.load(thresholds_ref.at[alias_at + expert], mask=valid_id, other=0)
-            buckets = jnp.minimum(count, width)
+        elif mode == "shares":  # the packed alias table (_alias.py): the expert's head pair, then its bucket's
+            # word and own slot -- for a single-replica expert the head's first slot instead
+            head_at = alias_at + 2 * expert
+            alias_head = plgpu.load(thresholds_ref.at[head_at], mask=valid_id, other=1 << 16)
+            offset = plgpu.load(thresholds_ref.at[head_at + 1], mask=valid_id, other=0)
+            buckets = alias_head >> 16
             bucket, fraction = _alias.bucket_and_fraction(hashed, buckets)
-            multi = valid_id & (buckets > 1) if tables == "head" else valid_id
-            pair_at = alias_at + num_logical + 2 * (offset + bucket)
+            multi = valid_id & (buckets > 1)
+            pair_at = alias_at + 2 * (num_logical + offset + bucket)
             word = plgpu.load(thresholds_ref.at[pair_at], mask=multi, other=0)
             own = plgpu.load(thresholds_ref.at[pair_at + 1], mask=multi, other=0)
-            shares_slot = _alias.alias_slot(word, own, fraction)
-            if tables == "head":
-                shares_slot = jnp.where(multi, shares_slot, first)
+            shares_slot = jnp.where(multi, _alias.alias_slot(word, own, fraction), (alias_head & 0xFFFF) - 1)
             replica = jnp.zeros_like(expert)  # (unused: the slot is known)
         else:
             if by_positions:  # resolved, thresholds = boundary positions (_positions.py): the flat index
@@ -377,7 +379,7 @@ def alias_table(log2phy, logcnt, replica_shares, *, interpret: bool = False):
     size = _alias.packed_size(*log2phy.shape)
     table = _alias.alias_kernel(jnp.asarray(replica_shares), log2phy, logcnt)[:size]
     # The kernel leaves the entries past the last live bucket unwritten: zero, as pack_words has them.
-    used = log2phy.shape[0] + 2 * jnp.sum(_alias.live_counts(logcnt, log2phy.shape[1]))
+    used = 2 * (log2phy.shape[0] + jnp.sum(_alias.live_counts(logcnt, log2phy.shape[1])))
     return jnp.where(jnp.arange(size) < used, table, 0)
 
 
@@ -572,7 +574,8 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     step and warps), ``position_groups`` (boundary programs per expert),
     ``position_scan`` (entries per step of a tile scan; ``None`` for these:
     :func:`._positions.boundary_positions`' defaults), ``boundary_warps``
-    (the boundary kernel's warps), ``boundary_grid`` (``"flat"``: a program per
+    (the boundary kernel's warps), ``alias_warps`` (the warps of ``shares``'
+    per-call alias-table kernel), ``boundary_grid`` (``"flat"``: a program per
     live boundary; ``"expert"``: ``position_groups`` per expert; ``None``: the
     module's default) and ``position_map`` (``"start"``: each map step looks up
     every expert's boundaries before it once, and only entries past their
@@ -638,6 +641,8 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     if guide or by_positions or mode == "shares":  # the guide reads an expert's thresholds side by side;
         threshold_layout = "expert_major"  # positions and the alias kernel's words come so
     reduce = config["reduce"] if count_method == "histogram" else "xla"
+    if mode == "shares":  # (its own table: the placement's lookup options do not apply)
+        tables = DEFAULTS["tables"]
     if tables == "shared" and pl.next_power_of_2(log2phy.shape[0] * log2phy.shape[1]) > _MAX_SHARED_TABLE:
         tables = "global"
     if tables == "head" and num_physical >= 0xFFFF:  # slots must fit in 16 bits
@@ -757,7 +762,10 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
         from_start=by_positions and config["position_map"] == "start" and start_table_fits(width, sub),
         alias_at=alias_at)
     # A prepared table is lookup_table's default kind; other kernel options (or slots past 16 bits) rebuild it.
-    if lookup is None or (layout, tables) != (DEFAULTS["layout"], DEFAULTS["tables"]):
+    # Shares reads its own table only (none built per call).
+    if mode == "shares":
+        lookup = jnp.zeros_like(limits[:1])
+    elif lookup is None or (layout, tables) != (DEFAULTS["layout"], DEFAULTS["tables"]):
         lookup = lookup_table(log2phy, logcnt, layout=layout, tables=tables)
     if threshold_layout == "replica_major":  # built expert-major: a transposed copy per call
         thresholds = thresholds.T

@@ -165,9 +165,9 @@ def lookup_table(log2phy, logcnt, *, replica_shares=None):
     Returns:
       ``[E * (1 + S)]`` int32: per expert ``(first slot + 1) | count << 16``,
       then ``log2phy`` transposed (``[S, E]``, flat); with ``replica_shares``
-      ``[E (2 + 3 S)]``, the alias table packed for the kernel after them
-      (per expert its bucket offset, then per live bucket its alias word and
-      slot).
+      ``[3 E (1 + S)]``, the alias table packed for the kernel after them
+      (per expert its head word and bucket offset, then per live bucket its
+      alias word and slot).
       Placements (and a policy's replica shares) change only at
       rearrangement, so a model builds this then and keeps it. A table with
       the alias words serves every mode; one without them serves ``shares``
@@ -250,24 +250,24 @@ def _check_mode(mode, replica_shares, resolved, num_logical, width, num_physical
             raise ValueError(f"mode='shares' supports num_physical up to {_alias.MAX_SLOTS} (slots in 16 bits), "
                              f"got {num_physical}")
         return _check_shares(replica_shares, num_logical, width)
-    if resolved is None:
-        raise ValueError("mode='resolved' needs resolved [E, S]")
-    shape, dtype = _shape_dtype(resolved)
+    return _check_table_values("resolved", resolved, num_logical, width, mode, jnp.integer)
+
+
+def _check_table_values(name, value, num_logical, width, mode, kind):
+    """``replica_shares`` / ``resolved``: present, ``[E, S]``, of a ``kind`` dtype."""
+    if value is None:
+        raise ValueError(f"mode={mode!r} needs {name} [E, S]")
+    shape, dtype = _shape_dtype(value)
     if shape != (num_logical, width):
-        raise ValueError(f"resolved must have shape [E, S] = {(num_logical, width)}, got {shape}")
-    if not jnp.issubdtype(dtype, jnp.integer):
-        raise ValueError(f"resolved must have an integer dtype, got {dtype}")
-    return resolved
+        raise ValueError(f"{name} must have shape [E, S] = {(num_logical, width)}, got {shape}")
+    if not jnp.issubdtype(dtype, kind):
+        raise ValueError(f"{name} must have {'a floating' if kind is jnp.floating else 'an integer'} dtype, "
+                         f"got {dtype}")
+    return value
 
 
 def _check_shares(replica_shares, num_logical, width):
-    if replica_shares is None:
-        raise ValueError("mode='shares' needs replica_shares [E, S]")
-    shape, dtype = _shape_dtype(replica_shares)
-    if shape != (num_logical, width):
-        raise ValueError(f"replica_shares must have shape [E, S] = {(num_logical, width)}, got {shape}")
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(f"replica_shares must have a floating dtype, got {dtype}")
+    _check_table_values("replica_shares", replica_shares, num_logical, width, "shares", jnp.floating)
     if width > _alias.MAX_WIDTH:
         raise ValueError(f"mode='shares' supports at most {_alias.MAX_WIDTH} replicas per expert (log2phy's S), "
                          f"got S = {width}")
@@ -278,7 +278,7 @@ def _check_lookup(lookup, num_logical, width):
     if lookup is None:
         return
     shape, dtype = _shape_dtype(lookup)
-    sizes = (num_logical * (1 + width), num_logical * (2 + 3 * width))
+    sizes = (num_logical * (1 + width), 3 * num_logical * (1 + width))
     if shape not in [(size,) for size in sizes] or dtype != np.int32:
         raise ValueError(f"lookup must be lookup_table(log2phy, logcnt[, replica_shares=...]): int32 of shape "
                          f"({sizes[0]},) or, with shares, ({sizes[1]},), got shape {shape} dtype {dtype}")
