@@ -10,7 +10,8 @@ jnp; :func:`alias_kernel`, one Pallas program per expert). A word holds
 ``prob_b << 16`` and the *slot* of ``alias_b``, so an entry's token hash picks
 a bucket and a point inside it (:func:`bucket_and_fraction`) and the map
 kernel loads that word and the bucket's own slot side by side
-(:func:`alias_slot`): constant work per entry and no dependent third load,
+(:func:`alias_slot`; :func:`pack_words` lays the table out for it, each
+expert's head pair first): constant work per entry and no dependent third load,
 where the inverse of the cumulative shares needed a search over the expert's
 thresholds (on an H200 the map kernel at 262144 x 8 took 14.1 / 20.7 us that
 way at P = 288 / 512; benchmarks/RESULTS.md has the alias table's figures).
@@ -194,8 +195,8 @@ def pack_words(words, log2phy, logcnt):
     table is not read, and a few KB of this one are in use (the live buckets
     number about ``P``), where ``[E, S]`` rows padded to the widest expert
     spread the words over ``4 E S`` bytes (263 KB at ``S = 257``; H200,
-    262144 x 8, P = 512: map kernel 13.7 us with such rows, 12.0 packed;
-    fifteenth session).
+    262144 x 8, P = 512: map kernel 14.3 us over such rows, 12.0-12.6
+    packed; fifteenth session).
     """
     num_logical, width = words.shape
     log2phy = log2phy.astype(jnp.int32)
