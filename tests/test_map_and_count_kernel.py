@@ -247,22 +247,16 @@ def test_pallas_kernels_lower_to_triton_ir(h100_lowering):
     # Shares with its alias table built by the Pallas kernel (the public call's path): two kernels; with the words
     # in a prepared lookup table: one.
     for num_tokens, width in ((4096, 33), (1 << 18, 257)):
-        built = jax.export.export(
-            jax.jit(lambda ids, log2phy, logcnt, values, limits: _triton.map_and_count_triton(
-                ids, log2phy, logcnt, None, limits, num_physical=512, mode="shares", shares=values)),
-            platforms=["cuda"],
-            disabled_checks=h100_lowering,
-        )(spec((num_tokens, 8), jnp.int32), spec((256, width), jnp.int32), spec((256,), jnp.int32),
-          spec((256, width), jnp.float32), spec((2,), jnp.int32))
-        assert built.mlir_module().count("xla.gpu.triton") == 2
-        prepared = jax.export.export(
-            jax.jit(lambda ids, log2phy, logcnt, lookup, limits: _triton.map_and_count_triton(
-                ids, log2phy, logcnt, None, limits, num_physical=512, mode="shares", lookup=lookup)),
-            platforms=["cuda"],
-            disabled_checks=h100_lowering,
-        )(spec((num_tokens, 8), jnp.int32), spec((256, width), jnp.int32), spec((256,), jnp.int32),
-          spec((3 * 256 * (1 + width),), jnp.int32), spec((2,), jnp.int32))
-        assert prepared.mlir_module().count("xla.gpu.triton") == 1
+        tables = (spec((num_tokens, 8), jnp.int32), spec((256, width), jnp.int32), spec((256,), jnp.int32))
+        for name, extra, kernels in (("shares", spec((256, width), jnp.float32), 2),
+                                     ("lookup", spec((3 * 256 * (1 + width),), jnp.int32), 1)):
+            exported = jax.export.export(
+                jax.jit(lambda ids, log2phy, logcnt, extra, limits, name=name: _triton.map_and_count_triton(
+                    ids, log2phy, logcnt, None, limits, num_physical=512, mode="shares", **{name: extra})),
+                platforms=["cuda"],
+                disabled_checks=h100_lowering,
+            )(*tables, extra, spec((2,), jnp.int32))
+            assert exported.mlir_module().count("xla.gpu.triton") == kernels, name
     # Resolved over positions with the boundary programs summing the raw quotas (the public call's path).
     summed = jax.export.export(
         jax.jit(lambda ids, log2phy, logcnt, quotas, limits: _triton.map_and_count_triton(
