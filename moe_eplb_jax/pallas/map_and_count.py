@@ -106,7 +106,9 @@ def map_and_count(
       lookup: optional, :func:`lookup_table` of these ``log2phy`` / ``logcnt``,
         built once per placement: the Pallas kernel then reads it instead of
         rebuilding it on every call (one small XLA kernel less per call; the
-        XLA implementation ignores it). It must come from the same tables.
+        XLA implementation ignores it). It must come from the same tables --
+        and, built with ``replica_shares``, from these shares: ``shares`` then
+        reads its alias table from it and builds none per call.
 
     Returns:
       ``(physical_ids, load)``: ``[T, k]`` int32 slots (``-1`` for invalid
