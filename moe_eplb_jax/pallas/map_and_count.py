@@ -39,7 +39,8 @@ Replica choice for an entry of expert ``e`` with ``c = logcnt[e]`` replicas
   / 2**16)``, bucket ``b = s >> 16``, fraction ``f = s mod 2**16``; the
   replica is ``b`` if ``f`` is below the bucket's own part, else the bucket's
   other replica. So replica loads follow ``m_j / (c * U)``, the shares to
-  within ``2**-(B-1)`` of the largest; a zero-weight replica is never chosen.
+  within ``2**-(B-1)`` of the largest; a zero-weight replica is never chosen
+  (nor one below ``2**-(B-1)`` of the row's largest weight: its ``q_j`` is 0).
   Needs ``S <= 32767`` and ``num_physical <= 65535`` (slots in 16 bits).
 * ``resolved``: ``resolved [E, S]`` int32 token quotas of the first ``c``
   replicas for THIS caller's tokens (in EP, source rank ``g`` passes row ``g`` of
