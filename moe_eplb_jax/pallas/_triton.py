@@ -14,9 +14,9 @@ one row's few cache lines); ``resolved``'s per-call thresholds are read
 expert-major as they are built (``threshold_layout``: an expert's row side by
 side, and no transposed copy per call). ``shares`` reads its packed alias
 table (:mod:`._alias`: built per call by :func:`._alias.alias_kernel` from the
-weights, or prepared after the lookup table): the expert's bucket offset
-beside its head word, then for a multi-replica expert its bucket's alias word
-and own slot -- no search, and not the lookup table's ``log2phy``.
+weights, or prepared after the lookup table): the expert's head pair, then for
+a multi-replica expert its bucket's alias word and own slot -- no search, and
+no placement lookup table read.
 
 Counting (``count_method``), each program counting its tile:
 
@@ -370,19 +370,6 @@ def lookup_table(log2phy, logcnt, *, layout: str = "replica_major", tables: str 
     return jnp.concatenate(parts)
 
 
-def alias_table(log2phy, logcnt, replica_shares, *, interpret: bool = False):
-    """``shares``' packed alias table (:func:`._alias.pack_words`) of one placement layer, as the public
-    ``lookup_table`` appends it: the Pallas kernel on GPU, the jnp build (the same words) elsewhere."""
-    log2phy, logcnt = jnp.asarray(log2phy, jnp.int32), jnp.asarray(logcnt, jnp.int32)
-    if interpret:
-        return _alias.pack_words(_alias.alias_words(jnp.asarray(replica_shares), log2phy, logcnt), log2phy, logcnt)
-    size = _alias.packed_size(*log2phy.shape)
-    table = _alias.alias_kernel(jnp.asarray(replica_shares), log2phy, logcnt)[:size]
-    # The kernel leaves the entries past the last live bucket unwritten: zero, as pack_words has them.
-    used = 2 * (log2phy.shape[0] + jnp.sum(_alias.live_counts(logcnt, log2phy.shape[1])))
-    return jnp.where(jnp.arange(size) < used, table, 0)
-
-
 def _join_varying(*arrays):
     """Inside ``shard_map``: makes every input vary over the union of the inputs' manual axes.
 
@@ -534,7 +521,8 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     ran it in 2.1 us at P = 512; 4096 x 8 resolved 11.3 vs 14.8 us, 262144 x 8 33.4 vs 38.2).
 
     ``shares`` (``shares``, optional): ``replica_shares [E, S]``; a Pallas kernel then builds the alias table
-    (:func:`._alias.alias_kernel`) unless ``lookup`` holds it (:func:`alias_table` after the lookup table), and
+    (:func:`._alias.alias_kernel`) unless ``lookup`` holds it (after the lookup table, as the public
+    ``lookup_table(..., replica_shares=...)`` appends it), and
     ``thresholds`` is ignored. Without it ``thresholds`` holds the words (tests, benchmarks).
 
     ``config`` overrides :data:`DEFAULTS` (tuning knobs, see the benchmark):

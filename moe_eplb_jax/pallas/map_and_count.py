@@ -184,8 +184,10 @@ def lookup_table(log2phy, logcnt, *, replica_shares=None):
     table = _triton.lookup_table(log2phy, logcnt)
     if replica_shares is None:
         return table
-    words = _triton.alias_table(log2phy, logcnt, replica_shares, interpret=jax.default_backend() != "gpu")
-    return jnp.concatenate([table, words])
+    # Once per placement: the jnp build (the words the Pallas kernel builds per call, bit for bit).
+    log2phy, logcnt = jnp.asarray(log2phy, jnp.int32), jnp.asarray(logcnt, jnp.int32)
+    words = _alias.alias_words(jnp.asarray(replica_shares).astype(jnp.float32), log2phy, logcnt)
+    return jnp.concatenate([table, _alias.pack_words(words, log2phy, logcnt)])
 
 
 # ------------------------------------------------------------------ validation
