@@ -580,6 +580,28 @@ def test_bucket_and_fraction_split_the_hash_exactly(rng):
         assert np.asarray(bucket).max() < count
 
 
+@pytest.mark.parametrize("prepared", [False, True])
+def test_shares_never_wraps_an_invalid_slot_onto_a_valid_one(prepared, rng):
+    """A live replica whose slot is past 16 bits (an invalid placement) maps to -1 like the reference's, as an
+    alias, as a bucket's own replica and as a single-replica expert's first slot -- not to its low 16 bits or a
+    clipped 65534, both valid slots with ``num_physical = 65535``."""
+    from moe_eplb_jax.pallas import lookup_table
+
+    log2phy = np.asarray([[3, 70000], [65536, 65534], [70001, -1], [65534, -1]], np.int32)
+    logcnt = np.asarray([2, 2, 1, 1], np.int32)
+    shares = np.asarray([[1.0, 3.0], [2.0, 1.0], [1.0, 0.0], [1.0, 0.0]], np.float32)
+    ids = rng.integers(0, 4, (256, 2)).astype(np.int32)
+    kw = dict(num_physical=65535, mode="shares", replica_shares=shares)
+    want = map_and_count(ids, log2phy, logcnt, implementation="xla", **kw)
+    lookup = lookup_table(log2phy, logcnt, replica_shares=shares) if prepared else None
+    got = map_and_count(ids, log2phy, logcnt, implementation="pallas", lookup=lookup, **kw)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    phys = np.asarray(want[0])
+    assert (phys[ids == 2] == -1).all() and (phys[ids == 3] == 65534).all()
+    assert {int(p) for p in phys[ids == 0]} == {3, -1} and {int(p) for p in phys[ids == 1]} == {65534, -1}
+
+
 def test_shares_rejects_tables_its_words_cannot_hold(rng):
     from moe_eplb_jax.pallas import _alias, lookup_table
 

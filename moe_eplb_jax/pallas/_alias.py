@@ -52,7 +52,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-__all__ = ["weight_bits", "integer_masses", "alias_words", "pack_words", "packed_size", "alias_kernel",
+__all__ = ["weight_bits", "integer_masses", "alias_words", "pack_words", "packed_size", "alias_kernel", "slot_bits", "head_word",
            "bucket_and_fraction", "alias_slot", "MAX_WIDTH", "MAX_SLOTS", "UNIT_BITS"]
 
 UNIT_BITS = 16  # U = 2**16 mass units per bucket: prob fits the word's top half, c * U int32 for c < 2**15
@@ -157,7 +157,18 @@ def row_words(masses, slots, index, count, read_from, steps):
     alias = jnp.where(light, light_alias, jnp.where(heavy & (prob < unit), heavy_alias, index))
     alias = jnp.clip(alias, 0, count - 1)  # (already inside for exact totals)
     prob = jnp.where(prob >= unit, 0, prob)  # keeps everything: the alias is its own slot
-    return jnp.where(live, (prob << 16) | (read_from(slots)(alias) & 0xFFFF), 0)
+    return jnp.where(live, (prob << 16) | slot_bits(read_from(slots)(alias)), 0)
+
+
+def slot_bits(slots):
+    """Slots as the words' 16 bits: ``0xFFFF`` (never below ``num_physical <= 65535``: unmapped, -1) for any slot
+    outside ``[0, 0xFFFF)``, so an invalid slot cannot wrap onto a valid one."""
+    return jnp.where((slots >= 0) & (slots < MAX_SLOTS), slots, MAX_SLOTS)
+
+
+def head_word(first_slot, count):
+    """A head's ``(first slot + 1) | count << 16``, the first slot ``-1`` (unmapped) outside ``[0, 0xFFFF)``."""
+    return ((slot_bits(first_slot) + 1) & 0xFFFF) | (count << 16)
 
 
 def alias_words(values, log2phy, logcnt):
@@ -187,8 +198,8 @@ def pack_words(words, log2phy, logcnt):
     """The map kernel's layout of the alias table: flat int32 ``[2 E + 2 E S]``.
 
     Per expert a head pair, ``(first slot + 1) | count << 16`` (``count`` its
-    buckets, :func:`live_counts`; the first slot clipped to ``[-1, 2**16 -
-    2]``) and ``offset`` (the earlier experts' counts summed); then from entry
+    buckets, :func:`live_counts`; a first slot outside ``[0, 2**16 - 1)``
+    as -1, :func:`head_word`) and ``offset`` (the earlier experts' counts summed); then from entry
     ``2 E`` on, bucket by bucket in expert order, ``(word, own slot)``; the
     rest is 0. An entry reads its expert's head pair (one cache line), then --
     for a multi-replica expert -- its bucket's pair: the placement's lookup
@@ -202,7 +213,7 @@ def pack_words(words, log2phy, logcnt):
     log2phy = log2phy.astype(jnp.int32)
     count = live_counts(logcnt, width)
     offset = jnp.cumsum(count) - count
-    heads = jnp.stack([(jnp.clip(log2phy[:, 0], -1, 0xFFFE) + 1) | (count << 16), offset], axis=1).reshape(-1)
+    heads = jnp.stack([head_word(log2phy[:, 0], count), offset], axis=1).reshape(-1)
     index = jnp.arange(width, dtype=jnp.int32)[None, :]
     at = jnp.where(index < count[:, None], offset[:, None] + index, num_logical * width)  # dead lanes: a spare row
     pairs = jnp.stack([words, log2phy], axis=-1).reshape(-1, 2)
@@ -234,7 +245,7 @@ def _alias_kernel(values_ref, log2phy_ref, logcnt_ref, table_ref, *, num_logical
     pair = jnp.where(index < count, 2 * (num_logical + offset + index), spare)
     plgpu.store(table_ref.at[pair], words, mask=index < count)
     plgpu.store(table_ref.at[pair + 1], slots, mask=index < count)
-    head = (jnp.clip(log2phy_ref[expert * width], -1, 0xFFFE) + 1) | (count << 16)
+    head = head_word(log2phy_ref[expert * width], count)
     plgpu.store(table_ref.at[jnp.where(index < 2, 2 * expert + index, spare)],
                 jnp.where(index == 0, head, offset), mask=index < 2)
 
