@@ -584,7 +584,8 @@ def test_bucket_and_fraction_split_the_hash_exactly(rng):
 def test_shares_never_wraps_an_invalid_slot_onto_a_valid_one(prepared, rng):
     """A live replica whose slot is past 16 bits (an invalid placement) maps to -1 like the reference's, as an
     alias, as a bucket's own replica and as a single-replica expert's first slot -- not to its low 16 bits or a
-    clipped 65534, both valid slots with ``num_physical = 65535``."""
+    clipped 65534, both valid slots with ``num_physical = 65535`` (counted by per-entry atomics: too many bins
+    for a histogram in shared memory)."""
     from moe_eplb_jax.pallas import lookup_table
 
     log2phy = np.asarray([[3, 70000], [65536, 65534], [70001, -1], [65534, -1]], np.int32)
@@ -600,6 +601,23 @@ def test_shares_never_wraps_an_invalid_slot_onto_a_valid_one(prepared, rng):
     phys = np.asarray(want[0])
     assert (phys[ids == 2] == -1).all() and (phys[ids == 3] == 65534).all()
     assert {int(p) for p in phys[ids == 0]} == {3, -1} and {int(p) for p in phys[ids == 1]} == {65534, -1}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_many_slots_count_by_entry_atomics(mode, rng):
+    """Past 16384 slots the kernel counts each entry with an atomic into the loads (a histogram's bins would not
+    fit a block's shared memory on the GPU): the reference's ids and loads, with padding and a hot slot."""
+    num_physical = 20000
+    placement = random_placement(rng, 64, num_physical)
+    log2phy, logcnt = placement.log2phy[0], placement.logcnt[0]
+    ids = random_ids(rng, 300, 4, 64)
+    ids[::3, 0] = 5  # one expert hot: many atomics on its slots
+    extra = random_mode_inputs(rng, mode, placement, ids.size)
+    got = jitted("pallas", mode, num_physical)(ids, log2phy, logcnt, np.int32(290), True, extra)
+    want = jitted("xla", mode, num_physical)(ids, log2phy, logcnt, np.int32(290), True, extra)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    assert np.asarray(got[1]).sum() > 0
 
 
 def test_shares_rejects_tables_its_words_cannot_hold(rng):

@@ -28,7 +28,9 @@ Counting (``count_method``), each program counting its tile:
   second kernel. ``reduce="xla"``: the program stores its counts as int16
   into column ``program`` of ``[P, num_tiles]`` partials and XLA sums the
   rows. In interpret mode the histogram runs as jnp and the atomics as a
-  scatter-add.
+  scatter-add. Past ``_MAX_HISTOGRAM_BINS`` bins (``P > 16384``: the bins
+  would not fit a block's shared memory) each counted entry instead adds
+  itself to the loads with one integer atomic.
 * ``"onehot"``: a slot ``p`` is split into ``(p >> lo_bits, p & lo)`` and each
   sub-tile builds two small one-hot matrices, ``[HI, sub]`` and ``[sub, LO]``
   (int8); their product is the sub-tile's ``[HI, LO]`` histogram on the tensor
@@ -138,13 +140,16 @@ def _flat_index(layout, num_logical, width):
 def _map_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, base_ref, rank_ref, limits_ref, zeros_ref, phys_ref,
                 hist_ref, *, mode, num_flat, top_k, num_logical, width, num_physical, tile, sub, bins, expert_bins,
                 rank_tile, count_dtype, do_count, count_method, tables, layout, reduce, linear_search, guide,
-                num_tiles, search, threshold_layout, by_positions, from_start, alias_at=0, lookback=False):
+                num_tiles, search, threshold_layout, by_positions, from_start, alias_at=0, lookback=False,
+                per_entry=False):
     """``tables_ref`` is :func:`lookup_table`'s: per-expert counts (or head entries) at ``[0, E)``, then ``log2phy``
     at ``[E, E + E * S)``, in ``layout``; ``thresholds_ref`` the ``[E, S]`` thresholds, expert-major with the guide
     (a bucket's few thresholds lie side by side), else in ``threshold_layout`` (``shares``: its packed alias table,
     :func:`._alias.pack_words`, from entry ``alias_at`` on -- a prepared lookup table holds it after its own).
     ``lookback`` (called from
-    :func:`_lookback_kernel`): ``base_ref`` is this program's ``[E_pad]`` bases, the program one rank tile."""
+    :func:`_lookback_kernel`): ``base_ref`` is this program's ``[E_pad]`` bases, the program one rank tile.
+    ``per_entry`` (``"histogram"`` counting with too many bins for shared memory): one integer atomic per counted
+    entry into the ``[P]`` loads instead of the program's histogram."""
     del zeros_ref  # reduce="atomic": the zeroed load counters, aliased to hist_ref
     slot_at = num_logical
     program = pl.program_id(0)
@@ -271,6 +276,8 @@ def _map_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, base_ref, rank_r
                 below, same = _warp_aggregate(counted)
                 plgpu.atomic_add(hist_ref, row0 + jnp.maximum(counted, 0), same.astype(jnp.float32),
                                  mask=(below == 0) & (counted >= 0))
+            elif per_entry:  # into the loads themselves (a scatter-add in interpret mode: duplicates all count)
+                atomic_add_int(hist_ref, jnp.maximum(counted, 0), jnp.ones_like(counted), counted >= 0)
             elif count_method == "histogram":
                 hist = hist + histogram(counted, hist.shape[0])
             elif count_dtype == jnp.int8:
@@ -280,7 +287,7 @@ def _map_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, base_ref, rank_r
         return hist
 
     if count_method == "histogram":
-        hist = jnp.zeros((_histogram_bins(num_physical),), jnp.int32)
+        hist = jnp.zeros((32 if per_entry else _histogram_bins(num_physical),), jnp.int32)
     else:
         hist = jnp.zeros((1 << hi_bits, 1 << lo_bits), jnp.int32)
     hist = jax.lax.fori_loop(0, tile // sub, step, hist)
@@ -288,7 +295,7 @@ def _map_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, base_ref, rank_r
         # One relaxed integer atomic add per bin below P into the [P] loads (zeroed by XLA, aliased). Each lane
         # its own address: lanes adding to one address in one instruction serialise (adding the empty bins >= P
         # onto bins below P cost 5 us at P = 288).
-        if do_count:
+        if do_count and not per_entry:
             at = jnp.arange(hist.shape[0], dtype=jnp.int32)
             atomic_add_int(hist_ref, at, hist, at < num_physical)
     elif count_method == "histogram":  # column `program` of the [P, num_tiles] partials, as narrow ints
@@ -446,6 +453,7 @@ def _check_choices(config):
 
 
 _MAX_SHARED_TABLE = 8192  # entries (32 KiB): larger tables stay in global memory
+_MAX_HISTOGRAM_BINS = 16384  # tt.histogram's shared memory per program: 64 KiB
 # Larger inputs (GPU), per mode: (min entries, options), largest first (resolved: its mapping kernel; the rank
 # kernel keeps its own tiles). One big loop step per program is fastest (H200, benchmarks/RESULTS.md
 # "map_and_count"). With the loads counted by atomics, fewer programs add fewer atomics: hash / round_robin at
@@ -629,6 +637,11 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     if guide or by_positions or mode == "shares":  # the guide reads an expert's thresholds side by side;
         threshold_layout = "expert_major"  # positions and the alias kernel's words come so
     reduce = config["reduce"] if count_method == "histogram" else "xla"
+    # tt.histogram holds its bins in shared memory (4 bytes each): past _MAX_HISTOGRAM_BINS (P = 65535 asked for
+    # 256 KiB, more than an H200 block may have) each counted entry adds itself to the loads by an atomic.
+    per_entry = count_method == "histogram" and _histogram_bins(num_physical) > _MAX_HISTOGRAM_BINS
+    if per_entry:
+        reduce = "atomic"
     if mode == "shares":  # (its own table: the placement's lookup options do not apply)
         tables = DEFAULTS["tables"]
     if tables == "shared" and pl.next_power_of_2(log2phy.shape[0] * log2phy.shape[1]) > _MAX_SHARED_TABLE:
@@ -748,7 +761,7 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
         layout=layout, reduce=reduce, linear_search=int(config["linear_search"]), guide=guide,
         num_tiles=num_tiles, search=search, threshold_layout=threshold_layout, by_positions=by_positions,
         from_start=by_positions and config["position_map"] == "start" and start_table_fits(width, sub),
-        alias_at=alias_at)
+        alias_at=alias_at, per_entry=per_entry)
     # A prepared table is lookup_table's default kind; other kernel options (or slots past 16 bits) rebuild it.
     # Shares reads its own table only (none built per call).
     if mode == "shares":
