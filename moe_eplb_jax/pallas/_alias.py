@@ -52,8 +52,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-__all__ = ["weight_bits", "integer_masses", "alias_words", "pack_words", "packed_size", "alias_kernel", "slot_bits", "head_word",
-           "bucket_and_fraction", "alias_slot", "MAX_WIDTH", "MAX_SLOTS", "UNIT_BITS"]
+__all__ = ["weight_bits", "integer_masses", "alias_words", "pack_words", "packed_size", "alias_kernel", "slot_bits",
+           "head_word", "bucket_and_fraction", "alias_slot", "MAX_WIDTH", "MAX_SLOTS", "UNIT_BITS"]
 
 UNIT_BITS = 16  # U = 2**16 mass units per bucket: prob fits the word's top half, c * U int32 for c < 2**15
 MAX_WIDTH = 0x7FFF  # replicas per expert: c * U and the running sums of deficits stay below 2**31
