@@ -28,7 +28,7 @@ Counting (``count_method``), each program counting its tile:
   second kernel. ``reduce="xla"``: the program stores its counts as int16
   into column ``program`` of ``[P, num_tiles]`` partials and XLA sums the
   rows. In interpret mode the histogram runs as jnp and the atomics as a
-  scatter-add. Past ``_MAX_HISTOGRAM_BINS`` bins (``P > 16384``: the bins
+  scatter-add. Past ``_MAX_HISTOGRAM_BINS`` bins (``P > 32768``: the bins
   would not fit a block's shared memory) each counted entry instead adds
   itself to the loads with one integer atomic.
 * ``"onehot"``: a slot ``p`` is split into ``(p >> lo_bits, p & lo)`` and each
@@ -453,7 +453,7 @@ def _check_choices(config):
 
 
 _MAX_SHARED_TABLE = 8192  # entries (32 KiB): larger tables stay in global memory
-_MAX_HISTOGRAM_BINS = 16384  # tt.histogram's shared memory per program: 64 KiB
+_MAX_HISTOGRAM_BINS = 32768  # tt.histogram's shared memory per program: 128 KiB (an H200 block may have 227)
 # Larger inputs (GPU), per mode: (min entries, options), largest first (resolved: its mapping kernel; the rank
 # kernel keeps its own tiles). One big loop step per program is fastest (H200, benchmarks/RESULTS.md
 # "map_and_count"). With the loads counted by atomics, fewer programs add fewer atomics: hash / round_robin at

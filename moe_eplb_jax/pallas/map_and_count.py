@@ -236,7 +236,8 @@ def _check_num_physical(num_physical, num_logical):
     except TypeError:
         raise ValueError(f"num_physical must be a Python int, got {type(num_physical).__name__}") from None
     if num_physical < num_logical:
-        raise ValueError(f"num_physical ({num_physical}) must be at least the number of logical experts ({num_logical})")
+        raise ValueError(f"num_physical ({num_physical}) must be at least the number of logical experts "
+                         f"({num_logical})")
     return num_physical
 
 
