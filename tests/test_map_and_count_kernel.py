@@ -220,12 +220,14 @@ def test_pallas_kernels_lower_to_triton_ir(h100_lowering):
                 ("resolved", {"resolved_by": "positions", "boundary_grid": "expert", "tables": "shared"}),
                 ("resolved", {"resolved_by": "positions", "position_map": "search", "tables": "global"}),
                 ("resolved", {"resolved_by": "positions", "position_groups": 1, "position_tile": 1024,
-                              "position_scan": 256, "position_warps": 1, "boundary_warps": 1})])
+                              "position_scan": 256, "position_warps": 1, "boundary_warps": 1})]
+             # past 32768 slots the kernels count by per-entry atomics (no histogram in shared memory)
+             + [(m, {"num_physical": 40000}) for m in MODES])
     for mode, options in cases:
 
         def run(ids, log2phy, logcnt, thresholds, limits):  # the compiled path (interpret=False)
-            return _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=288, mode=mode,
-                                                **options)
+            return _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, mode=mode,
+                                                **{"num_physical": 288, **options})
 
         exported = jax.export.export(
             jax.jit(run), platforms=["cuda"],
@@ -233,14 +235,6 @@ def test_pallas_kernels_lower_to_triton_ir(h100_lowering):
         )(spec((4096, 8), jnp.int32), spec((256, 33), jnp.int32), spec((256,), jnp.int32),
           spec((256, 33), jnp.int32), spec((2,), jnp.int32))
         assert "xla.gpu.triton" in exported.mlir_module()
-    # Past 32768 slots the kernels count by per-entry atomics (no histogram in shared memory).
-    for mode in MODES:
-        many = jax.export.export(
-            jax.jit(lambda *a, mode=mode: _triton.map_and_count_triton(*a, num_physical=40000, mode=mode)),
-            platforms=["cuda"], disabled_checks=h100_lowering,
-        )(spec((4096, 8), jnp.int32), spec((256, 33), jnp.int32), spec((256,), jnp.int32),
-          spec((256, 33), jnp.int32), spec((2,), jnp.int32))
-        assert "xla.gpu.triton" in many.mlir_module()
     # Large inputs switch to larger loop steps (LARGE_OPTIONS, by size): those kernels must lower too.
     for mode, least in {(m, least) for m, sizes in _triton.LARGE_OPTIONS.items() for least, _ in sizes}:
         big = jax.export.export(

@@ -167,7 +167,8 @@ def slot_bits(slots):
 
 
 def head_word(first_slot, count):
-    """A head's ``(first slot + 1) | count << 16``, the first slot ``-1`` (unmapped) outside ``[0, 0xFFFF)``."""
+    """A head's ``(first slot + 1) | count << 16``, the first slot ``-1`` (unmapped) outside ``[0, 0xFFFF)``: the
+    alias table's heads and the placement lookup table's (:func:`._triton.lookup_table`) alike."""
     return ((slot_bits(first_slot) + 1) & 0xFFFF) | (count << 16)
 
 

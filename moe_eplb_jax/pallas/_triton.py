@@ -367,8 +367,8 @@ def lookup_table(log2phy, logcnt, *, layout: str = "replica_major", tables: str 
     if layout == "replica_major":
         log2phy = log2phy.T  # [S, E]: log2phy.T[0] is still the first replicas
     first_slots = log2phy[0] if layout == "replica_major" else log2phy[:, 0]
-    if tables == "head":
-        counts = (jnp.clip(first_slots, -1, 0xFFFE) + 1) | (jnp.clip(logcnt, 1, 0x7FFF) << 16)
+    if tables == "head":  # (the kernel reads it only for num_physical < 0xFFFF: 16-bit slots)
+        counts = _alias.head_word(first_slots, jnp.clip(logcnt, 1, 0x7FFF))
     else:
         counts = logcnt
     parts = [counts, log2phy.reshape(-1)]
