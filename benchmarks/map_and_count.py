@@ -9,8 +9,8 @@ and every mode, prints side by side (microseconds per call):
 * ``prepared`` -- the same with the lookup table built once per placement and
   passed in (``map_and_count(lookup=...)``, as ``MoELayer`` runs it);
 * ``+words``   -- ``shares`` only: the prepared table with the alias words
-  too (``lookup_table(..., replica_shares=...)``: shares kept per placement,
-  so no table is built per call);
+  too (``lookup_table(..., replica_shares=..., num_physical=P)``: shares kept
+  per placement, so no table is built per call);
 * ``xla_best`` -- the best pure-XLA version here: the reference mapping plus a
   factorized one-hot histogram (``onehot_hi^T @ onehot_lo`` on the tensor cores);
 * ``xla_ref``  -- the ``"xla"`` implementation: gather + ``jnp.bincount``
@@ -141,7 +141,8 @@ def run_case(rng, num_tokens, top_k, num_physical, mode, bandwidth, log):
     # "prepared": the lookup table built once per placement (as a model keeps it), passed in; "words": with
     # shares' alias words in it too.
     lookup = jax.jit(lookup_table)(log2phy, logcnt)
-    words = (jax.jit(functools.partial(lookup_table, replica_shares=kw["replica_shares"]))(log2phy, logcnt)
+    words = (jax.jit(functools.partial(lookup_table, replica_shares=kw["replica_shares"],
+                                       num_physical=num_physical))(log2phy, logcnt)
              if mode == "shares" else None)
     # Correctness first: every column must agree on a fresh input.
     ref_phys, ref_load = ours("xla")(ids[0], log2phy, logcnt, kw)
@@ -195,7 +196,9 @@ def time_variant(rng, mode, options, count=True, num_tokens=262144, num_physical
     options = dict(options)
     setup = options.pop("setup", None)
     log2phy, logcnt, values, ids, thresholds, limits = variant_case(mode, num_tokens, num_physical)
-    prepared = (jax.jit(functools.partial(lookup_table, replica_shares=values))(log2phy, logcnt)
+    compact = options.get("compact", True)  # (a two-word table for "compact": False)
+    prepared = (jax.jit(functools.partial(lookup_table, replica_shares=values,
+                                          num_physical=num_physical if compact else None))(log2phy, logcnt)
                 if setup == "words" else None)
 
     def fn(x, log2phy, logcnt, thresholds):  # tables traced, as in use: what the wrapper builds is timed
@@ -285,21 +288,27 @@ def gather_probe(x, table, *, rows_bits, bucket_major, tile=8192, sub=4096, num_
 
 
 SWEEP = [  # (mode, T, P, options): T x 8 entries; the defaults first in each group; "count": False skips counting
-    # Fifteenth session: shares by its alias table (integer masses; packed: per expert its bucket offset, then per
-    # live bucket its word and own slot), built by one Pallas kernel from the raw weights ("setup": "thresholds",
-    # the public call's path) or read from a prepared lookup ("words"); hash's larger programs for it too.
-    ("hash", 262144, 288, {}), ("shares", 262144, 288, {"setup": "thresholds"}),
-    ("shares", 262144, 288, {"setup": "words"}),
-    ("shares", 262144, 288, {"tile": 8192, "sub": 4096, "num_warps": 16, "setup": "words"}),
-    ("hash", 262144, 512, {}), ("shares", 262144, 512, {"setup": "thresholds"}),
-    ("shares", 262144, 512, {"setup": "words"}),
-    ("shares", 262144, 512, {"tile": 8192, "sub": 4096, "num_warps": 16, "setup": "words"}),
-    ("hash", 65536, 512, {}),
-    ("shares", 65536, 288, {"setup": "thresholds"}), ("shares", 65536, 288, {"setup": "words"}),
-    ("shares", 65536, 512, {"setup": "thresholds"}), ("shares", 65536, 512, {"setup": "words"}),
-    ("hash", 4096, 512, {}),
-    ("shares", 4096, 288, {"setup": "thresholds"}), ("shares", 4096, 288, {"setup": "words"}),
-    ("shares", 4096, 512, {"setup": "thresholds"}), ("shares", 4096, 512, {"setup": "words"}),
+    # Seventeenth session: shares with U = 2**10 units per bucket; up to 2047 slots one word per bucket
+    # ("compact", the default) or a (word, own slot) pair (by two gathers; one 64-bit gather, measured in this
+    # session's call 4, was slower: 13.51 vs 11.87 us at P = 512 -- removed);
+    # the expert's head word alone ("word_heads", the default where every bucket offset fits its 17 low bits)
+    # or the head pair.
+    ("hash", 262144, 288, {}), ("shares", 262144, 288, {"setup": "words"}),
+    ("shares", 262144, 288, {"setup": "words", "compact": False}),
+    ("shares", 262144, 288, {"setup": "words", "compact": False, "word_heads": False}),
+    ("shares", 262144, 288, {"setup": "thresholds"}),
+    ("hash", 262144, 512, {}), ("shares", 262144, 512, {"setup": "words"}),
+    ("shares", 262144, 512, {"setup": "words", "compact": False}),
+    ("shares", 262144, 512, {"setup": "words", "compact": False, "word_heads": False}),
+    ("shares", 262144, 512, {"setup": "thresholds"}),
+    ("shares", 262144, 512, {"setup": "thresholds", "compact": False}),
+    ("shares", 262144, 512, {"setup": "words", "count": False}), ("hash", 262144, 512, {"count": False}),
+    ("hash", 65536, 512, {}), ("shares", 65536, 512, {"setup": "words"}),
+    ("shares", 65536, 512, {"setup": "words", "compact": False}),
+    ("shares", 65536, 288, {"setup": "words"}), ("shares", 65536, 288, {"setup": "thresholds"}),
+    ("hash", 4096, 512, {}), ("shares", 4096, 512, {"setup": "words"}),
+    ("shares", 4096, 512, {"setup": "words", "compact": False}),
+    ("shares", 4096, 512, {"setup": "thresholds"}), ("shares", 4096, 288, {"setup": "words"}),
 ]
 
 

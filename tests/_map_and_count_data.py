@@ -56,11 +56,11 @@ def layered_inputs(rng, num_layers, num_tokens, top_k, num_logical, num_physical
 
 
 def share_masses(weights, width):
-    """Integer masses of one expert's live weights, summing to ``len(weights) * 2**16``: the documented rule in
+    """Integer masses of one expert's live weights, summing to ``len(weights) * 2**10``: the documented rule in
     exact rational arithmetic (an independent model of ``_alias.integer_masses``). Each weight times the power of
     two that puts the largest in ``[2**(B-1), 2**B)``, floored; every replica but the last with a positive
     integer weight gets ``floor(c * U * q / Q)``, that one the rest; equal masses for ``Q = 0``."""
-    count, unit = len(weights), 1 << 16
+    count, unit = len(weights), 1 << 10
     weights = [float(w) if (w > 0 and w < np.inf) else 0.0 for w in np.asarray(weights, np.float32)]
     if max(weights) == 0:
         return [unit] * count
@@ -121,9 +121,9 @@ def oracle(ids, log2phy, logcnt, num_physical, num_valid, mode, replica_shares=N
         elif mode == "shares":
             live = min(count, width)
             masses = share_masses(replica_shares[expert, :live], width)
-            prob, alias = sweep_alias_table(masses, 1 << 16)
+            prob, alias = sweep_alias_table(masses, 1 << 10)
             scaled = hashed * live // 2**16  # exact in Python ints
-            bucket, fraction = scaled >> 16, scaled & 0xFFFF
+            bucket, fraction = scaled >> 16, (scaled & 0xFFFF) >> 6  # 10 bits: U = 2**10 units per bucket
             replica = bucket if fraction < prob[bucket] else alias[bucket]
         elif mode == "resolved" and token < num_valid:
             quotas = np.maximum(resolved[expert, :count], 0)

@@ -529,21 +529,22 @@ def test_alias_table_is_the_sequential_sweep(width, draw, rng):
     shares[:2] = 0.0
     log2phy = rng.permutation(num_logical * width + 7)[: num_logical * width].reshape(num_logical, width)
     words = np.asarray(_alias.alias_words(jnp.asarray(shares), jnp.asarray(log2phy), jnp.asarray(logcnt)))
-    # The map kernel's packed layout: per expert ((first slot + 1) | count << 16, offset), then (word, own slot)
-    # per live bucket in order.
+    # The map kernel's packed layout: per expert (count << 17 | first slot + 1 or offset, offset), then (word,
+    # own slot) per live bucket in order.
     packed = np.asarray(_alias.pack_words(jnp.asarray(words), jnp.asarray(log2phy), jnp.asarray(logcnt)))
     counts = np.clip(logcnt, 1, width)
     used = 2 * (num_logical + counts.sum())
     assert packed.shape == (_alias.packed_size(num_logical, width),) and not packed[used:].any()
     np.testing.assert_array_equal(packed[: 2 * num_logical].reshape(-1, 2),
-                                  np.stack([(log2phy[:, 0] + 1) | (counts << 16), np.cumsum(counts) - counts], 1))
+                                  np.stack([np.where(counts == 1, log2phy[:, 0] + 1, np.cumsum(counts) - counts)
+                                            | (counts << 17), np.cumsum(counts) - counts], 1))
     pairs = packed[2 * num_logical: used].reshape(-1, 2)
     np.testing.assert_array_equal(pairs[:, 0], np.concatenate([words[e, :c] for e, c in enumerate(counts)]))
     np.testing.assert_array_equal(pairs[:, 1], np.concatenate([log2phy[e, :c] for e, c in enumerate(counts)]))
     built = _alias.alias_kernel(jnp.asarray(shares), jnp.asarray(log2phy), jnp.asarray(logcnt, jnp.int32),
                                 interpret=True)
     np.testing.assert_array_equal(np.asarray(built)[:used], packed[:used])
-    unit = 1 << 16
+    unit = 1 << _alias.UNIT_BITS
     for expert in range(num_logical):
         count = int(counts[expert])
         masses = share_masses(shares[expert, :count], width)
@@ -565,8 +566,8 @@ def test_alias_table_is_the_sequential_sweep(width, draw, rng):
 
 
 def test_bucket_and_fraction_split_the_hash_exactly(rng):
-    """The bucket is floor(h * c / 2**32) and the fraction the next 16 bits of h * c, computed in 32 bits (h
-    split in 16-bit halves) exactly as in 64."""
+    """The bucket is floor(h * c / 2**32) and the fraction the next 10 bits of h * c (U = 2**10 units per
+    bucket), computed in 32 bits (h split in 16-bit halves) exactly as in 64."""
     from moe_eplb_jax.pallas import _alias
 
     hashes = np.concatenate([rng.integers(0, 2**32, 4000, dtype=np.uint64),
@@ -576,7 +577,7 @@ def test_bucket_and_fraction_split_the_hash_exactly(rng):
         bucket, fraction = _alias.bucket_and_fraction(jnp.asarray(hashes.astype(np.uint32)),
                                                       jnp.full(hashes.shape, count, jnp.int32))
         np.testing.assert_array_equal(np.asarray(bucket), (scaled >> np.uint64(16)).astype(np.int64))
-        np.testing.assert_array_equal(np.asarray(fraction), scaled & np.uint64(0xFFFF))
+        np.testing.assert_array_equal(np.asarray(fraction), (scaled & np.uint64(0xFFFF)) >> np.uint64(6))
         assert np.asarray(bucket).max() < count
 
 
@@ -619,6 +620,52 @@ def test_many_slots_count_by_entry_atomics(mode, rng):
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
     assert np.asarray(got[1]).sum() > 0
+
+
+@pytest.mark.parametrize("shape", [(15, 4), (2200, 64)])
+def test_shares_table_forms_and_loads(shape, rng):
+    """However the alias table lies and the map kernel reads it -- one word per bucket (up to 2047 slots) or a
+    (word, slot) pair, the expert's head word alone (where every offset fits its 17 bits) or the head pair -- it
+    gives the reference's ids and loads: built per call, packed from given words, or prepared (at an odd entry
+    of the lookup for 15 experts x 4 columns); and with more buckets than a head word can address (2200 x 64,
+    offsets past 2**17: the head pair) and more slots than 11 bits hold (4000: two words per bucket)."""
+    from moe_eplb_jax.pallas import _alias, _reference, _triton, lookup_table
+
+    num_logical, width = shape
+    num_physical = min(num_logical * width, 4000)
+    logcnt = np.full(num_logical, width, np.int32)
+    logcnt[1::10] = rng.integers(1, width + 1, logcnt[1::10].size)
+    log2phy = rng.integers(0, num_physical, (num_logical, width)).astype(np.int32)
+    shares = rng.uniform(0.0, 1.0, (num_logical, width)).astype(np.float32)
+    ids = rng.integers(-1, num_logical + 1, (500, 4)).astype(np.int32)
+    ids[::2, 1] = 0  # the widest expert: buckets up to its last
+    ids[1::2, 2] = num_logical - 1 - ids[1::2, 2] % 40  # the last experts: offsets past 2**17 (the large shape)
+    limits = jnp.asarray([480 * 4, 490 * 4], jnp.int32)
+    words = _alias.alias_words(jnp.asarray(shares), jnp.asarray(log2phy), jnp.asarray(logcnt))
+    want = _reference.map_and_count_reference(ids, log2phy, logcnt, words, limits, num_physical=num_physical,
+                                              mode="shares")
+    small = shape == (15, 4)
+    assert _alias.word_heads_fit(num_logical, width) == small == _alias.compact_fits(num_physical)
+    assert small or np.clip(logcnt, 1, width)[:-1].sum() >= 1 << _alias.HEAD_SHIFT
+    one_word = dict(lookup=lookup_table(log2phy, logcnt, replica_shares=shares, num_physical=num_physical))
+    two_words = dict(lookup=lookup_table(log2phy, logcnt, replica_shares=shares))
+    per_call, given = dict(shares=shares), dict(thresholds=words)
+    assert one_word["lookup"].size < two_words["lookup"].size if small else one_word["lookup"].size == two_words[
+        "lookup"].size
+    cases = ([({}, one_word), ({}, two_words), ({}, per_call), ({"compact": False}, per_call),
+              ({"word_heads": False, "compact": False}, given), ({"word_heads": False}, one_word)]
+             if small else [({}, given), ({}, one_word)])
+    for options, tables in cases:
+        got = _triton.map_and_count_triton(ids, log2phy, logcnt, tables.get("thresholds"), limits,
+                                           num_physical=num_physical, mode="shares",
+                                           interpret=jax.default_backend() != "gpu", lookup=tables.get("lookup"),
+                                           shares=tables.get("shares"), **options)
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]), err_msg=str(options))
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]), err_msg=str(options))
+    if small:  # a one-word table cannot name slots past 2047
+        with pytest.raises(ValueError, match="cannot serve num_physical = 3000"):
+            map_and_count(ids, log2phy, logcnt, num_physical=3000, mode="shares", replica_shares=shares,
+                          implementation="pallas", **one_word)
 
 
 def test_shares_rejects_tables_its_words_cannot_hold(rng):

@@ -212,7 +212,9 @@ def test_pallas_kernels_lower_to_triton_ir(h100_lowering):
              + [(m, {"tables": t}) for m in ("hash", "resolved") for t in _triton.TABLES[1:]]
              + [(m, {"tables": t, "layout": "expert_major", "reduce": "xla", "rank_in_step": "compare"})
                 for m in ("shares", "resolved") for t in _triton.TABLES]
-             + [("shares", {"threshold_layout": "replica_major"}), ("resolved", {"guide": 8, "search": "unrolled"}),
+             + [("shares", {"threshold_layout": "replica_major"}), ("shares", {"compact": False}),
+                ("shares", {"compact": False, "word_heads": False}),
+                ("resolved", {"guide": 8, "search": "unrolled"}),
                 ("resolved", {"search": "while", "guide": 0}),
                 ("resolved", {"rank_running": "registers", "rank_chains": 1}), ("resolved", {"rank_chains": 2}),
                 ("resolved", {"rank_running": "memory", "sub_resolved": 64, "warps_resolved": 2}),

@@ -1,6 +1,6 @@
 """Walker's alias table of ``shares``: each entry's slot from one table word, for :mod:`.map_and_count`.
 
-An expert with ``c`` replicas gets ``c`` buckets of ``U = 2**16`` mass units
+An expert with ``c`` replicas gets ``c`` buckets of ``U = 2**10`` mass units
 each. Its float weights become integer masses ``m_j`` summing to ``c * U``
 (:func:`integer_masses`: integer work only, so every implementation builds
 the same words bit for bit); bucket ``b`` holds its own replica ``b`` with
@@ -11,7 +11,8 @@ jnp; :func:`alias_kernel`, one Pallas program per expert). A word holds
 a bucket and a point inside it (:func:`bucket_and_fraction`) and the map
 kernel loads that word and the bucket's own slot side by side
 (:func:`alias_slot`; :func:`pack_words` lays the table out for it, each
-expert's head pair first): constant work per entry and no dependent third load,
+expert's head first; with at most 2047 slots a bucket is one word,
+:func:`compact_words`): constant work per entry, two dependent loads as ``hash``,
 where the inverse of the cumulative shares needed a search over the expert's
 thresholds (on an H200 the map kernel at 262144 x 8 took 14.1 / 20.7 us that
 way at P = 288 / 512; benchmarks/RESULTS.md has the alias table's figures).
@@ -53,11 +54,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 __all__ = ["weight_bits", "integer_masses", "alias_words", "pack_words", "packed_size", "alias_kernel", "slot_bits",
-           "head_word", "bucket_and_fraction", "alias_slot", "MAX_WIDTH", "MAX_SLOTS", "UNIT_BITS"]
+           "head_word", "alias_head", "head_fields", "word_heads_fit", "bucket_and_fraction", "alias_slot",
+           "compact_words", "compact_slot", "compact_fits", "MAX_WIDTH", "MAX_SLOTS", "COMPACT_SLOTS", "UNIT_BITS",
+           "HEAD_SHIFT"]
 
-UNIT_BITS = 16  # U = 2**16 mass units per bucket: prob fits the word's top half, c * U int32 for c < 2**15
-MAX_WIDTH = 0x7FFF  # replicas per expert: c * U and the running sums of deficits stay below 2**31
+# U = 2**10 mass units per bucket (shares to within 2**-10 of a bucket: far below the routing noise of a batch):
+# prob fits 10 bits, so with up to 2047 slots a bucket's prob and both its slots share one word (compact_words).
+UNIT_BITS = 10
+MAX_WIDTH = 0x7FFF  # replicas per expert: the count fills a head word's top 15 bits (HEAD_SHIFT)
 MAX_SLOTS = 0xFFFF  # physical slots: the alias slot fills the word's low 16 bits
+COMPACT_SLOTS = 0x7FF  # up to this many physical slots a bucket is one word: prob << 22 | alias << 11 | own
+HEAD_SHIFT = 17  # an alias head: count (< 2**15) << 17 | 17 low bits (first slot + 1, or the bucket offset)
 _SIGNIFICAND = (1 << 23) - 1
 
 
@@ -172,6 +179,26 @@ def head_word(first_slot, count):
     return ((slot_bits(first_slot) + 1) & 0xFFFF) | (count << 16)
 
 
+def alias_head(first_slot, count, offset):
+    """An expert's head word in the alias table: ``count << 17 | low``, ``low`` its first slot + 1 (0: unmapped,
+    as :func:`head_word`) for a single-replica expert, else the low 17 bits of its bucket offset -- the whole
+    offset where the table has at most ``2**17`` buckets (:func:`word_heads_fit`), so that one load gives an
+    entry what it needs."""
+    low = jnp.where(count == 1, (slot_bits(first_slot) + 1) & 0xFFFF, offset & ((1 << HEAD_SHIFT) - 1))
+    return low | (count << HEAD_SHIFT)  # (wraps into the sign bit from 2**14 buckets: read with a logical shift)
+
+
+def head_fields(head):
+    """``(count, low)`` of :func:`alias_head` words."""
+    return jax.lax.shift_right_logical(head, HEAD_SHIFT), head & ((1 << HEAD_SHIFT) - 1)
+
+
+def word_heads_fit(num_logical: int, width: int) -> bool:
+    """Whether every bucket offset of a ``[num_logical, width]`` table fits a head word's low bits (the
+    offsets stay below ``num_logical * width``)."""
+    return num_logical * width <= 1 << HEAD_SHIFT
+
+
 def alias_words(values, log2phy, logcnt):
     """The alias table ``[E, S]`` int32 of ``shares`` in jnp (the reference of :func:`alias_kernel`).
 
@@ -190,39 +217,64 @@ def alias_words(values, log2phy, logcnt):
     return row_words(masses, log2phy, index, count, read_from, int(width).bit_length())
 
 
-def packed_size(num_logical: int, width: int) -> int:
+def packed_size(num_logical: int, width: int, compact: bool = False) -> int:
     """Entries of the packed table (:func:`pack_words`) of ``[num_logical, width]`` words."""
-    return 2 * num_logical * (1 + width)
+    return 2 * num_logical + (1 if compact else 2) * num_logical * width
 
 
-def pack_words(words, log2phy, logcnt):
-    """The map kernel's layout of the alias table: flat int32 ``[2 E + 2 E S]``.
+def compact_fits(num_physical: int) -> bool:
+    """Whether a bucket's slots fit :func:`compact_words`' 11 bits (0x7FF itself stays the unmapped mark)."""
+    return num_physical <= COMPACT_SLOTS
 
-    Per expert a head pair, ``(first slot + 1) | count << 16`` (``count`` its
-    buckets, :func:`live_counts`; a first slot outside ``[0, 2**16 - 1)``
-    as -1, :func:`head_word`) and ``offset`` (the earlier experts' counts summed); then from entry
-    ``2 E`` on, bucket by bucket in expert order, ``(word, own slot)``; the
-    rest is 0. An entry reads its expert's head pair (one cache line), then --
-    for a multi-replica expert -- its bucket's pair: the placement's lookup
-    table is not read, and a few KB of this one are in use (the live buckets
-    number about ``P``), where ``[E, S]`` rows padded to the widest expert
-    spread the words over ``4 E S`` bytes (263 KB at ``S = 257``; H200,
-    262144 x 8, P = 512: map kernel 14.3 us over such rows, 12.0-12.6
-    packed; fifteenth session).
+
+def compact_words(words, own_slots):
+    """Buckets as one word each, ``prob << 22 | alias slot << 11 | own slot`` (slots outside ``[0, 0x7FF)``
+    as 0x7FF, never below ``num_physical <= 2047``: unmapped), from :func:`alias_words`' words and the buckets'
+    own slots."""
+    clip = lambda slots: jnp.where((slots >= 0) & (slots < COMPACT_SLOTS), slots, COMPACT_SLOTS)  # noqa: E731
+    prob = jax.lax.shift_right_logical(words, 16)  # < U
+    return (prob << 22) | (clip(words & 0xFFFF) << 11) | clip(own_slots)
+
+
+def compact_slot(word, fraction):
+    """The slot of a :func:`compact_words` word for a fraction of its bucket (0x7FF: unmapped)."""
+    keep = fraction < jax.lax.shift_right_logical(word, 22)
+    return jnp.where(keep, word & COMPACT_SLOTS, (word >> 11) & COMPACT_SLOTS)
+
+
+def pack_words(words, log2phy, logcnt, compact=False):
+    """The map kernel's layout of the alias table: flat int32 ``[2 E + 2 E S]`` (``compact``: ``[2 E + E S]``).
+
+    Per expert a head pair, :func:`alias_head` (``count`` its buckets,
+    :func:`live_counts`, and the first slot + 1 or the offset) and ``offset``
+    (the earlier experts' counts summed: the map kernel reads the head alone
+    where :func:`word_heads_fit`); then from entry ``2 E`` on, bucket by
+    bucket in expert order, ``(word, own slot)`` -- or with ``compact``
+    (``num_physical <= 2047``) one :func:`compact_words` word; the rest is 0.
+    An entry reads its expert's head, then -- for a multi-replica expert --
+    its bucket: the placement's lookup table is not read, and a few KB of
+    this one are in use (the live buckets number about ``P``), where
+    ``[E, S]`` rows padded to the widest expert spread the words over ``4 E
+    S`` bytes (263 KB at ``S = 257``; H200, 262144 x 8, P = 512: map kernel
+    14.3 us over such rows, 12.0-12.6 packed; fifteenth session).
     """
     num_logical, width = words.shape
     log2phy = log2phy.astype(jnp.int32)
     count = live_counts(logcnt, width)
     offset = jnp.cumsum(count) - count
-    heads = jnp.stack([head_word(log2phy[:, 0], count), offset], axis=1).reshape(-1)
+    heads = jnp.stack([alias_head(log2phy[:, 0], count, offset), offset], axis=1).reshape(-1)
     index = jnp.arange(width, dtype=jnp.int32)[None, :]
     at = jnp.where(index < count[:, None], offset[:, None] + index, num_logical * width)  # dead lanes: a spare row
-    pairs = jnp.stack([words, log2phy], axis=-1).reshape(-1, 2)
-    packed = jnp.zeros((num_logical * width + 1, 2), jnp.int32).at[at.reshape(-1)].set(pairs)
+    if compact:
+        buckets = compact_words(words, log2phy)[..., None]
+    else:
+        buckets = jnp.stack([words, log2phy], axis=-1)
+    buckets = buckets.reshape(-1, buckets.shape[-1])
+    packed = jnp.zeros((num_logical * width + 1, buckets.shape[-1]), jnp.int32).at[at.reshape(-1)].set(buckets)
     return jnp.concatenate([heads, packed[:-1].reshape(-1)])
 
 
-def _alias_kernel(values_ref, log2phy_ref, logcnt_ref, table_ref, *, num_logical, width, lanes, experts):
+def _alias_kernel(values_ref, log2phy_ref, logcnt_ref, table_ref, *, num_logical, width, lanes, experts, compact):
     """Program ``e`` writes expert ``e``'s head pair and buckets of the packed table (:func:`pack_words`), its row held
     in registers (bisections through ``tt.gather``, ``bit_length(count)`` steps each)."""
     from moe_eplb_jax.pallas._triton_ops import take
@@ -243,27 +295,33 @@ def _alias_kernel(values_ref, log2phy_ref, logcnt_ref, table_ref, *, num_logical
     # Lanes past the row point at distinct spare entries past the table (interpret mode's masked scatter writes
     # back what it read, which must not land on an entry another lane writes).
     spare = table_ref.shape[0] - 2 * lanes + 2 * index
-    pair = jnp.where(index < count, 2 * (num_logical + offset + index), spare)
-    plgpu.store(table_ref.at[pair], words, mask=index < count)
-    plgpu.store(table_ref.at[pair + 1], slots, mask=index < count)
-    head = head_word(log2phy_ref[expert * width], count)
+    live = index < count
+    if compact:
+        plgpu.store(table_ref.at[jnp.where(live, 2 * num_logical + offset + index, spare)],
+                    compact_words(words, slots), mask=live)
+    else:
+        pair = jnp.where(live, 2 * (num_logical + offset + index), spare)
+        plgpu.store(table_ref.at[pair], words, mask=live)
+        plgpu.store(table_ref.at[pair + 1], slots, mask=live)
+    head = alias_head(log2phy_ref[expert * width], count, offset)
     plgpu.store(table_ref.at[jnp.where(index < 2, 2 * expert + index, spare)],
                 jnp.where(index == 0, head, offset), mask=index < 2)
 
 
-def alias_kernel(values, log2phy, logcnt, *, out_struct=jax.ShapeDtypeStruct, interpret=False, num_warps=4):
-    """:func:`alias_words`, packed (:func:`pack_words`), as one Pallas kernel, a program per expert: flat
-    ``[2 E + 2 E S + 2 lanes]`` int32, the table and then a spare tail never read (``lanes = max(32,
+def alias_kernel(values, log2phy, logcnt, *, compact=False, out_struct=jax.ShapeDtypeStruct, interpret=False,
+                 num_warps=4):
+    """:func:`alias_words`, packed (:func:`pack_words`, ``compact`` or not), as one Pallas kernel, a program per
+    expert: flat ``[packed_size + 2 lanes]`` int32, the table and then a spare tail never read (``lanes = max(32,
     2**ceil(log2 S))``); entries past the last live bucket are left unwritten (never read)."""
     num_logical, width = log2phy.shape
     lanes = max(32, pl.next_power_of_2(width))
     return pl.pallas_call(
         functools.partial(_alias_kernel, num_logical=num_logical, width=width, lanes=lanes,
-                          experts=max(32, pl.next_power_of_2(num_logical))),
+                          experts=max(32, pl.next_power_of_2(num_logical)), compact=compact),
         grid=(num_logical,),
         in_specs=[pl.no_block_spec] * 3,
         out_specs=pl.no_block_spec,
-        out_shape=out_struct((packed_size(num_logical, width) + 2 * lanes,), jnp.int32),
+        out_shape=out_struct((packed_size(num_logical, width, compact) + 2 * lanes,), jnp.int32),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="alias_table",
@@ -274,12 +332,12 @@ def bucket_and_fraction(hashed, count):
     """``(bucket, fraction)`` int32 of uint32 hashes for ``count`` buckets of ``U`` units (``count < 2**16``).
 
     ``s = floor(h * count / 2**16)`` in uint32 (``h`` split in 16-bit halves),
-    ``bucket = s >> 16`` (uniform over ``[0, count)``), ``fraction = s mod
-    2**16`` (uniform over ``[0, U)``).
+    ``bucket = s >> 16`` (uniform over ``[0, count)``), ``fraction = (s mod
+    2**16) >> 6`` (uniform over ``[0, U)``).
     """
     scale = count.astype(jnp.uint32)
     scaled = (hashed >> 16) * scale + (((hashed & 0xFFFF) * scale) >> 16)
-    return (scaled >> 16).astype(jnp.int32), (scaled & 0xFFFF).astype(jnp.int32)
+    return (scaled >> 16).astype(jnp.int32), ((scaled & 0xFFFF) >> (16 - UNIT_BITS)).astype(jnp.int32)
 
 
 def alias_slot(word, own_slot, fraction):

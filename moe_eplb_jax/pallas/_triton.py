@@ -141,7 +141,7 @@ def _map_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, base_ref, rank_r
                 hist_ref, *, mode, num_flat, top_k, num_logical, width, num_physical, tile, sub, bins, expert_bins,
                 rank_tile, count_dtype, do_count, count_method, tables, layout, reduce, linear_search, guide,
                 num_tiles, search, threshold_layout, by_positions, from_start, alias_at=0, lookback=False,
-                per_entry=False):
+                per_entry=False, word_heads=False, compact=False):
     """``tables_ref`` is :func:`lookup_table`'s: per-expert counts (or head entries) at ``[0, E)``, then ``log2phy``
     at ``[E, E + E * S)``, in ``layout``; ``thresholds_ref`` the ``[E, S]`` thresholds, expert-major with the guide
     (a bucket's few thresholds lie side by side), else in ``threshold_layout`` (``shares``: its packed alias table,
@@ -210,15 +210,24 @@ def _map_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, base_ref, rank_r
         elif mode == "shares":  # the packed alias table (_alias.py): the expert's head pair, then its bucket's
             # word and own slot -- for a single-replica expert the head's first slot instead
             head_at = alias_at + 2 * expert
-            alias_head = plgpu.load(thresholds_ref.at[head_at], mask=valid_id, other=1 << 16)
-            offset = plgpu.load(thresholds_ref.at[head_at + 1], mask=valid_id, other=0)
-            buckets = alias_head >> 16
+            alias_head = plgpu.load(thresholds_ref.at[head_at], mask=valid_id, other=1 << _alias.HEAD_SHIFT)
+            buckets, low = _alias.head_fields(alias_head)
+            if word_heads:  # the head word alone holds the offset (_alias.word_heads_fit)
+                offset = low
+            else:
+                offset = plgpu.load(thresholds_ref.at[head_at + 1], mask=valid_id, other=0)
             bucket, fraction = _alias.bucket_and_fraction(hashed, buckets)
             multi = valid_id & (buckets > 1)
-            pair_at = alias_at + 2 * (num_logical + offset + bucket)
-            word = plgpu.load(thresholds_ref.at[pair_at], mask=multi, other=0)
-            own = plgpu.load(thresholds_ref.at[pair_at + 1], mask=multi, other=0)
-            shares_slot = jnp.where(multi, _alias.alias_slot(word, own, fraction), (alias_head & 0xFFFF) - 1)
+            if compact:  # the bucket's one word
+                word = plgpu.load(thresholds_ref.at[alias_at + 2 * num_logical + offset + bucket], mask=multi,
+                                  other=0)
+                bucket_slot = _alias.compact_slot(word, fraction)
+            else:  # its (word, own slot) pair
+                pair_at = alias_at + 2 * (num_logical + offset + bucket)
+                word = plgpu.load(thresholds_ref.at[pair_at], mask=multi, other=0)
+                own = plgpu.load(thresholds_ref.at[pair_at + 1], mask=multi, other=0)
+                bucket_slot = _alias.alias_slot(word, own, fraction)
+            shares_slot = jnp.where(multi, bucket_slot, low - 1)
             replica = jnp.zeros_like(expert)  # (unused: the slot is known)
         else:
             if by_positions:  # resolved, thresholds = boundary positions (_positions.py): the flat index
@@ -411,7 +420,11 @@ DEFAULTS = {"tile": None, "sub": _SUB, "tile_resolved": None, "sub_resolved": _S
             "rank_running": "memory", "search": None, "tile_bases": None, "threshold_layout": "expert_major",
             "rank_chains": None, "resolved_by": None, "position_tile": None, "position_groups": None,
             "position_sub": None, "position_scan": None, "position_warps": None, "boundary_warps": 4,
-            "position_map": "start", "boundary_grid": None, "alias_warps": 4}
+            "position_map": "start", "boundary_grid": None, "alias_warps": 4, "word_heads": True,
+            "compact": True}
+# shares (seventeenth session, H200, 262144 x 8, table kept, P = 288 / 512): head word + one-word buckets 9.6 /
+# 10.4 us, head word + (word, slot) pairs 10.5 / 11.9, head pair + pairs 11.1 / 12.7; the pairs as one 64-bit
+# gather each were slower still (13.5 at P = 512) and were removed.
 # How the kernel counts: "histogram" (tt.histogram per loop step: warp ballots + popc, shared-memory atomics
 # across warps; also in interpret mode, as jnp), "onehot" (factorised one-hot products on the tensor cores),
 # "atomic" (one global atomic add per entry into the program's row of counters), "atomic_warp" (atomics
@@ -571,7 +584,10 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     ``position_scan`` (entries per step of a tile scan; ``None`` for these:
     :func:`._positions.boundary_positions`' defaults), ``boundary_warps``
     (the boundary kernel's warps), ``alias_warps`` (the warps of ``shares``'
-    per-call alias-table kernel), ``boundary_grid`` (``"flat"``: a program per
+    per-call alias-table kernel), ``word_heads`` / ``compact`` (``shares``: read an
+    expert's offset from its head word where every offset fits its 17 bits, else from the head pair; one word per
+    bucket where ``num_physical <= 2047``, else a (word, slot) pair; a prepared table's size decides the
+    latter), ``boundary_grid`` (``"flat"``: a program per
     live boundary; ``"expert"``: ``position_groups`` per expert; ``None``: the
     module's default) and ``position_map`` (``"start"``: each map step looks up
     every expert's boundaries before it once, and only entries past their
@@ -655,15 +671,21 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     if mode not in ("shares", "resolved") or shares is not None or thresholds is None:  # none passed in, or built here
         thresholds = jnp.zeros((1, 1), jnp.int32)
     alias_at = 0  # shares: where its words start in the thresholds' array
+    # shares: one word per bucket where the slots fit 11 bits (_alias.compact_words; a prepared table says by its
+    # size which it holds)
+    compact = mode == "shares" and _alias.compact_fits(num_physical) and bool(config["compact"])
     if lookup is not None:
         lookup = jnp.asarray(lookup)
         plain = lookup_size(num_logical, width)
-        with_words = plain + _alias.packed_size(num_logical, width)
-        if lookup.shape not in ((plain,), (with_words,)):
-            raise ValueError(f"lookup must have shape ({plain},) or, with shares' alias words, ({with_words},) for "
-                             f"log2phy [{num_logical}, {width}], got {lookup.shape}")
-        if mode == "shares" and lookup.shape == (with_words,):  # prepared words: read from the lookup itself
-            shares, alias_at = None, plain
+        wide, narrow = (plain + _alias.packed_size(num_logical, width, packing) for packing in (False, True))
+        if lookup.shape not in ((plain,), (wide,), (narrow,)):
+            raise ValueError(f"lookup must have shape ({plain},) or, with shares' alias words, ({wide},) or "
+                             f"({narrow},) for log2phy [{num_logical}, {width}], got {lookup.shape}")
+        if lookup.shape == (narrow,) and not _alias.compact_fits(num_physical):
+            raise ValueError(f"lookup holds one-word buckets (built for num_physical <= {_alias.COMPACT_SLOTS}), "
+                             f"which cannot name the slots of num_physical = {num_physical}")
+        if mode == "shares" and lookup.shape != (plain,):  # prepared words: read from the lookup itself
+            shares, alias_at, compact = None, plain, lookup.shape == (narrow,)
     # resolved from the raw quotas (capped at the entry count, as the wrapper's thresholds are, while their sums
     # fit int32): the boundary programs sum them over positions, the rank kernel's extra programs by ranks.
     from_quotas = mode == "resolved" and quotas is not None and width * num_flat < 2**31 - 1
@@ -674,10 +696,10 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
         *([] if lookup is None else [lookup]))
     quotas = rest.pop(0) if from_quotas else None
     if shares is not None:
-        thresholds = _alias.alias_kernel(rest.pop(0), log2phy, logcnt, out_struct=out_struct, interpret=interpret,
-                                         num_warps=int(config["alias_warps"]))
+        thresholds = _alias.alias_kernel(rest.pop(0), log2phy, logcnt, compact=compact, out_struct=out_struct,
+                                         interpret=interpret, num_warps=int(config["alias_warps"]))
     elif mode == "shares" and not alias_at:  # the words [E, S] given (tests, benchmarks): packed here
-        thresholds = _alias.pack_words(thresholds, log2phy, logcnt)
+        thresholds = _alias.pack_words(thresholds, log2phy, logcnt, compact=compact)
     lookup = rest[0] if rest else None
     if alias_at:
         thresholds = lookup
@@ -761,7 +783,8 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
         layout=layout, reduce=reduce, linear_search=int(config["linear_search"]), guide=guide,
         num_tiles=num_tiles, search=search, threshold_layout=threshold_layout, by_positions=by_positions,
         from_start=by_positions and config["position_map"] == "start" and start_table_fits(width, sub),
-        alias_at=alias_at, per_entry=per_entry)
+        alias_at=alias_at, per_entry=per_entry, compact=compact,
+        word_heads=bool(config["word_heads"]) and _alias.word_heads_fit(num_logical, width))
     # A prepared table is lookup_table's default kind; other kernel options (or slots past 16 bits) rebuild it.
     # Shares reads its own table only (none built per call).
     if mode == "shares":

@@ -28,7 +28,7 @@ Replica choice for an entry of expert ``e`` with ``c = logcnt[e]`` replicas
   implementation and a prepared table agree bit for bit. Weights become
   integers ``q_j = floor(w_j * 2**k)``, the power of two putting the row's
   largest weight in ``[2**(B-1), 2**B)`` (``B = min(24, 30 - ceil(log2
-  S))``); with ``Q`` their sum and ``U = 2**16``, replica ``j`` gets the mass
+  S))``); with ``Q`` their sum and ``U = 2**10``, replica ``j`` gets the mass
   ``m_j = floor(c * U * q_j / Q)``, except the last with ``q_j > 0``, which
   takes the rest of ``c * U``; a row with ``Q = 0`` is split equally. The
   expert's ``c`` buckets of ``U`` units are filled by Vose's sweep: light
@@ -36,10 +36,11 @@ Replica choice for an entry of expert ``e`` with ``c = logcnt[e]`` replicas
   are topped up by the current heavy replica (``m > U``, in index order); a
   heavy one whose excess runs out becomes light, keeps what it has left, and
   the next heavy one tops it up first. Entry ``(t, j)``: ``s = floor(h(t) * c
-  / 2**16)``, bucket ``b = s >> 16``, fraction ``f = s mod 2**16``; the
+  / 2**16)``, bucket ``b = s >> 16``, fraction ``f = (s mod 2**16) >> 6``; the
   replica is ``b`` if ``f`` is below the bucket's own part, else the bucket's
   other replica. So replica loads follow ``m_j / (c * U)``, the shares to
-  within ``2**-(B-1)`` of the largest; a zero-weight replica is never chosen
+  within a mass unit (``2**-10`` of a bucket) and ``2**-(B-1)`` of the
+  largest; a zero-weight replica is never chosen
   (nor one below ``2**-(B-1)`` of the row's largest weight: its ``q_j`` is 0).
   Needs ``S <= 32767`` and ``num_physical <= 65535`` (slots in 16 bits).
 * ``resolved``: ``resolved [E, S]`` int32 token quotas of the first ``c``
@@ -124,7 +125,7 @@ def map_and_count(
     mode_values = _check_mode(mode, replica_shares, resolved, num_logical, width, num_physical)
     implementation = _check_implementation(implementation)
     _check_flags(num_valid_tokens, record, num_tokens)
-    _check_lookup(lookup, num_logical, width)
+    _check_lookup(lookup, num_logical, width, num_physical)
 
     topk_ids, log2phy, logcnt = (jnp.asarray(a).astype(jnp.int32) for a in (topk_ids, log2phy, logcnt))
     if num_tokens * top_k == 0:
@@ -155,7 +156,7 @@ def map_and_count(
     )
 
 
-def lookup_table(log2phy, logcnt, *, replica_shares=None):
+def lookup_table(log2phy, logcnt, *, replica_shares=None, num_physical=None):
     """The Pallas kernel's lookup table of one placement layer, to pass as ``map_and_count(lookup=...)``.
 
     Args:
@@ -164,13 +165,20 @@ def lookup_table(log2phy, logcnt, *, replica_shares=None):
       replica_shares: optional ``[E, S]`` float weights of ``mode="shares"``:
         their alias table is then built here too, so the kernel does not
         build it per call.
+      num_physical: optional, with ``replica_shares``: the calls' ``P``. Up to
+        2047 the alias table then holds each bucket in one word (11-bit
+        slots; the kernel's fastest form, also what it builds per call for
+        such ``P``), and the table serves only calls with ``P <= 2047``;
+        without it each bucket takes two words and the table serves any
+        ``P``.
 
     Returns:
       ``[E * (1 + S)]`` int32: per expert ``(first slot + 1) | count << 16``,
       then ``log2phy`` transposed (``[S, E]``, flat); with ``replica_shares``
-      ``[3 E (1 + S)]``, the alias table packed for the kernel after them
-      (per expert its head word and bucket offset, then per live bucket its
-      alias word and slot).
+      ``[3 E (1 + S)]`` (``[E (3 + 2 S)]`` with ``num_physical <= 2047``), the
+      alias table packed for the kernel after them (per expert its head word
+      and bucket offset, then per live bucket its alias word and slot, or
+      one word holding both).
       Placements (and a policy's replica shares) change only at
       rearrangement, so a model builds this then and keeps it. A table with
       the alias words serves every mode; one without them serves ``shares``
@@ -179,6 +187,10 @@ def lookup_table(log2phy, logcnt, *, replica_shares=None):
     (num_logical, width) = _check_placement(log2phy, logcnt)
     if replica_shares is not None:
         _check_shares(replica_shares, num_logical, width)
+    if num_physical is not None:
+        if replica_shares is None:
+            raise ValueError("num_physical is only used with replica_shares (it sizes the alias table's slots)")
+        num_physical = _check_num_physical(num_physical, num_logical)
     from moe_eplb_jax.pallas import _triton  # imported lazily: pulls in Pallas
 
     table = _triton.lookup_table(log2phy, logcnt)
@@ -187,7 +199,8 @@ def lookup_table(log2phy, logcnt, *, replica_shares=None):
     # Once per placement: the jnp build (the words the Pallas kernel builds per call, bit for bit).
     log2phy, logcnt = jnp.asarray(log2phy, jnp.int32), jnp.asarray(logcnt, jnp.int32)
     words = _alias.alias_words(jnp.asarray(replica_shares).astype(jnp.float32), log2phy, logcnt)
-    return jnp.concatenate([table, _alias.pack_words(words, log2phy, logcnt)])
+    compact = num_physical is not None and _alias.compact_fits(num_physical)
+    return jnp.concatenate([table, _alias.pack_words(words, log2phy, logcnt, compact=compact)])
 
 
 # ------------------------------------------------------------------ validation
@@ -280,14 +293,18 @@ def _check_shares(replica_shares, num_logical, width):
     return replica_shares
 
 
-def _check_lookup(lookup, num_logical, width):
+def _check_lookup(lookup, num_logical, width, num_physical):
     if lookup is None:
         return
     shape, dtype = _shape_dtype(lookup)
-    sizes = (num_logical * (1 + width), 3 * num_logical * (1 + width))
+    sizes = (num_logical * (1 + width), 3 * num_logical * (1 + width), num_logical * (3 + 2 * width))
     if shape not in [(size,) for size in sizes] or dtype != np.int32:
         raise ValueError(f"lookup must be lookup_table(log2phy, logcnt[, replica_shares=...]): int32 of shape "
-                         f"({sizes[0]},) or, with shares, ({sizes[1]},), got shape {shape} dtype {dtype}")
+                         f"({sizes[0]},) or, with shares, ({sizes[1]},) or ({sizes[2]},), got shape {shape} "
+                         f"dtype {dtype}")
+    if shape == (sizes[2],) and not _alias.compact_fits(num_physical):
+        raise ValueError(f"lookup was built with num_physical <= {_alias.COMPACT_SLOTS} (one-word buckets, 11-bit "
+                         f"slots): it cannot serve num_physical = {num_physical}")
 
 
 def _check_implementation(implementation):
