@@ -288,27 +288,14 @@ def gather_probe(x, table, *, rows_bits, bucket_major, tile=8192, sub=4096, num_
 
 
 SWEEP = [  # (mode, T, P, options): T x 8 entries; the defaults first in each group; "count": False skips counting
-    # Seventeenth session: shares with U = 2**10 units per bucket; up to 2047 slots one word per bucket
-    # ("compact", the default) or a (word, own slot) pair (by two gathers; one 64-bit gather, measured in this
-    # session's call 4, was slower: 13.51 vs 11.87 us at P = 512 -- removed);
-    # the expert's head word alone ("word_heads", the default where every bucket offset fits its 17 low bits)
-    # or the head pair.
-    ("hash", 262144, 288, {}), ("shares", 262144, 288, {"setup": "words"}),
-    ("shares", 262144, 288, {"setup": "words", "compact": False}),
-    ("shares", 262144, 288, {"setup": "words", "compact": False, "word_heads": False}),
-    ("shares", 262144, 288, {"setup": "thresholds"}),
-    ("hash", 262144, 512, {}), ("shares", 262144, 512, {"setup": "words"}),
-    ("shares", 262144, 512, {"setup": "words", "compact": False}),
-    ("shares", 262144, 512, {"setup": "words", "compact": False, "word_heads": False}),
-    ("shares", 262144, 512, {"setup": "thresholds"}),
-    ("shares", 262144, 512, {"setup": "thresholds", "compact": False}),
-    ("shares", 262144, 512, {"setup": "words", "count": False}), ("hash", 262144, 512, {"count": False}),
-    ("hash", 65536, 512, {}), ("shares", 65536, 512, {"setup": "words"}),
-    ("shares", 65536, 512, {"setup": "words", "compact": False}),
-    ("shares", 65536, 288, {"setup": "words"}), ("shares", 65536, 288, {"setup": "thresholds"}),
-    ("hash", 4096, 512, {}), ("shares", 4096, 512, {"setup": "words"}),
-    ("shares", 4096, 512, {"setup": "words", "compact": False}),
-    ("shares", 4096, 512, {"setup": "thresholds"}), ("shares", 4096, 288, {"setup": "words"}),
+    # Seventeenth session, last call: where resolved's decode time goes (kernel by kernel), and counting by
+    # per-entry atomics past 32768 slots (P = 40000) against the histogram (P = 512).
+    ("resolved", 4096, 288, {}), ("resolved", 4096, 512, {}), ("resolved", 4096, 512, {"count": False}),
+    ("resolved", 4096, 512, {"search": "while"}), ("resolved", 4096, 512, {"linear_search": 0}),
+    ("resolved", 4096, 512, {"tables": "shared"}), ("resolved", 4096, 512, {"tile": 1024}),
+    ("hash", 4096, 512, {}),
+    ("hash", 262144, 512, {}), ("hash", 262144, 40000, {}), ("round_robin", 262144, 40000, {}),
+    ("hash", 4096, 40000, {}),
 ]
 
 
