@@ -371,6 +371,10 @@ def test_lookup_table_rejects_bad_tables(rng):
         lookup_table(log2phy, logcnt, replica_shares=np.ones((log2phy.shape[0], 2), np.float32))
     with pytest.raises(ValueError, match="replica_shares must have a floating dtype"):
         lookup_table(log2phy, logcnt, replica_shares=np.ones(log2phy.shape, np.int32))
+    with pytest.raises(ValueError, match="num_physical is only used with replica_shares"):
+        lookup_table(log2phy, logcnt, num_physical=2000)
+    with pytest.raises(ValueError, match="num_physical .* must be at least the number of logical experts"):
+        lookup_table(log2phy, logcnt, replica_shares=np.ones(log2phy.shape, np.float32), num_physical=1)
 
 
 def test_empty_input(rng):

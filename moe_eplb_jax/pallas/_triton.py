@@ -207,8 +207,9 @@ def _map_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, base_ref, rank_r
             replica = by_hash()
         elif mode == "round_robin":
             replica = (token % count.astype(jnp.uint32)).astype(jnp.int32)
-        elif mode == "shares":  # the packed alias table (_alias.py): the expert's head pair, then its bucket's
-            # word and own slot -- for a single-replica expert the head's first slot instead
+        elif mode == "shares":  # the packed alias table (_alias.py): the expert's head word (and the offset beside
+            # it where offsets pass 17 bits), then its bucket's word (holding its own slot, or with it beside) -- for
+            # a single-replica expert the head's first slot instead
             head_at = alias_at + 2 * expert
             alias_head = plgpu.load(thresholds_ref.at[head_at], mask=valid_id, other=1 << _alias.HEAD_SHIFT)
             buckets, low = _alias.head_fields(alias_head)
