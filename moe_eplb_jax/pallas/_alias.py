@@ -167,16 +167,22 @@ def row_words(masses, slots, index, count, read_from, steps):
     return jnp.where(live, (prob << 16) | slot_bits(read_from(slots)(alias)), 0)
 
 
-def slot_bits(slots):
-    """Slots as the words' 16 bits: ``0xFFFF`` (never below ``num_physical <= 65535``: unmapped, -1) for any slot
-    outside ``[0, 0xFFFF)``, so an invalid slot cannot wrap onto a valid one."""
-    return jnp.where((slots >= 0) & (slots < MAX_SLOTS), slots, MAX_SLOTS)
+def slot_bits(slots, mark=MAX_SLOTS):
+    """Slots as a word's field: ``mark`` (``0xFFFF`` for 16 bits, never below ``num_physical <= 65535``:
+    unmapped, -1; ``COMPACT_SLOTS`` for 11) for any slot outside ``[0, mark)``, so an invalid slot cannot wrap
+    onto a valid one."""
+    return jnp.where((slots >= 0) & (slots < mark), slots, mark)
+
+
+def _first_slot_field(first_slot):
+    """A head's 16-bit ``first slot + 1``: 0 (unmapped) for a first slot outside ``[0, 0xFFFF)``."""
+    return (slot_bits(first_slot) + 1) & 0xFFFF
 
 
 def head_word(first_slot, count):
     """A head's ``(first slot + 1) | count << 16``, the first slot ``-1`` (unmapped) outside ``[0, 0xFFFF)``: the
-    alias table's heads and the placement lookup table's (:func:`._triton.lookup_table`) alike."""
-    return ((slot_bits(first_slot) + 1) & 0xFFFF) | (count << 16)
+    placement lookup table's (:func:`._triton.lookup_table`)."""
+    return _first_slot_field(first_slot) | (count << 16)
 
 
 def alias_head(first_slot, count, offset):
@@ -184,7 +190,7 @@ def alias_head(first_slot, count, offset):
     as :func:`head_word`) for a single-replica expert, else the low 17 bits of its bucket offset -- the whole
     offset where the table has at most ``2**17`` buckets (:func:`word_heads_fit`), so that one load gives an
     entry what it needs."""
-    low = jnp.where(count == 1, (slot_bits(first_slot) + 1) & 0xFFFF, offset & ((1 << HEAD_SHIFT) - 1))
+    low = jnp.where(count == 1, _first_slot_field(first_slot), offset & ((1 << HEAD_SHIFT) - 1))
     return low | (count << HEAD_SHIFT)  # (wraps into the sign bit from 2**14 buckets: read with a logical shift)
 
 
@@ -231,9 +237,8 @@ def compact_words(words, own_slots):
     """Buckets as one word each, ``prob << 22 | alias slot << 11 | own slot`` (slots outside ``[0, 0x7FF)``
     as 0x7FF, never below ``num_physical <= 2047``: unmapped), from :func:`alias_words`' words and the buckets'
     own slots."""
-    clip = lambda slots: jnp.where((slots >= 0) & (slots < COMPACT_SLOTS), slots, COMPACT_SLOTS)  # noqa: E731
     prob = jax.lax.shift_right_logical(words, 16)  # < U
-    return (prob << 22) | (clip(words & 0xFFFF) << 11) | clip(own_slots)
+    return (prob << 22) | (slot_bits(words & 0xFFFF, COMPACT_SLOTS) << 11) | slot_bits(own_slots, COMPACT_SLOTS)
 
 
 def compact_slot(word, fraction):

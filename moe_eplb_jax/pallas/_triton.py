@@ -14,9 +14,11 @@ one row's few cache lines); ``resolved``'s per-call thresholds are read
 expert-major as they are built (``threshold_layout``: an expert's row side by
 side, and no transposed copy per call). ``shares`` reads its packed alias
 table (:mod:`._alias`: built per call by :func:`._alias.alias_kernel` from the
-weights, or prepared after the lookup table): the expert's head pair, then for
-a multi-replica expert its bucket's alias word and own slot -- no search, and
-no placement lookup table read.
+weights, or prepared after the lookup table): the expert's head word (its
+bucket offset beside it only where offsets pass 17 bits), then for a
+multi-replica expert its bucket's word (alias and own slot in it up to 2047
+slots, else the own slot beside it) -- no search, and no placement lookup
+table read.
 
 Counting (``count_method``), each program counting its tile:
 

@@ -297,7 +297,8 @@ def _check_lookup(lookup, num_logical, width, num_physical):
     if lookup is None:
         return
     shape, dtype = _shape_dtype(lookup)
-    sizes = (num_logical * (1 + width), 3 * num_logical * (1 + width), num_logical * (3 + 2 * width))
+    plain = num_logical * (1 + width)  # the placement's own table; then shares' alias table in two layouts
+    sizes = (plain, *(plain + _alias.packed_size(num_logical, width, compact) for compact in (False, True)))
     if shape not in [(size,) for size in sizes] or dtype != np.int32:
         raise ValueError(f"lookup must be lookup_table(log2phy, logcnt[, replica_shares=...]): int32 of shape "
                          f"({sizes[0]},) or, with shares, ({sizes[1]},) or ({sizes[2]},), got shape {shape} "
