@@ -18,8 +18,16 @@ import time
 import jax
 
 # ------------------------------------------------------------------------ HLO
-_PLUMBING = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "opt-barrier", "partition-id",
-             "replica-id"}
+_PLUMBING = {
+    "parameter",
+    "constant",
+    "get-tuple-element",
+    "tuple",
+    "bitcast",
+    "opt-barrier",
+    "partition-id",
+    "replica-id",
+}
 
 
 def _balanced(text, i):
@@ -87,17 +95,29 @@ def hlo_summary(lowered, compiled):
     for ins in comps.values():
         ops = {name: op for name, op, _, _ in ins}
         for i, (name, op, _, line) in enumerate(ins):
-            if not (op == "collective-permute-start" or (op == "async-start" and any(
-                    re.search(rf"calls=%?{re.escape(c)}\b", line) for c in with_cp))):
+            if not (
+                op == "collective-permute-start"
+                or (op == "async-start" and any(re.search(rf"calls=%?{re.escape(c)}\b", line) for c in with_cp))
+            ):
                 continue
             pairs += 1
             sync += '"is_sync":true' in line
             done = next((j for j in range(i + 1, len(ins)) if ins[j][1].endswith("-done") and name in ins[j][2]), None)
             if done is not None:
-                between.append(sum(1 for n, _, _, _ in ins[i + 1 : done]
-                                   if ops[n] not in _PLUMBING and not ops[n].endswith(("-start", "-done"))))
-    return {"transfers": count, "longest_chain": chain, "async_pairs": pairs, "is_sync": sync,
-            "compute_ops_between_start_and_done": between}
+                between.append(
+                    sum(
+                        1
+                        for n, _, _, _ in ins[i + 1 : done]
+                        if ops[n] not in _PLUMBING and not ops[n].endswith(("-start", "-done"))
+                    )
+                )
+    return {
+        "transfers": count,
+        "longest_chain": chain,
+        "async_pairs": pairs,
+        "is_sync": sync,
+        "compute_ops_between_start_and_done": between,
+    }
 
 
 # ------------------------------------------------------------------- timeline
@@ -178,23 +198,35 @@ def summarise(events, gap_ms=5.0):
         span = max(e[1] for e in g) - g[0][0]
         # Before the first kernel or transfer: the table upload, then the wait for the launch (host work).
         work_start = min((a for a, _, kind, _, _ in g if kind != "copy"), default=g[0][0])
-        rows.append({"span": span * 1e-6, "transfer": _length(by["transfer"]) * 1e-6,
-                     "kernel": _length(by["kernel"]) * 1e-6, "copy": _length(by["copy"]) * 1e-6,
-                     "overlap": _intersection(by["transfer"], _union(by["kernel"] + by["copy"])) * 1e-6,
-                     "idle": (span - _length(_union([(a, b) for a, b, *_ in g]))) * 1e-6,
-                     "lead": (work_start - g[0][0]) * 1e-6})
+        rows.append(
+            {
+                "span": span * 1e-6,
+                "transfer": _length(by["transfer"]) * 1e-6,
+                "kernel": _length(by["kernel"]) * 1e-6,
+                "copy": _length(by["copy"]) * 1e-6,
+                "overlap": _intersection(by["transfer"], _union(by["kernel"] + by["copy"])) * 1e-6,
+                "idle": (span - _length(_union([(a, b) for a, b, *_ in g]))) * 1e-6,
+                "lead": (work_start - g[0][0]) * 1e-6,
+            }
+        )
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     # The call whose span is the median: its events in order (ms from its first event), to read gaps from.
     middle = sorted(range(len(rows)), key=lambda i: rows[i]["span"])[len(rows) // 2]
     t0 = groups[middle][0][0]
-    call_events = [(round((a - t0) * 1e-6, 4), round((b - a) * 1e-6, 4), kind, name[:48], stream)
-                   for a, b, kind, name, stream in groups[middle]]
+    call_events = [
+        (round((a - t0) * 1e-6, 4), round((b - a) * 1e-6, 4), kind, name[:48], stream)
+        for a, b, kind, name, stream in groups[middle]
+    ]
     per_name = {}
     for a, b, kind, name, stream in events:
         key = (kind, name[:60], stream)
         per_name[key] = per_name.get(key, 0.0) + (b - a) * 1e-6 / len(groups)
     top = sorted(per_name.items(), key=lambda kv: -kv[1])[:6]
     streams = {k: sorted({s for _, _, kind, _, s in events if kind == k}) for k in ("transfer", "kernel", "copy")}
-    return {"calls_found": len(groups), **{f"{k}_ms": round(v, 3) for k, v in med.items()},
-            "streams": streams, "top_ms_per_call": [(k[0], k[1], k[2], round(v, 3)) for k, v in top],
-            "events_of_median_call": call_events}
+    return {
+        "calls_found": len(groups),
+        **{f"{k}_ms": round(v, 3) for k, v in med.items()},
+        "streams": streams,
+        "top_ms_per_call": [(k[0], k[1], k[2], round(v, 3)) for k, v in top],
+        "events_of_median_call": call_events,
+    }

@@ -61,7 +61,11 @@ def device_seconds(fn, *args, calls: int = 10, warmup: int = 2, trace_dir: str |
     if not found:
         return None, {}
     if not per_kernel:  # a GPU plane without kernel records on "Stream" lines: say what the lines are called
-        lines = [line.name for plane in ProfileData.from_file(paths[-1]).planes
-                 if plane.name.startswith("/device:GPU:0") for line in plane.lines]
+        lines = [
+            line.name
+            for plane in ProfileData.from_file(paths[-1]).planes
+            if plane.name.startswith("/device:GPU:0")
+            for line in plane.lines
+        ]
         raise RuntimeError(f"no kernel records on the GPU plane's stream lines; lines: {lines}")
     return sum(per_kernel.values()), dict(per_kernel.most_common())

@@ -41,7 +41,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _overlap import timeline  # noqa: E402
+from _overlap import timeline
 
 ROW_WORDS = 532480 // 4  # one DeepSeek-like expert slot of benchmarks/transport.py, as uint32 words
 
@@ -67,17 +67,25 @@ def main():
     copy_rows = max(1, args.copy_mib * 2**20 // (ROW_WORDS * 4))
     leaf_rows = 3 * copy_rows
     transfer_words = args.transfer_mib * 2**20 // 4
-    make = jax.jit(lambda k: jax.random.bits(jax.random.key(k), (g * transfer_words,), jnp.uint32),
-                   static_argnums=0, out_shardings=shard)
+    make = jax.jit(
+        lambda k: jax.random.bits(jax.random.key(k), (g * transfer_words,), jnp.uint32),
+        static_argnums=0,
+        out_shardings=shard,
+    )
     send = make(1)
-    leaf = jax.jit(lambda: jax.random.bits(jax.random.key(2), (g * leaf_rows, ROW_WORDS), jnp.uint32),
-                   out_shardings=shard)()
+    leaf = jax.jit(
+        lambda: jax.random.bits(jax.random.key(2), (g * leaf_rows, ROW_WORDS), jnp.uint32), out_shardings=shard
+    )()
     rng = np.random.default_rng(0)
-    rows = jax.device_put(np.concatenate([rng.permutation(leaf_rows)[:copy_rows] for _ in range(g)]).astype(np.int32),
-                          shard)
+    rows = jax.device_put(
+        np.concatenate([rng.permutation(leaf_rows)[:copy_rows] for _ in range(g)]).astype(np.int32), shard
+    )
     perm = [(r, (r + 1) % g) for r in range(g)]
-    print(f"jax {jax.__version__}, {g} x {devices[0].device_kind}; transfer {args.transfer_mib} MiB/rank, "
-          f"copy {copy_rows} rows = {copy_rows * ROW_WORDS * 4 / 2**20:.0f} MiB/rank", flush=True)
+    print(
+        f"jax {jax.__version__}, {g} x {devices[0].device_kind}; transfer {args.transfer_mib} MiB/rank, "
+        f"copy {copy_rows} rows = {copy_rows * ROW_WORDS * 4 / 2**20:.0f} MiB/rank",
+        flush=True,
+    )
 
     def copy_fn(kind):  # xla | pallas<programs>b<block>w<warps> | scatter<programs>b<block>w<warps>
         if kind == "xla":
@@ -85,7 +93,7 @@ def main():
         name, n, block, warps = re.fullmatch(r"([a-z]+)(\d+)b(\d+)w(\d+)", kind).groups()
         options = dict(num_programs=int(n), block=int(block), num_warps=int(warps))
         if name == "scatter":
-            return lambda v, r: scatter_rows([v], v[:r.shape[0]], r, **options)[0]
+            return lambda v, r: scatter_rows([v], v[: r.shape[0]], r, **options)[0]
         return lambda v, r: gather_rows([v], r, **options)
 
     def variant(transfer, kind):
@@ -100,8 +108,16 @@ def main():
         n_out = int(transfer) + int(bool(kind))
         return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=[spec] * n_out))
 
-    kinds = ["xla"] + [f"pallas{n}b{b}w{w}" for n in args.programs.split(",") for b in args.blocks.split(",")
-                       for w in args.warps.split(",")] + [f"scatter{args.programs.split(',')[-1]}b4096w4"]
+    kinds = (
+        ["xla"]
+        + [
+            f"pallas{n}b{b}w{w}"
+            for n in args.programs.split(",")
+            for b in args.blocks.split(",")
+            for w in args.warps.split(",")
+        ]
+        + [f"scatter{args.programs.split(',')[-1]}b4096w4"]
+    )
     results = {}
     for transfer in (True, False):
         for kind in [None] + kinds:
@@ -112,8 +128,9 @@ def main():
                 fn = variant(transfer, kind)
                 if kind and not kind.startswith("scatter"):  # check the copy once
                     got = fn(send, leaf, rows)[-1]
-                    want = jax.jit(jax.shard_map(lambda v, r: v[r], mesh=mesh, in_specs=(spec, spec),
-                                                 out_specs=spec))(leaf, rows)
+                    want = jax.jit(jax.shard_map(lambda v, r: v[r], mesh=mesh, in_specs=(spec, spec), out_specs=spec))(
+                        leaf, rows
+                    )
                     if not bool(jnp.array_equal(got, want)):
                         print(f"{name}: WRONG COPY", flush=True)
                         continue
@@ -126,8 +143,11 @@ def main():
                 print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue
             results[name] = summary
-            print(f"{name:<46} span {summary['span_ms']:7.3f} ms  transfer busy {summary['transfer_ms']:7.3f}  "
-                  f"kernels {summary['kernel_ms']:7.3f}  overlap {summary['overlap_ms']:7.3f}", flush=True)
+            print(
+                f"{name:<46} span {summary['span_ms']:7.3f} ms  transfer busy {summary['transfer_ms']:7.3f}  "
+                f"kernels {summary['kernel_ms']:7.3f}  overlap {summary['overlap_ms']:7.3f}",
+                flush=True,
+            )
     base = results.get(f"transfer {args.transfer_mib} MiB")
     if base:
         print("\ninterference = span(both) - max(span(transfer), span(copy)); copy alone for scale")
@@ -136,8 +156,11 @@ def main():
             alone = results.get(kind)
             if both and alone:
                 extra = both["span_ms"] - max(base["span_ms"], alone["span_ms"])
-                print(f"  {kind:<22} copy alone {alone['span_ms']:6.3f} ms  interference {extra:6.3f} ms "
-                      f"({extra / alone['span_ms']:.2f} of the copy)", flush=True)
+                print(
+                    f"  {kind:<22} copy alone {alone['span_ms']:6.3f} ms  interference {extra:6.3f} ms "
+                    f"({extra / alone['span_ms']:.2f} of the copy)",
+                    flush=True,
+                )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1, default=str)

@@ -49,7 +49,7 @@ from moe_eplb_jax.pallas.map_and_count import _build_mode_table, lookup_table, m
 from moe_eplb_jax.placement import Placement
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import device_seconds  # noqa: E402
+from _timing import device_seconds
 
 REPS = 8
 TRIALS = 10
@@ -116,9 +116,16 @@ def make_case(rng, num_tokens, top_k, num_physical, mode):
         demand = num_tokens * top_k * popularity / popularity.sum()
         split = rng.random((NUM_LOGICAL, width)) * (np.arange(width)[None, :] < logcnt[:, None])
         kw["resolved"] = np.floor(demand[:, None] * split / split.sum(1, keepdims=True)).astype(np.int32)
-    ids = [rng.choice(NUM_LOGICAL, size=(num_tokens, top_k), p=popularity / popularity.sum()).astype(np.int32)
-           for _ in range(REPS)]
-    return jnp.asarray(log2phy), jnp.asarray(logcnt), {k: jnp.asarray(v) for k, v in kw.items()}, [jnp.asarray(i) for i in ids]
+    ids = [
+        rng.choice(NUM_LOGICAL, size=(num_tokens, top_k), p=popularity / popularity.sum()).astype(np.int32)
+        for _ in range(REPS)
+    ]
+    return (
+        jnp.asarray(log2phy),
+        jnp.asarray(logcnt),
+        {k: jnp.asarray(v) for k, v in kw.items()},
+        [jnp.asarray(i) for i in ids],
+    )
 
 
 def run_case(rng, num_tokens, top_k, num_physical, mode, bandwidth, log):
@@ -130,8 +137,16 @@ def run_case(rng, num_tokens, top_k, num_physical, mode, bandwidth, log):
     # the sixth session they were closed over, so XLA folded those small ops into constants.)
     def ours(impl):
         return lambda x, log2phy, logcnt, kw, lookup=None: map_and_count(
-            x, log2phy, logcnt, num_physical=num_physical, num_valid_tokens=valid, mode=mode, implementation=impl,
-            lookup=lookup, **kw)
+            x,
+            log2phy,
+            logcnt,
+            num_physical=num_physical,
+            num_valid_tokens=valid,
+            mode=mode,
+            implementation=impl,
+            lookup=lookup,
+            **kw,
+        )
 
     def xla_best(x, log2phy, logcnt, kw):
         phys, _ = ours("xla")(x, log2phy, logcnt, kw)  # the bincount is dead code here and is removed
@@ -141,14 +156,21 @@ def run_case(rng, num_tokens, top_k, num_physical, mode, bandwidth, log):
     # "prepared": the lookup table built once per placement (as a model keeps it), passed in; "words": with
     # shares' alias words in it too.
     lookup = jax.jit(lookup_table)(log2phy, logcnt)
-    words = (jax.jit(functools.partial(lookup_table, replica_shares=kw["replica_shares"],
-                                       num_physical=num_physical))(log2phy, logcnt)
-             if mode == "shares" else None)
+    words = (
+        jax.jit(functools.partial(lookup_table, replica_shares=kw["replica_shares"], num_physical=num_physical))(
+            log2phy, logcnt
+        )
+        if mode == "shares"
+        else None
+    )
     # Correctness first: every column must agree on a fresh input.
     ref_phys, ref_load = ours("xla")(ids[0], log2phy, logcnt, kw)
-    for name, fn in (("pallas", ours("pallas")), ("xla_best", xla_best),
-                     ("prepared", functools.partial(ours("pallas"), lookup=lookup)),
-                     *((("words", functools.partial(ours("pallas"), lookup=words)),) if words is not None else ())):
+    for name, fn in (
+        ("pallas", ours("pallas")),
+        ("xla_best", xla_best),
+        ("prepared", functools.partial(ours("pallas"), lookup=lookup)),
+        *((("words", functools.partial(ours("pallas"), lookup=words)),) if words is not None else ()),
+    ):
         phys, load = jax.jit(fn)(ids[0], log2phy, logcnt, kw)
         if not (np.array_equal(phys, ref_phys) and np.array_equal(load, ref_load)):
             raise SystemExit(f"MISMATCH {name} T={num_tokens} P={num_physical} mode={mode}")
@@ -178,8 +200,11 @@ def variant_case(mode, num_tokens, num_physical):
     log2phy, logcnt, kw, ids = make_case(case_rng, num_tokens, 8, num_physical, mode)
     width = log2phy.shape[1]
     values = kw.get("replica_shares", kw.get("resolved"))
-    thresholds = (jnp.zeros((NUM_LOGICAL, width), jnp.int32) if values is None
-                  else _build_mode_table(mode, values, log2phy, logcnt))
+    thresholds = (
+        jnp.zeros((NUM_LOGICAL, width), jnp.int32)
+        if values is None
+        else _build_mode_table(mode, values, log2phy, logcnt)
+    )
     limits = jnp.asarray([(num_tokens - 3) * 8] * 2, jnp.int32)
     return log2phy, logcnt, values, ids, thresholds, limits
 
@@ -197,9 +222,13 @@ def time_variant(rng, mode, options, count=True, num_tokens=262144, num_physical
     setup = options.pop("setup", None)
     log2phy, logcnt, values, ids, thresholds, limits = variant_case(mode, num_tokens, num_physical)
     compact = options.get("compact", True)  # (a two-word table for "compact": False)
-    prepared = (jax.jit(functools.partial(lookup_table, replica_shares=values,
-                                          num_physical=num_physical if compact else None))(log2phy, logcnt)
-                if setup == "words" else None)
+    prepared = (
+        jax.jit(functools.partial(lookup_table, replica_shares=values, num_physical=num_physical if compact else None))(
+            log2phy, logcnt
+        )
+        if setup == "words"
+        else None
+    )
 
     def fn(x, log2phy, logcnt, thresholds):  # tables traced, as in use: what the wrapper builds is timed
         quotas = shares = None
@@ -208,9 +237,21 @@ def time_variant(rng, mode, options, count=True, num_tokens=262144, num_physical
         elif setup in ("thresholds", "quotas"):  # `thresholds` holds the quotas here
             quotas = thresholds if setup == "quotas" else None
             thresholds = _build_mode_table(mode, thresholds, log2phy, logcnt, limit=x.size)
-        return _triton.map_and_count_triton(x, log2phy, logcnt, thresholds, limits, num_physical=num_physical,
-                                            mode=mode, count=count, interpret=jax.default_backend() != "gpu",
-                                            quotas=quotas, shares=shares, lookup=prepared, **options)
+        return _triton.map_and_count_triton(
+            x,
+            log2phy,
+            logcnt,
+            thresholds,
+            limits,
+            num_physical=num_physical,
+            mode=mode,
+            count=count,
+            interpret=jax.default_backend() != "gpu",
+            quotas=quotas,
+            shares=shares,
+            lookup=prepared,
+            **options,
+        )
 
     if setup in ("thresholds", "quotas"):
         thresholds = jnp.asarray(values)
@@ -218,10 +259,16 @@ def time_variant(rng, mode, options, count=True, num_tokens=262144, num_physical
     try:
         got = jax.jit(fn)(ids[0], log2phy, logcnt, thresholds)
         want = _reference.map_and_count_reference(
-            ids[0], log2phy, logcnt,
-            thresholds if setup in (None, "words")
+            ids[0],
+            log2phy,
+            logcnt,
+            thresholds
+            if setup in (None, "words")
             else _build_mode_table(mode, thresholds, log2phy, logcnt, limit=ids[0].size),
-            limits, num_physical=num_physical, mode=mode)
+            limits,
+            num_physical=num_physical,
+            mode=mode,
+        )
         if not np.array_equal(got[0], want[0]) or (count and not np.array_equal(got[1], want[1])):
             print(f"  {mode} {options} count={count}: WRONG RESULT", flush=True)
             return None
@@ -231,8 +278,11 @@ def time_variant(rng, mode, options, count=True, num_tokens=262144, num_physical
         return None
     kernels = ", ".join(f"{name[:24]} {t * 1e6:.2f}" for name, t in list(LAST_KERNELS.items())[:6])
     shown = options if setup is None else {**options, "setup": setup}
-    print(f"  T={num_tokens:<7} P={num_physical} {mode:<11} {str(shown):<62} count={count!s:<5} "
-          f"{seconds * 1e6:8.2f} us  [{kernels}]", flush=True)
+    print(
+        f"  T={num_tokens:<7} P={num_physical} {mode:<11} {str(shown):<62} count={count!s:<5} "
+        f"{seconds * 1e6:8.2f} us  [{kernels}]",
+        flush=True,
+    )
     return seconds
 
 
@@ -246,11 +296,15 @@ def pallas_copy(x, block=2048, num_warps=4):
     def kernel(x_ref, o_ref):
         o_ref[...] = x_ref[...] + 1
 
-    out = pl.pallas_call(kernel, grid=(pl.cdiv(flat.size, block),), in_specs=[pl.BlockSpec((block,), lambda i: (i,))],
-                         out_specs=pl.BlockSpec((block,), lambda i: (i,)),
-                         out_shape=jax.ShapeDtypeStruct(flat.shape, flat.dtype),
-                         compiler_params=plgpu.CompilerParams(num_warps=num_warps),
-                         interpret=jax.default_backend() != "gpu")(flat)
+    out = pl.pallas_call(
+        kernel,
+        grid=(pl.cdiv(flat.size, block),),
+        in_specs=[pl.BlockSpec((block,), lambda i: (i,))],
+        out_specs=pl.BlockSpec((block,), lambda i: (i,)),
+        out_shape=jax.ShapeDtypeStruct(flat.shape, flat.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps),
+        interpret=jax.default_backend() != "gpu",
+    )(flat)
     return out.reshape(x.shape)
 
 
@@ -281,20 +335,31 @@ def gather_probe(x, table, *, rows_bits, bucket_major, tile=8192, sub=4096, num_
 
         jax.lax.fori_loop(0, tile // sub, step, 0)
 
-    return pl.pallas_call(kernel, grid=(pl.cdiv(num_flat, tile),), in_specs=[pl.no_block_spec] * 2,
-                          out_specs=pl.no_block_spec, out_shape=jax.ShapeDtypeStruct(flat.shape, jnp.int32),
-                          compiler_params=plgpu.CompilerParams(num_warps=num_warps),
-                          interpret=jax.default_backend() != "gpu")(flat, table)
+    return pl.pallas_call(
+        kernel,
+        grid=(pl.cdiv(num_flat, tile),),
+        in_specs=[pl.no_block_spec] * 2,
+        out_specs=pl.no_block_spec,
+        out_shape=jax.ShapeDtypeStruct(flat.shape, jnp.int32),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps),
+        interpret=jax.default_backend() != "gpu",
+    )(flat, table)
 
 
 SWEEP = [  # (mode, T, P, options): T x 8 entries; the defaults first in each group; "count": False skips counting
     # Seventeenth session, last call: where resolved's decode time goes (kernel by kernel), and counting by
     # per-entry atomics past 32768 slots (P = 40000) against the histogram (P = 512).
-    ("resolved", 4096, 288, {}), ("resolved", 4096, 512, {}), ("resolved", 4096, 512, {"count": False}),
-    ("resolved", 4096, 512, {"search": "while"}), ("resolved", 4096, 512, {"linear_search": 0}),
-    ("resolved", 4096, 512, {"tables": "shared"}), ("resolved", 4096, 512, {"tile": 1024}),
+    ("resolved", 4096, 288, {}),
+    ("resolved", 4096, 512, {}),
+    ("resolved", 4096, 512, {"count": False}),
+    ("resolved", 4096, 512, {"search": "while"}),
+    ("resolved", 4096, 512, {"linear_search": 0}),
+    ("resolved", 4096, 512, {"tables": "shared"}),
+    ("resolved", 4096, 512, {"tile": 1024}),
     ("hash", 4096, 512, {}),
-    ("hash", 262144, 512, {}), ("hash", 262144, 40000, {}), ("round_robin", 262144, 40000, {}),
+    ("hash", 262144, 512, {}),
+    ("hash", 262144, 40000, {}),
+    ("round_robin", 262144, 40000, {}),
     ("hash", 4096, 40000, {}),
 ]
 
@@ -310,10 +375,18 @@ def sweep(rng, probe=False):
     probes = ((0, False), (2, False), (4, False), (6, False), (8, False), (6, True), (8, True)) if probe else ()
     for rows_bits, bucket_major in probes:
         table = jnp.arange(NUM_LOGICAL << rows_bits, dtype=jnp.int32)
-        us = timed(functools.partial(gather_probe, rows_bits=rows_bits, bucket_major=bucket_major),
-                   [(x, table) for x in flat]) * 1e6
-        print(f"  gather probe 262144 x 8, {NUM_LOGICAL} x 2**{rows_bits} words"
-              f"{' bucket-major' if bucket_major else ''}: {us:.2f} us", flush=True)
+        us = (
+            timed(
+                functools.partial(gather_probe, rows_bits=rows_bits, bucket_major=bucket_major),
+                [(x, table) for x in flat],
+            )
+            * 1e6
+        )
+        print(
+            f"  gather probe 262144 x 8, {NUM_LOGICAL} x 2**{rows_bits} words"
+            f"{' bucket-major' if bucket_major else ''}: {us:.2f} us",
+            flush=True,
+        )
     del flat
     for mode, num_tokens, num_physical, options in SWEEP:
         options = dict(options)
@@ -332,9 +405,16 @@ def setup_sweep(rng, num_tokens=262144):
             log2phy, logcnt, kw, ids = make_case(rng, num_tokens, 8, num_physical, mode)
             for sums in ("matmul", "cumsum"):
                 public._THRESHOLD_SUMS = sums
-                fn = lambda x, log2phy, logcnt, kw: map_and_count(  # noqa: E731
-                    x, log2phy, logcnt, num_physical=num_physical, num_valid_tokens=num_tokens - 3, mode=mode,
-                    implementation="pallas", **kw)
+                fn = lambda x, log2phy, logcnt, kw: map_and_count(
+                    x,
+                    log2phy,
+                    logcnt,
+                    num_physical=num_physical,
+                    num_valid_tokens=num_tokens - 3,
+                    mode=mode,
+                    implementation="pallas",
+                    **kw,
+                )
                 seconds = timed(fn, [(x, log2phy, logcnt, kw) for x in ids])
                 kernels = ", ".join(f"{name[:26]} {t * 1e6:.2f}" for name, t in LAST_KERNELS.items())
                 print(f"  {mode:<9} P={num_physical} sums={sums:<7} {seconds * 1e6:7.2f} us  [{kernels}]", flush=True)
@@ -373,11 +453,15 @@ def main():
                     row = run_case(rng, num_tokens, 8, num_physical, mode, bandwidth, log)
                     rows.append(row)
                     print(_format(row), flush=True)
-    print("\nmap_and_count, E=256, top-8, microseconds per call (median); ratios: xla_ref/pallas, pallas/hbm, "
-          "prepared/hbm ('prepared': lookup table built once per placement and passed in; '+words': shares' alias "
-          "words in it too)")
-    print(f"{'T':>7} {'P':>4} {'mode':<12}{'pallas':>9}{'prepared':>9}{'+words':>8}{'xla_best':>10}{'xla_ref':>10}"
-          f"{'copy':>8}{'hbm':>7}{'ref/pal':>9}{'pal/hbm':>9}{'pre/hbm':>9}{'wds/hbm':>9}")
+    print(
+        "\nmap_and_count, E=256, top-8, microseconds per call (median); ratios: xla_ref/pallas, pallas/hbm, "
+        "prepared/hbm ('prepared': lookup table built once per placement and passed in; '+words': shares' alias "
+        "words in it too)"
+    )
+    print(
+        f"{'T':>7} {'P':>4} {'mode':<12}{'pallas':>9}{'prepared':>9}{'+words':>8}{'xla_best':>10}{'xla_ref':>10}"
+        f"{'copy':>8}{'hbm':>7}{'ref/pal':>9}{'pal/hbm':>9}{'pre/hbm':>9}{'wds/hbm':>9}"
+    )
     for row in rows:
         print(_format(row))
 
@@ -386,10 +470,12 @@ def _format(row):
     us = {k: row[k] * 1e6 for k in ("pallas", "prepared", "xla_best", "xla_ref", "copy", "hbm")}
     words = "--" if row.get("words") is None else f"{row['words'] * 1e6:.2f}"
     words_ratio = "--" if row.get("words") is None else f"{row['words'] * 1e6 / us['hbm']:.1f}"
-    return (f"{row['T']:>7} {row['P']:>4} {row['mode']:<12}{us['pallas']:>9.2f}{us['prepared']:>9.2f}{words:>8}"
-            f"{us['xla_best']:>10.2f}{us['xla_ref']:>10.2f}{us['copy']:>8.2f}{us['hbm']:>7.2f}"
-            f"{us['xla_ref'] / us['pallas']:>9.1f}{us['pallas'] / us['hbm']:>9.1f}{us['prepared'] / us['hbm']:>9.1f}"
-            f"{words_ratio:>9}")
+    return (
+        f"{row['T']:>7} {row['P']:>4} {row['mode']:<12}{us['pallas']:>9.2f}{us['prepared']:>9.2f}{words:>8}"
+        f"{us['xla_best']:>10.2f}{us['xla_ref']:>10.2f}{us['copy']:>8.2f}{us['hbm']:>7.2f}"
+        f"{us['xla_ref'] / us['pallas']:>9.1f}{us['pallas'] / us['hbm']:>9.1f}{us['prepared'] / us['hbm']:>9.1f}"
+        f"{words_ratio:>9}"
+    )
 
 
 if __name__ == "__main__":

@@ -64,14 +64,24 @@ def _args():
     p.add_argument("--zipf", type=float, default=1.2, help="router bias -4*zipf*log(1+e)")
     p.add_argument("--matmul", default="dense,pallas", help="comma-separated grouped matmul implementations")
     p.add_argument("--map-impl", default=None, help="map_and_count implementation (None: its default)")
-    p.add_argument("--capacity-factor", default="none,1.25",
-                   help="comma-separated exchange capacity factors ('none': one worst-case all_to_all)")
+    p.add_argument(
+        "--capacity-factor",
+        default="none,1.25",
+        help="comma-separated exchange capacity factors ('none': one worst-case all_to_all)",
+    )
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--online", default="resident,all_gather",
-                   help="online quota rows: comma-separated spare-weight fetches (resident, all_gather; '' for none)")
+    p.add_argument(
+        "--online",
+        default="resident,all_gather",
+        help="online quota rows: comma-separated spare-weight fetches (resident, all_gather; '' for none)",
+    )
     p.add_argument("--window", type=int, default=1000, help="EplbState window (steps) in the bookkeeping step")
-    p.add_argument("--book-reps", type=int, default=3,
-                   help="bookkeeping: interleaved (a)/(b) profiler runs of --iters calls each; medians reported")
+    p.add_argument(
+        "--book-reps",
+        type=int,
+        default=3,
+        help="bookkeeping: interleaved (a)/(b) profiler runs of --iters calls each; medians reported",
+    )
     p.add_argument("--json", default=None, help="write the table rows here")
     return p.parse_args()
 
@@ -89,7 +99,8 @@ def main():
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as PS
 
-    from moe_eplb_jax import metrics, state as eplb_state
+    from moe_eplb_jax import metrics
+    from moe_eplb_jax import state as eplb_state
     from moe_eplb_jax.flax import layer as L
     from moe_eplb_jax.pallas import map_and_count
     from moe_eplb_jax.placement import Placement
@@ -97,11 +108,11 @@ def main():
     from moe_eplb_jax.state import EplbConfig
 
     try:  # run as a script: benchmarks/ is on sys.path
-        from online_ep import online_moe_apply
         from _timing import device_seconds, median_seconds
+        from online_ep import online_moe_apply
     except ImportError:
-        from benchmarks.online_ep import online_moe_apply
         from benchmarks._timing import device_seconds, median_seconds
+        from benchmarks.online_ep import online_moe_apply
 
     ranks = args.ranks or jax.device_count()
     mesh = jax.make_mesh((ranks,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:ranks])
@@ -127,10 +138,18 @@ def main():
 
     def operands(placement, bias, tokens=x, router=router):
         phy = placement.phy2log[0]
-        experts = {"w_in": put_host(w_in[phy].astype(dtype), mesh, PS("ep")),
-                   "w_out": put_host(w_out[phy].astype(dtype), mesh, PS("ep"))}
-        return (tokens, router, bias, experts, put_host(placement.log2phy[0], mesh, PS()),
-                put_host(placement.logcnt[0], mesh, PS()))
+        experts = {
+            "w_in": put_host(w_in[phy].astype(dtype), mesh, PS("ep")),
+            "w_out": put_host(w_out[phy].astype(dtype), mesh, PS("ep")),
+        }
+        return (
+            tokens,
+            router,
+            bias,
+            experts,
+            put_host(placement.log2phy[0], mesh, PS()),
+            put_host(placement.logcnt[0], mesh, PS()),
+        )
 
     def bench(fn, ops):
         out = jax.block_until_ready(fn(*ops))
@@ -161,22 +180,39 @@ def main():
             _, load = map_and_count(ids, log2phy, logcnt, num_physical=P, implementation=args.map_impl)
             return load[None]
 
-        load = jax.shard_map(per_rank, mesh=mesh, in_specs=(PS("ep"),) + (PS(),) * 4, out_specs=PS("ep"),
-                             check_vma=False)(x, router, bias, log2phy, logcnt)
+        load = jax.shard_map(
+            per_rank, mesh=mesh, in_specs=(PS("ep"),) + (PS(),) * 4, out_specs=PS("ep"), check_vma=False
+        )(x, router, bias, log2phy, logcnt)
         return eplb_state.end_step(eplb_state.record(state, load[None]))
 
     def route_only(x, router, bias):
-        return jax.shard_map(lambda x, r, b: L.route(x, r, top_k=K, bias=b)[0], mesh=mesh,
-                             in_specs=(PS("ep"), PS(), PS()), out_specs=PS("ep"), check_vma=False)(x, router, bias)
+        return jax.shard_map(
+            lambda x, r, b: L.route(x, r, top_k=K, bias=b)[0],
+            mesh=mesh,
+            in_specs=(PS("ep"), PS(), PS()),
+            out_specs=PS("ep"),
+            check_vma=False,
+        )(x, router, bias)
 
     def bookkeeping(ops, state, state_sharding, matmul, factor):
         """(a) the EPLB step vs (b) the same step, fixed placement, no EPLB work (see the module docstring)."""
         x, router, bias, experts, log2phy, logcnt = ops
 
         def eplb_step(x, router, bias, experts, log2phy, logcnt, state, load_reduce="none"):  # (a)
-            out, load = L.moe_apply(x, router, bias, experts, log2phy, logcnt, top_k=K, mesh=mesh, matmul=matmul,
-                                    map_implementation=args.map_impl, capacity_factor=factor,
-                                    load_reduce=load_reduce)
+            out, load = L.moe_apply(
+                x,
+                router,
+                bias,
+                experts,
+                log2phy,
+                logcnt,
+                top_k=K,
+                mesh=mesh,
+                matmul=matmul,
+                map_implementation=args.map_impl,
+                capacity_factor=factor,
+                load_reduce=load_reduce,
+            )
             return out, eplb_state.end_step(eplb_state.record(state, load[None]))  # load: [G, P] or psum'd [P]
 
         def fixed_step(x, router, bias, experts, log2phy, replica):  # (b)
@@ -184,27 +220,52 @@ def main():
                 ids, weights = L.route(x, router, top_k=K, bias=bias)
                 physical = log2phy[ids, replica]  # one gather, nothing counted
                 return L._routed_experts(  # moe_apply's own exchange + grouped MLP + combine
-                    x, physical, weights, experts, axis="ep", num_ranks=ranks, slots_per_rank=P // ranks,
-                    capacity=L._capacity(args.tokens * K, ranks, factor), matmul=matmul, quant_impl="auto",
-                    activation_scaling="dynamic")
+                    x,
+                    physical,
+                    weights,
+                    experts,
+                    axis="ep",
+                    num_ranks=ranks,
+                    slots_per_rank=P // ranks,
+                    capacity=L._capacity(args.tokens * K, ranks, factor),
+                    matmul=matmul,
+                    quant_impl="auto",
+                    activation_scaling="dynamic",
+                )
 
-            return jax.shard_map(per_rank, mesh=mesh, in_specs=(PS("ep"), PS(), PS(), PS("ep"), PS(), PS("ep")),
-                                 out_specs=PS("ep"), check_vma=False)(x, router, bias, experts, log2phy, replica)
+            return jax.shard_map(
+                per_rank,
+                mesh=mesh,
+                in_specs=(PS("ep"), PS(), PS(), PS("ep"), PS(), PS("ep")),
+                out_specs=PS("ep"),
+                check_vma=False,
+            )(x, router, bias, experts, log2phy, replica)
 
         def replicas(x, router, bias, log2phy, logcnt):  # the replica (a)'s map_and_count picks per assignment
             def per_rank(x, router, bias, log2phy, logcnt):
                 ids, _ = L.route(x, router, top_k=K, bias=bias)
-                physical, _ = map_and_count(ids, log2phy, logcnt, num_physical=P, mode="hash",
-                                            num_valid_tokens=jnp.int32(x.shape[0]), implementation=args.map_impl)
+                physical, _ = map_and_count(
+                    ids,
+                    log2phy,
+                    logcnt,
+                    num_physical=P,
+                    mode="hash",
+                    num_valid_tokens=jnp.int32(x.shape[0]),
+                    implementation=args.map_impl,
+                )
                 return jnp.argmax(log2phy[ids] == physical[..., None], axis=-1).astype(jnp.int32)
 
-            return jax.shard_map(per_rank, mesh=mesh, in_specs=(PS("ep"),) + (PS(),) * 4, out_specs=PS("ep"),
-                                 check_vma=False)(x, router, bias, log2phy, logcnt)
+            return jax.shard_map(
+                per_rank, mesh=mesh, in_specs=(PS("ep"),) + (PS(),) * 4, out_specs=PS("ep"), check_vma=False
+            )(x, router, bias, log2phy, logcnt)
 
         def runner(state, sharding, load_reduce):
             # The state is donated, as EplbController.step does: the window row is written in place.
-            step = jax.jit(functools.partial(eplb_step, load_reduce=load_reduce), donate_argnums=6,
-                           out_shardings=(NamedSharding(mesh, PS("ep")), sharding))
+            step = jax.jit(
+                functools.partial(eplb_step, load_reduce=load_reduce),
+                donate_argnums=6,
+                out_shardings=(NamedSharding(mesh, PS("ep")), sharding),
+            )
             held = [state]
 
             def run(*a):
@@ -229,24 +290,37 @@ def main():
             for name, fn, fn_ops in (("a", run_a, ops), ("b", run_b, ops_b), ("psum", run_psum, ops)):
                 seconds, per_kernel = device_seconds(fn, *fn_ops, calls=args.iters)
                 device[name].append(seconds)
-                compute[name].append(None if seconds is None else
-                                     sum(t for k, t in per_kernel.items() if "nccl" not in k.lower()))
+                compute[name].append(
+                    None if seconds is None else sum(t for k, t in per_kernel.items() if "nccl" not in k.lower())
+                )
                 kernels[name].update({k: t / args.book_reps for k, t in per_kernel.items()})
-        host = {"a": [median_seconds(run_a, *ops, reps=args.iters)], "b": [median_seconds(run_b, *ops_b, reps=args.iters)],
-                "psum": [median_seconds(run_psum, *ops, reps=args.iters)]}
+        host = {
+            "a": [median_seconds(run_a, *ops, reps=args.iters)],
+            "b": [median_seconds(run_b, *ops_b, reps=args.iters)],
+            "psum": [median_seconds(run_psum, *ops, reps=args.iters)],
+        }
 
         def column(times, step=None):  # medians -> ms of (a), (b), (a) - (b), % of the step; the same for (a')
             if any(t is None for t in times["a"] + times["b"] + times["psum"]):
                 return None
             a, b, p = (float(np.median(times[k])) for k in ("a", "b", "psum"))
             step = a if step is None else step  # the (a) step time the percentages are of
-            return dict(a_ms=a * 1e3, b_ms=b * 1e3, book_ms=(a - b) * 1e3, pct=100 * (a - b) / step,
-                        psum_ms=p * 1e3, psum_book_ms=(p - b) * 1e3, psum_pct=100 * (p - b) / step)
+            return dict(
+                a_ms=a * 1e3,
+                b_ms=b * 1e3,
+                book_ms=(a - b) * 1e3,
+                pct=100 * (a - b) / step,
+                psum_ms=p * 1e3,
+                psum_book_ms=(p - b) * 1e3,
+                psum_pct=100 * (p - b) / step,
+            )
 
         names = set(kernels["a"]) | set(kernels["b"])
         table = [(k, kernels["a"][k] * 1e6, kernels["b"][k] * 1e6) for k in names]
         return dict(
-            case=f"{matmul}/{'worst' if factor is None else f'cf{factor:g}'}", window=args.window, same=same,
+            case=f"{matmul}/{'worst' if factor is None else f'cf{factor:g}'}",
+            window=args.window,
+            same=same,
             device=column(device),
             compute=column(compute, None if device["a"][0] is None else float(np.median(device["a"]))),
             host=column(host),
@@ -262,24 +336,30 @@ def main():
             print(f", {row['case']}, EPLB placement, window {row['window']} steps:")
             print(f"{'':44s} {'device ms':>10s} {'w/o NCCL':>10s} {'host ms':>10s}")
             cols = (row["device"], row["compute"], row["host"])
-            for name, key, fmt in (("(a) EPLB step: map+count+state", "a_ms", "{:10.3f}"),
-                                   ("(b) fixed placement, no EPLB work", "b_ms", "{:10.3f}"),
-                                   ("bookkeeping (a) - (b)", "book_ms", "{:10.3f}"),
-                                   ("bookkeeping, % of (a) (device: all kernels)", "pct", "{:9.2f}%"),
-                                   ("(a') old path: + load psum every step", "psum_ms", "{:10.3f}"),
-                                   ("(a') bookkeeping (a') - (b)", "psum_book_ms", "{:10.3f}"),
-                                   ("(a') bookkeeping, % of (a)", "psum_pct", "{:9.2f}%")):
+            for name, key, fmt in (
+                ("(a) EPLB step: map+count+state", "a_ms", "{:10.3f}"),
+                ("(b) fixed placement, no EPLB work", "b_ms", "{:10.3f}"),
+                ("bookkeeping (a) - (b)", "book_ms", "{:10.3f}"),
+                ("bookkeeping, % of (a) (device: all kernels)", "pct", "{:9.2f}%"),
+                ("(a') old path: + load psum every step", "psum_ms", "{:10.3f}"),
+                ("(a') bookkeeping (a') - (b)", "psum_book_ms", "{:10.3f}"),
+                ("(a') bookkeeping, % of (a)", "psum_pct", "{:9.2f}%"),
+            ):
                 print(f"{name:44s} " + " ".join("       n/a" if c is None else fmt.format(c[key]) for c in cols))
             print(f"(a) and (b) route the same rows (bit-identical outputs): {row['same']}")
             if row["kernels_a"]:
-                print("device time by kernel, us per step: (a), (b) for the same name, (a) - (b); XLA may number "
-                      "fusions differently in (b)")
+                print(
+                    "device time by kernel, us per step: (a), (b) for the same name, (a) - (b); XLA may number "
+                    "fusions differently in (b)"
+                )
                 for title, key in (("top 10 of (a)", "kernels_a"), ("top 10 of (a) - (b)", "kernels_diff")):
                     print(f"  {title}:")
                     for k, a, b in row[key]:
                         print(f"  {a:10.1f} {b:10.1f} {a - b:10.1f}  {k[:90]}")
-        print(f"old host estimate (route+map+count+state minus route, separate programs): {t_book * 1e3:.3f} ms "
-              f"({t_book_route * 1e3:.3f} - {t_route * 1e3:.3f} ms)")
+        print(
+            f"old host estimate (route+map+count+state minus route, separate programs): {t_book * 1e3:.3f} ms "
+            f"({t_book_route * 1e3:.3f} - {t_route * 1e3:.3f} ms)"
+        )
 
     # Online quota routing needs the home layout: E/G experts per rank, (P-E)/G spare slots per rank.
     fetches = [f for f in args.online.split(",") if f]
@@ -296,8 +376,11 @@ def main():
     factors = [None if f == "none" else float(f) for f in args.capacity_factor.split(",")]
     for matmul, factor in [(m, f) for m in args.matmul.split(",") for f in factors]:
         label = f"{matmul}/{'worst' if factor is None else f'cf{factor:g}'}"
-        apply = jax.jit(lambda *a, matmul=matmul, factor=factor: L.moe_apply(
-            *a, top_k=K, mesh=mesh, matmul=matmul, map_implementation=args.map_impl, capacity_factor=factor))
+        apply = jax.jit(
+            lambda *a, matmul=matmul, factor=factor: L.moe_apply(
+                *a, top_k=K, mesh=mesh, matmul=matmul, map_implementation=args.map_impl, capacity_factor=factor
+            )
+        )
         try:
             t_init, (y_init, load_init) = bench(apply, operands(start, zipf_bias))
             if fitted is None:
@@ -314,12 +397,21 @@ def main():
         loads_ok = int(total(load_init).sum()) == T * K == int(total(load_fit).sum())
         online = {}
         for fetch in fetches:
-            run_online = jax.jit(lambda *a, matmul=matmul, factor=factor: online_moe_apply(
-                *a, top_k=K, mesh=mesh, num_spare=(P - E) // ranks, matmul=matmul,
-                map_implementation=args.map_impl, capacity_factor=factor))
+            run_online = jax.jit(
+                lambda *a, matmul=matmul, factor=factor: online_moe_apply(
+                    *a,
+                    top_k=K,
+                    mesh=mesh,
+                    num_spare=(P - E) // ranks,
+                    matmul=matmul,
+                    map_implementation=args.map_impl,
+                    capacity_factor=factor,
+                )
+            )
             try:
-                t_onl, (y_onl, load_onl) = bench(run_online, (x, router, zipf_bias, home,
-                                                              resident if fetch == "resident" else None))
+                t_onl, (y_onl, load_onl) = bench(
+                    run_online, (x, router, zipf_bias, home, resident if fetch == "resident" else None)
+                )
             except Exception:  # the online rows must not hide the others
                 traceback.print_exc()
                 online[fetch] = None
@@ -327,17 +419,33 @@ def main():
             same = same and bool(np.array_equal(np.asarray(y_init).view(np.uint16), np.asarray(y_onl).view(np.uint16)))
             loads_ok = loads_ok and int(total(load_onl).sum()) == T * K
             online[fetch] = (t_onl, balancedness(load_onl))
-        rows.append((label, dict(t_init=t_init, t_fit=t_fit, t_uni=t_uni, b_init=balancedness(load_init),
-                                  b_fit=balancedness(load_fit), b_uni=balancedness(load_uni), same=same,
-                                  loads_ok=loads_ok, online=online)))
+        rows.append(
+            (
+                label,
+                dict(
+                    t_init=t_init,
+                    t_fit=t_fit,
+                    t_uni=t_uni,
+                    b_init=balancedness(load_init),
+                    b_fit=balancedness(load_fit),
+                    b_uni=balancedness(load_uni),
+                    same=same,
+                    loads_ok=loads_ok,
+                    online=online,
+                ),
+            )
+        )
         print(f"{label}: {rows[-1][1]}", flush=True)  # a run cut short still shows what it measured
 
     # The per-rank state layout the controller keeps: rank rows on their EP rank, counters replicated.
     book_config = EplbConfig(num_gpus=ranks, num_redundant_experts=P - E, window_size=args.window)
-    make_state = lambda: eplb_state.init_state(book_config, 1, P, per_rank=True)  # noqa: E731
+    make_state = lambda: eplb_state.init_state(book_config, 1, P, per_rank=True)
     state_sharding = jax.tree.map(lambda _: NamedSharding(mesh, PS()), jax.eval_shape(make_state))
-    state_sharding = dataclasses.replace(state_sharding, pass_load=NamedSharding(mesh, PS(None, "ep", None)),
-                                         window=NamedSharding(mesh, PS(None, None, "ep", None)))
+    state_sharding = dataclasses.replace(
+        state_sharding,
+        pass_load=NamedSharding(mesh, PS(None, "ep", None)),
+        window=NamedSharding(mesh, PS(None, None, "ep", None)),
+    )
     state = jax.jit(make_state, out_shardings=state_sharding)()
     ops_fit = operands(fitted or start, zipf_bias)
     t_book_route = median_seconds(jax.jit(book), *ops_fit[:3], *ops_fit[4:], state, reps=args.iters)
@@ -349,8 +457,10 @@ def main():
         traceback.print_exc()
         book_row = None
 
-    print(f"\n=== MoE step ({ranks} x {jax.devices()[0].device_kind}; T={args.tokens}/rank, D={D}, H={H}, E={E}, "
-          f"P={P}, top-{K}, bf16, map_and_count={args.map_impl or 'default'}) ===")
+    print(
+        f"\n=== MoE step ({ranks} x {jax.devices()[0].device_kind}; T={args.tokens}/rank, D={D}, H={H}, E={E}, "
+        f"P={P}, top-{K}, bf16, map_and_count={args.map_impl or 'default'}) ==="
+    )
     print("matmul/exchange: 'worst' = one worst-case all_to_all; 'cfX' = rounds of X times the balanced share")
     print(f"{'matmul/exchange':24s} {'routing / placement':26s} {'step ms':>9s} {'vs ideal':>9s} {'balancedness':>13s}")
     for label, r in rows:
@@ -370,8 +480,17 @@ def main():
         import json
 
         with open(args.json, "w") as f:
-            json.dump(dict(ranks=ranks, device=jax.devices()[0].device_kind, bookkeeping_ms=t_book * 1e3,
-                           bookkeeping=book_row, rows={label: r for label, r in rows}), f, indent=1)
+            json.dump(
+                dict(
+                    ranks=ranks,
+                    device=jax.devices()[0].device_kind,
+                    bookkeeping_ms=t_book * 1e3,
+                    bookkeeping=book_row,
+                    rows={label: r for label, r in rows},
+                ),
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

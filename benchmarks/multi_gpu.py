@@ -40,6 +40,7 @@ and the headline figure. Exit status 0 only when every chosen part is ok.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -63,16 +64,29 @@ def _args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     p.add_argument("--cpu-smoke", action="store_true", help="8 simulated CPU devices, tiny shapes")
-    p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(tempfile.gettempdir(), "multi_gpu"),
-                   help="folder for the logs (default: $OUT when set, else <tmp>/multi_gpu)")
+    p.add_argument(
+        "--out",
+        default=os.environ.get("OUT") or os.path.join(tempfile.gettempdir(), "multi_gpu"),
+        help="folder for the logs (default: $OUT when set, else <tmp>/multi_gpu)",
+    )
     p.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: every GPU nvidia-smi lists)")
     p.add_argument("--budget", type=float, default=530.0, help="seconds for all parts together")
-    p.add_argument("--timeout", action="append", default=[], metavar="PART=SECONDS",
-                   help="override one part's time-out (repeatable)")
+    p.add_argument(
+        "--timeout",
+        action="append",
+        default=[],
+        metavar="PART=SECONDS",
+        help="override one part's time-out (repeatable)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     p.add_argument("--collectives", action="store_true", help=argparse.SUPPRESS)  # the in-file part
-    p.add_argument("--sizes-mib", type=float, nargs="+", default=None,
-                   help="collectives: MiB per rank (default 64 256 1024; smoke 1 4)")
+    p.add_argument(
+        "--sizes-mib",
+        type=float,
+        nargs="+",
+        default=None,
+        help="collectives: MiB per rank (default 64 256 1024; smoke 1 4)",
+    )
     args = p.parse_args(argv)
     parts = [x for x in args.parts.split(",") if x]
     unknown = set(parts) - set(PARTS)
@@ -119,7 +133,8 @@ def collectives_main(sizes_mib, out):
         n = max(1, int(mib * 2**20) // G)  # bytes per block; G blocks per rank
         sharding = NamedSharding(mesh, PS("ep"))
         x = jax.jit(lambda key: jax.random.bits(key, (G * G, n), jnp.uint8), out_shardings=sharding)(
-            jax.random.key(int(mib * 16) + 1))
+            jax.random.key(int(mib * 16) + 1)
+        )
         before = np.asarray(sums(x)).reshape(G, G)  # [rank, block]
         for name, (fn, sent) in ops.items():
             f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=PS("ep"), out_specs=PS("ep")))
@@ -139,16 +154,29 @@ def collectives_main(sizes_mib, out):
                 times.append(time.perf_counter() - t0)
             t = statistics.median(times)
             gbps = sent(n) / t / 1e9
-            rows.append(dict(op=name, mib_per_rank=G * n / 2**20, sent_bytes=sent(n), ms=t * 1e3, gbps=gbps,
-                             of_nvlink=gbps / NVLINK_GBPS, correct=bool(ok)))
+            rows.append(
+                dict(
+                    op=name,
+                    mib_per_rank=G * n / 2**20,
+                    sent_bytes=sent(n),
+                    ms=t * 1e3,
+                    gbps=gbps,
+                    of_nvlink=gbps / NVLINK_GBPS,
+                    correct=bool(ok),
+                )
+            )
             print(json.dumps(rows[-1]), flush=True)
         del x
-    print(f"\n=== raw collectives, {G} x {jax.devices()[0].device_kind} (uint8, median of 10; GB/s = bytes sent "
-          f"off-rank per rank / time; ceiling {NVLINK_GBPS:.0f} GB/s per direction, NVLink) ===")
+    print(
+        f"\n=== raw collectives, {G} x {jax.devices()[0].device_kind} (uint8, median of 10; GB/s = bytes sent "
+        f"off-rank per rank / time; ceiling {NVLINK_GBPS:.0f} GB/s per direction, NVLink) ==="
+    )
     print(f"{'op':<18} {'MiB/rank':>9} {'ms':>9} {'GB/s':>9} {'of ceiling':>10} {'bytes ok':>8}")
     for r in rows:
-        print(f"{r['op']:<18} {r['mib_per_rank']:9.1f} {r['ms']:9.3f} {r['gbps']:9.1f} {r['of_nvlink']:10.2f} "
-              f"{str(r['correct']):>8}")
+        print(
+            f"{r['op']:<18} {r['mib_per_rank']:9.1f} {r['ms']:9.3f} {r['gbps']:9.1f} {r['of_nvlink']:10.2f} "
+            f"{str(r['correct']):>8}"
+        )
     with open(os.path.join(out, "collectives.json"), "w") as f:
         json.dump(rows, f, indent=1)
     return 0 if all(r["correct"] for r in rows) else 1
@@ -160,7 +188,7 @@ def _gpu_count():
         out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
         return sum(1 for line in out.splitlines() if line.startswith("GPU "))
     except (OSError, subprocess.SubprocessError):  # no nvidia-smi: count the device nodes
-        return sum(1 for name in os.listdir("/dev") if name[len("nvidia"):].isdigit() and name.startswith("nvidia"))
+        return sum(1 for name in os.listdir("/dev") if name[len("nvidia") :].isdigit() and name.startswith("nvidia"))
 
 
 def _free_port():
@@ -199,30 +227,65 @@ def plan_part(part, args, ranks):
         cmd = [py, os.path.abspath(__file__), "--collectives", "--out", out, "--sizes-mib", *map(str, sizes)]
         return [("collectives", cmd, _env(smoke, devices=ranks, gpus=ranks))]
     if part == "transport":
-        cmd = [py, _script("benchmarks/transport.py"), "--ranks", str(ranks), "--json",
-               os.path.join(out, "transport.json")]
+        cmd = [
+            py,
+            _script("benchmarks/transport.py"),
+            "--ranks",
+            str(ranks),
+            "--json",
+            os.path.join(out, "transport.json"),
+        ]
         if smoke:
             cmd += ["--layers", "4", "--hidden", "256", "--inter", "32", "--iters", "2"]
         else:  # the default (the NVLink put schedule on one host: its multi-peer path) beside the NCCL stream one
             cmd += ["--variants", "prepared", "stream+prepared"]
         return [("transport", cmd, _env(smoke, devices=ranks, gpus=ranks))]
     if part == "moe_step":
-        cmd = [py, _script("benchmarks/moe_step.py"), "--ranks", str(ranks), "--capacity-factor", "1.25",
-               "--book-reps", "1", "--json", os.path.join(out, "moe_step.json")]  # 1 rep: fits its time-out
-        cmd += ["--cpu-devices", str(ranks), "--small", "--matmul", "dense,pallas_interpret"] if smoke else \
-            ["--matmul", "pallas,dense", "--iters", "10"]
+        cmd = [
+            py,
+            _script("benchmarks/moe_step.py"),
+            "--ranks",
+            str(ranks),
+            "--capacity-factor",
+            "1.25",
+            "--book-reps",
+            "1",
+            "--json",
+            os.path.join(out, "moe_step.json"),
+        ]  # 1 rep: fits its time-out
+        cmd += (
+            ["--cpu-devices", str(ranks), "--small", "--matmul", "dense,pallas_interpret"]
+            if smoke
+            else ["--matmul", "pallas,dense", "--iters", "10"]
+        )
         return [("moe_step", cmd, _env(smoke, gpus=ranks))]
     if part == "online":
-        cmd = [py, _script("benchmarks/online_ep.py"), "--ranks", str(ranks), "--json",
-               os.path.join(out, "online_ep.json")]
+        cmd = [
+            py,
+            _script("benchmarks/online_ep.py"),
+            "--ranks",
+            str(ranks),
+            "--json",
+            os.path.join(out, "online_ep.json"),
+        ]
         cmd += ["--cpu-devices", str(ranks), "--small", "--planners", "pallas,xla"] if smoke else []
         return [("online", cmd, _env(smoke, gpus=ranks))]
     if part == "serve":
         port, half = _free_port(), ranks // 2
         procs = []
         for i in range(2):
-            cmd = [py, _script("examples/serve.py"), "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
-                   "--process-id", str(i), "--devices", str(half) if smoke else "0"]
+            cmd = [
+                py,
+                _script("examples/serve.py"),
+                "--coordinator",
+                f"127.0.0.1:{port}",
+                "--num-processes",
+                "2",
+                "--process-id",
+                str(i),
+                "--devices",
+                str(half) if smoke else "0",
+            ]
             visible = None if smoke else ",".join(str(d) for d in range(i * half, (i + 1) * half))
             procs.append((f"serve.p{i}", cmd, _env(smoke, visible=visible)))
         return procs
@@ -233,10 +296,8 @@ _LIVE = []  # the process groups started here and not yet reaped
 
 
 def _killpg(pid, sig):
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def _stop(procs):
@@ -266,12 +327,13 @@ def _run_group(group, timeout, out):
     """Runs the (label, argv, env) processes side by side; returns (rc or 'timeout', wall seconds)."""
     start, procs, logs = time.perf_counter(), [], []
     for label, cmd, env in group:
-        log = open(os.path.join(out, f"{label}.log"), "w")
+        log = open(os.path.join(out, f"{label}.log"), "w")  # noqa: SIM115 -- closed after the process ends
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
         logs.append(log)
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                      start_new_session=True))
+        procs.append(
+            subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        )
         _LIVE.append(procs[-1])
     status = 0
     # Poll: a process that fails ends the group at once (its peer may be waiting for it forever).
@@ -312,7 +374,7 @@ def _section(text, marker, fallback=15):
     """The log from the last line that starts with ``marker`` on (the script's table), else its tail."""
     lines = [ln for ln in text.splitlines() if ln.strip()]
     starts = [i for i, ln in enumerate(lines) if ln.startswith(marker)]
-    return lines[starts[-1]:] if starts else lines[-fallback:]
+    return lines[starts[-1] :] if starts else lines[-fallback:]
 
 
 SUMMARY_FIELDS = ("EP ranks", "balancedness", "rearrangement:")
@@ -345,8 +407,11 @@ def headline(part, out, text):
             return False, "no figures"
         checks = re.findall(r"^dtype check \(.*\): (True|False)$", text, flags=re.MULTILINE)
         dtype_ok = bool(checks) and all(c == "True" for c in checks)
-        fig = "; ".join(f"{r['view']} {r['schedule']} {r['fraction']:.0%}: {r['time_ms']:.3g} ms vs raw "
-                        f"{r['raw_ms']:.3g} ms ({r['ratio']:.2f})" for r in rows)
+        fig = "; ".join(
+            f"{r['view']} {r['schedule']} {r['fraction']:.0%}: {r['time_ms']:.3g} ms vs raw "
+            f"{r['raw_ms']:.3g} ms ({r['ratio']:.2f})"
+            for r in rows
+        )
         ok = all(r["correct"] and r["recompiles_after_first"] == 0 for r in rows) and dtype_ok
         return ok, f"{fig}; moves correct, dtypes exact: {ok}"
     if part == "moe_step":
@@ -361,19 +426,24 @@ def headline(part, out, text):
                 continue
             ok = ok and r["same"] and r["loads_ok"] and all(v is not None for v in r["online"].values())
             onl = "/".join(f"{v[0] / r['t_uni']:.2f}" for v in r["online"].values() if v is not None)
-            figs.append(f"{label}: init {r['t_init'] / r['t_uni']:.2f}, EPLB {r['t_fit'] / r['t_uni']:.2f}, "
-                        f"online {onl or '-'} x ideal")
+            figs.append(
+                f"{label}: init {r['t_init'] / r['t_uni']:.2f}, EPLB {r['t_fit'] / r['t_uni']:.2f}, "
+                f"online {onl or '-'} x ideal"
+            )
         return ok, "; ".join(figs[:2]) + f"; same outputs+loads: {ok}"
     if part == "online":
         r = _load_json(os.path.join(out, "online_ep.json"))
         if not r:
             return False, "no figures"
         ok = bool(r["correct"]) and all(r["correct"].values())
-        chains = ", ".join(f"{k.rsplit(' ', 1)[-1]} {v:.3f}" for k, v in r["per_layer_ms"].items()
-                           if k.startswith("all_gather + plan"))
+        chains = ", ".join(
+            f"{k.rsplit(' ', 1)[-1]} {v:.3f}" for k, v in r["per_layer_ms"].items() if k.startswith("all_gather + plan")
+        )
         finals = ", ".join(f"{v:.4f}" for v in r["final_imbalance"].values())
-        return ok, (f"ms/layer: {chains} (target 0.1, UltraEP 0.11); imbalance {r['initial_imbalance']:.3f} -> "
-                    f"{finals}; routed == plan: {ok}")
+        return ok, (
+            f"ms/layer: {chains} (target 0.1, UltraEP 0.11); imbalance {r['initial_imbalance']:.3f} -> "
+            f"{finals}; routed == plan: {ok}"
+        )
     if part == "serve":
         a = _summary_lines(_read(os.path.join(out, "serve.p0.log")))
         b = _summary_lines(_read(os.path.join(out, "serve.p1.log")))
@@ -384,8 +454,13 @@ def headline(part, out, text):
 
 
 JSONS = dict(online="online_ep.json")
-MARKERS = dict(collectives="=== raw collectives", transport="## transport", moe_step="=== MoE step",
-               online="=== online planner", serve="=== summary")
+MARKERS = dict(
+    collectives="=== raw collectives",
+    transport="## transport",
+    moe_step="=== MoE step",
+    online="=== online planner",
+    serve="=== summary",
+)
 
 
 def main(argv=None):
@@ -405,8 +480,11 @@ def main(argv=None):
     if "serve" in args.parts and ranks % 2:
         print(f"serve needs an even number of devices, got {ranks}: skipping it")
         args.parts.remove("serve")
-    print(f"multi_gpu: {ranks} {'simulated CPU devices' if args.cpu_smoke else 'GPUs'}; parts {args.parts}; "
-          f"budget {args.budget:.0f} s; logs in {args.out}", flush=True)
+    print(
+        f"multi_gpu: {ranks} {'simulated CPU devices' if args.cpu_smoke else 'GPUs'}; parts {args.parts}; "
+        f"budget {args.budget:.0f} s; logs in {args.out}",
+        flush=True,
+    )
     t_start, results = time.perf_counter(), []
     for part in args.parts:
         group = plan_part(part, args, ranks)
@@ -441,7 +519,7 @@ def main(argv=None):
             print(line)
         try:
             ok, head = headline(part, args.out, text)
-        except Exception as err:  # noqa: BLE001 -- a malformed result is a failed part, not a crash
+        except Exception as err:
             ok, head = False, f"no headline ({type(err).__name__}: {err})"
         if part == "serve" and rc == 0:
             head += f"; = one process on all {ranks}: {reference}"
@@ -454,8 +532,10 @@ def main(argv=None):
     total = time.perf_counter() - t_start
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(dict(ranks=ranks, cpu_smoke=args.cpu_smoke, total_s=total, parts=results), f, indent=1)
-    print(f"\n=== multi_gpu summary: {ranks} {'simulated CPU devices' if args.cpu_smoke else 'GPUs'}, "
-          f"{total:.0f} s in all; logs in {args.out} ===")
+    print(
+        f"\n=== multi_gpu summary: {ranks} {'simulated CPU devices' if args.cpu_smoke else 'GPUs'}, "
+        f"{total:.0f} s in all; logs in {args.out} ==="
+    )
     print(f"{'part':<12} {'status':<8} {'wall s':>7}  headline")
     for r in results:
         print(f"{r['part']:<12} {r['status']:<8} {r['wall']:7.1f}  {r['headline']}")

@@ -80,22 +80,29 @@ NVLINK_GBPS = 450.0  # H200 NVLink 4: ~450 GB/s per direction per GPU
 
 # ------------------------------------------------------------------------------------------ arguments
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--rows", type=int, default=None, help=f"R, rows per device (default {DEFAULT_ROWS})")
     p.add_argument("--words", type=int, default=DEFAULT_WORDS, help="W, uint32 words per row")
     p.add_argument("--small", action="store_true", help=f"R={SMALL_ROWS} unless --rows is given")
     p.add_argument("--fraction", type=float, default=0.5, help="put_rows moves round(fraction * R) rows")
-    p.add_argument("--configs", default=None,
-                   help="kernel configurations CHUNK_WORDSxSTAGES, comma separated (default: one, chosen from W)")
+    p.add_argument(
+        "--configs",
+        default=None,
+        help="kernel configurations CHUNK_WORDSxSTAGES, comma separated (default: one, chosen from W)",
+    )
     p.add_argument("--programs", type=int, default=None, help="grid size (default: the GPU's SM count, else 132)")
     p.add_argument("--variants", default="put_all,put_rows", help="which kernel variants to run")
     p.add_argument("--reps", type=int, default=20, help="timed calls per measurement (median)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--device-time", action="store_true", help="also read device time from the profiler")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--lower-only", action="store_true",
-                   help="no GPU: fake 2 CPU devices and only check that the kernels lower for 'cuda'")
+    p.add_argument(
+        "--lower-only",
+        action="store_true",
+        help="no GPU: fake 2 CPU devices and only check that the kernels lower for 'cuda'",
+    )
     args = p.parse_args(argv)
     if args.rows is None:
         args.rows = SMALL_ROWS if args.small else DEFAULT_ROWS
@@ -194,18 +201,26 @@ def make_put(*, rows_out, words, chunk_words, stages, programs, moved_rows, inde
             dst = dst_ref[i] if indexed else i
             return src, dst, j * chunk_words
 
-        @functools.partial(pl.run_scoped, buf=plgpu.SMEM((stages, chunk_words), jnp.uint32),
-                           loaded=plgpu.Barrier(num_arrivals=1, num_barriers=stages))
+        @functools.partial(
+            pl.run_scoped,
+            buf=plgpu.SMEM((stages, chunk_words), jnp.uint32),
+            loaded=plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+        )
         def _pipeline(buf, loaded):
             def load(step):
                 slot = lax.rem(step, stages)
                 src, _, col = locate(step)
                 # PROMISE_IN_BOUNDS keeps this a plain contiguous bulk copy (no tensor map, no 256-element
                 # box limit); ZEROS (the default) would force a tensor-map TMA.
-                plgpu.copy_gmem_to_smem(x_ref.at[src, pl.ds(col, chunk_words)], buf.at[slot], loaded.at[slot],
-                                        oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
+                plgpu.copy_gmem_to_smem(
+                    x_ref.at[src, pl.ds(col, chunk_words)],
+                    buf.at[slot],
+                    loaded.at[slot],
+                    oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS,
+                )
 
             for s in range(stages):  # prologue: fill every buffer
+
                 @pl.when(s < my_count)
                 def _():
                     load(s)
@@ -259,20 +274,31 @@ def build_functions(mesh, args, chunk_words, stages, programs, moved_rows):
     perm = [(0, 1), (1, 0)]
 
     def smap(fn, n_in):
-        return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(AXIS),) * n_in, out_specs=P(AXIS),
-                                     check_vma=False))
+        return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(AXIS),) * n_in, out_specs=P(AXIS), check_vma=False))
 
-    put_all = make_put(rows_out=R, words=W, chunk_words=chunk_words, stages=stages, programs=programs,
-                       moved_rows=R, indexed=False)
-    put_rows = make_put(rows_out=R, words=W, chunk_words=chunk_words, stages=stages, programs=programs,
-                        moved_rows=moved_rows, indexed=True)
+    put_all = make_put(
+        rows_out=R, words=W, chunk_words=chunk_words, stages=stages, programs=programs, moved_rows=R, indexed=False
+    )
+    put_rows = make_put(
+        rows_out=R,
+        words=W,
+        chunk_words=chunk_words,
+        stages=stages,
+        programs=programs,
+        moved_rows=moved_rows,
+        indexed=True,
+    )
     return {
         "put_all": smap(put_all, 1),
         "put_rows": smap(put_rows, 3),
         "ppermute": smap(lambda x: jax.lax.ppermute(x, AXIS, perm), 1),
         # Reference for put_rows (not timed): pack, send rows and the sender's dst_rows, scatter into zeros.
-        "rows_reference": smap(lambda x, s, d: jax.numpy.zeros_like(x).at[jax.lax.ppermute(d, AXIS, perm)].set(
-            jax.lax.ppermute(x[s], AXIS, perm)), 3),
+        "rows_reference": smap(
+            lambda x, s, d: (
+                jax.numpy.zeros_like(x).at[jax.lax.ppermute(d, AXIS, perm)].set(jax.lax.ppermute(x[s], AXIS, perm))
+            ),
+            3,
+        ),
     }
 
 
@@ -301,17 +327,20 @@ def interpret_check(seed):
         x = jax.random.bits(jax.random.key(seed), (R, W), jnp.uint32)
         src = rng.choice(R, moved, replace=False).astype(np.int32)
         dst = rng.permutation(R)[:moved].astype(np.int32)
-        common = dict(rows_out=R, words=W, chunk_words=chunk, stages=stages, programs=programs, local=True,
-                      interpret=params)
+        common = dict(
+            rows_out=R, words=W, chunk_words=chunk, stages=stages, programs=programs, local=True, interpret=params
+        )
         y_all = np.asarray(make_put(moved_rows=R, indexed=False, **common)(x))
-        y_rows = np.asarray(make_put(moved_rows=moved, indexed=True, **common)(x, jnp.asarray(src),
-                                                                              jnp.asarray(dst)))
+        y_rows = np.asarray(make_put(moved_rows=moved, indexed=True, **common)(x, jnp.asarray(src), jnp.asarray(dst)))
         xn = np.asarray(x)
-        case_ok = (np.array_equal(y_all, xn) and np.array_equal(y_rows[dst], xn[src])
-                   and not interp.get_races().races_found)
+        case_ok = (
+            np.array_equal(y_all, xn) and np.array_equal(y_rows[dst], xn[src]) and not interp.get_races().races_found
+        )
         ok &= case_ok
-        print(f"[interpret] R={R} W={W} chunk={chunk} stages={stages} programs={programs} moved={moved}: "
-              f"bytes {'ok' if case_ok else 'WRONG'}, races found: {interp.get_races().races_found}")
+        print(
+            f"[interpret] R={R} W={W} chunk={chunk} stages={stages} programs={programs} moved={moved}: "
+            f"bytes {'ok' if case_ok else 'WRONG'}, races found: {interp.get_races().races_found}"
+        )
     return ok
 
 
@@ -350,8 +379,10 @@ def lower_only(args):
                 print(f"[lower-only] {label}: FAILED {type(e).__name__}: {msg[0] if msg else ''}")
                 for line in msg[1:6]:
                     print(f"    {line}")
-    print("lower-only:", "interpreter checks passed and all kernels lowered for cuda" if ok
-          else "SOMETHING FAILED (see above)")
+    print(
+        "lower-only:",
+        "interpreter checks passed and all kernels lowered for cuda" if ok else "SOMETHING FAILED (see above)",
+    )
     return 0 if ok else 1
 
 
@@ -360,8 +391,12 @@ def describe_module(text: str) -> str:
     facts = []
     if "mosaic_gpu_v2" in text:
         facts.append("custom_call mosaic_gpu_v2")
-        for key in ("uses_xla_collective_metadata = true", "xla_replica_ids", "symmetric_memory_parameters",
-                    "skip_device_barrier = false"):
+        for key in (
+            "uses_xla_collective_metadata = true",
+            "xla_replica_ids",
+            "symmetric_memory_parameters",
+            "skip_device_barrier = false",
+        ):
             if key in text:
                 facts.append(key.split(" =")[0] + ("" if "=" not in key else "=" + key.split("= ")[1]))
     if "collective_permute" in text:
@@ -379,8 +414,9 @@ def make_inputs(mesh, args, moved, seed):
     from jax.sharding import PartitionSpec as P
 
     sharded = NamedSharding(mesh, P(AXIS))
-    x = jax.jit(lambda k: jax.random.bits(k, (2 * args.rows, args.words), jnp.uint32),
-                out_shardings=sharded)(jax.random.key(seed))
+    x = jax.jit(lambda k: jax.random.bits(k, (2 * args.rows, args.words), jnp.uint32), out_shardings=sharded)(
+        jax.random.key(seed)
+    )
     rng = np.random.default_rng(seed)
     src = np.concatenate([rng.choice(args.rows, moved, replace=False) for _ in range(2)]).astype(np.int32)
     dst = np.concatenate([rng.permutation(args.rows)[:moved] for _ in range(2)]).astype(np.int32)
@@ -445,28 +481,41 @@ def run_gpu(args):
     programs = args.programs or getattr(dev0, "core_count", None) or 132
     moved = max(1, round(args.fraction * args.rows))
     row_bytes = args.words * 4
-    print(f"{jax.device_count()} x {dev0.device_kind}, jax {jax.__version__}; R={args.rows} rows x {row_bytes} B "
-          f"= {args.rows * row_bytes / 2**30:.3f} GiB per device; put_rows moves {moved} rows; programs={programs}",
-          flush=True)
+    print(
+        f"{jax.device_count()} x {dev0.device_kind}, jax {jax.__version__}; R={args.rows} rows x {row_bytes} B "
+        f"= {args.rows * row_bytes / 2**30:.3f} GiB per device; put_rows moves {moved} rows; programs={programs}",
+        flush=True,
+    )
     x, src_d, dst_d, src, dst = make_inputs(mesh, args, moved, args.seed)
     results = []
 
     def record(name, config, nbytes, base_t, fn, fargs, correct):
         t, dev = timed(fn, fargs, args)
-        row = dict(name=name, config=config, bytes=nbytes, ms=t * 1e3, gbps=nbytes / t / 1e9,
-                   ratio=(base_t / t) if base_t else 1.0, dev_ms=None if dev is None else dev * 1e3,
-                   correct=correct)
+        row = dict(
+            name=name,
+            config=config,
+            bytes=nbytes,
+            ms=t * 1e3,
+            gbps=nbytes / t / 1e9,
+            ratio=(base_t / t) if base_t else 1.0,
+            dev_ms=None if dev is None else dev * 1e3,
+            correct=correct,
+        )
         results.append(row)
         dev_txt = "" if dev is None else f", device {dev * 1e3:.3f} ms ({nbytes / dev / 1e9:.1f} GB/s)"
-        print(f"  {name:<9} {config:<14} {nbytes / 2**20:9.1f} MiB {t * 1e3:9.3f} ms {row['gbps']:7.1f} GB/s "
-              f"x{row['ratio']:.2f} vs ppermute{dev_txt}, correct={correct}", flush=True)
+        print(
+            f"  {name:<9} {config:<14} {nbytes / 2**20:9.1f} MiB {t * 1e3:9.3f} ms {row['gbps']:7.1f} GB/s "
+            f"x{row['ratio']:.2f} vs ppermute{dev_txt}, correct={correct}",
+            flush=True,
+        )
         return t
 
     # Baselines first: ppermute of all rows and of the moved rows' bytes.
     base = build_functions(mesh, args, *args.configs[0], programs, moved)
     t_all = record("ppermute", "all rows", args.rows * row_bytes, None, base["ppermute"], (x,), True)
-    x_moved = jax.jit(lambda a: a.reshape(2, args.rows, -1)[:, :moved].reshape(2 * moved, -1),
-                      out_shardings=x.sharding)(x)
+    x_moved = jax.jit(
+        lambda a: a.reshape(2, args.rows, -1)[:, :moved].reshape(2 * moved, -1), out_shardings=x.sharding
+    )(x)
     t_rows = record("ppermute", f"{moved} rows", moved * row_bytes, None, base["ppermute"], (x_moved,), True)
 
     for chunk, stages in args.configs:
@@ -482,22 +531,38 @@ def run_gpu(args):
                     record(name, config, moved * row_bytes, t_rows, fns[name], (x, src_d, dst_d), ok)
             except Exception as e:  # one failing configuration must not hide the others
                 print(f"  {name} {config}: FAILED {type(e).__name__}: {str(e)[:2000]}", flush=True)
-                results.append(dict(name=name, config=config, bytes=0, ms=float("nan"), gbps=float("nan"),
-                                    ratio=float("nan"), dev_ms=None, correct=False))
+                results.append(
+                    dict(
+                        name=name,
+                        config=config,
+                        bytes=0,
+                        ms=float("nan"),
+                        gbps=float("nan"),
+                        ratio=float("nan"),
+                        dev_ms=None,
+                        correct=False,
+                    )
+                )
 
     print_table(results)
     return 0 if all(r["correct"] for r in results) else 1
 
 
 def print_table(results):
-    print(f"\n=== NVLink put vs ppermute (2 GPUs, bidirectional; GB/s = bytes sent per device / time; "
-          f"ceiling ~{NVLINK_GBPS:.0f} GB/s per direction) ===")
-    print(f"{'variant':<9} {'config':<14} {'MiB/dev':>9} {'ms':>9} {'GB/s':>7} {'vs ppermute':>11} "
-          f"{'dev ms':>8} {'correct':>7}")
+    print(
+        f"\n=== NVLink put vs ppermute (2 GPUs, bidirectional; GB/s = bytes sent per device / time; "
+        f"ceiling ~{NVLINK_GBPS:.0f} GB/s per direction) ==="
+    )
+    print(
+        f"{'variant':<9} {'config':<14} {'MiB/dev':>9} {'ms':>9} {'GB/s':>7} {'vs ppermute':>11} "
+        f"{'dev ms':>8} {'correct':>7}"
+    )
     for r in results:
         dev = "-" if r["dev_ms"] is None else f"{r['dev_ms']:.3f}"
-        print(f"{r['name']:<9} {r['config']:<14} {r['bytes'] / 2**20:9.1f} {r['ms']:9.3f} {r['gbps']:7.1f} "
-              f"{r['ratio']:11.2f} {dev:>8} {str(r['correct']):>7}")
+        print(
+            f"{r['name']:<9} {r['config']:<14} {r['bytes'] / 2**20:9.1f} {r['ms']:9.3f} {r['gbps']:7.1f} "
+            f"{r['ratio']:11.2f} {dev:>8} {str(r['correct']):>7}"
+        )
 
 
 def main(argv=None):

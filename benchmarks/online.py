@@ -39,7 +39,7 @@ from moe_eplb_jax.sim import drifting_load, format_table, simulate, zipf_counts,
 from moe_eplb_jax.sim.report import resolve_policy
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import device_seconds, median_seconds  # noqa: E402
+from _timing import device_seconds, median_seconds
 
 G, E, H, S, K, T = 64, 256, 4, 2, 8, 8192
 P = G * (H + S)
@@ -65,18 +65,28 @@ def timeit(fn, *args, reps=100):
 
 def route_all(plan, ids, mode="resolved"):
     """Every source rank routes its tokens with its quota row; returns the summed slot loads [P]."""
+
     def one(ids_g, quota_g):
         return _route_one(ids_g, quota_g, plan.log2phy, plan.logcnt, "xla", mode)[1]
+
     return jnp.sum(jax.vmap(one)(ids, plan.quota), axis=0)
 
 
 def _route_one(ids, quota, log2phy, logcnt, implementation, mode="resolved"):
     """One source rank's routing by its quota row: exactly (``resolved``) or by hash in proportion (``shares``)."""
     if mode == "shares":  # the quotas as weights: cheaper routing, counts equal to the quotas only on average
-        return map_and_count(ids, log2phy, logcnt, num_physical=P, mode="shares",
-                             replica_shares=quota.astype(jnp.float32), implementation=implementation)
-    return map_and_count(ids, log2phy, logcnt, num_physical=P, mode="resolved", resolved=quota,
-                         implementation=implementation)
+        return map_and_count(
+            ids,
+            log2phy,
+            logcnt,
+            num_physical=P,
+            mode="shares",
+            replica_shares=quota.astype(jnp.float32),
+            implementation=implementation,
+        )
+    return map_and_count(
+        ids, log2phy, logcnt, num_physical=P, mode="resolved", resolved=quota, implementation=implementation
+    )
 
 
 def _planner(implementation=None, rounds=None, width=None, **extra):
@@ -92,6 +102,7 @@ def _layers(planner, routing, num_layers, mode="resolved"):
     Every layer's counts depend (by a no-op) on the previous layer's routed load, so nothing overlaps: the time
     divided by ``num_layers`` is the per-layer cost inside a step, with the host dispatch amortised.
     """
+
     def run(counts, ids):
         carry = jnp.zeros((), jnp.int32)
         total = jnp.zeros((P,), jnp.int32)
@@ -101,6 +112,7 @@ def _layers(planner, routing, num_layers, mode="resolved"):
             carry = jnp.minimum(load[0], 0)  # always 0, unknown to the compiler
             total = total + load
         return total
+
     return jax.jit(run)
 
 
@@ -117,9 +129,17 @@ def quota_section(tokens, rows, timings, reps, num_layers=8):
     }
     lanes_variants = (16, 64)  # candidates per program of the one-round search (1x1024; the default, 32, is above)
     # The search kernel alone (loads in, layout out), to split the planner's time into kernel and XLA tables.
-    kernel_only = jax.jit(lambda c: search_pallas(jnp.sum(c, axis=0), num_home=H, num_spare=S, min_replica_tokens=1,
-                                                  max_replicas=default_max_replicas(G, S), search_rounds=2,
-                                                  search_width=64)[0])
+    kernel_only = jax.jit(
+        lambda c: search_pallas(
+            jnp.sum(c, axis=0),
+            num_home=H,
+            num_spare=S,
+            min_replica_tokens=1,
+            max_replicas=default_max_replicas(G, S),
+            search_rounds=2,
+            search_width=64,
+        )[0]
+    )
     default = jax.jit(_planner())
     route_fn = jax.jit(route_all, static_argnames="mode")
     for imbalance in (1.5, 2.0, 3.0):
@@ -134,63 +154,78 @@ def quota_section(tokens, rows, timings, reps, num_layers=8):
         try:
             kernel_plan = plan_fn["default (one Pallas search kernel on GPU)"](jnp.asarray(counts))
             other = plan_fn["xla, default search shape (lax.scan walk)"](jnp.asarray(counts))
-            same = all(np.array_equal(np.asarray(a), np.asarray(b))
-                       for a, b in zip(jax.tree_util.tree_leaves(kernel_plan), jax.tree_util.tree_leaves(other)))
-        except Exception as e:  # noqa: BLE001 -- report and go on
+            same = all(
+                np.array_equal(np.asarray(a), np.asarray(b))
+                for a, b in zip(jax.tree_util.tree_leaves(kernel_plan), jax.tree_util.tree_leaves(other))
+            )
+        except Exception as e:
             print(f"pallas search failed: {type(e).__name__}: {e}"[:800])
             same = False
         by_shares = np.asarray(route_fn(plan, jnp.asarray(ids), mode="shares")).reshape(G, H + S).sum(1)
-        rows.append(dict(final_shares=float(by_shares.max() / by_shares.mean()), imbalance=imbalance,
-                         initial=float(home.max() / home.mean()),
-                         final=float(rank_load.max() / rank_load.mean()), replicas=int(plan.replicas_used),
-                         max_replicas_of_one_expert=int(plan.logcnt.max()), routed_matches_plan=bool(ok),
-                         pallas_equals_xla=bool(same)))
+        rows.append(
+            dict(
+                final_shares=float(by_shares.max() / by_shares.mean()),
+                imbalance=imbalance,
+                initial=float(home.max() / home.mean()),
+                final=float(rank_load.max() / rank_load.mean()),
+                replicas=int(plan.replicas_used),
+                max_replicas_of_one_expert=int(plan.logcnt.max()),
+                routed_matches_plan=bool(ok),
+                pallas_equals_xla=bool(same),
+            )
+        )
         if imbalance == 2.0:
             c = jnp.asarray(counts)
             for name, fn in plan_fn.items():
                 try:
                     rl = np.asarray(fn(c).rank_load)
                     timings[f"planner {name} (imb {rl.max() / rl.mean():.4f})"] = timeit(fn, c, reps=reps)
-                except Exception as e:  # noqa: BLE001 -- report and go on
+                except Exception as e:
                     print(f"planner {name} failed: {type(e).__name__}: {e}"[:600])
             from moe_eplb_jax.routing import _quota_fill
+
             default_lanes = _quota_fill.LANES_PER_PROGRAM
             for lanes in lanes_variants:  # fresh jit per variant: the constant is read at trace time
                 _quota_fill.LANES_PER_PROGRAM = lanes
                 try:
                     fn = jax.jit(_planner("pallas", 1, 1024))
                     rl = np.asarray(fn(c).rank_load)
-                    timings[f"planner pallas 1x1024, {lanes} candidates per program (imb {rl.max() / rl.mean():.4f})"] = (
-                        timeit(fn, c, reps=reps))
-                except Exception as e:  # noqa: BLE001 -- report and go on
+                    timings[
+                        f"planner pallas 1x1024, {lanes} candidates per program (imb {rl.max() / rl.mean():.4f})"
+                    ] = timeit(fn, c, reps=reps)
+                except Exception as e:
                     print(f"planner lanes {lanes} failed: {type(e).__name__}: {e}"[:600])
             _quota_fill.LANES_PER_PROGRAM = default_lanes
             try:
                 timings["search kernel alone, 2x64 (loads -> target and layout)"] = timeit(kernel_only, c, reps=reps)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 print(f"search kernel failed: {type(e).__name__}: {e}"[:600])
             one_ids = jnp.asarray(ids[0])
             for impl, mode in (("xla", "resolved"), ("pallas", "resolved"), ("pallas", "shares")):
                 route_one = jax.jit(functools.partial(_route_one, implementation=impl, mode=mode))
                 try:
                     timings[f"routing, one rank ({tokens}x{K}, {mode}, {impl})"] = timeit(
-                        route_one, one_ids, plan.quota[0], plan.log2phy, plan.logcnt, reps=reps)
-                except Exception as e:  # noqa: BLE001
+                        route_one, one_ids, plan.quota[0], plan.log2phy, plan.logcnt, reps=reps
+                    )
+                except Exception as e:
                     print(f"routing with {impl} failed: {type(e).__name__}: {e}"[:400])
             # Per layer inside a step: num_layers dependent layers in one jit; layer i sees the batch with expert
             # ids shifted by i * H (other ranks hot), so every layer plans on its own counts.
             layer_ids = np.stack([(ids[0] + i * H) % E for i in range(num_layers)])
             layer_counts = np.stack([np.roll(counts, i * H, axis=1) for i in range(num_layers)])
             lc, li = jnp.asarray(layer_counts), jnp.asarray(layer_ids)
-            for name, planner, mode in (("xla scan search, default shape", _planner("xla"), "resolved"),
-                                        ("default pallas search", _planner("pallas"), "resolved"),
-                                        ("default pallas search", _planner("pallas"), "shares"),
-                                        ("pallas 2x64 search (one program)", _planner("pallas", 2, 64), "shares")):
+            for name, planner, mode in (
+                ("xla scan search, default shape", _planner("xla"), "resolved"),
+                ("default pallas search", _planner("pallas"), "resolved"),
+                ("default pallas search", _planner("pallas"), "shares"),
+                ("pallas 2x64 search (one program)", _planner("pallas", 2, 64), "shares"),
+            ):
                 try:
                     ms = timeit(_layers(planner, "pallas", num_layers, mode), lc, li, reps=max(reps // 4, 3))
                     timings[f"planner + {mode} routing (pallas), per layer of {num_layers} in one jit: {name}"] = (
-                        ms / num_layers)
-                except Exception as e:  # noqa: BLE001
+                        ms / num_layers
+                    )
+                except Exception as e:
                     print(f"layers with {name} failed: {type(e).__name__}: {e}"[:600])
 
 
@@ -207,10 +242,18 @@ def lp_section(tokens, rows, timings, reps):
         shares, loads = lp_fn(jnp.asarray(serve, jnp.float32), jnp.asarray(log2phy[0]), jnp.asarray(logcnt[0]))
         _, optimum = lp_shares_reference(serve, log2phy[0], logcnt[0], num_physical=P, num_ranks=G)
         from moe_eplb_jax.metrics import rank_load_from_logical
+
         even = rank_load_from_logical(serve[None], phy2log, G)[0]
-        rows.append(dict(imbalance=imbalance, mean=float(serve.sum() / G), hash_max=float(even.max()),
-                         lp_max=float(np.asarray(loads).max()), highs_max=optimum,
-                         lp_over_highs=float(np.asarray(loads).max() / optimum)))
+        rows.append(
+            dict(
+                imbalance=imbalance,
+                mean=float(serve.sum() / G),
+                hash_max=float(even.max()),
+                lp_max=float(np.asarray(loads).max()),
+                highs_max=optimum,
+                lp_over_highs=float(np.asarray(loads).max() / optimum),
+            )
+        )
         if imbalance == 2.0:
             args = (jnp.asarray(serve, jnp.float32), jnp.asarray(log2phy[0]), jnp.asarray(logcnt[0]))
             timings["lp_shares (256 iterations), one layer"] = timeit(lp_fn, *args, reps=reps)
@@ -227,6 +270,7 @@ def main():
     reps = 5 if args.quick else 200
     print(f"backend: {jax.default_backend()}  devices: {jax.devices()}")
     from moe_eplb_jax.routing import quota
+
     print(f"plan_quotas default implementation here: {quota._default_implementation()}", flush=True)
     quota_rows, lp_rows, timings = [], [], _Timings()
     if "quota" in sections:
@@ -236,22 +280,42 @@ def main():
     reports = []
     if "drift" in sections:
         drift = drifting_load(24 if args.quick else 32, 4, E, G, imbalance=2.0, tokens=G * tokens * K, seed=5)
-        reports = simulate(drift, num_ranks=G, num_spare=S, policies=("none", "deepseek", "deepseek+lp", "online"),
-                           step_interval=8, window=8)
+        reports = simulate(
+            drift,
+            num_ranks=G,
+            num_spare=S,
+            policies=("none", "deepseek", "deepseek+lp", "online"),
+            step_interval=8,
+            window=8,
+        )
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "online.json"), "w") as f:
-        json.dump(dict(quota=quota_rows, lp=lp_rows, timings_ms=timings,
-                       drift={r.name: dict(balancedness=r.balancedness, imbalance=float(r.layer_imbalance.mean()))
-                              for r in reports}), f, indent=1)
+        json.dump(
+            dict(
+                quota=quota_rows,
+                lp=lp_rows,
+                timings_ms=timings,
+                drift={
+                    r.name: dict(balancedness=r.balancedness, imbalance=float(r.layer_imbalance.mean()))
+                    for r in reports
+                },
+            ),
+            f,
+            indent=1,
+        )
 
     if quota_rows:
         print(f"\n== quota routing, EP{G}, E={E}, {H} home + {S} spare/rank, top-{K}, {tokens} tokens/rank ==")
-        print(f"{'target imb':>10} {'initial':>8} {'final':>8} {'shares':>8} {'replicas':>8} "
-              f"{'max rep':>7} {'routed==plan':>12} {'pallas==xla':>11}")
+        print(
+            f"{'target imb':>10} {'initial':>8} {'final':>8} {'shares':>8} {'replicas':>8} "
+            f"{'max rep':>7} {'routed==plan':>12} {'pallas==xla':>11}"
+        )
     for r in quota_rows:
-        print(f"{r['imbalance']:10.1f} {r['initial']:8.4f} {r['final']:8.4f} "
-              f"{r['final_shares']:8.4f} {r['replicas']:8d} {r['max_replicas_of_one_expert']:7d} "
-              f"{str(r['routed_matches_plan']):>12} {str(r['pallas_equals_xla']):>11}   (target final <= 1.01)")
+        print(
+            f"{r['imbalance']:10.1f} {r['initial']:8.4f} {r['final']:8.4f} "
+            f"{r['final_shares']:8.4f} {r['replicas']:8d} {r['max_replicas_of_one_expert']:7d} "
+            f"{str(r['routed_matches_plan']):>12} {str(r['pallas_equals_xla']):>11}   (target final <= 1.01)"
+        )
     if quota_rows:
         print("  final: resolved routing of the plan; shares: the plan's")
         print("  quotas used as hash-split weights (map_and_count mode 'shares'), counts equal to quotas on average")
@@ -259,8 +323,10 @@ def main():
         print(f"\n== LP routing vs HiGHS, DeepSeek placement P={P} fitted on another batch ==")
         print(f"{'imb':>4} {'mean':>9} {'hash max':>9} {'LP max':>9} {'HiGHS max':>9} {'LP/HiGHS':>8}")
     for r in lp_rows:
-        print(f"{r['imbalance']:4.1f} {r['mean']:9.0f} {r['hash_max']:9.0f} {r['lp_max']:9.0f} {r['highs_max']:9.0f} "
-              f"{r['lp_over_highs']:8.5f}   (target <= 1.005)")
+        print(
+            f"{r['imbalance']:4.1f} {r['mean']:9.0f} {r['hash_max']:9.0f} {r['lp_max']:9.0f} {r['highs_max']:9.0f} "
+            f"{r['lp_over_highs']:8.5f}   (target <= 1.005)"
+        )
     if reports:
         print("\n== drifting loads (EP64, 4 layers): periodic DeepSeek vs online ==")
         print(format_table(reports))

@@ -36,13 +36,26 @@ import sys
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import median_seconds  # noqa: E402
+from _timing import median_seconds
 
 
 # ------------------------------------------------------------ the MoE forward
-def online_moe_apply(x, router_w, router_bias, home_experts, resident_experts=None, *, top_k, mesh, num_spare,
-                     axis="ep", matmul="dense", map_implementation=None, planner_implementation=None,
-                     capacity_factor=None):
+def online_moe_apply(
+    x,
+    router_w,
+    router_bias,
+    home_experts,
+    resident_experts=None,
+    *,
+    top_k,
+    mesh,
+    num_spare,
+    axis="ep",
+    matmul="dense",
+    map_implementation=None,
+    planner_implementation=None,
+    capacity_factor=None,
+):
     """One MoE layer forward with per-batch quota routing (UltraEP-style), as a pure function.
 
     ``x [T, D]`` tokens sharded over ``axis`` (``G`` ranks); ``router_w [D, E]``,
@@ -75,8 +88,10 @@ def online_moe_apply(x, router_w, router_bias, home_experts, resident_experts=No
     num_ranks = mesh.shape[axis]
     num_logical = router_w.shape[1]
     if num_logical % num_ranks or num_spare < 1:
-        raise ValueError(f"online routing needs E={num_logical} divisible by G={num_ranks} and num_spare >= 1, "
-                         f"got num_spare={num_spare}")
+        raise ValueError(
+            f"online routing needs E={num_logical} divisible by G={num_ranks} and num_spare >= 1, "
+            f"got num_spare={num_spare}"
+        )
     if x.ndim != 2 or x.shape[0] % num_ranks:
         raise ValueError(f"x must have shape [T, D] with T divisible by G={num_ranks}, got {x.shape}")
     leading = {leaf.shape[0] for leaf in jax.tree.leaves(home_experts)}
@@ -99,16 +114,25 @@ def online_moe_apply(x, router_w, router_bias, home_experts, resident_experts=No
         plan = plan_quotas(counts, num_home=num_home, num_spare=num_spare, implementation=planner_implementation)
         rank = jax.lax.axis_index(axis).astype(jnp.int32)
         quota = jax.lax.dynamic_index_in_dim(plan.quota, rank, 0, keepdims=False)
-        physical, load = map_and_count(ids, plan.log2phy, plan.logcnt, num_physical=num_physical, mode="resolved",
-                                       resolved=quota, implementation=map_implementation)
+        physical, load = map_and_count(
+            ids,
+            plan.log2phy,
+            plan.logcnt,
+            num_physical=num_physical,
+            mode="resolved",
+            resolved=quota,
+            implementation=map_implementation,
+        )
         load = jax.lax.psum(load.astype(jnp.int32), axis)
         spare_ids = jax.lax.dynamic_slice_in_dim(plan.phy2log, rank * per_rank_slots + num_home, num_spare)
         spare_ids = jnp.maximum(spare_ids, 0)  # an unused spare gets no rows: any expert will do
-        source = resident if resident is not None else jax.tree.map(
-            lambda w: jax.lax.all_gather(w, axis, tiled=True), home)
+        source = (
+            resident if resident is not None else jax.tree.map(lambda w: jax.lax.all_gather(w, axis, tiled=True), home)
+        )
         local_experts = jax.tree.map(lambda h, s: jnp.concatenate([h, s[spare_ids]], axis=0), home, source)
-        rows, row_slot, dplan = _dispatch.dispatch(x, physical, slots_per_rank=per_rank_slots, axis_name=axis,
-                                                   num_ranks=num_ranks, capacity=capacity)
+        rows, row_slot, dplan = _dispatch.dispatch(
+            x, physical, slots_per_rank=per_rank_slots, axis_name=axis, num_ranks=num_ranks, capacity=capacity
+        )
         order, group_sizes = _dispatch.sort_by_slot(row_slot, per_rank_slots)
         y = expert_mlp(rows[order], local_experts, group_sizes, implementation=matmul, axis_name=axis)
         y = _dispatch.unsort(y, order)
@@ -117,9 +141,13 @@ def online_moe_apply(x, router_w, router_bias, home_experts, resident_experts=No
 
     sharded = PS(axis)
     resident_spec = None if resident_experts is None else PS()
-    return jax.shard_map(per_rank, mesh=mesh, in_specs=(sharded, PS(), PS(), sharded, resident_spec),
-                         out_specs=(sharded, PS()), check_vma=False)(
-        x, router_w, router_bias, home_experts, resident_experts)
+    return jax.shard_map(
+        per_rank,
+        mesh=mesh,
+        in_specs=(sharded, PS(), PS(), sharded, resident_spec),
+        out_specs=(sharded, PS()),
+        check_vma=False,
+    )(x, router_w, router_bias, home_experts, resident_experts)
 
 
 # ------------------------------------------------------------- planner timing
@@ -135,8 +163,11 @@ def _args():
     p.add_argument("--imbalance", type=float, default=2.0, help="initial rank imbalance of the Zipf loads")
     p.add_argument("--layers", type=int, default=8, help="dependent layers per timed call")
     p.add_argument("--reps", type=int, default=50)
-    p.add_argument("--planners", default=None,
-                   help="comma-separated plan_quotas implementations (default: pallas,xla on GPU, xla elsewhere)")
+    p.add_argument(
+        "--planners",
+        default=None,
+        help="comma-separated plan_quotas implementations (default: pallas,xla on GPU, xla elsewhere)",
+    )
     p.add_argument("--json", default=None, help="write the figures here")
     return p.parse_args()
 
@@ -167,14 +198,21 @@ def main():
     H = E // G
     P = G * (H + S)
     mesh = jax.make_mesh((G,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:G])
-    print(f"devices: {G} x {jax.devices()[0].device_kind}; jax {jax.__version__}; E={E} ({H} home + {S} spare per "
-          f"rank, P={P}), top-{K}, {T} tokens/rank, {NL} layers per call", flush=True)
+    print(
+        f"devices: {G} x {jax.devices()[0].device_kind}; jax {jax.__version__}; E={E} ({H} home + {S} spare per "
+        f"rank, P={P}), top-{K}, {T} tokens/rank, {NL} layers per call",
+        flush=True,
+    )
 
     # ids [NL, G*T, K]: layer l, rank g's tokens at rows g*T..(g+1)*T.
     ids_host = np.stack([zipf_topk(G, E, T, K, args.imbalance, seed=100 + i).reshape(G * T, K) for i in range(NL)])
     ids = jax.device_put(ids_host, NamedSharding(mesh, PS(None, "ep")))
-    counts_host = np.stack([np.stack([np.bincount(ids_host[i, g * T:(g + 1) * T].ravel(), minlength=E)
-                                      for g in range(G)]) for i in range(NL)]).astype(np.int32)  # [NL, G, E]
+    counts_host = np.stack(
+        [
+            np.stack([np.bincount(ids_host[i, g * T : (g + 1) * T].ravel(), minlength=E) for g in range(G)])
+            for i in range(NL)
+        ]
+    ).astype(np.int32)  # [NL, G, E]
     counts_rep = jax.device_put(counts_host, NamedSharding(mesh, PS()))
 
     def count(ids_l):
@@ -242,48 +280,73 @@ def main():
             slot_load = loads.sum(0)  # [NL, P]
             rank_load = slot_load.reshape(NL, G, H + S).sum(2)
             # The routed loads equal the plan's only if every rank computed the plan of the all_gathered counts.
-            correct[impl] = (bool(np.array_equal(rank_load, np.asarray(plans.rank_load)))
-                             and bool(np.all(slot_load.sum(1) == G * T * K)))
+            correct[impl] = bool(np.array_equal(rank_load, np.asarray(plans.rank_load))) and bool(
+                np.all(slot_load.sum(1) == G * T * K)
+            )
             finals[impl] = float(np.mean(rank_load.max(1) / rank_load.mean(1)))
             per_layer[f"all_gather + plan + reroute, planner {impl}"] = median_seconds(chain_fn, ids, reps=reps)
             per_layer[f"  plan_quotas alone, {impl}"] = median_seconds(
-                smap(functools.partial(plan_alone, implementation=impl), (PS(),)), counts_rep, reps=reps)
+                smap(functools.partial(plan_alone, implementation=impl), (PS(),)), counts_rep, reps=reps
+            )
             reference = reference or plans
-        except Exception:  # noqa: BLE001
+        except Exception:
             traceback.print_exc()
             correct[impl] = False
     per_layer["  count + all_gather"] = median_seconds(smap(count_gather, (ids_spec,)), ids, reps=reps)
-    per_layer["  all_gather alone (floor of the collective)"] = median_seconds(smap(gather_alone, (PS(),)), counts_rep,
-                                                                        reps=reps)
+    per_layer["  all_gather alone (floor of the collective)"] = median_seconds(
+        smap(gather_alone, (PS(),)), counts_rep, reps=reps
+    )
     if reference is not None:
         tables = [jax.device_put(np.asarray(a), rep) for a in (reference.quota, reference.log2phy, reference.logcnt)]
         per_layer["  reroute alone (resolved map_and_count)"] = median_seconds(
-            smap(reroute_alone, (ids_spec, PS(), PS(), PS())), ids, *tables, reps=reps)
+            smap(reroute_alone, (ids_spec, PS(), PS(), PS())), ids, *tables, reps=reps
+        )
     per_layer = {k: v * 1e3 / NL for k, v in per_layer.items()}
     chains = {k: v for k, v in per_layer.items() if k.startswith("all_gather + plan")}
     best = min(chains.values()) if chains else float("nan")
     ok = bool(correct) and all(correct.values())
-    result = dict(ranks=G, experts=E, home=H, spare=S, slots=P, tokens=T, top_k=K, layers=NL,
-                  initial_imbalance=initial, final_imbalance=finals, correct=correct, best_chain_ms=best,
-                  per_layer_ms=per_layer, device=jax.devices()[0].device_kind)
+    result = dict(
+        ranks=G,
+        experts=E,
+        home=H,
+        spare=S,
+        slots=P,
+        tokens=T,
+        top_k=K,
+        layers=NL,
+        initial_imbalance=initial,
+        final_imbalance=finals,
+        correct=correct,
+        best_chain_ms=best,
+        per_layer_ms=per_layer,
+        device=jax.devices()[0].device_kind,
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
 
-    print(f"\n=== online planner at EP{G} ({jax.devices()[0].device_kind}): E={E}, {H} home + {S} spare/rank "
-          f"(P={P}), top-{K}, {T} tokens/rank; per layer = {NL} dependent layers in one jit / {NL}, "
-          f"median of {reps} ===")
-    print(f"rank imbalance: initial {initial:.4f} -> final " + ", ".join(f"{v:.4f} ({k})" for k, v in finals.items())
-          + f" (mean over {NL} layers; target <= 1.01)")
+    print(
+        f"\n=== online planner at EP{G} ({jax.devices()[0].device_kind}): E={E}, {H} home + {S} spare/rank "
+        f"(P={P}), top-{K}, {T} tokens/rank; per layer = {NL} dependent layers in one jit / {NL}, "
+        f"median of {reps} ==="
+    )
+    print(
+        f"rank imbalance: initial {initial:.4f} -> final "
+        + ", ".join(f"{v:.4f} ({k})" for k, v in finals.items())
+        + f" (mean over {NL} layers; target <= 1.01)"
+    )
     print("routed loads == plan on every rank, load sums exact: " + ", ".join(f"{k} {v}" for k, v in correct.items()))
     print(f"{'stage':<52} {'ms/layer':>9}")
     for name, ms in per_layer.items():
         print(f"{name:<52} {ms:9.4f}")
     print(f"{'UltraEP (reported): planner ~0.07 + reroute ~0.04':<52} {0.11:9.4f}")
     floor = per_layer["  all_gather alone (floor of the collective)"]
-    print(f"best chain {best:.4f} ms: {best / 0.1:.2f}x the 0.1 ms target, {best / 0.11:.2f}x UltraEP, "
-          f"{best / floor:.1f}x the all_gather floor")
+    print(
+        f"best chain {best:.4f} ms: {best / 0.1:.2f}x the 0.1 ms target, {best / 0.11:.2f}x UltraEP, "
+        f"{best / floor:.1f}x the all_gather floor"
+    )
     return 0 if ok else 1
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -83,8 +83,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=21, help="timed runs of each policy per case")
     args = parser.parse_args()
-    print(f"# {platform.processor() or platform.machine()}, numpy {np.__version__}, Python {platform.python_version()}, "
-          f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
+    print(
+        f"# {platform.processor() or platform.machine()}, numpy {np.__version__}, Python {platform.python_version()}, "
+        f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores"
+    )
     cases = []
     for label, num_layers, num_experts, num_slots, num_groups, num_nodes, num_gpus in CASES:
         for sigma in (0.5, 1.0):
@@ -93,13 +95,20 @@ def main() -> None:
 
     def timings(weight, topology):
         return _interleaved_ms(
-            [lambda: rebalance_experts_reference(weight, *topology), lambda: rebalance_experts(weight, *topology),
-             lambda: rebalance_balanced(weight, *topology)], args.repeats)
+            [
+                lambda: rebalance_experts_reference(weight, *topology),
+                lambda: rebalance_experts(weight, *topology),
+                lambda: rebalance_balanced(weight, *topology),
+            ],
+            args.repeats,
+        )
 
     cold = [timings(weight, topology) for _, _, weight, topology in cases]  # fresh process first
     _warm_allocator()
-    header = (f"{'case':<18}{'sigma':>6}{'loop ms':>9}{'deepseek ms':>12}{'speed-up':>9}{'(cold)':>8}{'(best)':>8}{'(b2b)':>8}"
-              f"{'balanced ms':>12}{'bal loop':>9}{'bal deepseek':>13}{'bal balanced':>13}{'bound':>7}")
+    header = (
+        f"{'case':<18}{'sigma':>6}{'loop ms':>9}{'deepseek ms':>12}{'speed-up':>9}{'(cold)':>8}{'(best)':>8}{'(b2b)':>8}"
+        f"{'balanced ms':>12}{'bal loop':>9}{'bal deepseek':>13}{'bal balanced':>13}{'bound':>7}"
+    )
     print(header)
     print("-" * len(header))
     for (label, sigma, weight, topology), ((cold_loop, cold_fast, _), _) in zip(cases, cold):
@@ -113,19 +122,23 @@ def main() -> None:
         b2b_loop = _median_ms(lambda: rebalance_experts_reference(weight, *topology), max(5, args.repeats // 3))
         b2b_fast = _median_ms(lambda: rebalance_experts(weight, *topology), args.repeats)
         nodes = num_nodes if num_groups % num_nodes == 0 else 1
-        print(f"{label:<18}{sigma:>6.1f}{t_loop:>9.2f}{t_fast:>12.2f}{t_loop / t_fast:>8.1f}x"
-              f"{cold_loop / cold_fast:>7.1f}x{best_loop / best_fast:>7.1f}x{b2b_loop / b2b_fast:>7.1f}x{t_bal:>12.2f}"
-              f"{_balancedness(weight, loop[0], num_gpus):>9.4f}"
-              f"{_balancedness(weight, fast[0], num_gpus):>13.4f}"
-              f"{_balancedness(weight, balanced[0], num_gpus):>13.4f}"
-              f"{_bound(weight, fast[0], fast[2], nodes, num_gpus):>7.4f}")
+        print(
+            f"{label:<18}{sigma:>6.1f}{t_loop:>9.2f}{t_fast:>12.2f}{t_loop / t_fast:>8.1f}x"
+            f"{cold_loop / cold_fast:>7.1f}x{best_loop / best_fast:>7.1f}x{b2b_loop / b2b_fast:>7.1f}x{t_bal:>12.2f}"
+            f"{_balancedness(weight, loop[0], num_gpus):>9.4f}"
+            f"{_balancedness(weight, fast[0], num_gpus):>13.4f}"
+            f"{_balancedness(weight, balanced[0], num_gpus):>13.4f}"
+            f"{_bound(weight, fast[0], fast[2], nodes, num_gpus):>7.4f}"
+        )
 
     # Slot preservation: after a load change (loads times log-normal noise of spread "drift"), the
     # share of slots whose expert changes (each is one expert's weights to copy), with and without
     # old_phy2log, and the balancedness of both.
     print()
-    header = (f"{'policy':<10}{'drift':>6}{'moved (fresh)':>15}{'moved (old_phy2log)':>21}{'bal fresh':>11}"
-              f"{'bal old_phy2log':>17}{'ms with old':>12}")
+    header = (
+        f"{'policy':<10}{'drift':>6}{'moved (fresh)':>15}{'moved (old_phy2log)':>21}{'bal fresh':>11}"
+        f"{'bal old_phy2log':>17}{'ms with old':>12}"
+    )
     print(header)
     print("-" * len(header))
     _, num_layers, num_experts, num_slots, num_groups, num_nodes, num_gpus = CASES[0]
@@ -139,9 +152,11 @@ def main() -> None:
             fresh = fn(new_weight, *topology)[0]
             kept = fn(new_weight, *topology, old_phy2log=old)[0]
             t_old = _median_ms(lambda: fn(new_weight, *topology, old_phy2log=old), max(3, args.repeats // 3))
-            print(f"{name:<10}{drift:>6.1f}{np.mean(fresh != old):>15.1%}{np.mean(kept != old):>21.1%}"
-                  f"{_balancedness(new_weight, fresh, num_gpus):>11.4f}{_balancedness(new_weight, kept, num_gpus):>17.4f}"
-                  f"{t_old:>12.2f}")
+            print(
+                f"{name:<10}{drift:>6.1f}{np.mean(fresh != old):>15.1%}{np.mean(kept != old):>21.1%}"
+                f"{_balancedness(new_weight, fresh, num_gpus):>11.4f}{_balancedness(new_weight, kept, num_gpus):>17.4f}"
+                f"{t_old:>12.2f}"
+            )
     print(f"\n# load average {os.getloadavg()[0]:.2f} at the end")
 
 

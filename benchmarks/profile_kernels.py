@@ -25,18 +25,28 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import map_and_count as bench  # noqa: E402
+import map_and_count as bench
 
-from moe_eplb_jax.pallas import _reference, _triton  # noqa: E402
+from moe_eplb_jax.pallas import _reference, _triton
 
 
 def case_call(mode, num_tokens, num_physical, options):
     """A jitted call of the kernels, its arguments (``bench.variant_case``'s draws) and whether it gave the
     reference's ids (and loads, unless ``options`` turn counting off)."""
     log2phy, logcnt, _, ids, thresholds, limits = bench.variant_case(mode, num_tokens, num_physical)
-    fn = jax.jit(lambda x, log2phy, logcnt, thresholds: _triton.map_and_count_triton(
-        x, log2phy, logcnt, thresholds, limits, num_physical=num_physical, mode=mode,
-        interpret=jax.default_backend() != "gpu", **options))
+    fn = jax.jit(
+        lambda x, log2phy, logcnt, thresholds: _triton.map_and_count_triton(
+            x,
+            log2phy,
+            logcnt,
+            thresholds,
+            limits,
+            num_physical=num_physical,
+            mode=mode,
+            interpret=jax.default_backend() != "gpu",
+            **options,
+        )
+    )
     args = (ids[0], log2phy, logcnt, thresholds)
     got = fn(*args)
     want = _reference.map_and_count_reference(*args, limits, num_physical=num_physical, mode=mode)

@@ -29,7 +29,7 @@ import numpy as np
 from moe_eplb_jax import quant
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import median_seconds  # noqa: E402
+from _timing import median_seconds
 
 
 def leaf_bytes(tree) -> int:
@@ -80,8 +80,10 @@ def mlp_variants():
 
 def make_layer(key, e, h, i, dtype):
     kg, ku, kd = jax.random.split(key, 3)
-    return [(jax.random.normal(k, s, jnp.float32) * 0.02).astype(dtype)
-            for k, s in ((kg, (e, i, h)), (ku, (e, i, h)), (kd, (e, h, i)))]
+    return [
+        (jax.random.normal(k, s, jnp.float32) * 0.02).astype(dtype)
+        for k, s in ((kg, (e, i, h)), (ku, (e, i, h)), (kd, (e, h, i)))
+    ]
 
 
 def quantized_layer(weights, fmt, x):
@@ -117,10 +119,12 @@ def diagnose(dev, cpu, log):
                 if bad.size == 0:
                     continue
                 idx = np.unravel_index(bad[:3] // max(1, a8.size // a.size), a.shape)
-                log(f"  {case:7s} {fmt:9s} {field.name:13s} {bad.size} of {a8.size} bytes differ; first "
+                log(
+                    f"  {case:7s} {fmt:9s} {field.name:13s} {bad.size} of {a8.size} bytes differ; first "
                     f"gpu {a8[bad[:3]].tolist()} cpu {b8[bad[:3]].tolist()} "
                     f"at {[tuple(int(v) for v in i) for i in zip(*idx)]}"
-                    f" values gpu {a[idx].astype(np.float32).tolist()} cpu {b[idx].astype(np.float32).tolist()}")
+                    f" values gpu {a[idx].astype(np.float32).tolist()} cpu {b[idx].astype(np.float32).tolist()}"
+                )
             log(f"  {case:7s} {fmt:9s} checked")
 
     ne, ni, nh = (2, 256, 512) if dev.platform == "cpu" else (8, 2048, 7168)
@@ -133,29 +137,43 @@ def diagnose(dev, cpu, log):
             x8 = jax.random.normal(jax.random.fold_in(key, t), (ne, t, nh), jnp.float32) * 64
             x8 = x8.astype(jnp.float8_e4m3fn)
             exact = np.asarray(x8[0, :32]).astype(np.float64) @ np.asarray(w8[0, :256]).astype(np.float64).T
-            for label, prec, cast in (("fp8 DEFAULT", "default", None), ("fp8 HIGHEST", "highest", None),
-                                      ("bf16 of fp8", "default", jnp.bfloat16)):
-                fn = jax.jit(lambda a, b, p=prec, c=cast: jax.lax.dot_general(
-                    a if c is None else a.astype(c), b if c is None else b.astype(c), dims, precision=p,
-                    preferred_element_type=jnp.float32))
+            for label, prec, cast in (
+                ("fp8 DEFAULT", "default", None),
+                ("fp8 HIGHEST", "highest", None),
+                ("bf16 of fp8", "default", jnp.bfloat16),
+            ):
+                fn = jax.jit(
+                    lambda a, b, p=prec, c=cast: jax.lax.dot_general(
+                        a if c is None else a.astype(c),
+                        b if c is None else b.astype(c),
+                        dims,
+                        precision=p,
+                        preferred_element_type=jnp.float32,
+                    )
+                )
                 out = fn(x8, w8)
                 err = np.linalg.norm(np.asarray(out[0, :32, :256]) - exact) / np.linalg.norm(exact)
                 hlo = fn.lower(x8, w8).compile().as_text()
                 calls = sorted(set(re.findall(r'custom_call_target="([^"]+)"', hlo)))
                 sec = median_seconds(fn, x8, w8)
-                log(f"  T={t:5d} {label:12s} {sec * 1e3:7.3f} ms  {2 * ne * t * ni * nh / sec / 1e12:6.0f} TFLOP/s"
-                    f"  rel err {err:.1e}  calls {calls}")
+                log(
+                    f"  T={t:5d} {label:12s} {sec * 1e3:7.3f} ms  {2 * ne * t * ni * nh / sec / 1e12:6.0f} TFLOP/s"
+                    f"  rel err {err:.1e}  calls {calls}"
+                )
         del w8
 
         packed = jax.random.randint(key, (ne, ni, nh // 2), 0, 256, jnp.int32).astype(jnp.uint8)
-        big = jax.random.normal(key, (256 * 1024 * 1024 // (64 if dev.platform == 'cpu' else 1),), jnp.float32)
+        big = jax.random.normal(key, (256 * 1024 * 1024 // (64 if dev.platform == "cpu" else 1),), jnp.float32)
         bw = 2 * big.nbytes / median_seconds(jax.jit(lambda v: v * jnp.float32(1.5)), big)
         log(f"  elementwise f32 r+w {bw / 1e12:.2f} TB/s")
         del big
         variants = {
             "arith": lambda p: qmlp._fp4_values(p).astype(jnp.bfloat16),
-            "float4": lambda p: jax.lax.bitcast_convert_type(p, jnp.float4_e2m1fn).reshape(
-                *p.shape[:-1], p.shape[-1] * 2).astype(jnp.bfloat16),
+            "float4": lambda p: (
+                jax.lax.bitcast_convert_type(p, jnp.float4_e2m1fn)
+                .reshape(*p.shape[:-1], p.shape[-1] * 2)
+                .astype(jnp.bfloat16)
+            ),
         }
         ref = None
         for name, fn in variants.items():
@@ -166,9 +184,11 @@ def diagnose(dev, cpu, log):
                 ref = out if ref is None else ref
                 sec = median_seconds(fn, packed)
                 floor = (packed.nbytes + out.nbytes) / bw
-                log(f"  fp4 decode {name:6s} {sec * 1e3:7.3f} ms floor {floor * 1e3:.3f} ms ({floor / sec:.2f}) "
-                    f"same {same}")
-            except Exception as err:  # noqa: BLE001
+                log(
+                    f"  fp4 decode {name:6s} {sec * 1e3:7.3f} ms floor {floor * 1e3:.3f} ms ({floor / sec:.2f}) "
+                    f"same {same}"
+                )
+            except Exception as err:
                 log(f"  fp4 decode {name} FAILED {type(err).__name__}: {str(err).splitlines()[0][:160]}")
         del packed
 
@@ -188,14 +208,24 @@ def diagnose(dev, cpu, log):
                 for name, values in (("arith", None), ("float4", variants["float4"])):
                     saved = qmlp._fp4_values
                     if values is not None:
-                        qmlp._fp4_values = lambda p: jax.lax.bitcast_convert_type(p, jnp.float4_e2m1fn).reshape(
-                            *p.shape[:-1], p.shape[-1] * 2).astype(jnp.float32)
+                        qmlp._fp4_values = lambda p: (
+                            jax.lax.bitcast_convert_type(p, jnp.float4_e2m1fn)
+                            .reshape(*p.shape[:-1], p.shape[-1] * 2)
+                            .astype(jnp.float32)
+                        )
                     try:
-                        fn = jax.jit(functools.partial(qmlp._mlp.__wrapped__, impl="auto", activation_scaling="static",
-                                                       axis_name=None, compute_dtype=jnp.dtype(jnp.bfloat16),
-                                                       fast_accumulation=False))
+                        fn = jax.jit(
+                            functools.partial(
+                                qmlp._mlp.__wrapped__,
+                                impl="auto",
+                                activation_scaling="static",
+                                axis_name=None,
+                                compute_dtype=jnp.dtype(jnp.bfloat16),
+                                fast_accumulation=False,
+                            )
+                        )
                         log(f"  {fmt} MLP T={t:5d} decode {name:6s} {median_seconds(fn, x, *layer) * 1e3:7.3f} ms")
-                    except Exception as err:  # noqa: BLE001
+                    except Exception as err:
                         log(f"  {fmt} MLP decode {name} FAILED {type(err).__name__}: {str(err).splitlines()[0][:120]}")
                     finally:
                         qmlp._fp4_values = saved
@@ -216,8 +246,10 @@ def main():
     gpus = [d for d in jax.devices() if d.platform == "gpu"]
     cpu = jax.devices("cpu")[0]
     dev = gpus[0] if gpus else cpu
-    log(f"jax {jax.__version__}, device {dev.device_kind}, cpu cores {os.cpu_count()}, "
-        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    log(
+        f"jax {jax.__version__}, device {dev.device_kind}, cpu cores {os.cpu_count()}, "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+    )
     results = {"device": dev.device_kind}
     if args.diag:
         diagnose(dev, cpu, log)
@@ -236,10 +268,12 @@ def main():
     key = jax.random.PRNGKey(0)
     with jax.default_device(dev):
         weights = make_layer(key, e, h, i, jnp.bfloat16)
-        xs = {t: jax.random.normal(jax.random.fold_in(key, t), (e, t, h), jnp.float32).astype(jnp.bfloat16)
-              for t in (t_small, t_large)}
+        xs = {
+            t: jax.random.normal(jax.random.fold_in(key, t), (e, t, h), jnp.float32).astype(jnp.bfloat16)
+            for t in (t_small, t_large)
+        }
         layers = {}
-        for name, fmt, impl in mlp_variants():
+        for _, fmt, _ in mlp_variants():
             if fmt not in layers:
                 layers[fmt] = quantized_layer(weights, fmt, xs[t_small])
         xc = xs[t_small][:, :8].astype(jnp.float32)
@@ -247,9 +281,10 @@ def main():
         for name, fmt, impl in mlp_variants():
             try:
                 ref = quant.expert_mlp_reference(xc, *layers[fmt])
-                out = quant.expert_mlp(xc, *layers[fmt], impl="auto" if impl == "fast" else impl,
-                                       fast_accumulation=impl == "fast")
-            except Exception as err:  # noqa: BLE001 -- report what does not compile here, go on
+                out = quant.expert_mlp(
+                    xc, *layers[fmt], impl="auto" if impl == "fast" else impl, fast_accumulation=impl == "fast"
+                )
+            except Exception as err:
                 failed.add(name)
                 ok = False
                 log(f"  mlp {name:16s} FAILED {type(err).__name__}: {str(err).splitlines()[0][:160]}")
@@ -275,38 +310,45 @@ def main():
         a8, b8 = a.astype(jnp.float8_e4m3fn), b.astype(jnp.float8_e4m3fn)
         try:
             fp8_rate = 2 * n**3 / median_seconds(mm, a8, b8)
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:
             fp8_rate = 2 * bf16_rate
             log(f"  fp8 GEMM ceiling FAILED ({type(err).__name__}); using 2x bf16")
         del big, a, b, a8, b8
-        log(f"ceilings: elementwise bf16 r+w {bw / 1e12:.2f} TB/s; GEMM {n}^3 bf16 {bf16_rate / 1e12:.0f} TFLOP/s, "
-            f"fp8 {fp8_rate / 1e12:.0f} TFLOP/s")
+        log(
+            f"ceilings: elementwise bf16 r+w {bw / 1e12:.2f} TB/s; GEMM {n}^3 bf16 {bf16_rate / 1e12:.0f} TFLOP/s, "
+            f"fp8 {fp8_rate / 1e12:.0f} TFLOP/s"
+        )
         results["ceilings"] = {"bw_Bps": bw, "bf16_flops": bf16_rate, "fp8_flops": fp8_rate}
 
     # 3. quantization throughput
     log("")
     log(f"quantize_experts, bf16 w [{e}, {i}, {h}] ({weights[0].nbytes / 2**20:.0f} MiB):")
-    log(f"{'format':10s} {'where':5s} {'time ms':>9s} {'in GB/s':>9s} {'floor ms':>9s} {'floor/time':>10s} "
-        f"{'@4.3TB/s':>9s}")
+    log(
+        f"{'format':10s} {'where':5s} {'time ms':>9s} {'in GB/s':>9s} {'floor ms':>9s} {'floor/time':>10s} "
+        f"{'@4.3TB/s':>9s}"
+    )
     results["quantize"] = []
     cpu_w = jax.device_put(weights[0][: max(1, e // 8)], cpu)  # a slice: a CPU pass over all takes seconds
     for fmt in quant.FORMATS:
         for where, device in (("gpu", dev), ("cpu", cpu)) if gpus else (("cpu", cpu),):
             with jax.default_device(device):
                 w = cpu_w if where == "cpu" else weights[0]
-                fn = lambda v, f=fmt: quant.quantize_experts(v, f, nonfinite="propagate")  # noqa: E731
+                fn = lambda v, f=fmt: quant.quantize_experts(v, f, nonfinite="propagate")
                 try:
                     sec = median_seconds(fn, w, reps=3 if where == "cpu" else 10, warmup=1)
-                except Exception as err:  # noqa: BLE001
+                except Exception as err:
                     ok = False
                     log(f"{fmt:10s} {where:5s} FAILED {type(err).__name__}: {str(err).splitlines()[0][:160]}")
                     continue
                 moved = w.nbytes + leaf_bytes(fn(w))
                 floor = moved / bw if where == "gpu" else float("nan")
-                log(f"{fmt:10s} {where:5s} {sec * 1e3:9.3f} {w.nbytes / sec / 1e9:9.1f} {floor * 1e3:9.3f} "
-                    f"{floor / sec:10.2f} {moved / HBM_COPY_BPS / sec:9.2f}")
-                results["quantize"].append({"fmt": fmt, "where": where, "shape": list(w.shape), "s": sec,
-                                            "floor_s": floor})
+                log(
+                    f"{fmt:10s} {where:5s} {sec * 1e3:9.3f} {w.nbytes / sec / 1e9:9.1f} {floor * 1e3:9.3f} "
+                    f"{floor / sec:10.2f} {moved / HBM_COPY_BPS / sec:9.2f}"
+                )
+                results["quantize"].append(
+                    {"fmt": fmt, "where": where, "shape": list(w.shape), "s": sec, "floor_s": floor}
+                )
 
     # 4. MLP step time
     with jax.default_device(dev):
@@ -315,15 +357,20 @@ def main():
             flops = 6 * e * t * h * i
             log("")
             log(f"expert MLP step, E={e} slots x T={t} tokens, H={h}, I={i} ({flops / 1e9:.0f} GFLOP):")
-            log(f"{'variant':16s} {'ms':>8s} {'vs bf16':>8s} {'weight MiB':>10s} {'floor ms':>9s} {'floor/time':>10s} "
-                f"{'@4.3TB/s':>9s}")
+            log(
+                f"{'variant':16s} {'ms':>8s} {'vs bf16':>8s} {'weight MiB':>10s} {'floor ms':>9s} {'floor/time':>10s} "
+                f"{'@4.3TB/s':>9s}"
+            )
             base = None
             for name, fmt, impl in mlp_variants():
                 if name in failed:
                     continue
                 layer = layers[fmt]
-                fn = jax.jit(lambda v, *q, m=impl: quant.expert_mlp(v, *q, impl="auto" if m == "fast" else m,
-                                                                    fast_accumulation=m == "fast"))
+                fn = jax.jit(
+                    lambda v, *q, m=impl: quant.expert_mlp(
+                        v, *q, impl="auto" if m == "fast" else m, fast_accumulation=m == "fast"
+                    )
+                )
                 sec = median_seconds(fn, xs[t], *layer)
                 base = sec if base is None else base
                 rate = fp8_rate if name.startswith("fp8") and "via" not in name and "block" not in name else bf16_rate
@@ -331,8 +378,10 @@ def main():
                 io = xs[t].nbytes + e * t * h * 4  # tokens in (bf16), float32 out
                 floor = max((wbytes + io) / bw, flops / rate)  # bw counts bytes read + written
                 hbm_floor = max((wbytes + io) / HBM_COPY_BPS, flops / rate)
-                log(f"{name:16s} {sec * 1e3:8.3f} {base / sec:8.2f} {wbytes / 2**20:10.0f} {floor * 1e3:9.3f} "
-                    f"{floor / sec:10.2f} {hbm_floor / sec:9.2f}")
+                log(
+                    f"{name:16s} {sec * 1e3:8.3f} {base / sec:8.2f} {wbytes / 2**20:10.0f} {floor * 1e3:9.3f} "
+                    f"{floor / sec:10.2f} {hbm_floor / sec:9.2f}"
+                )
                 results["mlp"].append({"variant": name, "T": t, "s": sec, "floor_s": floor, "weight_bytes": wbytes})
 
     log("")

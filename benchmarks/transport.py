@@ -69,14 +69,13 @@ import traceback
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _overlap import hlo_summary, timeline
 from jax.sharding import NamedSharding, PartitionSpec
 
 from moe_eplb_jax import sharding as eps
 from moe_eplb_jax.sharding import packing
 from moe_eplb_jax.sharding import transport as _transport
 from moe_eplb_jax.sharding.plan import order_for_streaming
-
-from _overlap import hlo_summary, timeline  # noqa: E402  (benchmarks/ is on the path when run as a script)
 
 
 def parse_args():
@@ -88,8 +87,13 @@ def parse_args():
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--inter", type=int, default=128)
     p.add_argument("--fractions", type=float, nargs="+", default=[0.1, 0.5])
-    p.add_argument("--chunks", type=int, nargs="+", default=[0],
-                   help="chunks per round, in order of rising memory; 0: the library's default chunking")
+    p.add_argument(
+        "--chunks",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="chunks per round, in order of rising memory; 0: the library's default chunking",
+    )
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--variants", nargs="+", default=["default"], help="executor variants (see above)")
     p.add_argument("--timeline", action="store_true", help="profile each variant: overlap of transfers and copies")
@@ -116,8 +120,13 @@ _DEFAULT_PUT = dict(_transport.PUT_KERNEL_OPTIONS)
 
 def parse_variant(name):
     """``(row view, depth, schedule, chunks or None, compiler options, copy programs)`` of a variant name."""
-    view, depth, schedule, chunks, options = (_transport.WORD_VIEW, _transport.PIPELINE_DEPTH,
-                                              _transport.DEFAULT_SCHEDULE, None, {})
+    view, depth, schedule, chunks, options = (
+        _transport.WORD_VIEW,
+        _transport.PIPELINE_DEPTH,
+        _transport.DEFAULT_SCHEDULE,
+        None,
+        {},
+    )
     programs = _transport.DEFAULT_COPY_PROGRAMS
     kernel = dict(_DEFAULT_KERNEL)
     for part in name.split("+"):
@@ -154,8 +163,9 @@ def parse_variant(name):
         elif "=" in part:
             key, value = part.split("=", 1)
             low = value.lower()
-            options[key] = (True if low == "true" else False if low == "false"
-                            else int(value) if value.isdigit() else value)
+            options[key] = (
+                True if low == "true" else False if low == "false" else int(value) if value.isdigit() else value
+            )
         else:
             raise SystemExit(f"unknown variant part {part!r} in {name!r}")
     return view, depth, schedule, chunks, options, (programs, kernel)
@@ -179,8 +189,10 @@ def swap_placement(rng, phy2log, num_ranks, fraction):
     new = phy2log.copy()
     for lyr in range(layers):
         counts = np.bincount(phy2log[lyr], minlength=phy2log.max() + 1)
-        free = [list(rng.permutation([p for p in range(r * per_rank, (r + 1) * per_rank)
-                                      if counts[phy2log[lyr, p]] == 1])) for r in range(num_ranks)]
+        free = [
+            list(rng.permutation([p for p in range(r * per_rank, (r + 1) * per_rank) if counts[phy2log[lyr, p]] == 1]))
+            for r in range(num_ranks)
+        ]
         for a, b in pairs:
             for _ in range(per_pair):
                 if not free[a] or not free[b]:
@@ -252,12 +264,19 @@ def raw_ppermute(mesh, nbytes_per_rank, iters, options=None):
     """Median seconds of one ``ppermute`` of ``nbytes_per_rank`` uint8 bytes per rank, and the jitted call."""
     num_ranks = mesh.shape["ep"]
     sharding = NamedSharding(mesh, PartitionSpec("ep"))
-    buf = jax.jit(lambda: jax.random.bits(jax.random.key(1), (num_ranks * nbytes_per_rank,), jnp.uint8),
-                  out_shardings=sharding)()
+    buf = jax.jit(
+        lambda: jax.random.bits(jax.random.key(1), (num_ranks * nbytes_per_rank,), jnp.uint8), out_shardings=sharding
+    )()
     perm = [(r, (r + 1) % num_ranks) for r in range(num_ranks)]
-    fn = jax.jit(jax.shard_map(lambda x: jax.lax.ppermute(x, "ep", perm), mesh=mesh,
-                               in_specs=PartitionSpec("ep"), out_specs=PartitionSpec("ep")),
-                 compiler_options=dict(options) if options else None)
+    fn = jax.jit(
+        jax.shard_map(
+            lambda x: jax.lax.ppermute(x, "ep", perm),
+            mesh=mesh,
+            in_specs=PartitionSpec("ep"),
+            out_specs=PartitionSpec("ep"),
+        ),
+        compiler_options=dict(options) if options else None,
+    )
     fn(buf).block_until_ready()
     times, returned = [], []
     for _ in range(iters):
@@ -282,8 +301,9 @@ def raw_ppermute_chunked(mesh, nbytes_per_rank, chunks, iters):
     num_ranks = mesh.shape["ep"]
     size = nbytes_per_rank // chunks
     sharding = NamedSharding(mesh, PartitionSpec("ep"))
-    buf = jax.jit(lambda: jax.random.bits(jax.random.key(2), (num_ranks * chunks, size), jnp.uint8),
-                  out_shardings=sharding)()
+    buf = jax.jit(
+        lambda: jax.random.bits(jax.random.key(2), (num_ranks * chunks, size), jnp.uint8), out_shardings=sharding
+    )()
     perm = [(r, (r + 1) % num_ranks) for r in range(num_ranks)]
 
     def local(x):
@@ -294,8 +314,9 @@ def raw_ppermute_chunked(mesh, nbytes_per_rank, chunks, iters):
                 piece, _ = jax.lax.optimization_barrier((x[i + 1], outs[-1]))
         return outs
 
-    fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=PartitionSpec("ep"),
-                               out_specs=[PartitionSpec("ep")] * chunks))
+    fn = jax.jit(
+        jax.shard_map(local, mesh=mesh, in_specs=PartitionSpec("ep"), out_specs=[PartitionSpec("ep")] * chunks)
+    )
     jax.block_until_ready(fn(buf))
     times = []
     for _ in range(iters):
@@ -322,8 +343,17 @@ def dtype_check(mesh, rng, schedule="serial", copy_programs=None, row_elements=6
 
     num_ranks = mesh.shape["ep"]
     layers, experts, slots = 2, 4 * num_ranks, 6 * num_ranks
-    dtypes = [np.float32, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2,
-              ml_dtypes.float8_e8m0fnu, ml_dtypes.float4_e2m1fn, np.int8, np.uint8, np.int32]
+    dtypes = [
+        np.float32,
+        ml_dtypes.bfloat16,
+        ml_dtypes.float8_e4m3fn,
+        ml_dtypes.float8_e5m2,
+        ml_dtypes.float8_e8m0fnu,
+        ml_dtypes.float4_e2m1fn,
+        np.int8,
+        np.uint8,
+        np.int32,
+    ]
     ckpt = {}
     for i, dt in enumerate(dtypes):
         width = max(1, jax.dtypes.itemsize_bits(np.dtype(dt)) // 8)
@@ -332,14 +362,19 @@ def dtype_check(mesh, rng, schedule="serial", copy_programs=None, row_elements=6
             raw &= 0x0F
         ckpt[f"leaf{i}"] = raw.view(dt)
     old = np.stack([rng.permutation(np.arange(slots) % experts) for _ in range(layers)])
-    new = np.stack([rng.permutation(np.concatenate([np.arange(experts), rng.integers(0, experts, slots - experts)]))
-                    for _ in range(layers)])
-    take = lambda tab: {k: v[np.arange(layers)[:, None], tab] for k, v in ckpt.items()}  # noqa: E731
+    new = np.stack(
+        [
+            rng.permutation(np.concatenate([np.arange(experts), rng.integers(0, experts, slots - experts)]))
+            for _ in range(layers)
+        ]
+    )
+    take = lambda tab: {k: v[np.arange(layers)[:, None], tab] for k, v in ckpt.items()}
     plan = eps.plan_rearrangement(old, new, num_ranks)
     if schedule != "serial":  # as many chunks as the plan's cycles allow, so the streaming order is used
         plan = next(p for p in (streamable(plan, n) for n in (4, 2, 1)) if p is not None)
-    moved = eps.execute_plan(eps.shard_slots(take(old), mesh, layered=True), plan, mesh=mesh, schedule=schedule,
-                             copy_programs=copy_programs)
+    moved = eps.execute_plan(
+        eps.shard_slots(take(old), mesh, layered=True), plan, mesh=mesh, schedule=schedule, copy_programs=copy_programs
+    )
     expect = take(new)
     from moe_eplb_jax.sharding.packing import byte_rows_numpy
 
@@ -350,8 +385,11 @@ def component_times(mesh, experts, capacity, iters):
     """Median ms of the local parts alone: packing ``capacity`` rows, scattering them back (donates experts)."""
     names = sorted(experts)
     leaves = [experts[k] for k in names]
-    probe = eps.plan_rearrangement(np.zeros((leaves[0].shape[0], leaves[0].shape[1]), np.int32),
-                                   np.zeros((leaves[0].shape[0], leaves[0].shape[1]), np.int32), mesh.shape["ep"])
+    probe = eps.plan_rearrangement(
+        np.zeros((leaves[0].shape[0], leaves[0].shape[1]), np.int32),
+        np.zeros((leaves[0].shape[0], leaves[0].shape[1]), np.int32),
+        mesh.shape["ep"],
+    )
     _, layouts, specs, _ = _transport._check_leaves(dict(zip(names, leaves)), probe, mesh, "ep")
     num_rows = leaves[0].shape[0] * leaves[0].shape[1] // mesh.shape["ep"]
     idx = jnp.asarray(np.random.default_rng(0).permutation(num_rows)[:capacity].astype(np.int32))
@@ -370,8 +408,10 @@ def component_times(mesh, experts, capacity, iters):
 
     spec = PartitionSpec("ep")
     pack_fn = jax.jit(jax.shard_map(pack, mesh=mesh, in_specs=tuple(specs), out_specs=spec))
-    scatter_fn = jax.jit(jax.shard_map(scatter, mesh=mesh, in_specs=(spec,) + tuple(specs), out_specs=list(specs)),
-                         donate_argnums=tuple(range(1, len(leaves) + 1)))
+    scatter_fn = jax.jit(
+        jax.shard_map(scatter, mesh=mesh, in_specs=(spec,) + tuple(specs), out_specs=list(specs)),
+        donate_argnums=tuple(range(1, len(leaves) + 1)),
+    )
     out = {}
     buf = pack_fn(*leaves)
     buf.block_until_ready()
@@ -395,6 +435,7 @@ def mem_in_use(devices):
     stats = [d.memory_stats() or {} for d in devices]
     return max(s.get("bytes_in_use", 0) for s in stats), max(s.get("peak_bytes_in_use", 0) for s in stats)
 
+
 # ----------------------------------------------------------------------- main
 def run_config(args, ctx, variant, fraction, chunks):
     """Times one (variant, fraction, chunks); returns the result row (``ctx`` carries experts and placement)."""
@@ -403,8 +444,9 @@ def run_config(args, ctx, variant, fraction, chunks):
     taper = kernel.pop("taper", None)
     prepared = kernel.pop("prepared", False)
     fixed_weights = kernel.pop("weights", None)
-    _transport.PUT_KERNEL_OPTIONS = dict(_DEFAULT_PUT, **{k[4:]: kernel.pop(k) for k in list(kernel)
-                                                           if k.startswith("put_")})
+    _transport.PUT_KERNEL_OPTIONS = dict(
+        _DEFAULT_PUT, **{k[4:]: kernel.pop(k) for k in list(kernel) if k.startswith("put_")}
+    )
     _transport.COPY_KERNEL_OPTIONS = kernel
     chunks = own_chunks if own_chunks is not None else chunks
     _transport.WORD_VIEW, _transport.PIPELINE_DEPTH = view, depth
@@ -429,9 +471,20 @@ def run_config(args, ctx, variant, fraction, chunks):
             before_hash = slot_hashes(mesh, ctx["experts"])
             put = _transport._put_kind(schedule, layouts, mesh)
             tables, table_layout = _transport.device_tables(plan, mesh, "ep", sender_destinations=bool(put))
-            fn = _transport._executor(mesh, "ep", tuple(specs), tuple(layouts), 2, True, nch, opts, plan.chunk_bounds,
-                                      table_layout, 0 if put else _transport._copy_programs(programs, leaves, layouts,
-                                                                                             plan), put)
+            fn = _transport._executor(
+                mesh,
+                "ep",
+                tuple(specs),
+                tuple(layouts),
+                2,
+                True,
+                nch,
+                opts,
+                plan.chunk_bounds,
+                table_layout,
+                0 if put else _transport._copy_programs(programs, leaves, layouts, plan),
+                put,
+            )
             compiled = fn.lower(tables, leaves).compile()
             res["extra_static"] = compiled.memory_analysis().temp_size_in_bytes
             text = compiled.as_text()
@@ -448,8 +501,9 @@ def run_config(args, ctx, variant, fraction, chunks):
         t = time.perf_counter()
         tables, table_layout = _transport.device_tables(plan, mesh, "ep", sender_destinations=schedule == "put")
         host_tables.append(time.perf_counter() - t)
-        move_kwargs = dict(mesh=mesh, max_chunk_bytes=max_chunk, compiler_options=options, schedule=schedule,
-                           copy_programs=programs)
+        move_kwargs = dict(
+            mesh=mesh, max_chunk_bytes=max_chunk, compiler_options=options, schedule=schedule, copy_programs=programs
+        )
         if prepared:  # validation and the table upload before the clock starts
             t = time.perf_counter()
             move = eps.prepare_move(ctx["experts"], plan, **move_kwargs)
@@ -473,14 +527,24 @@ def run_config(args, ctx, variant, fraction, chunks):
         ctx["phy2log"] = new
     moved = plan.bytes_moved(row)
     med = statistics.median(times)
-    res.update(chunks=nch, moved=moved, time_ms=med * 1e3, gbps=moved / med / 1e9,
-               extra_measured=res["extra_measured"] / moved, extra_static=res["extra_static"] / moved,
-               recompiles_after_first=sum(compiles[1:]), first_compiles=compiles[0],
-               plan_ms=statistics.median(plan_s) * 1e3, capacity=plan.capacities[0], schedule=schedule,
-               returned_ms=statistics.median(dispatch) * 1e3,
-               host_check_ms=statistics.median(host_check) * 1e3, host_tables_ms=statistics.median(host_tables) * 1e3,
-               prepare_ms=statistics.median(prepare_s) * 1e3 if prepare_s else None,
-               streamed_chunk_bounds=plan.chunk_bounds)
+    res.update(
+        chunks=nch,
+        moved=moved,
+        time_ms=med * 1e3,
+        gbps=moved / med / 1e9,
+        extra_measured=res["extra_measured"] / moved,
+        extra_static=res["extra_static"] / moved,
+        recompiles_after_first=sum(compiles[1:]),
+        first_compiles=compiles[0],
+        plan_ms=statistics.median(plan_s) * 1e3,
+        capacity=plan.capacities[0],
+        schedule=schedule,
+        returned_ms=statistics.median(dispatch) * 1e3,
+        host_check_ms=statistics.median(host_check) * 1e3,
+        host_tables_ms=statistics.median(host_tables) * 1e3,
+        prepare_ms=statistics.median(prepare_s) * 1e3 if prepare_s else None,
+        streamed_chunk_bounds=plan.chunk_bounds,
+    )
     if args.timeline:  # the last move forth and back (even calls: the placement ends where it was)
         back = eps.plan_rearrangement(ctx["phy2log"], old, num_ranks)
         back = order_for_streaming(back, nch, weights=weights) if schedule != "serial" else back
@@ -527,7 +591,7 @@ def main():
             for chunks in args.chunks:
                 try:
                     res = run_config(args, ctx, variant, fraction, chunks)
-                except Exception as e:  # noqa: BLE001 -- one rejected option must not end the run
+                except Exception as e:
                     traceback.print_exc()
                     res = dict(view=variant, fraction=fraction, error=f"{type(e).__name__}: {str(e)[:300]}")
                     if any(leaf.is_deleted() for leaf in jax.tree.leaves(ctx["experts"])):  # start afresh
@@ -550,31 +614,38 @@ def main():
                 try:
                     seconds, fn, buf = raw_ppermute(mesh, r["moved"], max(5, args.iters), dict(opts))
                     if args.timeline and not opts and r["moved"] == max(x["moved"] for x in ok):
-                        raw_timeline = timeline(lambda i: fn(buf), 4)  # noqa: B023
+                        raw_timeline = timeline(lambda i: fn(buf), 4)
                     del fn, buf
                     raw[key] = seconds
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:
                     print(f"raw ppermute with {opts}: {type(e).__name__}: {e}", flush=True)
                     raw[key] = float("nan")
         own = raw[(r["moved"], tuple(sorted(r["options"].items())))]
-        r.update(raw_ms=raw[(r["moved"], ())] * 1e3, raw_same_ms=own * 1e3,
-                 ratio=raw[(r["moved"], ())] / (r["time_ms"] / 1e3), ratio_same=own / (r["time_ms"] / 1e3))
+        r.update(
+            raw_ms=raw[(r["moved"], ())] * 1e3,
+            raw_same_ms=own * 1e3,
+            ratio=raw[(r["moved"], ())] / (r["time_ms"] / 1e3),
+            ratio_same=own / (r["time_ms"] / 1e3),
+        )
     extras = {}
     if ok:  # the floor of chunked transfers, at the largest move and the first variant's chunks
         largest = max(ok, key=lambda r: r["moved"])
         chunks = largest["chunks"] * (num_ranks - 1)
         seconds = raw_ppermute_chunked(mesh, largest["moved"], chunks, max(5, args.iters))
         extras[f"raw ppermute of {largest['moved'] / 2**20:.0f} MiB in {chunks} chained transfers ms"] = (
-            f"{seconds * 1e3:.2f} (one transfer: {raw[(largest['moved'], ())] * 1e3:.2f})")
+            f"{seconds * 1e3:.2f} (one transfer: {raw[(largest['moved'], ())] * 1e3:.2f})"
+        )
     if not args.no_extras:
         for schedule in ("serial", "stream", "put"):  # put: the kernel on GPUs, its emulation elsewhere
             # put: rows of a multiple of 128 bytes for every dtype (fp4: 256 elements)
-            extras[f"dtype check ({schedule})"] = dtype_check(mesh, rng, schedule,
-                                                              row_elements=256 if schedule == "put" else 6)
+            extras[f"dtype check ({schedule})"] = dtype_check(
+                mesh, rng, schedule, row_elements=256 if schedule == "put" else 6
+            )
             if schedule == "put":
                 continue
             extras[f"dtype check ({schedule}, word rows, Pallas copies)"] = dtype_check(
-                mesh, rng, schedule, copy_programs=16, row_elements=8)
+                mesh, rng, schedule, copy_programs=16, row_elements=8
+            )
         if ok:
             for words in (False, True):
                 _transport.WORD_VIEW = words
@@ -586,33 +657,46 @@ def main():
 
 
 def report(args, num_ranks, devices, row, results, raw_timeline, extras):
-    print(f"\n## transport: {num_ranks} x {devices[0].device_kind}, {args.layers} layers x {args.slots} slots, "
-          f"row {row} B (fp8 w13 + e8m0 scales + bf16 w2), iters {args.iters}")
-    print("(raw: one ppermute of the same bytes, default XLA options / the variant's options; peak extra from "
-          "memory_stats is a running maximum, valid while it rises; 'static' is XLA's temp size)")
-    print("| variant | moved | chunks | MiB/rank | ours ms | ours GB/s | raw ms | ours/raw | raw ms (same opts) | "
-          "ours/raw (same opts) | peak extra / moved (stats, static) | recompiles | correct | plan ms |")
+    print(
+        f"\n## transport: {num_ranks} x {devices[0].device_kind}, {args.layers} layers x {args.slots} slots, "
+        f"row {row} B (fp8 w13 + e8m0 scales + bf16 w2), iters {args.iters}"
+    )
+    print(
+        "(raw: one ppermute of the same bytes, default XLA options / the variant's options; peak extra from "
+        "memory_stats is a running maximum, valid while it rises; 'static' is XLA's temp size)"
+    )
+    print(
+        "| variant | moved | chunks | MiB/rank | ours ms | ours GB/s | raw ms | ours/raw | raw ms (same opts) | "
+        "ours/raw (same opts) | peak extra / moved (stats, static) | recompiles | correct | plan ms |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         if "error" in r:
             print(f"| {r['view']} | {r['fraction']:.0%} | failed: {r['error']} |")
             continue
-        print(f"| {r['view']} | {r['fraction']:.0%} | {r['chunks']} | {r['moved'] / 2**20:.0f} | {r['time_ms']:.2f} | "
-              f"{r['gbps']:.0f} | {r['raw_ms']:.2f} | {r['ratio']:.2f} | {r['raw_same_ms']:.2f} | "
-              f"{r['ratio_same']:.2f} | {r['extra_measured']:.2f}, {r['extra_static']:.2f} | "
-              f"{r['recompiles_after_first']} | {r['correct']} | {r['plan_ms']:.0f} |")
-    print("\n### schedule (longest chain of transfers each waiting for an earlier one, of all transfers: N of N is "
-          "strictly serial; async transfers, those marked sync, compute ops XLA placed between each start and done)")
+        print(
+            f"| {r['view']} | {r['fraction']:.0%} | {r['chunks']} | {r['moved'] / 2**20:.0f} | {r['time_ms']:.2f} | "
+            f"{r['gbps']:.0f} | {r['raw_ms']:.2f} | {r['ratio']:.2f} | {r['raw_same_ms']:.2f} | "
+            f"{r['ratio_same']:.2f} | {r['extra_measured']:.2f}, {r['extra_static']:.2f} | "
+            f"{r['recompiles_after_first']} | {r['correct']} | {r['plan_ms']:.0f} |"
+        )
+    print(
+        "\n### schedule (longest chain of transfers each waiting for an earlier one, of all transfers: N of N is "
+        "strictly serial; async transfers, those marked sync, compute ops XLA placed between each start and done)"
+    )
     for r in results:
         if "hlo" in r:
             h = r["hlo"]
-            print(f"- {r['view']} {r['fraction']:.0%}: chain {h['longest_chain']} of {h['transfers']}; "
-                  f"{h['async_pairs']} async, {h['is_sync']} marked sync; ops between start/done "
-                  f"{h['compute_ops_between_start_and_done']}")
+            print(
+                f"- {r['view']} {r['fraction']:.0%}: chain {h['longest_chain']} of {h['transfers']}; "
+                f"{h['async_pairs']} async, {h['is_sync']} marked sync; ops between start/done "
+                f"{h['compute_ops_between_start_and_done']}"
+            )
     if args.timeline:
         print("\n### timeline (GPU 0, median per call, ms; profiled without command buffers)")
-        print("| variant | moved | span | transfer busy | kernel busy | copy busy | transfer || other | idle | "
-              "verdict |")
+        print(
+            "| variant | moved | span | transfer busy | kernel busy | copy busy | transfer || other | idle | verdict |"
+        )
         print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         rows = [(r["view"], f"{r['fraction']:.0%}", r.get("timeline")) for r in results if "timeline" in r]
         rows.append(("raw ppermute", "largest", raw_timeline))
@@ -621,32 +705,57 @@ def report(args, num_ranks, devices, row, results, raw_timeline, extras):
                 print(f"| {name} | {frac} | no GPU trace |")
                 continue
             other = t["kernel_ms"] + t["copy_ms"]
-            verdict = ("overlapped" if t["overlap_ms"] > 0.5 * min(t["transfer_ms"], other) else
-                       "serialised" if t["overlap_ms"] < 0.1 * min(t["transfer_ms"], other) else "partly")
-            print(f"| {name} | {frac} | {t['span_ms']:.2f} | {t['transfer_ms']:.2f} | {t['kernel_ms']:.2f} | "
-                  f"{t['copy_ms']:.2f} | {t['overlap_ms']:.2f} | {t['idle_ms']:.2f} | {verdict} |")
+            verdict = (
+                "overlapped"
+                if t["overlap_ms"] > 0.5 * min(t["transfer_ms"], other)
+                else "serialised"
+                if t["overlap_ms"] < 0.1 * min(t["transfer_ms"], other)
+                else "partly"
+            )
+            print(
+                f"| {name} | {frac} | {t['span_ms']:.2f} | {t['transfer_ms']:.2f} | {t['kernel_ms']:.2f} | "
+                f"{t['copy_ms']:.2f} | {t['overlap_ms']:.2f} | {t['idle_ms']:.2f} | {verdict} |"
+            )
         for name, frac, t in rows:
             if t is not None:
-                print(f"- {name} {frac}: calls found {t['calls_found']}, streams {t['streams']}, "
-                      f"largest {t['top_ms_per_call']}")
+                print(
+                    f"- {name} {frac}: calls found {t['calls_found']}, streams {t['streams']}, "
+                    f"largest {t['top_ms_per_call']}"
+                )
         if raw_timeline is not None:  # device time only: no host work (validation, tables) in either
             largest = max(r["moved"] for r in results if "moved" in r)
-            ratios = [f"{r['view']} {raw_timeline['span_ms'] / r['timeline']['span_ms']:.2f}" for r in results
-                      if r.get("timeline") and r["moved"] == largest]
+            ratios = [
+                f"{r['view']} {raw_timeline['span_ms'] / r['timeline']['span_ms']:.2f}"
+                for r in results
+                if r.get("timeline") and r["moved"] == largest
+            ]
             print(f"device span of the raw ppermute / of ours ({largest / 2**20:.0f} MiB/rank): " + ", ".join(ratios))
-            work = [f"{r['view']} {raw_timeline['span_ms'] / (r['timeline']['span_ms'] - r['timeline']['lead_ms']):.2f}"
-                    f" (lead {r['timeline']['lead_ms']:.2f} ms)" for r in results
-                    if r.get("timeline") and r["moved"] == largest]
-            print("device work (first kernel to last; the lead before it is the launch after the table upload), "
-                  "raw / ours: " + ", ".join(work))
-        print("host: ms until the call returned (execute_plan: validation, tables, dispatch; prepared: the move's "
-              "checks and dispatch): "
-              + ", ".join(f"{r['view']} {r['returned_ms']:.2f}" for r in results if "returned_ms" in r)
-              + "; raw ppermute " + ", ".join(f"{x * 1e3:.2f}" for x in RAW_RETURNED))
-        print("host: ms of validation / table upload alone (prepare_move): "
-              + ", ".join(f"{r['view']} {r['host_check_ms']:.2f} / {r['host_tables_ms']:.2f}"
-                          + (f" ({r['prepare_ms']:.2f})" if r.get("prepare_ms") else "") for r in results
-                          if "host_check_ms" in r))
+            work = [
+                f"{r['view']} {raw_timeline['span_ms'] / (r['timeline']['span_ms'] - r['timeline']['lead_ms']):.2f}"
+                f" (lead {r['timeline']['lead_ms']:.2f} ms)"
+                for r in results
+                if r.get("timeline") and r["moved"] == largest
+            ]
+            print(
+                "device work (first kernel to last; the lead before it is the launch after the table upload), "
+                "raw / ours: " + ", ".join(work)
+            )
+        print(
+            "host: ms until the call returned (execute_plan: validation, tables, dispatch; prepared: the move's "
+            "checks and dispatch): "
+            + ", ".join(f"{r['view']} {r['returned_ms']:.2f}" for r in results if "returned_ms" in r)
+            + "; raw ppermute "
+            + ", ".join(f"{x * 1e3:.2f}" for x in RAW_RETURNED)
+        )
+        print(
+            "host: ms of validation / table upload alone (prepare_move): "
+            + ", ".join(
+                f"{r['view']} {r['host_check_ms']:.2f} / {r['host_tables_ms']:.2f}"
+                + (f" ({r['prepare_ms']:.2f})" if r.get("prepare_ms") else "")
+                for r in results
+                if "host_check_ms" in r
+            )
+        )
     for k, v in extras.items():
         print(f"{k}: {v}")
     if args.json:

@@ -18,14 +18,41 @@ from moe_eplb_jax.flax import MoELayer
 
 
 class Block(nnx.Module):
-    def __init__(self, dim, heads, hidden, num_experts, top_k, *, mesh, num_physical, skew, dtype, attention,
-                 capacity_factor, rngs):
+    def __init__(
+        self,
+        dim,
+        heads,
+        hidden,
+        num_experts,
+        top_k,
+        *,
+        mesh,
+        num_physical,
+        skew,
+        dtype,
+        attention,
+        capacity_factor,
+        rngs,
+    ):
         self.norm1 = nnx.RMSNorm(dim, rngs=rngs)
-        self.attn = (nnx.MultiHeadAttention(heads, dim, qkv_features=dim, decode=False, dtype=dtype, rngs=rngs)
-                     if attention else None)
+        self.attn = (
+            nnx.MultiHeadAttention(heads, dim, qkv_features=dim, decode=False, dtype=dtype, rngs=rngs)
+            if attention
+            else None
+        )
         self.norm2 = nnx.RMSNorm(dim, rngs=rngs)
-        self.moe = MoELayer(dim, hidden, num_experts, top_k, mesh=mesh, num_physical=num_physical,
-                            shared_hidden=hidden, dtype=dtype, capacity_factor=capacity_factor, rngs=rngs)
+        self.moe = MoELayer(
+            dim,
+            hidden,
+            num_experts,
+            top_k,
+            mesh=mesh,
+            num_physical=num_physical,
+            shared_hidden=hidden,
+            dtype=dtype,
+            capacity_factor=capacity_factor,
+            rngs=rngs,
+        )
         bias = -skew * np.log1p(np.arange(num_experts, dtype=np.float32))
         self.moe.router_bias.set_value(jax.device_put(bias, self.moe.router_bias.get_value().sharding))
 
@@ -38,14 +65,44 @@ class Block(nnx.Module):
 class MoELM(nnx.Module):
     """``tokens [B, T] int32 -> logits [B, T, vocab] float32``."""
 
-    def __init__(self, *, vocab=256, dim=64, heads=4, hidden=64, num_layers=2, num_experts=16, top_k=2,
-                 num_physical=None, mesh, skew=1.0, dtype=jnp.float32, attention=True, capacity_factor=None, rngs):
+    def __init__(
+        self,
+        *,
+        vocab=256,
+        dim=64,
+        heads=4,
+        hidden=64,
+        num_layers=2,
+        num_experts=16,
+        top_k=2,
+        num_physical=None,
+        mesh,
+        skew=1.0,
+        dtype=jnp.float32,
+        attention=True,
+        capacity_factor=None,
+        rngs,
+    ):
         self.embed = nnx.Embed(vocab, dim, rngs=rngs)
-        self.blocks = nnx.List([
-            Block(dim, heads, hidden, num_experts, top_k, mesh=mesh, num_physical=num_physical, skew=skew,
-                  dtype=dtype, attention=attention, capacity_factor=capacity_factor, rngs=rngs)
-            for _ in range(num_layers)
-        ])
+        self.blocks = nnx.List(
+            [
+                Block(
+                    dim,
+                    heads,
+                    hidden,
+                    num_experts,
+                    top_k,
+                    mesh=mesh,
+                    num_physical=num_physical,
+                    skew=skew,
+                    dtype=dtype,
+                    attention=attention,
+                    capacity_factor=capacity_factor,
+                    rngs=rngs,
+                )
+                for _ in range(num_layers)
+            ]
+        )
         self.norm = nnx.RMSNorm(dim, rngs=rngs)
 
     def __call__(self, tokens):
@@ -72,5 +129,5 @@ def synthetic_batch(rng: np.random.Generator, batch: int, seq: int, vocab: int) 
     probs = 1.0 / np.arange(1, vocab + 1) ** 1.1
     probs /= probs.sum()
     tokens = rng.choice(vocab, size=(batch, seq), p=probs)
-    tokens[:, seq // 2:] = tokens[:, : seq - seq // 2]  # second half repeats the first
+    tokens[:, seq // 2 :] = tokens[:, : seq - seq // 2]  # second half repeats the first
     return tokens.astype(np.int32)

@@ -32,8 +32,9 @@ class Runtime:
         if args.coordinator:
             jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
         self.ranks = args.ranks or jax.device_count()
-        self.mesh = jax.make_mesh((self.ranks,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,),
-                                  devices=jax.devices()[: self.ranks])
+        self.mesh = jax.make_mesh(
+            (self.ranks,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[: self.ranks]
+        )
         self.replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
 
     def global_batch(self, host):

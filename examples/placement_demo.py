@@ -4,6 +4,7 @@
 
 Runs on the CPU in a second or two; no devices needed.
 """
+
 import argparse
 import time
 
@@ -29,11 +30,15 @@ def main(argv=None):
     num_physical = args.experts + args.redundant
     before = Placement.linear(args.layers, args.experts, num_physical, num_ranks=args.gpus)
     rank_before = metrics.rank_load_from_logical(load, before.phy2log, args.gpus)
-    print(f"{args.layers} layers, {args.experts} experts, {num_physical} slots on {args.gpus} GPUs "
-          f"({args.nodes} nodes, {args.groups} groups), log-normal loads sigma={args.sigma}")
+    print(
+        f"{args.layers} layers, {args.experts} experts, {num_physical} slots on {args.gpus} GPUs "
+        f"({args.nodes} nodes, {args.groups} groups), log-normal loads sigma={args.sigma}"
+    )
     print(f"{'placement':<22}{'balancedness':>14}{'max rank imbalance':>20}{'time':>10}")
-    print(f"{'linear (no EPLB)':<22}{metrics.balancedness(rank_before):>14.4f}"
-          f"{metrics.rank_imbalance(rank_before).max():>20.3f}{'':>10}")
+    print(
+        f"{'linear (no EPLB)':<22}{metrics.balancedness(rank_before):>14.4f}"
+        f"{metrics.rank_imbalance(rank_before).max():>20.3f}{'':>10}"
+    )
     for name in policy.available():
         if name.startswith("test"):
             continue
@@ -42,8 +47,10 @@ def main(argv=None):
         phy2log, _, _ = fn(load, num_physical, args.groups, args.nodes, args.gpus)
         ms = (time.perf_counter() - t0) * 1e3
         rank_after = metrics.rank_load_from_logical(load, phy2log, args.gpus)
-        print(f"{name:<22}{metrics.balancedness(rank_after):>14.4f}"
-              f"{metrics.rank_imbalance(rank_after).max():>20.3f}{ms:>8.1f}ms")
+        print(
+            f"{name:<22}{metrics.balancedness(rank_after):>14.4f}"
+            f"{metrics.rank_imbalance(rank_after).max():>20.3f}{ms:>8.1f}ms"
+        )
 
 
 if __name__ == "__main__":

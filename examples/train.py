@@ -15,7 +15,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _runtime import Runtime, add_runtime_args  # noqa: E402
+from _runtime import Runtime, add_runtime_args
 
 
 def parse_args(argv=None):
@@ -30,8 +30,12 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--step-interval", type=int, default=40, help="steps between rearrangements (first at 1/4)")
-    p.add_argument("--capacity-factor", type=float, default=1.25,
-                   help="token exchange in rounds of this factor times the balanced share (0: one worst-case all_to_all)")
+    p.add_argument(
+        "--capacity-factor",
+        type=float,
+        default=1.25,
+        help="token exchange in rounds of this factor times the balanced share (0: one worst-case all_to_all)",
+    )
     p.add_argument("--skew", type=float, default=1.5)
     p.add_argument("--seed", type=int, default=0)
     add_runtime_args(p)
@@ -44,22 +48,36 @@ def main(argv=None):
     import jax
     import numpy as np
     import optax
+    from _model import MoELM, synthetic_batch
     from flax import nnx
     from tqdm import tqdm
-
-    from _model import MoELM, synthetic_batch
 
     from moe_eplb_jax import EplbConfig
     from moe_eplb_jax.flax import EplbController
 
     ranks, mesh, replicated, global_batch = rt.ranks, rt.mesh, rt.replicated, rt.global_batch
-    model = MoELM(vocab=256, dim=args.dim, heads=4, hidden=args.dim, num_layers=args.layers,
-                  num_experts=args.experts, top_k=args.top_k, num_physical=args.experts + args.redundant,
-                  mesh=mesh, skew=args.skew, capacity_factor=args.capacity_factor or None,
-                  rngs=nnx.Rngs(args.seed))
+    model = MoELM(
+        vocab=256,
+        dim=args.dim,
+        heads=4,
+        hidden=args.dim,
+        num_layers=args.layers,
+        num_experts=args.experts,
+        top_k=args.top_k,
+        num_physical=args.experts + args.redundant,
+        mesh=mesh,
+        skew=args.skew,
+        capacity_factor=args.capacity_factor or None,
+        rngs=nnx.Rngs(args.seed),
+    )
     optimizer = nnx.Optimizer(model, optax.adamw(args.lr), wrt=nnx.Param)
-    config = EplbConfig(num_redundant_experts=args.redundant, window_size=args.step_interval,
-                        step_interval=args.step_interval, num_gpus=ranks, log_interval=10)
+    config = EplbConfig(
+        num_redundant_experts=args.redundant,
+        window_size=args.step_interval,
+        step_interval=args.step_interval,
+        num_gpus=ranks,
+        log_interval=10,
+    )
     controller = EplbController(model, mesh, config, optimizer=optimizer)
 
     @nnx.jit
@@ -83,8 +101,10 @@ def main(argv=None):
             history.append((step + 1, float(loss), report))
             bar.set_postfix(loss=f"{float(loss):.3f}", balancedness=f"{report.get('balancedness', 0):.3f}")
             if report.get("rearranged") and main_process:
-                tqdm.write(f"step {step + 1}: rearranged, balancedness {report['balancedness_before']:.3f} -> "
-                           f"{report['balancedness_after']:.3f} (predicted), {report['slots_moved']} slots moved")
+                tqdm.write(
+                    f"step {step + 1}: rearranged, balancedness {report['balancedness_before']:.3f} -> "
+                    f"{report['balancedness_after']:.3f} (predicted), {report['slots_moved']} slots moved"
+                )
     if main_process:
         print("\n=== summary ===")
         print("step    loss  balancedness")

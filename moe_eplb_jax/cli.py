@@ -74,8 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--load", help="load file to replay (default: a synthetic trace)")
     _add_generator_args(sim)
     sim.add_argument("--num-spare", type=_non_negative, default=2, help="spare slots per rank S (default 2)")
-    sim.add_argument("--policies", default="none,deepseek,deepseek+lp,online",
-                     help="comma-separated: none, online, <policy>, <policy>+lp")
+    sim.add_argument(
+        "--policies",
+        default="none,deepseek,deepseek+lp,online",
+        help="comma-separated: none, online, <policy>, <policy>+lp",
+    )
     sim.add_argument("--step-interval", type=_positive, default=8, help="periodic refit interval (steps)")
     sim.add_argument("--window", type=_positive, default=8, help="periodic refit window (steps)")
     sim.add_argument("--expert-mb", type=float, default=44.0, help="bytes of one expert, in MB")
@@ -102,18 +105,40 @@ def _generate(args) -> np.ndarray:
     num_experts = args.num_ranks * args.experts_per_rank
     tokens = args.tokens * args.num_ranks * args.top_k
     if args.generator == "drift":
-        return sim.drifting_load(args.num_steps, args.num_layers, num_experts, args.num_ranks,
-                                 imbalance=args.imbalance, tokens=tokens, seed=args.seed)
+        return sim.drifting_load(
+            args.num_steps,
+            args.num_layers,
+            num_experts,
+            args.num_ranks,
+            imbalance=args.imbalance,
+            tokens=tokens,
+            seed=args.seed,
+        )
     if args.generator == "zipf":
         steps = []
         for step in range(args.num_steps):
-            steps.append(np.stack([
-                sim.zipf_counts(args.num_ranks, num_experts, args.tokens, args.top_k, args.imbalance,
-                                seed=args.seed + 1000 * layer + 7919 * step).sum(0)
-                for layer in range(args.num_layers)]))
+            steps.append(
+                np.stack(
+                    [
+                        sim.zipf_counts(
+                            args.num_ranks,
+                            num_experts,
+                            args.tokens,
+                            args.top_k,
+                            args.imbalance,
+                            seed=args.seed + 1000 * layer + 7919 * step,
+                        ).sum(0)
+                        for layer in range(args.num_layers)
+                    ]
+                )
+            )
         return np.stack(steps).astype(np.int64)
-    return np.stack([sim.lognormal_load(args.num_layers, num_experts, sigma=args.sigma, tokens=tokens,
-                                        seed=args.seed + step) for step in range(args.num_steps)])
+    return np.stack(
+        [
+            sim.lognormal_load(args.num_layers, num_experts, sigma=args.sigma, tokens=tokens, seed=args.seed + step)
+            for step in range(args.num_steps)
+        ]
+    )
 
 
 def _rank_loads(load_le: np.ndarray, phy2log: np.ndarray, num_ranks: int) -> np.ndarray:
@@ -131,8 +156,10 @@ def _read_placement(path, trace, num_ranks):
 
     placement = Placement.load(path, num_ranks=num_ranks)
     if (placement.num_layers, placement.num_logical) != (trace.num_layers, trace.num_logical):
-        raise ValueError(f"{path}: placement is for L={placement.num_layers}, E={placement.num_logical}; the load "
-                         f"file has L={trace.num_layers}, E={trace.num_logical}")
+        raise ValueError(
+            f"{path}: placement is for L={placement.num_layers}, E={placement.num_logical}; the load "
+            f"file has L={trace.num_layers}, E={trace.num_logical}"
+        )
     return placement
 
 
@@ -155,13 +182,17 @@ def _stats_table(load_le, num_ranks, phy2log=None) -> str:
     imb_a = rank_imbalance(after) if after is not None else None
     for layer, row in enumerate(load_le):
         total = row.sum()
-        line = (f"{layer:5d} {total:12.0f} {int(np.argmax(row)):10d} "
-                f"{(row.max() / total if total else 0.0):9.4f} {imb_b[layer]:10.4f}")
+        line = (
+            f"{layer:5d} {total:12.0f} {int(np.argmax(row)):10d} "
+            f"{(row.max() / total if total else 0.0):9.4f} {imb_b[layer]:10.4f}"
+        )
         if after is not None:
             line += f" {imb_a[layer]:9.4f}"
         rows.append(line)
-    rows.append(f"balancedness before: {float(balancedness(before)):.4f}"
-                + (f"   after: {float(balancedness(after)):.4f}" if after is not None else ""))
+    rows.append(
+        f"balancedness before: {float(balancedness(before)):.4f}"
+        + (f"   after: {float(balancedness(after)):.4f}" if after is not None else "")
+    )
     return "\n".join(rows)
 
 
@@ -179,11 +210,13 @@ def _heatmap(trace, before, after, path, title_after):
     plt = pyplot()
 
     load = trace.total()
-    norm = lambda x: x / np.maximum(x.mean(1, keepdims=True), 1e-12)  # noqa: E731
+    norm = lambda x: x / np.maximum(x.mean(1, keepdims=True), 1e-12)
     fig, axes = plt.subplots(1, 3, figsize=(15, max(3.5, 0.3 * trace.num_layers + 2.5)), layout="constrained")
-    panels = [(norm(load), "expert load / layer mean", "logical expert"),
-              (norm(before), "rank load before (home layout)", "EP rank"),
-              (norm(after), f"rank load after ({title_after})", "EP rank")]
+    panels = [
+        (norm(load), "expert load / layer mean", "logical expert"),
+        (norm(before), "rank load before (home layout)", "EP rank"),
+        (norm(after), f"rank load after ({title_after})", "EP rank"),
+    ]
     vmax = max(p[0].max() for p in panels)
     for ax, (data, title, xlabel) in zip(axes, panels):
         im = ax.imshow(data, aspect="auto", cmap="viridis", vmin=0, vmax=vmax, interpolation="nearest")
@@ -209,8 +242,7 @@ def _run(args) -> int:
 
     if args.command == "generate":
         load = _generate(args)
-        sim.save_load(args.output, load, num_ranks=args.num_ranks, top_k=args.top_k,
-                      note=f"synthetic {args.generator}")
+        sim.save_load(args.output, load, num_ranks=args.num_ranks, top_k=args.top_k, note=f"synthetic {args.generator}")
         print(f"wrote {args.output}: load [steps={load.shape[0]}, L={load.shape[1]}, E={load.shape[2]}]")
         return 0
 
@@ -223,11 +255,19 @@ def _run(args) -> int:
         policies = [p.strip() for p in args.policies.split(",") if p.strip()]
         if not policies:
             raise ValueError("--policies is empty")
-        reports = sim.simulate(load, num_ranks=num_ranks, num_spare=args.num_spare, policies=policies,
-                               step_interval=args.step_interval, window=args.window,
-                               expert_bytes=args.expert_mb * 1e6)
-        print(f"EP{num_ranks}, E={load.shape[2]}, L={load.shape[1]}, steps={load.shape[0]}, "
-              f"spare slots/rank={args.num_spare}")
+        reports = sim.simulate(
+            load,
+            num_ranks=num_ranks,
+            num_spare=args.num_spare,
+            policies=policies,
+            step_interval=args.step_interval,
+            window=args.window,
+            expert_bytes=args.expert_mb * 1e6,
+        )
+        print(
+            f"EP{num_ranks}, E={load.shape[2]}, L={load.shape[1]}, steps={load.shape[0]}, "
+            f"spare slots/rank={args.num_spare}"
+        )
         print(sim.format_table(reports))
         if args.plot:
             sim.plot_reports(reports, args.plot)
@@ -238,8 +278,7 @@ def _run(args) -> int:
     _check_ranks(trace, args.num_ranks)
     if args.command == "stats":
         phy2log = _read_placement(args.placement, trace, args.num_ranks).phy2log if args.placement else None
-        print(f"{args.load}: steps={trace.num_steps}, L={trace.num_layers}, E={trace.num_logical}, "
-              f"EP{args.num_ranks}")
+        print(f"{args.load}: steps={trace.num_steps}, L={trace.num_layers}, E={trace.num_logical}, EP{args.num_ranks}")
         print(_stats_table(trace.total(), args.num_ranks, phy2log))
         return 0
     if args.command == "fit":

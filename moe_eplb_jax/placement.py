@@ -110,7 +110,7 @@ class Placement:
 
     # --------------------------------------------------------- constructors
     @classmethod
-    def from_phy2log(cls, phy2log, num_logical: int, *, num_ranks: int | None = None) -> "Placement":
+    def from_phy2log(cls, phy2log, num_logical: int, *, num_ranks: int | None = None) -> Placement:
         """Builds and validates a placement from ``phy2log [L, P]`` (or ``[P]`` for one layer)."""
         table = _as_int_table("phy2log", phy2log, np.ndim(phy2log))
         if table.ndim == 1:
@@ -124,7 +124,7 @@ class Placement:
         return cls(phy2log=table, log2phy=log2phy, logcnt=logcnt)
 
     @classmethod
-    def from_tables(cls, phy2log, log2phy, logcnt, *, num_ranks: int | None = None) -> "Placement":
+    def from_tables(cls, phy2log, log2phy, logcnt, *, num_ranks: int | None = None) -> Placement:
         """Wraps tables computed elsewhere (e.g. by a policy) after validating them."""
         placement = cls(
             phy2log=_as_int_table("phy2log", phy2log, 2),
@@ -135,14 +135,14 @@ class Placement:
         return placement
 
     @classmethod
-    def linear(cls, num_layers: int, num_logical: int, num_physical: int, *, num_ranks: int | None = None) -> "Placement":
+    def linear(cls, num_layers: int, num_logical: int, num_physical: int, *, num_ranks: int | None = None) -> Placement:
         """Slot ``i < E`` holds expert ``i``; redundant slot ``E + j`` holds expert ``j mod E``."""
         _check_sizes(num_layers, num_logical, num_physical, num_ranks)
         row = np.arange(num_physical) % num_logical
         return cls.from_phy2log(np.tile(row, (num_layers, 1)), num_logical, num_ranks=num_ranks)
 
     @classmethod
-    def round_robin(cls, num_layers: int, num_logical: int, num_physical: int, num_ranks: int) -> "Placement":
+    def round_robin(cls, num_layers: int, num_logical: int, num_physical: int, num_ranks: int) -> Placement:
         """Experts dealt to ranks in turn: slot ``j`` of rank ``r`` holds ``(j * G + r) mod E``.
 
         Without redundancy rank ``r`` holds experts ``r, r + G, r + 2G, ...`` --
@@ -156,7 +156,7 @@ class Placement:
         return cls.from_phy2log(np.tile(row, (num_layers, 1)), num_logical, num_ranks=num_ranks)
 
     # ----------------------------------------------------------- validation
-    def validate(self, *, num_ranks: int | None = None) -> "Placement":
+    def validate(self, *, num_ranks: int | None = None) -> Placement:
         """Checks every table and their agreement; raises ``ValueError`` naming the problem."""
         phy2log, log2phy, logcnt = (np.asarray(t) for t in (self.phy2log, self.log2phy, self.logcnt))
         if phy2log.ndim != 2:
@@ -204,17 +204,19 @@ class Placement:
         """``[P]`` EP rank owning each physical slot."""
         return np.arange(self.num_physical) // self.slots_per_rank(num_ranks)
 
-    def to_numpy(self) -> "Placement":
+    def to_numpy(self) -> Placement:
         return Placement(*(np.asarray(t, dtype=np.int32) for t in (self.phy2log, self.log2phy, self.logcnt)))
 
-    def to_jax(self) -> "Placement":
+    def to_jax(self) -> Placement:
         import jax.numpy as jnp
 
         return Placement(*(jnp.asarray(t, dtype=jnp.int32) for t in (self.phy2log, self.log2phy, self.logcnt)))
 
-    def layer(self, index: int) -> "Placement":
+    def layer(self, index: int) -> Placement:
         """The placement of one layer, as a one-layer ``Placement``."""
-        return Placement(self.phy2log[index : index + 1], self.log2phy[index : index + 1], self.logcnt[index : index + 1])
+        return Placement(
+            self.phy2log[index : index + 1], self.log2phy[index : index + 1], self.logcnt[index : index + 1]
+        )
 
     def __eq__(self, other: object) -> bool:  # array fields: compare by value
         if not isinstance(other, Placement):
@@ -230,26 +232,30 @@ class Placement:
     def save(self, path: str | os.PathLike) -> None:
         """Writes the placement as JSON (``.json``) or numpy archive (``.npz``); see the module docstring."""
         p = self.to_numpy()
-        write_document(path, {
-            "format": FILE_FORMAT,
-            "version": FILE_VERSION,
-            "num_layers": p.num_layers,
-            "num_logical": p.num_logical,
-            "num_physical": p.num_physical,
-            "phy2log": p.phy2log,
-            "log2phy": p.log2phy,
-            "logcnt": p.logcnt,
-        }, what="placement")
+        write_document(
+            path,
+            {
+                "format": FILE_FORMAT,
+                "version": FILE_VERSION,
+                "num_layers": p.num_layers,
+                "num_logical": p.num_logical,
+                "num_physical": p.num_physical,
+                "phy2log": p.phy2log,
+                "log2phy": p.log2phy,
+                "logcnt": p.logcnt,
+            },
+            what="placement",
+        )
 
     @classmethod
-    def load(cls, path: str | os.PathLike, *, num_ranks: int | None = None) -> "Placement":
+    def load(cls, path: str | os.PathLike, *, num_ranks: int | None = None) -> Placement:
         """Reads a file written by :meth:`save`; every malformed file raises ``ValueError``."""
         path = os.fspath(path)
         doc = read_document(path, what="placement", file_format=FILE_FORMAT, version=FILE_VERSION)
         return cls._from_document(doc, path, num_ranks)
 
     @classmethod
-    def _from_document(cls, doc: dict, path: str, num_ranks: int | None) -> "Placement":
+    def _from_document(cls, doc: dict, path: str, num_ranks: int | None) -> Placement:
         def field(name):
             if name not in doc:
                 raise ValueError(f"{path}: missing field {name!r}")

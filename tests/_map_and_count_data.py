@@ -139,13 +139,22 @@ def oracle(ids, log2phy, logcnt, num_physical, num_valid, mode, replica_shares=N
     return phys.reshape(num_tokens, top_k), load
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def jitted(implementation, mode, num_physical):
     """One jitted function per (implementation, mode, P): shared by every test and example."""
 
     def run(ids, log2phy, logcnt, num_valid, record, extra):
-        return map_and_count(ids, log2phy, logcnt, num_physical=num_physical, num_valid_tokens=num_valid,
-                             mode=mode, record=record, implementation=implementation, **extra)
+        return map_and_count(
+            ids,
+            log2phy,
+            logcnt,
+            num_physical=num_physical,
+            num_valid_tokens=num_valid,
+            mode=mode,
+            record=record,
+            implementation=implementation,
+            **extra,
+        )
 
     return jax.jit(run)
 

@@ -4,23 +4,28 @@ Usage: python _mp_transport_worker.py PROCESS_ID NUM_PROCESSES PORT
 Each process owns 4 CPU devices; the EP mesh spans all processes' devices.
 Prints WORKER_OK <id> when every local shard holds the expected bytes.
 """
+
 import os
 import sys
 
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 
-import jax  # noqa: E402
-import ml_dtypes  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import ml_dtypes
+import numpy as np
 
 
 def main():
     process_id, num_processes, port = (int(a) for a in sys.argv[1:4])
     jax.config.update("jax_numpy_rank_promotion", "raise")
     jax.config.update("jax_numpy_dtype_promotion", "strict")
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=num_processes,
-                               process_id=process_id, initialization_timeout=30)
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}",
+        num_processes=num_processes,
+        process_id=process_id,
+        initialization_timeout=30,
+    )
     from moe_eplb_jax import sharding as eps
     from moe_eplb_jax.sharding.packing import byte_rows_numpy
 
@@ -29,8 +34,12 @@ def main():
     rng = np.random.default_rng(1234)  # the same placements and checkpoint in every process
     layers, experts, slots = 2, 3 * num_ranks, 4 * num_ranks
     ckpt = {}
-    for name, dtype, width in (("bf16", ml_dtypes.bfloat16, 2), ("e5m2", ml_dtypes.float8_e5m2, 1),
-                               ("e8m0", ml_dtypes.float8_e8m0fnu, 1), ("fp4", ml_dtypes.float4_e2m1fn, 1)):
+    for name, dtype, width in (
+        ("bf16", ml_dtypes.bfloat16, 2),
+        ("e5m2", ml_dtypes.float8_e5m2, 1),
+        ("e8m0", ml_dtypes.float8_e8m0fnu, 1),
+        ("fp4", ml_dtypes.float4_e2m1fn, 1),
+    ):
         raw = rng.integers(0, 256, (layers, experts, 4, width), dtype=np.uint8)
         if name == "fp4":
             raw &= np.uint8(0x0F)

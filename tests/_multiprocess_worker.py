@@ -7,7 +7,7 @@ import sys
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 
-import jax  # noqa: E402
+import jax
 
 port, process_id, out_path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
@@ -61,10 +61,20 @@ for name in ("w_in", "w_out"):
     for shard in layer.eplb_expert_variables()[name].get_value().addressable_shards:
         exact &= bool(np.array_equal(np.asarray(shard.data).view(np.uint8), expected[shard.index].view(np.uint8)))
 same_out = all(
-    np.array_equal(np.asarray(a.data), np.asarray(b.data)) for a, b in zip(before.addressable_shards, after.addressable_shards)
+    np.array_equal(np.asarray(a.data), np.asarray(b.data))
+    for a, b in zip(before.addressable_shards, after.addressable_shards)
 )
 with open(out_path, "w") as f:
-    json.dump({"phy2log": phy2log.tolist(), "exact": exact, "same_out": bool(same_out),
-               "balancedness_after": report["balancedness_after"], "moved": report["slots_moved"],
-               "devices": jax.device_count(), "local": jax.local_device_count()}, f)
+    json.dump(
+        {
+            "phy2log": phy2log.tolist(),
+            "exact": exact,
+            "same_out": bool(same_out),
+            "balancedness_after": report["balancedness_after"],
+            "moved": report["slots_moved"],
+            "devices": jax.device_count(),
+            "local": jax.local_device_count(),
+        },
+        f,
+    )
 jax.distributed.shutdown()

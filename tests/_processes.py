@@ -19,8 +19,12 @@ def run_workers(argvs, *, timeout: float) -> list[tuple[int, str]]:
     device count before JAX starts. A worker still running at the end (timeout, failure) is killed.
     """
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    procs = [subprocess.Popen([sys.executable, *map(str, argv)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for argv in argvs]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, *map(str, argv)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for argv in argvs
+    ]
     outputs = []
     try:
         for proc in procs:

@@ -4,6 +4,7 @@ The device count must be set before JAX initialises its backends, so this runs
 at import time, before any test module imports jax. On a GPU machine run
 ``JAX_PLATFORMS=cuda pytest -m gpu`` to run the GPU-only tests.
 """
+
 import os
 import zlib
 
@@ -59,8 +60,11 @@ def h100_lowering(monkeypatch):
         from jax._src.pallas.triton import gpu_info, pallas_call_registration
     except ImportError:  # private modules moved: nothing to check here
         pytest.skip("jax private Triton modules not found")
-    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
-                        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100))
+    monkeypatch.setattr(
+        pallas_call_registration.gpu_info_lib,
+        "get_gpu_info",
+        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100),
+    )
     lower = pallas_call_registration.lowering.lower_jaxpr_to_triton_module
 
     def lower_and_verify(*args, **kwargs):

@@ -17,7 +17,7 @@ from moe_eplb_jax.placement import Placement
 from moe_eplb_jax.state import EplbConfig
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-from _model import MoELM, VisionLanguageModel, synthetic_batch  # noqa: E402
+from _model import MoELM, VisionLanguageModel, synthetic_batch
 
 G, E, P, L = 4, 8, 12, 2
 MESH = jax.make_mesh((G,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
@@ -25,8 +25,20 @@ CONFIG = EplbConfig(num_redundant_experts=P - E, window_size=8, step_interval=8,
 
 
 def _model(seed=0):
-    lm = MoELM(vocab=64, dim=16, heads=2, hidden=16, num_layers=L, num_experts=E, top_k=2, num_physical=P,
-               mesh=MESH, skew=1.5, attention=False, rngs=nnx.Rngs(seed))
+    lm = MoELM(
+        vocab=64,
+        dim=16,
+        heads=2,
+        hidden=16,
+        num_layers=L,
+        num_experts=E,
+        top_k=2,
+        num_physical=P,
+        mesh=MESH,
+        skew=1.5,
+        attention=False,
+        rngs=nnx.Rngs(seed),
+    )
     return VisionLanguageModel(lm, rngs=nnx.Rngs(seed + 1))
 
 
@@ -193,14 +205,20 @@ def test_quantized_experts_move_with_their_scales(rng, fmt):
     rel = np.linalg.norm(y0 - y_float) / np.linalg.norm(y_float)
     assert rel < (0.1 if fmt == "fp8" else 0.35), rel
     ctl = EplbController(model, MESH, CONFIG)
-    before = [np.asarray(leaf) for leaf in jax.tree.leaves({k: v.get_value() for k, v in model.moe.eplb_expert_variables().items()})]
+    before = [
+        np.asarray(leaf)
+        for leaf in jax.tree.leaves({k: v.get_value() for k, v in model.moe.eplb_expert_variables().items()})
+    ]
     old = ctl.placement.phy2log[0].copy()
     for _ in range(CONFIG.first_rearrangement_step):
         _forward(model, x)
         ctl.step()
     assert ctl.num_rearrangements == 1
     new = ctl.placement.phy2log[0]
-    after = [np.asarray(leaf) for leaf in jax.tree.leaves({k: v.get_value() for k, v in model.moe.eplb_expert_variables().items()})]
+    after = [
+        np.asarray(leaf)
+        for leaf in jax.tree.leaves({k: v.get_value() for k, v in model.moe.eplb_expert_variables().items()})
+    ]
     source = np.array([np.nonzero(old == e)[0][0] for e in new])  # linear start: one old slot per expert
     for b, a in zip(before, after):  # every leaf (fp8/fp4 codes and their scales) moved byte for byte
         assert np.array_equal(a.view(np.uint8), b[source].view(np.uint8))
@@ -231,7 +249,7 @@ def test_deferred_load_sum_equals_per_step_psum(rng):
     rearranged, history = 0, []  # history: per-step totals since the last rearrangement (the oracle)
     for step in range(7):  # crosses the first rearrangement (step 3) and wraps the 3-row window
         reports = {}
-        for passes in range(2):  # two forward passes per step, each with its own padding tail
+        for _passes in range(2):  # two forward passes per step, each with its own padding tail
             x = jnp.asarray(rng.standard_normal((8 * 6, 16)).astype(np.float32))
             num_valid = jnp.int32(int(rng.integers(1, 8 * 6)))
             outs = {mode: np.asarray(forward(model, x, num_valid)) for mode, model in models.items()}

@@ -9,8 +9,8 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as PS
 
-from moe_eplb_jax.flax import MoELayer, layer as layer_mod, route, tie_replicas
-from moe_eplb_jax.flax import grouped_matmul
+from moe_eplb_jax.flax import MoELayer, grouped_matmul, route, tie_replicas
+from moe_eplb_jax.flax import layer as layer_mod
 from moe_eplb_jax.placement import Placement
 from moe_eplb_jax.sharding import dispatch as disp
 from moe_eplb_jax.sharding import put_host
@@ -20,8 +20,17 @@ MESH = jax.make_mesh((G,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
 
 
 def _apply_fn(top_k=K, num_groups=1, topk_groups=None, matmul="dense", load_reduce="none"):
-    return jax.jit(functools.partial(layer_mod.moe_apply, top_k=top_k, mesh=MESH, num_groups=num_groups,
-                                     topk_groups=topk_groups, matmul=matmul, load_reduce=load_reduce))
+    return jax.jit(
+        functools.partial(
+            layer_mod.moe_apply,
+            top_k=top_k,
+            mesh=MESH,
+            num_groups=num_groups,
+            topk_groups=topk_groups,
+            matmul=matmul,
+            load_reduce=load_reduce,
+        )
+    )
 
 
 APPLY = _apply_fn()
@@ -58,8 +67,7 @@ def test_dispatch_is_dropless_under_total_skew(rng, capacity):
     tokens = 6
 
     def per_rank(x, ids, w):
-        rows, slot, plan = disp.dispatch(x, ids, slots_per_rank=P // G, axis_name="ep", num_ranks=G,
-                                         capacity=capacity)
+        rows, slot, plan = disp.dispatch(x, ids, slots_per_rank=P // G, axis_name="ep", num_ranks=G, capacity=capacity)
         valid = (slot >= 0).sum()
         return disp.combine(rows, plan, w, axis_name="ep", capacity=capacity), valid[None], slot
 
@@ -195,7 +203,9 @@ def test_pallas_grouped_matmul_in_interpret_mode(rng):
     out = np.asarray(_gmm_pallas.grouped_matmul(x, w, jnp.asarray(sizes), block_k=16, block_cols=32, interpret=True))
     start = 0
     for s, n in enumerate(sizes):
-        np.testing.assert_allclose(out[start:start + n], np.asarray(x[start:start + n] @ w[s]), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            out[start : start + n], np.asarray(x[start : start + n] @ w[s]), rtol=1e-5, atol=1e-5
+        )
         start += n
     with pytest.raises(ValueError, match="multiples"):
         _gmm_pallas.grouped_matmul(x[:, :24], w[:, :24], jnp.asarray(sizes), interpret=True)
@@ -208,11 +218,15 @@ def test_pallas_path_is_placement_invariant(rng):
     router = rng.standard_normal((dim, E)).astype(np.float32)
     x = rng.standard_normal((G * 4, dim)).astype(np.float32)
     outs = []
-    for matmul, placement in [("pallas_interpret", Placement.linear(1, E, P)), ("pallas_interpret", _random_placement(rng)),
-                              ("dense", Placement.linear(1, E, P))]:
+    for matmul, placement in [
+        ("pallas_interpret", Placement.linear(1, E, P)),
+        ("pallas_interpret", _random_placement(rng)),
+        ("dense", Placement.linear(1, E, P)),
+    ]:
         phy = placement.phy2log[0]
-        out, _ = _apply_fn(matmul=matmul)(x, router, BIAS, {"w_in": w_in[phy], "w_out": w_out[phy]},
-                                          placement.log2phy[0], placement.logcnt[0])
+        out, _ = _apply_fn(matmul=matmul)(
+            x, router, BIAS, {"w_in": w_in[phy], "w_out": w_out[phy]}, placement.log2phy[0], placement.logcnt[0]
+        )
         outs.append(np.asarray(out))
     assert np.array_equal(outs[0], outs[1])
     np.testing.assert_allclose(outs[0], outs[2], rtol=1e-5, atol=1e-5)
@@ -263,8 +277,9 @@ def test_padding_tokens_are_computed_but_not_counted(rng):
     rows = np.asarray(load)
     assert rows.sum(1).tolist() == [5 * K, 2 * K, 0, 0]
     for rank, (lo, hi) in enumerate([(0, 5), (5, 7)]):
-        assert np.array_equal(np.bincount(phy, weights=rows[rank], minlength=E),
-                              np.bincount(ids[lo:hi].reshape(-1), minlength=E))
+        assert np.array_equal(
+            np.bincount(phy, weights=rows[rank], minlength=E), np.bincount(ids[lo:hi].reshape(-1), minlength=E)
+        )
     # load_reduce="psum": the replicated per-step total, equal to the sum of the rows.
     out_psum, load_psum = _apply_fn(load_reduce="psum")(*args, jnp.int32(valid))
     assert load_psum.shape == (P,) and np.array_equal(np.asarray(load_psum), rows.sum(0))
@@ -279,9 +294,14 @@ def test_per_rank_load_has_no_collective_in_the_step(rng):
     """load_reduce="none" leaves no all-reduce in the compiled forward pass; "psum" has exactly the load's one."""
     w_in, w_out, router = _weights(rng)
     placement = Placement.linear(1, E, P)
-    args = (rng.standard_normal((G * 4, D)).astype(np.float32), router, BIAS,
-            {"w_in": w_in[placement.phy2log[0]], "w_out": w_out[placement.phy2log[0]]}, placement.log2phy[0],
-            placement.logcnt[0])
+    args = (
+        rng.standard_normal((G * 4, D)).astype(np.float32),
+        router,
+        BIAS,
+        {"w_in": w_in[placement.phy2log[0]], "w_out": w_out[placement.phy2log[0]]},
+        placement.log2phy[0],
+        placement.logcnt[0],
+    )
     hlo = {mode: _apply_fn(load_reduce=mode).lower(*args).compile().as_text() for mode in ("none", "psum")}
     assert hlo["none"].count("all-reduce") == 0
     assert hlo["psum"].count("all-reduce") >= 1
@@ -291,11 +311,17 @@ def test_moe_apply_rejects_bad_shapes(rng):
     w_in, w_out, router = _weights(rng)
     placement = Placement.linear(1, E, P)
     experts = {"w_in": w_in[placement.phy2log[0]], "w_out": w_out[placement.phy2log[0]]}
-    good = (rng.standard_normal((G * 2, D)).astype(np.float32), router, BIAS, experts, placement.log2phy[0],
-            placement.logcnt[0])
+    good = (
+        rng.standard_normal((G * 2, D)).astype(np.float32),
+        router,
+        BIAS,
+        experts,
+        placement.log2phy[0],
+        placement.logcnt[0],
+    )
     bad = [
-        (0, good[0][:G * 2 - 1], "divisible by the EP size"),
-        (1, router[:, :E - 1], "router_bias"),
+        (0, good[0][: G * 2 - 1], "divisible by the EP size"),
+        (1, router[:, : E - 1], "router_bias"),
         (3, {"w_in": experts["w_in"][:10], "w_out": experts["w_out"][:10]}, "divisible by the EP size"),
         (4, placement.log2phy[0][:, :2], "log2phy"),
     ]
@@ -316,14 +342,24 @@ def test_capacity_rounds_give_identical_outputs_and_gradients(rng):
     experts = {"w_in": jnp.asarray(w_in[phy]), "w_out": jnp.asarray(w_out[phy])}
 
     def loss(experts, x, factor):
-        out, load = layer_mod.moe_apply(x, router, skewed, experts, placement.log2phy[0], placement.logcnt[0],
-                                        top_k=K, mesh=MESH, capacity_factor=factor)
+        out, load = layer_mod.moe_apply(
+            x,
+            router,
+            skewed,
+            experts,
+            placement.log2phy[0],
+            placement.logcnt[0],
+            top_k=K,
+            mesh=MESH,
+            capacity_factor=factor,
+        )
         return jnp.sum(out * out), (out, load)
 
     grads = {}
     for factor in (None, 1.0, 0.25):
         (_, (out, load)), g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), static_argnums=2)(
-            experts, jnp.asarray(x), factor)
+            experts, jnp.asarray(x), factor
+        )
         grads[factor] = (np.asarray(out), np.asarray(load), jax.tree.map(np.asarray, g))
     for factor in (1.0, 0.25):
         assert np.array_equal(grads[factor][0], grads[None][0])

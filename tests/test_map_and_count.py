@@ -15,11 +15,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _map_and_count_data import (
+    GOLDEN,
+    check_against_oracle,
+    jitted,
+    layered_inputs,
+    oracle,
+    random_ids,
+    random_mode_inputs,
+    random_placement,
+    share_masses,
+    sweep_alias_table,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from _map_and_count_data import (GOLDEN, check_against_oracle, jitted, layered_inputs, oracle, random_ids,
-                                 random_mode_inputs, random_placement, share_masses, sweep_alias_table)
 from moe_eplb_jax.pallas import MODES, map_and_count
 from moe_eplb_jax.placement import Placement
 
@@ -68,7 +78,9 @@ def test_large_t_properties(mode, rng):
     ids = random_ids(rng, num_tokens, top_k, num_logical)
     extra = random_mode_inputs(rng, mode, placement, ids.size)
     num_valid = num_tokens - 1000
-    phys, load = map(np.asarray, jitted("xla", mode, num_physical)(ids, log2phy, logcnt, np.int32(num_valid), True, extra))
+    phys, load = map(
+        np.asarray, jitted("xla", mode, num_physical)(ids, log2phy, logcnt, np.int32(num_valid), True, extra)
+    )
     valid = (ids >= 0) & (ids < num_logical)
     np.testing.assert_array_equal(phys < 0, ~valid)  # invalid ids, and only they, map to -1
     np.testing.assert_array_equal(placement.phy2log[0][phys[valid]], ids[valid])  # a replica of its expert
@@ -78,12 +90,15 @@ def test_large_t_properties(mode, rng):
 
 def test_hash_is_uniform_over_replicas(rng):
     num_tokens, num_logical, num_physical = 65536, 8, 8 + 21
-    placement = Placement.from_phy2log(np.concatenate([np.arange(num_logical), np.repeat(np.arange(1, 7), np.arange(1, 7))]),
-                                       num_logical)
+    placement = Placement.from_phy2log(
+        np.concatenate([np.arange(num_logical), np.repeat(np.arange(1, 7), np.arange(1, 7))]), num_logical
+    )
     assert placement.num_physical == num_physical
     for expert in range(1, 7):  # 2..7 replicas
         ids = np.full((num_tokens, 1), expert, np.int32)
-        _, load = jitted("xla", "hash", num_physical)(ids, placement.log2phy[0], placement.logcnt[0], np.int32(num_tokens), True, {})
+        _, load = jitted("xla", "hash", num_physical)(
+            ids, placement.log2phy[0], placement.logcnt[0], np.int32(num_tokens), True, {}
+        )
         replicas = placement.log2phy[0, expert, : placement.logcnt[0, expert]]
         per_replica = np.asarray(load)[replicas]
         assert per_replica.sum() == num_tokens
@@ -97,8 +112,9 @@ def test_shares_followed_within_two_percent(rng):
     shares = rng.uniform(0.1, 1.0, (num_logical, width)).astype(np.float32)
     shares[1, 1] = 0.0  # a zero-share replica is never chosen
     ids = rng.integers(0, 2, (num_tokens, 1)).astype(np.int32)
-    _, load = jitted("xla", "shares", 9)(ids, placement.log2phy[0], placement.logcnt[0], np.int32(num_tokens), True,
-                                          {"replica_shares": shares})
+    _, load = jitted("xla", "shares", 9)(
+        ids, placement.log2phy[0], placement.logcnt[0], np.int32(num_tokens), True, {"replica_shares": shares}
+    )
     load = np.asarray(load)
     for expert in (0, 1):
         count = placement.logcnt[0, expert]
@@ -117,8 +133,9 @@ def test_shares_zero_and_huge_rows(implementation, rng):
     shares[0, :3] = [np.nan, -1.0, 0.0]  # nothing positive: equal shares
     shares[1, :3] = [3e38, 1.5e38, np.inf]  # counts as [3e38, 1.5e38, 0]: no overflow
     ids = rng.integers(0, 2, (num_tokens, 1)).astype(np.int32)
-    phys, load = jitted(implementation, "shares", 6)(ids, placement.log2phy[0], placement.logcnt[0],
-                                                      np.int32(num_tokens), True, {"replica_shares": shares})
+    phys, load = jitted(implementation, "shares", 6)(
+        ids, placement.log2phy[0], placement.logcnt[0], np.int32(num_tokens), True, {"replica_shares": shares}
+    )
     load = np.asarray(load)
     for expert, fractions in ((0, [1 / 3, 1 / 3, 1 / 3]), (1, [2 / 3, 1 / 3, 0])):
         replicas = placement.log2phy[0, expert, :3]
@@ -141,8 +158,13 @@ def test_resolved_matches_quotas_exactly(implementation, rng):
     ids = ids[: num_tokens * top_k]  # an odd total drops one entry: demand may fall one short of supply
     demand = np.bincount(ids, minlength=num_logical)
     phys, load = jitted(implementation, "resolved", num_physical)(
-        ids.reshape(num_tokens, top_k).astype(np.int32), placement.log2phy[0], logcnt, np.int32(num_tokens), True,
-        {"resolved": quotas.astype(np.int32)})
+        ids.reshape(num_tokens, top_k).astype(np.int32),
+        placement.log2phy[0],
+        logcnt,
+        np.int32(num_tokens),
+        True,
+        {"resolved": quotas.astype(np.int32)},
+    )
     load = np.asarray(load)
     for expert in range(num_logical):
         replicas = placement.log2phy[0, expert, : logcnt[expert]]
@@ -156,8 +178,9 @@ def test_resolved_overflow_falls_back_to_hash(rng):
     placement = Placement.from_phy2log(np.array([0, 1, 0, 0]), 2)
     quotas = np.array([[3, 0, 2], [0, 0, 0]], np.int32)  # replica 1 of expert 0 has quota 0
     ids = np.zeros((20, 1), np.int32)
-    phys, load = jitted("xla", "resolved", 4)(ids, placement.log2phy[0], placement.logcnt[0], np.int32(20), True,
-                                               {"resolved": quotas})
+    phys, load = jitted("xla", "resolved", 4)(
+        ids, placement.log2phy[0], placement.logcnt[0], np.int32(20), True, {"resolved": quotas}
+    )
     phys = np.asarray(phys)[:, 0]
     replicas = placement.log2phy[0, 0]
     np.testing.assert_array_equal(phys[:5], replicas[[0, 0, 0, 2, 2]])
@@ -173,11 +196,20 @@ def test_traced_flags_do_not_recompile(rng):
     @jax.jit
     def run(ids, num_valid, record):
         traces.append(1)
-        return map_and_count(ids, placement.log2phy[0], placement.logcnt[0], num_physical=12,
-                             num_valid_tokens=num_valid, record=record, implementation="xla")
+        return map_and_count(
+            ids,
+            placement.log2phy[0],
+            placement.logcnt[0],
+            num_physical=12,
+            num_valid_tokens=num_valid,
+            record=record,
+            implementation="xla",
+        )
 
     ids = random_ids(rng, 50, 2, 8, invalid_fraction=0.0)
-    totals = [int(run(ids, jnp.int32(nv), jnp.bool_(rec))[1].sum()) for nv, rec in [(50, True), (10, True), (10, False)]]
+    totals = [
+        int(run(ids, jnp.int32(nv), jnp.bool_(rec))[1].sum()) for nv, rec in [(50, True), (10, True), (10, False)]
+    ]
     assert totals == [100, 20, 0] and len(traces) == 1
 
 
@@ -203,22 +235,24 @@ def test_shard_map_psum_equals_global(implementation, rng):
     P = jax.sharding.PartitionSpec
 
     def local(ids_shard, log2phy, logcnt):
-        phys, load = map_and_count(ids_shard, log2phy, logcnt, num_physical=num_physical, num_valid_tokens=20,
-                                   implementation=implementation)
+        phys, load = map_and_count(
+            ids_shard, log2phy, logcnt, num_physical=num_physical, num_valid_tokens=20, implementation=implementation
+        )
         return phys, jax.lax.psum(load, "ep")
 
     # Pallas interpret mode trips jax's own varying-axes check inside shard_map (its interpreter
     # slices a varying operand with an invariant index), so interpret runs with check_vma=False;
     # the compiled kernel runs with check_vma=True (test_gpu_shard_map).
     check_vma = implementation == "xla" or jax.default_backend() == "gpu"
-    fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("ep"), P(), P()), out_specs=(P("ep"), P()),
-                               check_vma=check_vma))
+    fn = jax.jit(
+        jax.shard_map(local, mesh=mesh, in_specs=(P("ep"), P(), P()), out_specs=(P("ep"), P()), check_vma=check_vma)
+    )
     phys, load = fn(ids, placement.log2phy[0], placement.logcnt[0])
     want_load = np.zeros(num_physical, np.int64)
     for rank in range(len(devices)):  # token indices are local to each rank
-        shard = ids[rank * num_local:(rank + 1) * num_local]
+        shard = ids[rank * num_local : (rank + 1) * num_local]
         want_phys, shard_load = oracle(shard, placement.log2phy[0], placement.logcnt[0], num_physical, 20, "hash")
-        np.testing.assert_array_equal(np.asarray(phys[rank * num_local:(rank + 1) * num_local]), want_phys)
+        np.testing.assert_array_equal(np.asarray(phys[rank * num_local : (rank + 1) * num_local]), want_phys)
         want_load += shard_load
     np.testing.assert_array_equal(np.asarray(load), want_load)
 
@@ -256,7 +290,10 @@ def _tables(rng):
         (lambda a: a.update(mode="shares"), "needs replica_shares"),
         (lambda a: a.update(mode="resolved"), "needs resolved"),
         (lambda a: a.update(replica_shares=np.ones((8, 5), np.float32)), "only used with mode='shares'"),
-        (lambda a: a.update(mode="shares", replica_shares=np.ones((8, 4), np.float32)), "replica_shares must have shape"),
+        (
+            lambda a: a.update(mode="shares", replica_shares=np.ones((8, 4), np.float32)),
+            "replica_shares must have shape",
+        ),
         (lambda a: a.update(mode="shares", replica_shares=np.ones((8, 5), np.int32)), "floating dtype"),
         (lambda a: a.update(mode="resolved", resolved=np.ones((8, 5), np.float32)), "resolved must have an integer"),
         (lambda a: a.update(num_valid_tokens=11), "num_valid_tokens must be in"),
@@ -293,14 +330,30 @@ def test_prepared_lookup_gives_the_same_results(mode, rng):
     np.testing.assert_array_equal(lookups[1][:, : num_logical * (1 + width)], lookups[0])
 
     def run(ids, log2phy, logcnt, extra, lookup=None):
-        return map_and_count(ids, log2phy, logcnt, num_physical=num_physical, num_valid_tokens=40, mode=mode,
-                             implementation="pallas", lookup=lookup, **extra)
+        return map_and_count(
+            ids,
+            log2phy,
+            logcnt,
+            num_physical=num_physical,
+            num_valid_tokens=40,
+            mode=mode,
+            implementation="pallas",
+            lookup=lookup,
+            **extra,
+        )
 
     for lookup in lookups:
         got = jax.jit(jax.vmap(run))(ids, log2phy, logcnt, extra, lookup)
         for layer in range(num_layers):
-            want = oracle(ids[layer], log2phy[layer], logcnt[layer], num_physical, 40, mode,
-                          **{k: v[layer] for k, v in extra.items()})
+            want = oracle(
+                ids[layer],
+                log2phy[layer],
+                logcnt[layer],
+                num_physical,
+                40,
+                mode,
+                **{k: v[layer] for k, v in extra.items()},
+            )
             for g, w in zip(got, want):
                 np.testing.assert_array_equal(np.asarray(g[layer]), w)
 
@@ -322,13 +375,23 @@ def test_extra_kernels_under_vmap_and_shard_map(mode, path, monkeypatch, rng):
     extra = {k: np.stack([e[k] for e in extra]) for k in extra[0]}
 
     def run(ids, log2phy, logcnt, extra, lookup=None):
-        return map_and_count(ids, log2phy, logcnt, num_physical=num_physical, num_valid_tokens=40, mode=mode,
-                             implementation="pallas", lookup=lookup, **extra)
+        return map_and_count(
+            ids,
+            log2phy,
+            logcnt,
+            num_physical=num_physical,
+            num_valid_tokens=40,
+            mode=mode,
+            implementation="pallas",
+            lookup=lookup,
+            **extra,
+        )
 
     got = jax.jit(jax.vmap(run))(ids, log2phy, logcnt, extra, jax.vmap(lookup_table)(log2phy, logcnt))
     for layer in range(num_layers):
-        want = oracle(ids[layer], log2phy[layer], logcnt[layer], num_physical, 40, mode,
-                      **{k: v[layer] for k, v in extra.items()})
+        want = oracle(
+            ids[layer], log2phy[layer], logcnt[layer], num_physical, 40, mode, **{k: v[layer] for k, v in extra.items()}
+        )
         for g, w in zip(got, want):
             np.testing.assert_array_equal(np.asarray(g[layer]), w)
 
@@ -342,19 +405,34 @@ def test_extra_kernels_under_vmap_and_shard_map(mode, path, monkeypatch, rng):
     name = next(iter(per_rank[0]))
 
     def local(ids_shard, values, log2phy, logcnt):
-        phys, load = map_and_count(ids_shard, log2phy, logcnt, num_physical=num_physical, mode=mode,
-                                   implementation="pallas", **{name: values[0]})
+        phys, load = map_and_count(
+            ids_shard,
+            log2phy,
+            logcnt,
+            num_physical=num_physical,
+            mode=mode,
+            implementation="pallas",
+            **{name: values[0]},
+        )
         return phys, jax.lax.psum(load, "ep")
 
-    fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("ep"), P("ep"), P(), P()), out_specs=(P("ep"), P()),
-                               check_vma=jax.default_backend() == "gpu"))  # interpret mode: see above
+    fn = jax.jit(
+        jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(P("ep"), P("ep"), P(), P()),
+            out_specs=(P("ep"), P()),
+            check_vma=jax.default_backend() == "gpu",
+        )
+    )  # interpret mode: see above
     phys, load = fn(ids, values, log2phy[0], logcnt[0])
     want_load = np.zeros(num_physical, np.int64)
     for rank in range(len(devices)):
-        shard = ids[rank * num_local:(rank + 1) * num_local]
-        want_phys, shard_load = oracle(shard, log2phy[0], logcnt[0], num_physical, num_local, mode,
-                                       **{name: values[rank]})
-        np.testing.assert_array_equal(np.asarray(phys[rank * num_local:(rank + 1) * num_local]), want_phys)
+        shard = ids[rank * num_local : (rank + 1) * num_local]
+        want_phys, shard_load = oracle(
+            shard, log2phy[0], logcnt[0], num_physical, num_local, mode, **{name: values[rank]}
+        )
+        np.testing.assert_array_equal(np.asarray(phys[rank * num_local : (rank + 1) * num_local]), want_phys)
         want_load += shard_load
     np.testing.assert_array_equal(np.asarray(load), want_load)
 
@@ -386,8 +464,11 @@ def test_empty_input(rng):
 # ------------------------------------------------------------------ GPU only
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("shape", [(1, 1, 8, 8), (333, 6, 512, 519), (4096, 8, 256, 288), (65536, 8, 256, 512),
-                                   (262144, 8, 256, 288)], ids=lambda s: "T{}k{}E{}P{}".format(*s))
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 1, 8, 8), (333, 6, 512, 519), (4096, 8, 256, 288), (65536, 8, 256, 512), (262144, 8, 256, 288)],
+    ids=lambda s: "T{}k{}E{}P{}".format(*s),
+)
 def test_gpu_kernel_matches_reference(mode, shape, rng):
     num_tokens, top_k, num_logical, num_physical = shape
     placement = random_placement(rng, num_logical, num_physical)
@@ -407,24 +488,45 @@ def test_gpu_kernel_matches_reference(mode, shape, rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("options", [
-    {"count_method": "onehot", "tables": "global"}, {"count_method": "atomic", "tables": "global"},
-    {"count_method": "atomic_warp", "tables": "global"}, {"count_method": "histogram", "tables": "global"},
-    {"count_method": "histogram", "tables": "shared"}, {"count_method": "histogram", "tables": "head"},
-    {"count_method": "onehot", "tables": "head"}, {"tables": "head", "layout": "replica_major"},
-    {"tables": "global", "layout": "replica_major"}, {"tables": "shared", "layout": "replica_major"},
-    {"reduce": "atomic"}, {"reduce": "atomic", "layout": "replica_major"},
-    {"reduce": "atomic", "layout": "expert_major", "tables": "global"}, {"rank_in_step": "match"},
-    {"rank_in_step": "match", "reduce": "atomic", "layout": "replica_major"}, {"linear_search": 16},
-    {"linear_search": 4}, {"guide": 0}, {"guide": 1}, {"guide": 16, "search": "unrolled"},
-    {"rank_running": "registers", "rank_chains": 1}, {"rank_running": "memory", "rank_in_step": "compare"},
-    {"rank_chains": 1}, {"rank_chains": 2}, {"rank_chains": 4}, {"resolved_by": "positions"},
-    {"resolved_by": "ranks"}, {"resolved_by": "positions", "position_tile": 256, "position_groups": 1},
-    {"resolved_by": "positions", "position_tile": 4096, "position_groups": 3, "position_scan": 512}],
-    ids=lambda o: "-".join(map(str, o.values())))
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"count_method": "onehot", "tables": "global"},
+        {"count_method": "atomic", "tables": "global"},
+        {"count_method": "atomic_warp", "tables": "global"},
+        {"count_method": "histogram", "tables": "global"},
+        {"count_method": "histogram", "tables": "shared"},
+        {"count_method": "histogram", "tables": "head"},
+        {"count_method": "onehot", "tables": "head"},
+        {"tables": "head", "layout": "replica_major"},
+        {"tables": "global", "layout": "replica_major"},
+        {"tables": "shared", "layout": "replica_major"},
+        {"reduce": "atomic"},
+        {"reduce": "atomic", "layout": "replica_major"},
+        {"reduce": "atomic", "layout": "expert_major", "tables": "global"},
+        {"rank_in_step": "match"},
+        {"rank_in_step": "match", "reduce": "atomic", "layout": "replica_major"},
+        {"linear_search": 16},
+        {"linear_search": 4},
+        {"guide": 0},
+        {"guide": 1},
+        {"guide": 16, "search": "unrolled"},
+        {"rank_running": "registers", "rank_chains": 1},
+        {"rank_running": "memory", "rank_in_step": "compare"},
+        {"rank_chains": 1},
+        {"rank_chains": 2},
+        {"rank_chains": 4},
+        {"resolved_by": "positions"},
+        {"resolved_by": "ranks"},
+        {"resolved_by": "positions", "position_tile": 256, "position_groups": 1},
+        {"resolved_by": "positions", "position_tile": 4096, "position_groups": 3, "position_scan": 512},
+    ],
+    ids=lambda o: "-".join(map(str, o.values())),
+)
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("shape", [(1, 1, 8, 8), (333, 6, 512, 519), (65536, 8, 256, 288)],
-                         ids=lambda s: "T{}k{}E{}P{}".format(*s))
+@pytest.mark.parametrize(
+    "shape", [(1, 1, 8, 8), (333, 6, 512, 519), (65536, 8, 256, 288)], ids=lambda s: "T{}k{}E{}P{}".format(*s)
+)
 def test_gpu_count_methods_match_reference(options, mode, shape, rng):
     """Every counting method and table layout of the compiled kernel gives the reference's ids and loads on fresh
     inputs."""
@@ -434,20 +536,24 @@ def test_gpu_count_methods_match_reference(options, mode, shape, rng):
     num_tokens, top_k, num_logical, num_physical = shape
     placement = random_placement(rng, num_logical, num_physical)
     log2phy, logcnt = jnp.asarray(placement.log2phy[0]), jnp.asarray(placement.logcnt[0])
-    width = log2phy.shape[1]
+    log2phy.shape[1]
     for _ in range(2):
         ids = jnp.asarray(random_ids(rng, num_tokens, top_k, num_logical))
         extra = random_mode_inputs(rng, mode, placement, ids.size)
         values = extra.get("replica_shares", extra.get("resolved"))
-        thresholds = (jnp.zeros_like(log2phy) if values is None
-                      else _build_mode_table(mode, jnp.asarray(values), log2phy, logcnt))
+        thresholds = (
+            jnp.zeros_like(log2phy) if values is None else _build_mode_table(mode, jnp.asarray(values), log2phy, logcnt)
+        )
         valid = int(rng.integers(0, num_tokens + 1)) * top_k
         limits = jnp.asarray([valid, valid], jnp.int32)
-        want = _reference.map_and_count_reference(ids, log2phy, logcnt, thresholds, limits,
-                                                  num_physical=num_physical, mode=mode)
-        got = jax.jit(lambda x: _triton.map_and_count_triton(x, log2phy, logcnt, thresholds, limits,
-                                                             num_physical=num_physical, mode=mode,
-                                                             **options))(ids)
+        want = _reference.map_and_count_reference(
+            ids, log2phy, logcnt, thresholds, limits, num_physical=num_physical, mode=mode
+        )
+        got = jax.jit(
+            lambda x: _triton.map_and_count_triton(
+                x, log2phy, logcnt, thresholds, limits, num_physical=num_physical, mode=mode, **options
+            )
+        )(ids)
         np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
         np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
 
@@ -539,14 +645,22 @@ def test_alias_table_is_the_sequential_sweep(width, draw, rng):
     counts = np.clip(logcnt, 1, width)
     used = 2 * (num_logical + counts.sum())
     assert packed.shape == (_alias.packed_size(num_logical, width),) and not packed[used:].any()
-    np.testing.assert_array_equal(packed[: 2 * num_logical].reshape(-1, 2),
-                                  np.stack([np.where(counts == 1, log2phy[:, 0] + 1, np.cumsum(counts) - counts)
-                                            | (counts << 17), np.cumsum(counts) - counts], 1))
-    pairs = packed[2 * num_logical: used].reshape(-1, 2)
+    np.testing.assert_array_equal(
+        packed[: 2 * num_logical].reshape(-1, 2),
+        np.stack(
+            [
+                np.where(counts == 1, log2phy[:, 0] + 1, np.cumsum(counts) - counts) | (counts << 17),
+                np.cumsum(counts) - counts,
+            ],
+            1,
+        ),
+    )
+    pairs = packed[2 * num_logical : used].reshape(-1, 2)
     np.testing.assert_array_equal(pairs[:, 0], np.concatenate([words[e, :c] for e, c in enumerate(counts)]))
     np.testing.assert_array_equal(pairs[:, 1], np.concatenate([log2phy[e, :c] for e, c in enumerate(counts)]))
-    built = _alias.alias_kernel(jnp.asarray(shares), jnp.asarray(log2phy), jnp.asarray(logcnt, jnp.int32),
-                                interpret=True)
+    built = _alias.alias_kernel(
+        jnp.asarray(shares), jnp.asarray(log2phy), jnp.asarray(logcnt, jnp.int32), interpret=True
+    )
     np.testing.assert_array_equal(np.asarray(built)[:used], packed[:used])
     unit = 1 << _alias.UNIT_BITS
     for expert in range(num_logical):
@@ -574,12 +688,14 @@ def test_bucket_and_fraction_split_the_hash_exactly(rng):
     bucket), computed in 32 bits (h split in 16-bit halves) exactly as in 64."""
     from moe_eplb_jax.pallas import _alias
 
-    hashes = np.concatenate([rng.integers(0, 2**32, 4000, dtype=np.uint64),
-                             np.array([0, 2**32 - 1, 2**31, 65535, 65536], np.uint64)])
+    hashes = np.concatenate(
+        [rng.integers(0, 2**32, 4000, dtype=np.uint64), np.array([0, 2**32 - 1, 2**31, 65535, 65536], np.uint64)]
+    )
     for count in (1, 2, 3, 257, 300, _alias.MAX_WIDTH):
         scaled = (hashes * np.uint64(count)) >> np.uint64(16)
-        bucket, fraction = _alias.bucket_and_fraction(jnp.asarray(hashes.astype(np.uint32)),
-                                                      jnp.full(hashes.shape, count, jnp.int32))
+        bucket, fraction = _alias.bucket_and_fraction(
+            jnp.asarray(hashes.astype(np.uint32)), jnp.full(hashes.shape, count, jnp.int32)
+        )
         np.testing.assert_array_equal(np.asarray(bucket), (scaled >> np.uint64(16)).astype(np.int64))
         np.testing.assert_array_equal(np.asarray(fraction), (scaled & np.uint64(0xFFFF)) >> np.uint64(6))
         assert np.asarray(bucket).max() < count
@@ -646,8 +762,9 @@ def test_shares_table_forms_and_loads(shape, rng):
     ids[1::2, 2] = num_logical - 1 - ids[1::2, 2] % 40  # the last experts: offsets past 2**17 (the large shape)
     limits = jnp.asarray([480 * 4, 490 * 4], jnp.int32)
     words = _alias.alias_words(jnp.asarray(shares), jnp.asarray(log2phy), jnp.asarray(logcnt))
-    want = _reference.map_and_count_reference(ids, log2phy, logcnt, words, limits, num_physical=num_physical,
-                                              mode="shares")
+    want = _reference.map_and_count_reference(
+        ids, log2phy, logcnt, words, limits, num_physical=num_physical, mode="shares"
+    )
     small = shape == (15, 4)
     assert _alias.word_heads_fit(num_logical, width) == small == _alias.compact_fits(num_physical)
     assert small or np.clip(logcnt, 1, width)[:-1].sum() >= 1 << _alias.HEAD_SHIFT
@@ -656,20 +773,46 @@ def test_shares_table_forms_and_loads(shape, rng):
     per_call, given = dict(shares=shares), dict(thresholds=words)
     sizes = one_word["lookup"].size, two_words["lookup"].size
     assert sizes[0] < sizes[1] if small else sizes[0] == sizes[1]
-    cases = ([({}, one_word), ({}, two_words), ({}, per_call), ({"compact": False}, per_call),
-              ({"word_heads": False, "compact": False}, given), ({"word_heads": False}, one_word)]
-             if small else [({}, given), ({}, one_word)])
+    cases = (
+        [
+            ({}, one_word),
+            ({}, two_words),
+            ({}, per_call),
+            ({"compact": False}, per_call),
+            ({"word_heads": False, "compact": False}, given),
+            ({"word_heads": False}, one_word),
+        ]
+        if small
+        else [({}, given), ({}, one_word)]
+    )
     for options, tables in cases:
-        got = _triton.map_and_count_triton(ids, log2phy, logcnt, tables.get("thresholds"), limits,
-                                           num_physical=num_physical, mode="shares",
-                                           interpret=jax.default_backend() != "gpu", lookup=tables.get("lookup"),
-                                           shares=tables.get("shares"), **options)
+        got = _triton.map_and_count_triton(
+            ids,
+            log2phy,
+            logcnt,
+            tables.get("thresholds"),
+            limits,
+            num_physical=num_physical,
+            mode="shares",
+            interpret=jax.default_backend() != "gpu",
+            lookup=tables.get("lookup"),
+            shares=tables.get("shares"),
+            **options,
+        )
         np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]), err_msg=str(options))
         np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]), err_msg=str(options))
     if small:  # a one-word table cannot name slots past 2047
         with pytest.raises(ValueError, match="cannot serve num_physical = 3000"):
-            map_and_count(ids, log2phy, logcnt, num_physical=3000, mode="shares", replica_shares=shares,
-                          implementation="pallas", **one_word)
+            map_and_count(
+                ids,
+                log2phy,
+                logcnt,
+                num_physical=3000,
+                mode="shares",
+                replica_shares=shares,
+                implementation="pallas",
+                **one_word,
+            )
 
 
 def test_shares_rejects_tables_its_words_cannot_hold(rng):
@@ -677,11 +820,24 @@ def test_shares_rejects_tables_its_words_cannot_hold(rng):
 
     width = _alias.MAX_WIDTH + 1
     with pytest.raises(ValueError, match="at most 32767 replicas per expert"):
-        map_and_count(np.zeros((2, 1), np.int32), np.zeros((1, width), np.int32), np.ones(1, np.int32),
-                      num_physical=2, mode="shares", replica_shares=np.ones((1, width), np.float32))
+        map_and_count(
+            np.zeros((2, 1), np.int32),
+            np.zeros((1, width), np.int32),
+            np.ones(1, np.int32),
+            num_physical=2,
+            mode="shares",
+            replica_shares=np.ones((1, width), np.float32),
+        )
     with pytest.raises(ValueError, match="at most 32767 replicas per expert"):
-        lookup_table(np.zeros((1, width), np.int32), np.ones(1, np.int32),
-                     replica_shares=np.ones((1, width), np.float32))
+        lookup_table(
+            np.zeros((1, width), np.int32), np.ones(1, np.int32), replica_shares=np.ones((1, width), np.float32)
+        )
     with pytest.raises(ValueError, match="num_physical up to 65535"):
-        map_and_count(np.zeros((2, 1), np.int32), np.zeros((1, 2), np.int32), np.ones(1, np.int32),
-                      num_physical=65536, mode="shares", replica_shares=np.ones((1, 2), np.float32))
+        map_and_count(
+            np.zeros((2, 1), np.int32),
+            np.zeros((1, 2), np.int32),
+            np.ones(1, np.int32),
+            num_physical=65536,
+            mode="shares",
+            replica_shares=np.ones((1, 2), np.float32),
+        )

@@ -13,43 +13,59 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _map_and_count_data import random_ids, random_mode_inputs, random_placement
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from _map_and_count_data import random_ids, random_mode_inputs, random_placement
 from moe_eplb_jax.pallas import MODES
 from moe_eplb_jax.placement import Placement
 
 
 # ------------------------------------------------------------ kernel options
-@pytest.mark.parametrize("options", [{"count_dtype": "float16", "sub": 32, "sub_resolved": 32},
-                                     {"count_dtype": "int8", "sub": 512, "sub_resolved": 128, "tile": 1024},
-                                     {"tile_resolved": 64, "sub_resolved": 16, "warps_resolved": 1, "tile": 128},
-                                     {"tile_resolved": 4096, "sub_resolved": 256},
-                                     {"count_method": "histogram", "tables": "shared", "sub": 64},
-                                     {"count_method": "histogram", "tables": "head", "tile": 1024, "sub": 256},
-                                     {"reduce": "atomic", "tile": 128, "sub": 64},
-                                     {"reduce": "atomic", "layout": "replica_major", "tables": "shared"},
-                                     {"linear_search": 16}, {"linear_search": 3, "layout": "expert_major"},
-                                     {"rank_running": "registers", "rank_chains": 1},
-                                     {"rank_running": "memory", "tile_resolved": 256, "sub_resolved": 64,
-                                      "rank_chains": 1},
-                                     {"rank_chains": 2}, {"rank_chains": 4, "tile_resolved": 512},
-                                     {"rank_chains": 8, "tile_resolved": 256, "sub_resolved": 32},
-                                     {"search": "while"}, {"search": "while", "linear_search": 2},
-                                     {"guide": 1}, {"guide": 16, "search": "unrolled"}, {"guide": 0},
-                                     {"guide": 4, "tables": "global"}, {"tile_bases": "matmul"},
-                                     {"tile_bases": "matmul", "tile_resolved": 16, "sub_resolved": 16},
-                                     {"tile_bases": "cumsum"},
-                                     {"threshold_layout": "replica_major"},
-                                     {"threshold_layout": "replica_major", "linear_search": 3},
-                                     {"threshold_layout": "replica_major", "layout": "expert_major"},
-                                     {"resolved_by": "positions"}, {"resolved_by": "ranks"},
-                                     {"resolved_by": "positions", "position_tile": 256, "position_groups": 1,
-                                      "position_scan": 32},
-                                     {"resolved_by": "positions", "position_tile": 64, "position_sub": 16,
-                                      "position_groups": 3, "position_scan": 16, "search": "unrolled"},
-                                     {"resolved_by": "positions", "threshold_layout": "replica_major", "guide": 8}])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"count_dtype": "float16", "sub": 32, "sub_resolved": 32},
+        {"count_dtype": "int8", "sub": 512, "sub_resolved": 128, "tile": 1024},
+        {"tile_resolved": 64, "sub_resolved": 16, "warps_resolved": 1, "tile": 128},
+        {"tile_resolved": 4096, "sub_resolved": 256},
+        {"count_method": "histogram", "tables": "shared", "sub": 64},
+        {"count_method": "histogram", "tables": "head", "tile": 1024, "sub": 256},
+        {"reduce": "atomic", "tile": 128, "sub": 64},
+        {"reduce": "atomic", "layout": "replica_major", "tables": "shared"},
+        {"linear_search": 16},
+        {"linear_search": 3, "layout": "expert_major"},
+        {"rank_running": "registers", "rank_chains": 1},
+        {"rank_running": "memory", "tile_resolved": 256, "sub_resolved": 64, "rank_chains": 1},
+        {"rank_chains": 2},
+        {"rank_chains": 4, "tile_resolved": 512},
+        {"rank_chains": 8, "tile_resolved": 256, "sub_resolved": 32},
+        {"search": "while"},
+        {"search": "while", "linear_search": 2},
+        {"guide": 1},
+        {"guide": 16, "search": "unrolled"},
+        {"guide": 0},
+        {"guide": 4, "tables": "global"},
+        {"tile_bases": "matmul"},
+        {"tile_bases": "matmul", "tile_resolved": 16, "sub_resolved": 16},
+        {"tile_bases": "cumsum"},
+        {"threshold_layout": "replica_major"},
+        {"threshold_layout": "replica_major", "linear_search": 3},
+        {"threshold_layout": "replica_major", "layout": "expert_major"},
+        {"resolved_by": "positions"},
+        {"resolved_by": "ranks"},
+        {"resolved_by": "positions", "position_tile": 256, "position_groups": 1, "position_scan": 32},
+        {
+            "resolved_by": "positions",
+            "position_tile": 64,
+            "position_sub": 16,
+            "position_groups": 3,
+            "position_scan": 16,
+            "search": "unrolled",
+        },
+        {"resolved_by": "positions", "threshold_layout": "replica_major", "guide": 8},
+    ],
+)
 @pytest.mark.parametrize("mode", ["hash", "resolved"])
 def test_kernel_options_match_reference(options, mode, rng):
     """The tuning knobs of the kernel (tile, sub-tile, one-hot dtype) never change the result."""
@@ -63,37 +79,60 @@ def test_kernel_options_match_reference(options, mode, rng):
     quotas = jnp.asarray(rng.integers(0, 60, (16, 25)).astype(np.int32))
     thresholds = _build_thresholds("resolved", quotas, logcnt, 25) if mode == "resolved" else jnp.zeros_like(log2phy)
     want = _reference.map_and_count_reference(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode)
-    got = _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode,
-                                       interpret=jax.default_backend() != "gpu", **options)
+    got = _triton.map_and_count_triton(
+        ids,
+        log2phy,
+        logcnt,
+        thresholds,
+        limits,
+        num_physical=40,
+        mode=mode,
+        interpret=jax.default_backend() != "gpu",
+        **options,
+    )
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
     with pytest.raises(ValueError, match="unknown kernel options"):
         _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode, warps=2)
     with pytest.raises(ValueError, match="tile_resolved and sub_resolved must be powers of two"):
-        _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode,
-                                     tile_resolved=96)
-    for name, value in (("layout", "row_major"), ("reduce", "psum"), ("tables", "texture"),
-                        ("threshold_layout", "column_major"), ("count_method", "sort"), ("rank_in_step", "ballot"),
-                        ("rank_running", "shared"), ("tile_bases", "scan"), ("search", "linear"),
-                        ("resolved_by", "sorted"), ("position_map", "bisect"), ("boundary_grid", "tiles")):
+        _triton.map_and_count_triton(
+            ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode, tile_resolved=96
+        )
+    for name, value in (
+        ("layout", "row_major"),
+        ("reduce", "psum"),
+        ("tables", "texture"),
+        ("threshold_layout", "column_major"),
+        ("count_method", "sort"),
+        ("rank_in_step", "ballot"),
+        ("rank_running", "shared"),
+        ("tile_bases", "scan"),
+        ("search", "linear"),
+        ("resolved_by", "sorted"),
+        ("position_map", "bisect"),
+        ("boundary_grid", "tiles"),
+    ):
         with pytest.raises(ValueError, match=f"{name} must be one of"):
-            _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode,
-                                         **{name: value})
+            _triton.map_and_count_triton(
+                ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode, **{name: value}
+            )
     if mode == "resolved":
         with pytest.raises(ValueError, match="rank_chains must be a power of two"):
-            _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode,
-                                         rank_chains=3)
+            _triton.map_and_count_triton(
+                ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode, rank_chains=3
+            )
     with pytest.raises(ValueError, match="linear_search must be >= 0"):
-        _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode,
-                                     linear_search=-1)
+        _triton.map_and_count_triton(
+            ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode, linear_search=-1
+        )
     with pytest.raises(ValueError, match="guide must be 0, 1, 2, 4, 8 or 16"):
-        _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode,
-                                     guide=3)
+        _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode, guide=3)
     if mode == "resolved":
         for bad in ({"position_tile": 96}, {"position_scan": 48}, {"position_sub": 8}, {"position_groups": 0}):
             with pytest.raises(ValueError, match="position tile, step and scan must be powers of two"):
-                _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode,
-                                             resolved_by="positions", **bad)
+                _triton.map_and_count_triton(
+                    ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode=mode, resolved_by="positions", **bad
+                )
 
 
 @settings(max_examples=7)
@@ -113,15 +152,36 @@ def test_kernel_options_match_reference(options, mode, rng):
     rank_running=st.sampled_from(["registers", "memory"]),
     rank_chains=st.sampled_from([None, 1, 2]),
     search=st.sampled_from([None, "unrolled", "while"]),
-    positions=st.sampled_from([{}, {"resolved_by": "ranks"}, {"resolved_by": "positions"},
-                               {"resolved_by": "positions", "position_tile": 16, "position_groups": 2,
-                                "position_scan": 16},
-                               {"resolved_by": "positions", "position_tile": 64, "position_groups": 1}]),
+    positions=st.sampled_from(
+        [
+            {},
+            {"resolved_by": "ranks"},
+            {"resolved_by": "positions"},
+            {"resolved_by": "positions", "position_tile": 16, "position_groups": 2, "position_scan": 16},
+            {"resolved_by": "positions", "position_tile": 64, "position_groups": 1},
+        ]
+    ),
     seed=st.integers(0, 2**31),
 )
-def test_kernel_option_combinations_match_reference(num_tokens, top_k, num_logical, extra_slots, mode, layout,
-                                                    reduce, tables, linear_search, guide, threshold_layout,
-                                                    tile_bases, rank_running, rank_chains, search, positions, seed):
+def test_kernel_option_combinations_match_reference(
+    num_tokens,
+    top_k,
+    num_logical,
+    extra_slots,
+    mode,
+    layout,
+    reduce,
+    tables,
+    linear_search,
+    guide,
+    threshold_layout,
+    tile_bases,
+    rank_running,
+    rank_chains,
+    search,
+    positions,
+    seed,
+):
     """Any combination of the kernel's layout / reduction / lookup / search / rank options gives the reference's
     ids and loads (Pallas in interpret mode on CPU, compiled on GPU)."""
     from moe_eplb_jax.pallas import _reference, _triton
@@ -133,32 +193,55 @@ def test_kernel_option_combinations_match_reference(num_tokens, top_k, num_logic
     ids = jnp.asarray(random_ids(rng, num_tokens, top_k, num_logical))
     extra = random_mode_inputs(rng, mode, placement, ids.size)
     values = extra.get("replica_shares", extra.get("resolved"))
-    thresholds = (jnp.zeros_like(log2phy) if values is None
-                  else _build_mode_table(mode, jnp.asarray(values), log2phy, logcnt))
+    thresholds = (
+        jnp.zeros_like(log2phy) if values is None else _build_mode_table(mode, jnp.asarray(values), log2phy, logcnt)
+    )
     valid = int(rng.integers(0, num_tokens + 1)) * top_k
     limits = jnp.asarray([valid, valid], jnp.int32)
     num_physical = num_logical + extra_slots
-    want = _reference.map_and_count_reference(ids, log2phy, logcnt, thresholds, limits, num_physical=num_physical,
-                                              mode=mode)
-    got = _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=num_physical,
-                                       mode=mode, layout=layout, reduce=reduce, tables=tables,
-                                       linear_search=linear_search, guide=guide, threshold_layout=threshold_layout,
-                                       tile_bases=tile_bases, rank_running=rank_running, rank_chains=rank_chains,
-                                       search=search, **positions,
-                                       interpret=jax.default_backend() != "gpu")
+    want = _reference.map_and_count_reference(
+        ids, log2phy, logcnt, thresholds, limits, num_physical=num_physical, mode=mode
+    )
+    got = _triton.map_and_count_triton(
+        ids,
+        log2phy,
+        logcnt,
+        thresholds,
+        limits,
+        num_physical=num_physical,
+        mode=mode,
+        layout=layout,
+        reduce=reduce,
+        tables=tables,
+        linear_search=linear_search,
+        guide=guide,
+        threshold_layout=threshold_layout,
+        tile_bases=tile_bases,
+        rank_running=rank_running,
+        rank_chains=rank_chains,
+        search=search,
+        **positions,
+        interpret=jax.default_backend() != "gpu",
+    )
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
 
 
 # Only the options a mode reads: the search's (linear_search, guide) for resolved; the placement tables' kind and
 # layout for every mode but shares (which reads its own alias table).
-_ROW_CASES = [(mode, tables, layout, linear_search, guide)
-              for mode in MODES
-              for tables, layout in [("head", "expert_major"), ("global", "expert_major"),
-                                     ("head", "replica_major"), ("shared", "replica_major")]
-              for linear_search, guide in [(0, 0), (16, 0), (0, 1), (2, 8)]
-              if (mode == "resolved" or (linear_search, guide) == (0, 0))
-              and (mode != "shares" or (tables, layout) == ("head", "replica_major"))]
+_ROW_CASES = [
+    (mode, tables, layout, linear_search, guide)
+    for mode in MODES
+    for tables, layout in [
+        ("head", "expert_major"),
+        ("global", "expert_major"),
+        ("head", "replica_major"),
+        ("shared", "replica_major"),
+    ]
+    for linear_search, guide in [(0, 0), (16, 0), (0, 1), (2, 8)]
+    if (mode == "resolved" or (linear_search, guide) == (0, 0))
+    and (mode != "shares" or (tables, layout) == ("head", "replica_major"))
+]
 
 
 @pytest.mark.parametrize("mode, tables, layout, linear_search, guide", _ROW_CASES)
@@ -184,19 +267,38 @@ def test_wide_and_narrow_rows_match_reference(mode, wide, linear_search, guide, 
     values = extra.get("replica_shares", extra.get("resolved"))
     if mode == "resolved":  # quotas below demand: entries past an expert's last threshold fall back to hash
         values = values // 32
-    thresholds = (jnp.zeros_like(log2phy) if values is None
-                  else _build_mode_table(mode, jnp.asarray(values[:, : log2phy.shape[1]]), log2phy, logcnt))
+    thresholds = (
+        jnp.zeros_like(log2phy)
+        if values is None
+        else _build_mode_table(mode, jnp.asarray(values[:, : log2phy.shape[1]]), log2phy, logcnt)
+    )
     limits = jnp.asarray([190 * 4, 195 * 4], jnp.int32)
     num_physical = int(replicas.sum())
-    want = _reference.map_and_count_reference(ids, log2phy, logcnt, thresholds, limits, num_physical=num_physical,
-                                              mode=mode)
-    got = _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=num_physical,
-                                       mode=mode, tables=tables, layout=layout, linear_search=linear_search,
-                                       guide=guide, interpret=jax.default_backend() != "gpu")
+    want = _reference.map_and_count_reference(
+        ids, log2phy, logcnt, thresholds, limits, num_physical=num_physical, mode=mode
+    )
+    got = _triton.map_and_count_triton(
+        ids,
+        log2phy,
+        logcnt,
+        thresholds,
+        limits,
+        num_physical=num_physical,
+        mode=mode,
+        tables=tables,
+        layout=layout,
+        linear_search=linear_search,
+        guide=guide,
+        interpret=jax.default_backend() != "gpu",
+    )
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
-    replica_of = {int(slot): int(np.flatnonzero(placement.log2phy[0, e] == slot)[0])
-                  for e in range(replicas.size) for slot in placement.log2phy[0, e] if slot >= 0}
+    replica_of = {
+        int(slot): int(np.flatnonzero(placement.log2phy[0, e] == slot)[0])
+        for e in range(replicas.size)
+        for slot in placement.log2phy[0, e]
+        if slot >= 0
+    }
     used = {replica_of[int(p)] for p in np.asarray(got[0]).ravel() if p >= 0}
     assert max(used) >= 3  # late replicas were picked
 
@@ -207,35 +309,60 @@ def test_pallas_kernels_lower_to_triton_ir(h100_lowering):
     from moe_eplb_jax.pallas import _triton
 
     spec = jax.ShapeDtypeStruct
-    cases = ([(m, {}) for m in MODES]  # the defaults
-             + [("hash", {"count_method": m, "tables": "global"}) for m in _triton.COUNT_METHODS[1:]]
-             + [(m, {"tables": t}) for m in ("hash", "resolved") for t in _triton.TABLES[1:]]
-             + [(m, {"tables": t, "layout": "expert_major", "reduce": "xla", "rank_in_step": "compare"})
-                for m in ("shares", "resolved") for t in _triton.TABLES]
-             + [("shares", {"threshold_layout": "replica_major"}), ("shares", {"compact": False}),
-                ("shares", {"compact": False, "word_heads": False}),
-                ("resolved", {"guide": 8, "search": "unrolled"}),
-                ("resolved", {"search": "while", "guide": 0}),
-                ("resolved", {"rank_running": "registers", "rank_chains": 1}), ("resolved", {"rank_chains": 2}),
-                ("resolved", {"rank_running": "memory", "sub_resolved": 64, "warps_resolved": 2}),
-                ("resolved", {"resolved_by": "positions"}),
-                ("resolved", {"resolved_by": "positions", "boundary_grid": "expert", "tables": "shared"}),
-                ("resolved", {"resolved_by": "positions", "position_map": "search", "tables": "global"}),
-                ("resolved", {"resolved_by": "positions", "position_groups": 1, "position_tile": 1024,
-                              "position_scan": 256, "position_warps": 1, "boundary_warps": 1})]
-             # past 32768 slots the kernels count by per-entry atomics (no histogram in shared memory)
-             + [(m, {"num_physical": 40000}) for m in MODES])
+    cases = (
+        [(m, {}) for m in MODES]  # the defaults
+        + [("hash", {"count_method": m, "tables": "global"}) for m in _triton.COUNT_METHODS[1:]]
+        + [(m, {"tables": t}) for m in ("hash", "resolved") for t in _triton.TABLES[1:]]
+        + [
+            (m, {"tables": t, "layout": "expert_major", "reduce": "xla", "rank_in_step": "compare"})
+            for m in ("shares", "resolved")
+            for t in _triton.TABLES
+        ]
+        + [
+            ("shares", {"threshold_layout": "replica_major"}),
+            ("shares", {"compact": False}),
+            ("shares", {"compact": False, "word_heads": False}),
+            ("resolved", {"guide": 8, "search": "unrolled"}),
+            ("resolved", {"search": "while", "guide": 0}),
+            ("resolved", {"rank_running": "registers", "rank_chains": 1}),
+            ("resolved", {"rank_chains": 2}),
+            ("resolved", {"rank_running": "memory", "sub_resolved": 64, "warps_resolved": 2}),
+            ("resolved", {"resolved_by": "positions"}),
+            ("resolved", {"resolved_by": "positions", "boundary_grid": "expert", "tables": "shared"}),
+            ("resolved", {"resolved_by": "positions", "position_map": "search", "tables": "global"}),
+            (
+                "resolved",
+                {
+                    "resolved_by": "positions",
+                    "position_groups": 1,
+                    "position_tile": 1024,
+                    "position_scan": 256,
+                    "position_warps": 1,
+                    "boundary_warps": 1,
+                },
+            ),
+        ]
+        # past 32768 slots the kernels count by per-entry atomics (no histogram in shared memory)
+        + [(m, {"num_physical": 40000}) for m in MODES]
+    )
     for mode, options in cases:
 
         def run(ids, log2phy, logcnt, thresholds, limits):  # the compiled path (interpret=False)
-            return _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, mode=mode,
-                                                **{"num_physical": 288, **options})
+            return _triton.map_and_count_triton(
+                ids, log2phy, logcnt, thresholds, limits, mode=mode, **{"num_physical": 288, **options}
+            )
 
         exported = jax.export.export(
-            jax.jit(run), platforms=["cuda"],
+            jax.jit(run),
+            platforms=["cuda"],
             disabled_checks=h100_lowering,
-        )(spec((4096, 8), jnp.int32), spec((256, 33), jnp.int32), spec((256,), jnp.int32),
-          spec((256, 33), jnp.int32), spec((2,), jnp.int32))
+        )(
+            spec((4096, 8), jnp.int32),
+            spec((256, 33), jnp.int32),
+            spec((256,), jnp.int32),
+            spec((256, 33), jnp.int32),
+            spec((2,), jnp.int32),
+        )
         assert "xla.gpu.triton" in exported.mlir_module()
     # Large inputs switch to larger loop steps (LARGE_OPTIONS, by size): those kernels must lower too.
     for mode, least in {(m, least) for m, sizes in _triton.LARGE_OPTIONS.items() for least, _ in sizes}:
@@ -243,8 +370,13 @@ def test_pallas_kernels_lower_to_triton_ir(h100_lowering):
             jax.jit(lambda *a, mode=mode: _triton.map_and_count_triton(*a, num_physical=288, mode=mode)),
             platforms=["cuda"],
             disabled_checks=h100_lowering,
-        )(spec((least // 8, 8), jnp.int32), spec((256, 33), jnp.int32), spec((256,), jnp.int32),
-          spec((256, 33), jnp.int32), spec((2,), jnp.int32))
+        )(
+            spec((least // 8, 8), jnp.int32),
+            spec((256, 33), jnp.int32),
+            spec((256,), jnp.int32),
+            spec((256, 33), jnp.int32),
+            spec((2,), jnp.int32),
+        )
         assert "xla.gpu.triton" in big.mlir_module()
     # The guided path at a large size (2**21 entries, a 257-wide table): guide kernel + map kernel; resolved there
     # finds boundary positions (tile counts + boundaries + map: no guide over positions).
@@ -253,41 +385,83 @@ def test_pallas_kernels_lower_to_triton_ir(h100_lowering):
             jax.jit(lambda *a, mode=mode: _triton.map_and_count_triton(*a, num_physical=512, mode=mode, guide=8)),
             platforms=["cuda"],
             disabled_checks=h100_lowering,
-        )(spec((1 << 18, 8), jnp.int32), spec((256, 257), jnp.int32),
-          spec((256,), jnp.int32), spec((256, 257), jnp.int32), spec((2,), jnp.int32))
+        )(
+            spec((1 << 18, 8), jnp.int32),
+            spec((256, 257), jnp.int32),
+            spec((256,), jnp.int32),
+            spec((256, 257), jnp.int32),
+            spec((2,), jnp.int32),
+        )
         assert guided.mlir_module().count("xla.gpu.triton") == (1 if mode == "shares" else 3)  # shares: no guide
     # Shares with its alias table built by the Pallas kernel (the public call's path): two kernels; with the words
     # in a prepared lookup table: one.
     for num_tokens, width in ((4096, 33), (1 << 18, 257)):
         tables = (spec((num_tokens, 8), jnp.int32), spec((256, width), jnp.int32), spec((256,), jnp.int32))
-        for name, extra, kernels in (("shares", spec((256, width), jnp.float32), 2),
-                                     ("lookup", spec((3 * 256 * (1 + width),), jnp.int32), 1)):
+        for name, extra, kernels in (
+            ("shares", spec((256, width), jnp.float32), 2),
+            ("lookup", spec((3 * 256 * (1 + width),), jnp.int32), 1),
+        ):
             exported = jax.export.export(
-                jax.jit(lambda ids, log2phy, logcnt, extra, limits, name=name: _triton.map_and_count_triton(
-                    ids, log2phy, logcnt, None, limits, num_physical=512, mode="shares", **{name: extra})),
+                jax.jit(
+                    lambda ids, log2phy, logcnt, extra, limits, name=name: _triton.map_and_count_triton(
+                        ids, log2phy, logcnt, None, limits, num_physical=512, mode="shares", **{name: extra}
+                    )
+                ),
                 platforms=["cuda"],
                 disabled_checks=h100_lowering,
             )(*tables, extra, spec((2,), jnp.int32))
             assert exported.mlir_module().count("xla.gpu.triton") == kernels, name
     # Resolved over positions with the boundary programs summing the raw quotas (the public call's path).
     summed = jax.export.export(
-        jax.jit(lambda ids, log2phy, logcnt, quotas, limits: _triton.map_and_count_triton(
-            ids, log2phy, logcnt, quotas, limits, num_physical=288, mode="resolved", resolved_by="positions",
-            quotas=quotas)),
+        jax.jit(
+            lambda ids, log2phy, logcnt, quotas, limits: _triton.map_and_count_triton(
+                ids,
+                log2phy,
+                logcnt,
+                quotas,
+                limits,
+                num_physical=288,
+                mode="resolved",
+                resolved_by="positions",
+                quotas=quotas,
+            )
+        ),
         platforms=["cuda"],
         disabled_checks=h100_lowering,
-    )(spec((4096, 8), jnp.int32), spec((256, 33), jnp.int32), spec((256,), jnp.int32), spec((256, 33), jnp.int32),
-      spec((2,), jnp.int32))
+    )(
+        spec((4096, 8), jnp.int32),
+        spec((256, 33), jnp.int32),
+        spec((256,), jnp.int32),
+        spec((256, 33), jnp.int32),
+        spec((2,), jnp.int32),
+    )
     assert summed.mlir_module().count("xla.gpu.triton") == 3
     for chains in (1, 4):  # by ranks, the rank kernel's extra programs building the thresholds from the quotas
         fused = jax.export.export(
-            jax.jit(lambda ids, log2phy, logcnt, quotas, limits, chains=chains: _triton.map_and_count_triton(
-                ids, log2phy, logcnt, quotas, limits, num_physical=288, mode="resolved", resolved_by="ranks",
-                tile_bases="matmul", rank_chains=chains, quotas=quotas)),
+            jax.jit(
+                lambda ids, log2phy, logcnt, quotas, limits, chains=chains: _triton.map_and_count_triton(
+                    ids,
+                    log2phy,
+                    logcnt,
+                    quotas,
+                    limits,
+                    num_physical=288,
+                    mode="resolved",
+                    resolved_by="ranks",
+                    tile_bases="matmul",
+                    rank_chains=chains,
+                    quotas=quotas,
+                )
+            ),
             platforms=["cuda"],
             disabled_checks=h100_lowering,
-        )(spec((4096, 8), jnp.int32), spec((256, 33), jnp.int32), spec((256,), jnp.int32), spec((256, 33), jnp.int32),
-          spec((2,), jnp.int32))
+        )(
+            spec((4096, 8), jnp.int32),
+            spec((256, 33), jnp.int32),
+            spec((256,), jnp.int32),
+            spec((256, 33), jnp.int32),
+            spec((2,), jnp.int32),
+        )
         assert fused.mlir_module().count("xla.gpu.triton") == 2
 
 
@@ -338,20 +512,26 @@ def test_guide_answers_every_point(factor, rng):
     num_logical, width = thresholds.shape
     tight = factor == 16  # too few main buckets for everyone: the later experts fall back to spares
     num_physical = int(replicas.sum()) // (4 if tight else 1)
-    words = np.asarray(_guide.guide_table(thresholds, log2phy, count, factor=factor,
-                                          num_physical=num_physical)).astype(np.int64)
+    words = np.asarray(_guide.guide_table(thresholds, log2phy, count, factor=factor, num_physical=num_physical)).astype(
+        np.int64
+    )
     assert words.size == _guide.guide_size(num_logical, num_physical, factor)
     thresholds, log2phy, count = map(np.asarray, (thresholds, log2phy, count))
     heads = words[: 2 * num_logical].reshape(num_logical, 2)
-    offset, shift, cap = heads[:, 0] & ((1 << _guide.OFFSET_BITS) - 1), (heads[:, 0] >> _guide.OFFSET_BITS) & 31, heads[:, 1]
+    offset, shift, cap = (
+        heads[:, 0] & ((1 << _guide.OFFSET_BITS) - 1),
+        (heads[:, 0] >> _guide.OFFSET_BITS) & 31,
+        heads[:, 1],
+    )
     spares = offset >= 2 * factor * num_physical
     assert spares.any() == tight
     kinds = set()
     for e in np.flatnonzero(count > 1):
         live = thresholds[e, : min(count[e], width)]
         top = int(live[-1]) + 50
-        points = np.concatenate([rng.integers(0, top, 300), live, live - 1, live + 1,
-                                 np.arange(0, top, 1 << int(shift[e]))[:500]])
+        points = np.concatenate(
+            [rng.integers(0, top, 300), live, live - 1, live + 1, np.arange(0, top, 1 << int(shift[e]))[:500]]
+        )
         points = points[(points >= 0) & (points < top)]
         for point in points:
             want = int(np.sum(live <= point))
@@ -379,11 +559,19 @@ def test_guide_kernel_matches_reference(factor, rng):
     for num_physical in (int(replicas.sum()), 12):
         thresholds, log2phy, count, lookup = _guide_inputs(rng, replicas)
         num_logical, width = thresholds.shape
-        want = np.asarray(_guide.guide_table(thresholds, log2phy, count, factor=factor,
-                                             num_physical=num_physical))
-        got = np.asarray(jax.jit(functools.partial(
-            _guide.guide_kernel, factor=factor, num_logical=num_logical, width=width,
-            num_physical=num_physical, interpret=jax.default_backend() != "gpu"))(lookup, thresholds.reshape(-1)))
+        want = np.asarray(_guide.guide_table(thresholds, log2phy, count, factor=factor, num_physical=num_physical))
+        got = np.asarray(
+            jax.jit(
+                functools.partial(
+                    _guide.guide_kernel,
+                    factor=factor,
+                    num_logical=num_logical,
+                    width=width,
+                    num_physical=num_physical,
+                    interpret=jax.default_backend() != "gpu",
+                )
+            )(lookup, thresholds.reshape(-1))
+        )
         used = _guide_used(want, count, num_logical, width, factor, num_physical)
         np.testing.assert_array_equal(got[used], want[used])
 
@@ -405,9 +593,17 @@ def test_guide_kernel_with_saturated_quotas(rng):
     count = jnp.clip(logcnt, 1, 0x7FFF)
     num_physical = int(replicas.sum())
     want = np.asarray(_guide.guide_table(thresholds, log2phy, count, factor=4, num_physical=num_physical))
-    got = np.asarray(_guide.guide_kernel(_triton.lookup_table(log2phy, logcnt), thresholds.reshape(-1),
-                                         factor=4, num_logical=num_logical, width=width,
-                                         num_physical=num_physical, interpret=jax.default_backend() != "gpu"))
+    got = np.asarray(
+        _guide.guide_kernel(
+            _triton.lookup_table(log2phy, logcnt),
+            thresholds.reshape(-1),
+            factor=4,
+            num_logical=num_logical,
+            width=width,
+            num_physical=num_physical,
+            interpret=jax.default_backend() != "gpu",
+        )
+    )
     used = _guide_used(want, count, num_logical, width, 4, num_physical)
     np.testing.assert_array_equal(got[used], want[used])
 
@@ -446,11 +642,21 @@ def test_guided_kernel_matches_reference(rng):
     ids = jnp.asarray(random_ids(rng, 500, 4, replicas.size))
     limits = jnp.asarray([480 * 4, 490 * 4], jnp.int32)
     num_physical = int(replicas.sum())
-    want = _reference.map_and_count_reference(ids, log2phy, logcnt, thresholds, limits,
-                                              num_physical=num_physical, mode=mode)
+    want = _reference.map_and_count_reference(
+        ids, log2phy, logcnt, thresholds, limits, num_physical=num_physical, mode=mode
+    )
     for options in ({"guide": 4}, {"guide": 16, "search": "unrolled"}, {"guide": 0}):
-        got = _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=num_physical,
-                                           mode=mode, interpret=jax.default_backend() != "gpu", **options)
+        got = _triton.map_and_count_triton(
+            ids,
+            log2phy,
+            logcnt,
+            thresholds,
+            limits,
+            num_physical=num_physical,
+            mode=mode,
+            interpret=jax.default_backend() != "gpu",
+            **options,
+        )
         np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
         np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
 
@@ -483,11 +689,24 @@ def test_rank_tile_bases_over_many_tiles_match_reference(rng):
     limits = jnp.asarray([690 * 8, 695 * 8], jnp.int32)
     quotas = jnp.asarray(rng.integers(0, 400, (16, 25)).astype(np.int32))
     thresholds = _build_thresholds("resolved", quotas, logcnt, 25)
-    want = _reference.map_and_count_reference(ids, log2phy, logcnt, thresholds, limits, num_physical=40,
-                                              mode="resolved")
-    got = _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode="resolved",
-                                       interpret=jax.default_backend() != "gpu", tile_resolved=16,
-                                       sub_resolved=16, tile=1024, sub=512, resolved_by="ranks")
+    want = _reference.map_and_count_reference(
+        ids, log2phy, logcnt, thresholds, limits, num_physical=40, mode="resolved"
+    )
+    got = _triton.map_and_count_triton(
+        ids,
+        log2phy,
+        logcnt,
+        thresholds,
+        limits,
+        num_physical=40,
+        mode="resolved",
+        interpret=jax.default_backend() != "gpu",
+        tile_resolved=16,
+        sub_resolved=16,
+        tile=1024,
+        sub=512,
+        resolved_by="ranks",
+    )
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
 
@@ -495,8 +714,11 @@ def test_rank_tile_bases_over_many_tiles_match_reference(rng):
 def unruly_quotas(rng, quotas, *, huge):
     """``quotas`` with a tenth of them negative and a fraction ``huge`` far past any entry count (int32)."""
     odd = rng.random(quotas.shape)
-    return np.where(odd < 0.1, -rng.integers(1, 2**31 - 1, quotas.shape),
-                    np.where(odd > 1 - huge, rng.integers(2**28, 2**31 - 1, quotas.shape), quotas)).astype(np.int32)
+    return np.where(
+        odd < 0.1,
+        -rng.integers(1, 2**31 - 1, quotas.shape),
+        np.where(odd > 1 - huge, rng.integers(2**28, 2**31 - 1, quotas.shape), quotas),
+    ).astype(np.int32)
 
 
 def boundary_oracle(ids, thresholds, logcnt, rank_limit):
@@ -513,13 +735,22 @@ def boundary_oracle(ids, thresholds, logcnt, rank_limit):
 
 
 @settings(max_examples=8, deadline=None)
-@given(num_flat=st.integers(1, 700), num_logical=st.sampled_from([1, 3, 16, 40]), width=st.sampled_from([1, 2, 5, 9]),
-       tile=st.sampled_from([16, 32, 128, None]), groups=st.sampled_from([1, 2, 3, None]),
-       scan=st.sampled_from([16, 64, None]), quota_scale=st.sampled_from([0.0, 0.3, 1.0, 3.0]),
-       grid=st.sampled_from(["expert", "flat"]), programs=st.sampled_from([1, 3, 64]), from_quotas=st.booleans(),
-       seed=st.integers(0, 2**31))
-def test_boundary_positions_match_oracle(num_flat, num_logical, width, tile, groups, scan, quota_scale, grid, programs,
-                                         from_quotas, seed):
+@given(
+    num_flat=st.integers(1, 700),
+    num_logical=st.sampled_from([1, 3, 16, 40]),
+    width=st.sampled_from([1, 2, 5, 9]),
+    tile=st.sampled_from([16, 32, 128, None]),
+    groups=st.sampled_from([1, 2, 3, None]),
+    scan=st.sampled_from([16, 64, None]),
+    quota_scale=st.sampled_from([0.0, 0.3, 1.0, 3.0]),
+    grid=st.sampled_from(["expert", "flat"]),
+    programs=st.sampled_from([1, 3, 64]),
+    from_quotas=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
+def test_boundary_positions_match_oracle(
+    num_flat, num_logical, width, tile, groups, scan, quota_scale, grid, programs, from_quotas, seed
+):
     """The boundary kernel (resolved by positions) finds, for every live quota threshold, the flat index of that
     occurrence of its expert -- across tile edges, with equal thresholds (zero quotas), thresholds past the demand,
     invalid ids, replica counts of 0 or above the width, a rank limit; rows past the count stay int32 max. Both
@@ -535,16 +766,28 @@ def test_boundary_positions_match_oracle(num_flat, num_logical, width, tile, gro
     demand = num_flat / max(num_logical, 1)
     quotas = rng.integers(0, int(quota_scale * demand / width) + 2, (num_logical, width)).astype(np.int32)
     quotas = unruly_quotas(rng, quotas, huge=0.05)
-    thresholds = np.asarray(_build_thresholds("resolved", jnp.asarray(quotas), jnp.asarray(logcnt), width,
-                                              limit=num_flat))
+    thresholds = np.asarray(
+        _build_thresholds("resolved", jnp.asarray(quotas), jnp.asarray(logcnt), width, limit=num_flat)
+    )
     rank_limit = int(rng.integers(0, num_flat + 1))
     limits = jnp.asarray([rank_limit, rank_limit], jnp.int32)
     got = _positions.boundary_positions(
-        jnp.asarray(ids), jnp.asarray((quotas if from_quotas else thresholds).reshape(-1)), limits,
-        jnp.asarray(logcnt), num_logical=num_logical, width=width,
-        expert_bins=max(32, 1 << (num_logical - 1).bit_length()), tile=tile, groups=groups, scan=scan,
-        grid=grid, programs=programs, quota_cap=num_flat if from_quotas else None, interpret=True)
-    got = np.asarray(got)[:num_logical * width].reshape(num_logical, width)
+        jnp.asarray(ids),
+        jnp.asarray((quotas if from_quotas else thresholds).reshape(-1)),
+        limits,
+        jnp.asarray(logcnt),
+        num_logical=num_logical,
+        width=width,
+        expert_bins=max(32, 1 << (num_logical - 1).bit_length()),
+        tile=tile,
+        groups=groups,
+        scan=scan,
+        grid=grid,
+        programs=programs,
+        quota_cap=num_flat if from_quotas else None,
+        interpret=True,
+    )
+    got = np.asarray(got)[: num_logical * width].reshape(num_logical, width)
     np.testing.assert_array_equal(got, boundary_oracle(ids, thresholds, logcnt, rank_limit))
 
 
@@ -557,26 +800,42 @@ def test_boundary_positions_exact_at_tile_edges(grid):
     tile = 16
     ids = np.full(8 * tile, 5, np.int32)
     ids[::3] = 0  # expert 0 every third entry: 6 per tile for the first tiles ...
-    ids[2 * tile:4 * tile] = 7  # ... none in tiles 2-3
+    ids[2 * tile : 4 * tile] = 7  # ... none in tiles 2-3
     where = np.flatnonzero(ids == 0)
     per_tile = np.bincount(where // tile, minlength=8)
     edges = np.cumsum(per_tile)  # occurrence number edges[t] is the first one after tile t
-    picks = sorted({0, int(edges[0]) - 1, int(edges[0]), int(edges[1]), int(edges[3]), int(edges[4]) - 1,
-                    len(where) - 1})
+    picks = sorted(
+        {0, int(edges[0]) - 1, int(edges[0]), int(edges[1]), int(edges[3]), int(edges[4]) - 1, len(where) - 1}
+    )
     thresholds = np.full((8, 8), np.iinfo(np.int32).max, np.int32)
-    thresholds[0, :len(picks) + 1] = picks + [len(where)]  # the last is past the demand
+    thresholds[0, : len(picks) + 1] = picks + [len(where)]  # the last is past the demand
     logcnt = np.zeros(8, np.int32)
     logcnt[0] = len(picks) + 1
     got = _positions.boundary_positions(
-        jnp.asarray(ids), jnp.asarray(thresholds.reshape(-1)), jnp.asarray([ids.size, ids.size], jnp.int32),
-        jnp.asarray(logcnt), num_logical=8, width=8, expert_bins=32, tile=tile, groups=2, scan=16, grid=grid,
-        programs=5, interpret=True)
+        jnp.asarray(ids),
+        jnp.asarray(thresholds.reshape(-1)),
+        jnp.asarray([ids.size, ids.size], jnp.int32),
+        jnp.asarray(logcnt),
+        num_logical=8,
+        width=8,
+        expert_bins=32,
+        tile=tile,
+        groups=2,
+        scan=16,
+        grid=grid,
+        programs=5,
+        interpret=True,
+    )
     got = np.asarray(got)[:64].reshape(8, 8)
-    np.testing.assert_array_equal(got[0, :len(picks)], where[picks])
+    np.testing.assert_array_equal(got[0, : len(picks)], where[picks])
     assert got[0, len(picks)] == np.iinfo(np.int32).max
     np.testing.assert_array_equal(got[1:], np.iinfo(np.int32).max)
-    args = (jnp.asarray(ids), jnp.asarray(thresholds.reshape(-1)), jnp.asarray([ids.size, ids.size], jnp.int32),
-            jnp.asarray(logcnt))
+    args = (
+        jnp.asarray(ids),
+        jnp.asarray(thresholds.reshape(-1)),
+        jnp.asarray([ids.size, ids.size], jnp.int32),
+        jnp.asarray(logcnt),
+    )
     with pytest.raises(ValueError, match="groups and programs >= 1"):
         _positions.boundary_positions(*args, num_logical=8, width=8, expert_bins=32, grid=grid, programs=0)
     with pytest.raises(ValueError, match="the boundary grid must be"):
@@ -586,13 +845,21 @@ def test_boundary_positions_exact_at_tile_edges(grid):
 
 
 @settings(max_examples=7, deadline=None)
-@given(num_tokens=st.integers(1, 200), top_k=st.sampled_from([1, 4, 8]), num_logical=st.sampled_from([1, 2, 5, 16]),
-       extra_slots=st.integers(0, 12), sub=st.sampled_from([16, 32, 256]),
-       quota_scale=st.sampled_from([0.0, 0.2, 1.0, 3.0]),
-       position_map=st.sampled_from(["start", "search"]), boundary_grid=st.sampled_from(["expert", "flat"]),
-       from_quotas=st.booleans(), seed=st.integers(0, 2**31))
-def test_positions_map_matches_reference(num_tokens, top_k, num_logical, extra_slots, sub, quota_scale, position_map,
-                                         boundary_grid, from_quotas, seed):
+@given(
+    num_tokens=st.integers(1, 200),
+    top_k=st.sampled_from([1, 4, 8]),
+    num_logical=st.sampled_from([1, 2, 5, 16]),
+    extra_slots=st.integers(0, 12),
+    sub=st.sampled_from([16, 32, 256]),
+    quota_scale=st.sampled_from([0.0, 0.2, 1.0, 3.0]),
+    position_map=st.sampled_from(["start", "search"]),
+    boundary_grid=st.sampled_from(["expert", "flat"]),
+    from_quotas=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
+def test_positions_map_matches_reference(
+    num_tokens, top_k, num_logical, extra_slots, sub, quota_scale, position_map, boundary_grid, from_quotas, seed
+):
     """The map kernel over boundary positions: with each expert's boundaries before the step looked up once per
     step (``position_map="start"``), entries before their expert's next boundary take it as their answer and the
     rest search on -- right with several boundaries in one step, a boundary on a step's first or last entry, zero
@@ -611,13 +878,26 @@ def test_positions_map_matches_reference(num_tokens, top_k, num_logical, extra_s
     thresholds = _build_thresholds("resolved", jnp.asarray(quotas), logcnt, width, limit=ids.size)
     valid = int(rng.integers(0, num_tokens + 1)) * top_k
     limits = jnp.asarray([int(rng.integers(0, valid + 1)), valid], jnp.int32)
-    want = _reference.map_and_count_reference(ids, log2phy, logcnt, thresholds, limits,
-                                              num_physical=num_logical + extra_slots, mode="resolved")
-    got = _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=num_logical + extra_slots,
-                                       mode="resolved", interpret=jax.default_backend() != "gpu",
-                                       resolved_by="positions", position_map=position_map, sub=sub, tile=sub,
-                                       position_tile=16, boundary_grid=boundary_grid,
-                                       quotas=quotas if from_quotas else None)
+    want = _reference.map_and_count_reference(
+        ids, log2phy, logcnt, thresholds, limits, num_physical=num_logical + extra_slots, mode="resolved"
+    )
+    got = _triton.map_and_count_triton(
+        ids,
+        log2phy,
+        logcnt,
+        thresholds,
+        limits,
+        num_physical=num_logical + extra_slots,
+        mode="resolved",
+        interpret=jax.default_backend() != "gpu",
+        resolved_by="positions",
+        position_map=position_map,
+        sub=sub,
+        tile=sub,
+        position_tile=16,
+        boundary_grid=boundary_grid,
+        quotas=quotas if from_quotas else None,
+    )
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
 
@@ -645,12 +925,16 @@ def test_lookback_walks_aggregates_and_inclusive_words(programs, window, seed):
 
     def kernel(board_in_ref, total_ref, board_ref, bases_ref):
         del board_in_ref
-        bases_ref[...] = _rank.lookback_bases(board_ref, jnp.int32(programs - 1), total_ref[...], expert_bins=bins,
-                                              window=window)
+        bases_ref[...] = _rank.lookback_bases(
+            board_ref, jnp.int32(programs - 1), total_ref[...], expert_bins=bins, window=window
+        )
 
     board_out, bases = pl.pallas_call(
-        kernel, out_shape=[jax.ShapeDtypeStruct(board.shape, jnp.int32), jax.ShapeDtypeStruct((bins,), jnp.int32)],
-        input_output_aliases={0: 0}, interpret=True)(jnp.asarray(board), jnp.asarray(counts[-1]))
+        kernel,
+        out_shape=[jax.ShapeDtypeStruct(board.shape, jnp.int32), jax.ShapeDtypeStruct((bins,), jnp.int32)],
+        input_output_aliases={0: 0},
+        interpret=True,
+    )(jnp.asarray(board), jnp.asarray(counts[-1]))
     want = counts[:-1].sum(axis=0)
     np.testing.assert_array_equal(np.asarray(bases), want)
     np.testing.assert_array_equal(np.asarray(board_out)[-bins:], ((want + counts[-1]) << 2) | 2)
@@ -658,11 +942,19 @@ def test_lookback_walks_aggregates_and_inclusive_words(programs, window, seed):
 
 
 @settings(max_examples=6, deadline=None)
-@given(num_tokens=st.integers(1, 400), top_k=st.sampled_from([1, 2, 8]), num_logical=st.sampled_from([1, 5, 40]),
-       extra_slots=st.integers(0, 20), rank_tile=st.sampled_from([64, 128, 256]), chains=st.sampled_from([1, 2]),
-       rank_sub=st.sampled_from([16, 32]), seed=st.integers(0, 2**31))
-def test_lookback_kernel_matches_reference(num_tokens, top_k, num_logical, extra_slots, rank_tile, chains, rank_sub,
-                                           seed):
+@given(
+    num_tokens=st.integers(1, 400),
+    top_k=st.sampled_from([1, 2, 8]),
+    num_logical=st.sampled_from([1, 5, 40]),
+    extra_slots=st.integers(0, 20),
+    rank_tile=st.sampled_from([64, 128, 256]),
+    chains=st.sampled_from([1, 2]),
+    rank_sub=st.sampled_from([16, 32]),
+    seed=st.integers(0, 2**31),
+)
+def test_lookback_kernel_matches_reference(
+    num_tokens, top_k, num_logical, extra_slots, rank_tile, chains, rank_sub, seed
+):
     """``resolved`` by ranks in one kernel (``tile_bases="lookback"``) over many rank tiles -- each program's bases
     from the programs before it -- gives the reference's ids and loads, with padding and a record limit."""
     from moe_eplb_jax.pallas import _reference, _triton
@@ -676,12 +968,27 @@ def test_lookback_kernel_matches_reference(num_tokens, top_k, num_logical, extra
     thresholds = _build_thresholds("resolved", jnp.asarray(extra["resolved"]), logcnt, log2phy.shape[1])
     valid = int(rng.integers(0, num_tokens + 1)) * top_k
     limits = jnp.asarray([int(rng.integers(0, valid + 1)), valid], jnp.int32)
-    want = _reference.map_and_count_reference(ids, log2phy, logcnt, thresholds, limits,
-                                              num_physical=num_logical + extra_slots, mode="resolved")
-    options = {"tile_bases": "lookback", "tile_resolved": rank_tile, "sub_resolved": rank_sub, "rank_chains": chains,
-               "resolved_by": "ranks"}
-    got = _triton.map_and_count_triton(ids, log2phy, logcnt, thresholds, limits, num_physical=num_logical + extra_slots,
-                                       mode="resolved", interpret=jax.default_backend() != "gpu", **options)
+    want = _reference.map_and_count_reference(
+        ids, log2phy, logcnt, thresholds, limits, num_physical=num_logical + extra_slots, mode="resolved"
+    )
+    options = {
+        "tile_bases": "lookback",
+        "tile_resolved": rank_tile,
+        "sub_resolved": rank_sub,
+        "rank_chains": chains,
+        "resolved_by": "ranks",
+    }
+    got = _triton.map_and_count_triton(
+        ids,
+        log2phy,
+        logcnt,
+        thresholds,
+        limits,
+        num_physical=num_logical + extra_slots,
+        mode="resolved",
+        interpret=jax.default_backend() != "gpu",
+        **options,
+    )
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
 
@@ -693,10 +1000,20 @@ def test_lookback_refuses_inputs_its_words_cannot_count():
 
     spec = jax.ShapeDtypeStruct
     with pytest.raises(ValueError, match="tile_bases='lookback' supports fewer than 2\\*\\*29 entries"):
-        jax.eval_shape(functools.partial(_triton.map_and_count_triton, num_physical=40, mode="resolved",
-                                         tile_bases="lookback", resolved_by="ranks"),
-                       spec((1 << 26, 8), jnp.int32), spec((16, 25), jnp.int32), spec((16,), jnp.int32),
-                       spec((16, 25), jnp.int32), spec((2,), jnp.int32))
+        jax.eval_shape(
+            functools.partial(
+                _triton.map_and_count_triton,
+                num_physical=40,
+                mode="resolved",
+                tile_bases="lookback",
+                resolved_by="ranks",
+            ),
+            spec((1 << 26, 8), jnp.int32),
+            spec((16, 25), jnp.int32),
+            spec((16,), jnp.int32),
+            spec((16, 25), jnp.int32),
+            spec((2,), jnp.int32),
+        )
 
 
 @pytest.mark.parametrize("chains, tile_bases", [(1, "matmul"), (4, "matmul"), (4, "cumsum"), (2, "lookback")])
@@ -722,12 +1039,26 @@ def test_ranks_with_quotas_build_the_wrapper_thresholds(chains, tile_bases, seed
     logcnt[2] = width
     thresholds = _build_thresholds("resolved", jnp.asarray(quotas), jnp.asarray(logcnt), width, limit=ids.size)
     limits = jnp.asarray([130 * top_k, 140 * top_k], jnp.int32)
-    want = _reference.map_and_count_reference(ids, log2phy, jnp.asarray(logcnt), thresholds, limits,
-                                              num_physical=num_logical + 20, mode="resolved")
+    want = _reference.map_and_count_reference(
+        ids, log2phy, jnp.asarray(logcnt), thresholds, limits, num_physical=num_logical + 20, mode="resolved"
+    )
     got = _triton.map_and_count_triton(
-        ids, log2phy, jnp.asarray(logcnt), jnp.zeros_like(thresholds) if tile_bases != "lookback" else thresholds,
-        limits, num_physical=num_logical + 20, mode="resolved", interpret=jax.default_backend() != "gpu",
-        quotas=jnp.asarray(quotas), resolved_by="ranks", tile_resolved=128, sub_resolved=32, rank_chains=chains,
-        tile_bases=tile_bases, tile=128, sub=64)
+        ids,
+        log2phy,
+        jnp.asarray(logcnt),
+        jnp.zeros_like(thresholds) if tile_bases != "lookback" else thresholds,
+        limits,
+        num_physical=num_logical + 20,
+        mode="resolved",
+        interpret=jax.default_backend() != "gpu",
+        quotas=jnp.asarray(quotas),
+        resolved_by="ranks",
+        tile_resolved=128,
+        sub_resolved=32,
+        rank_chains=chains,
+        tile_bases=tile_bases,
+        tile=128,
+        sub=64,
+    )
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))

@@ -1,4 +1,5 @@
 """Metrics on hand-computed examples, numpy and jax alike."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -3,6 +3,7 @@
 Its GPU run happens on lent machines only; what it compares must not fail for reasons other than the result
 (on 4 x H200 a shut-down warning in one process's log once made two equal summaries differ).
 """
+
 import importlib.util
 import os
 
@@ -27,8 +28,10 @@ throughput: {tps} tok/s before, 2498.9 tok/s after
 
 def test_serve_summaries_compare_results_not_runtime_noise():
     multi_gpu = _script()
-    warning = ("W1130 22:13:19.241826 7768 pjrt_client.cc:1605] WatchTasksAsync failed for task 0: UNAVAILABLE\n"
-               "=== Source Location Trace: ===\n[Gloo] Rank 0 is connected to 1 peer ranks")
+    warning = (
+        "W1130 22:13:19.241826 7768 pjrt_client.cc:1605] WatchTasksAsync failed for task 0: UNAVAILABLE\n"
+        "=== Source Location Trace: ===\n[Gloo] Rank 0 is connected to 1 peer ranks"
+    )
     first = SUMMARY.format(index=0, after="0.886", tps="2276.2", noise=warning)
     second = SUMMARY.format(index=1, after="0.886", tps="2269.3", noise="")
     a, b = multi_gpu._summary_lines(first), multi_gpu._summary_lines(second)

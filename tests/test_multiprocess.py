@@ -4,7 +4,6 @@ import json
 import os
 
 import pytest
-
 from _processes import free_port, run_workers
 
 WORKER = os.path.join(os.path.dirname(__file__), "_multiprocess_worker.py")

@@ -30,8 +30,7 @@ def test_chunk_words():
     assert not _nvlink.can_put([64], jax.devices()[:2]) or jax.default_backend() == "gpu"
 
 
-@pytest.mark.parametrize("programs, pack_programs, stages", [(2, 1, 2), (4, 1, 2), (8, 3, 3), (20, 9, 4),
-                                                              (3, None, 2)])
+@pytest.mark.parametrize("programs, pack_programs, stages", [(2, 1, 2), (4, 1, 2), (8, 3, 3), (20, 9, 4), (3, None, 2)])
 def test_copy_pipeline_under_the_interpreter(programs, pack_programs, stages, rng):
     """Local mode (the rank's own rows; the interpreter has no remote refs): rows, chunks, padding, and the
     next chunk packed by the other programs (from the rows as they were), race-free."""
@@ -46,11 +45,21 @@ def test_copy_pipeline_under_the_interpreter(programs, pack_programs, stages, rn
     staged = rng.integers(0, 2**32, (6, sum(widths)), dtype=np.uint32)
     dst = np.array([4, num_rows + 3, 0, 8, num_rows, 2], np.int32)  # two padding rows (out of range)
     following = np.array([1, 3, 5, 6, 7], np.int32)  # rows not written by this call
-    got, packed = _nvlink.put_rows(jnp.asarray(staged), jnp.asarray(dst), [jnp.asarray(v) for v in views],
-                                   None if pack_programs is None else jnp.asarray(following), axis="ep",
-                                   num_ranks=2, rows_per_round=6, offsets=offsets, num_programs=programs,
-                                   pack_programs=pack_programs or 0, stages=stages, local=True,
-                                   interpret=plgpu.InterpretGPUParams(detect_races=True))
+    got, packed = _nvlink.put_rows(
+        jnp.asarray(staged),
+        jnp.asarray(dst),
+        [jnp.asarray(v) for v in views],
+        None if pack_programs is None else jnp.asarray(following),
+        axis="ep",
+        num_ranks=2,
+        rows_per_round=6,
+        offsets=offsets,
+        num_programs=programs,
+        pack_programs=pack_programs or 0,
+        stages=stages,
+        local=True,
+        interpret=plgpu.InterpretGPUParams(detect_races=True),
+    )
     assert not interp.get_races().races_found
     for g, want in zip(got, numpy_put(views, staged, dst, offsets)):
         np.testing.assert_array_equal(np.asarray(g), want)
@@ -68,17 +77,21 @@ def test_kernel_lowers_for_cuda_with_peer_addresses():
     offsets = np.cumsum([0] + widths[:-1]).tolist()
 
     def move(staged, dst, following, *views):
-        return _nvlink.put_rows(staged, dst, list(views), following, axis="ep", num_ranks=2,
-                                rows_per_round=per_round, offsets=offsets)
+        return _nvlink.put_rows(
+            staged, dst, list(views), following, axis="ep", num_ranks=2, rows_per_round=per_round, offsets=offsets
+        )
 
     spec = PartitionSpec("ep")
-    fn = jax.jit(jax.shard_map(move, mesh=mesh, in_specs=(spec,) * 6, out_specs=([spec] * 3, spec),
-                               check_vma=False), donate_argnums=(3, 4, 5))
+    fn = jax.jit(
+        jax.shard_map(move, mesh=mesh, in_specs=(spec,) * 6, out_specs=([spec] * 3, spec), check_vma=False),
+        donate_argnums=(3, 4, 5),
+    )
     shard = NamedSharding(mesh, spec)
-    args = ([jax.ShapeDtypeStruct((2 * per_round, sum(widths)), jnp.uint32, sharding=shard),
-             jax.ShapeDtypeStruct((2 * per_round,), jnp.int32, sharding=shard),
-             jax.ShapeDtypeStruct((2 * per_round,), jnp.int32, sharding=shard)]
-            + [jax.ShapeDtypeStruct((2 * rows, w), jnp.uint32, sharding=shard) for w in widths])
+    args = [
+        jax.ShapeDtypeStruct((2 * per_round, sum(widths)), jnp.uint32, sharding=shard),
+        jax.ShapeDtypeStruct((2 * per_round,), jnp.int32, sharding=shard),
+        jax.ShapeDtypeStruct((2 * per_round,), jnp.int32, sharding=shard),
+    ] + [jax.ShapeDtypeStruct((2 * rows, w), jnp.uint32, sharding=shard) for w in widths]
     text = jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
     assert "mosaic_gpu_v2" in text and "uses_xla_collective_metadata = true" in text
     assert text.count("output_operand_alias") >= 3
@@ -97,8 +110,14 @@ def test_put_schedule_rejects_rows_it_cannot_copy(monkeypatch):
 
 
 # ------------------------------------------------------------------ GPUs
-DTYPES = [ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2, ml_dtypes.float8_e8m0fnu,
-          ml_dtypes.float4_e2m1fn, np.float32]
+DTYPES = [
+    ml_dtypes.bfloat16,
+    ml_dtypes.float8_e4m3fn,
+    ml_dtypes.float8_e5m2,
+    ml_dtypes.float8_e8m0fnu,
+    ml_dtypes.float4_e2m1fn,
+    np.float32,
+]
 
 
 @pytest.mark.gpu
@@ -117,10 +136,14 @@ def test_put_schedule_moves_exact_bytes_between_gpus(chunk_rows, rng):
         if dt == ml_dtypes.float4_e2m1fn:
             raw &= 0x0F
         ckpt[f"leaf{i}"] = raw.view(dt) if dt != np.float32 else raw.view(np.float32)
-    take = lambda table: {k: v[np.arange(layers)[:, None], table] for k, v in ckpt.items()}  # noqa: E731
+    take = lambda table: {k: v[np.arange(layers)[:, None], table] for k, v in ckpt.items()}
     old = np.stack([rng.permutation(np.arange(slots) % experts) for _ in range(layers)])
-    new = np.stack([rng.permutation(np.concatenate([np.arange(experts), rng.integers(0, experts, slots - experts)]))
-                    for _ in range(layers)])
+    new = np.stack(
+        [
+            rng.permutation(np.concatenate([np.arange(experts), rng.integers(0, experts, slots - experts)]))
+            for _ in range(layers)
+        ]
+    )
     experts_now = eps.shard_slots(take(old), mesh, layered=True)
     plan = eps.plan_rearrangement(old, new, num_ranks).padded(send=layers * 4, dup=layers * 4, copy=layers * 4)
     row = eps.row_bytes(experts_now, plan, mesh=mesh)
@@ -158,21 +181,32 @@ def test_put_kernel_writes_the_peers_rows(rng):
     following = np.stack([rng.permutation(np.setdiff1d(np.arange(rows), dst[1 - r]))[:12] for r in range(2)])
 
     def move(staged, dst, following, *views):
-        return _nvlink.put_rows(staged, dst, list(views), following, axis="ep", num_ranks=2,
-                                rows_per_round=per_round, offsets=offsets, num_programs=24, pack_programs=5)
+        return _nvlink.put_rows(
+            staged,
+            dst,
+            list(views),
+            following,
+            axis="ep",
+            num_ranks=2,
+            rows_per_round=per_round,
+            offsets=offsets,
+            num_programs=24,
+            pack_programs=5,
+        )
 
     spec = PartitionSpec("ep")
-    fn = jax.jit(jax.shard_map(move, mesh=mesh, in_specs=(spec,) * 6, out_specs=([spec] * 3, spec),
-                               check_vma=False))
+    fn = jax.jit(jax.shard_map(move, mesh=mesh, in_specs=(spec,) * 6, out_specs=([spec] * 3, spec), check_vma=False))
     shard = NamedSharding(mesh, spec)
-    put = lambda x: jax.device_put(x.reshape((-1,) + x.shape[2:]), shard)  # noqa: E731
+    put = lambda x: jax.device_put(x.reshape((-1,) + x.shape[2:]), shard)
     got, packed = fn(put(staged), put(dst), put(following.astype(np.int32)), *[put(v) for v in views])
     for rank in range(2):
         want = numpy_put([v[rank] for v in views], staged[1 - rank], dst[1 - rank], offsets)
         for g, w in zip(got, want):
             np.testing.assert_array_equal(np.asarray(g).reshape((2, rows, -1))[rank], w)
-        np.testing.assert_array_equal(np.asarray(packed).reshape(2, 12, -1)[rank],
-                                      np.concatenate([v[rank][following[rank]] for v in views], axis=1))
+        np.testing.assert_array_equal(
+            np.asarray(packed).reshape(2, 12, -1)[rank],
+            np.concatenate([v[rank][following[rank]] for v in views], axis=1),
+        )
 
 
 def test_auto_schedule_picks_put_only_where_the_kernel_runs(monkeypatch):

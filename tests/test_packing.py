@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-
 from _bytes import random_bytes
+
 from moe_eplb_jax.sharding import packing
 
 DTYPES = [
@@ -75,8 +75,11 @@ def test_words_only_when_every_leaf_is_words(rng):
 
 
 def test_several_leaves_concatenate_in_order(rng):
-    leaves = [random_rows(rng, np.float32, 6, (2,)), random_rows(rng, ml_dtypes.float8_e5m2, 6, (3,)),
-              random_rows(rng, ml_dtypes.float4_e2m1fn, 6, (4,))]
+    leaves = [
+        random_rows(rng, np.float32, 6, (2,)),
+        random_rows(rng, ml_dtypes.float8_e5m2, 6, (3,)),
+        random_rows(rng, ml_dtypes.float4_e2m1fn, 6, (4,)),
+    ]
     layouts = [packing.leaf_layout(x.dtype, x.shape[1:]) for x in leaves]
     rows = np.array([5, 0, 3], dtype=np.int32)
 

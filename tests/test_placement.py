@@ -1,4 +1,5 @@
 """Placement tables: construction, validation, initial layouts, files."""
+
 import json
 
 import hypothesis.strategies as st
@@ -38,7 +39,7 @@ def test_from_phy2log_inverts(num_layers, num_logical, num_redundant, seed):
             slots = np.flatnonzero(phy2log[layer] == e)
             assert p.logcnt[layer, e] == len(slots)
             np.testing.assert_array_equal(p.log2phy[layer, e, : len(slots)], slots)  # ascending slot order
-            assert np.all(p.log2phy[layer, e, len(slots):] == -1)
+            assert np.all(p.log2phy[layer, e, len(slots) :] == -1)
     p.validate()
 
 
@@ -132,8 +133,14 @@ def _write_json(path, doc):
 def _valid_doc():
     p = Placement.linear(2, 4, 6)
     return {
-        "format": FILE_FORMAT, "version": 1, "num_layers": 2, "num_logical": 4, "num_physical": 6,
-        "phy2log": p.phy2log.tolist(), "log2phy": p.log2phy.tolist(), "logcnt": p.logcnt.tolist(),
+        "format": FILE_FORMAT,
+        "version": 1,
+        "num_layers": 2,
+        "num_logical": 4,
+        "num_physical": 6,
+        "phy2log": p.phy2log.tolist(),
+        "log2phy": p.log2phy.tolist(),
+        "logcnt": p.logcnt.tolist(),
     }
 
 

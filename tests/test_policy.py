@@ -67,8 +67,13 @@ def _check_valid(tables, weight, num_replicas, num_groups, num_nodes, num_gpus):
 # ----------------------------------------------------------------------------- the DeepSeek algorithm
 @pytest.mark.parametrize("fn", [policy.rebalance_experts, policy.rebalance_experts_reference])
 def test_golden_readme_case(fn):
-    phy2log, log2phy, logcnt = fn(np.array(GOLDEN["weight"]), GOLDEN["num_replicas"], GOLDEN["num_groups"],
-                                  GOLDEN["num_nodes"], GOLDEN["num_gpus"])
+    phy2log, log2phy, logcnt = fn(
+        np.array(GOLDEN["weight"]),
+        GOLDEN["num_replicas"],
+        GOLDEN["num_groups"],
+        GOLDEN["num_nodes"],
+        GOLDEN["num_gpus"],
+    )
     np.testing.assert_array_equal(phy2log, GOLDEN["expected_phy2log"])
     np.testing.assert_array_equal(logcnt, GOLDEN["expected_logcnt"])
     Placement.from_tables(phy2log, log2phy, logcnt, num_ranks=GOLDEN["num_gpus"])
@@ -225,7 +230,8 @@ def test_balanced_grows_from_the_old_placement_under_small_drift(rng):
     # Far fewer moves than relabelling DeepSeek's fresh placement, and at least as balanced.
     assert policy.moved_slots(old, kept[0]) < policy.moved_slots(old, relabelled[0]) / 2
     assert float(metrics.balancedness(_rank_load(new_weight, kept[0], 32))) >= float(
-        metrics.balancedness(_rank_load(new_weight, relabelled[0], 32)))
+        metrics.balancedness(_rank_load(new_weight, relabelled[0], 32))
+    )
 
 
 def test_slot_kept_when_its_expert_stays_on_the_gpu(rng):
@@ -234,7 +240,7 @@ def test_slot_kept_when_its_expert_stays_on_the_gpu(rng):
     phy2log, _, _ = policy.rebalance_experts(weight, 48, 4, 2, 8, old_phy2log=old)
     for layer in range(6):
         for gpu in range(8):
-            new_slots, old_slots = phy2log[layer, gpu * 6:(gpu + 1) * 6], old[layer, gpu * 6:(gpu + 1) * 6]
+            new_slots, old_slots = phy2log[layer, gpu * 6 : (gpu + 1) * 6], old[layer, gpu * 6 : (gpu + 1) * 6]
             remaining = list(new_slots)
             for slot, expert in enumerate(old_slots):  # multiset match: a kept expert keeps its slot
                 if expert in remaining:
@@ -248,10 +254,13 @@ def test_preserve_slots_only_reorders_within_gpus_and_relabels(rng):
     old = np.stack([rng.permutation(np.arange(24) % 16) for _ in range(3)])
     new, rank = policy.preserve_slots(phy2log, phyrank, old, num_gpus=6, num_nodes=2)
     for layer in range(3):
-        before = {tuple(sorted(zip(phy2log[layer, g * 4:(g + 1) * 4], phyrank[layer, g * 4:(g + 1) * 4])))
-                  for g in range(6)}
-        after = {tuple(sorted(zip(new[layer, g * 4:(g + 1) * 4], rank[layer, g * 4:(g + 1) * 4])))
-                 for g in range(6)}
+        before = {
+            tuple(sorted(zip(phy2log[layer, g * 4 : (g + 1) * 4], phyrank[layer, g * 4 : (g + 1) * 4])))
+            for g in range(6)
+        }
+        after = {
+            tuple(sorted(zip(new[layer, g * 4 : (g + 1) * 4], rank[layer, g * 4 : (g + 1) * 4]))) for g in range(6)
+        }
         assert before == after  # every GPU's (expert, replica rank) contents survive, only relabelled
 
 

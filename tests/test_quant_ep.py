@@ -79,8 +79,14 @@ def test_ep_amax_gives_every_rank_the_same_scale_and_error(rng):
 
     outs = {}
     for consistent in (True, False):
-        fn = jax.jit(jax.shard_map(lambda v, c=consistent: per_rank(v, c), mesh=mesh,
-                                   in_specs=PartitionSpec("ep"), out_specs=PartitionSpec("ep")))
+        fn = jax.jit(
+            jax.shard_map(
+                lambda v, c=consistent: per_rank(v, c),
+                mesh=mesh,
+                in_specs=PartitionSpec("ep"),
+                out_specs=PartitionSpec("ep"),
+            )
+        )
         scales, errors = (np.asarray(o) for o in fn(x))
         outs[consistent] = (scales, errors)
     scales, errors = outs[True]
@@ -99,8 +105,12 @@ def test_dynamic_fp8_mlp_inside_shard_map_is_rank_independent(rng):
     spec = PartitionSpec("ep")
 
     def run(axis):
-        fn = jax.shard_map(lambda v, *q: quant.expert_mlp(v, *q, activation_scaling="dynamic", axis_name=axis),
-                           mesh=mesh, in_specs=spec, out_specs=spec)
+        fn = jax.shard_map(
+            lambda v, *q: quant.expert_mlp(v, *q, activation_scaling="dynamic", axis_name=axis),
+            mesh=mesh,
+            in_specs=spec,
+            out_specs=spec,
+        )
         return np.asarray(jax.jit(fn)(x, *layer))[:, 0]
 
     y = run("ep")

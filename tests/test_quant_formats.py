@@ -37,8 +37,14 @@ def test_e4m3_encoding_matches_ml_dtypes_saturating(rng):
     table = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
     finite = table[np.isfinite(table)]
     mids = (np.sort(np.unique(finite))[1:] + np.sort(np.unique(finite))[:-1]) / 2  # ties: RNE decides
-    v = np.concatenate([finite, mids, rng.standard_normal(4000).astype(np.float32) * 100,
-                        np.array([500.0, -1e30, 464.0, -465.0, 1e-12, -1e-12, -0.0], np.float32)])
+    v = np.concatenate(
+        [
+            finite,
+            mids,
+            rng.standard_normal(4000).astype(np.float32) * 100,
+            np.array([500.0, -1e30, 464.0, -465.0, 1e-12, -1e-12, -0.0], np.float32),
+        ]
+    )
     ours = np.asarray(_enc_e4m3(v))
     want = np.clip(v, -448, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
     np.testing.assert_array_equal(ours, want)
@@ -50,8 +56,15 @@ def test_e2m1_encoding_and_table_match_ml_dtypes(rng):
     np.testing.assert_array_equal(table, el.E2M1_VALUES)
     grid = np.unique(np.abs(table))
     mids = (grid[1:] + grid[:-1]) / 2
-    v = np.concatenate([table, mids, -mids, rng.standard_normal(4000).astype(np.float32) * 3,
-                        np.array([7.0, -100.0, 5.0, 5.0001, -0.2], np.float32)])
+    v = np.concatenate(
+        [
+            table,
+            mids,
+            -mids,
+            rng.standard_normal(4000).astype(np.float32) * 3,
+            np.array([7.0, -100.0, 5.0, 5.0001, -0.2], np.float32),
+        ]
+    )
     ours = np.asarray(_enc_e2m1(v))
     want = np.clip(v, -6, 6).astype(ml_dtypes.float4_e2m1fn).view(np.uint8)
     np.testing.assert_array_equal(ours, want)
@@ -67,10 +80,12 @@ def test_arithmetic_decoders_match_tables():
 
 
 def test_ldexp_exact_handles_subnormals(rng):
-    x = np.concatenate([
-        rng.standard_normal(500).astype(np.float32),
-        (rng.integers(1, 2**23, 500) * np.float64(2.0**-149) * rng.choice([-1, 1], 500)).astype(np.float32),
-    ])
+    x = np.concatenate(
+        [
+            rng.standard_normal(500).astype(np.float32),
+            (rng.integers(1, 2**23, 500) * np.float64(2.0**-149) * rng.choice([-1, 1], 500)).astype(np.float32),
+        ]
+    )
     k = rng.integers(-40, 40, x.shape).astype(np.int32)
     want = np.ldexp(x.astype(np.float64), k)
     ours = np.asarray(_ldexp(x, k)).astype(np.float64)
@@ -79,8 +94,9 @@ def test_ldexp_exact_handles_subnormals(rng):
     assert exact.sum() > 600
     np.testing.assert_array_equal(ours[exact], want[exact])
     assert np.all(np.abs(ours - want)[~exact] < 2.0**-149) and np.all(np.abs(ours[~exact]) <= np.abs(want[~exact]))
-    special = np.asarray(_ldexp(np.array([np.inf, -np.inf, np.nan, 3e38], np.float32),
-                                np.array([1, -3, 2, 5], np.int32)))
+    special = np.asarray(
+        _ldexp(np.array([np.inf, -np.inf, np.nan, 3e38], np.float32), np.array([1, -3, 2, 5], np.int32))
+    )
     assert special[0] == np.inf and special[1] == -np.inf and np.isnan(special[2]) and special[3] == np.inf
 
 
@@ -98,9 +114,17 @@ def test_fp4_packing_matches_jax_float4_bitcast(rng):
 
 def _edge_blocks(rng):
     """Rows of 32: all-zero, NaN, Inf, subnormal, power-of-two amax, saturating, and mixed exponents."""
-    rows = [np.zeros(32), rng.standard_normal(32), rng.standard_normal(32), rng.standard_normal(32),
-            (rng.integers(-2**23, 2**23, 32) * 2.0**-149), rng.standard_normal(32),
-            rng.standard_normal(32) * 2.0**-120, rng.standard_normal(32) * 1e30, rng.standard_normal(32)]
+    rows = [
+        np.zeros(32),
+        rng.standard_normal(32),
+        rng.standard_normal(32),
+        rng.standard_normal(32),
+        (rng.integers(-(2**23), 2**23, 32) * 2.0**-149),
+        rng.standard_normal(32),
+        rng.standard_normal(32) * 2.0**-120,
+        rng.standard_normal(32) * 1e30,
+        rng.standard_normal(32),
+    ]
     rows[1][5] = np.nan
     rows[2][3], rows[2][7] = np.inf, -np.inf
     rows[3][0] = -np.inf
@@ -192,8 +216,11 @@ def test_fp8_formats_equal_numpy_oracle(fmt, rng):
         want = np.clip(tiles / scale[:, :, None, :, None], -448, 448).astype(ml_dtypes.float8_e4m3fn).reshape(w.shape)
     np.testing.assert_array_equal(_u8(q.weight), want.view(np.uint8))
     d = np.asarray(quant.dequantize_experts(q))
-    np.testing.assert_array_equal(d, want.astype(np.float32).reshape(d.shape) * (
-        scale[:, None, None] if fmt == "fp8" else np.repeat(np.repeat(scale, 128, 1), 128, 2)))
+    np.testing.assert_array_equal(
+        d,
+        want.astype(np.float32).reshape(d.shape)
+        * (scale[:, None, None] if fmt == "fp8" else np.repeat(np.repeat(scale, 128, 1), 128, 2)),
+    )
     assert np.all(np.abs(d - w) <= np.abs(w) * 2.0**-4 + 2.0**-10 * np.max(np.abs(w)))
 
 
@@ -242,15 +269,18 @@ def test_quantizing_permuted_experts_permutes_every_leaf(seed):
             np.testing.assert_array_equal(_u8(a)[phy2log], _u8(b))
 
 
-@pytest.mark.parametrize("fmt,shape,match", [
-    ("mxfp8", (2, 4, 48), "multiple of 32"),
-    ("mxfp4", (2, 4, 33), "multiple of 32"),
-    ("nvfp4", (2, 4, 24), "multiple of 16"),
-    ("fp8_block", (2, 100, 128), "multiples of the block size"),
-    ("fp8", (4, 128), "3 dims"),
-    ("fp8", (0, 4, 4), "non-empty"),
-    ("fp9", (2, 4, 32), "unknown format"),
-])
+@pytest.mark.parametrize(
+    "fmt,shape,match",
+    [
+        ("mxfp8", (2, 4, 48), "multiple of 32"),
+        ("mxfp4", (2, 4, 33), "multiple of 32"),
+        ("nvfp4", (2, 4, 24), "multiple of 16"),
+        ("fp8_block", (2, 100, 128), "multiples of the block size"),
+        ("fp8", (4, 128), "3 dims"),
+        ("fp8", (0, 4, 4), "non-empty"),
+        ("fp9", (2, 4, 32), "unknown format"),
+    ],
+)
 def test_bad_shapes_and_names_raise(fmt, shape, match, rng):
     with pytest.raises(ValueError, match=match):
         quant.quantize_experts(rng.standard_normal(shape).astype(np.float32), fmt)
@@ -285,9 +315,7 @@ def test_nonfinite_weights_raise_or_follow_documented_rule(fmt, rng):
             assert set(np.asarray(leaf)[np.isnan(np.asarray(leaf))].view(np.uint32).tolist()) == {0x7FC00000}
     d = np.asarray(quant.dequantize_experts(q))
     assert np.all(np.isfinite(d[0]))  # a clean expert is untouched
-    if fmt in ("fp8", "nvfp4"):  # the expert's scale is non-finite: the whole expert is NaN
-        assert np.all(np.isnan(d[1])) and np.all(np.isnan(d[2]))
-    elif fmt == "fp8_block":  # the 128x128 tile
+    if fmt in ("fp8", "nvfp4") or fmt == "fp8_block":  # the expert's scale is non-finite: the whole expert is NaN
         assert np.all(np.isnan(d[1])) and np.all(np.isnan(d[2]))
     else:  # MX: the NaN block is NaN, the Inf decodes to Inf, the rest of its block flushes to ~0
         assert np.all(np.isnan(d[1, 5, 0:32])) and np.isfinite(d[1]).sum() == 128 * 128 - 32

@@ -27,8 +27,9 @@ def _rel(a, b):
 @pytest.mark.parametrize("fmt", quant.FORMATS)
 def test_fast_paths_match_reference(fmt, rng):
     x, (wg, wu, wd) = _layer(rng)
-    gate, up, down = quant.quantize_mlp(wg, wu, wd, fmt, input_scale=float(np.abs(x).max() / 448),
-                                        down_input_scale=0.005)
+    gate, up, down = quant.quantize_mlp(
+        wg, wu, wd, fmt, input_scale=float(np.abs(x).max() / 448), down_input_scale=0.005
+    )
     ref = quant.expert_mlp_reference(x, gate, up, down)
     f32 = quant.expert_mlp_reference(x, wg, wu, wd)
     assert 1e-4 < _rel(ref, f32) < {"mxfp4": 0.3, "nvfp4": 0.3}.get(fmt, 0.1)  # quantization is visible, bounded
@@ -95,8 +96,10 @@ def test_dynamic_scaling_equals_static_with_the_same_scales(rng):
     down = quant.with_input_scale(down, quant.activation_scale(jnp.asarray(hidden, jnp.float32)))
     static = quant.expert_mlp(x, gate, up, down, impl="reference")
     assert _rel(dynamic, static) < 1e-5
-    assert _rel(quant.expert_mlp(x, gate, up, dataclasses.replace(down, alpha=down.alpha * 2), impl="reference"),
-                static) > 0.5  # the stored alpha is what the compute path uses: no hidden copy elsewhere
+    assert (
+        _rel(quant.expert_mlp(x, gate, up, dataclasses.replace(down, alpha=down.alpha * 2), impl="reference"), static)
+        > 0.5
+    )  # the stored alpha is what the compute path uses: no hidden copy elsewhere
 
 
 def test_bad_mlp_inputs_raise(rng):

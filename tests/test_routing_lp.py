@@ -8,14 +8,20 @@ import numpy as np
 import pytest
 
 from moe_eplb_jax.placement import build_log2phy
-from moe_eplb_jax.routing import (lp_shares, lp_shares_reference, shares_rank_load, waterfill_assign,
-                                  waterfill_reference_level, waterfill_shares)
+from moe_eplb_jax.routing import (
+    lp_shares,
+    lp_shares_reference,
+    shares_rank_load,
+    waterfill_assign,
+    waterfill_reference_level,
+    waterfill_shares,
+)
 
 E, G, SPR = 16, 4, 6  # 16 experts, 4 ranks, 24 slots
 P = G * SPR
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _lp():
     return jax.jit(functools.partial(lp_shares, num_physical=P, num_ranks=G))
 
@@ -36,9 +42,11 @@ def test_lp_within_half_percent_of_highs(rng):
         valid = np.arange(log2phy.shape[1])[None, :] < logcnt[:, None]
         np.testing.assert_allclose(shares.sum(1), 1.0, rtol=1e-5)
         assert np.all(shares[~valid] == 0) and np.all(shares >= 0)
-        np.testing.assert_allclose(np.asarray(rank_load),
-                                   shares_rank_load(load, log2phy, logcnt, shares, num_physical=P, num_ranks=G),
-                                   rtol=1e-4)
+        np.testing.assert_allclose(
+            np.asarray(rank_load),
+            shares_rank_load(load, log2phy, logcnt, shares, num_physical=P, num_ranks=G),
+            rtol=1e-4,
+        )
         # The reference is optimal: never worse than our result nor than an even split.
         ref_load = shares_rank_load(load.astype(np.float64), log2phy, logcnt, ref_shares, num_physical=P, num_ranks=G)
         np.testing.assert_allclose(ref_load.max(), optimum, rtol=1e-6)
@@ -76,8 +84,14 @@ def test_waterfill_level_matches_bisection(rng):
 def test_waterfill_assign_balances_and_is_deterministic(rng):
     num_ranks, tokens = 8, 4096
     routed = rng.integers(0, 2000, num_ranks).astype(np.float32)
-    candidates = np.stack([np.repeat(np.arange(num_ranks), tokens // num_ranks),
-                           rng.integers(0, num_ranks, tokens), rng.integers(0, num_ranks, tokens)], 1).astype(np.int32)
+    candidates = np.stack(
+        [
+            np.repeat(np.arange(num_ranks), tokens // num_ranks),
+            rng.integers(0, num_ranks, tokens),
+            rng.integers(0, num_ranks, tokens),
+        ],
+        1,
+    ).astype(np.int32)
     fn = jax.jit(waterfill_assign)
     dest, load = fn(jnp.asarray(candidates), jnp.asarray(routed))
     dest2, _ = fn(jnp.asarray(candidates), jnp.asarray(routed))

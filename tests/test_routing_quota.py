@@ -22,10 +22,11 @@ FIELDS = ("phy2log", "log2phy", "logcnt", "replica_load", "quota", "rank_load", 
 SHAPES = [(2, 1, 1), (4, 2, 2), (6, 3, 1)]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _jitted(num_home, num_spare, min_replica_tokens=1):
-    return jax.jit(functools.partial(plan_quotas, num_home=num_home, num_spare=num_spare,
-                                     min_replica_tokens=min_replica_tokens))
+    return jax.jit(
+        functools.partial(plan_quotas, num_home=num_home, num_spare=num_spare, min_replica_tokens=min_replica_tokens)
+    )
 
 
 def _skewed_counts(rng, num_ranks, num_home):
@@ -53,7 +54,7 @@ def check_plan(plan, counts, num_home, num_spare):
     assert np.all(log2phy[~valid] == -1) and np.all(replica_load[~valid] == 0)
     flat = np.asarray(plan.phy2log)
     for e in range(num_experts):
-        slots = log2phy[e, :logcnt[e]]
+        slots = log2phy[e, : logcnt[e]]
         np.testing.assert_array_equal(slots, np.sort(np.flatnonzero(flat == e)))
         assert (e // num_home) * spr + e % num_home in slots
     # Every token routed exactly once: quotas sum to the counts; replica loads to the expert loads.
@@ -62,8 +63,9 @@ def check_plan(plan, counts, num_home, num_spare):
     assert np.all(quota >= 0) and np.all(replica_load >= 0)
     # Rank loads are what the replicas on each rank compute.
     rank = np.where(valid, log2phy // spr, 0)
-    np.testing.assert_array_equal(np.bincount(rank[valid], replica_load[valid], minlength=num_ranks),
-                                  np.asarray(plan.rank_load))
+    np.testing.assert_array_equal(
+        np.bincount(rank[valid], replica_load[valid], minlength=num_ranks), np.asarray(plan.rank_load)
+    )
     assert int(plan.target) == int(np.asarray(plan.rank_load).max())
 
 
@@ -90,8 +92,9 @@ def test_routing_follows_quotas_exactly(rng):
     check_plan(plan, counts, num_home, num_spare)
     slot_load = np.zeros(num_ranks * (num_home + num_spare), np.int64)
     for g in range(num_ranks):
-        phys = simulate_resolved_routing(ids[g], np.asarray(plan.log2phy), np.asarray(plan.logcnt),
-                                         np.asarray(plan.quota[g]))
+        phys = simulate_resolved_routing(
+            ids[g], np.asarray(plan.log2phy), np.asarray(plan.logcnt), np.asarray(plan.quota[g])
+        )
         assert np.all(np.asarray(plan.phy2log)[phys] == ids[g])  # each entry went to a replica of its expert
         slot_load += np.bincount(phys.ravel(), minlength=slot_load.size)
     np.testing.assert_array_equal(slot_load.reshape(num_ranks, -1).sum(1), np.asarray(plan.rank_load))
@@ -106,8 +109,15 @@ def test_map_and_count_resolved_end_to_end(rng):
     num_physical = num_ranks * (num_home + num_spare)
     total = np.zeros(num_physical, np.int64)
     for g in range(num_ranks):
-        phys, load = pallas.map_and_count(jnp.asarray(ids[g]), plan.log2phy, plan.logcnt, num_physical=num_physical,
-                                          mode="resolved", resolved=plan.quota[g], implementation="xla")
+        phys, load = pallas.map_and_count(
+            jnp.asarray(ids[g]),
+            plan.log2phy,
+            plan.logcnt,
+            num_physical=num_physical,
+            mode="resolved",
+            resolved=plan.quota[g],
+            implementation="xla",
+        )
         assert np.all(np.asarray(plan.phy2log)[np.asarray(phys)] == ids[g])
         total += np.asarray(load)
     used = np.asarray(plan.phy2log) >= 0
@@ -192,19 +202,28 @@ def test_deterministic_across_processes():
 # --------------------------------------------------------------------------- the one-kernel search == the XLA search
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _both(num_home, num_spare, min_replica_tokens, search_rounds, search_width, nested=False):
     def make(implementation):
-        fn = functools.partial(plan_quotas, num_home=num_home, num_spare=num_spare, implementation=implementation,
-                               min_replica_tokens=min_replica_tokens, search_rounds=search_rounds,
-                               search_width=search_width)
+        fn = functools.partial(
+            plan_quotas,
+            num_home=num_home,
+            num_spare=num_spare,
+            implementation=implementation,
+            min_replica_tokens=min_replica_tokens,
+            search_rounds=search_rounds,
+            search_width=search_width,
+        )
         return jax.jit(jax.vmap(jax.vmap(fn)) if nested else fn)
+
     return make("xla"), make("pallas")
 
 
 # (4, 2, 2) x 1 round x 100: a grid split over 4 programs of 32 candidates (the one-round default's layout).
-@pytest.mark.parametrize("shape,min_tokens,rounds,width", [((4, 2, 2), 1, 2, 64), ((6, 3, 1), 40, 3, 16),
-                                                           ((5, 4, 3), 5, 1, 7), ((4, 2, 2), 1, 1, 100)])
+@pytest.mark.parametrize(
+    "shape,min_tokens,rounds,width",
+    [((4, 2, 2), 1, 2, 64), ((6, 3, 1), 40, 3, 16), ((5, 4, 3), 5, 1, 7), ((4, 2, 2), 1, 1, 100)],
+)
 def test_pallas_search_matches_xla(rng, shape, min_tokens, rounds, width):
     """The Triton search kernel (interpret mode on CPU) gives the XLA plan, also under (nested) vmap."""
     num_ranks, num_home, num_spare = shape
@@ -214,8 +233,9 @@ def test_pallas_search_matches_xla(rng, shape, min_tokens, rounds, width):
         for a, b in zip(jax.tree_util.tree_leaves(xla(counts)), jax.tree_util.tree_leaves(pallas(counts))):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     xla, pallas = _both(num_home, num_spare, min_tokens, rounds, width, nested=True)
-    counts = jnp.asarray(np.stack([np.stack([_skewed_counts(rng, num_ranks, num_home) for _ in range(3)])
-                                   for _ in range(2)]))
+    counts = jnp.asarray(
+        np.stack([np.stack([_skewed_counts(rng, num_ranks, num_home) for _ in range(3)]) for _ in range(2)])
+    )
     plans = xla(counts), pallas(counts)
     assert plans[1].rank_load.shape == (2, 3, num_ranks)
     for a, b in zip(*(jax.tree_util.tree_leaves(p) for p in plans)):
@@ -231,16 +251,25 @@ def test_bad_implementation():
 def test_pallas_plan_equals_xla_plan_on_gpu(rng):
     """On the GPU: the compiled Triton search equals the XLA search (UltraEP shape, other shapes, under vmap)."""
     from moe_eplb_jax.routing import quota
+
     counts = jnp.asarray(zipf_counts(64, 256, 8192, 8, 2.0, seed=7))
-    plans = [jax.jit(functools.partial(plan_quotas, num_home=4, num_spare=2, implementation=impl))(counts)
-             for impl in ("pallas", "xla")]
+    plans = [
+        jax.jit(functools.partial(plan_quotas, num_home=4, num_spare=2, implementation=impl))(counts)
+        for impl in ("pallas", "xla")
+    ]
     for field in FIELDS:
         np.testing.assert_array_equal(np.asarray(getattr(plans[0], field)), np.asarray(getattr(plans[1], field)))
-    for shape, min_tokens, rounds, width in [((4, 2, 2), 1, 2, 64), ((6, 3, 1), 40, 3, 16), ((5, 4, 3), 5, 1, 7),
-                                             ((4, 2, 2), 1, 1, 100), ((8, 4, 2), 1, 1, 1024)]:
+    for shape, min_tokens, rounds, width in [
+        ((4, 2, 2), 1, 2, 64),
+        ((6, 3, 1), 40, 3, 16),
+        ((5, 4, 3), 5, 1, 7),
+        ((4, 2, 2), 1, 1, 100),
+        ((8, 4, 2), 1, 1, 1024),
+    ]:
         xla, pallas = _both(shape[1], shape[2], min_tokens, rounds, width, nested=True)
-        batch = jnp.asarray(np.stack([np.stack([_skewed_counts(rng, shape[0], shape[1]) for _ in range(3)])
-                                      for _ in range(2)]))
+        batch = jnp.asarray(
+            np.stack([np.stack([_skewed_counts(rng, shape[0], shape[1]) for _ in range(3)]) for _ in range(2)])
+        )
         for a, b in zip(*(jax.tree_util.tree_leaves(p) for p in (xla(batch), pallas(batch)))):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     quota._pallas_probe.cache_clear()
@@ -250,6 +279,7 @@ def test_pallas_plan_equals_xla_plan_on_gpu(rng):
 def test_gpu_default_falls_back_to_xla_when_the_kernel_fails(monkeypatch):
     """The GPU default is the Pallas search only if a probe plan from it equals the XLA plan; else XLA, warned."""
     from moe_eplb_jax.routing import quota
+
     monkeypatch.setattr(quota, "default_implementation", lambda: "pallas")  # as on a GPU
     quota._pallas_probe.cache_clear()
     try:

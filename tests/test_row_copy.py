@@ -41,7 +41,7 @@ def scatter_oracle(views, packed, dst):
         width = view.shape[1]
         for c, row in enumerate(np.asarray(dst)):
             if 0 <= row < view.shape[0]:
-                view[row] = packed[c, offset:offset + width]
+                view[row] = packed[c, offset : offset + width]
         offset += width
     return out
 
@@ -97,8 +97,10 @@ def test_scatter_matches_reference(case, rng):
     # The documented jnp equivalent (with non-negative padding: .at[] wraps negative indices around).
     dst_nonneg = np.where(dst < 0, num_rows - dst, dst).astype(np.int32)
     offsets = np.cumsum((0,) + widths)
-    want = [jnp.asarray(v).at[dst_nonneg].set(packed[:, offsets[i]:offsets[i + 1]], mode="drop", unique_indices=True)
-            for i, v in enumerate(views)]
+    want = [
+        jnp.asarray(v).at[dst_nonneg].set(packed[:, offsets[i] : offsets[i + 1]], mode="drop", unique_indices=True)
+        for i, v in enumerate(views)
+    ]
     assert_views_equal(got, [np.asarray(w) for w in want])
 
 
@@ -165,12 +167,24 @@ def test_shard_map_per_shard(rng):
     rows = rng.integers(0, local_rows, 8 * local_selected).astype(np.int32)  # local row indices
     packed = rng.integers(0, 2**32, (8 * local_selected, sum(widths)), dtype=np.uint32)
     dst = np.concatenate([random_dst(rng, local_rows, local_selected) for _ in range(8)])
-    put = lambda x: jax.device_put(x, sharded)  # noqa: E731
+    put = lambda x: jax.device_put(x, sharded)
 
-    gather = jax.jit(jax.shard_map(lambda v, r: gather_rows(v, r, num_programs=2, block=128), mesh=mesh,
-                                   in_specs=(P("ep"), P("ep")), out_specs=P("ep")))
-    scatter = jax.jit(jax.shard_map(lambda v, p, d: scatter_rows(v, p, d, num_programs=2, block=128), mesh=mesh,
-                                    in_specs=(P("ep"), P("ep"), P("ep")), out_specs=P("ep")))
+    gather = jax.jit(
+        jax.shard_map(
+            lambda v, r: gather_rows(v, r, num_programs=2, block=128),
+            mesh=mesh,
+            in_specs=(P("ep"), P("ep")),
+            out_specs=P("ep"),
+        )
+    )
+    scatter = jax.jit(
+        jax.shard_map(
+            lambda v, p, d: scatter_rows(v, p, d, num_programs=2, block=128),
+            mesh=mesh,
+            in_specs=(P("ep"), P("ep"), P("ep")),
+            out_specs=P("ep"),
+        )
+    )
     got_packed = np.asarray(gather([put(v) for v in views], put(rows)))
     got_views = [np.asarray(v) for v in scatter([put(v) for v in views], put(packed), put(dst))]
     for rank in range(8):
@@ -234,8 +248,11 @@ def test_gather_validation_errors(change, message, rng):
 )
 def test_scatter_validation_errors(change, message, rng):
     views = random_views(rng, 4, (3, 5))
-    kwargs = {"row_views": views, "packed": rng.integers(0, 2**32, (2, 8), dtype=np.uint32),
-              "dst": np.array([1, 4], np.int32)}
+    kwargs = {
+        "row_views": views,
+        "packed": rng.integers(0, 2**32, (2, 8), dtype=np.uint32),
+        "dst": np.array([1, 4], np.int32),
+    }
     change(kwargs)
     with pytest.raises(ValueError, match=message):
         scatter_rows(**kwargs)
@@ -268,13 +285,15 @@ def test_kernels_lower_to_triton_ir(h100_lowering):
     views = [spec((num_rows, width), jnp.uint32) for width in widths]
     disabled = h100_lowering
 
-    gather = jax.export.export(jax.jit(lambda v, r: gather_rows(v, r, **options)), platforms=["cuda"],
-                               disabled_checks=disabled)(views, spec((num_selected,), jnp.int32))
+    gather = jax.export.export(
+        jax.jit(lambda v, r: gather_rows(v, r, **options)), platforms=["cuda"], disabled_checks=disabled
+    )(views, spec((num_selected,), jnp.int32))
     assert "xla.gpu.triton" in gather.mlir_module()
     assert gather.out_avals[0].shape == (num_selected, sum(widths))
 
     scatter = jax.export.export(
-        jax.jit(lambda v, p, d: scatter_rows(v, p, d, **options), donate_argnums=0), platforms=["cuda"],
+        jax.jit(lambda v, p, d: scatter_rows(v, p, d, **options), donate_argnums=0),
+        platforms=["cuda"],
         disabled_checks=disabled,
     )(views, spec((num_selected, sum(widths)), jnp.uint32), spec((num_selected,), jnp.int32))
     module = scatter.mlir_module()

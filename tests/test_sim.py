@@ -8,8 +8,19 @@ import pytest
 from moe_eplb_jax import policy
 from moe_eplb_jax.placement import Placement
 from moe_eplb_jax.policy.online import refresh_phy2log
-from moe_eplb_jax.sim import (drifting_load, format_table, home_rank_imbalance, lognormal_load, plot_reports,
-                              read_load, save_load, simulate, zipf_counts, zipf_popularity, zipf_topk)
+from moe_eplb_jax.sim import (
+    drifting_load,
+    format_table,
+    home_rank_imbalance,
+    lognormal_load,
+    plot_reports,
+    read_load,
+    save_load,
+    simulate,
+    zipf_counts,
+    zipf_popularity,
+    zipf_topk,
+)
 
 
 @pytest.mark.parametrize("imbalance", [1.5, 3.0])
@@ -66,8 +77,14 @@ def test_load_file_errors(tmp_path, rng):
 
 def test_simulate_reports(tmp_path):
     trace = drifting_load(8, 2, 32, 8, imbalance=2.0, tokens=65536, seed=2)
-    reports = simulate(trace, num_ranks=8, num_spare=2, policies=("none", "deepseek", "deepseek+lp", "online"),
-                       step_interval=4, window=4)
+    reports = simulate(
+        trace,
+        num_ranks=8,
+        num_spare=2,
+        policies=("none", "deepseek", "deepseek+lp", "online"),
+        step_interval=4,
+        window=4,
+    )
     by = {r.name: r for r in reports}
     assert set(by) == {"none", "deepseek", "deepseek+lp", "online"}
     for r in reports:

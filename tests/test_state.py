@@ -1,4 +1,5 @@
 """EplbState: recording, the window ring buffer, the trigger, logical loads."""
+
 import functools
 
 import jax
@@ -37,8 +38,9 @@ def test_record_and_window_ring_buffer(rng):
         s = end_step(record(record(s, half), load - half))  # two passes make one step
     assert int(s.window_filled) == 3 and int(s.step) == 5 and int(s.total_steps) == 5
     # the window holds the last three steps
-    np.testing.assert_array_equal(np.sort(np.asarray(s.window).reshape(3, -1), 0),
-                                  np.sort(np.stack(loads[-3:]).reshape(3, -1), 0))
+    np.testing.assert_array_equal(
+        np.sort(np.asarray(s.window).reshape(3, -1), 0), np.sort(np.stack(loads[-3:]).reshape(3, -1), 0)
+    )
     np.testing.assert_array_equal(np.asarray(s.pass_load), 0)
     phy2log = np.array([[0, 1, 2, 0], [2, 2, 1, 0]])
     logical = np.asarray(st.window_logical_load(s, phy2log, 3))
@@ -108,8 +110,9 @@ def test_per_rank_layout_sums_rows_only_when_read(rng):
     cfg = EplbConfig(window_size=3, num_gpus=8)
     rows = jax.NamedSharding(mesh, P(None, "ep", None))
     shardings = jax.tree.map(lambda _: jax.NamedSharding(mesh, P()), jax.eval_shape(lambda: st.init_state(cfg, 2, 16)))
-    shardings = st.EplbState(**{**vars(shardings), "pass_load": rows,
-                                "window": jax.NamedSharding(mesh, P(None, None, "ep", None))})
+    shardings = st.EplbState(
+        **{**vars(shardings), "pass_load": rows, "window": jax.NamedSharding(mesh, P(None, None, "ep", None))}
+    )
     ranked = jax.jit(lambda: st.init_state(cfg, 2, 16, per_rank=True), out_shardings=shardings)()
     summed = st.init_state(cfg, 2, 16)
     assert ranked.per_rank and not summed.per_rank and ranked.num_physical == summed.num_physical == 16
@@ -120,8 +123,9 @@ def test_per_rank_layout_sums_rows_only_when_read(rng):
         summed = st.end_step(st.record(st.record(summed, a.sum(1)), b.sum(1)))
     np.testing.assert_array_equal(np.asarray(st.window_slot_load(ranked)), np.asarray(st.window_slot_load(summed)))
     phy2log = np.stack([rng.permutation(np.r_[np.arange(12), np.arange(4)]) for _ in range(2)]).astype(np.int32)
-    np.testing.assert_array_equal(np.asarray(st.window_logical_load(ranked, phy2log, 12)),
-                                  np.asarray(st.window_logical_load(summed, phy2log, 12)))
+    np.testing.assert_array_equal(
+        np.asarray(st.window_logical_load(ranked, phy2log, 12)), np.asarray(st.window_logical_load(summed, phy2log, 12))
+    )
     # Recording is elementwise on each rank's rows; the sum over ranks is the readers' one all-reduce.
     a = jax.device_put(np.zeros((2, 8, 16), np.int32), rows)
     assert "all-reduce" not in step.lower(ranked, a, a).compile().as_text()

@@ -9,11 +9,11 @@ import ml_dtypes
 import numpy as np
 import optax
 import pytest
+from _bytes import random_bytes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from _bytes import random_bytes
 from moe_eplb_jax import Placement
 from moe_eplb_jax import sharding as eps
 from moe_eplb_jax.sharding.packing import byte_rows_numpy
@@ -30,6 +30,8 @@ DTYPES = [
     np.uint8,
     np.int32,
 ]
+
+
 def checkpoint(rng, layers, experts, dtypes=DTYPES, row=(2, 4)):
     """``{name: [L, E, *row]}``: one random row of bytes per (layer, logical expert)."""
     return {f"{np.dtype(d).name}": random_bytes(rng, d, (layers, experts) + row) for d in dtypes}
@@ -95,14 +97,16 @@ def test_rearranged_bytes_equal_permuted_checkpoint(case):
     saved, eps.transport.WORD_VIEW = eps.transport.WORD_VIEW, word_view  # both row views (CPU / GPU default)
     try:
         # one transfer per round (one chunk: every plan can be streamed)
-        moved = eps.execute_plan(experts, plan, mesh=mesh, max_chunk_bytes=1 << 30, schedule=schedule,
-                                 copy_programs=copy_programs)
+        moved = eps.execute_plan(
+            experts, plan, mesh=mesh, max_chunk_bytes=1 << 30, schedule=schedule, copy_programs=copy_programs
+        )
     finally:
         eps.transport.WORD_VIEW = saved
     assert_bytes_equal(moved, load(ckpt, new), 2 if layered else 1)
     for k, leaf in moved.items():
         assert leaf.sharding.spec == experts[k].sharding.spec or leaf.sharding.is_equivalent_to(
-            experts[k].sharding, leaf.ndim)
+            experts[k].sharding, leaf.ndim
+        )
 
 
 @pytest.fixture(params=[False, True], ids=["own-dtype", "words"])
@@ -131,7 +135,8 @@ def test_rearrange_experts_on_every_mesh_size(num_ranks, schedule, word_view, rn
     ckpt, old, new, mesh, experts = layered_move(rng, num_ranks, 3)
     plan = eps.plan_rearrangement(old, new, num_ranks)
     assert plan.bytes_moved(eps.row_bytes(experts, plan, mesh=mesh)) == (
-        max(plan.rows_sent.max(), plan.rows_received.max()) * (12 + 6 + 3 + 24) if num_ranks > 1 else 0)
+        max(plan.rows_sent.max(), plan.rows_received.max()) * (12 + 6 + 3 + 24) if num_ranks > 1 else 0
+    )
     # small chunks: several collectives per round (the stream schedule falls back to serial for a plan
     # whose cycles do not fit in a chunk)
     moved = eps.rearrange_experts(experts, old, new, mesh=mesh, max_chunk_bytes=2 * 45, schedule=schedule)
@@ -142,8 +147,9 @@ def test_rearrange_experts_on_every_mesh_size(num_ranks, schedule, word_view, rn
         moved = eps.execute_plan(experts, ordered, mesh=mesh, schedule=schedule)
         assert_bytes_equal(moved, load(ckpt, new), 2)
         # the executor of this schedule ran with the plan's chunks
-        assert any(key[9] == ordered.chunk_bounds and bool(key[-1]) == (schedule == "put")
-                   for key in eps.transport._EXECUTORS)
+        assert any(
+            key[9] == ordered.chunk_bounds and bool(key[-1]) == (schedule == "put") for key in eps.transport._EXECUTORS
+        )
 
 
 @pytest.mark.parametrize("schedule", ["serial", "stream"])
@@ -153,8 +159,9 @@ def test_pallas_row_copies_move_the_same_bytes(num_ranks, schedule, rng, monkeyp
     monkeypatch.setattr(eps.transport, "WORD_VIEW", True)
     ckpt, old, new, mesh, experts = layered_move(rng, num_ranks, 2, row=(4, 2))
     before = len(eps.transport._EXECUTORS)
-    moved = eps.rearrange_experts(experts, old, new, mesh=mesh, max_chunk_bytes=3 * 60, schedule=schedule,
-                                  copy_programs=3)
+    moved = eps.rearrange_experts(
+        experts, old, new, mesh=mesh, max_chunk_bytes=3 * 60, schedule=schedule, copy_programs=3
+    )
     assert_bytes_equal(moved, load(ckpt, new), 2)
     # the stream executor copies with 3 programs; the serial one never uses the kernels (one executor for any N)
     want = 3 if schedule == "stream" else 0
@@ -168,12 +175,10 @@ def test_pallas_row_copies_move_the_same_bytes(num_ranks, schedule, rng, monkeyp
 def test_uneven_chunks_move_the_same_bytes(num_ranks, copy_programs, rng, monkeypatch):
     """chunk_weights: a small first and last chunk (stream schedule) moves the same bytes."""
     monkeypatch.setattr(eps.transport, "WORD_VIEW", True)
-    ckpt, old, new, mesh, experts = layered_move(rng, num_ranks, 3, dtypes=[ml_dtypes.bfloat16, np.float32],
-                                                 row=(4, 2))
+    ckpt, old, new, mesh, experts = layered_move(rng, num_ranks, 3, dtypes=[ml_dtypes.bfloat16, np.float32], row=(4, 2))
     plan = eps.plan_rearrangement(old, new, num_ranks)
     ordered = streamable(plan, 4, weights=(1, 3, 3, 1))
-    moved = eps.rearrange_experts(experts, old, new, mesh=mesh, chunk_weights=(1, 3, 3, 1),
-                                  copy_programs=copy_programs)
+    moved = eps.rearrange_experts(experts, old, new, mesh=mesh, chunk_weights=(1, 3, 3, 1), copy_programs=copy_programs)
     assert_bytes_equal(moved, load(ckpt, new), 2)
     if ordered is not None:  # it streamed, in uneven chunks
         assert len(set(np.diff(ordered.chunk_bounds))) > 1
@@ -278,8 +283,9 @@ def test_layer_by_layer_equals_all_at_once(rng):
         assert_bytes_equal(experts, load(ckpt, partial), 2)
     everything = eps.rearrange_experts(eps.shard_slots(load(ckpt, old), mesh, layered=True), old, new, mesh=mesh)
     for k in ckpt:
-        np.testing.assert_array_equal(byte_rows_numpy(np.asarray(experts[k]), 2),
-                                      byte_rows_numpy(np.asarray(everything[k]), 2))
+        np.testing.assert_array_equal(
+            byte_rows_numpy(np.asarray(experts[k]), 2), byte_rows_numpy(np.asarray(everything[k]), 2)
+        )
 
 
 def test_layer_plans_share_one_executor(rng):
@@ -318,8 +324,7 @@ def test_donation_and_keep(rng):
 
 @pytest.mark.parametrize("schedule", ["auto", "put"])
 def test_two_axis_mesh(schedule, rng):
-    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("dp", "ep"),
-                axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("dp", "ep"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     ckpt = checkpoint(rng, 2, 8, dtypes=[ml_dtypes.bfloat16], row=(4, 2))
     old, new = random_placement(rng, 2, 8, 8), random_placement(rng, 2, 8, 8)
     # slots over "ep", a trailing axis over "dp"
@@ -336,23 +341,36 @@ def bad_cases(mesh):
     good = np.array([[0, 1, 2, 3, 0, 1, 2, 3]])
     return {
         "wrong placement shape": (dict(new_phy2log=good[:, :4]), "has shape"),
-        "ids out of range": (dict(new_phy2log=np.array([[0, 1, 2, 3, 0, 1, 2, 9]]), num_logical=4),
-                             r"new_phy2log\[0, 7\] = 9"),
-        "expert held by no old slot": (dict(old_phy2log=np.array([[0, 1, 2, 2, 0, 1, 2, 2]]),
-                                            new_phy2log=np.array([[0, 1, 2, 3, 0, 1, 2, 3]])),
-                                       "no slot of old_phy2log holds"),
+        "ids out of range": (
+            dict(new_phy2log=np.array([[0, 1, 2, 3, 0, 1, 2, 9]]), num_logical=4),
+            r"new_phy2log\[0, 7\] = 9",
+        ),
+        "expert held by no old slot": (
+            dict(old_phy2log=np.array([[0, 1, 2, 2, 0, 1, 2, 2]]), new_phy2log=np.array([[0, 1, 2, 3, 0, 1, 2, 3]])),
+            "no slot of old_phy2log holds",
+        ),
         "placement for another P": (dict(old_phy2log=good[:, :4], new_phy2log=good[:, :4]), "leading axes"),
-        "not divisible": (dict(mesh=Mesh(np.array(jax.devices()[:3]), ("ep",)),
-                               old_phy2log=good, new_phy2log=good[:, ::-1]), "not divisible by 3 ranks"),
+        "not divisible": (
+            dict(mesh=Mesh(np.array(jax.devices()[:3]), ("ep",)), old_phy2log=good, new_phy2log=good[:, ::-1]),
+            "not divisible by 3 ranks",
+        ),
         "no such axis": (dict(axis="tp"), "no axis 'tp'"),
-        "one layer tables for [L, P] leaves": (dict(old_phy2log=good[0], new_phy2log=good[0, ::-1]),
-                                              "leading axes"),
+        "one layer tables for [L, P] leaves": (dict(old_phy2log=good[0], new_phy2log=good[0, ::-1]), "leading axes"),
     }
 
 
-@pytest.mark.parametrize("case", ["wrong placement shape", "ids out of range", "expert held by no old slot",
-                                  "placement for another P", "not divisible", "no such axis",
-                                  "one layer tables for [L, P] leaves"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "wrong placement shape",
+        "ids out of range",
+        "expert held by no old slot",
+        "placement for another P",
+        "not divisible",
+        "no such axis",
+        "one layer tables for [L, P] leaves",
+    ],
+)
 def test_bad_input_raises_and_leaves_experts_untouched(case, rng):
     mesh = mesh_of(2)
     ckpt = checkpoint(rng, 1, 4, dtypes=[ml_dtypes.float8_e5m2, np.float32])
@@ -430,8 +448,9 @@ def test_transfers_wait_only_where_the_schedule_says(schedule, depth, chain, rng
     experts = eps.shard_slots(load(ckpt, old), mesh, layered=True)
     leaves, layouts, specs, _ = eps.transport._check_leaves(experts, plan, mesh, "ep")
     tables, table_layout = eps.transport.device_tables(plan, mesh)
-    run = eps.transport._executor(mesh, "ep", tuple(specs), tuple(layouts), 2, True, 8, (), plan.chunk_bounds,
-                                  table_layout)
+    run = eps.transport._executor(
+        mesh, "ep", tuple(specs), tuple(layouts), 2, True, 8, (), plan.chunk_bounds, table_layout
+    )
     assert transfer_chain(run.lower(tables, leaves).as_text(dialect="hlo")) == (chain, 8)
 
 
@@ -440,8 +459,10 @@ def test_adam_state_moves_with_params(rng):
     """Moving params and Adam moments gives the next update of a model built from the permuted checkpoint."""
     mesh = mesh_of(4)
     layers, num_experts, num_slots = 2, 6, 8
-    ckpt = {"w": rng.standard_normal((layers, num_experts, 3, 4)).astype(np.float32),
-            "b": rng.standard_normal((layers, num_experts, 4)).astype(np.float32)}
+    ckpt = {
+        "w": rng.standard_normal((layers, num_experts, 3, 4)).astype(np.float32),
+        "b": rng.standard_normal((layers, num_experts, 4)).astype(np.float32),
+    }
     old = random_placement(rng, layers, num_experts, num_slots)
     new = random_placement(rng, layers, num_experts, num_slots)
     opt = optax.adam(1e-2)
@@ -467,15 +488,22 @@ def check_adam(mesh, ckpt, old, new, model, step):
     params, state = model(old)
     # the whole optax state moves with the params; its 0-d step count passes through
     num_experts = ckpt["w"].shape[1]
-    moved = eps.rearrange_experts({"params": params, "opt": state}, Placement.from_phy2log(old, num_experts),
-                                  Placement.from_phy2log(new, num_experts), mesh=mesh)
+    moved = eps.rearrange_experts(
+        {"params": params, "opt": state},
+        Placement.from_phy2log(old, num_experts),
+        Placement.from_phy2log(new, num_experts),
+        mesh=mesh,
+    )
     assert moved["opt"][0].count is state[0].count
     state = moved["opt"]
     _, _, updates = step(moved["params"], state)
 
     ref_params, ref_state = model(new)
     _, _, ref_updates = step(ref_params, ref_state)
-    ours, ref = jax.tree.leaves((moved["params"], updates, state)), jax.tree.leaves((ref_params, ref_updates, ref_state))
+    ours, ref = (
+        jax.tree.leaves((moved["params"], updates, state)),
+        jax.tree.leaves((ref_params, ref_updates, ref_state)),
+    )
     assert len(ours) == len(ref) == 2 + 2 + 5
     for a, b in zip(ours, ref):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -3,7 +3,6 @@
 import os
 
 import pytest
-
 from _processes import free_port, run_workers
 
 WORKER = os.path.join(os.path.dirname(__file__), "_mp_transport_worker.py")

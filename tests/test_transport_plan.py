@@ -1,11 +1,11 @@
 """Host move planning: minimal, correct, spread, bucketed, validated."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
-import dataclasses
 
 from moe_eplb_jax.sharding import TransportPlan, bucket_capacity, plan_rearrangement
 from moe_eplb_jax.sharding.plan import order_for_streaming
@@ -36,15 +36,15 @@ def apply_streamed(plan: TransportPlan, content: np.ndarray) -> np.ndarray:
     """Numpy oracle of the executor's stream schedule: chunk c + 1 is packed before chunk c is written."""
     g, per_rank, rows, bounds = plan.num_ranks, plan.slots_per_rank, plan.num_local_rows, plan.chunk_bounds
     layers = content.shape[0]
-    local = [content[:, r * per_rank : (r + 1) * per_rank].reshape((rows,) + content.shape[2:]).copy()
-             for r in range(g)]
+    local = [
+        content[:, r * per_rank : (r + 1) * per_rank].reshape((rows,) + content.shape[2:]).copy() for r in range(g)
+    ]
     copied = [local[r][plan.copy_src[r]] for r in range(g)]  # copies read the old rows first
     capacity = plan.capacities[0]
     steps = len(bounds) - 1 if capacity and g > 1 else 0
 
     def pack(c):  # [sender][round]: the rows as they are now
-        return [[local[h][plan.send_rows[h, d - 1, bounds[c] : bounds[c + 1]]] for d in range(1, g)]
-                for h in range(g)]
+        return [[local[h][plan.send_rows[h, d - 1, bounds[c] : bounds[c + 1]]] for d in range(1, g)] for h in range(g)]
 
     packed = pack(0) if steps else None
     for c in range(steps):
@@ -277,7 +277,7 @@ def test_swaps_stream_without_padding_and_need_the_order(rng):
     assert ordered.chunk_rows == 8
     # every swap in one chunk: each row is received in the chunk that sends its old bytes
     chunk_of = {}
-    for h, src, r, dst in transfers(ordered):
+    for _h, _src, r, dst in transfers(ordered):
         i = int(np.flatnonzero(ordered.recv_dst[r, 0] == dst)[0])
         chunk_of[(r, dst)] = i // ordered.chunk_rows
     for (r, dst), c in chunk_of.items():

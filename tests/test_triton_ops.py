@@ -19,8 +19,15 @@ INTERPRET = [pytest.param(True, id="interpret"), pytest.param(False, id="compile
 
 def _call(kernel, out_shape, *args, interpret, grid=(1,), aliases=None):
     whole = pl.no_block_spec
-    return pl.pallas_call(kernel, grid=grid, in_specs=[whole] * len(args), out_specs=whole, out_shape=out_shape,
-                          input_output_aliases=aliases or {}, interpret=interpret)(*args)
+    return pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=[whole] * len(args),
+        out_specs=whole,
+        out_shape=out_shape,
+        input_output_aliases=aliases or {},
+        interpret=interpret,
+    )(*args)
 
 
 @pytest.mark.parametrize("interpret", INTERPRET)
@@ -37,9 +44,17 @@ def test_atomic_add_int_applies_every_masked_lane(interpret, rng):
         del start_ref  # aliased to out_ref
         atomic_add_int(out_ref, index_ref[...], values_ref[...], mask_ref[...] != 0)
 
-    got = _call(kernel, jax.ShapeDtypeStruct((size,), jnp.int32), jnp.asarray(index), jnp.asarray(values),
-                jnp.asarray(mask.astype(np.int32)), jnp.asarray(start), interpret=interpret, grid=(programs,),
-                aliases={3: 0})
+    got = _call(
+        kernel,
+        jax.ShapeDtypeStruct((size,), jnp.int32),
+        jnp.asarray(index),
+        jnp.asarray(values),
+        jnp.asarray(mask.astype(np.int32)),
+        jnp.asarray(start),
+        interpret=interpret,
+        grid=(programs,),
+        aliases={3: 0},
+    )
     want = start + programs * np.bincount(index[mask], weights=values[mask], minlength=size).astype(np.int32)
     np.testing.assert_array_equal(np.asarray(got), want)
 
@@ -61,8 +76,13 @@ def test_histogram_counts_masked_in_range_values(interpret, rng):
     def kernel(values_ref, mask_ref, out_ref):
         out_ref[...] = histogram(values_ref[...], num_bins, mask_ref[...] != 0)
 
-    got = _call(kernel, jax.ShapeDtypeStruct((num_bins,), jnp.int32), jnp.asarray(values),
-                jnp.asarray(mask.astype(np.int32)), interpret=interpret)
+    got = _call(
+        kernel,
+        jax.ShapeDtypeStruct((num_bins,), jnp.int32),
+        jnp.asarray(values),
+        jnp.asarray(mask.astype(np.int32)),
+        interpret=interpret,
+    )
     counted = values[mask & (values >= 0) & (values < num_bins)]
     np.testing.assert_array_equal(np.asarray(got), np.bincount(counted, minlength=num_bins))
 
@@ -82,8 +102,9 @@ def test_take_gathers_from_a_register_table(interpret, rng):
     def kernel(table_ref, index_ref, out_ref):
         out_ref[...] = take(table_ref[...], index_ref[...])
 
-    got = _call(kernel, jax.ShapeDtypeStruct((256,), jnp.int32), jnp.asarray(table), jnp.asarray(index),
-                interpret=interpret)
+    got = _call(
+        kernel, jax.ShapeDtypeStruct((256,), jnp.int32), jnp.asarray(table), jnp.asarray(index), interpret=interpret
+    )
     np.testing.assert_array_equal(np.asarray(got), table[index])
     with pytest.raises(ValueError, match="power of two"):
         take(jnp.zeros((96,), jnp.int32), jnp.zeros((4,), jnp.int32))

@@ -48,8 +48,22 @@ def work_items(group_sizes, num_rows: int, block_rows: int):
     return safe, tile, item_end[-1:]
 
 
-def _kernel(x_ref, w_ref, group_ref, tile_ref, count_ref, starts_ref, ends_ref, out_ref, *,
-            block_rows, block_k, block_cols, depth, precision):
+def _kernel(
+    x_ref,
+    w_ref,
+    group_ref,
+    tile_ref,
+    count_ref,
+    starts_ref,
+    ends_ref,
+    out_ref,
+    *,
+    block_rows,
+    block_k,
+    block_cols,
+    depth,
+    precision,
+):
     item = pl.program_id(0)
     col = pl.program_id(1)
 
@@ -61,19 +75,26 @@ def _kernel(x_ref, w_ref, group_ref, tile_ref, count_ref, starts_ref, ends_ref, 
         mine = (rows >= starts_ref[group]) & (rows < ends_ref[group])
 
         def step(k, acc):
-            a = plgpu.load(x_ref.at[pl.ds(first_row, block_rows), pl.ds(k * block_k, block_k)],
-                           mask=jnp.broadcast_to(mine[:, None], (block_rows, block_k)), other=0)
+            a = plgpu.load(
+                x_ref.at[pl.ds(first_row, block_rows), pl.ds(k * block_k, block_k)],
+                mask=jnp.broadcast_to(mine[:, None], (block_rows, block_k)),
+                other=0,
+            )
             b = w_ref[pl.ds(group * depth + k * block_k, block_k), pl.ds(col * block_cols, block_cols)]
             return acc + jnp.dot(a, b, preferred_element_type=jnp.float32, precision=precision)
 
         acc = jax.lax.fori_loop(0, depth // block_k, step, jnp.zeros((block_rows, block_cols), jnp.float32))
-        plgpu.store(out_ref.at[pl.ds(first_row, block_rows), pl.ds(col * block_cols, block_cols)], acc,
-                    mask=jnp.broadcast_to(mine[:, None], (block_rows, block_cols)))
+        plgpu.store(
+            out_ref.at[pl.ds(first_row, block_rows), pl.ds(col * block_cols, block_cols)],
+            acc,
+            mask=jnp.broadcast_to(mine[:, None], (block_rows, block_cols)),
+        )
 
 
 @functools.partial(jax.jit, static_argnames=("block_rows", "block_k", "block_cols", "interpret"))
-def grouped_matmul(x, w, group_sizes, *, block_rows: int = 64, block_k: int = 64, block_cols: int = 128,
-                   interpret: bool = False):
+def grouped_matmul(
+    x, w, group_sizes, *, block_rows: int = 64, block_k: int = 64, block_cols: int = 128, interpret: bool = False
+):
     """See the module docstring. ``K`` and ``M`` must be multiples of the (clipped, power-of-two) blocks."""
     if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1]:
         raise ValueError(f"need x [N, K] and w [S, K, M] with the same K, got {x.shape} and {w.shape}")
@@ -84,7 +105,11 @@ def grouped_matmul(x, w, group_sizes, *, block_rows: int = 64, block_k: int = 64
     num_rows, depth = x.shape
     num_groups, _, width = w.shape
     block_k, block_cols = min(block_k, depth), min(block_cols, width)
-    for name, block, size in (("block_k", block_k, depth), ("block_cols", block_cols, width), ("block_rows", block_rows, block_rows)):
+    for name, block, size in (
+        ("block_k", block_k, depth),
+        ("block_cols", block_cols, width),
+        ("block_rows", block_rows, block_rows),
+    ):
         if block < 16 or block & (block - 1) or size % block:
             raise ValueError(
                 f"K={depth} and M={width} must be multiples of power-of-two blocks >= 16 (Triton); got {name}={block}"
@@ -93,8 +118,9 @@ def grouped_matmul(x, w, group_sizes, *, block_rows: int = 64, block_k: int = 64
     ends = jnp.cumsum(group_sizes.astype(jnp.int32))
     starts = ends - group_sizes.astype(jnp.int32)
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-    kernel = functools.partial(_kernel, block_rows=block_rows, block_k=block_k, block_cols=block_cols,
-                               depth=depth, precision=precision)
+    kernel = functools.partial(
+        _kernel, block_rows=block_rows, block_k=block_k, block_cols=block_cols, depth=depth, precision=precision
+    )
     whole = pl.no_block_spec
     return pl.pallas_call(
         kernel,

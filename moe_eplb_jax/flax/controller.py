@@ -66,8 +66,9 @@ def _close_step(state: EplbState, loads, num_ranks: int):
 
 def _sum_rank_rows(state: EplbState) -> EplbState:
     """The per-rank state with its rank rows summed: the single-layout state a checkpoint holds."""
-    return dataclasses.replace(state, pass_load=state.pass_load.sum(1, dtype=jnp.int32),
-                               window=state.window.sum(2, dtype=jnp.int32))
+    return dataclasses.replace(
+        state, pass_load=state.pass_load.sum(1, dtype=jnp.int32), window=state.window.sum(2, dtype=jnp.int32)
+    )
 
 
 def _split_rank_rows(state: EplbState, num_ranks: int) -> EplbState:
@@ -211,7 +212,7 @@ class EplbController:
             if not isinstance(value, jax.Array) or value.ndim < 1 or value.shape[0] != self.num_physical:
                 continue
             for layer, paths in enumerate(expert_paths):
-                if any(len(path) > len(p) and tuple(path[-len(p):]) == p for p in paths):
+                if any(len(path) > len(p) and tuple(path[-len(p) :]) == p for p in paths):
                     found[layer].append(node)
                     break
         return found
@@ -230,12 +231,18 @@ class EplbController:
         shape = jax.eval_shape(make)
         self._state_sharding = jax.tree.map(lambda _: replicated, shape)
         self._state_sharding = dataclasses.replace(
-            self._state_sharding, pass_load=NamedSharding(mesh, PS(None, axis, None)),
-            window=NamedSharding(mesh, PS(None, None, axis, None)))
+            self._state_sharding,
+            pass_load=NamedSharding(mesh, PS(None, axis, None)),
+            window=NamedSharding(mesh, PS(None, None, axis, None)),
+        )
         self._fresh_state = jax.jit(make, out_shardings=self._state_sharding)
         # The state is donated: the window ([W, L, G, P]) is updated in place, not copied every step.
-        self._close = jax.jit(_close_step, static_argnums=2, donate_argnums=0,
-                              out_shardings=(self._state_sharding, NamedSharding(mesh, PS(None, axis, None))))
+        self._close = jax.jit(
+            _close_step,
+            static_argnums=2,
+            donate_argnums=0,
+            out_shardings=(self._state_sharding, NamedSharding(mesh, PS(None, axis, None))),
+        )
         self._mark_rearranged = jax.jit(eplb_state.mark_rearranged, out_shardings=self._state_sharding)
         # The readers: the sums over ranks happen here, on logging / rearrangement / checkpoint steps only.
         self._step_slot_load = jax.jit(lambda load: load.sum(1, dtype=jnp.int32), out_shardings=replicated)
@@ -275,9 +282,16 @@ class EplbController:
                 continue
             variables = dict(ref.module.eplb_expert_variables())
             opt_vars = self._opt_vars[layer]
-            tree = {"experts": {k: v.get_value() for k, v in variables.items()}, "opt": [v.get_value() for v in opt_vars]}
+            tree = {
+                "experts": {k: v.get_value() for k, v in variables.items()},
+                "opt": [v.get_value() for v in opt_vars],
+            }
             tree = rearrange_experts(
-                tree, old.phy2log[layer], placement.phy2log[layer], mesh=self.mesh, axis=self.axis,
+                tree,
+                old.phy2log[layer],
+                placement.phy2log[layer],
+                mesh=self.mesh,
+                axis=self.axis,
                 num_logical=self.num_logical,
             )
             for k, v in variables.items():
@@ -349,8 +363,13 @@ class EplbController:
             "max_rank_imbalance_after": float(np.max(metrics.rank_imbalance(predicted))),
             **moved,
         }
-        _log.info("EPLB rearrangement %d: balancedness %.4f -> %.4f, %d slots moved", self._num_rearrangements,
-                  report["balancedness_before"], report["balancedness_after"], moved["slots_moved"])
+        _log.info(
+            "EPLB rearrangement %d: balancedness %.4f -> %.4f, %d slots moved",
+            self._num_rearrangements,
+            report["balancedness_before"],
+            report["balancedness_after"],
+            moved["slots_moved"],
+        )
         return report
 
     def _report(self, slot_load: np.ndarray, what: str) -> dict[str, Any]:
@@ -361,8 +380,12 @@ class EplbController:
             "rank_imbalance": metrics.rank_imbalance(ranks).tolist(),
         }
         if what == "step":
-            _log.info("EPLB step %d: balancedness %.4f, max rank imbalance %.3f", report["step"],
-                      report["balancedness"], max(report["rank_imbalance"]))
+            _log.info(
+                "EPLB step %d: balancedness %.4f, max rank imbalance %.3f",
+                report["step"],
+                report["balancedness"],
+                max(report["rank_imbalance"]),
+            )
         return report
 
     # ----------------------------------------------------- files and state
@@ -383,8 +406,15 @@ class EplbController:
         path = os.fspath(path)
         if not path.endswith(".npz"):
             raise ValueError(f"controller checkpoint must end in .npz, got {path!r}")
-        np.savez(path, format=np.asarray(_CHECKPOINT_FORMAT), phy2log=p.phy2log, log2phy=p.log2phy, logcnt=p.logcnt,
-                 host_counters=host, **{f"state_{k}": v for k, v in fields.items()})
+        np.savez(
+            path,
+            format=np.asarray(_CHECKPOINT_FORMAT),
+            phy2log=p.phy2log,
+            log2phy=p.log2phy,
+            logcnt=p.logcnt,
+            host_counters=host,
+            **{f"state_{k}": v for k, v in fields.items()},
+        )
 
     def restore(self, path) -> None:
         """Restores :meth:`save` output: the state, and the tables the layers route with.

@@ -35,7 +35,9 @@ def find_moe_layers(model) -> list[MoELayerRef]:
     """
     if not isinstance(model, nnx.Module):
         raise ValueError(f"model must be a flax.nnx.Module, got {type(model).__name__}")
-    found = [MoELayerRef(tuple(path), module) for path, module in nnx.iter_modules(model) if isinstance(module, EplbMoE)]
+    found = [
+        MoELayerRef(tuple(path), module) for path, module in nnx.iter_modules(model) if isinstance(module, EplbMoE)
+    ]
     if not found:
         raise ValueError(
             f"{type(model).__name__} holds no MoE layer: no module implements the EplbMoE protocol "

@@ -48,8 +48,16 @@ tie_replicas.defvjp(_tie_fwd, _tie_bwd)
 
 
 # ----------------------------------------------------------------- experts
-def expert_mlp(x, experts, group_sizes, *, implementation: str = "dense", quant_impl: str = "auto",
-               activation_scaling: str = "dynamic", axis_name=None):
+def expert_mlp(
+    x,
+    experts,
+    group_sizes,
+    *,
+    implementation: str = "dense",
+    quant_impl: str = "auto",
+    activation_scaling: str = "dynamic",
+    axis_name=None,
+):
     """Gated (SwiGLU) MLP of rows grouped by slot.
 
     Args:
@@ -75,8 +83,15 @@ def expert_mlp(x, experts, group_sizes, *, implementation: str = "dense", quant_
         # scales (max|x|), which then cover exactly the real rows, whatever the placement.
         mine = _gmm.slot_of_row(group_sizes, x.shape[0])[None, :] == jnp.arange(group_sizes.shape[0])[:, None]
         every = jnp.where(mine[..., None], x[None], jnp.zeros((), x.dtype))
-        y = quant.expert_mlp(every, experts["gate"], experts["up"], experts["down"], impl=quant_impl,
-                             activation_scaling=activation_scaling, axis_name=axis_name)
+        y = quant.expert_mlp(
+            every,
+            experts["gate"],
+            experts["up"],
+            experts["down"],
+            impl=quant_impl,
+            activation_scaling=activation_scaling,
+            axis_name=axis_name,
+        )
         return _gmm.select_own_slot(y, group_sizes).astype(x.dtype)
     matmul = _gmm.get(implementation)
     w_in, w_out = experts["w_in"], experts["w_out"]
@@ -86,7 +101,6 @@ def expert_mlp(x, experts, group_sizes, *, implementation: str = "dense", quant_
     # No masking of the padding rows here: callers never read them (and on XLA:CPU, fusing a mask into
     # the matmul may change how real rows round).
     return matmul(act, w_out, group_sizes).astype(x.dtype)
-
 
 
 def _gated_mlp(x, w_in, w_out):

@@ -24,7 +24,6 @@ receive: per-rank compute is that of the worst case, whatever the balance.
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 
@@ -73,8 +72,7 @@ def _pallas_interpret(x, w, group_sizes):
     return _gmm_pallas.grouped_matmul(x, w, group_sizes, interpret=True)
 
 
-_IMPLEMENTATIONS = {"dense": dense, "ragged_dot": ragged_dot, "pallas": _pallas,
-                    "pallas_interpret": _pallas_interpret}
+_IMPLEMENTATIONS = {"dense": dense, "ragged_dot": ragged_dot, "pallas": _pallas, "pallas_interpret": _pallas_interpret}
 
 
 def available() -> list[str]:

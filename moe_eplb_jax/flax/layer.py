@@ -50,7 +50,16 @@ from moe_eplb_jax.placement import Placement
 from moe_eplb_jax.sharding import dispatch as _dispatch
 from moe_eplb_jax.sharding.mesh import put_host
 
-__all__ = ["EplbTable", "ExpertLoad", "QuantizedExperts", "MoELayer", "route", "expert_mlp", "moe_apply", "tie_replicas"]
+__all__ = [
+    "EplbTable",
+    "ExpertLoad",
+    "QuantizedExperts",
+    "MoELayer",
+    "route",
+    "expert_mlp",
+    "moe_apply",
+    "tie_replicas",
+]
 
 
 class EplbTable(nnx.Variable):
@@ -168,21 +177,34 @@ def moe_apply(
     total_valid = jnp.asarray(x.shape[0] if num_valid_tokens is None else num_valid_tokens, jnp.int32)
 
     def per_rank(x, router_w, router_bias, experts, log2phy, logcnt, total_valid, lookup):
-        ids, weights = route(
-            x, router_w, top_k=top_k, num_groups=num_groups, topk_groups=topk_groups, bias=router_bias
-        )
+        ids, weights = route(x, router_w, top_k=top_k, num_groups=num_groups, topk_groups=topk_groups, bias=router_bias)
         # Rank r holds global tokens [r * T_r, (r + 1) * T_r): its share of the valid prefix.
         first = jax.lax.axis_index(axis).astype(jnp.int32) * jnp.int32(x.shape[0])
         local_valid = jnp.clip(total_valid - first, 0, x.shape[0]).astype(jnp.int32)
         physical, load = _map_and_count(
-            ids, log2phy, logcnt, num_physical=num_physical, num_valid_tokens=local_valid, mode=routing,
-            implementation=map_implementation, lookup=lookup,
+            ids,
+            log2phy,
+            logcnt,
+            num_physical=num_physical,
+            num_valid_tokens=local_valid,
+            mode=routing,
+            implementation=map_implementation,
+            lookup=lookup,
         )
         load = load.astype(jnp.int32)
         load = jax.lax.psum(load, axis) if load_reduce == "psum" else load[None]
         out = _routed_experts(
-            x, physical, weights, experts, axis=axis, num_ranks=num_ranks, slots_per_rank=slots_per_rank,
-            capacity=capacity, matmul=matmul, quant_impl=quant_impl, activation_scaling=activation_scaling,
+            x,
+            physical,
+            weights,
+            experts,
+            axis=axis,
+            num_ranks=num_ranks,
+            slots_per_rank=slots_per_rank,
+            capacity=capacity,
+            matmul=matmul,
+            quant_impl=quant_impl,
+            activation_scaling=activation_scaling,
         )
         return out, load
 
@@ -198,8 +220,9 @@ def moe_apply(
     )(x, router_w, router_bias, experts, log2phy, logcnt, total_valid, lookup)
 
 
-def _routed_experts(x, physical, weights, experts, *, axis, num_ranks, slots_per_rank, capacity, matmul,
-                    quant_impl, activation_scaling):
+def _routed_experts(
+    x, physical, weights, experts, *, axis, num_ranks, slots_per_rank, capacity, matmul, quant_impl, activation_scaling
+):
     """Per rank, inside ``shard_map``: dispatch by physical slot -> grouped expert MLP -> combine.
 
     Separate from ``moe_apply``'s routing so that ``benchmarks/moe_step.py``
@@ -210,8 +233,15 @@ def _routed_experts(x, physical, weights, experts, *, axis, num_ranks, slots_per
         x, physical, slots_per_rank=slots_per_rank, axis_name=axis, num_ranks=num_ranks, capacity=capacity
     )
     order, group_sizes = _dispatch.sort_by_slot(row_slot, slots_per_rank)
-    y = expert_mlp(rows[order], experts, group_sizes, implementation=matmul, quant_impl=quant_impl,
-                   activation_scaling=activation_scaling, axis_name=axis)
+    y = expert_mlp(
+        rows[order],
+        experts,
+        group_sizes,
+        implementation=matmul,
+        quant_impl=quant_impl,
+        activation_scaling=activation_scaling,
+        axis_name=axis,
+    )
     y = _dispatch.unsort(y, order)
     return _dispatch.combine(y, plan, weights, axis_name=axis, out_dtype=x.dtype, capacity=capacity)
 
@@ -303,7 +333,9 @@ class MoELayer(nnx.Module):
     ):
         num_physical = num_experts if num_physical is None else num_physical
         if min(dim, hidden, num_experts, top_k) < 1:
-            raise ValueError(f"dim, hidden, num_experts, top_k must be positive, got {dim}, {hidden}, {num_experts}, {top_k}")
+            raise ValueError(
+                f"dim, hidden, num_experts, top_k must be positive, got {dim}, {hidden}, {num_experts}, {top_k}"
+            )
         if top_k > num_experts:
             raise ValueError(f"top_k={top_k} is larger than num_experts={num_experts}")
         if axis not in mesh.shape:
@@ -336,7 +368,9 @@ class MoELayer(nnx.Module):
         w_in = jax.random.normal(keys[0], (num_experts, dim, 2 * hidden), jnp.float32) * dim**-0.5
         w_out = jax.random.normal(keys[1], (num_experts, hidden, dim), jnp.float32) * hidden**-0.5
         slots = NamedSharding(mesh, PS(axis))
-        self.router = nnx.Param(put_host(np.asarray(jax.random.normal(keys[2], (dim, num_experts)) * dim**-0.5), mesh, PS()))
+        self.router = nnx.Param(
+            put_host(np.asarray(jax.random.normal(keys[2], (dim, num_experts)) * dim**-0.5), mesh, PS())
+        )
         self.router_bias = nnx.Param(put_host(np.zeros(num_experts, np.float32), mesh, PS()))
         self.w_in = nnx.Param(put_host(np.asarray(w_in.astype(dtype))[phy2log], mesh, slots.spec))
         self.w_out = nnx.Param(put_host(np.asarray(w_out.astype(dtype))[phy2log], mesh, slots.spec))
@@ -366,22 +400,35 @@ class MoELayer(nnx.Module):
         lead, dim = x.shape[:-1], x.shape[-1]
         tokens = x.reshape(-1, dim)
         if tokens.shape[0] % self.mesh.shape[self.axis]:
-            raise ValueError(
-                f"{tokens.shape[0]} tokens are not divisible by the EP size {self.mesh.shape[self.axis]}"
-            )
+            raise ValueError(f"{tokens.shape[0]} tokens are not divisible by the EP size {self.mesh.shape[self.axis]}")
         phy2log = self.phy2log.get_value()
         if self.quant_format is None:
-            experts = {name: tie_replicas(var.get_value(), phy2log) for name, var in self.eplb_expert_variables().items()}
+            experts = {
+                name: tie_replicas(var.get_value(), phy2log) for name, var in self.eplb_expert_variables().items()
+            }
         else:  # quantized experts are frozen (serving): nothing to tie
             experts = {name: var.get_value() for name, var in self.eplb_expert_variables().items()}
         out, load = moe_apply(
-            tokens, self.router.get_value(), self.router_bias.get_value(), experts,
-            self.log2phy.get_value(), self.logcnt.get_value(), num_valid_tokens,
-            top_k=self.top_k, mesh=self.mesh, axis=self.axis, num_groups=self.num_groups,
-            topk_groups=self.topk_groups, routing=self.routing, matmul=self.matmul,
-            map_implementation=self.map_implementation, quant_impl=self.quant_impl,
-            activation_scaling=self.activation_scaling, capacity_factor=self.capacity_factor,
-            load_reduce=self.load_reduce, lookup=self.route_lookup.get_value(),
+            tokens,
+            self.router.get_value(),
+            self.router_bias.get_value(),
+            experts,
+            self.log2phy.get_value(),
+            self.logcnt.get_value(),
+            num_valid_tokens,
+            top_k=self.top_k,
+            mesh=self.mesh,
+            axis=self.axis,
+            num_groups=self.num_groups,
+            topk_groups=self.topk_groups,
+            routing=self.routing,
+            matmul=self.matmul,
+            map_implementation=self.map_implementation,
+            quant_impl=self.quant_impl,
+            activation_scaling=self.activation_scaling,
+            capacity_factor=self.capacity_factor,
+            load_reduce=self.load_reduce,
+            lookup=self.route_lookup.get_value(),
         )
         self.expert_load.set_value(self.expert_load.get_value() + load)
         if self.shared_in is not None:
@@ -439,7 +486,9 @@ class MoELayer(nnx.Module):
     def eplb_set_placement(self, phy2log, log2phy, logcnt) -> None:
         for var, value in ((self.phy2log, phy2log), (self.log2phy, log2phy), (self.logcnt, logcnt)):
             if tuple(np.shape(value)) != tuple(var.get_value().shape):
-                raise ValueError(f"placement table must have shape {tuple(var.get_value().shape)}, got {np.shape(value)}")
+                raise ValueError(
+                    f"placement table must have shape {tuple(var.get_value().shape)}, got {np.shape(value)}"
+                )
         route_lookup = _route_lookup(log2phy, logcnt, self.mesh)  # before any table changes
         self.phy2log.set_value(put_host(np.asarray(phy2log, np.int32), self.mesh, PS()))
         self.log2phy.set_value(put_host(np.asarray(log2phy, np.int32), self.mesh, PS()))

@@ -27,7 +27,8 @@ A module is an EPLB MoE layer when it has these five methods (checked with
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Protocol, runtime_checkable
+from collections.abc import Mapping
+from typing import Any, Protocol, runtime_checkable
 
 __all__ = ["EplbMoE"]
 

@@ -53,10 +53,29 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-__all__ = ["weight_bits", "integer_masses", "alias_words", "pack_words", "packed_size", "alias_kernel", "slot_bits",
-           "head_word", "alias_head", "head_fields", "word_heads_fit", "bucket_and_fraction", "alias_slot",
-           "compact_words", "compact_slot", "compact_fits", "MAX_WIDTH", "MAX_SLOTS", "COMPACT_SLOTS", "UNIT_BITS",
-           "HEAD_SHIFT"]
+__all__ = [
+    "weight_bits",
+    "integer_masses",
+    "alias_words",
+    "pack_words",
+    "packed_size",
+    "alias_kernel",
+    "slot_bits",
+    "head_word",
+    "alias_head",
+    "head_fields",
+    "word_heads_fit",
+    "bucket_and_fraction",
+    "alias_slot",
+    "compact_words",
+    "compact_slot",
+    "compact_fits",
+    "MAX_WIDTH",
+    "MAX_SLOTS",
+    "COMPACT_SLOTS",
+    "UNIT_BITS",
+    "HEAD_SHIFT",
+]
 
 # U = 2**10 mass units per bucket (shares to within 2**-10 of a bucket: far below the routing noise of a batch):
 # prob fits 10 bits, so with up to 2047 slots a bucket's prob and both its slots share one word (compact_words).
@@ -131,6 +150,7 @@ def integer_masses(values, index, count, width):
 def _count_at_most(read, queries, count, steps):
     """``#{i < count : row_i <= q}`` per query of a non-decreasing row (``read(i)`` gathers it), by bisection
     in ``steps`` steps (enough for ``count``)."""
+
     def step(_, bounds):
         low, high = bounds
         middle = (low + high) >> 1
@@ -219,7 +239,7 @@ def alias_words(values, log2phy, logcnt):
     count = live_counts(logcnt, width)[:, None]
     index = jnp.arange(width, dtype=jnp.int32)[None, :]
     masses = integer_masses(values, index, count, width)
-    read_from = lambda row: lambda at: jnp.take_along_axis(row, jnp.clip(at, 0, width - 1), axis=1)  # noqa: E731
+    read_from = lambda row: lambda at: jnp.take_along_axis(row, jnp.clip(at, 0, width - 1), axis=1)
     return row_words(masses, log2phy, index, count, read_from, int(width).bit_length())
 
 
@@ -294,7 +314,7 @@ def _alias_kernel(values_ref, log2phy_ref, logcnt_ref, table_ref, *, num_logical
     values = plgpu.load(values_ref.at[at], mask=index < count, other=0.0)
     slots = plgpu.load(log2phy_ref.at[at], mask=index < count, other=0)
     masses = integer_masses(values, index, count, width)
-    read_from = lambda row: lambda at: take(row, jnp.clip(at, 0, lanes - 1))  # noqa: E731
+    read_from = lambda row: lambda at: take(row, jnp.clip(at, 0, lanes - 1))
     steps = sum((count >= 1 << bit).astype(jnp.int32) for bit in range(int(width).bit_length()))  # bit_length
     words = row_words(masses, slots, index, count, read_from, steps)
     # Lanes past the row point at distinct spare entries past the table (interpret mode's masked scatter writes
@@ -302,27 +322,40 @@ def _alias_kernel(values_ref, log2phy_ref, logcnt_ref, table_ref, *, num_logical
     spare = table_ref.shape[0] - 2 * lanes + 2 * index
     live = index < count
     if compact:
-        plgpu.store(table_ref.at[jnp.where(live, 2 * num_logical + offset + index, spare)],
-                    compact_words(words, slots), mask=live)
+        plgpu.store(
+            table_ref.at[jnp.where(live, 2 * num_logical + offset + index, spare)],
+            compact_words(words, slots),
+            mask=live,
+        )
     else:
         pair = jnp.where(live, 2 * (num_logical + offset + index), spare)
         plgpu.store(table_ref.at[pair], words, mask=live)
         plgpu.store(table_ref.at[pair + 1], slots, mask=live)
     head = alias_head(log2phy_ref[expert * width], count, offset)
-    plgpu.store(table_ref.at[jnp.where(index < 2, 2 * expert + index, spare)],
-                jnp.where(index == 0, head, offset), mask=index < 2)
+    plgpu.store(
+        table_ref.at[jnp.where(index < 2, 2 * expert + index, spare)],
+        jnp.where(index == 0, head, offset),
+        mask=index < 2,
+    )
 
 
-def alias_kernel(values, log2phy, logcnt, *, compact=False, out_struct=jax.ShapeDtypeStruct, interpret=False,
-                 num_warps=4):
+def alias_kernel(
+    values, log2phy, logcnt, *, compact=False, out_struct=jax.ShapeDtypeStruct, interpret=False, num_warps=4
+):
     """:func:`alias_words`, packed (:func:`pack_words`, ``compact`` or not), as one Pallas kernel, a program per
     expert: flat ``[packed_size + 2 lanes]`` int32, the table and then a spare tail never read (``lanes = max(32,
     2**ceil(log2 S))``); entries past the last live bucket are left unwritten (never read)."""
     num_logical, width = log2phy.shape
     lanes = max(32, pl.next_power_of_2(width))
     return pl.pallas_call(
-        functools.partial(_alias_kernel, num_logical=num_logical, width=width, lanes=lanes,
-                          experts=max(32, pl.next_power_of_2(num_logical)), compact=compact),
+        functools.partial(
+            _alias_kernel,
+            num_logical=num_logical,
+            width=width,
+            lanes=lanes,
+            experts=max(32, pl.next_power_of_2(num_logical)),
+            compact=compact,
+        ),
         grid=(num_logical,),
         in_specs=[pl.no_block_spec] * 3,
         out_specs=pl.no_block_spec,

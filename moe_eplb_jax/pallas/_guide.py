@@ -138,24 +138,27 @@ def _guide_kernel(lookup_ref, thresholds_ref, guide_ref, *, factor, num_logical,
         plgpu.store(guide_ref.at[2 * expert + 1], cap, mask=is_expert)
 
     mine = expert == program
-    pick = lambda values: jnp.sum(jnp.where(mine, values, 0))  # noqa: E731  (this program's entry)
+    pick = lambda values: jnp.sum(jnp.where(mine, values, 0))
     my_count, my_offset, my_shift, my_cap = pick(count), pick(offset), pick(shift), pick(cap)
     my_live = jnp.minimum(my_count, width)
     size = jnp.where(my_count > 1, jnp.where(pick(end) == _INT32_MAX, 1, pick(end) - my_offset), 0)
     row_size = pl.next_power_of_2(width)
     j = jnp.arange(row_size, dtype=jnp.int32)
-    row = plgpu.load(thresholds_ref.at[program * width + j], mask=(j < my_live) & (my_count > 1),
-                     other=_INT32_MAX)  # non-decreasing; the bisection reads only the live entries
-    slots = plgpu.load(lookup_ref.at[num_logical + j * num_logical + program], mask=(j < width) & (my_count > 1),
-                       other=-1)
+    row = plgpu.load(
+        thresholds_ref.at[program * width + j], mask=(j < my_live) & (my_count > 1), other=_INT32_MAX
+    )  # non-decreasing; the bisection reads only the live entries
+    slots = plgpu.load(
+        lookup_ref.at[num_logical + j * num_logical + program], mask=(j < width) & (my_count > 1), other=-1
+    )
 
     def step(index, carry):
         bucket = index * chunk + jnp.arange(chunk, dtype=jnp.int32)
         used = bucket < size
         first, last = _bucket_points(bucket + my_offset, my_offset, my_shift, my_cap)
         # How many of the row's live entries each point passes: the map kernel's bisection, through tt.gather.
-        passed = lambda points: _upper_bound(lambda j, active: take(row, j), points, width,  # noqa: E731
-                                             jnp.full_like(points, my_live), used)
+        passed = lambda points: _upper_bound(
+            lambda j, active: take(row, j), points, width, jnp.full_like(points, my_live), used
+        )
         low = passed(first)
         slot = take(slots, jnp.minimum(low, width - 1))
         word = _word(low, passed(last) - low, slot, my_count)
@@ -165,15 +168,25 @@ def _guide_kernel(lookup_ref, thresholds_ref, guide_ref, *, factor, num_logical,
     jax.lax.fori_loop(0, pl.cdiv(size, chunk), step, jnp.int32(0))
 
 
-def guide_kernel(lookup, thresholds, *, factor: int, num_logical: int, width: int, num_physical: int,
-                 out_struct=jax.ShapeDtypeStruct, interpret: bool = False):
+def guide_kernel(
+    lookup,
+    thresholds,
+    *,
+    factor: int,
+    num_logical: int,
+    width: int,
+    num_physical: int,
+    out_struct=jax.ShapeDtypeStruct,
+    interpret: bool = False,
+):
     """The guide of expert-major thresholds ``[E * S]`` and the default ``lookup`` table, as one Pallas kernel.
 
     Entries no expert reads (past the last main bucket in use, spares of
     experts that fit) are left unwritten.
     """
-    kernel = functools.partial(_guide_kernel, factor=factor, num_logical=num_logical, width=width,
-                               num_physical=num_physical, chunk=_CHUNK)
+    kernel = functools.partial(
+        _guide_kernel, factor=factor, num_logical=num_logical, width=width, num_physical=num_physical, chunk=_CHUNK
+    )
     return pl.pallas_call(
         kernel,
         grid=(num_logical,),

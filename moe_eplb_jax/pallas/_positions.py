@@ -57,8 +57,7 @@ from moe_eplb_jax.pallas._rank import _rank_step_ids
 from moe_eplb_jax.pallas._search import _loads, _upper_bound
 from moe_eplb_jax.pallas._triton_ops import histogram, take
 
-__all__ = ["boundary_positions", "clipped_quotas", "position_tile", "start_passed", "start_table_fits",
-           "start_words"]
+__all__ = ["boundary_positions", "clipped_quotas", "position_tile", "start_passed", "start_table_fits", "start_words"]
 
 _INT32_MAX = np.iinfo(np.int32).max
 _MIN_TILE, _MAX_TILE = 256, 4096
@@ -74,8 +73,7 @@ def position_tile(num_flat: int) -> int:
     return int(min(_MAX_TILE, max(_MIN_TILE, pl.next_power_of_2(pl.cdiv(num_flat, 512)))))
 
 
-def _tile_counts_kernel(ids_ref, limits_ref, counts_ref, *, num_flat, num_logical, tile, sub, expert_bins,
-                        num_tiles):
+def _tile_counts_kernel(ids_ref, limits_ref, counts_ref, *, num_flat, num_logical, tile, sub, expert_bins, num_tiles):
     """Column ``program`` of the flat ``counts [E_pad, tiles]``: the tile's quota-consuming entries per expert."""
     program = pl.program_id(0)
     rank_limit = limits_ref[1]
@@ -112,8 +110,21 @@ def _threshold_reader(thresholds_ref, *, width, cap):
     return threshold
 
 
-def _boundary_kernel(ids_ref, counts_ref, thresholds_ref, logcnt_ref, positions_ref, *, num_flat,
-                     width, tile, scan, num_tiles, groups, cap):
+def _boundary_kernel(
+    ids_ref,
+    counts_ref,
+    thresholds_ref,
+    logcnt_ref,
+    positions_ref,
+    *,
+    num_flat,
+    width,
+    tile,
+    scan,
+    num_tiles,
+    groups,
+    cap,
+):
     """Positions of expert ``e``'s boundaries ``g, g + G, ...`` below its replica count (module docstring); its
     other entries of them ``int32 max``."""
     program = pl.program_id(0)  # read here: interpret mode cannot read it inside the loop's branches
@@ -125,13 +136,17 @@ def _boundary_kernel(ids_ref, counts_ref, thresholds_ref, logcnt_ref, positions_
     # Masked-off lanes point at distinct spare entries past the E * S positions (interpret mode's masked scatter
     # writes back what it read there, which must not land on an entry another lane writes).
     spare = positions_ref.shape[0] - mine.shape[0]
-    plgpu.store(positions_ref.at[jnp.where(dead, expert * width + mine, spare + jnp.arange(mine.shape[0]))],
-                jnp.full(mine.shape, _INT32_MAX), mask=dead)
+    plgpu.store(
+        positions_ref.at[jnp.where(dead, expert * width + mine, spare + jnp.arange(mine.shape[0]))],
+        jnp.full(mine.shape, _INT32_MAX),
+        mask=dead,
+    )
 
     @pl.when(group < live)  # programs without a live boundary stop here (most of them: E * G programs, P boundaries)
     def _():
-        find = _occurrence_finder(ids_ref, counts_ref, expert, num_flat=num_flat, tile=tile, scan=scan,
-                                  num_tiles=num_tiles)
+        find = _occurrence_finder(
+            ids_ref, counts_ref, expert, num_flat=num_flat, tile=tile, scan=scan, num_tiles=num_tiles
+        )
 
         def body(j):
             positions_ref[expert * width + j] = find(threshold(expert, j))
@@ -140,16 +155,31 @@ def _boundary_kernel(ids_ref, counts_ref, thresholds_ref, logcnt_ref, positions_
         jax.lax.while_loop(lambda j: j < live, body, group)
 
 
-def _flat_boundary_kernel(ids_ref, counts_ref, thresholds_ref, logcnt_ref, positions_ref, *, num_flat, num_logical,
-                          width, tile, scan, num_tiles, programs, cap):
+def _flat_boundary_kernel(
+    ids_ref,
+    counts_ref,
+    thresholds_ref,
+    logcnt_ref,
+    positions_ref,
+    *,
+    num_flat,
+    num_logical,
+    width,
+    tile,
+    scan,
+    num_tiles,
+    programs,
+    cap,
+):
     """The same positions, a program per live boundary: program ``b`` finds the ``b``-th live boundary in
     expert-major order (then ``b + programs``, ... if there are more), and writes every ``programs``-th dead entry
     (``j >= logcnt[e]``) of the table as ``int32 max``."""
     program = pl.program_id(0)
     threshold = _threshold_reader(thresholds_ref, width=width, cap=cap)
     lanes = jnp.arange(max(16, pl.next_power_of_2(num_logical)), dtype=jnp.int32)
-    live = jnp.where(lanes < num_logical,
-                     jnp.clip(plgpu.load(logcnt_ref.at[jnp.minimum(lanes, num_logical - 1)]), 0, width), 0)
+    live = jnp.where(
+        lanes < num_logical, jnp.clip(plgpu.load(logcnt_ref.at[jnp.minimum(lanes, num_logical - 1)]), 0, width), 0
+    )
     ends = jnp.cumsum(live)  # expert e's boundaries are the live ones numbered [ends[e] - live[e], ends[e])
     total = jnp.sum(live)
     # Dead entries, every programs-th of the table: masked-off lanes point at distinct spare entries past it (see
@@ -160,14 +190,18 @@ def _flat_boundary_kernel(ids_ref, counts_ref, thresholds_ref, logcnt_ref, posit
     entry_expert = jnp.minimum(entry // width, num_logical - 1)
     dead = inside & (entry % width >= jnp.clip(plgpu.load(logcnt_ref.at[entry_expert]), 0, width))
     spare = positions_ref.shape[0] - chunk
-    plgpu.store(positions_ref.at[jnp.where(dead, entry, spare + jnp.arange(chunk, dtype=jnp.int32))],
-                jnp.full((chunk,), _INT32_MAX, jnp.int32), mask=dead)
+    plgpu.store(
+        positions_ref.at[jnp.where(dead, entry, spare + jnp.arange(chunk, dtype=jnp.int32))],
+        jnp.full((chunk,), _INT32_MAX, jnp.int32),
+        mask=dead,
+    )
 
     def body(number):
         expert = jnp.sum((ends <= number).astype(jnp.int32))  # the expert holding live boundary `number`
         j = number - jnp.sum(jnp.where(lanes < expert, live, 0))
-        find = _occurrence_finder(ids_ref, counts_ref, expert, num_flat=num_flat, tile=tile, scan=scan,
-                                  num_tiles=num_tiles)
+        find = _occurrence_finder(
+            ids_ref, counts_ref, expert, num_flat=num_flat, tile=tile, scan=scan, num_tiles=num_tiles
+        )
         positions_ref[expert * width + j] = find(threshold(expert, j))
         return number + programs
 
@@ -178,8 +212,7 @@ def _occurrence_finder(ids_ref, counts_ref, expert, *, num_flat, tile, scan, num
     """``find(c)``: the flat index of ``expert``'s occurrence number ``c`` (0-based), ``int32 max`` where it has at
     most ``c`` quota-consuming entries. Loads the expert's row of tile counts once; each ``find`` scans one tile."""
     at = jnp.arange(pl.next_power_of_2(num_tiles), dtype=jnp.int32)
-    row = plgpu.load(counts_ref.at[expert * num_tiles + jnp.minimum(at, num_tiles - 1)], mask=at < num_tiles,
-                     other=0)
+    row = plgpu.load(counts_ref.at[expert * num_tiles + jnp.minimum(at, num_tiles - 1)], mask=at < num_tiles, other=0)
     running = jnp.cumsum(row)  # occurrences of e up to and including each tile
     total = jnp.sum(row)
 
@@ -202,14 +235,33 @@ def _occurrence_finder(ids_ref, counts_ref, expert, *, num_flat, tile, scan, num
         alive = c < total
         start = (jnp.int32(0), jnp.int32(0), jnp.int32(_INT32_MAX))
         return jax.lax.while_loop(
-            lambda carry: alive & (carry[0] < tile // scan) & (carry[2] == _INT32_MAX), step, start)[2]
+            lambda carry: alive & (carry[0] < tile // scan) & (carry[2] == _INT32_MAX), step, start
+        )[2]
 
     return find
 
 
-def boundary_positions(ids, thresholds, limits, logcnt, *, num_logical, width, expert_bins, tile=None, sub=None,
-                       groups=None, scan=None, count_warps=None, num_warps=4, grid=None, programs=None,
-                       quota_cap=None, interpret=False, out_struct=jax.ShapeDtypeStruct):
+def boundary_positions(
+    ids,
+    thresholds,
+    limits,
+    logcnt,
+    *,
+    num_logical,
+    width,
+    expert_bins,
+    tile=None,
+    sub=None,
+    groups=None,
+    scan=None,
+    count_warps=None,
+    num_warps=4,
+    grid=None,
+    programs=None,
+    quota_cap=None,
+    interpret=False,
+    out_struct=jax.ShapeDtypeStruct,
+):
     """Boundary positions, expert-major, from the flat ``ids [N]`` and ``thresholds [E * S]``: flat int32, the
     ``E * S`` positions then a few spare entries (the store target of masked-off lanes; returned as they are,
     since a slice would be a copy kernel, and never read).
@@ -234,19 +286,30 @@ def boundary_positions(ids, thresholds, limits, logcnt, *, num_logical, width, e
     grid = grid or _GRID
     programs = num_logical * width if programs is None else int(programs)
     if tile & (tile - 1) or sub & (sub - 1) or sub < 16 or scan & (scan - 1) or groups < 1 or programs < 1:
-        raise ValueError(f"position tile, step and scan must be powers of two (step >= 16), groups and programs "
-                         f">= 1, got tile={tile} sub={sub} scan={scan} groups={groups} programs={programs}")
+        raise ValueError(
+            f"position tile, step and scan must be powers of two (step >= 16), groups and programs "
+            f">= 1, got tile={tile} sub={sub} scan={scan} groups={groups} programs={programs}"
+        )
     if grid not in ("expert", "flat"):
         raise ValueError(f"the boundary grid must be 'expert' or 'flat', got {grid!r}")
-    if quota_cap is not None and not (0 <= int(quota_cap) and width * int(quota_cap) < 2**31 - 1):
-        raise ValueError(f"quota_cap must be >= 0 with width * quota_cap < 2**31 - 1 (the quota sums fit int32), "
-                         f"got {quota_cap} for width {width}")
+    if quota_cap is not None and not (int(quota_cap) >= 0 and width * int(quota_cap) < 2**31 - 1):
+        raise ValueError(
+            f"quota_cap must be >= 0 with width * quota_cap < 2**31 - 1 (the quota sums fit int32), "
+            f"got {quota_cap} for width {width}"
+        )
     cap = None if quota_cap is None else int(quota_cap)
     num_tiles = pl.cdiv(num_flat, tile)
     whole = pl.no_block_spec
     counts = pl.pallas_call(
-        functools.partial(_tile_counts_kernel, num_flat=num_flat, num_logical=num_logical, tile=tile, sub=sub,
-                          expert_bins=expert_bins, num_tiles=num_tiles),
+        functools.partial(
+            _tile_counts_kernel,
+            num_flat=num_flat,
+            num_logical=num_logical,
+            tile=tile,
+            sub=sub,
+            expert_bins=expert_bins,
+            num_tiles=num_tiles,
+        ),
         grid=(num_tiles,),
         in_specs=[whole, whole],
         out_specs=whole,
@@ -258,13 +321,30 @@ def boundary_positions(ids, thresholds, limits, logcnt, *, num_logical, width, e
     )(ids, limits)
     if grid == "flat":
         programs = min(programs, num_logical * width)
-        kernel = functools.partial(_flat_boundary_kernel, num_flat=num_flat, num_logical=num_logical, width=width,
-                                   tile=tile, scan=scan, num_tiles=num_tiles, programs=programs, cap=cap)
+        kernel = functools.partial(
+            _flat_boundary_kernel,
+            num_flat=num_flat,
+            num_logical=num_logical,
+            width=width,
+            tile=tile,
+            scan=scan,
+            num_tiles=num_tiles,
+            programs=programs,
+            cap=cap,
+        )
         spare = pl.next_power_of_2(pl.cdiv(num_logical * width, programs))
     else:
         programs = num_logical * groups
-        kernel = functools.partial(_boundary_kernel, num_flat=num_flat, width=width, tile=tile, scan=scan,
-                                   num_tiles=num_tiles, groups=groups, cap=cap)
+        kernel = functools.partial(
+            _boundary_kernel,
+            num_flat=num_flat,
+            width=width,
+            tile=tile,
+            scan=scan,
+            num_tiles=num_tiles,
+            groups=groups,
+            cap=cap,
+        )
         spare = pl.next_power_of_2(pl.cdiv(width, groups))
     return pl.pallas_call(
         kernel,
@@ -296,11 +376,18 @@ def start_words(positions_ref, count_of, start, *, num_logical, width, sub, dyna
     lane_count = count_of(lane_expert)
     lane_live = jnp.minimum(lane_count, width)
     multi = (lanes < num_logical) & (lane_count > 1)  # one replica: no boundaries
-    row = lambda j: lane_expert * width + j  # noqa: E731
-    before = _upper_bound(_loads(positions_ref, row), jnp.full(lanes.shape, start - 1, jnp.int32), width,
-                          lane_live, multi, dynamic=dynamic)
-    following = plgpu.load(positions_ref.at[row(jnp.minimum(before, width - 1))], mask=multi & (before < lane_live),
-                           other=_INT32_MAX)
+    row = lambda j: lane_expert * width + j
+    before = _upper_bound(
+        _loads(positions_ref, row),
+        jnp.full(lanes.shape, start - 1, jnp.int32),
+        width,
+        lane_live,
+        multi,
+        dynamic=dynamic,
+    )
+    following = plgpu.load(
+        positions_ref.at[row(jnp.minimum(before, width - 1))], mask=multi & (before < lane_live), other=_INT32_MAX
+    )
     # following >= start (every earlier boundary is counted in `before`); past the step it is clamped to `sub`.
     return before | (jnp.minimum(following - start, sub) << _OFFSET_SHIFT)
 
@@ -322,6 +409,7 @@ def start_passed(words, positions_ref, at, start, flat, point, expert, count, se
     before, offset = word & ((1 << _OFFSET_SHIFT) - 1), word >> _OFFSET_SHIFT
     counted = point != _INT32_MAX
     crossed = searching & counted & (flat - start >= offset)  # at or past the expert's next boundary
-    passed = _upper_bound(_loads(positions_ref, at), point, width, count, crossed, dynamic=dynamic,
-                          low=before + crossed.astype(jnp.int32))
+    passed = _upper_bound(
+        _loads(positions_ref, at), point, width, count, crossed, dynamic=dynamic, low=before + crossed.astype(jnp.int32)
+    )
     return jnp.where(counted, passed, count)

@@ -86,8 +86,11 @@ def _warp_aggregate(values):
         shl.b32 below, below, 16;
         or.b32 $0, same, below;
         }""",
-        args=[values], constraints="=r,r", pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(values.shape, jnp.int32)])
+        args=[values],
+        constraints="=r,r",
+        pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(values.shape, jnp.int32)],
+    )
     return packed >> 16, packed & 0xFFFF
 
 
@@ -107,8 +110,11 @@ def _rank_in_warp(values):
         and.b32 below, same, below;
         popc.b32 $0, below;
         }""",
-        args=[values], constraints="=r,r", pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(values.shape, jnp.int32)])
+        args=[values],
+        constraints="=r,r",
+        pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(values.shape, jnp.int32)],
+    )
     return rank
 
 
@@ -122,8 +128,23 @@ def _rank_step_ids(ids_ref, program, index, tile, sub, num_flat, num_logical, ra
     return start, inside, rank_valid, jnp.where(rank_valid, ids, -1)
 
 
-def _rank_kernel(ids_ref, limits_ref, rank_ref, hist_ref, *, num_flat, num_logical, tile, sub, expert_bins,
-                 in_step, running, barrier, chains=1, program=None):
+def _rank_kernel(
+    ids_ref,
+    limits_ref,
+    rank_ref,
+    hist_ref,
+    *,
+    num_flat,
+    num_logical,
+    tile,
+    sub,
+    expert_bins,
+    in_step,
+    running,
+    barrier,
+    chains=1,
+    program=None,
+):
     """Each entry's rank among the earlier quota-consuming entries of its expert in this program's tile,
     and the tile's histogram of those entries. (``program``: the program id, read by a caller outside a
     ``pl.when`` -- interpret mode cannot read it inside one.)"""
@@ -132,17 +153,42 @@ def _rank_kernel(ids_ref, limits_ref, rank_ref, hist_ref, *, num_flat, num_logic
     iota = jax.lax.broadcasted_iota
     earlier_position = iota(jnp.int32, (sub, sub), 1) < iota(jnp.int32, (sub, sub), 0)
     if chains > 1:
-        _rank_in_chains(program, ids_ref, rank_limit, rank_ref, hist_ref, num_flat=num_flat, num_logical=num_logical,
-                        tile=tile, sub=sub, expert_bins=expert_bins, chains=chains, barrier=barrier)
+        _rank_in_chains(
+            program,
+            ids_ref,
+            rank_limit,
+            rank_ref,
+            hist_ref,
+            num_flat=num_flat,
+            num_logical=num_logical,
+            tile=tile,
+            sub=sub,
+            expert_bins=expert_bins,
+            chains=chains,
+            barrier=barrier,
+        )
         return
     if running == "memory":
-        return _rank_in_memory(program, ids_ref, rank_limit, rank_ref, hist_ref, num_flat=num_flat,
-                               num_logical=num_logical, tile=tile, sub=sub, expert_bins=expert_bins,
-                               in_step=in_step, earlier_position=earlier_position, barrier=barrier)
+        return _rank_in_memory(
+            program,
+            ids_ref,
+            rank_limit,
+            rank_ref,
+            hist_ref,
+            num_flat=num_flat,
+            num_logical=num_logical,
+            tile=tile,
+            sub=sub,
+            expert_bins=expert_bins,
+            in_step=in_step,
+            earlier_position=earlier_position,
+            barrier=barrier,
+        )
 
     def step(index, running):
-        start, inside, rank_valid, e_bins = _rank_step_ids(ids_ref, program, index, tile, sub, num_flat,
-                                                           num_logical, rank_limit)
+        start, inside, rank_valid, e_bins = _rank_step_ids(
+            ids_ref, program, index, tile, sub, num_flat, num_logical, rank_limit
+        )
         earlier = take(running, jnp.maximum(e_bins, 0))  # entries of e in earlier sub-tiles
         if in_step == "match":  # ... at earlier positions of this one (one entry per lane)
             before = _rank_in_warp(e_bins)  # lanes of -1 rank among themselves: ranks nobody reads
@@ -155,8 +201,22 @@ def _rank_kernel(ids_ref, limits_ref, rank_ref, hist_ref, *, num_flat, num_logic
     hist_ref[0] = jax.lax.fori_loop(0, tile // sub, step, jnp.zeros((expert_bins,), jnp.int32))
 
 
-def _rank_in_memory(program, ids_ref, rank_limit, rank_ref, hist_ref, *, num_flat, num_logical, tile, sub,
-                    expert_bins, in_step, earlier_position, barrier):
+def _rank_in_memory(
+    program,
+    ids_ref,
+    rank_limit,
+    rank_ref,
+    hist_ref,
+    *,
+    num_flat,
+    num_logical,
+    tile,
+    sub,
+    expert_bins,
+    in_step,
+    earlier_position,
+    barrier,
+):
     """``_rank_kernel`` with the running counts in this program's row of the flat ``[tiles * 2 * E_pad]`` output.
 
     A row is ``2 * E_pad`` long: entry ``E_pad`` is where entries of no expert
@@ -175,8 +235,9 @@ def _rank_in_memory(program, ids_ref, rank_limit, rank_ref, hist_ref, *, num_fla
         plgpu.debug_barrier()
 
     def step(index, carry):
-        start, inside, rank_valid, e_bins = _rank_step_ids(ids_ref, program, index, tile, sub, num_flat,
-                                                           num_logical, rank_limit)
+        start, inside, rank_valid, e_bins = _rank_step_ids(
+            ids_ref, program, index, tile, sub, num_flat, num_logical, rank_limit
+        )
         at = row + jnp.where(rank_valid, e_bins, expert_bins)
         earlier = plgpu.load(hist_ref.at[at], mask=rank_valid, other=0)
         if in_step == "match":  # one match.any for both
@@ -195,8 +256,9 @@ def _rank_in_memory(program, ids_ref, rank_limit, rank_ref, hist_ref, *, num_fla
     jax.lax.fori_loop(0, tile // sub, step, jnp.int32(0))
 
 
-def _rank_in_chains(program, ids_ref, rank_limit, rank_ref, hist_ref, *, num_flat, num_logical, tile, sub,
-                    expert_bins, chains, barrier):
+def _rank_in_chains(
+    program, ids_ref, rank_limit, rank_ref, hist_ref, *, num_flat, num_logical, tile, sub, expert_bins, chains, barrier
+):
     """``_rank_in_memory`` with ``chains`` warps, each ranking its own ``tile / chains`` consecutive entries in a
     chain of steps that many times shorter, then one pass adding to each entry the counts of its expert in the
     earlier chains. A step is ``[chains, sub]``: one row per warp, one entry per lane for ``match.any`` (the
@@ -292,8 +354,9 @@ def lookback_bases(board_ref, program, total, *, expert_bins, window=_WINDOW):
         top, sum_before, done = carry  # top: each lane's nearest program not yet added
         earlier = top[None, :] - back
         wanted = ~done[None, :] & (earlier >= 0)
-        word = plgpu.load(board_ref.at[jnp.maximum(earlier, 0) * expert_bins + lanes[None, :]], mask=wanted, other=0,
-                          volatile=True)
+        word = plgpu.load(
+            board_ref.at[jnp.maximum(earlier, 0) * expert_bins + lanes[None, :]], mask=wanted, other=0, volatile=True
+        )
         status = word & 3
         nearest_inclusive = jnp.min(jnp.where(wanted & (status == _INCLUSIVE), back, window), axis=0)
         not_posted = jnp.min(jnp.where(wanted & (status == 0), back, window), axis=0)
@@ -304,8 +367,11 @@ def lookback_bases(board_ref, program, total, *, expert_bins, window=_WINDOW):
         done = done | (nearest_inclusive < added) | (top - added < 0)
         return top - added, sum_before, done
 
-    start = (jnp.full(lanes.shape, program - 1, jnp.int32), jnp.zeros(lanes.shape, jnp.int32),
-             jnp.full(lanes.shape, first, jnp.bool_))
+    start = (
+        jnp.full(lanes.shape, program - 1, jnp.int32),
+        jnp.zeros(lanes.shape, jnp.int32),
+        jnp.full(lanes.shape, first, jnp.bool_),
+    )
     _, sum_before, _ = jax.lax.while_loop(lambda carry: jnp.max((~carry[2]).astype(jnp.int32)) > 0, walk, start)
     plgpu.store(board_ref.at[row], ((sum_before + total) << 2) | _INCLUSIVE, mask=jnp.broadcast_to(~first, lanes.shape))
     return sum_before

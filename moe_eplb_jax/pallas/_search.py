@@ -43,6 +43,7 @@ def _upper_bound(read, point, width, live, searching, dynamic=False, low=None):
     3 / 7 independent probes per step, was slower on an H200: resolved's map
     kernel 31.4 / 42.1 us against 24.7 / 32.1 by bisection.)
     """
+
     def step(bounds):  # invariant: thresholds below `low` pass, those from `high` on do not
         low, high = bounds
         active = low < high
@@ -84,6 +85,12 @@ def _count_passed(thresholds_ref, at, point, width, count, searching, linear=_LI
         passed = passed + (value <= point).astype(jnp.int32)
     if width > linear:
         deeper = searching & (count > linear) & (passed == linear)
-        passed = passed + _upper_bound(_loads(thresholds_ref, lambda j: at(j + linear)), point, width - linear,
-                                       count - linear, deeper, dynamic=dynamic)
+        passed = passed + _upper_bound(
+            _loads(thresholds_ref, lambda j: at(j + linear)),
+            point,
+            width - linear,
+            count - linear,
+            deeper,
+            dynamic=dynamic,
+        )
     return jnp.where(searching, passed, 0)

@@ -68,10 +68,22 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from moe_eplb_jax.pallas import _alias, _guide
-from moe_eplb_jax.pallas._rank import (_SUB_RESOLVED, _WARPS_RESOLVED, _rank_in_chains, _rank_kernel, _rank_tile,
-                                       _warp_aggregate, lookback_bases)
-from moe_eplb_jax.pallas._positions import (boundary_positions, clipped_quotas, start_passed, start_table_fits,
-                                            start_words)
+from moe_eplb_jax.pallas._positions import (
+    boundary_positions,
+    clipped_quotas,
+    start_passed,
+    start_table_fits,
+    start_words,
+)
+from moe_eplb_jax.pallas._rank import (
+    _SUB_RESOLVED,
+    _WARPS_RESOLVED,
+    _rank_in_chains,
+    _rank_kernel,
+    _rank_tile,
+    _warp_aggregate,
+    lookback_bases,
+)
 from moe_eplb_jax.pallas._reference import GOLDEN
 from moe_eplb_jax.pallas._search import _LINEAR_SEARCH, _count_passed
 from moe_eplb_jax.pallas._triton_ops import atomic_add_int, histogram, take
@@ -139,11 +151,48 @@ def _flat_index(layout, num_logical, width):
     return lambda expert, j: expert * width + j  # [E, S]
 
 
-def _map_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, base_ref, rank_ref, limits_ref, zeros_ref, phys_ref,
-                hist_ref, *, mode, num_flat, top_k, num_logical, width, num_physical, tile, sub, bins, expert_bins,
-                rank_tile, count_dtype, do_count, count_method, tables, layout, reduce, linear_search, guide,
-                num_tiles, search, threshold_layout, by_positions, from_start, alias_at=0, lookback=False,
-                per_entry=False, word_heads=False, compact=False):
+def _map_kernel(
+    ids_ref,
+    tables_ref,
+    thresholds_ref,
+    guide_ref,
+    base_ref,
+    rank_ref,
+    limits_ref,
+    zeros_ref,
+    phys_ref,
+    hist_ref,
+    *,
+    mode,
+    num_flat,
+    top_k,
+    num_logical,
+    width,
+    num_physical,
+    tile,
+    sub,
+    bins,
+    expert_bins,
+    rank_tile,
+    count_dtype,
+    do_count,
+    count_method,
+    tables,
+    layout,
+    reduce,
+    linear_search,
+    guide,
+    num_tiles,
+    search,
+    threshold_layout,
+    by_positions,
+    from_start,
+    alias_at=0,
+    lookback=False,
+    per_entry=False,
+    word_heads=False,
+    compact=False,
+):
     """``tables_ref`` is :func:`lookup_table`'s: per-expert counts (or head entries) at ``[0, E)``, then ``log2phy``
     at ``[E, E + E * S)``, in ``layout``; ``thresholds_ref`` the ``[E, S]`` thresholds, expert-major with the guide
     (a bucket's few thresholds lie side by side), else in ``threshold_layout`` (``shares``: its packed alias table,
@@ -165,23 +214,22 @@ def _map_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, base_ref, rank_r
         count_table = plgpu.load(tables_ref.at[pl.ds(0, count_size)], mask=at < num_logical, other=1)
         at = jnp.arange(slot_size, dtype=jnp.int32)
         slot_table = plgpu.load(tables_ref.at[pl.ds(slot_at, slot_size)], mask=at < num_logical * width, other=-1)
-        lookup_count = lambda expert: take(count_table, expert)  # noqa: E731
-        lookup_slot = lambda index: take(slot_table, index)  # noqa: E731
+        lookup_count = lambda expert: take(count_table, expert)
+        lookup_slot = lambda index: take(slot_table, index)
     else:  # one global (L1-cached) load per entry and table; "head": the counts are (first slot + 1) | count << 16
-        lookup_count = lambda expert: tables_ref[expert]  # noqa: E731
-        lookup_slot = lambda index: tables_ref[slot_at + index]  # noqa: E731
+        lookup_count = lambda expert: tables_ref[expert]
+        lookup_slot = lambda index: tables_ref[slot_at + index]
     if tables == "head":  # replica counts (>= 1)
-        count_of = lambda expert: lookup_count(expert) >> 16  # noqa: E731
+        count_of = lambda expert: lookup_count(expert) >> 16
     else:
-        count_of = lambda expert: jnp.maximum(lookup_count(expert), 1)  # noqa: E731
+        count_of = lambda expert: jnp.maximum(lookup_count(expert), 1)
     table_index = _flat_index(layout, num_logical, width)  # log2phy in the lookup table
     threshold_index = _flat_index(threshold_layout, num_logical, width)  # (with the guide: expert-major)
     row0 = program * num_bins  # atomic methods: this program's row of counters
     if do_count and count_method.startswith("atomic"):
         # Zeroed by atomic exchange, i.e. in L2 where the atomics add: a plain store is only ordered with the
         # other threads of the block (it may still sit in this SM's L1 when their atomics reach L2).
-        plgpu.atomic_xchg(hist_ref, row0 + jnp.arange(num_bins, dtype=jnp.int32),
-                          jnp.zeros((num_bins,), jnp.float32))
+        plgpu.atomic_xchg(hist_ref, row0 + jnp.arange(num_bins, dtype=jnp.int32), jnp.zeros((num_bins,), jnp.float32))
         plgpu.debug_barrier()
 
     def step(index, carry):
@@ -200,9 +248,9 @@ def _map_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, base_ref, rank_r
         else:
             count = count_of(expert)
         # Unsigned division and remainder: both operands are >= 0, and the signed forms add sign fix-ups.
-        token = (flat.astype(jnp.uint32) // jnp.uint32(top_k))
+        token = flat.astype(jnp.uint32) // jnp.uint32(top_k)
         hashed = token * jnp.uint32(GOLDEN)
-        by_hash = lambda: (hashed % count.astype(jnp.uint32)).astype(jnp.int32)  # noqa: E731
+        by_hash = lambda: (hashed % count.astype(jnp.uint32)).astype(jnp.int32)
         known = None  # lanes whose slot the guide gave
 
         if mode == "hash":
@@ -222,8 +270,7 @@ def _map_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, base_ref, rank_r
             bucket, fraction = _alias.bucket_and_fraction(hashed, buckets)
             multi = valid_id & (buckets > 1)
             if compact:  # the bucket's one word
-                word = plgpu.load(thresholds_ref.at[alias_at + 2 * num_logical + offset + bucket], mask=multi,
-                                  other=0)
+                word = plgpu.load(thresholds_ref.at[alias_at + 2 * num_logical + offset + bucket], mask=multi, other=0)
                 bucket_slot = _alias.compact_slot(word, fraction)
             else:  # its (word, own slot) pair
                 pair_at = alias_at + 2 * (num_logical + offset + bucket)
@@ -247,18 +294,46 @@ def _map_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, base_ref, rank_r
             at = functools.partial(threshold_index, expert)
             if guide:  # the bucket's word: the slot itself, or a short search's start and length (_guide.py)
                 known, known_slot, passed = _guide.guide_passed(
-                    guide_ref, thresholds_ref, at, expert, point, count, num_logical, width, searching,
-                    dynamic=search == "while")
+                    guide_ref,
+                    thresholds_ref,
+                    at,
+                    expert,
+                    point,
+                    count,
+                    num_logical,
+                    width,
+                    searching,
+                    dynamic=search == "while",
+                )
             elif from_start:  # positions: each expert's boundaries before the step, then few entries search
                 # (The per-step words built here, after the ids arrived: built between the ids' load and their
                 # first use the map kernel took 18.7 us instead of 14.7 at 262144 x 8, P = 288, on an H200.)
-                words = start_words(thresholds_ref, count_of, start, num_logical=num_logical, width=width, sub=sub,
-                                    dynamic=search == "while")
-                passed = start_passed(words, thresholds_ref, at, start, flat, point, expert, count, searching,
-                                      width=width, dynamic=search == "while")
+                words = start_words(
+                    thresholds_ref,
+                    count_of,
+                    start,
+                    num_logical=num_logical,
+                    width=width,
+                    sub=sub,
+                    dynamic=search == "while",
+                )
+                passed = start_passed(
+                    words,
+                    thresholds_ref,
+                    at,
+                    start,
+                    flat,
+                    point,
+                    expert,
+                    count,
+                    searching,
+                    width=width,
+                    dynamic=search == "while",
+                )
             else:
-                passed = _count_passed(thresholds_ref, at, point, width, count, searching, linear=linear_search,
-                                       dynamic=search == "while")
+                passed = _count_passed(
+                    thresholds_ref, at, point, width, count, searching, linear=linear_search, dynamic=search == "while"
+                )
             # Entries beyond the expert's total quota fall back to hash.
             replica = jnp.where(passed < count, passed, by_hash())
 
@@ -282,12 +357,17 @@ def _map_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, base_ref, rank_r
             # tensor type, not its element type, for "integer"), which turns +1 into a flushed denormal. Counts
             # stay exact in float32 up to 2**24 per program, far above any tile.
             if count_method == "atomic":
-                plgpu.atomic_add(hist_ref, row0 + jnp.maximum(counted, 0), jnp.ones(counted.shape, jnp.float32),
-                                 mask=counted >= 0)
+                plgpu.atomic_add(
+                    hist_ref, row0 + jnp.maximum(counted, 0), jnp.ones(counted.shape, jnp.float32), mask=counted >= 0
+                )
             elif count_method == "atomic_warp":
                 below, same = _warp_aggregate(counted)
-                plgpu.atomic_add(hist_ref, row0 + jnp.maximum(counted, 0), same.astype(jnp.float32),
-                                 mask=(below == 0) & (counted >= 0))
+                plgpu.atomic_add(
+                    hist_ref,
+                    row0 + jnp.maximum(counted, 0),
+                    same.astype(jnp.float32),
+                    mask=(below == 0) & (counted >= 0),
+                )
             elif per_entry:  # into the loads themselves (a scatter-add in interpret mode: duplicates all count)
                 atomic_add_int(hist_ref, jnp.maximum(counted, 0), jnp.ones_like(counted), counted >= 0)
             elif count_method == "histogram":
@@ -320,8 +400,25 @@ def _map_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, base_ref, rank_r
         hist_ref[0] = hist
 
 
-def _lookback_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, limits_ref, zeros_ref, board_zeros_ref, phys_ref,
-                     hist_ref, rank_ref, rank_hist_ref, board_ref, *, rank_sub, chains, barrier, **map_options):
+def _lookback_kernel(
+    ids_ref,
+    tables_ref,
+    thresholds_ref,
+    guide_ref,
+    limits_ref,
+    zeros_ref,
+    board_zeros_ref,
+    phys_ref,
+    hist_ref,
+    rank_ref,
+    rank_hist_ref,
+    board_ref,
+    *,
+    rank_sub,
+    chains,
+    barrier,
+    **map_options,
+):
     """``resolved`` by ranks in one kernel (``tile_bases="lookback"``), a program per rank tile: its in-tile ranks
     (:func:`._rank._rank_in_chains`, into ``rank_ref``), the counts of the earlier tiles by a look-back over the
     zeroed ``board_ref`` (:func:`._rank.lookback_bases`) instead of XLA's sum over tiles between two kernels, then
@@ -329,19 +426,53 @@ def _lookback_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, limits_ref,
     del board_zeros_ref  # aliased to board_ref (zeroed by XLA)
     program = pl.program_id(0)
     expert_bins = map_options["expert_bins"]
-    total = _rank_in_chains(program, ids_ref, limits_ref[1], rank_ref, rank_hist_ref,
-                            num_flat=map_options["num_flat"], num_logical=map_options["num_logical"],
-                            tile=map_options["tile"], sub=rank_sub, expert_bins=expert_bins, chains=chains,
-                            barrier=barrier)
+    total = _rank_in_chains(
+        program,
+        ids_ref,
+        limits_ref[1],
+        rank_ref,
+        rank_hist_ref,
+        num_flat=map_options["num_flat"],
+        num_logical=map_options["num_logical"],
+        tile=map_options["tile"],
+        sub=rank_sub,
+        expert_bins=expert_bins,
+        chains=chains,
+        barrier=barrier,
+    )
     bases = lookback_bases(board_ref, program, total, expert_bins=expert_bins)
     if barrier:  # the ranks the block's other warps stored, read below
         plgpu.debug_barrier()
-    _map_kernel(ids_ref, tables_ref, thresholds_ref, guide_ref, bases, rank_ref, limits_ref, zeros_ref, phys_ref,
-                hist_ref, lookback=True, **map_options)
+    _map_kernel(
+        ids_ref,
+        tables_ref,
+        thresholds_ref,
+        guide_ref,
+        bases,
+        rank_ref,
+        limits_ref,
+        zeros_ref,
+        phys_ref,
+        hist_ref,
+        lookback=True,
+        **map_options,
+    )
 
 
-def _rank_and_thresholds_kernel(ids_ref, limits_ref, quotas_ref, logcnt_ref, rank_ref, hist_ref, thresholds_ref, *,
-                                rank_tiles, width, cap, **rank_options):
+def _rank_and_thresholds_kernel(
+    ids_ref,
+    limits_ref,
+    quotas_ref,
+    logcnt_ref,
+    rank_ref,
+    hist_ref,
+    thresholds_ref,
+    *,
+    rank_tiles,
+    width,
+    cap,
+    **rank_options,
+):
     """:func:`._rank._rank_kernel` in programs ``[0, rank_tiles)``; program ``rank_tiles + e`` writes expert ``e``'s
     row of the ``resolved`` thresholds ``[E * S]`` from the raw quotas, as the wrapper builds them: the running
     sums of the live quotas clipped to ``[0, cap]`` (:func:`._positions.clipped_quotas`), capped at ``cap``,
@@ -416,15 +547,40 @@ def _join_varying(*arrays):
 # 16.7 us, P = 512 22.7 vs 24.5; decode 4.8 vs 5.9), which leaves the bucket guide no gain (shares P = 512 24.0
 # with it vs 22.7; resolved P = 288 54.8 vs 51.4, P = 512 58.8 vs 58.3): off by default; the rank tiles' sums as
 # a triangular product at decode sizes (resolved 4096 x 8 P = 288 11.9 vs 13.6 us, P = 512 13.2 vs 15.2).
-DEFAULTS = {"tile": None, "sub": _SUB, "tile_resolved": None, "sub_resolved": _SUB_RESOLVED,
-            "warps_resolved": _WARPS_RESOLVED, "num_warps": 4, "num_stages": 3,
-            "count_dtype": "int8", "count_method": "histogram", "tables": "head", "layout": "replica_major",
-            "reduce": "atomic", "rank_in_step": "match", "linear_search": _LINEAR_SEARCH, "guide": 0,
-            "rank_running": "memory", "search": None, "tile_bases": None, "threshold_layout": "expert_major",
-            "rank_chains": None, "resolved_by": None, "position_tile": None, "position_groups": None,
-            "position_sub": None, "position_scan": None, "position_warps": None, "boundary_warps": 4,
-            "position_map": "start", "boundary_grid": None, "alias_warps": 4, "word_heads": True,
-            "compact": True}
+DEFAULTS = {
+    "tile": None,
+    "sub": _SUB,
+    "tile_resolved": None,
+    "sub_resolved": _SUB_RESOLVED,
+    "warps_resolved": _WARPS_RESOLVED,
+    "num_warps": 4,
+    "num_stages": 3,
+    "count_dtype": "int8",
+    "count_method": "histogram",
+    "tables": "head",
+    "layout": "replica_major",
+    "reduce": "atomic",
+    "rank_in_step": "match",
+    "linear_search": _LINEAR_SEARCH,
+    "guide": 0,
+    "rank_running": "memory",
+    "search": None,
+    "tile_bases": None,
+    "threshold_layout": "expert_major",
+    "rank_chains": None,
+    "resolved_by": None,
+    "position_tile": None,
+    "position_groups": None,
+    "position_sub": None,
+    "position_scan": None,
+    "position_warps": None,
+    "boundary_warps": 4,
+    "position_map": "start",
+    "boundary_grid": None,
+    "alias_warps": 4,
+    "word_heads": True,
+    "compact": True,
+}
 # shares (seventeenth session, H200, 262144 x 8, table kept, P = 288 / 512): head word + one-word buckets 9.6 /
 # 10.4 us, head word + (word, slot) pairs 10.5 / 11.9, head pair + pairs 11.1 / 12.7; the pairs as one 64-bit
 # gather each were slower still (13.5 at P = 512) and were removed.
@@ -455,11 +611,20 @@ REDUCES = ("xla", "atomic")
 # decode the boundary kernel's chain of dependent loads (3.2-4.8 us) outlasts the rank kernel's four chains.
 _POSITIONS_FROM = 1 << 16
 # The options that name one of a few choices.
-_CHOICES = {"count_method": COUNT_METHODS, "tables": TABLES, "layout": LAYOUTS, "threshold_layout": LAYOUTS,
-            "reduce": REDUCES, "rank_in_step": ("compare", "match"), "rank_running": ("registers", "memory"),
-            "tile_bases": (None, "cumsum", "matmul", "lookback"), "search": (None, "unrolled", "while"),
-            "resolved_by": (None, "positions", "ranks"), "position_map": ("start", "search"),
-            "boundary_grid": (None, "expert", "flat")}
+_CHOICES = {
+    "count_method": COUNT_METHODS,
+    "tables": TABLES,
+    "layout": LAYOUTS,
+    "threshold_layout": LAYOUTS,
+    "reduce": REDUCES,
+    "rank_in_step": ("compare", "match"),
+    "rank_running": ("registers", "memory"),
+    "tile_bases": (None, "cumsum", "matmul", "lookback"),
+    "search": (None, "unrolled", "while"),
+    "resolved_by": (None, "positions", "ranks"),
+    "position_map": ("start", "search"),
+    "boundary_grid": (None, "expert", "flat"),
+}
 
 
 def _check_choices(config):
@@ -478,8 +643,10 @@ _MAX_HISTOGRAM_BINS = 32768  # tt.histogram's shared memory per program: 128 KiB
 # both sizes (262144 x 8 resolved 57.9 us vs 63.6 with 8192; 65536 x 8 shares 8.6 vs 9.6 with 2048 / 8 warps).
 # Shares by its packed alias table (fifteenth session) streams like hash: 8192-entry programs at 262144 x 8 map
 # in 10.4 / 12.0 us at P = 288 / 512 vs 11.0 / 12.9 with 4096.
-_STREAMING = ((1 << 21, {"tile": 8192, "sub": 4096, "num_warps": 16}),
-              (1 << 19, {"tile": 4096, "sub": 4096, "num_warps": 16}))
+_STREAMING = (
+    (1 << 21, {"tile": 8192, "sub": 4096, "num_warps": 16}),
+    (1 << 19, {"tile": 4096, "sub": 4096, "num_warps": 16}),
+)
 _SEARCHING = ((1 << 19, {"tile": 4096, "sub": 4096, "num_warps": 16}),)
 _GUIDED = {"sub": 1024}  # with the guide (fewer registers live per loop step): P = 512 shares 19.2 vs 26.5 us
 # (eighth session, thresholds then transposed per call)
@@ -492,11 +659,18 @@ def _guide_factor(config, mode, num_logical, width, num_physical):
     if guide not in (0, 1, 2, 4, 8, 16):
         raise ValueError(f"guide must be 0, 1, 2, 4, 8 or 16, got {guide!r}")
     # Offsets must fit their bits, and the experts' bucket counts (each below 2 * factor * width) their int32 sum.
-    too_big = (_guide.guide_size(num_logical, num_physical, guide) >= 1 << _guide.OFFSET_BITS
-               or num_logical * 2 * guide * width >= 1 << 31)
+    too_big = (
+        _guide.guide_size(num_logical, num_physical, guide) >= 1 << _guide.OFFSET_BITS
+        or num_logical * 2 * guide * width >= 1 << 31
+    )
     # No search to guide; or the guide's kernel cannot read these tables; or a field would not fit its bits.
-    if (mode != "resolved" or (config["layout"], config["tables"]) != ("replica_major", "head")
-            or num_physical >= 0xFFFF or width >= _guide.MAX_WIDTH or too_big):
+    if (
+        mode != "resolved"
+        or (config["layout"], config["tables"]) != ("replica_major", "head")
+        or num_physical >= 0xFFFF
+        or width >= _guide.MAX_WIDTH
+        or too_big
+    ):
         return 0
     return guide
 
@@ -514,8 +688,12 @@ def _tile_bases(per_tile, how, num_flat):
     tiles = per_tile.shape[0]
     if how == "matmul" and tiles <= _MAX_MATMUL_TILES and num_flat <= 1 << 24:
         earlier = (jnp.arange(tiles)[:, None] > jnp.arange(tiles)[None, :]).astype(jnp.float32)
-        return jnp.dot(earlier, per_tile.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST,
-                       preferred_element_type=jnp.float32).astype(jnp.int32)
+        return jnp.dot(
+            earlier,
+            per_tile.astype(jnp.float32),
+            precision=jax.lax.Precision.HIGHEST,
+            preferred_element_type=jnp.float32,
+        ).astype(jnp.int32)
     return jnp.cumsum(per_tile, axis=0, dtype=jnp.int32) - per_tile
 
 
@@ -533,9 +711,22 @@ def lookup_size(num_logical: int, width: int, *, tables: str = "head") -> int:
     return num_logical + (pl.next_power_of_2(slots) if tables == "shared" else slots)
 
 
-def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_physical: int, mode: str,
-                         interpret: bool = False, count: bool = True, lookup=None, quotas=None, shares=None,
-                         **config):
+def map_and_count_triton(
+    topk_ids,
+    log2phy,
+    logcnt,
+    thresholds,
+    limits,
+    *,
+    num_physical: int,
+    mode: str,
+    interpret: bool = False,
+    count: bool = True,
+    lookup=None,
+    quotas=None,
+    shares=None,
+    **config,
+):
     """Same contract as ``_reference.map_and_count_reference``.
 
     ``quotas`` (``resolved``, optional): the ``[E, S]`` integer quotas the ``thresholds`` were built from (capped
@@ -635,8 +826,9 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     rank_tile = _rank_tile(num_flat) if config["tile_resolved"] is None else int(config["tile_resolved"])
     rank_tile = max(rank_tile, rank_sub)
     if rank_tile & (rank_tile - 1) or rank_sub & (rank_sub - 1) or rank_sub < 16:
-        raise ValueError(f"tile_resolved and sub_resolved must be powers of two (sub_resolved >= 16), got "
-                         f"{rank_tile} and {rank_sub}")
+        raise ValueError(
+            f"tile_resolved and sub_resolved must be powers of two (sub_resolved >= 16), got {rank_tile} and {rank_sub}"
+        )
     if int(config["linear_search"]) < 0:
         raise ValueError(f"linear_search must be >= 0, got {config['linear_search']}")
     # The block's loop stops once all its lanes converged where most entries search little; resolved's ranks
@@ -682,25 +874,41 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
         plain = lookup_size(num_logical, width)
         wide, narrow = (plain + _alias.packed_size(num_logical, width, packing) for packing in (False, True))
         if lookup.shape not in ((plain,), (wide,), (narrow,)):
-            raise ValueError(f"lookup must have shape ({plain},) or, with shares' alias words, ({wide},) or "
-                             f"({narrow},) for log2phy [{num_logical}, {width}], got {lookup.shape}")
+            raise ValueError(
+                f"lookup must have shape ({plain},) or, with shares' alias words, ({wide},) or "
+                f"({narrow},) for log2phy [{num_logical}, {width}], got {lookup.shape}"
+            )
         if lookup.shape == (narrow,) and not _alias.compact_fits(num_physical):
-            raise ValueError(f"lookup holds one-word buckets (built for num_physical <= {_alias.COMPACT_SLOTS}), "
-                             f"which cannot name the slots of num_physical = {num_physical}")
+            raise ValueError(
+                f"lookup holds one-word buckets (built for num_physical <= {_alias.COMPACT_SLOTS}), "
+                f"which cannot name the slots of num_physical = {num_physical}"
+            )
         if mode == "shares" and lookup.shape != (plain,):  # prepared words: read from the lookup itself
             shares, alias_at, compact = None, plain, lookup.shape == (narrow,)
     # resolved from the raw quotas (capped at the entry count, as the wrapper's thresholds are, while their sums
     # fit int32): the boundary programs sum them over positions, the rank kernel's extra programs by ranks.
     from_quotas = mode == "resolved" and quotas is not None and width * num_flat < 2**31 - 1
     (ids, log2phy, logcnt, thresholds, limits, *rest), out_struct = _join_varying(
-        topk_ids.reshape(num_flat), log2phy, logcnt, thresholds, limits,
+        topk_ids.reshape(num_flat),
+        log2phy,
+        logcnt,
+        thresholds,
+        limits,
         *([jnp.asarray(quotas).astype(jnp.int32).reshape(-1)] if from_quotas else []),
         *([jnp.asarray(shares).astype(jnp.float32)] if shares is not None else []),
-        *([] if lookup is None else [lookup]))
+        *([] if lookup is None else [lookup]),
+    )
     quotas = rest.pop(0) if from_quotas else None
     if shares is not None:
-        thresholds = _alias.alias_kernel(rest.pop(0), log2phy, logcnt, compact=compact, out_struct=out_struct,
-                                         interpret=interpret, num_warps=int(config["alias_warps"]))
+        thresholds = _alias.alias_kernel(
+            rest.pop(0),
+            log2phy,
+            logcnt,
+            compact=compact,
+            out_struct=out_struct,
+            interpret=interpret,
+            num_warps=int(config["alias_warps"]),
+        )
     elif mode == "shares" and not alias_at:  # the words [E, S] given (tests, benchmarks): packed here
         thresholds = _alias.pack_words(thresholds, log2phy, logcnt, compact=compact)
     lookup = rest[0] if rest else None
@@ -712,11 +920,25 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     lookback = False  # resolved by ranks in one kernel (below)
     if by_positions:  # the thresholds become their boundary positions
         thresholds = boundary_positions(
-            ids, quotas if from_quotas else thresholds.reshape(-1), limits, logcnt, num_logical=num_logical,
-            width=width, expert_bins=expert_bins, tile=config["position_tile"], groups=config["position_groups"],
-            sub=config["position_sub"], scan=config["position_scan"], count_warps=config["position_warps"],
-            num_warps=config["boundary_warps"], grid=config["boundary_grid"], programs=num_physical,
-            quota_cap=num_flat if from_quotas else None, interpret=interpret, out_struct=out_struct)
+            ids,
+            quotas if from_quotas else thresholds.reshape(-1),
+            limits,
+            logcnt,
+            num_logical=num_logical,
+            width=width,
+            expert_bins=expert_bins,
+            tile=config["position_tile"],
+            groups=config["position_groups"],
+            sub=config["position_sub"],
+            scan=config["position_scan"],
+            count_warps=config["position_warps"],
+            num_warps=config["boundary_warps"],
+            grid=config["boundary_grid"],
+            programs=num_physical,
+            quota_cap=num_flat if from_quotas else None,
+            interpret=interpret,
+            out_struct=out_struct,
+        )
         base = rank = jnp.zeros_like(limits[:1])  # unused
     elif mode == "resolved":
         rank_tiles = pl.cdiv(num_flat, rank_tile)
@@ -729,8 +951,10 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
             chains = max(1, min(4, rank_tile // rank_sub)) if rank_tiles <= 256 and rank_sub == 32 else 1
         chains = int(chains)
         if chains < 1 or chains & (chains - 1) or rank_tile // chains < rank_sub:
-            raise ValueError(f"rank_chains must be a power of two with tile_resolved / rank_chains >= sub_resolved, "
-                             f"got {chains} for tiles of {rank_tile} and steps of {rank_sub}")
+            raise ValueError(
+                f"rank_chains must be a power of two with tile_resolved / rank_chains >= sub_resolved, "
+                f"got {chains} for tiles of {rank_tile} and steps of {rank_sub}"
+            )
         if chains > 1:  # chains always count in memory, and compiled 32-entry steps always use match.any
             running = "memory"
         tile_bases = config["tile_bases"]
@@ -747,27 +971,39 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
             # "memory": the histogram output is flat (each program gathers from and scatters to its own rows, the
             # first of which ends with the histogram).
             hist_spec = whole if running == "memory" else pl.BlockSpec((1, expert_bins), lambda i: (i, 0))
-            hist_shape = ((rank_tiles * chains * 2 * expert_bins,) if running == "memory"
-                          else (rank_tiles, expert_bins))
-            rank_options = dict(num_flat=num_flat, num_logical=num_logical, tile=rank_tile, sub=rank_sub,
-                                expert_bins=expert_bins, in_step=in_step, running=running, barrier=not interpret,
-                                chains=chains)
+            hist_shape = (rank_tiles * chains * 2 * expert_bins,) if running == "memory" else (rank_tiles, expert_bins)
+            rank_options = dict(
+                num_flat=num_flat,
+                num_logical=num_logical,
+                tile=rank_tile,
+                sub=rank_sub,
+                expert_bins=expert_bins,
+                in_step=in_step,
+                running=running,
+                barrier=not interpret,
+                chains=chains,
+            )
             rank_shapes = [out_struct((num_flat,), jnp.int32), out_struct(hist_shape, jnp.int32)]
             # With the quotas (and the counts in memory: no per-program block of the output), E more programs
             # build the thresholds beside the ranks: no [E, S] product between kernels (H200, 4096 x 8, P = 512:
             # a 2.1 us cuBLAS GEMM and a 0.3 us fusion).
             fused = from_quotas and running == "memory" and threshold_layout == "expert_major"
             outputs = pl.pallas_call(
-                (functools.partial(_rank_and_thresholds_kernel, rank_tiles=rank_tiles, width=width, cap=num_flat,
-                                   **rank_options) if fused
-                 else functools.partial(_rank_kernel, **rank_options)),
+                (
+                    functools.partial(
+                        _rank_and_thresholds_kernel, rank_tiles=rank_tiles, width=width, cap=num_flat, **rank_options
+                    )
+                    if fused
+                    else functools.partial(_rank_kernel, **rank_options)
+                ),
                 grid=(rank_tiles + (num_logical if fused else 0),),
                 in_specs=[whole] * (4 if fused else 2),
                 out_specs=[whole, hist_spec] + ([whole] if fused else []),
-                out_shape=rank_shapes + ([out_struct((num_logical * width + pl.next_power_of_2(width),), jnp.int32)]
-                                         if fused else []),
-                compiler_params=plgpu.CompilerParams(num_warps=max(chains, int(config["warps_resolved"])),
-                                                     num_stages=config["num_stages"]),
+                out_shape=rank_shapes
+                + ([out_struct((num_logical * width + pl.next_power_of_2(width),), jnp.int32)] if fused else []),
+                compiler_params=plgpu.CompilerParams(
+                    num_warps=max(chains, int(config["warps_resolved"])), num_stages=config["num_stages"]
+                ),
                 interpret=interpret,
                 name="expert_rank",
             )(ids, limits, *([quotas, logcnt] if fused else []))
@@ -780,14 +1016,35 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
         base = rank = jnp.zeros_like(limits[:1])  # unused; share the inputs' manual axes
 
     map_options = dict(
-        mode=mode, num_flat=num_flat, top_k=top_k, num_logical=num_logical, width=width,
-        num_physical=num_physical, tile=tile, sub=sub, bins=bins, expert_bins=expert_bins,
-        rank_tile=rank_tile, count_dtype=count_dtype, do_count=count, count_method=count_method, tables=tables,
-        layout=layout, reduce=reduce, linear_search=int(config["linear_search"]), guide=guide,
-        num_tiles=num_tiles, search=search, threshold_layout=threshold_layout, by_positions=by_positions,
+        mode=mode,
+        num_flat=num_flat,
+        top_k=top_k,
+        num_logical=num_logical,
+        width=width,
+        num_physical=num_physical,
+        tile=tile,
+        sub=sub,
+        bins=bins,
+        expert_bins=expert_bins,
+        rank_tile=rank_tile,
+        count_dtype=count_dtype,
+        do_count=count,
+        count_method=count_method,
+        tables=tables,
+        layout=layout,
+        reduce=reduce,
+        linear_search=int(config["linear_search"]),
+        guide=guide,
+        num_tiles=num_tiles,
+        search=search,
+        threshold_layout=threshold_layout,
+        by_positions=by_positions,
         from_start=by_positions and config["position_map"] == "start" and start_table_fits(width, sub),
-        alias_at=alias_at, per_entry=per_entry, compact=compact,
-        word_heads=bool(config["word_heads"]) and _alias.word_heads_fit(num_logical, width))
+        alias_at=alias_at,
+        per_entry=per_entry,
+        compact=compact,
+        word_heads=bool(config["word_heads"]) and _alias.word_heads_fit(num_logical, width),
+    )
     # A prepared table is lookup_table's default kind; other kernel options (or slots past 16 bits) rebuild it.
     # Shares reads its own table only (none built per call).
     if mode == "shares":
@@ -798,9 +1055,16 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
         thresholds = thresholds.T
     thresholds = thresholds.reshape(-1)  # (positions: flat already, with a spare tail never read)
     if guide:
-        guide_words = _guide.guide_kernel(lookup, thresholds, factor=guide, num_logical=num_logical,
-                                          width=width, num_physical=num_physical, out_struct=out_struct,
-                                          interpret=interpret)
+        guide_words = _guide.guide_kernel(
+            lookup,
+            thresholds,
+            factor=guide,
+            num_logical=num_logical,
+            width=width,
+            num_physical=num_physical,
+            out_struct=out_struct,
+            interpret=interpret,
+        )
     else:
         guide_words = jnp.zeros_like(limits[:1])  # unused
     if count_method == "onehot":  # each program writes its [hi, lo] block
@@ -822,14 +1086,16 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
         # (inputs: ids, lookup, thresholds, guide, limits, zeros, board_zeros)
         aliases = {5: 1, 6: 4} if reduce == "atomic" else {6: 4}
         phys, partial, *_ = pl.pallas_call(
-            functools.partial(_lookback_kernel, rank_sub=rank_sub, chains=chains, barrier=not interpret,
-                              **map_options),
+            functools.partial(_lookback_kernel, rank_sub=rank_sub, chains=chains, barrier=not interpret, **map_options),
             grid=(num_tiles,),
             in_specs=[whole] * 7,
             out_specs=[whole, hist_spec, whole, whole, whole],
-            out_shape=map_outputs + [out_struct((num_flat,), jnp.int32),
-                                     out_struct((num_tiles * chains * 2 * expert_bins,), jnp.int32),
-                                     out_struct((num_tiles * expert_bins,), jnp.int32)],
+            out_shape=map_outputs
+            + [
+                out_struct((num_flat,), jnp.int32),
+                out_struct((num_tiles * chains * 2 * expert_bins,), jnp.int32),
+                out_struct((num_tiles * expert_bins,), jnp.int32),
+            ],
             input_output_aliases=aliases,
             compiler_params=params,
             interpret=interpret,
@@ -850,8 +1116,11 @@ def map_and_count_triton(topk_ids, log2phy, logcnt, thresholds, limits, *, num_p
     if reduce == "atomic":
         return phys.reshape(num_tokens, top_k), partial
     if count_method == "histogram":  # a row reduction: XLA's column reductions of [num_tiles, P] were 2-3x slower
-        load = jnp.sum(partial[: num_physical * num_tiles].reshape(num_physical, num_tiles).astype(jnp.int32),
-                       axis=1, dtype=jnp.int32)
+        load = jnp.sum(
+            partial[: num_physical * num_tiles].reshape(num_physical, num_tiles).astype(jnp.int32),
+            axis=1,
+            dtype=jnp.int32,
+        )
         return phys.reshape(num_tokens, top_k), load
     load = jnp.sum(partial.reshape(num_tiles, -1).astype(jnp.int32), axis=0, dtype=jnp.int32)[:num_physical]
     return phys.reshape(num_tokens, top_k), load

@@ -30,9 +30,9 @@ from jax._src import core as jax_core
 from jax._src.interpreters import mlir
 from jax._src.lib.triton import dialect as tt_dialect
 from jax._src.pallas import primitives as pallas_primitives
+from jax._src.pallas.triton import lowering as triton_lowering
 from jax._src.state import discharge as state_discharge
 from jax._src.state import primitives as state_primitives
-from jax._src.pallas.triton import lowering as triton_lowering
 
 __all__ = ["histogram", "take", "atomic_add_int"]
 
@@ -87,8 +87,9 @@ def take(table: jax.Array, index: jax.Array) -> jax.Array:
     the kernel): callers clamp.
     """
     if table.ndim != 1 or index.ndim != 1 or index.dtype != jnp.int32:
-        raise ValueError(f"take needs a 1-D table and 1-D int32 indices, got {table.shape} and "
-                         f"{index.dtype} {index.shape}")
+        raise ValueError(
+            f"take needs a 1-D table and 1-D int32 indices, got {table.shape} and {index.dtype} {index.shape}"
+        )
     size = table.shape[0]
     if size & (size - 1):
         raise ValueError(f"the table size must be a power of two (a Triton tensor), got {size}")
@@ -128,8 +129,10 @@ def atomic_add_int(ref, index: jax.Array, values: jax.Array, mask: jax.Array) ->
     suits counters read after the kernel.
     """
     if values.dtype != jnp.int32 or index.dtype != jnp.int32 or index.shape != values.shape:
-        raise ValueError(f"atomic_add_int needs int32 index and values of one shape, got {index.dtype} "
-                         f"{index.shape} and {values.dtype} {values.shape}")
+        raise ValueError(
+            f"atomic_add_int needs int32 index and values of one shape, got {index.dtype} "
+            f"{index.shape} and {values.dtype} {values.shape}"
+        )
     index = jnp.where(mask, index, 0)  # in range wherever the mask is off (the discharge rule indexes them)
     ref, transforms = state_primitives.get_ref_and_transforms(ref, (index,), "atomic_add_int")
     flat, tree = jax.tree_util.tree_flatten((ref, transforms, values, mask))
@@ -166,5 +169,6 @@ def _atomic_add_triton(ctx, *args_flat, args_tree):
     ptr = triton_lowering._compute_pointers_from_indices(ptr, block_info, indexer)
     values = triton_lowering._ensure_ir_value(values, values_aval)
     mask = triton_lowering._ensure_ir_value(mask, mask_aval)
-    return triton_lowering._atomic_rmw(tt_dialect.RMWOp.ADD, ptr, values, mask=mask,
-                                       semantic=tt_dialect.MemSemantic.RELAXED)
+    return triton_lowering._atomic_rmw(
+        tt_dialect.RMWOp.ADD, ptr, values, mask=mask, semantic=tt_dialect.MemSemantic.RELAXED
+    )

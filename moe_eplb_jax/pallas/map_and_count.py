@@ -133,8 +133,7 @@ def map_and_count(
     limits = _limits(num_valid_tokens, record, num_tokens, top_k)
     if mode == "shares":  # the alias table, integer work: built by each implementation (or prepared)
         mode_values = jnp.asarray(mode_values).astype(jnp.float32)  # converted once, for every implementation
-        thresholds = (_alias.alias_words(mode_values, log2phy, logcnt)
-                      if implementation == "xla" else None)
+        thresholds = _alias.alias_words(mode_values, log2phy, logcnt) if implementation == "xla" else None
     elif mode == "resolved":
         thresholds = _build_thresholds(mode, jnp.asarray(mode_values), logcnt, width, limit=num_tokens * top_k)
     else:
@@ -149,8 +148,15 @@ def map_and_count(
     # resolved: the raw quotas too, from which the kernels build what they read (so under jit the thresholds'
     # product above is dead code there).
     return _triton.map_and_count_triton(
-        topk_ids, log2phy, logcnt, thresholds, limits,
-        num_physical=num_physical, mode=mode, interpret=jax.default_backend() != "gpu", lookup=lookup,
+        topk_ids,
+        log2phy,
+        logcnt,
+        thresholds,
+        limits,
+        num_physical=num_physical,
+        mode=mode,
+        interpret=jax.default_backend() != "gpu",
+        lookup=lookup,
         quotas=mode_values if mode == "resolved" else None,
         shares=mode_values if mode == "shares" else None,
     )
@@ -249,8 +255,9 @@ def _check_num_physical(num_physical, num_logical):
     except TypeError:
         raise ValueError(f"num_physical must be a Python int, got {type(num_physical).__name__}") from None
     if num_physical < num_logical:
-        raise ValueError(f"num_physical ({num_physical}) must be at least the number of logical experts "
-                         f"({num_logical})")
+        raise ValueError(
+            f"num_physical ({num_physical}) must be at least the number of logical experts ({num_logical})"
+        )
     return num_physical
 
 
@@ -266,8 +273,9 @@ def _check_mode(mode, replica_shares, resolved, num_logical, width, num_physical
         return None
     if mode == "shares":
         if num_physical > _alias.MAX_SLOTS:
-            raise ValueError(f"mode='shares' supports num_physical up to {_alias.MAX_SLOTS} (slots in 16 bits), "
-                             f"got {num_physical}")
+            raise ValueError(
+                f"mode='shares' supports num_physical up to {_alias.MAX_SLOTS} (slots in 16 bits), got {num_physical}"
+            )
         return _check_shares(replica_shares, num_logical, width)
     return _check_table_values("resolved", resolved, num_logical, width, mode, jnp.integer)
 
@@ -280,16 +288,18 @@ def _check_table_values(name, value, num_logical, width, mode, kind):
     if shape != (num_logical, width):
         raise ValueError(f"{name} must have shape [E, S] = {(num_logical, width)}, got {shape}")
     if not jnp.issubdtype(dtype, kind):
-        raise ValueError(f"{name} must have {'a floating' if kind is jnp.floating else 'an integer'} dtype, "
-                         f"got {dtype}")
+        raise ValueError(
+            f"{name} must have {'a floating' if kind is jnp.floating else 'an integer'} dtype, got {dtype}"
+        )
     return value
 
 
 def _check_shares(replica_shares, num_logical, width):
     _check_table_values("replica_shares", replica_shares, num_logical, width, "shares", jnp.floating)
     if width > _alias.MAX_WIDTH:
-        raise ValueError(f"mode='shares' supports at most {_alias.MAX_WIDTH} replicas per expert (log2phy's S), "
-                         f"got S = {width}")
+        raise ValueError(
+            f"mode='shares' supports at most {_alias.MAX_WIDTH} replicas per expert (log2phy's S), got S = {width}"
+        )
     return replica_shares
 
 
@@ -300,12 +310,16 @@ def _check_lookup(lookup, num_logical, width, num_physical):
     plain = num_logical * (1 + width)  # the placement's own table; then shares' alias table in two layouts
     sizes = (plain, *(plain + _alias.packed_size(num_logical, width, compact) for compact in (False, True)))
     if shape not in [(size,) for size in sizes] or dtype != np.int32:
-        raise ValueError(f"lookup must be lookup_table(log2phy, logcnt[, replica_shares=...]): int32 of shape "
-                         f"({sizes[0]},) or, with shares, ({sizes[1]},) or ({sizes[2]},), got shape {shape} "
-                         f"dtype {dtype}")
+        raise ValueError(
+            f"lookup must be lookup_table(log2phy, logcnt[, replica_shares=...]): int32 of shape "
+            f"({sizes[0]},) or, with shares, ({sizes[1]},) or ({sizes[2]},), got shape {shape} "
+            f"dtype {dtype}"
+        )
     if shape == (sizes[2],) and not _alias.compact_fits(num_physical):
-        raise ValueError(f"lookup was built with num_physical <= {_alias.COMPACT_SLOTS} (one-word buckets, 11-bit "
-                         f"slots): it cannot serve num_physical = {num_physical}")
+        raise ValueError(
+            f"lookup was built with num_physical <= {_alias.COMPACT_SLOTS} (one-word buckets, 11-bit "
+            f"slots): it cannot serve num_physical = {num_physical}"
+        )
 
 
 def _check_implementation(implementation):
@@ -392,8 +406,9 @@ def _prefix_sums(values, sums):
     if sums == "matmul":
         width = values.shape[1]
         upper = (jnp.arange(width)[:, None] <= jnp.arange(width)[None, :]).astype(jnp.float32)
-        return jnp.dot(values.astype(jnp.float32), upper, precision=jax.lax.Precision.HIGHEST,
-                       preferred_element_type=jnp.float32)
+        return jnp.dot(
+            values.astype(jnp.float32), upper, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32
+        )
     return jnp.cumsum(values, axis=1, dtype=values.dtype)
 
 
@@ -411,7 +426,7 @@ def _quota_sums(quotas, cap, sums):
         mask = (1 << _LIMB_BITS) - 1
         limbs = jnp.concatenate([(quotas >> (_LIMB_BITS * i)) & mask for i in range(num_limbs)], axis=0)
         limb_sums = _prefix_sums(limbs, sums).astype(jnp.int32)  # [num_limbs * E, S]: integers < 2**24
-        total = sum(limb_sums[i * num_logical:(i + 1) * num_logical] << (_LIMB_BITS * i) for i in range(num_limbs))
+        total = sum(limb_sums[i * num_logical : (i + 1) * num_logical] << (_LIMB_BITS * i) for i in range(num_limbs))
         return jnp.minimum(total, cap)
     # Saturating sums, associative for values in [0, cap]: min(a + b, cap) without overflowing int32.
     return jax.lax.associative_scan(lambda a, b: jnp.minimum(a, cap - b) + b, quotas, axis=1)

@@ -134,7 +134,7 @@ def _greedy_packs_by_rounds(items: np.ndarray, num_packs: int) -> tuple[np.ndarr
         order = key & ((1 << index_bits) - 1)
         flat = order + row_base
         start_load = flat_load.take(flat)  # ascending, if the key sort was exact
-        new_load = start_load[:, :size] + items[:, first:first + size]
+        new_load = start_load[:, :size] + items[:, first : first + size]
         ascending = start_load[:, 1:] >= start_load[:, :-1]
         if first + size == num_items and size == num_packs:
             # Last round: a regular row has one free slot per pack, so the sorted order is forced;
@@ -147,7 +147,7 @@ def _greedy_packs_by_rounds(items: np.ndarray, num_packs: int) -> tuple[np.ndarr
             # below every pack served before it this round (strict: a tie would need the index rule).
             # Loads ascend, so it suffices that every new load tops the last pack's old load (asking
             # it of the last pack too only sends rounds with a zero item to the slow path).
-            served_above = new_load > start_load[:, size - 1:size]
+            served_above = new_load > start_load[:, size - 1 : size]
             redo = None
             if not (ascending.all() and served_above.all()):
                 redo = ~(ascending.all(axis=1) & served_above.all(axis=1)) & ~finished
@@ -156,9 +156,18 @@ def _greedy_packs_by_rounds(items: np.ndarray, num_packs: int) -> tuple[np.ndarr
                     # A few rows: finish them exactly in plain Python, from this round's start
                     # (every pack holds first / num_packs items), and leave them out from now on.
                     for row in newly.tolist():
-                        exact.append((row, first, _finish_row_exact(
-                            items[row, first:].tolist(), load[row].tolist(), [first // num_packs] * num_packs,
-                            num_items // num_packs)))
+                        exact.append(
+                            (
+                                row,
+                                first,
+                                _finish_row_exact(
+                                    items[row, first:].tolist(),
+                                    load[row].tolist(),
+                                    [first // num_packs] * num_packs,
+                                    num_items // num_packs,
+                                ),
+                            )
+                        )
                     finished[newly] = True
                     redo[newly] = False
                 if not redo.any():
@@ -170,7 +179,7 @@ def _greedy_packs_by_rounds(items: np.ndarray, num_packs: int) -> tuple[np.ndarr
         flat_load[flat[:, :size]] = new_load
         order = order[:, :size]
         if redo is not None:
-            order[redo] = _greedy_steps_unchecked(items[redo, first:first + size], redo_load)
+            order[redo] = _greedy_steps_unchecked(items[redo, first : first + size], redo_load)
             load[redo] = redo_load
         rounds.append(order)
         first += size
@@ -224,7 +233,7 @@ def _greedy_slots_exact(items: np.ndarray, load: np.ndarray, next_slot: np.ndarr
     # Adding +inf with a pack's last item makes argmin skip full packs (adding 0.0 otherwise
     # leaves the load bit-identical); real loads stay finite because each row's total is finite.
     fill_penalty = np.zeros(num_packs * per_pack + 1)
-    fill_penalty[per_pack - 1::per_pack] = np.inf
+    fill_penalty[per_pack - 1 :: per_pack] = np.inf
     load[next_slot >= (np.arange(num_packs) + 1) * per_pack] = np.inf
     flat_load, flat_next = load.reshape(-1), next_slot.reshape(-1)
     load_bits = load.view(np.int64)  # +inf orders above every finite load, also as bits

@@ -141,8 +141,9 @@ def _keep_slots(new: np.ndarray, rank: np.ndarray, old: np.ndarray, num_logical:
     return out.reshape(new.shape), out_rank.reshape(rank.shape)
 
 
-def preserve_slots(phy2log: np.ndarray, phyrank: np.ndarray, old_phy2log: np.ndarray, *, num_gpus: int,
-                   num_nodes: int = 1):
+def preserve_slots(
+    phy2log: np.ndarray, phyrank: np.ndarray, old_phy2log: np.ndarray, *, num_gpus: int, num_nodes: int = 1
+):
     """Relabels ``(phy2log, phyrank) [L, P]`` to keep experts of ``old_phy2log [L, P]`` in place.
 
     Nodes (``num_nodes`` blocks of ``P / num_nodes`` slots) and GPUs within a
@@ -160,8 +161,10 @@ def preserve_slots(phy2log: np.ndarray, phyrank: np.ndarray, old_phy2log: np.nda
             raise ValueError(f"{name} must hold non-negative integers")
     num_layers, num_physical = phy2log.shape
     if num_gpus < 1 or num_nodes < 1 or num_physical % num_gpus or num_gpus % num_nodes:
-        raise ValueError(f"{num_physical} slots on num_gpus={num_gpus} GPUs in num_nodes={num_nodes} nodes: "
-                         "slots must divide over GPUs and GPUs over nodes")
+        raise ValueError(
+            f"{num_physical} slots on num_gpus={num_gpus} GPUs in num_nodes={num_nodes} nodes: "
+            "slots must divide over GPUs and GPUs over nodes"
+        )
     phy2log, phyrank, old_phy2log = (t.astype(np.int64) for t in (phy2log, phyrank, old_phy2log))
     num_logical = int(max(phy2log.max(), old_phy2log.max())) + 1
     gpus_per_node = num_gpus // num_nodes
@@ -171,8 +174,9 @@ def preserve_slots(phy2log: np.ndarray, phyrank: np.ndarray, old_phy2log: np.nda
         tables = _relabel_blocks(tables, old_phy2log, num_nodes, num_logical)
     if gpus_per_node > 1:
         per_node = [t.reshape(num_layers * num_nodes, -1) for t in tables]
-        per_node = _relabel_blocks(per_node, old_phy2log.reshape(num_layers * num_nodes, -1), gpus_per_node,
-                                   num_logical)
+        per_node = _relabel_blocks(
+            per_node, old_phy2log.reshape(num_layers * num_nodes, -1), gpus_per_node, num_logical
+        )
         tables = [t.reshape(num_layers, num_physical) for t in per_node]
     per_gpu = [t.reshape(-1, slots_per_gpu) for t in tables]
     new, rank = _keep_slots(per_gpu[0], per_gpu[1], old_phy2log.reshape(-1, slots_per_gpu), num_logical)

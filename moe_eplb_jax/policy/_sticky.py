@@ -47,8 +47,16 @@ def _old_group_nodes(old: np.ndarray, num_experts: int, num_groups: int, num_nod
     return np.where(usable[:, None], group_node, fallback), usable
 
 
-def old_based_layout(weight: np.ndarray, old: np.ndarray, num_replicas: int, num_groups: int, num_nodes: int,
-                     num_gpus: int, target: np.ndarray, refine):
+def old_based_layout(
+    weight: np.ndarray,
+    old: np.ndarray,
+    num_replicas: int,
+    num_groups: int,
+    num_nodes: int,
+    num_gpus: int,
+    target: np.ndarray,
+    refine,
+):
     """The old-placement-based candidate (see the module docstring).
 
     ``weight [L, E]`` float64 and ``old [L, P]`` int64 are validated;
@@ -72,8 +80,9 @@ def old_based_layout(weight: np.ndarray, old: np.ndarray, num_replicas: int, num
 
     # 2. Keep old slots while their expert has replicas left; freed slots go to experts that gained.
     keep = _occurrence(old) < _packing.gather_rows(logcnt, old)
-    old_count = np.bincount((old + np.arange(num_layers)[:, None] * num_experts).ravel(),
-                            minlength=num_layers * num_experts).reshape(num_layers, num_experts)
+    old_count = np.bincount(
+        (old + np.arange(num_layers)[:, None] * num_experts).ravel(), minlength=num_layers * num_experts
+    ).reshape(num_layers, num_experts)
     gained = np.maximum(logcnt - old_count, 0)
     # Both lists run layer by layer and node by node (local order is node-major), so each freed slot
     # is paired with an expert of its own node (per node the two counts agree when usable).
@@ -86,6 +95,7 @@ def old_based_layout(weight: np.ndarray, old: np.ndarray, num_replicas: int, num
     replica_load = _packing.gather_rows(weight / logcnt, phy2log)
     rows = num_layers * num_nodes
     order = refine(replica_load.reshape(rows, gpus_per_node, slots_per_gpu), target=np.repeat(target, num_nodes))
-    phy2log, phyrank = (_packing.gather_rows(t.reshape(rows, -1), order).reshape(num_layers, num_replicas)
-                        for t in (phy2log, phyrank))
+    phy2log, phyrank = (
+        _packing.gather_rows(t.reshape(rows, -1), order).reshape(num_layers, num_replicas) for t in (phy2log, phyrank)
+    )
     return phy2log, phyrank, logcnt, usable

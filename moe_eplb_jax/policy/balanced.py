@@ -18,8 +18,7 @@ import numpy as np
 from moe_eplb_jax.policy import _packing
 from moe_eplb_jax.policy._preserve import preserve_slots
 from moe_eplb_jax.policy._sticky import old_based_layout
-from moe_eplb_jax.policy.deepseek import (check_inputs, hierarchical_layout, log2phy_from_ranks,
-                                          topology)
+from moe_eplb_jax.policy.deepseek import check_inputs, hierarchical_layout, log2phy_from_ranks, topology
 
 __all__ = ["rebalance_balanced", "refine_packing"]
 
@@ -28,8 +27,9 @@ __all__ = ["rebalance_balanced", "refine_packing"]
 _MIN_RELATIVE_GAIN = 1e-12
 
 
-def refine_packing(item_load: np.ndarray, *, target: np.ndarray | None = None,
-                   max_swaps: int | None = None) -> np.ndarray:
+def refine_packing(
+    item_load: np.ndarray, *, target: np.ndarray | None = None, max_swaps: int | None = None
+) -> np.ndarray:
     """Local search over swaps; returns the new item order ``[X, K * S]`` for ``item_load [X, K, S]``.
 
     Each of the ``X`` rows is a packing of ``K`` packs of ``S`` items (item
@@ -85,8 +85,16 @@ def _layer_max(weight: np.ndarray, phy2log: np.ndarray, logcnt: np.ndarray, num_
     return replica_load.reshape(phy2log.shape[0], num_gpus, -1).sum(axis=2).max(axis=1)
 
 
-def rebalance_balanced(weight, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int,
-                       old_phy2log=None, *, prefer_fewer_moves: bool = True):
+def rebalance_balanced(
+    weight,
+    num_replicas: int,
+    num_groups: int,
+    num_nodes: int,
+    num_gpus: int,
+    old_phy2log=None,
+    *,
+    prefer_fewer_moves: bool = True,
+):
     """``"balanced"`` placement: DeepSeek's, with each node's GPU packing refined by swaps.
 
     Same arguments, validation and results as
@@ -117,8 +125,9 @@ def rebalance_balanced(weight, num_replicas: int, num_groups: int, num_nodes: in
     replica_load = _packing.gather_rows(weight / logcnt, phy2log)
     rows = num_layers * nodes
     order = refine_packing(replica_load.reshape(rows, gpus_per_node, slots_per_gpu))
-    refined = [_packing.gather_rows(t.reshape(rows, -1), order).reshape(num_layers, num_replicas)
-               for t in (phy2log, phyrank)]
+    refined = [
+        _packing.gather_rows(t.reshape(rows, -1), order).reshape(num_layers, num_replicas) for t in (phy2log, phyrank)
+    ]
     # Keep the refined layout only where its busiest GPU is not busier (always, by construction;
     # checked because it is cheap and the claim is the policy's contract).
     before = _layer_max(weight, phy2log, logcnt, num_gpus)
@@ -133,9 +142,11 @@ def rebalance_balanced(weight, num_replicas: int, num_groups: int, num_nodes: in
         grown = old_based_layout(weight, old, num_replicas, groups, nodes, num_gpus, fresh_max, refine_packing)
         grown_phy2log, grown_phyrank, grown_logcnt, usable = grown
         bar = before if prefer_fewer_moves else fresh_max
-        use_grown = (usable
-                     & (_layer_max(weight, grown_phy2log, grown_logcnt, num_gpus) <= bar)
-                     & ((grown_phy2log != old).sum(axis=1) < (phy2log != old).sum(axis=1)))[:, None]
+        use_grown = (
+            usable
+            & (_layer_max(weight, grown_phy2log, grown_logcnt, num_gpus) <= bar)
+            & ((grown_phy2log != old).sum(axis=1) < (phy2log != old).sum(axis=1))
+        )[:, None]
         phy2log = np.where(use_grown, grown_phy2log, phy2log)
         phyrank = np.where(use_grown, grown_phyrank, phyrank)
         logcnt = np.where(use_grown, grown_logcnt, logcnt)

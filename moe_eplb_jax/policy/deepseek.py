@@ -29,8 +29,14 @@ from moe_eplb_jax.placement import check_expert_ids
 from moe_eplb_jax.policy import _packing
 from moe_eplb_jax.policy._preserve import preserve_slots
 
-__all__ = ["rebalance_experts", "check_inputs", "hierarchical_layout", "log2phy_from_ranks", "node_major_order",
-           "topology"]
+__all__ = [
+    "rebalance_experts",
+    "check_inputs",
+    "hierarchical_layout",
+    "log2phy_from_ranks",
+    "node_major_order",
+    "topology",
+]
 
 
 def _check_count(name: str, value) -> int:
@@ -59,14 +65,19 @@ def check_inputs(weight, num_replicas, num_groups, num_nodes, num_gpus, old_phy2
         raise ValueError(f"weight must have shape [L, E] (2-D), got shape {weight.shape}")
     if weight.shape[0] < 1 or weight.shape[1] < 1:
         raise ValueError(f"weight must have at least one layer and one expert, got shape {weight.shape}")
-    if weight.dtype == bool or not (np.issubdtype(weight.dtype, np.integer) or np.issubdtype(weight.dtype, np.floating)):
+    if weight.dtype == bool or not (
+        np.issubdtype(weight.dtype, np.integer) or np.issubdtype(weight.dtype, np.floating)
+    ):
         raise ValueError(f"weight must hold real numbers, got dtype {weight.dtype}")
     weight = weight.astype(np.float64) + 0.0  # + 0.0 turns -0.0 into 0.0 (sorts use the bit patterns)
     with np.errstate(over="ignore", invalid="ignore"):
         row_total = weight.sum(axis=1)  # NaN or inf anywhere makes a total non-finite: one cheap check
     if not np.isfinite(row_total).all() or weight.min() < 0:
-        for problem, bad in (("NaN", np.isnan(weight)), ("an infinite value", np.isinf(weight)),
-                             ("a negative load", weight < 0)):
+        for problem, bad in (
+            ("NaN", np.isnan(weight)),
+            ("an infinite value", np.isinf(weight)),
+            ("a negative load", weight < 0),
+        ):
             if bad.any():
                 layer, expert = (int(i) for i in np.argwhere(bad)[0])
                 raise ValueError(f"weight holds {problem} at [layer {layer}, expert {expert}]")
@@ -162,8 +173,7 @@ def hierarchical_layout(weight: np.ndarray, num_replicas: int, num_groups: int, 
     local_ids = local_ids.reshape(num_layers, num_replicas)
     if not node_major:
         return local_ids, phyrank, count
-    return (_packing.gather_rows(local_to_expert, local_ids), phyrank,
-            _packing.scatter_rows(count, local_to_expert))
+    return (_packing.gather_rows(local_to_expert, local_ids), phyrank, _packing.scatter_rows(count, local_to_expert))
 
 
 def topology(num_groups: int, num_nodes: int) -> tuple[int, int]:
@@ -171,8 +181,7 @@ def topology(num_groups: int, num_nodes: int) -> tuple[int, int]:
     return (num_groups, num_nodes) if num_groups % num_nodes == 0 else (1, 1)
 
 
-def rebalance_experts(weight, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int,
-                      old_phy2log=None):
+def rebalance_experts(weight, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int, old_phy2log=None):
     """DeepSeek EPLB placement of ``num_replicas`` slots for per-expert loads ``weight [L, E]``.
 
     ``num_groups`` expert groups (contiguous blocks of ``E / num_groups``

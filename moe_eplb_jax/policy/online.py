@@ -63,7 +63,7 @@ def fill_unused_spares(phy2log: np.ndarray, weight: np.ndarray, num_home: int, n
     count = np.bincount(phy2log[phy2log >= 0], minlength=num_logical).astype(np.float64)
     for slot in np.flatnonzero(phy2log < 0):
         rank = slot // slots_per_rank
-        held = phy2log[rank * slots_per_rank:(rank + 1) * slots_per_rank]
+        held = phy2log[rank * slots_per_rank : (rank + 1) * slots_per_rank]
         score = weight / count
         score[held[held >= 0]] = -np.inf
         if np.all(np.isinf(score)):
@@ -105,8 +105,12 @@ def online_policy(weight, num_replicas: int, num_groups: int, num_nodes: int, nu
     num_home, num_spare = home_layout(num_logical, int(num_replicas), int(num_gpus))
     counts = _integer_counts(weight, num_home)
     planned = np.asarray(_planner(num_home, num_spare)(jnp.asarray(counts)))
-    phy2log = np.stack([fill_unused_spares(planned[layer], weight[layer].astype(np.float64), num_home, num_spare)
-                        for layer in range(num_layers)]).astype(np.int32)
+    phy2log = np.stack(
+        [
+            fill_unused_spares(planned[layer], weight[layer].astype(np.float64), num_home, num_spare)
+            for layer in range(num_layers)
+        ]
+    ).astype(np.int32)
     log2phy, logcnt = build_log2phy(phy2log, num_logical)
     return phy2log, log2phy, logcnt
 

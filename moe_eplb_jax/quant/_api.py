@@ -66,8 +66,10 @@ def _per_expert_scale(name: str, value, num_experts: int):
     """A float32 ``[E]`` scale from a scalar or ``[E]`` value, checked on the host (no device work)."""
     if isinstance(value, jax.core.Tracer):
         if not jnp.issubdtype(value.dtype, jnp.floating) or value.shape not in ((), (num_experts,)):
-            raise ValueError(f"quantize_experts('fp8'): {name} must be a float scalar or shape ({num_experts},), "
-                             f"got {value.dtype} {value.shape}")
+            raise ValueError(
+                f"quantize_experts('fp8'): {name} must be a float scalar or shape ({num_experts},), "
+                f"got {value.dtype} {value.shape}"
+            )
         return jnp.broadcast_to(value.astype(jnp.float32), (num_experts,))
     arr = np.asarray(value)
     if not np.issubdtype(arr.dtype, np.floating):

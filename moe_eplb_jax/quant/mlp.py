@@ -59,8 +59,7 @@ IMPLS = ("reference", "auto", "dequant", "scaled_matmul")
 _BATCHED = (((2,), (2,)), ((0,), (0,)))  # [E, T, K] x [E, N, K] -> [E, T, N]
 
 
-def quantize_mlp(w_gate, w_up, w_down, fmt: str, *, input_scale=1.0, down_input_scale=1.0,
-                 nonfinite: str = "raise"):
+def quantize_mlp(w_gate, w_up, w_down, fmt: str, *, input_scale=1.0, down_input_scale=1.0, nonfinite: str = "raise"):
     """Quantizes one MoE layer's expert MLP; returns ``(gate, up, down)`` pytrees.
 
     ``w_gate``/``w_up`` are ``[E, I, H]``, ``w_down`` ``[E, H, I]``. For ``fp8`` the
@@ -76,8 +75,10 @@ def quantize_mlp(w_gate, w_up, w_down, fmt: str, *, input_scale=1.0, down_input_
     if tuple(w_gate.shape) != tuple(w_up.shape):
         raise ValueError(f"quantize_mlp: w_gate {tuple(w_gate.shape)} and w_up {tuple(w_up.shape)} differ")
     num_experts = w_gate.shape[0]
-    scales = [_per_expert_scale(name, value, num_experts)
-              for name, value in (("input_scale", input_scale), ("down_input_scale", down_input_scale))]
+    scales = [
+        _per_expert_scale(name, value, num_experts)
+        for name, value in (("input_scale", input_scale), ("down_input_scale", down_input_scale))
+    ]
     if nonfinite == "raise":
         for w in (w_gate, w_up, w_down):
             _check_finite(w, fmt)
@@ -95,8 +96,7 @@ def share_weight_scale(gate: Fp8Experts, up: Fp8Experts) -> tuple[Fp8Experts, Fp
     whose scale grows are re-rounded (the usual max-scale requantization).
     """
     if not (isinstance(gate, Fp8Experts) and isinstance(up, Fp8Experts)):
-        raise ValueError(f"share_weight_scale: expects two Fp8Experts, got {type(gate).__name__}, "
-                         f"{type(up).__name__}")
+        raise ValueError(f"share_weight_scale: expects two Fp8Experts, got {type(gate).__name__}, {type(up).__name__}")
     if gate.shape != up.shape:
         raise ValueError(f"share_weight_scale: gate {gate.shape} and up {up.shape} differ")
     shared = jnp.maximum(gate.weight_scale, up.weight_scale)
@@ -120,16 +120,16 @@ def _check_mlp(x, gate, up, down, impl, activation_scaling):
         raise ValueError(f"expert_mlp: x must be a float [E, T, H] array, got {getattr(x, 'shape', type(x))}")
     shapes = {}
     for name, w in (("gate", gate), ("up", up), ("down", down)):
-        if isinstance(w, _TYPES):
-            shapes[name] = tuple(w.shape)
-        elif hasattr(w, "shape") and len(w.shape) == 3 and jnp.issubdtype(w.dtype, jnp.floating):
+        if isinstance(w, _TYPES) or hasattr(w, "shape") and len(w.shape) == 3 and jnp.issubdtype(w.dtype, jnp.floating):
             shapes[name] = tuple(w.shape)
         else:
-            raise ValueError(f"expert_mlp: {name} must be a quantized pytree or a float [E, N, K] array, "
-                             f"got {type(w).__name__}")
+            raise ValueError(
+                f"expert_mlp: {name} must be a quantized pytree or a float [E, N, K] array, got {type(w).__name__}"
+            )
         if impl == "scaled_matmul" and not isinstance(w, (Mxfp8Experts, Mxfp4Experts)):
-            raise ValueError(f"expert_mlp: impl='scaled_matmul' needs mxfp8/mxfp4 weights, "
-                             f"{name} is {type(w).__name__}")
+            raise ValueError(
+                f"expert_mlp: impl='scaled_matmul' needs mxfp8/mxfp4 weights, {name} is {type(w).__name__}"
+            )
     e, t, h = x.shape
     i = shapes["gate"][1]
     if shapes["gate"] != (e, i, h) or shapes["up"] != (e, i, h) or shapes["down"] != (e, h, i):
@@ -161,8 +161,12 @@ def _project(x, q, *, impl, activation_scaling, axis_name, compute_dtype, fast_a
         x_q = quantize_activation_fp8(x, input_scale)
         alpha = alpha[:, None, None]
         if impl == "reference":
-            acc = jnp.einsum("etk,enk->etn", x_q.astype(jnp.float32), q.weight.astype(jnp.float32),
-                             precision=jax.lax.Precision.HIGHEST)
+            acc = jnp.einsum(
+                "etk,enk->etn",
+                x_q.astype(jnp.float32),
+                q.weight.astype(jnp.float32),
+                precision=jax.lax.Precision.HIGHEST,
+            )
         else:
             # DEFAULT precision lets XLA pick cuBLASLt's FP8 fast accumulation (lower-precision partial
             # sums on Hopper); HIGHEST keeps float32 accumulation of the exact e4m3 products.
@@ -211,17 +215,34 @@ def _fp4_values(packed):
     return _unpack_fp4_to_float4(packed).astype(jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("impl", "activation_scaling", "axis_name", "compute_dtype",
-                                             "fast_accumulation"))
+@functools.partial(
+    jax.jit, static_argnames=("impl", "activation_scaling", "axis_name", "compute_dtype", "fast_accumulation")
+)
 def _mlp(x, gate, up, down, *, impl, activation_scaling, axis_name, compute_dtype, fast_accumulation):
-    project = functools.partial(_project, impl=impl, activation_scaling=activation_scaling, axis_name=axis_name,
-                                compute_dtype=compute_dtype, fast_accumulation=fast_accumulation)
+    project = functools.partial(
+        _project,
+        impl=impl,
+        activation_scaling=activation_scaling,
+        axis_name=axis_name,
+        compute_dtype=compute_dtype,
+        fast_accumulation=fast_accumulation,
+    )
     hidden = jax.nn.silu(project(x, gate)) * project(x, up)
     return project(hidden, down)
 
 
-def expert_mlp(x, gate, up, down, *, impl: str = "auto", activation_scaling: str = "static",
-               axis_name: str | None = None, compute_dtype=jnp.bfloat16, fast_accumulation: bool = False) -> jax.Array:
+def expert_mlp(
+    x,
+    gate,
+    up,
+    down,
+    *,
+    impl: str = "auto",
+    activation_scaling: str = "static",
+    axis_name: str | None = None,
+    compute_dtype=jnp.bfloat16,
+    fast_accumulation: bool = False,
+) -> jax.Array:
     """Expert MLP ``down(silu(gate(x)) * up(x))`` per expert slot -> float32 ``[E, T, H]``.
 
     ``x`` is float ``[E, T, H]``; ``gate``/``up`` are ``[E, I, H]`` and ``down``
@@ -233,8 +254,17 @@ def expert_mlp(x, gate, up, down, *, impl: str = "auto", activation_scaling: str
     less accurate at large K); off by default.
     """
     _check_mlp(x, gate, up, down, impl, activation_scaling)
-    return _mlp(x, gate, up, down, impl=impl, activation_scaling=activation_scaling, axis_name=axis_name,
-                compute_dtype=jnp.dtype(compute_dtype), fast_accumulation=bool(fast_accumulation))
+    return _mlp(
+        x,
+        gate,
+        up,
+        down,
+        impl=impl,
+        activation_scaling=activation_scaling,
+        axis_name=axis_name,
+        compute_dtype=jnp.dtype(compute_dtype),
+        fast_accumulation=bool(fast_accumulation),
+    )
 
 
 def expert_mlp_reference(x, gate, up, down, *, activation_scaling: str = "static", axis_name: str | None = None):

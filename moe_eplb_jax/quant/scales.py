@@ -57,8 +57,9 @@ def with_input_scale(q: Fp8Experts, input_scale) -> Fp8Experts:
         raise ValueError(f"with_input_scale: expects Fp8Experts, got {type(q).__name__}")
     scale = jnp.asarray(input_scale)
     if scale.ndim != 0 or not jnp.issubdtype(scale.dtype, jnp.floating):
-        raise ValueError(f"with_input_scale: input_scale must be a float scalar, got shape {scale.shape} "
-                         f"dtype {scale.dtype}")
+        raise ValueError(
+            f"with_input_scale: input_scale must be a float scalar, got shape {scale.shape} dtype {scale.dtype}"
+        )
     if not isinstance(scale, jax.core.Tracer) and not (0.0 < float(scale) < float("inf")):
         raise ValueError(f"with_input_scale: input_scale must be positive and finite, got {float(scale)}")
     per_expert = jnp.broadcast_to(scale.astype(jnp.float32), q.weight_scale.shape)

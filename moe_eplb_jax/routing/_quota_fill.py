@@ -111,8 +111,26 @@ def _chunk(rows, length):
     return int(min(64, length, max(16, 16384 // rows)))
 
 
-def _prepare_in_kernel(b, p, load_ref, home_ref, key_ref, hot_ref, base_ref, dload_ref, expert_ref, position_ref,
-                       home_sorted_ref, *, entry_lanes, num_experts, rank_lanes, num_ranks, num_home, barrier):
+def _prepare_in_kernel(
+    b,
+    p,
+    load_ref,
+    home_ref,
+    key_ref,
+    hot_ref,
+    base_ref,
+    dload_ref,
+    expert_ref,
+    position_ref,
+    home_sorted_ref,
+    *,
+    entry_lanes,
+    num_experts,
+    rank_lanes,
+    num_ranks,
+    num_home,
+    barrier,
+):
     """The target-independent orders (as ``quota._prepare``), from ``load [E]`` in expert-id order.
 
     Writes the entries in demand order (``base_ref``, ``dload_ref``, ``expert_ref``),
@@ -173,8 +191,9 @@ def _prepare_in_kernel(b, p, load_ref, home_ref, key_ref, hot_ref, base_ref, dlo
     for start in range(0, entry_lanes, chunk):
         cols = start + jnp.arange(chunk, dtype=jnp.int32)
         key, tie = key_ref[p * entry_lanes + cols], hot_ref[p * entry_lanes + cols]
-        ahead = (key[None, :] > at_lowest[:, None]) | ((key[None, :] == at_lowest[:, None])
-                                                       & (tie[None, :] < hot_index[:, None]))
+        ahead = (key[None, :] > at_lowest[:, None]) | (
+            (key[None, :] == at_lowest[:, None]) & (tie[None, :] < hot_index[:, None])
+        )
         order = order + jnp.sum(ahead.astype(jnp.int32), axis=1)
     base_ref[p * entry_lanes + order] = jnp.where(real_e, home_e - before, 0)
     dload_ref[p * entry_lanes + order] = load
@@ -183,10 +202,36 @@ def _prepare_in_kernel(b, p, load_ref, home_ref, key_ref, hot_ref, base_ref, dlo
     return lowest, jnp.max(jnp.where(real_g, home, 0))
 
 
-def _search_kernel(load_ref, cand_ref, ok_ref, d_ref, s_lo_ref, x_end_ref, expert_ref,
-                   position_ref, home_ref, key_ref, hot_ref, base_ref, dload_ref, home_sorted_ref, *, lanes,
-                   num_chunks, search_width, search_rounds, num_experts, num_home, entry_lanes, num_ranks,
-                   rank_lanes, num_spare, min_replica_tokens, max_replicas, barrier):
+def _search_kernel(
+    load_ref,
+    cand_ref,
+    ok_ref,
+    d_ref,
+    s_lo_ref,
+    x_end_ref,
+    expert_ref,
+    position_ref,
+    home_ref,
+    key_ref,
+    hot_ref,
+    base_ref,
+    dload_ref,
+    home_sorted_ref,
+    *,
+    lanes,
+    num_chunks,
+    search_width,
+    search_rounds,
+    num_experts,
+    num_home,
+    entry_lanes,
+    num_ranks,
+    rank_lanes,
+    num_spare,
+    min_replica_tokens,
+    max_replicas,
+    barrier,
+):
     """One program per (batch element, chunk of ``lanes`` candidates): the orders, then every round.
 
     With one chunk, the rounds before the last pick their smallest feasible
@@ -202,9 +247,25 @@ def _search_kernel(load_ref, cand_ref, ok_ref, d_ref, s_lo_ref, x_end_ref, exper
 
     b, chunk_index = pl.program_id(0), pl.program_id(1)
     program = b * num_chunks + chunk_index  # this program's rows of the order refs
-    lo, hi = _prepare_in_kernel(b, program, load_ref, home_ref, key_ref, hot_ref, base_ref, dload_ref, expert_ref,
-                                position_ref, home_sorted_ref, entry_lanes=entry_lanes, num_experts=num_experts,
-                                rank_lanes=rank_lanes, num_ranks=num_ranks, num_home=num_home, barrier=barrier)
+    lo, hi = _prepare_in_kernel(
+        b,
+        program,
+        load_ref,
+        home_ref,
+        key_ref,
+        hot_ref,
+        base_ref,
+        dload_ref,
+        expert_ref,
+        position_ref,
+        home_sorted_ref,
+        entry_lanes=entry_lanes,
+        num_experts=num_experts,
+        rank_lanes=rank_lanes,
+        num_ranks=num_ranks,
+        num_home=num_home,
+        barrier=barrier,
+    )
     num_entries = entry_lanes
     all_lanes = lanes * num_chunks
     chunk = _chunk(lanes, entry_lanes)
@@ -251,8 +312,7 @@ def _search_kernel(load_ref, cand_ref, ok_ref, d_ref, s_lo_ref, x_end_ref, exper
                 window = [jnp.where(passed == shift, ahead[shift + o], window[o]) for o in range(num_spare)]
             supply = jnp.maximum(cand - home, 0)  # the r-th rank in supply order
             plgpu.store(s_lo_ref.at[pl.ds((b * num_ranks + r) * all_lanes + chunk_index * lanes, lanes)], x)
-            x_new, j_new, cnt, bad = _step(x, j, cnt, bad, supply, window, num_spare, min_replica_tokens,
-                                           max_replicas)
+            x_new, j_new, cnt, bad = _step(x, j, cnt, bad, supply, window, num_spare, min_replica_tokens, max_replicas)
             return x_new, j_new, cnt, bad, loaded, j_new - j, home_next
 
         zeros = jnp.zeros((lanes,), jnp.int32)
@@ -278,8 +338,9 @@ def _search_kernel(load_ref, cand_ref, ok_ref, d_ref, s_lo_ref, x_end_ref, exper
 LANES_PER_PROGRAM = 32
 
 
-def _search_batched(load, *, num_home, num_spare, min_replica_tokens, max_replicas, search_rounds,
-                    search_width, interpret):
+def _search_batched(
+    load, *, num_home, num_spare, min_replica_tokens, max_replicas, search_rounds, search_width, interpret
+):
     """``load [B, E]``; one program per batch element and chunk of candidates.
 
     Returns ``target [B]``, ``d_hi [B, E]``, ``s_lo [B, G]``, ``x_end [B]``,
@@ -300,17 +361,36 @@ def _search_batched(load, *, num_home, num_spare, min_replica_tokens, max_replic
     load = jnp.pad(load, ((0, 0), (0, entry_lanes - num_experts)))  # padding entries carry no load
     width = entry_lanes + num_spare
     kernel = functools.partial(
-        _search_kernel, lanes=lanes, num_chunks=num_chunks, search_width=search_width, search_rounds=search_rounds,
-        num_experts=num_experts, num_home=num_home, entry_lanes=entry_lanes, num_ranks=num_ranks,
-        rank_lanes=rank_lanes, num_spare=num_spare, min_replica_tokens=min_replica_tokens,
-        max_replicas=max_replicas, barrier=not interpret)
+        _search_kernel,
+        lanes=lanes,
+        num_chunks=num_chunks,
+        search_width=search_width,
+        search_rounds=search_rounds,
+        num_experts=num_experts,
+        num_home=num_home,
+        entry_lanes=entry_lanes,
+        num_ranks=num_ranks,
+        rank_lanes=rank_lanes,
+        num_spare=num_spare,
+        min_replica_tokens=min_replica_tokens,
+        max_replicas=max_replicas,
+        barrier=not interpret,
+    )
     whole = pl.no_block_spec
     int32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
     programs = batch * num_chunks
-    outs = [int32((batch * all_lanes,)), int32((batch * all_lanes,)), int32((batch * all_lanes * width,)),
-            int32((batch * num_ranks * all_lanes,)), int32((batch * all_lanes,)), int32((programs * entry_lanes,)),
-            int32((programs * rank_lanes,))]
-    scratch = [int32((programs * rank_lanes,))] + [int32((programs * entry_lanes,))] * 4 + [int32((programs * rank_lanes,))]
+    outs = [
+        int32((batch * all_lanes,)),
+        int32((batch * all_lanes,)),
+        int32((batch * all_lanes * width,)),
+        int32((batch * num_ranks * all_lanes,)),
+        int32((batch * all_lanes,)),
+        int32((programs * entry_lanes,)),
+        int32((programs * rank_lanes,)),
+    ]
+    scratch = (
+        [int32((programs * rank_lanes,))] + [int32((programs * entry_lanes,))] * 4 + [int32((programs * rank_lanes,))]
+    )
     cand, ok, d_pad, s_lo, x_end, expert, position, *_ = pl.pallas_call(
         kernel,
         grid=(batch, num_chunks),
@@ -334,11 +414,18 @@ def _search_batched(load, *, num_home, num_spare, min_replica_tokens, max_replic
     return target, d_hi, s_lo, x_end.reshape(batch, all_lanes)[rows, first], expert, position
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _search_fn(num_home, num_spare, min_replica_tokens, max_replicas, search_rounds, search_width, interpret):
-    batched = functools.partial(_search_batched, num_home=num_home, num_spare=num_spare,
-                                min_replica_tokens=min_replica_tokens, max_replicas=max_replicas,
-                                search_rounds=search_rounds, search_width=search_width, interpret=interpret)
+    batched = functools.partial(
+        _search_batched,
+        num_home=num_home,
+        num_spare=num_spare,
+        min_replica_tokens=min_replica_tokens,
+        max_replicas=max_replicas,
+        search_rounds=search_rounds,
+        search_width=search_width,
+        interpret=interpret,
+    )
     num_out = 6
 
     @jax.custom_batching.custom_vmap
@@ -347,8 +434,10 @@ def _search_fn(num_home, num_spare, min_replica_tokens, max_replicas, search_rou
 
     @search.def_vmap
     def _rule(axis_size, in_batched, *args):
-        args = [a if batched_arg else jnp.broadcast_to(a, (axis_size,) + a.shape)
-                for a, batched_arg in zip(args, in_batched)]
+        args = [
+            a if batched_arg else jnp.broadcast_to(a, (axis_size,) + a.shape)
+            for a, batched_arg in zip(args, in_batched)
+        ]
         return _vmapped(*args), (True,) * num_out
 
     @jax.custom_batching.custom_vmap
@@ -357,8 +446,10 @@ def _search_fn(num_home, num_spare, min_replica_tokens, max_replicas, search_rou
 
     @_vmapped.def_vmap
     def _nested(axis_size, in_batched, *args):  # vmap of vmap: fold the outer axis into the batch
-        args = [a if batched_arg else jnp.broadcast_to(a, (axis_size,) + a.shape)
-                for a, batched_arg in zip(args, in_batched)]
+        args = [
+            a if batched_arg else jnp.broadcast_to(a, (axis_size,) + a.shape)
+            for a, batched_arg in zip(args, in_batched)
+        ]
         inner = args[0].shape[1]
         out = _vmapped(*[a.reshape((axis_size * inner,) + a.shape[2:]) for a in args])
         return tuple(o.reshape((axis_size, inner) + o.shape[1:]) for o in out), (True,) * num_out
@@ -366,8 +457,17 @@ def _search_fn(num_home, num_spare, min_replica_tokens, max_replicas, search_rou
     return search
 
 
-def search_pallas(load, *, num_home: int, num_spare: int, min_replica_tokens: int, max_replicas: int,
-                  search_rounds: int, search_width: int, interpret: bool | None = None):
+def search_pallas(
+    load,
+    *,
+    num_home: int,
+    num_spare: int,
+    min_replica_tokens: int,
+    max_replicas: int,
+    search_rounds: int,
+    search_width: int,
+    interpret: bool | None = None,
+):
     """The orders and the whole K-ary search in one kernel.
 
     ``load [E]`` int32: each expert's load (expert-id order, ``E = G *
@@ -379,6 +479,7 @@ def search_pallas(load, *, num_home: int, num_spare: int, min_replica_tokens: in
     """
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    search = _search_fn(num_home, num_spare, min_replica_tokens, max_replicas, search_rounds, search_width,
-                        bool(interpret))
+    search = _search_fn(
+        num_home, num_spare, min_replica_tokens, max_replicas, search_rounds, search_width, bool(interpret)
+    )
     return search(load.astype(jnp.int32))

@@ -31,8 +31,11 @@ def _demands(load, num_home, target):
 def _demand_order(load, num_home):
     """Experts in demand order: largest demand at the lowest target ``ceil(mean)`` first (ties: hot order)."""
     num_ranks = load.shape[0] // num_home
-    hot = [(rank * num_home + j) for rank in range(num_ranks)
-           for j in sorted(range(num_home), key=lambda j: (-load[rank * num_home + j], j))]
+    hot = [
+        (rank * num_home + j)
+        for rank in range(num_ranks)
+        for j in sorted(range(num_home), key=lambda j: (-load[rank * num_home + j], j))
+    ]
     at_lowest = _demands(load, num_home, -(-int(load.sum()) // num_ranks))
     return sorted(hot, key=lambda e: (-at_lowest[e], hot.index(e)))
 
@@ -81,8 +84,9 @@ def _feasible(pieces, covered, num_spare, min_replica_tokens, max_replicas):
     return max(per_rank.values(), default=0) <= num_spare and max(per_expert.values(), default=0) <= max_replicas - 1
 
 
-def plan_quotas_reference(counts, *, num_home, num_spare, min_replica_tokens=1, max_replicas=None,
-                          search_rounds=1, search_width=1024):
+def plan_quotas_reference(
+    counts, *, num_home, num_spare, min_replica_tokens=1, max_replicas=None, search_rounds=1, search_width=1024
+):
     """Same contract as :func:`plan_quotas`; returns a dict of numpy arrays with the ``QuotaPlan`` field names."""
     counts = np.asarray(counts)
     check_counts(counts, num_home=num_home)
@@ -100,10 +104,12 @@ def plan_quotas_reference(counts, *, num_home, num_spare, min_replica_tokens=1, 
         for _ in range(search_rounds):
             span = max(hi - lo, 0)
             grid = [lo + (span * k) // (search_width - 1) for k in range(search_width)]
-            first = next(k for k, t in enumerate(grid)
-                         if k == search_width - 1
-                         or _feasible(*_fill(load, num_home, num_spare, t), num_spare, min_replica_tokens,
-                                      max_replicas))
+            first = next(
+                k
+                for k, t in enumerate(grid)
+                if k == search_width - 1
+                or _feasible(*_fill(load, num_home, num_spare, t), num_spare, min_replica_tokens, max_replicas)
+            )
             new_hi = grid[first]
             new_lo = grid[first - 1] + 1 if first > 0 else new_hi
             lo, hi = min(new_lo, new_hi), new_hi
@@ -130,8 +136,10 @@ def plan_quotas_reference(counts, *, num_home, num_spare, min_replica_tokens=1, 
         holders[e][home] = home * slots_per_rank + e % num_home
         ranks = sorted(holders[e])
         logcnt[e] = len(ranks)
-        cap = [int(load[e]) - sum(pieces.get((e, r), 0) for r in ranks if r != home) if r == home
-               else pieces[(e, r)] for r in ranks]
+        cap = [
+            int(load[e]) - sum(pieces.get((e, r), 0) for r in ranks if r != home) if r == home else pieces[(e, r)]
+            for r in ranks
+        ]
         for s, r in enumerate(ranks):
             log2phy[e, s] = holders[e][r]
             replica_load[e, s] = cap[s]
@@ -153,9 +161,15 @@ def plan_quotas_reference(counts, *, num_home, num_spare, min_replica_tokens=1, 
                 quota[g, e, s] += take
                 src_left[g] -= take
                 left[s] -= take
-    return dict(phy2log=phy2log.reshape(-1).astype(np.int32), log2phy=log2phy.astype(np.int32),
-                logcnt=logcnt.astype(np.int32), replica_load=replica_load.astype(np.int32),
-                quota=quota.astype(np.int32), rank_load=rank_load.astype(np.int32), target=np.int32(hi))
+    return dict(
+        phy2log=phy2log.reshape(-1).astype(np.int32),
+        log2phy=log2phy.astype(np.int32),
+        logcnt=logcnt.astype(np.int32),
+        replica_load=replica_load.astype(np.int32),
+        quota=quota.astype(np.int32),
+        rank_load=rank_load.astype(np.int32),
+        target=np.int32(hi),
+    )
 
 
 def simulate_resolved_routing(topk_ids, log2phy, logcnt, resolved):

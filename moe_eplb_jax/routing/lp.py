@@ -39,8 +39,9 @@ def _check(load, log2phy, logcnt, num_physical, num_ranks):
     if cnt_shape != (num_experts,):
         raise ValueError(f"logcnt must have shape [E={num_experts}], got {cnt_shape}")
     if num_ranks < 1 or num_physical < num_experts or num_physical % num_ranks:
-        raise ValueError(f"num_physical ({num_physical}) must be >= E ({num_experts}) and divisible by "
-                         f"num_ranks ({num_ranks})")
+        raise ValueError(
+            f"num_physical ({num_physical}) must be >= E ({num_experts}) and divisible by num_ranks ({num_ranks})"
+        )
     if not isinstance(load, jax.core.Tracer) and np.any(np.asarray(load) < 0):
         raise ValueError("load must be non-negative")
     if not any(isinstance(a, jax.core.Tracer) for a in (log2phy, logcnt)):
@@ -63,8 +64,9 @@ def shares_rank_load(load, log2phy, logcnt, shares, *, num_physical: int, num_ra
     return xp.sum(xp.where(onehot, part[..., None], 0), axis=(0, 1))
 
 
-def lp_shares(load, log2phy, logcnt, *, num_physical: int, num_ranks: int, num_iters: int = 256,
-              step_size: float = 2.0):
+def lp_shares(
+    load, log2phy, logcnt, *, num_physical: int, num_ranks: int, num_iters: int = 256, step_size: float = 2.0
+):
     """Replica shares ``[E, S]`` float32 (rows sum to 1 over the ``logcnt`` replicas) and rank loads ``[G]``.
 
     ``load [E]`` tokens per logical expert, ``log2phy [E, S]`` (``-1`` padded),
@@ -124,11 +126,15 @@ def lp_shares_reference(load, log2phy, logcnt, *, num_physical: int, num_ranks: 
     cost = np.zeros(n + 1)
     cost[-1] = 1.0  # minimise t
     a_eq = scipy.sparse.csr_matrix((np.ones(n), (expert, np.arange(n))), shape=(num_experts, n + 1))
-    a_ub = scipy.sparse.hstack([
-        scipy.sparse.csr_matrix((np.ones(n), (rank, np.arange(n))), shape=(num_ranks, n)),
-        scipy.sparse.csr_matrix(-np.ones((num_ranks, 1)))]).tocsr()
-    res = scipy.optimize.linprog(cost, A_ub=a_ub, b_ub=np.zeros(num_ranks), A_eq=a_eq, b_eq=load,
-                                 bounds=[(0, None)] * (n + 1), method="highs")
+    a_ub = scipy.sparse.hstack(
+        [
+            scipy.sparse.csr_matrix((np.ones(n), (rank, np.arange(n))), shape=(num_ranks, n)),
+            scipy.sparse.csr_matrix(-np.ones((num_ranks, 1))),
+        ]
+    ).tocsr()
+    res = scipy.optimize.linprog(
+        cost, A_ub=a_ub, b_ub=np.zeros(num_ranks), A_eq=a_eq, b_eq=load, bounds=[(0, None)] * (n + 1), method="highs"
+    )
     if res.status != 0:
         raise ValueError(f"HiGHS failed to solve the routing LP: {res.message}")
     shares = np.zeros((num_experts, width))

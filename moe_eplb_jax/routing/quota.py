@@ -61,8 +61,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_eplb_jax.routing._quota_fill import (IMPLEMENTATIONS, candidates, default_implementation, fill_layout,
-                                              search_pallas)
+from moe_eplb_jax.routing._quota_fill import (
+    IMPLEMENTATIONS,
+    candidates,
+    default_implementation,
+    fill_layout,
+    search_pallas,
+)
 
 __all__ = ["QuotaPlan", "plan_quotas", "check_counts", "default_max_replicas"]
 
@@ -139,15 +144,23 @@ def _pallas_probe() -> str:
         for impl in IMPLEMENTATIONS:  # compiled ahead of time and run outside any trace the caller is in
             probe = jax.jit(jax.vmap(functools.partial(plan_quotas, num_home=2, num_spare=2, implementation=impl)))
             plans.append(probe.lower(jax.ShapeDtypeStruct(counts.shape, jnp.int32)).compile()(counts))
-        same = all(np.array_equal(np.asarray(a), np.asarray(b))
-                   for a, b in zip(*(jax.tree_util.tree_leaves(plan) for plan in plans)))
-    except Exception as err:  # noqa: BLE001 -- any failure means: do not use the kernel
-        warnings.warn(f"plan_quotas: the Pallas search failed on this device ({type(err).__name__}: {err}); "
-                      "using the XLA search", RuntimeWarning, stacklevel=3)
+        same = all(
+            np.array_equal(np.asarray(a), np.asarray(b))
+            for a, b in zip(*(jax.tree_util.tree_leaves(plan) for plan in plans))
+        )
+    except Exception as err:
+        warnings.warn(
+            f"plan_quotas: the Pallas search failed on this device ({type(err).__name__}: {err}); using the XLA search",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         return "xla"
     if not same:
-        warnings.warn("plan_quotas: the Pallas search disagrees with the XLA search on this device; using the XLA "
-                      "search", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            "plan_quotas: the Pallas search disagrees with the XLA search on this device; using the XLA search",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         return "xla"
     return "pallas"
 
@@ -205,15 +218,25 @@ def plan_quotas(
     if max_replicas is None:
         max_replicas = default_max_replicas(np.shape(counts)[0] if np.ndim(counts) == 2 else 1, num_spare)
     dtype = counts.dtype if hasattr(counts, "dtype") else np.asarray(counts).dtype
-    _check_static(np.shape(counts), dtype, num_home, num_spare, min_replica_tokens, max_replicas,
-                  search_rounds, search_width)
+    _check_static(
+        np.shape(counts), dtype, num_home, num_spare, min_replica_tokens, max_replicas, search_rounds, search_width
+    )
     if not isinstance(counts, jax.core.Tracer):
         check_counts(counts, num_home=num_home)
     if implementation is None:
         implementation = _default_implementation()  # after validation: on GPU this may run the one-time probe
     counts = jnp.maximum(jnp.asarray(counts).astype(jnp.int32), 0)
-    return _plan(counts, num_home, num_spare, min_replica_tokens, max_replicas, search_rounds, search_width,
-                 with_quota, implementation)
+    return _plan(
+        counts,
+        num_home,
+        num_spare,
+        min_replica_tokens,
+        max_replicas,
+        search_rounds,
+        search_width,
+        with_quota,
+        implementation,
+    )
 
 
 # --------------------------------------------------------------------------- the search
@@ -242,8 +265,9 @@ def _prepare(counts, num_home):
     before = jnp.sum(jnp.where(hotter, other, 0), axis=2).reshape(-1)  # load of hotter experts on the same rank
     hot_index = (ranks[:, None] * num_home + jnp.sum(hotter.astype(jnp.int32), axis=2)).reshape(-1)
     rank_of = jnp.repeat(ranks, num_home)
-    less = (home_load[None, :] < home_load[:, None]) | ((home_load[None, :] == home_load[:, None])
-                                                         & (ranks[None, :] < ranks[:, None]))
+    less = (home_load[None, :] < home_load[:, None]) | (
+        (home_load[None, :] == home_load[:, None]) & (ranks[None, :] < ranks[:, None])
+    )
     rank_position = jnp.sum(less.astype(jnp.int32), axis=1)
     # Demands are laid out largest first as measured at the lowest target, ceil(mean), where every demand is
     # at its largest (ties: hot order, rank by rank); that one order serves every target (a demand only shrinks
@@ -276,8 +300,9 @@ def _layouts(cand, home_load, demands, num_spare, min_replica_tokens, max_replic
     d_pad = jnp.concatenate([d_hi, jnp.broadcast_to(total, (cand.shape[0], num_spare))], axis=1)
     supply = jnp.maximum(cand[:, None] - jnp.sort(home_load)[None, :], 0)  # most slack first
     j0 = jnp.sum((d_hi <= 0).astype(jnp.int32), axis=1)
-    s_lo, x_end, ok = fill_layout(d_pad, supply, j0, num_spare=num_spare, min_replica_tokens=min_replica_tokens,
-                                  max_replicas=max_replicas)
+    s_lo, x_end, ok = fill_layout(
+        d_pad, supply, j0, num_spare=num_spare, min_replica_tokens=min_replica_tokens, max_replicas=max_replicas
+    )
     return d_hi, s_lo, x_end, ok & (x_end >= total[:, 0])
 
 
@@ -316,8 +341,17 @@ def _running_sum(x, axis, pairwise):
     return jnp.sum(jnp.where(upto[None, :, :], x[:, None, :], 0), axis=2)
 
 
-def _plan(counts, num_home, num_spare, min_replica_tokens, max_replicas, search_rounds, search_width, with_quota,
-          implementation):
+def _plan(
+    counts,
+    num_home,
+    num_spare,
+    min_replica_tokens,
+    max_replicas,
+    search_rounds,
+    search_width,
+    with_quota,
+    implementation,
+):
     num_ranks, num_experts = counts.shape
     slots_per_rank = num_home + num_spare
     ranks = jnp.arange(num_ranks, dtype=jnp.int32)
@@ -334,12 +368,19 @@ def _plan(counts, num_home, num_spare, min_replica_tokens, max_replicas, search_
     else:
         if implementation == "pallas":  # the orders and the whole search in one kernel
             target, d_hi, s_lo, x_end, demand_expert, rank_position = search_pallas(
-                load, num_home=num_home, num_spare=num_spare, min_replica_tokens=min_replica_tokens,
-                max_replicas=max_replicas, search_rounds=search_rounds, search_width=search_width)
+                load,
+                num_home=num_home,
+                num_spare=num_spare,
+                min_replica_tokens=min_replica_tokens,
+                max_replicas=max_replicas,
+                search_rounds=search_rounds,
+                search_width=search_width,
+            )
         else:
             _, home_load, rank_position, *demands, demand_expert = _prepare(counts, num_home)
-            target, (d_hi, s_lo, x_end) = _search(home_load, demands, num_spare, min_replica_tokens, max_replicas,
-                                                  search_rounds, search_width)
+            target, (d_hi, s_lo, x_end) = _search(
+                home_load, demands, num_spare, min_replica_tokens, max_replicas, search_rounds, search_width
+            )
         d_lo = d_hi - jnp.concatenate([d_hi[:1], jnp.diff(d_hi)])
         s_hi = jnp.concatenate([s_lo[1:], x_end[None]])
         # pieces[e, g] = overlap of expert e's demand with rank g's supply. The target is feasible, so no piece
@@ -382,8 +423,15 @@ def _plan(counts, num_home, num_spare, min_replica_tokens, max_replicas, search_
     replica_load = jnp.sum(jnp.where(at, cap_at_rank[:, :, None], 0), axis=1)  # [E, R]
     logcnt = jnp.sum(holds, axis=1).astype(jnp.int32)
     rank_load = jnp.sum(jnp.where(holds, cap_at_rank, 0), axis=0).astype(jnp.int32)
-    plan = QuotaPlan(phy2log=phy2log, log2phy=log2phy, logcnt=logcnt, replica_load=replica_load, quota=None,
-                     rank_load=rank_load, target=target.astype(jnp.int32))
+    plan = QuotaPlan(
+        phy2log=phy2log,
+        log2phy=log2phy,
+        logcnt=logcnt,
+        replica_load=replica_load,
+        quota=None,
+        rank_load=rank_load,
+        target=target.astype(jnp.int32),
+    )
     if not with_quota:
         return plan
     rank_of_replica = jnp.where(log2phy >= 0, log2phy // slots_per_rank, -1)  # [E, R]
@@ -399,7 +447,8 @@ def _plan(counts, num_home, num_spare, min_replica_tokens, max_replicas, search_
     cap_hi = _running_sum(rem_cap, 1, pairwise)
     cap_lo = cap_hi - rem_cap
     remote = jnp.maximum(
-        jnp.minimum(src_hi[:, :, None], cap_hi[:, None, :]) - jnp.maximum(src_lo[:, :, None], cap_lo[:, None, :]), 0)
+        jnp.minimum(src_hi[:, :, None], cap_hi[:, None, :]) - jnp.maximum(src_lo[:, :, None], cap_lo[:, None, :]), 0
+    )
     local = jnp.where(rank_of_replica[:, None, :] == ranks[None, :, None], local_take[:, :, None], 0)
     quota = jnp.transpose(remote + local, (1, 0, 2)).astype(jnp.int32)  # [G, E, R]
     return dataclasses.replace(plan, quota=quota)

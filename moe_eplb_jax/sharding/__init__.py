@@ -33,8 +33,14 @@ from moe_eplb_jax.sharding.plan import (
     plan_rearrangement,
     validate_placements,
 )
-from moe_eplb_jax.sharding.transport import (PreparedMove, execute_plan, executor_trace_count, prepare_move,
-                                             rearrange_experts, row_bytes)
+from moe_eplb_jax.sharding.transport import (
+    PreparedMove,
+    execute_plan,
+    executor_trace_count,
+    prepare_move,
+    rearrange_experts,
+    row_bytes,
+)
 
 __all__ = [
     "LeafLayout",

@@ -31,7 +31,7 @@ Mosaic GPU interpreter has neither), for checking the copy pipeline on CPU.
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -62,14 +62,30 @@ def put_chunk_words(width: int, max_chunk_bytes: int = MAX_CHUNK_BYTES) -> int:
 def can_put(widths: Sequence[int], devices) -> bool:
     """Whether the put kernel can move rows of these word widths between ``devices`` (all GPUs of this process)."""
     devices = list(devices)
-    return (len(devices) > 1 and all(d.platform == "gpu" for d in devices)
-            and jax.device_count() == jax.local_device_count()
-            and all(put_chunk_words(int(w)) for w in widths))
+    return (
+        len(devices) > 1
+        and all(d.platform == "gpu" for d in devices)
+        and jax.device_count() == jax.local_device_count()
+        and all(put_chunk_words(int(w)) for w in widths)
+    )
 
 
-def put_rows(staged, dst, row_views, next_rows=None, *, axis: str, num_ranks: int, rows_per_round: int,
-             offsets: Sequence[int], num_programs: int = 132, pack_programs: int = DEFAULT_PACK_PROGRAMS,
-             stages: int = DEFAULT_STAGES, local: bool = False, interpret=None):
+def put_rows(
+    staged,
+    dst,
+    row_views,
+    next_rows=None,
+    *,
+    axis: str,
+    num_ranks: int,
+    rows_per_round: int,
+    offsets: Sequence[int],
+    num_programs: int = 132,
+    pack_programs: int = DEFAULT_PACK_PROGRAMS,
+    stages: int = DEFAULT_STAGES,
+    local: bool = False,
+    interpret=None,
+):
     """Writes ``staged`` rows into the row views of the peers; call inside ``shard_map`` over ``axis``.
 
     ``staged`` is ``[N, B]`` uint32 with ``N = (G - 1) * rows_per_round``:
@@ -103,8 +119,10 @@ def put_rows(staged, dst, row_views, next_rows=None, *, axis: str, num_ranks: in
     pack_programs = int(pack_programs) if packing else 0
     put_programs = int(num_programs) - pack_programs
     if put_programs < 1 or (packing and pack_programs < 1):
-        raise ValueError(f"put_rows: {num_programs} programs cannot hold {pack_programs} packing programs and "
-                         "at least one writing program")
+        raise ValueError(
+            f"put_rows: {num_programs} programs cannot hold {pack_programs} packing programs and "
+            "at least one writing program"
+        )
     num_staged, num_next = int(staged.shape[0]), int(next_rows.shape[0]) if packing else 0
     num_leaves = len(row_views)
 
@@ -135,10 +153,15 @@ def put_rows(staged, dst, row_views, next_rows=None, *, axis: str, num_ranks: in
                 @pl.when(valid(row))
                 def _():
                     # PROMISE_IN_BOUNDS: a plain contiguous bulk copy (no tensor map, no box limit).
-                    plgpu.copy_gmem_to_smem(source(row, col), buf.at[slot, pl.ds(0, chunk)], loaded.at[slot],
-                                            oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
+                    plgpu.copy_gmem_to_smem(
+                        source(row, col),
+                        buf.at[slot, pl.ds(0, chunk)],
+                        loaded.at[slot],
+                        oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS,
+                    )
 
             for s in range(stages):  # prologue: every buffer loading
+
                 @pl.when(s < count)
                 def _(s=s):
                     load(s)
@@ -173,28 +196,53 @@ def put_rows(staged, dst, row_views, next_rows=None, *, axis: str, num_ranks: in
 
         def write_peers(program, buf, loaded):  # this chunk's packed rows into their rows on the receivers
             for leaf, (row_ref, chunk, offset) in enumerate(zip(row_refs, chunks, offsets)):
+
                 def packed(row, col, chunk=chunk, offset=offset):  # this leaf's words of packed row `row`
                     return staged_ref.at[row, pl.ds(offset + col, chunk)]
 
                 def on_receiver(row, col, row_ref=row_ref, chunk=chunk):  # where they go on the receiving rank
                     return target(row_ref, row).at[dst_ref[row], pl.ds(col, chunk)]
 
-                copy_loop(program, put_programs, num_staged, chunk, widths[leaf] // chunk, packed, on_receiver,
-                          is_real, buf, loaded[leaf])
+                copy_loop(
+                    program,
+                    put_programs,
+                    num_staged,
+                    chunk,
+                    widths[leaf] // chunk,
+                    packed,
+                    on_receiver,
+                    is_real,
+                    buf,
+                    loaded[leaf],
+                )
 
         def pack_next(program, buf, loaded):  # the next chunk's rows, from the local row views
             for leaf, (row_ref, chunk, offset) in enumerate(zip(row_refs, chunks, offsets)):
+
                 def local_row(row, col, row_ref=row_ref, chunk=chunk):  # local row next_rows[row] of this leaf
                     return row_ref.at[next_ref[row], pl.ds(col, chunk)]
 
                 def next_packed(row, col, chunk=chunk, offset=offset):  # its place in the next staged buffer
                     return next_out.at[row, pl.ds(offset + col, chunk)]
 
-                copy_loop(program, pack_programs, num_next, chunk, widths[leaf] // chunk, local_row, next_packed,
-                          lambda row: row >= 0, buf, loaded[leaf])
+                copy_loop(
+                    program,
+                    pack_programs,
+                    num_next,
+                    chunk,
+                    widths[leaf] // chunk,
+                    local_row,
+                    next_packed,
+                    lambda row: row >= 0,
+                    buf,
+                    loaded[leaf],
+                )
 
-        @functools.partial(pl.run_scoped, buf=plgpu.SMEM((stages, max(chunks)), jnp.uint32),
-                           loaded=[plgpu.Barrier(num_arrivals=1, num_barriers=stages) for _ in range(num_leaves)])
+        @functools.partial(
+            pl.run_scoped,
+            buf=plgpu.SMEM((stages, max(chunks)), jnp.uint32),
+            loaded=[plgpu.Barrier(num_arrivals=1, num_barriers=stages) for _ in range(num_leaves)],
+        )
         def _copies(buf, loaded):
             if interpret:  # checks on CPU: one program, running each program's share in turn
                 for program in range(put_programs):
@@ -209,9 +257,11 @@ def put_rows(staged, dst, row_views, next_rows=None, *, axis: str, num_ranks: in
                     write_peers(program, buf, loaded)
 
                 if packing:
+
                     @pl.when(program >= put_programs)
                     def _():
                         pack_next(program - put_programs, buf, loaded)
+
             plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # every store has landed, not just left SMEM
 
         if local:

@@ -78,11 +78,15 @@ def _check_views(row_views) -> tuple[int, tuple[int, ...]]:
         if num_rows is None:
             num_rows = shape[0]
         elif shape[0] != num_rows:
-            raise ValueError(f"row_views must all have the same number of rows N: row_views[0] has {num_rows}, "
-                             f"row_views[{i}] has {shape[0]}")
+            raise ValueError(
+                f"row_views must all have the same number of rows N: row_views[0] has {num_rows}, "
+                f"row_views[{i}] has {shape[0]}"
+            )
         if shape[0] * shape[1] >= _MAX_OFFSET:
-            raise ValueError(f"row_views[{i}] has {shape[0]} x {shape[1]} words, too many for int32 offsets "
-                             f"(N * m must be < 2**31): use the XLA path")
+            raise ValueError(
+                f"row_views[{i}] has {shape[0]} x {shape[1]} words, too many for int32 offsets "
+                f"(N * m must be < 2**31): use the XLA path"
+            )
         widths.append(int(shape[1]))
     return int(num_rows), tuple(widths)
 
@@ -116,8 +120,10 @@ def _check_config(num_programs, block, num_warps, num_stages, interpret):
 
 def _check_packed_size(num_selected, total):
     if num_selected * total >= _MAX_OFFSET:
-        raise ValueError(f"the packed buffer has {num_selected} x {total} words, too many for int32 offsets "
-                         f"(C * sum(m) must be < 2**31): use the XLA path")
+        raise ValueError(
+            f"the packed buffer has {num_selected} x {total} words, too many for int32 offsets "
+            f"(C * sum(m) must be < 2**31): use the XLA path"
+        )
 
 
 # --------------------------------------------------------------------- kernels
@@ -185,16 +191,16 @@ def _item_rows(index_ref, item, rows, cols, col_blocks, num_selected, index_star
     return selected, row_ok, columns, plgpu.load(index_ref.at[at], mask=row_ok, other=other)
 
 
-def _gather_kernel(rows_ref, *refs, num_rows, num_selected, widths, total, plans, num_programs, interpret,
-                   index_start):
+def _gather_kernel(rows_ref, *refs, num_rows, num_selected, widths, total, plans, num_programs, interpret, index_start):
     *view_refs, out_ref = refs
     program = pl.program_id(0)
     offset = 0
     for view_ref, width, (rows, cols, col_blocks, items, first) in zip(view_refs, widths, plans):
 
         def copy(item, view_ref=view_ref, width=width, offset=offset, rows=rows, cols=cols, col_blocks=col_blocks):
-            selected, row_ok, columns, index = _item_rows(rows_ref, item, rows, cols, col_blocks, num_selected,
-                                                          index_start, interpret, other=0)
+            selected, row_ok, columns, index = _item_rows(
+                rows_ref, item, rows, cols, col_blocks, num_selected, index_start, interpret, other=0
+            )
             index = jnp.clip(index, 0, num_rows - 1)  # out-of-range rows are clamped: never an out-of-bounds read
             mask = row_ok & (columns < width)
             src = _hint(index * width, width) + columns
@@ -206,21 +212,24 @@ def _gather_kernel(rows_ref, *refs, num_rows, num_selected, widths, total, plans
         offset += width
 
 
-def _scatter_kernel(dst_ref, packed_ref, *refs, num_rows, num_selected, widths, total, plans, num_programs,
-                    interpret, index_start):
-    out_refs = refs[len(widths):]  # the aliased views; the inputs refs[:len(widths)] are the same buffers
+def _scatter_kernel(
+    dst_ref, packed_ref, *refs, num_rows, num_selected, widths, total, plans, num_programs, interpret, index_start
+):
+    out_refs = refs[len(widths) :]  # the aliased views; the inputs refs[:len(widths)] are the same buffers
     program = pl.program_id(0)
     offset = 0
     for out_ref, width, (rows, cols, col_blocks, items, first) in zip(out_refs, widths, plans):
 
         def copy(item, out_ref=out_ref, width=width, offset=offset, rows=rows, cols=cols, col_blocks=col_blocks):
-            selected, row_ok, columns, index = _item_rows(dst_ref, item, rows, cols, col_blocks, num_selected,
-                                                          index_start, interpret, other=-1)
+            selected, row_ok, columns, index = _item_rows(
+                dst_ref, item, rows, cols, col_blocks, num_selected, index_start, interpret, other=-1
+            )
             row_ok = row_ok & (index >= 0) & (index < num_rows)  # out-of-range destinations are skipped
             mask = row_ok & (columns < width)
             src = _hint(selected * total + offset, total, offset) + columns
-            words = plgpu.load(packed_ref.at[_safe(src, mask, num_selected * total, interpret)], mask=mask,
-                               other=jnp.uint32(0))
+            words = plgpu.load(
+                packed_ref.at[_safe(src, mask, num_selected * total, interpret)], mask=mask, other=jnp.uint32(0)
+            )
             dst = _hint(jnp.where(row_ok, index, 0) * width, width) + columns
             plgpu.store(out_ref.at[_safe(dst, mask, num_rows * width, interpret)], words, mask=mask)
 
@@ -229,9 +238,18 @@ def _scatter_kernel(dst_ref, packed_ref, *refs, num_rows, num_selected, widths, 
 
 
 # --------------------------------------------------------------------- wrappers
-def gather_rows(row_views: Sequence[jax.Array], rows: jax.Array, *, num_programs: int = 32, block: int = 4096,
-                num_warps: int = 4, num_stages: int = 3, interpret: bool | None = None, index_start: int = 0,
-                index_count: int | None = None) -> jax.Array:
+def gather_rows(
+    row_views: Sequence[jax.Array],
+    rows: jax.Array,
+    *,
+    num_programs: int = 32,
+    block: int = 4096,
+    num_warps: int = 4,
+    num_stages: int = 3,
+    interpret: bool | None = None,
+    index_start: int = 0,
+    index_count: int | None = None,
+) -> jax.Array:
     """Gathers rows of several row views into one packed buffer, on ``num_programs`` programs.
 
     **Arguments:**
@@ -278,9 +296,17 @@ def gather_rows(row_views: Sequence[jax.Array], rows: jax.Array, *, num_programs
     num_programs, block = int(num_programs), int(block)
     plans = _schedule(widths, num_selected, block, num_programs)
     (rows, *flat), out_struct = _join_varying(jnp.asarray(rows), *(jnp.asarray(v).reshape(-1) for v in row_views))
-    kernel = functools.partial(_gather_kernel, num_rows=num_rows, num_selected=num_selected, widths=widths,
-                               total=total, plans=plans, num_programs=num_programs, interpret=interpret,
-                               index_start=int(index_start))
+    kernel = functools.partial(
+        _gather_kernel,
+        num_rows=num_rows,
+        num_selected=num_selected,
+        widths=widths,
+        total=total,
+        plans=plans,
+        num_programs=num_programs,
+        interpret=interpret,
+        index_start=int(index_start),
+    )
     packed = pl.pallas_call(
         kernel,
         grid=(num_programs,),
@@ -294,9 +320,19 @@ def gather_rows(row_views: Sequence[jax.Array], rows: jax.Array, *, num_programs
     return packed.reshape(num_selected, total)
 
 
-def scatter_rows(row_views: Sequence[jax.Array], packed: jax.Array, dst: jax.Array, *, num_programs: int = 32,
-                 block: int = 4096, num_warps: int = 4, num_stages: int = 3, interpret: bool | None = None,
-                 index_start: int = 0, index_count: int | None = None) -> list[jax.Array]:
+def scatter_rows(
+    row_views: Sequence[jax.Array],
+    packed: jax.Array,
+    dst: jax.Array,
+    *,
+    num_programs: int = 32,
+    block: int = 4096,
+    num_warps: int = 4,
+    num_stages: int = 3,
+    interpret: bool | None = None,
+    index_start: int = 0,
+    index_count: int | None = None,
+) -> list[jax.Array]:
     """Scatters the rows of a packed buffer into several row views, in place, on ``num_programs`` programs.
 
     **Arguments:**
@@ -348,10 +384,19 @@ def scatter_rows(row_views: Sequence[jax.Array], packed: jax.Array, dst: jax.Arr
     num_programs, block = int(num_programs), int(block)
     plans = _schedule(widths, num_selected, block, num_programs)
     (dst, packed, *flat), out_struct = _join_varying(
-        jnp.asarray(dst), jnp.asarray(packed).reshape(-1), *(jnp.asarray(v).reshape(-1) for v in row_views))
-    kernel = functools.partial(_scatter_kernel, num_rows=num_rows, num_selected=num_selected, widths=widths,
-                               total=total, plans=plans, num_programs=num_programs, interpret=interpret,
-                               index_start=int(index_start))
+        jnp.asarray(dst), jnp.asarray(packed).reshape(-1), *(jnp.asarray(v).reshape(-1) for v in row_views)
+    )
+    kernel = functools.partial(
+        _scatter_kernel,
+        num_rows=num_rows,
+        num_selected=num_selected,
+        widths=widths,
+        total=total,
+        plans=plans,
+        num_programs=num_programs,
+        interpret=interpret,
+        index_start=int(index_start),
+    )
     outs = pl.pallas_call(
         kernel,
         grid=(num_programs,),

@@ -42,7 +42,9 @@ def slot_sharding(mesh: Mesh, ndim: int, *, axis: str = "ep", layered: bool = Fa
     axis_size(mesh, axis)
     lead = 2 if layered else 1
     if ndim < lead:
-        raise ValueError(f"a {'[L, P, ...]' if layered else '[P, ...]'} leaf needs at least {lead} dimensions, got {ndim}")
+        raise ValueError(
+            f"a {'[L, P, ...]' if layered else '[P, ...]'} leaf needs at least {lead} dimensions, got {ndim}"
+        )
     spec = [None] * ndim
     spec[lead - 1] = axis
     return NamedSharding(mesh, PartitionSpec(*spec))

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -75,10 +75,22 @@ BYTE_VIEW_DTYPES = frozenset({np.dtype(jnp.float8_e5m2)})
 
 
 # ml_dtypes floats report numpy kind 'V'.
-_ML_DTYPE_KINDS = frozenset(np.dtype(d) for d in (
-    jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float8_e8m0fnu, jnp.float4_e2m1fn,
-    jnp.float8_e4m3fnuz, jnp.float8_e5m2fnuz, jnp.float8_e4m3b11fnuz, jnp.int4, jnp.uint4,
-) + tuple(getattr(jnp, n) for n in ("float8_e3m4", "float8_e4m3") if hasattr(jnp, n)))
+_ML_DTYPE_KINDS = frozenset(
+    np.dtype(d)
+    for d in (
+        jnp.bfloat16,
+        jnp.float8_e4m3fn,
+        jnp.float8_e5m2,
+        jnp.float8_e8m0fnu,
+        jnp.float4_e2m1fn,
+        jnp.float8_e4m3fnuz,
+        jnp.float8_e5m2fnuz,
+        jnp.float8_e4m3b11fnuz,
+        jnp.int4,
+        jnp.uint4,
+    )
+    + tuple(getattr(jnp, n) for n in ("float8_e3m4", "float8_e4m3") if hasattr(jnp, n))
+)
 
 
 def _bits(dtype) -> int:
@@ -199,8 +211,9 @@ def unpack_rows(packed: jax.Array, layouts: Sequence[LeafLayout]) -> list[jax.Ar
     """Splits packed ``[C, B]`` rows from :func:`pack_rows` into the leaves' row views ``[C, m_i]``."""
     width = wire_offsets(layouts)[-1]
     if packed.shape[1] != width or packed.dtype != wire_dtype(layouts):
-        raise ValueError(f"packed rows are {packed.dtype} [*, {packed.shape[1]}], the leaves need "
-                         f"{wire_dtype(layouts)} [*, {width}]")
+        raise ValueError(
+            f"packed rows are {packed.dtype} [*, {packed.shape[1]}], the leaves need {wire_dtype(layouts)} [*, {width}]"
+        )
     return [unpack_leaf(packed, layouts, i) for i in range(len(layouts))]
 
 

@@ -133,7 +133,7 @@ class TransportPlan:
             return 0
         return int(max(self.rows_sent.max(), self.rows_received.max())) * int(row_bytes)
 
-    def padded(self, *, send: int = 0, dup: int = 0, copy: int = 0) -> "TransportPlan":
+    def padded(self, *, send: int = 0, dup: int = 0, copy: int = 0) -> TransportPlan:
         """The same plan with capacities raised to at least ``(send, dup, copy)``.
 
         Padding to fixed bounds gives every later plan the same compiled shapes
@@ -324,8 +324,9 @@ def plan_rearrangement(
 
     send_rows = np.zeros((num_ranks, rounds, capacity), dtype=np.int32)
     # Padding of received rows: distinct out-of-range rows, dropped by the scatter.
-    recv_dst = np.tile(num_rows + np.arange(rounds * capacity, dtype=np.int32).reshape(rounds, capacity),
-                       (num_ranks, 1, 1))
+    recv_dst = np.tile(
+        num_rows + np.arange(rounds * capacity, dtype=np.int32).reshape(rounds, capacity), (num_ranks, 1, 1)
+    )
     for r in range(num_ranks):
         for d in range(rounds):
             send_rows[r, d, : len(sends[r][d])] = sends[r][d]
@@ -475,8 +476,10 @@ def order_for_streaming(plan: TransportPlan, num_chunks: int, *, weights=None) -
         for t in cycle:
             need[lists[t]] = need.get(lists[t], 0) + 1
         if max(need.values()) > chunk:  # e.g. a rotation of many slots: it cannot be split
-            raise ValueError(f"a cycle of {max(need.values())} transfers in one round does not fit in chunks of "
-                             f"{chunk} rows: use fewer chunks")
+            raise ValueError(
+                f"a cycle of {max(need.values())} transfers in one round does not fit in chunks of "
+                f"{chunk} rows: use fewer chunks"
+            )
         c = max(lower[t] for t in cycle)
         while not all(fits(lst, c, n) for lst, n in need.items()):
             c += 1
@@ -492,8 +495,7 @@ def order_for_streaming(plan: TransportPlan, num_chunks: int, *, weights=None) -
     recv_dst = np.tile(padding, (g, 1, 1))  # distinct out-of-range rows, dropped by the scatter
     send_rows[send_rank, k, slot] = src
     recv_dst[recv_rank, k, slot] = dst
-    return dataclasses.replace(plan, send_rows=send_rows, recv_dst=recv_dst, chunk_rows=chunk,
-                               chunk_bounds=all_bounds)
+    return dataclasses.replace(plan, send_rows=send_rows, recv_dst=recv_dst, chunk_rows=chunk, chunk_bounds=all_bounds)
 
 
 def check_chunk_weights(weights, name: str = "weights") -> tuple[float, ...]:

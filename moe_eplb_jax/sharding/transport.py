@@ -65,12 +65,27 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from moe_eplb_jax.sharding import _nvlink
 from moe_eplb_jax.sharding._row_copy import gather_rows, offsets_fit, scatter_rows
 from moe_eplb_jax.sharding.mesh import axis_size, put_host
-from moe_eplb_jax.sharding.packing import (from_row_view, leaf_layout, pack_rows, row_view, unpack_leaf,
-                                           wire_dtype, wire_offsets)
+from moe_eplb_jax.sharding.packing import (
+    from_row_view,
+    leaf_layout,
+    pack_rows,
+    row_view,
+    unpack_leaf,
+    wire_dtype,
+    wire_offsets,
+)
 from moe_eplb_jax.sharding.plan import TransportPlan, check_chunk_weights, order_for_streaming, plan_rearrangement
 
-__all__ = ["rearrange_experts", "execute_plan", "prepare_move", "PreparedMove", "executor_trace_count", "row_bytes",
-           "DEFAULT_MAX_CHUNK_BYTES", "SCHEDULES"]
+__all__ = [
+    "rearrange_experts",
+    "execute_plan",
+    "prepare_move",
+    "PreparedMove",
+    "executor_trace_count",
+    "row_bytes",
+    "DEFAULT_MAX_CHUNK_BYTES",
+    "SCHEDULES",
+]
 
 # Default chunking (max_chunk_bytes=None): split each rank's sends into about this many transfers, so the
 # one send chunk alive at a time adds ~1/8 of the bytes moved to the received rows (measured: fewer,
@@ -92,8 +107,11 @@ DEFAULT_COPY_PROGRAMS = 48
 COPY_KERNEL_OPTIONS = {"block": 4096, "num_warps": 4}
 # The put schedule's kernel (sharding._nvlink): programs (None: one per SM), how many of them pack the next
 # chunk, and TMA buffers per program.
-PUT_KERNEL_OPTIONS = {"num_programs": None, "pack_programs": _nvlink.DEFAULT_PACK_PROGRAMS,
-                      "stages": _nvlink.DEFAULT_STAGES}
+PUT_KERNEL_OPTIONS = {
+    "num_programs": None,
+    "pack_programs": _nvlink.DEFAULT_PACK_PROGRAMS,
+    "stages": _nvlink.DEFAULT_STAGES,
+}
 
 
 def rearrange_experts(
@@ -154,9 +172,18 @@ def rearrange_experts(
     """
     num_ranks = axis_size(mesh, axis)
     plan = plan_rearrangement(old_phy2log, new_phy2log, num_ranks, layer=layer, num_logical=num_logical)
-    return execute_plan(experts, plan, mesh=mesh, axis=axis, donate=donate, max_chunk_bytes=max_chunk_bytes,
-                        compiler_options=compiler_options, schedule=schedule, copy_programs=copy_programs,
-                        chunk_weights=chunk_weights)
+    return execute_plan(
+        experts,
+        plan,
+        mesh=mesh,
+        axis=axis,
+        donate=donate,
+        max_chunk_bytes=max_chunk_bytes,
+        compiler_options=compiler_options,
+        schedule=schedule,
+        copy_programs=copy_programs,
+        chunk_weights=chunk_weights,
+    )
 
 
 def row_bytes(experts: Any, plan: TransportPlan, *, mesh: Mesh, axis: str = "ep") -> int:
@@ -184,9 +211,18 @@ def execute_plan(
     host work (validation, the plan's ordering, the table upload) off the
     critical path, call :func:`prepare_move` ahead and the move when due.
     """
-    move = prepare_move(experts, plan, mesh=mesh, axis=axis, donate=donate, max_chunk_bytes=max_chunk_bytes,
-                        compiler_options=compiler_options, schedule=schedule, copy_programs=copy_programs,
-                        chunk_weights=chunk_weights)
+    move = prepare_move(
+        experts,
+        plan,
+        mesh=mesh,
+        axis=axis,
+        donate=donate,
+        max_chunk_bytes=max_chunk_bytes,
+        compiler_options=compiler_options,
+        schedule=schedule,
+        copy_programs=copy_programs,
+        chunk_weights=chunk_weights,
+    )
     return move._run(experts)  # validated just now by prepare_move
 
 
@@ -241,8 +277,20 @@ def prepare_move(
     tables, table_layout = device_tables(plan, mesh, axis, sender_destinations=bool(put))
     options = tuple(sorted((compiler_options or {}).items()))
     copy_programs = _copy_programs(copy_programs, leaves, layouts, plan) if chunk_bounds and not put else 0
-    run = _executor(mesh, axis, tuple(specs), tuple(layouts), 2 if plan.layered else 1, bool(donate), num_chunks,
-                    options, chunk_bounds, table_layout, copy_programs, put)
+    run = _executor(
+        mesh,
+        axis,
+        tuple(specs),
+        tuple(layouts),
+        2 if plan.layered else 1,
+        bool(donate),
+        num_chunks,
+        options,
+        chunk_bounds,
+        table_layout,
+        copy_programs,
+        put,
+    )
     return PreparedMove(plan, mesh, treedef, tuple(positions), signature, bool(donate), tables, run)
 
 
@@ -283,11 +331,17 @@ class PreparedMove(NamedTuple):
             if not isinstance(leaf, jax.Array) or isinstance(leaf, jax.core.Tracer):
                 raise ValueError(f"{name(i)} must be a concrete jax.Array, got {type(leaf).__name__}")
             sharding = leaf.sharding
-            if (leaf.shape != shape or leaf.dtype != dtype or not isinstance(sharding, NamedSharding)
-                    or _trimmed(sharding.spec) != spec
-                    or not (sharding.mesh is self.mesh or _same_mesh(sharding.mesh, self.mesh))):
-                raise ValueError(f"{name(i)} is {leaf.dtype}{list(leaf.shape)} with {sharding}; the move "
-                                 f"was prepared for {dtype}{list(shape)} with spec {spec} on {self.mesh}")
+            if (
+                leaf.shape != shape
+                or leaf.dtype != dtype
+                or not isinstance(sharding, NamedSharding)
+                or _trimmed(sharding.spec) != spec
+                or not (sharding.mesh is self.mesh or _same_mesh(sharding.mesh, self.mesh))
+            ):
+                raise ValueError(
+                    f"{name(i)} is {leaf.dtype}{list(leaf.shape)} with {sharding}; the move "
+                    f"was prepared for {dtype}{list(shape)} with spec {spec} on {self.mesh}"
+                )
             if leaf.is_deleted():
                 raise ValueError(f"{name(i)} was deleted (donated to an earlier call?)")
         if self.run is not None:
@@ -371,7 +425,8 @@ def _put_kind(schedule: str, layouts, mesh: Mesh) -> str:
         raise ValueError(
             "schedule='put' needs every device of the mesh in this process and slot rows of a multiple of 128 "
             f"bytes per leaf (got {[layout.row_bytes for layout in layouts]} bytes, "
-            f"{jax.local_device_count()} of {jax.device_count()} devices local); use schedule='stream'")
+            f"{jax.local_device_count()} of {jax.device_count()} devices local); use schedule='stream'"
+        )
     return "kernel"
 
 
@@ -451,8 +506,10 @@ def _names(entry) -> tuple:
 
 
 def _same_mesh(a: Mesh, b: Mesh) -> bool:
-    return tuple(a.axis_names) == tuple(b.axis_names) and a.devices.shape == b.devices.shape and all(
-        x.id == y.id for x, y in zip(a.devices.flat, b.devices.flat)
+    return (
+        tuple(a.axis_names) == tuple(b.axis_names)
+        and a.devices.shape == b.devices.shape
+        and all(x.id == y.id for x, y in zip(a.devices.flat, b.devices.flat))
     )
 
 
@@ -508,8 +565,20 @@ PIPELINE_DEPTH = 1
 _TRACES = [0]
 
 
-def _executor(mesh, axis, specs, layouts, num_lead, donate, num_chunks, options, chunk_bounds, table_layout,
-              copy_programs=0, put=""):
+def _executor(
+    mesh,
+    axis,
+    specs,
+    layouts,
+    num_lead,
+    donate,
+    num_chunks,
+    options,
+    chunk_bounds,
+    table_layout,
+    copy_programs=0,
+    put="",
+):
     """The jitted executor: serial (no ``chunk_bounds``), stream or put (``put``: ``_put_kind``) schedule.
 
     It takes ``(tables, leaves)``: the one table array of :func:`device_tables`
@@ -517,17 +586,36 @@ def _executor(mesh, axis, specs, layouts, num_lead, donate, num_chunks, options,
     """
     copy = (copy_programs, tuple(sorted(COPY_KERNEL_OPTIONS.items()))) if copy_programs else (0, ())
     chunk_bounds = tuple(int(b) for b in chunk_bounds)
-    key = (mesh, axis, specs, layouts, num_lead, donate, 0 if chunk_bounds else num_chunks, options,
-           0 if chunk_bounds else PIPELINE_DEPTH, chunk_bounds, table_layout, copy,
-           (put, PUT_KERNEL_OPTIONS.get("num_programs") or _num_sms(mesh), PUT_KERNEL_OPTIONS["pack_programs"],
-            PUT_KERNEL_OPTIONS["stages"]) if put else ())
+    key = (
+        mesh,
+        axis,
+        specs,
+        layouts,
+        num_lead,
+        donate,
+        0 if chunk_bounds else num_chunks,
+        options,
+        0 if chunk_bounds else PIPELINE_DEPTH,
+        chunk_bounds,
+        table_layout,
+        copy,
+        (
+            put,
+            PUT_KERNEL_OPTIONS.get("num_programs") or _num_sms(mesh),
+            PUT_KERNEL_OPTIONS["pack_programs"],
+            PUT_KERNEL_OPTIONS["stages"],
+        )
+        if put
+        else (),
+    )
     if key not in _EXECUTORS:
         _EXECUTORS[key] = _build_executor(*key)
     return _EXECUTORS[key]
 
 
-def _build_executor(mesh, axis, specs, layouts, num_lead, donate, num_chunks, options, depth, chunk_bounds,
-                    table_layout, copy, put):
+def _build_executor(
+    mesh, axis, specs, layouts, num_lead, donate, num_chunks, options, depth, chunk_bounds, table_layout, copy, put
+):
     num_ranks = int(mesh.shape[axis])
     copy_programs, kernel_options = copy[0], dict(copy[1])
 
@@ -549,23 +637,27 @@ def _build_executor(mesh, axis, specs, layouts, num_lead, donate, num_chunks, op
     def pack(current, rows, overlapped=True):  # the send rows of every leaf, packed: [C, B]
         if copy_programs and overlapped:
             table, start, count = window(rows)
-            return gather_rows(current, table, num_programs=copy_programs, index_start=start, index_count=count,
-                               **kernel_options)
+            return gather_rows(
+                current, table, num_programs=copy_programs, index_start=start, index_count=count, **kernel_options
+            )
         return pack_rows(current, layouts, sliced(rows))
 
     def write_received(current, buf, dst, overlapped=True):  # received rows into rows dst (out of range: padding)
         if copy_programs and overlapped:
             table, start, count = window(dst)
-            return scatter_rows(current, buf, table, num_programs=copy_programs, index_start=start,
-                                index_count=count, **kernel_options)
+            return scatter_rows(
+                current, buf, table, num_programs=copy_programs, index_start=start, index_count=count, **kernel_options
+            )
         dst = sliced(dst)
-        return [r.at[dst].set(unpack_leaf(buf, layouts, i), mode="drop", unique_indices=True)
-                for i, r in enumerate(current)]
+        return [
+            r.at[dst].set(unpack_leaf(buf, layouts, i), mode="drop", unique_indices=True) for i, r in enumerate(current)
+        ]
 
     def open_rows(table, leaves):  # {name: table} of the local [1, T] table array (static slices), row views
         _TRACES[0] += 1
-        tables = {name: table[0, start : start + int(np.prod(shape))].reshape(shape)
-                  for name, start, shape in table_layout}
+        tables = {
+            name: table[0, start : start + int(np.prod(shape))].reshape(shape) for name, start, shape in table_layout
+        }
         num_rows = int(np.prod(leaves[0].shape[:num_lead]))
         return tables, [row_view(leaf, layout, num_rows) for leaf, layout in zip(leaves, layouts)]
 
@@ -593,8 +685,9 @@ def _build_executor(mesh, axis, specs, layouts, num_lead, donate, num_chunks, op
             if j >= depth:
                 _, gate = jax.lax.optimization_barrier((incoming[j - depth], gate))
             perm = [(r, (r + d) % num_ranks) for r in range(num_ranks)]
-            outgoing.append(pack(gate, (table, "send_rows", d, slice(start, min(start + chunk, capacity))),
-                                 overlapped=False))  # moving rows
+            outgoing.append(
+                pack(gate, (table, "send_rows", d, slice(start, min(start + chunk, capacity))), overlapped=False)
+            )  # moving rows
             incoming.append(jax.lax.ppermute(outgoing[-1], axis, perm))
             dsts.append((table, "recv_dst", d, slice(start, min(start + chunk, capacity))))
         copied = [r[copy_src] for r in gate] if copy_dst.shape[0] else None
@@ -621,7 +714,7 @@ def _build_executor(mesh, axis, specs, layouts, num_lead, donate, num_chunks, op
         # padded after ordering) are padding only.
         steps = len(chunk_bounds) - 1 if num_ranks > 1 and capacity else 0
         rounds = range(1, num_ranks)
-        part = lambda c: slice(chunk_bounds[c], chunk_bounds[c + 1])  # noqa: E731
+        part = lambda c: slice(chunk_bounds[c], chunk_bounds[c + 1])
 
         def send(c, current):  # chunk c of every round, packed from the current rows, on its way
             packed = [pack(current, (table, "send_rows", d, part(c)), overlapped=c > 0) for d in rounds]
@@ -655,7 +748,7 @@ def _build_executor(mesh, axis, specs, layouts, num_lead, donate, num_chunks, op
         send_rows, send_dst = tables["send_rows"], tables["send_dst"]  # [G - 1, C]
         steps = len(chunk_bounds) - 1 if num_ranks > 1 and send_rows.shape[-1] else 0
         offsets = wire_offsets(layouts)
-        part = lambda c: slice(chunk_bounds[c], chunk_bounds[c + 1])  # noqa: E731
+        part = lambda c: slice(chunk_bounds[c], chunk_bounds[c + 1])
         copied = [r[copy_src] for r in rows] if copy_dst.shape[0] else None
         if copied is not None:  # the local copies read the old rows before any kernel writes them in place
             rows, copied = jax.lax.optimization_barrier((rows, copied))
@@ -665,17 +758,29 @@ def _build_executor(mesh, axis, specs, layouts, num_lead, donate, num_chunks, op
             dst = send_dst[:, part(c)].reshape(-1)  # [(G - 1) * per_round]: rows on the receivers
             following = send_rows[:, part(c + 1)].reshape(-1) if c + 1 < steps else None
             if kind == "kernel":
-                rows, packed = _nvlink.put_rows(packed, dst, rows, following, axis=axis, num_ranks=num_ranks,
-                                                rows_per_round=per_round, offsets=offsets, num_programs=num_programs,
-                                                pack_programs=pack_programs, stages=stages)
+                rows, packed = _nvlink.put_rows(
+                    packed,
+                    dst,
+                    rows,
+                    following,
+                    axis=axis,
+                    num_ranks=num_ranks,
+                    rows_per_round=per_round,
+                    offsets=offsets,
+                    num_programs=num_programs,
+                    pack_programs=pack_programs,
+                    stages=stages,
+                )
                 continue
             # The same data flow with collectives (no GPU): rows and their destinations, then a scatter.
             for d in range(1, num_ranks):
                 mine = slice((d - 1) * per_round, d * per_round)
                 perm = [(r, (r + d) % num_ranks) for r in range(num_ranks)]
                 got, where = jax.lax.ppermute((packed[mine], dst[mine]), axis, perm)
-                rows = [r.at[where].set(unpack_leaf(got, layouts, i), mode="drop", unique_indices=True)
-                        for i, r in enumerate(rows)]
+                rows = [
+                    r.at[where].set(unpack_leaf(got, layouts, i), mode="drop", unique_indices=True)
+                    for i, r in enumerate(rows)
+                ]
             packed = pack_rows(rows, layouts, following) if following is not None else None
         if copied is not None:
             rows = write_copies(rows, copied, tables)
@@ -683,8 +788,13 @@ def _build_executor(mesh, axis, specs, layouts, num_lead, donate, num_chunks, op
 
     table_spec = PartitionSpec(axis)
     body = put_schedule if put else stream if chunk_bounds else serial
-    mapped = jax.shard_map(body, mesh=mesh, in_specs=(table_spec, list(specs)), out_specs=list(specs),
-                           check_vma=not (put and put[0] == "kernel"))
+    mapped = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(table_spec, list(specs)),
+        out_specs=list(specs),
+        check_vma=not (put and put[0] == "kernel"),
+    )
     # Explicit shardings: leaves whose specs differ only in spelling (trailing None) hit the same cache entry.
     leaf_shardings = [NamedSharding(mesh, spec) for spec in specs]
     table_shardings = NamedSharding(mesh, table_spec)
@@ -695,4 +805,3 @@ def _build_executor(mesh, axis, specs, layouts, num_lead, donate, num_chunks, op
         donate_argnums=(1,) if donate else (),
         compiler_options=dict(options) or None,
     )
-

@@ -48,7 +48,7 @@ def zipf_popularity(num_experts: int, num_ranks: int, imbalance: float, *, seed:
     ranks[order] = np.arange(1, num_experts + 1)
 
     def popularity(s):
-        w = ranks ** -s
+        w = ranks**-s
         return w / w.sum()
 
     lo, hi = 0.0, 1.0
@@ -63,8 +63,9 @@ def zipf_popularity(num_experts: int, num_ranks: int, imbalance: float, *, seed:
     return popularity(hi)
 
 
-def zipf_counts(num_ranks: int, num_experts: int, tokens_per_rank: int, top_k: int, imbalance: float, *,
-                seed: int = 0) -> np.ndarray:
+def zipf_counts(
+    num_ranks: int, num_experts: int, tokens_per_rank: int, top_k: int, imbalance: float, *, seed: int = 0
+) -> np.ndarray:
     """Token counts ``[G, E]`` int32: each rank's ``tokens_per_rank * top_k`` assignments drawn from Zipf popularity.
 
     Draws are multinomial per rank (expert choices of one token are not forced
@@ -76,8 +77,9 @@ def zipf_counts(num_ranks: int, num_experts: int, tokens_per_rank: int, top_k: i
     return rng.multinomial(tokens_per_rank * top_k, p, size=num_ranks).astype(np.int32)
 
 
-def zipf_topk(num_ranks: int, num_experts: int, tokens_per_rank: int, top_k: int, imbalance: float, *,
-              seed: int = 0) -> np.ndarray:
+def zipf_topk(
+    num_ranks: int, num_experts: int, tokens_per_rank: int, top_k: int, imbalance: float, *, seed: int = 0
+) -> np.ndarray:
     """Top-k expert ids ``[G, T, k]`` int32 (distinct per token) drawn by Gumbel top-k from Zipf popularity."""
     _check_positive(tokens_per_rank=tokens_per_rank, top_k=top_k)
     if top_k > num_experts:
@@ -91,8 +93,9 @@ def zipf_topk(num_ranks: int, num_experts: int, tokens_per_rank: int, top_k: int
     return out
 
 
-def lognormal_load(num_layers: int, num_experts: int, *, sigma: float = 1.0, tokens: int = 65536,
-                   seed: int = 0) -> np.ndarray:
+def lognormal_load(
+    num_layers: int, num_experts: int, *, sigma: float = 1.0, tokens: int = 65536, seed: int = 0
+) -> np.ndarray:
     """Per-layer expert loads ``[L, E]`` int64: ``tokens`` assignments per layer, log-normal(σ) popularity."""
     _check_positive(num_layers=num_layers, num_experts=num_experts, tokens=tokens)
     if not sigma >= 0:
@@ -103,8 +106,17 @@ def lognormal_load(num_layers: int, num_experts: int, *, sigma: float = 1.0, tok
     return np.stack([rng.multinomial(tokens, w[i]) for i in range(num_layers)]).astype(np.int64)
 
 
-def drifting_load(num_steps: int, num_layers: int, num_experts: int, num_ranks: int, *, imbalance: float = 2.0,
-                  num_datasets: int = 2, tokens: int = 65536, seed: int = 0) -> np.ndarray:
+def drifting_load(
+    num_steps: int,
+    num_layers: int,
+    num_experts: int,
+    num_ranks: int,
+    *,
+    imbalance: float = 2.0,
+    num_datasets: int = 2,
+    tokens: int = 65536,
+    seed: int = 0,
+) -> np.ndarray:
     """A load trace ``[steps, L, E]`` int64 that drifts between ``num_datasets`` popularity profiles.
 
     Each "dataset" is a Zipf profile (home rank imbalance ``imbalance``) over its
@@ -113,10 +125,17 @@ def drifting_load(num_steps: int, num_layers: int, num_experts: int, num_ranks: 
     served on a different distribution at the end.
     """
     _check_positive(num_steps=num_steps, num_layers=num_layers, num_datasets=num_datasets, tokens=tokens)
-    profiles = np.stack([
-        np.stack([zipf_popularity(num_experts, num_ranks, imbalance, seed=seed + 1000 * d + layer)
-                  for layer in range(num_layers)])
-        for d in range(num_datasets)])  # [D, L, E]
+    profiles = np.stack(
+        [
+            np.stack(
+                [
+                    zipf_popularity(num_experts, num_ranks, imbalance, seed=seed + 1000 * d + layer)
+                    for layer in range(num_layers)
+                ]
+            )
+            for d in range(num_datasets)
+        ]
+    )  # [D, L, E]
     rng = np.random.default_rng(seed + 7)
     out = np.empty((num_steps, num_layers, num_experts), np.int64)
     for step in range(num_steps):

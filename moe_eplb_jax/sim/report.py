@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_eplb_jax._files import pyplot
 from moe_eplb_jax import policy as _policy
+from moe_eplb_jax._files import pyplot
 from moe_eplb_jax.metrics import rank_load_from_logical
 from moe_eplb_jax.placement import build_log2phy
 from moe_eplb_jax.routing.lp import lp_shares
@@ -104,9 +104,19 @@ def _home_counts(load: np.ndarray, num_home: int) -> np.ndarray:
     return counts
 
 
-def simulate(load, *, num_ranks: int, num_spare: int, policies=("none", "deepseek", "online"),
-             step_interval: int = 10, window: int = 10, expert_bytes: float = 44e6, token_time_us: float = 0.05,
-             link_gbps: float = 400.0, progress=None) -> list[PolicyReport]:
+def simulate(
+    load,
+    *,
+    num_ranks: int,
+    num_spare: int,
+    policies=("none", "deepseek", "online"),
+    step_interval: int = 10,
+    window: int = 10,
+    expert_bytes: float = 44e6,
+    token_time_us: float = 0.05,
+    link_gbps: float = 400.0,
+    progress=None,
+) -> list[PolicyReport]:
     """Replays ``load [steps, L, E]`` under each policy; returns one :class:`PolicyReport` per name.
 
     ``expert_bytes`` is one expert's weight size (default: a DeepSeek-V3
@@ -138,8 +148,10 @@ def simulate(load, *, num_ranks: int, num_spare: int, policies=("none", "deepsee
     num_physical = num_ranks * (num_home + num_spare)
     ideal = float(load.sum(-1).mean(0).sum() / num_ranks * token_time_us / 1e3)
     steps = range(num_steps) if progress is None else progress(range(num_steps))
-    runners = {name: _runner(name, load, num_ranks, num_home, num_spare, num_physical, step_interval, window)
-               for name in policies}
+    runners = {
+        name: _runner(name, load, num_ranks, num_home, num_spare, num_physical, step_interval, window)
+        for name in policies
+    }
     results = {name: [] for name in policies}
     for step in steps:
         for name, run in runners.items():
@@ -152,9 +164,17 @@ def simulate(load, *, num_ranks: int, num_spare: int, policies=("none", "deepsee
         replicas = float(np.mean([r[3] for r in results[name]]))
         compute_ms = rank_load.max(-1).sum(-1).mean() * token_time_us / 1e3
         move_ms = moved_slots * expert_bytes / (link_gbps * 1e9) * 1e3 / num_steps / num_ranks
-        reports.append(PolicyReport(name=name, rank_load=rank_load, replicas_used=replicas,
-                                    num_rebalances=int(rebalances), bytes_moved=float(moved_slots * expert_bytes),
-                                    step_time_ms=float(compute_ms + move_ms), ideal_step_time_ms=ideal))
+        reports.append(
+            PolicyReport(
+                name=name,
+                rank_load=rank_load,
+                replicas_used=replicas,
+                num_rebalances=int(rebalances),
+                bytes_moved=float(moved_slots * expert_bytes),
+                step_time_ms=float(compute_ms + move_ms),
+                ideal_step_time_ms=ideal,
+            )
+        )
     return reports
 
 
@@ -164,9 +184,15 @@ def _runner(name, load, num_ranks, num_home, num_spare, num_physical, step_inter
     home_phy2log = np.arange(num_logical)
 
     if name == "none":
+
         def run(step):
-            return rank_load_from_logical(load[step], np.broadcast_to(home_phy2log, (num_layers, num_logical)),
-                                          num_ranks), 0, 0, 0.0
+            return (
+                rank_load_from_logical(load[step], np.broadcast_to(home_phy2log, (num_layers, num_logical)), num_ranks),
+                0,
+                0,
+                0.0,
+            )
+
         return run
 
     if name == "online":
@@ -174,12 +200,14 @@ def _runner(name, load, num_ranks, num_home, num_spare, num_physical, step_inter
         state = {"phy2log": None}
 
         def run(step):
-            phy2log, rank_load, logcnt = (np.asarray(a) for a in planner(jnp.asarray(_home_counts(load[step],
-                                                                                                   num_home))))
+            phy2log, rank_load, logcnt = (
+                np.asarray(a) for a in planner(jnp.asarray(_home_counts(load[step], num_home)))
+            )
             old = state["phy2log"]
             moved = 0 if old is None else int(np.sum((phy2log >= 0) & (phy2log != old)))
             state["phy2log"] = np.where(phy2log >= 0, phy2log, old if old is not None else -1)
             return rank_load.astype(np.float64), moved, 1, float((logcnt.sum(-1) - num_logical).mean())
+
         return run
 
     use_lp = name.endswith("+lp")
@@ -199,27 +227,35 @@ def _runner(name, load, num_ranks, num_home, num_spare, num_physical, step_inter
         if step == 0:
             fit(load[0])
         elif step % step_interval == 0:
-            moved, rebalanced = fit(load[max(0, step - window):step].mean(0)), 1
+            moved, rebalanced = fit(load[max(0, step - window) : step].mean(0)), 1
         if use_lp:
             log2phy, logcnt = state["tables"]
-            rank_load = np.asarray(_lp_router(num_physical, num_ranks)(
-                jnp.asarray(load[step], jnp.float32), jnp.asarray(log2phy), jnp.asarray(logcnt))).astype(np.float64)
+            rank_load = np.asarray(
+                _lp_router(num_physical, num_ranks)(
+                    jnp.asarray(load[step], jnp.float32), jnp.asarray(log2phy), jnp.asarray(logcnt)
+                )
+            ).astype(np.float64)
         else:
             rank_load = rank_load_from_logical(load[step], state["phy2log"], num_ranks)
         return rank_load, moved, rebalanced, float(num_physical - num_logical)
+
     return run
 
 
 def format_table(reports: list[PolicyReport]) -> str:
     """A fixed-width text table, one row per policy."""
-    head = (f"{'policy':<16} {'balanced':>8} {'imb mean':>8} {'imb max':>8} {'replicas':>8} {'rebal':>5} "
-            f"{'MB/rebal':>9} {'step ms':>8} {'x ideal':>7}")
+    head = (
+        f"{'policy':<16} {'balanced':>8} {'imb mean':>8} {'imb max':>8} {'replicas':>8} {'rebal':>5} "
+        f"{'MB/rebal':>9} {'step ms':>8} {'x ideal':>7}"
+    )
     rows = [head, "-" * len(head)]
     for r in reports:
         imb = r.layer_imbalance
-        rows.append(f"{r.name:<16} {r.balancedness:8.4f} {imb.mean():8.4f} {imb.max():8.4f} {r.replicas_used:8.1f} "
-                    f"{r.num_rebalances:5d} {r.bytes_per_rebalance / 1e6:9.1f} {r.step_time_ms:8.3f} "
-                    f"{r.step_time_ms / r.ideal_step_time_ms if r.ideal_step_time_ms else 1.0:7.3f}")
+        rows.append(
+            f"{r.name:<16} {r.balancedness:8.4f} {imb.mean():8.4f} {imb.max():8.4f} {r.replicas_used:8.1f} "
+            f"{r.num_rebalances:5d} {r.bytes_per_rebalance / 1e6:9.1f} {r.step_time_ms:8.3f} "
+            f"{r.step_time_ms / r.ideal_step_time_ms if r.ideal_step_time_ms else 1.0:7.3f}"
+        )
     return "\n".join(rows)
 
 
