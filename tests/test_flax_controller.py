@@ -228,7 +228,7 @@ def test_quantized_experts_move_with_their_scales(rng, fmt):
 
 
 class _PaddedLayer(nnx.Module):
-    """One MoE layer on 8 ranks whose forward pass takes a count of valid (non-padding) tokens."""
+    """One MoE layer on 8 ranks whose forward pass takes a count of valid (non-padding) tokens, a prefix."""
 
     def __init__(self, mesh, load_reduce):
         self.moe = MoELayer(16, 16, E, 2, mesh=mesh, num_physical=16, load_reduce=load_reduce, rngs=nnx.Rngs(11))
@@ -236,7 +236,7 @@ class _PaddedLayer(nnx.Module):
         self.moe.router_bias.set_value(jax.device_put(skew, self.moe.router_bias.get_value().sharding))
 
     def __call__(self, x, num_valid):
-        return self.moe(x, num_valid_tokens=num_valid)
+        return self.moe(x, valid=jnp.arange(x.shape[0]) < num_valid)
 
 
 def test_deferred_load_sum_equals_per_step_psum(rng):

@@ -262,28 +262,37 @@ def test_module_keeps_the_kernel_lookup_with_its_placement(rng):
         layer.eplb_set_placement(placement.phy2log[0], placement.log2phy[0][:, :1], placement.logcnt[0])
 
 
-def test_padding_tokens_are_computed_but_not_counted(rng):
+def test_padding_tokens_are_neither_computed_nor_counted(rng):
     w_in, w_out, router = _weights(rng)
     placement = _random_placement(rng)
     phy = placement.phy2log[0]
     x = rng.standard_normal((G * 5, D)).astype(np.float32)
     args = (x, router, BIAS, {"w_in": w_in[phy], "w_out": w_out[phy]}, placement.log2phy[0], placement.logcnt[0])
-    out_all, load_all = APPLY(*args)
-    valid = 7  # rank 0 holds 5 valid tokens, rank 1 two, ranks 2-3 none
-    out, load = APPLY(*args, jnp.int32(valid))
-    assert np.array_equal(np.asarray(out), np.asarray(out_all))
-    _, ids = _oracle(x[:valid], router, w_in, w_out)
-    # Per-rank rows: row r counts only rank r's own valid tokens.
+    out_all, _ = APPLY(*args)
+    valid = rng.random(G * 5) < 0.5  # scattered padding, as a batch of requests of different lengths has
+    valid[5:10] = False  # and one rank with none real
+    out, load = APPLY(*args, jnp.asarray(valid))
+    out = np.asarray(out)
+    assert np.array_equal(out[valid], np.asarray(out_all)[valid])  # real tokens: the same bits
+    assert not out[~valid].any()  # padding goes to no expert
+    _, ids = _oracle(x, router, w_in, w_out)
+    # Per-rank rows: row r counts only rank r's own real tokens.
     rows = np.asarray(load)
-    assert rows.sum(1).tolist() == [5 * K, 2 * K, 0, 0]
-    for rank, (lo, hi) in enumerate([(0, 5), (5, 7)]):
+    for rank in range(G):
+        lo, hi = rank * 5, (rank + 1) * 5
+        real = ids[lo:hi][valid[lo:hi]]
         assert np.array_equal(
-            np.bincount(phy, weights=rows[rank], minlength=E), np.bincount(ids[lo:hi].reshape(-1), minlength=E)
+            np.bincount(phy, weights=rows[rank], minlength=E), np.bincount(real.reshape(-1), minlength=E)
         )
     # load_reduce="psum": the replicated per-step total, equal to the sum of the rows.
-    out_psum, load_psum = _apply_fn(load_reduce="psum")(*args, jnp.int32(valid))
+    out_psum, load_psum = _apply_fn(load_reduce="psum")(*args, jnp.asarray(valid))
     assert load_psum.shape == (P,) and np.array_equal(np.asarray(load_psum), rows.sum(0))
-    assert np.array_equal(np.asarray(out_psum), np.asarray(out))
+    assert np.array_equal(np.asarray(out_psum), out)
+    # record=False (traced): the same outputs, nothing counted, no recompilation.
+    out_quiet, load_quiet = APPLY(*args, jnp.asarray(valid), jnp.bool_(False))
+    assert np.array_equal(np.asarray(out_quiet), out) and not np.asarray(load_quiet).any()
+    with pytest.raises(ValueError, match="valid must be"):
+        APPLY(*args, jnp.asarray(valid[:-1]))
     with pytest.raises(ValueError, match="load_reduce"):
         layer_mod.moe_apply(*args, top_k=K, mesh=MESH, load_reduce="mean")
     with pytest.raises(ValueError, match="load_reduce"):

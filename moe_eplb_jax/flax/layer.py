@@ -121,7 +121,8 @@ def moe_apply(
     experts,
     log2phy,
     logcnt,
-    num_valid_tokens=None,
+    valid=None,
+    record=True,
     *,
     top_k: int,
     mesh: jax.sharding.Mesh,
@@ -148,8 +149,12 @@ def moe_apply(
       lookup: optional ``moe_eplb_jax.pallas.lookup_table(log2phy, logcnt)``,
         kept with the placement so the Pallas ``map_and_count`` does not
         rebuild it every pass (``map_and_count(lookup=...)``).
-      num_valid_tokens: tokens ``t >= num_valid_tokens`` (in ``x``'s order) are
-        padding: computed, not counted in the load. ``None``: all count.
+      valid: optional ``[T]`` bool, sharded like ``x``: ``False`` marks padding
+        (an unused cache position, a finished request), which is neither sent
+        to an expert nor counted; its routed output is zero. ``None``: every
+        token is real.
+      record: count the load (a Python or traced bool; ``False`` gives a zero
+        load, e.g. for a warm-up pass, without recompiling).
       capacity_factor: ``None`` exchanges the worst-case buffer in one
         ``all_to_all``; a factor ``f`` exchanges it in rounds of
         ``ceil(f * A / G)`` rows per rank pair (``A = T_rank * k``), as many as
@@ -174,19 +179,21 @@ def moe_apply(
     num_physical = jax.tree.leaves(experts)[0].shape[0]
     slots_per_rank = num_physical // num_ranks
     capacity = _capacity(x.shape[0] // num_ranks * top_k, num_ranks, capacity_factor)
-    total_valid = jnp.asarray(x.shape[0] if num_valid_tokens is None else num_valid_tokens, jnp.int32)
+    valid = _check_valid(valid, x.shape[0])
+    record = jnp.asarray(record)
+    if record.shape != () or record.dtype != jnp.bool_:
+        raise ValueError(f"record must be a boolean scalar, got shape {record.shape} dtype {record.dtype}")
 
-    def per_rank(x, router_w, router_bias, experts, log2phy, logcnt, total_valid, lookup):
+    def per_rank(x, router_w, router_bias, experts, log2phy, logcnt, valid, record, lookup):
         ids, weights = route(x, router_w, top_k=top_k, num_groups=num_groups, topk_groups=topk_groups, bias=router_bias)
-        # Rank r holds global tokens [r * T_r, (r + 1) * T_r): its share of the valid prefix.
-        first = jax.lax.axis_index(axis).astype(jnp.int32) * jnp.int32(x.shape[0])
-        local_valid = jnp.clip(total_valid - first, 0, x.shape[0]).astype(jnp.int32)
+        # map_and_count neither maps nor counts an id outside [0, E): padding goes nowhere.
+        ids = jnp.where(valid[:, None], ids, jnp.int32(-1))
         physical, load = _map_and_count(
             ids,
             log2phy,
             logcnt,
             num_physical=num_physical,
-            num_valid_tokens=local_valid,
+            record=record,
             mode=routing,
             implementation=map_implementation,
             lookup=lookup,
@@ -212,12 +219,24 @@ def moe_apply(
     return jax.shard_map(
         per_rank,
         mesh=mesh,
-        in_specs=(sharded, PS(), PS(), sharded, PS(), PS(), PS(), PS()),
+        in_specs=(sharded, PS(), PS(), sharded, PS(), PS(), sharded, PS(), PS()),
         out_specs=(sharded, PS() if load_reduce == "psum" else sharded),
         # The Pallas map_and_count (GPU) declares outputs without a varying-axes type; jax 0.11
         # rejects that under check_vma=True.
         check_vma=False,
-    )(x, router_w, router_bias, experts, log2phy, logcnt, total_valid, lookup)
+    )(x, router_w, router_bias, experts, log2phy, logcnt, valid, record, lookup)
+
+
+def _check_valid(valid, num_tokens: int):
+    """``valid`` as a ``[T]`` bool array (all ``True`` for ``None``)."""
+    if valid is None:
+        return jnp.ones((num_tokens,), jnp.bool_)
+    valid = jnp.asarray(valid)
+    if valid.shape != (num_tokens,) or valid.dtype != jnp.bool_:
+        raise ValueError(
+            f"valid must be a [T] = ({num_tokens},) bool mask, got shape {valid.shape} dtype {valid.dtype}"
+        )
+    return valid
 
 
 def _routed_experts(
@@ -391,14 +410,20 @@ class MoELayer(nnx.Module):
             load = np.zeros((mesh.shape[axis], num_physical), np.int32)
             self.expert_load = ExpertLoad(put_host(load, mesh, PS(axis)))
 
-    def __call__(self, x, *, num_valid_tokens=None):
+    def __call__(self, x, *, valid=None, record=True):
         """``x [..., D]`` (leading sizes multiply to a multiple of ``G``) -> ``[..., D]``.
 
-        ``num_valid_tokens``: tokens past this index of the flattened leading
-        axes are padding (computed, but not counted in the load).
+        ``valid``: optional bool mask of ``x``'s leading shape; ``False`` marks
+        padding, which no routed expert computes (the shared expert still
+        does) and no load counts. ``record``: count this pass's load (a Python
+        or traced bool).
         """
         lead, dim = x.shape[:-1], x.shape[-1]
         tokens = x.reshape(-1, dim)
+        if valid is not None:
+            if tuple(valid.shape) != tuple(lead):
+                raise ValueError(f"valid must have x's leading shape {tuple(lead)}, got {tuple(valid.shape)}")
+            valid = valid.reshape(-1)
         if tokens.shape[0] % self.mesh.shape[self.axis]:
             raise ValueError(f"{tokens.shape[0]} tokens are not divisible by the EP size {self.mesh.shape[self.axis]}")
         phy2log = self.phy2log.get_value()
@@ -415,7 +440,8 @@ class MoELayer(nnx.Module):
             experts,
             self.log2phy.get_value(),
             self.logcnt.get_value(),
-            num_valid_tokens,
+            valid,
+            record,
             top_k=self.top_k,
             mesh=self.mesh,
             axis=self.axis,

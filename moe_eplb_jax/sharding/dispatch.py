@@ -41,7 +41,8 @@ class DispatchPlan(NamedTuple):
     """Where each of the ``A = T * k`` assignments of this rank went.
 
     Attributes:
-      dest: ``[A]`` int32, destination rank of each assignment.
+      dest: ``[A]`` int32, destination rank of each assignment (``G`` for an
+        assignment to no slot, id ``-1``, which is never sent).
       pos: ``[A]`` int32, its row in the destination's receive buffer.
       send_src: ``[G, A]`` int32, the assignment sent in each row of the send
         buffer (``-1`` for an empty row).
@@ -67,7 +68,8 @@ def _check(physical_ids, slots_per_rank: int, num_ranks: int) -> None:
 
 
 def plan_dispatch(physical_ids, *, slots_per_rank: int, num_ranks: int) -> DispatchPlan:
-    """Plans the send buffer of one rank from its ``physical_ids [T, k]`` (ids in ``[0, G * slots_per_rank)``).
+    """Plans the send buffer of one rank from its ``physical_ids [T, k]`` (ids in ``[0, G * slots_per_rank)``,
+    or ``-1``: an assignment to no slot, not sent).
 
     Rows for destination ``g`` hold the assignments bound for ``g`` in
     assignment order (token-major, then ``k``), packed at the front.
@@ -75,7 +77,7 @@ def plan_dispatch(physical_ids, *, slots_per_rank: int, num_ranks: int) -> Dispa
     _check(physical_ids, slots_per_rank, num_ranks)
     flat = physical_ids.reshape(-1).astype(jnp.int32)
     num_assign = flat.shape[0]
-    dest = flat // jnp.int32(slots_per_rank)
+    dest = jnp.where(flat >= 0, flat // jnp.int32(slots_per_rank), jnp.int32(num_ranks))  # unsent: sorted last
     local = flat % jnp.int32(slots_per_rank)
     # Stable sort by destination: each destination's assignments become one contiguous run, in order.
     order = jnp.argsort(dest, stable=True).astype(jnp.int32)
@@ -192,7 +194,8 @@ def combine(y, plan: DispatchPlan, weights, *, axis_name, out_dtype=None, capaci
     if y.shape[0] != num_ranks * num_assign:
         raise ValueError(f"y must have {num_ranks * num_assign} rows (G * A), got shape {y.shape}")
     back = exchange(y.reshape(num_ranks, num_assign, -1), axis_name=axis_name, rounds=plan.rounds, capacity=capacity)
-    per_assign = back[plan.dest, plan.pos].reshape(tokens, top_k, -1).astype(jnp.float32)
+    sent = (plan.dest < num_ranks)[:, None]  # an assignment to no slot (id -1) was never sent: it adds zero
+    per_assign = jnp.where(sent, back[plan.dest, plan.pos], 0).reshape(tokens, top_k, -1).astype(jnp.float32)
     w = weights.astype(jnp.float32)
     out = w[:, 0, None] * per_assign[:, 0]
     for j in range(1, top_k):  # fixed order: the sum never depends on where experts live
