@@ -88,6 +88,7 @@ def map_and_count(
     record=True,
     implementation: str | None = None,
     lookup=None,
+    quotas=None,
 ):
     """Maps logical expert ids to physical slots and counts the load per slot.
 
@@ -119,6 +120,12 @@ def map_and_count(
     Raises:
       ValueError: a shape, dtype, mode, size or implementation is wrong.
     """
+    # The routing vocabulary (EplbConfig.routing, MoELayer): "lp" routes by replica shares, "quota" by quotas.
+    mode = {"lp": "shares", "quota": "resolved"}.get(mode, mode)
+    if quotas is not None:
+        if resolved is not None:
+            raise ValueError("pass the quotas once (quotas=...)")
+        resolved = quotas
     # Every check reads shapes and dtypes only: nothing moves to the device before they all pass.
     (num_tokens, top_k), (num_logical, width) = _check_tables(topk_ids, log2phy, logcnt)
     num_physical = _check_num_physical(num_physical, num_logical)

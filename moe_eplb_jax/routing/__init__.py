@@ -13,14 +13,20 @@ from moe_eplb_jax.routing.lp import lp_shares, lp_shares_reference, shares_rank_
 from moe_eplb_jax.routing.quota import QuotaPlan, check_counts, default_max_replicas, plan_quotas
 from moe_eplb_jax.routing.waterfill import waterfill_assign, waterfill_reference_level, waterfill_shares
 
-# L2 modes: "hash" (stateless token hash), "lp" (LP shares -> map_and_count mode "shares"),
-# "quota" (per-batch plan -> map_and_count mode "resolved").
-ROUTING_MODES = ("hash", "lp", "quota")
+# L2 modes: "hash" (stateless token hash), "round_robin", "lp" (LP replica shares), "quota" (per-batch quotas).
+ROUTING_MODES = ("hash", "round_robin", "lp", "quota")
 
 
 def map_and_count_mode(routing: str) -> str:
     """The ``map_and_count`` mode behind an L2 routing name; ``ValueError`` for an unknown name."""
-    modes = {"hash": "hash", "lp": "shares", "shares": "shares", "quota": "resolved", "resolved": "resolved"}
+    modes = {
+        "hash": "hash",
+        "round_robin": "round_robin",
+        "lp": "shares",
+        "shares": "shares",
+        "quota": "resolved",
+        "resolved": "resolved",
+    }
     if routing not in modes:
         raise ValueError(f"unknown routing {routing!r}; known: {sorted(modes)}")
     return modes[routing]
