@@ -67,6 +67,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from moe_eplb_jax._kernels import join_varying
 from moe_eplb_jax.pallas import _alias, _guide
 from moe_eplb_jax.pallas._positions import (
     boundary_positions,
@@ -520,24 +521,6 @@ def lookup_table(log2phy, logcnt, *, layout: str = "replica_major", tables: str 
     return jnp.concatenate(parts)
 
 
-def _join_varying(*arrays):
-    """Inside ``shard_map``: makes every input vary over the union of the inputs' manual axes.
-
-    Returns the cast arrays and a ``ShapeDtypeStruct`` factory whose outputs
-    vary over that union (``pallas_call`` needs it under ``check_vma=True``).
-    """
-    mats = [getattr(jax.typeof(a), "mat", None) for a in arrays]
-    if any(m is None for m in mats):  # an older jax without manual axis types
-        return arrays, jax.ShapeDtypeStruct
-    axes = frozenset().union(*(m.varying for m in mats))
-    cast = []
-    for array, mat in zip(arrays, mats):
-        missing = tuple(sorted(axes - mat.varying, key=str))
-        cast.append(jax.lax.pcast(array, missing, to="varying") if missing else array)
-    mat = jax.sharding.ManualAxisType(varying=axes)
-    return cast, functools.partial(jax.ShapeDtypeStruct, manual_axis_type=mat)
-
-
 # Tuned on one H200 (benchmarks/map_and_count.py --sweep, 2026-11-30, third to fifth sessions): counting with
 # tt.histogram and (first slot, count) head tables beat every other combination at every size measured
 # (262144 x 8 hash: 11.7 us vs 47 atomic / 56 one-hot; 4096 x 8: 4.2 vs 5.2; resolved 8192 x 8: 22.8 vs 27.4);
@@ -888,7 +871,7 @@ def map_and_count_triton(
     # resolved from the raw quotas (capped at the entry count, as the wrapper's thresholds are, while their sums
     # fit int32): the boundary programs sum them over positions, the rank kernel's extra programs by ranks.
     from_quotas = mode == "resolved" and quotas is not None and width * num_flat < 2**31 - 1
-    (ids, log2phy, logcnt, thresholds, limits, *rest), out_struct = _join_varying(
+    (ids, log2phy, logcnt, thresholds, limits, *rest), out_struct = join_varying(
         topk_ids.reshape(num_flat),
         log2phy,
         logcnt,
@@ -1077,12 +1060,12 @@ def map_and_count_triton(
         hist_spec, hist_shape = whole, (num_tiles * hi * lo,)
     partial_dtype = jnp.int32 if reduce == "atomic" else _partial_dtype(count_method, tile)
     if reduce == "atomic":  # the loads start at zero (Pallas never zero-inits an output)
-        (zeros, _), _ = _join_varying(jnp.zeros(hist_shape, jnp.int32), limits)  # vary like the other inputs
+        (zeros, _), _ = join_varying(jnp.zeros(hist_shape, jnp.int32), limits)  # vary like the other inputs
     else:
         zeros = jnp.zeros_like(limits[:1])  # unused
     map_outputs = [out_struct((num_flat,), jnp.int32), out_struct(hist_shape, partial_dtype)]
     if lookback:  # scratch outputs: the in-tile ranks, the chains' counts, the look-back board (zeroed, aliased)
-        (board_zeros, _), _ = _join_varying(jnp.zeros((num_tiles * expert_bins,), jnp.int32), limits)
+        (board_zeros, _), _ = join_varying(jnp.zeros((num_tiles * expert_bins,), jnp.int32), limits)
         # (inputs: ids, lookup, thresholds, guide, limits, zeros, board_zeros)
         aliases = {5: 1, 6: 4} if reduce == "atomic" else {6: 4}
         phys, partial, *_ = pl.pallas_call(

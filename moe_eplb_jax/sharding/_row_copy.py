@@ -39,7 +39,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from moe_eplb_jax.pallas._triton import _join_varying
+from moe_eplb_jax._kernels import join_varying
 
 __all__ = ["gather_rows", "scatter_rows", "offsets_fit"]
 
@@ -295,7 +295,7 @@ def gather_rows(
         raise ValueError(f"rows has {num_selected} entries but the row views have no rows (N = 0)")
     num_programs, block = int(num_programs), int(block)
     plans = _schedule(widths, num_selected, block, num_programs)
-    (rows, *flat), out_struct = _join_varying(jnp.asarray(rows), *(jnp.asarray(v).reshape(-1) for v in row_views))
+    (rows, *flat), out_struct = join_varying(jnp.asarray(rows), *(jnp.asarray(v).reshape(-1) for v in row_views))
     kernel = functools.partial(
         _gather_kernel,
         num_rows=num_rows,
@@ -383,7 +383,7 @@ def scatter_rows(
         return [jnp.asarray(v) for v in row_views]
     num_programs, block = int(num_programs), int(block)
     plans = _schedule(widths, num_selected, block, num_programs)
-    (dst, packed, *flat), out_struct = _join_varying(
+    (dst, packed, *flat), out_struct = join_varying(
         jnp.asarray(dst), jnp.asarray(packed).reshape(-1), *(jnp.asarray(v).reshape(-1) for v in row_views)
     )
     kernel = functools.partial(
