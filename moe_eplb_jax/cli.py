@@ -4,104 +4,192 @@ Subcommands::
 
     moe-eplb generate  -o load.npz [--generator drift|zipf|lognormal] [sizes]  write a synthetic load file
     moe-eplb stats     load.npz --num-ranks G [--placement p.json]      per-layer statistics
-    moe-eplb fit       load.npz --num-ranks G --num-physical P -o p.json [--policy deepseek]
+    moe-eplb fit       load.npz --num-ranks G --num-physical P -o p.json [--policy balanced] [--format sglang]
     moe-eplb heatmap   load.npz --num-ranks G [--placement p.json] -o map.png   load before / after
     moe-eplb simulate  [--load load.npz | --generator ...] --num-ranks G --num-spare S [--plot sim.png]
+    moe-eplb --version
 
 Load files are described in :mod:`moe_eplb_jax.sim.loadfile`; placement files
-in :mod:`moe_eplb_jax.placement`. "Before" is the home layout (expert ``e`` on
-rank ``e // (E / G)``, no replicas); "after" is the given or fitted placement
-with each expert's tokens split evenly over its replicas.
+(ours and SGLang's expert-location JSON) in :mod:`moe_eplb_jax.placement`.
+"Before" is the home layout (expert ``e`` on rank ``e // (E / G)``, no
+replicas); "after" is the given or fitted placement with each expert's tokens
+split evenly over its replicas. Every bad input -- a flag out of range, a
+damaged file, an output path that cannot be written -- prints one line on
+stderr and exits with status 2, before any long work; ``simulate`` reports
+its progress on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+import time
 
 import numpy as np
 
-from moe_eplb_jax._files import pyplot
+from moe_eplb_jax._files import check_output_path, pyplot, save_figure
 
 __all__ = ["main", "build_parser"]
 
+# A generated trace holds steps * L * E counts (8 bytes each) and is drawn one (step, layer) at a time;
+# beyond these it would take gigabytes or hours, which is never what a synthetic trace is for.
+_MAX_GENERATED_ENTRIES = 2**26
+_MAX_GENERATED_ROWS = 2**18
+# Counts are exact in float64 (and every generator's sums) up to 2**53 tokens per step and layer.
+_MAX_TOKENS = 2**53
+# More slots than this many per expert is no placement anyone serves; it only makes the policy allocate.
+_MAX_SLOTS_PER_EXPERT = 64
+_PROGRESS_SECONDS = 2.0
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
+
+def _integer(minimum: int, maximum: int | None = None):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {text}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"must be <= {maximum}, got {text}")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
 
 
-def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
+def _real(minimum: float | None = None, *, positive: bool = False):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be finite, got {text}")
+        if positive and value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        if minimum is not None and value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {text}")
+        return value
+
+    parse.__name__ = "number"
+    return parse
+
+
+_positive = _integer(1, 2**31 - 1)
+_non_negative = _integer(0, 2**31 - 1)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, except where there is none (required options, optional files)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.required:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moe-eplb", description="Expert-parallel load balancing tools.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    from moe_eplb_jax import __version__, policy
+    from moe_eplb_jax.placement import FILE_FORMATS
+    from moe_eplb_jax.sim.report import policy_names
 
-    gen = sub.add_parser("generate", help="write a synthetic load file")
+    formatter = _HelpFormatter
+    parser = argparse.ArgumentParser(
+        prog="moe-eplb", description="Expert-parallel load balancing tools.", formatter_class=formatter
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,stats,fit,heatmap,simulate}")
+    policies = policy.available()
+
+    gen = sub.add_parser("generate", help="write a synthetic load file", formatter_class=formatter)
     gen.add_argument("-o", "--output", required=True, help="load file to write (.npz or .json)")
     _add_generator_args(gen)
 
-    stats = sub.add_parser("stats", help="per-layer statistics of a load file")
-    stats.add_argument("load", help="load file (.npz or .json)")
+    stats = sub.add_parser("stats", help="per-layer statistics of a load file", formatter_class=formatter)
+    stats.add_argument("load", help="load file (.npz or .json, ours or SGLang's logical_count)")
     stats.add_argument("--num-ranks", type=_positive, required=True, help="EP ranks G")
-    stats.add_argument("--placement", help="placement file to evaluate (default: home layout only)")
+    stats.add_argument("--placement", help="placement file to evaluate (ours or SGLang's); default: home layout")
 
-    fit = sub.add_parser("fit", help="fit a placement to a load file")
-    fit.add_argument("load", help="load file (.npz or .json)")
+    fit = sub.add_parser("fit", help="fit a placement to a load file", formatter_class=formatter)
+    fit.add_argument("load", help="load file (.npz or .json, ours or SGLang's logical_count)")
     fit.add_argument("--num-ranks", type=_positive, required=True, help="EP ranks G")
     fit.add_argument("--num-physical", type=_positive, required=True, help="physical slots P = E + redundant")
-    fit.add_argument("--policy", default="deepseek", help="placement policy name (default: deepseek)")
-    fit.add_argument("--num-groups", type=_positive, default=1)
-    fit.add_argument("--num-nodes", type=_positive, default=1)
+    fit.add_argument("--policy", default=policy.DEFAULT_POLICY, choices=policies, help="placement policy")
+    fit.add_argument("--num-groups", type=_positive, default=1, help="expert groups (DeepSeek's hierarchical policy)")
+    fit.add_argument("--num-nodes", type=_positive, default=1, help="nodes (hosts) the ranks are spread over")
+    fit.add_argument(
+        "--format",
+        default="moe_eplb_jax",
+        choices=FILE_FORMATS,
+        help="placement file format: ours (.json / .npz) or SGLang's expert-location JSON (--init-expert-location)",
+    )
     fit.add_argument("-o", "--output", required=True, help="placement file to write (.json or .npz)")
 
-    heat = sub.add_parser("heatmap", help="per-layer load heatmap PNG, before and after a placement")
+    heat = sub.add_parser(
+        "heatmap", help="per-layer load heatmap PNG, before and after a placement", formatter_class=formatter
+    )
     heat.add_argument("load", help="load file (.npz or .json)")
     heat.add_argument("--num-ranks", type=_positive, required=True, help="EP ranks G")
-    heat.add_argument("--placement", help="placement for 'after' (default: fit with --policy)")
+    heat.add_argument("--placement", help="placement for 'after' (default: fit one with --policy)")
     heat.add_argument("--num-physical", type=_positive, help="slots P when fitting (default: E + G)")
-    heat.add_argument("--policy", default="deepseek")
-    heat.add_argument("-o", "--output", required=True, help="PNG file to write")
+    heat.add_argument("--policy", default=policy.DEFAULT_POLICY, choices=policies, help="policy when fitting")
+    heat.add_argument("-o", "--output", required=True, help="image file to write (.png, .pdf or .svg)")
 
-    sim = sub.add_parser("simulate", help="compare balancing policies on a load trace")
-    sim.add_argument("--load", help="load file to replay (default: a synthetic trace)")
+    sim = sub.add_parser("simulate", help="compare balancing policies on a load trace", formatter_class=formatter)
+    sim.add_argument("--load", help="load file to replay (default: a synthetic trace from the flags below)")
     _add_generator_args(sim)
-    sim.add_argument("--num-spare", type=_non_negative, default=2, help="spare slots per rank S (default 2)")
+    sim.add_argument("--num-spare", type=_non_negative, default=2, help="spare slots per rank S")
     sim.add_argument(
         "--policies",
         default="none,deepseek,deepseek+lp,online",
-        help="comma-separated: none, online, <policy>, <policy>+lp",
+        help="comma-separated policy names, from: " + ", ".join(policy_names()),
     )
     sim.add_argument("--step-interval", type=_positive, default=8, help="periodic refit interval (steps)")
     sim.add_argument("--window", type=_positive, default=8, help="periodic refit window (steps)")
-    sim.add_argument("--expert-mb", type=float, default=44.0, help="bytes of one expert, in MB")
-    sim.add_argument("--plot", help="PNG file for the imbalance plot")
+    sim.add_argument("--expert-mb", type=_real(positive=True), default=44.0, help="bytes of one expert, in MB")
+    sim.add_argument("--plot", help="image file for the imbalance plot (.png, .pdf or .svg)")
     return parser
 
 
 def _add_generator_args(p):
-    p.add_argument("--generator", choices=("drift", "zipf", "lognormal"), default="drift")
-    p.add_argument("--num-ranks", type=_positive, default=8, help="EP ranks G (default 8)")
+    p.add_argument("--generator", choices=("drift", "zipf", "lognormal"), default="drift", help="synthetic load")
+    p.add_argument("--num-ranks", type=_positive, default=8, help="EP ranks G")
     p.add_argument("--experts-per-rank", type=_positive, default=4, help="home experts per rank H (E = G * H)")
-    p.add_argument("--num-layers", type=_positive, default=4)
-    p.add_argument("--num-steps", type=_positive, default=32)
+    p.add_argument("--num-layers", type=_positive, default=4, help="MoE layers L")
+    p.add_argument("--num-steps", type=_positive, default=32, help="steps in the trace")
     p.add_argument("--tokens", type=_positive, default=8192, help="tokens per rank per step")
-    p.add_argument("--top-k", type=_positive, default=8)
-    p.add_argument("--imbalance", type=float, default=2.0, help="initial rank imbalance (zipf, drift)")
-    p.add_argument("--sigma", type=float, default=1.0, help="log-normal sigma")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--top-k", type=_positive, default=8, help="experts per token")
+    p.add_argument("--imbalance", type=_real(1.0), default=2.0, help="initial rank imbalance (zipf, drift)")
+    p.add_argument("--sigma", type=_real(0.0), default=1.0, help="log-normal sigma")
+    p.add_argument("--seed", type=_integer(0, 2**32 - 1), default=0, help="random seed")
+
+
+def _check_generator_sizes(args) -> None:
+    """``ValueError`` naming the flags when a synthetic trace would be absurdly large, before any work."""
+    num_experts = args.num_ranks * args.experts_per_rank
+    entries = args.num_steps * args.num_layers * num_experts
+    if entries > _MAX_GENERATED_ENTRIES or args.num_steps * args.num_layers > _MAX_GENERATED_ROWS:
+        raise ValueError(
+            f"--num-steps {args.num_steps} x --num-layers {args.num_layers} x E {num_experts} is too large a trace "
+            f"(at most {_MAX_GENERATED_ENTRIES} counts and {_MAX_GENERATED_ROWS} step-layer rows)"
+        )
+    if args.tokens * args.num_ranks * args.top_k > _MAX_TOKENS:
+        raise ValueError(
+            f"--tokens {args.tokens} x --num-ranks {args.num_ranks} x --top-k {args.top_k} exceeds 2**53 "
+            "assignments per step (counts would lose exactness)"
+        )
+    if args.generator == "zipf" and args.tokens * args.top_k >= 2**31:
+        raise ValueError(f"--tokens {args.tokens} x --top-k {args.top_k} must stay below 2**31 for zipf counts")
+    if args.generator != "lognormal" and args.imbalance > args.num_ranks:
+        raise ValueError(f"--imbalance {args.imbalance} must lie in [1, --num-ranks {args.num_ranks}]")
 
 
 def _generate(args) -> np.ndarray:
     from moe_eplb_jax import sim
 
+    _check_generator_sizes(args)
     num_experts = args.num_ranks * args.experts_per_rank
     tokens = args.tokens * args.num_ranks * args.top_k
     if args.generator == "drift":
@@ -127,18 +215,46 @@ def _generate(args) -> np.ndarray:
                             args.top_k,
                             args.imbalance,
                             seed=args.seed + 1000 * layer + 7919 * step,
-                        ).sum(0)
+                        )
+                        .astype(np.int64)
+                        .sum(0)
                         for layer in range(args.num_layers)
                     ]
                 )
             )
-        return np.stack(steps).astype(np.int64)
+        return np.stack(steps)
     return np.stack(
         [
             sim.lognormal_load(args.num_layers, num_experts, sigma=args.sigma, tokens=tokens, seed=args.seed + step)
             for step in range(args.num_steps)
         ]
     )
+
+
+def _progress(what: str, *, seconds: float = _PROGRESS_SECONDS, stream=None):
+    """A ``progress`` wrapper for :func:`moe_eplb_jax.sim.simulate`: a line on stderr every ``seconds``."""
+    stream = sys.stderr if stream is None else stream
+
+    def wrap(steps):
+        steps = list(steps)
+        total = len(steps)
+        start = last = time.monotonic()
+        print(f"{what}: {total} steps", file=stream, flush=True)
+        for done, step in enumerate(steps):
+            yield step
+            now = time.monotonic()
+            if now - last >= seconds and done + 1 < total:
+                last = now
+                rate = (done + 1) / (now - start)
+                print(
+                    f"{what}: step {done + 1}/{total} ({100 * (done + 1) / total:.0f}%), "
+                    f"{now - start:.0f} s elapsed, ~{(total - done - 1) / rate:.0f} s left",
+                    file=stream,
+                    flush=True,
+                )
+        print(f"{what}: done in {time.monotonic() - start:.1f} s", file=stream, flush=True)
+
+    return wrap
 
 
 def _rank_loads(load_le: np.ndarray, phy2log: np.ndarray, num_ranks: int) -> np.ndarray:
@@ -154,11 +270,11 @@ def _home_phy2log(num_layers: int, num_logical: int) -> np.ndarray:
 def _read_placement(path, trace, num_ranks):
     from moe_eplb_jax.placement import Placement
 
-    placement = Placement.load(path, num_ranks=num_ranks)
-    if (placement.num_layers, placement.num_logical) != (trace.num_layers, trace.num_logical):
+    # An SGLang file does not store E: the load file's E is the one it must serve.
+    placement = Placement.load(path, num_ranks=num_ranks, num_logical=trace.num_logical)
+    if placement.num_layers != trace.num_layers:
         raise ValueError(
-            f"{path}: placement is for L={placement.num_layers}, E={placement.num_logical}; the load "
-            f"file has L={trace.num_layers}, E={trace.num_logical}"
+            f"{path}: placement is for L={placement.num_layers} layers; the load file has L={trace.num_layers}"
         )
     return placement
 
@@ -200,6 +316,11 @@ def _fit(trace, num_ranks, num_physical, policy, num_groups=1, num_nodes=1):
     from moe_eplb_jax.placement import Placement
     from moe_eplb_jax.sim.report import resolve_policy
 
+    if num_physical > _MAX_SLOTS_PER_EXPERT * trace.num_logical:
+        raise ValueError(
+            f"--num-physical {num_physical} is more than {_MAX_SLOTS_PER_EXPERT} slots per expert "
+            f"(E = {trace.num_logical})"
+        )
     fn = resolve_policy(policy)
     weight = trace.total()
     tables = fn(weight, num_physical, num_groups, num_nodes, num_ranks)
@@ -223,23 +344,48 @@ def _heatmap(trace, before, after, path, title_after):
         ax.set(title=title, xlabel=xlabel, ylabel="layer")
         ax.yaxis.get_major_locator().set_params(integer=True)
     fig.colorbar(im, ax=axes, shrink=0.8, label="load / mean")
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        save_figure(fig, path, what="heatmap")
+    finally:
+        plt.close(fig)
 
 
 def main(argv=None) -> int:
+    """Runs the command; bad input of any kind prints one line on stderr and returns 2."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse has printed its message (or --help / --version): its status is ours
+        return e.code if isinstance(e.code, int) else 2
     try:
         return _run(args)
-    except ValueError as e:
+    except (ValueError, OSError) as e:
         print(f"moe-eplb {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except MemoryError:
+        print(f"moe-eplb {args.command}: error: out of memory", file=sys.stderr)
+        return 2
+
+
+def _check_outputs(args) -> None:
+    """Every file the command will write can be written, checked before any work."""
+    if args.command == "generate":
+        check_output_path(args.output, what="load", suffixes=(".json", ".npz"))
+    elif args.command == "fit":
+        suffixes = (".json",) if args.format == "sglang" else (".json", ".npz")
+        check_output_path(args.output, what="placement", suffixes=suffixes)
+    elif args.command == "heatmap":
+        check_output_path(args.output, what="heatmap")
+        pyplot()
+    elif args.command == "simulate" and args.plot:
+        check_output_path(args.plot, what="plot")
+        pyplot()
 
 
 def _run(args) -> int:
     from moe_eplb_jax import sim
 
+    _check_outputs(args)
     if args.command == "generate":
         load = _generate(args)
         sim.save_load(args.output, load, num_ranks=args.num_ranks, top_k=args.top_k, note=f"synthetic {args.generator}")
@@ -247,14 +393,12 @@ def _run(args) -> int:
         return 0
 
     if args.command == "simulate":
+        policies = sim.check_policy_names([p.strip() for p in args.policies.split(",") if p.strip()])
         if args.load:
             trace = sim.read_load(args.load)
             load, num_ranks = trace.load, args.num_ranks
         else:
             load, num_ranks = _generate(args), args.num_ranks
-        policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-        if not policies:
-            raise ValueError("--policies is empty")
         reports = sim.simulate(
             load,
             num_ranks=num_ranks,
@@ -263,6 +407,7 @@ def _run(args) -> int:
             step_interval=args.step_interval,
             window=args.window,
             expert_bytes=args.expert_mb * 1e6,
+            progress=_progress(f"moe-eplb simulate ({', '.join(policies)})"),
         )
         print(
             f"EP{num_ranks}, E={load.shape[2]}, L={load.shape[1]}, steps={load.shape[0]}, "
@@ -283,9 +428,9 @@ def _run(args) -> int:
         return 0
     if args.command == "fit":
         placement = _fit(trace, args.num_ranks, args.num_physical, args.policy, args.num_groups, args.num_nodes)
-        placement.save(args.output)
+        placement.save(args.output, format=args.format)
         print(_stats_table(trace.total(), args.num_ranks, placement.phy2log))
-        print(f"wrote {args.output} ({args.policy}, P={args.num_physical}, EP{args.num_ranks})")
+        print(f"wrote {args.output} ({args.policy}, {args.format} format, P={args.num_physical}, EP{args.num_ranks})")
         return 0
     if args.command == "heatmap":
         if args.placement:

@@ -20,6 +20,13 @@ File format (``save`` / ``load``), version 1. JSON::
 
 ``.npz`` files hold the same keys as arrays (``format`` and ``version`` as 0-d
 arrays) and are the better choice for large models.
+
+SGLang's expert-location file (``save(path, format="sglang")``; ``load`` detects
+it) is the JSON object ``{"physical_to_logical_map": [[...P ints...] x L]}``
+that SGLang's ``--init-expert-location`` reads; SGLang derives each expert's
+replica list in ascending slot order, as ``log2phy`` here. It does not store
+``E``: ``load`` takes the largest expert id + 1 unless ``num_logical`` is given.
+Files are written atomically (a unique temporary file renamed over the target).
 """
 
 from __future__ import annotations
@@ -31,21 +38,47 @@ from typing import Any
 import jax
 import numpy as np
 
-from moe_eplb_jax._files import read_document, write_document
+from moe_eplb_jax._checks import check_int
+from moe_eplb_jax._files import (
+    array_field,
+    check_document,
+    check_output_path,
+    int_field,
+    read_json,
+    read_npz,
+    write_document,
+    write_json,
+)
 
 FILE_FORMAT = "moe_eplb_jax.placement"
 FILE_VERSION = 1
+FILE_FORMATS = ("moe_eplb_jax", "sglang")
+_FIELDS = ("num_layers", "num_logical", "num_physical", "phy2log", "log2phy", "logcnt")
 
-__all__ = ["Placement", "build_log2phy", "check_expert_ids", "FILE_FORMAT", "FILE_VERSION"]
+__all__ = ["Placement", "build_log2phy", "check_expert_ids", "FILE_FORMAT", "FILE_FORMATS", "FILE_VERSION"]
 
 
-def _as_int_table(name: str, value: Any, ndim: int) -> np.ndarray:
-    arr = np.asarray(value)
-    if arr.ndim != ndim:
+_INT32 = np.iinfo(np.int32)
+
+
+def _as_int_table(name: str, value: Any, ndim: int | None = None) -> np.ndarray:
+    """``value`` as an int32 array; ``ValueError`` for non-integers and for values int32 cannot hold (no wrap)."""
+    try:
+        arr = np.asarray(value)
+    except (ValueError, TypeError, OverflowError) as e:  # ragged nested lists, Python ints past uint64
+        raise ValueError(f"{name} must be a rectangular table of integers ({e})") from None
+    if ndim is not None and arr.ndim != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {arr.shape}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        if not np.issubdtype(arr.dtype, np.floating) or not np.all(np.isfinite(arr)) or np.any(arr != np.round(arr)):
-            raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
+    if arr.dtype.kind not in "iuf":
+        raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
+    if arr.size and arr.dtype.kind == "f":
+        if not np.all(np.isfinite(arr)) or np.any(arr != np.round(arr)):
+            raise ValueError(f"{name} must hold integers, got dtype {arr.dtype} with fractional or non-finite values")
+    if arr.size:
+        outside = (arr < _INT32.min) | (arr > _INT32.max)
+        if np.any(outside):
+            index = tuple(int(i) for i in np.argwhere(outside)[0])
+            raise ValueError(f"{name}{list(index)} = {arr[index]} is outside the int32 range of expert and slot ids")
     return arr.astype(np.int32)
 
 
@@ -112,14 +145,15 @@ class Placement:
     @classmethod
     def from_phy2log(cls, phy2log, num_logical: int, *, num_ranks: int | None = None) -> Placement:
         """Builds and validates a placement from ``phy2log [L, P]`` (or ``[P]`` for one layer)."""
-        table = _as_int_table("phy2log", phy2log, np.ndim(phy2log))
+        num_logical = check_int("num_logical", num_logical, minimum=1)
+        table = _as_int_table("phy2log", phy2log)
         if table.ndim == 1:
             table = table[None]
         if table.ndim != 2:
             raise ValueError(f"phy2log must have shape [L, P] or [P], got {table.shape}")
-        _check_sizes(table.shape[0], int(num_logical), table.shape[1], num_ranks)
-        check_expert_ids(table, int(num_logical))
-        log2phy, logcnt = build_log2phy(table, int(num_logical))
+        _check_sizes(table.shape[0], num_logical, table.shape[1], num_ranks)
+        check_expert_ids(table, num_logical)
+        log2phy, logcnt = build_log2phy(table, num_logical)
         _check_every_expert_placed(logcnt)
         return cls(phy2log=table, log2phy=log2phy, logcnt=logcnt)
 
@@ -137,7 +171,7 @@ class Placement:
     @classmethod
     def linear(cls, num_layers: int, num_logical: int, num_physical: int, *, num_ranks: int | None = None) -> Placement:
         """Slot ``i < E`` holds expert ``i``; redundant slot ``E + j`` holds expert ``j mod E``."""
-        _check_sizes(num_layers, num_logical, num_physical, num_ranks)
+        num_layers, num_logical, num_physical = _check_sizes(num_layers, num_logical, num_physical, num_ranks)
         row = np.arange(num_physical) % num_logical
         return cls.from_phy2log(np.tile(row, (num_layers, 1)), num_logical, num_ranks=num_ranks)
 
@@ -148,7 +182,8 @@ class Placement:
         Without redundancy rank ``r`` holds experts ``r, r + G, r + 2G, ...`` --
         neighbouring (often similarly hot) experts land on different ranks.
         """
-        _check_sizes(num_layers, num_logical, num_physical, num_ranks)
+        num_layers, num_logical, num_physical = _check_sizes(num_layers, num_logical, num_physical, num_ranks)
+        num_ranks = check_int("num_ranks", num_ranks, minimum=1)
         per_rank = num_physical // num_ranks
         slot = np.arange(num_physical)
         rank, local = slot // per_rank, slot % per_rank
@@ -159,6 +194,9 @@ class Placement:
     def validate(self, *, num_ranks: int | None = None) -> Placement:
         """Checks every table and their agreement; raises ``ValueError`` naming the problem."""
         phy2log, log2phy, logcnt = (np.asarray(t) for t in (self.phy2log, self.log2phy, self.logcnt))
+        for name, table in (("phy2log", phy2log), ("log2phy", log2phy), ("logcnt", logcnt)):
+            if table.dtype.kind not in "iu":
+                raise ValueError(f"{name} must hold integers, got dtype {table.dtype}")
         if phy2log.ndim != 2:
             raise ValueError(f"phy2log must have shape [L, P], got {phy2log.shape}")
         num_layers, num_physical = phy2log.shape
@@ -198,7 +236,7 @@ class Placement:
     # ------------------------------------------------------------- queries
     def slots_per_rank(self, num_ranks: int) -> int:
         _check_sizes(self.num_layers, self.num_logical, self.num_physical, num_ranks)
-        return self.num_physical // num_ranks
+        return self.num_physical // int(num_ranks)
 
     def rank_of_slot(self, num_ranks: int) -> np.ndarray:
         """``[P]`` EP rank owning each physical slot."""
@@ -213,7 +251,8 @@ class Placement:
         return Placement(*(jnp.asarray(t, dtype=jnp.int32) for t in (self.phy2log, self.log2phy, self.logcnt)))
 
     def layer(self, index: int) -> Placement:
-        """The placement of one layer, as a one-layer ``Placement``."""
+        """The placement of one layer (``-L <= index < L``), as a one-layer ``Placement``."""
+        index = check_int("index", index, minimum=-self.num_layers, maximum=self.num_layers - 1) % self.num_layers
         return Placement(
             self.phy2log[index : index + 1], self.log2phy[index : index + 1], self.logcnt[index : index + 1]
         )
@@ -229,9 +268,20 @@ class Placement:
         return (self.phy2log, self.log2phy, self.logcnt)
 
     # ------------------------------------------------------------------ I/O
-    def save(self, path: str | os.PathLike) -> None:
-        """Writes the placement as JSON (``.json``) or numpy archive (``.npz``); see the module docstring."""
-        p = self.to_numpy()
+    def save(self, path: str | os.PathLike, *, format: str = "moe_eplb_jax") -> None:
+        """Writes the placement, validated, atomically; see the module docstring for the formats.
+
+        ``format="moe_eplb_jax"``: JSON (``.json``) or numpy archive (``.npz``).
+        ``format="sglang"``: SGLang's expert-location JSON (``.json`` only), for
+        ``--init-expert-location``.
+        """
+        if format not in FILE_FORMATS:
+            raise ValueError(f"format must be one of {list(FILE_FORMATS)}, got {format!r}")
+        p = self.to_numpy().validate()
+        if format == "sglang":
+            path = check_output_path(path, what="SGLang placement", suffixes=(".json",))
+            write_json(path, {"physical_to_logical_map": p.phy2log.tolist()}, what="SGLang placement")
+            return
         write_document(
             path,
             {
@@ -248,53 +298,87 @@ class Placement:
         )
 
     @classmethod
-    def load(cls, path: str | os.PathLike, *, num_ranks: int | None = None) -> Placement:
-        """Reads a file written by :meth:`save`; every malformed file raises ``ValueError``."""
+    def load(
+        cls, path: str | os.PathLike, *, num_ranks: int | None = None, num_logical: int | None = None
+    ) -> Placement:
+        """Reads a placement file of either format (detected from its fields); validated like any placement.
+
+        ``num_logical`` checks ``E`` against the file; an SGLang file does not
+        store ``E`` (its model config does), so without ``num_logical`` it is
+        taken as the largest expert id + 1. Every malformed file raises
+        ``ValueError`` naming the file and the field.
+        """
         path = os.fspath(path)
-        doc = read_document(path, what="placement", file_format=FILE_FORMAT, version=FILE_VERSION)
-        return cls._from_document(doc, path, num_ranks)
+        if num_logical is not None:
+            num_logical = check_int("num_logical", num_logical, minimum=1)
+        if num_ranks is not None:
+            num_ranks = check_int("num_ranks", num_ranks, minimum=1)
+        if path.endswith(".npz"):
+            doc = read_npz(path, what="placement")
+        elif path.endswith(".json"):
+            doc = read_json(path, what="placement")
+        else:
+            raise ValueError(f"placement file must end in .json or .npz, got {path!r}")
+        if "format" not in doc and "physical_to_logical_map" in doc:
+            return cls._from_sglang(doc, path, num_ranks, num_logical)
+        if "format" not in doc and "logical_count" in doc:
+            raise ValueError(
+                f"{path}: an SGLang load file (field 'logical_count'), not a placement; "
+                f"fit a placement to it with `moe-eplb fit`"
+            )
+        check_document(doc, path, file_format=FILE_FORMAT, version=FILE_VERSION, fields=_FIELDS)
+        return cls._from_document(doc, path, num_ranks, num_logical)
 
     @classmethod
-    def _from_document(cls, doc: dict, path: str, num_ranks: int | None) -> Placement:
-        def field(name):
-            if name not in doc:
-                raise ValueError(f"{path}: missing field {name!r}")
-            return doc[name]
-
-        sizes = {}
-        for name in ("num_layers", "num_logical", "num_physical"):
-            value = field(name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-                raise ValueError(f"{path}: field {name!r} must be a positive integer, got {value!r}")
-            sizes[name] = int(value)
-        shape = (sizes["num_layers"], sizes["num_physical"])
+    def _from_sglang(cls, doc: dict, path: str, num_ranks: int | None, num_logical: int | None) -> Placement:
+        unknown = sorted(set(doc) - {"physical_to_logical_map"})
+        if unknown:  # SGLang passes the object's fields as keyword arguments: any other field breaks it
+            raise ValueError(f"{path}: unknown field(s) {unknown} in an SGLang placement file")
+        table = array_field(doc, "physical_to_logical_map", path, kind="integer")
+        if table.ndim != 2 or 0 in table.shape:
+            raise ValueError(f"{path}: field 'physical_to_logical_map' must have shape [L, P], got {table.shape}")
         try:
-            phy2log = np.asarray(field("phy2log"))
-        except ValueError as e:  # ragged nested lists
-            raise ValueError(f"{path}: field 'phy2log' is not a rectangular table ({e})") from e
+            table = _as_int_table("physical_to_logical_map", table)
+            num_logical = int(table.max()) + 1 if num_logical is None else num_logical
+            return cls.from_phy2log(table, max(num_logical, 1), num_ranks=num_ranks)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+
+    @classmethod
+    def _from_document(cls, doc: dict, path: str, num_ranks: int | None, num_logical: int | None) -> Placement:
+        sizes = {name: int_field(doc, name, path, minimum=1) for name in ("num_layers", "num_logical", "num_physical")}
+        if num_logical is not None and num_logical != sizes["num_logical"]:
+            raise ValueError(f"{path}: field 'num_logical' is {sizes['num_logical']}, expected {num_logical}")
+        shape = (sizes["num_layers"], sizes["num_physical"])
+        phy2log = array_field(doc, "phy2log", path, kind="integer")
         if phy2log.shape != shape:
             raise ValueError(f"{path}: field 'phy2log' has shape {phy2log.shape}, header says {shape}")
+        if ("log2phy" in doc) != ("logcnt" in doc):
+            missing = "logcnt" if "log2phy" in doc else "log2phy"
+            raise ValueError(f"{path}: missing field {missing!r} (log2phy and logcnt come together or not at all)")
         try:
-            placement = cls.from_phy2log(phy2log, sizes["num_logical"], num_ranks=num_ranks)
-            if "log2phy" in doc or "logcnt" in doc:
-                placement = cls.from_tables(phy2log, field("log2phy"), field("logcnt"), num_ranks=num_ranks)
+            if "log2phy" not in doc:
+                return cls.from_phy2log(phy2log, sizes["num_logical"], num_ranks=num_ranks)
+            log2phy = array_field(doc, "log2phy", path, kind="integer")
+            logcnt = array_field(doc, "logcnt", path, kind="integer")
+            if logcnt.ndim != 2 or logcnt.shape[1] != sizes["num_logical"]:
+                raise ValueError(f"field 'logcnt' has shape {logcnt.shape}, header says E = {sizes['num_logical']}")
+            return cls.from_tables(phy2log, log2phy, logcnt, num_ranks=num_ranks)
         except ValueError as e:
-            raise ValueError(f"{path}: {e}") from e
-        return placement
+            raise ValueError(f"{path}: {e}") from None
 
 
-def _check_sizes(num_layers: int, num_logical: int, num_physical: int, num_ranks: int | None) -> None:
-    if num_layers < 1:
-        raise ValueError(f"need at least one layer, got num_layers={num_layers}")
-    if num_logical < 1:
-        raise ValueError(f"need at least one logical expert, got num_logical={num_logical}")
+def _check_sizes(num_layers, num_logical, num_physical, num_ranks) -> tuple[int, int, int]:
+    num_layers = check_int("num_layers", num_layers, minimum=1)
+    num_logical = check_int("num_logical", num_logical, minimum=1)
+    num_physical = check_int("num_physical", num_physical, minimum=1)
     if num_physical < num_logical:
         raise ValueError(f"fewer physical slots ({num_physical}) than logical experts ({num_logical})")
     if num_ranks is not None:
-        if num_ranks < 1:
-            raise ValueError(f"num_ranks must be positive, got {num_ranks}")
+        num_ranks = check_int("num_ranks", num_ranks, minimum=1)
         if num_physical % num_ranks:
             raise ValueError(f"{num_physical} physical slots are not divisible by {num_ranks} ranks")
+    return num_layers, num_logical, num_physical
 
 
 def check_expert_ids(table: np.ndarray, num_logical: int, *, name: str = "phy2log") -> None:

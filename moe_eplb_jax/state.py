@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_eplb_jax import policy as _policy
+from moe_eplb_jax._checks import check_int, is_concrete
 from moe_eplb_jax.placement import Placement
 from moe_eplb_jax.routing import map_and_count_mode
 
@@ -189,14 +190,41 @@ def init_state(config: EplbConfig, num_layers: int, num_physical: int, *, per_ra
     )
 
 
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+def _check_state(state) -> None:
+    if not isinstance(state, EplbState):
+        raise ValueError(f"state must be an EplbState (see init_state), got {type(state).__name__}")
+
+
 def record(state: EplbState, load) -> EplbState:
-    """Adds one forward pass's per-slot load ``[L, P]`` (per-rank layout: ``[L, G, P]``; padding excluded)."""
-    load = jnp.asarray(load)
-    if load.shape != state.pass_load.shape:
+    """Adds one forward pass's per-slot load ``[L, P]`` (per-rank layout: ``[L, G, P]``; padding excluded).
+
+    ``load`` holds integer token counts (not bools, not floats). Host loads
+    (numpy, lists) and loads of a dtype wider than int32 are checked before the
+    int32 cast: a negative count or one past ``2**31 - 1`` raises instead of
+    wrapping. Device int32 loads are assumed non-negative (checking them would
+    wait for the device), as are traced loads under ``jit``; the running sums
+    are int32.
+    """
+    _check_state(state)
+    dtype = np.dtype(load.dtype) if hasattr(load, "dtype") else np.asarray(load).dtype
+    if dtype.kind not in "iu":
+        raise ValueError(f"load must hold integer token counts, got dtype {dtype}")
+    shape = tuple(np.shape(load))
+    if shape != tuple(state.pass_load.shape):
         axes = "[L, G, P]" if state.per_rank else "[L, P]"
-        raise ValueError(f"load must have shape {axes} = {tuple(state.pass_load.shape)}, got {tuple(load.shape)}")
-    if not jnp.issubdtype(load.dtype, jnp.integer):
-        raise ValueError(f"load must hold integer token counts, got dtype {load.dtype}")
+        raise ValueError(f"load must have shape {axes} = {tuple(state.pass_load.shape)}, got {shape}")
+    on_host = not isinstance(load, jax.Array)
+    if is_concrete(load) and (on_host or dtype.itemsize > 4 or dtype == np.uint32) and len(shape) and 0 not in shape:
+        host = np.asarray(load)
+        if host.min() < 0 or host.max() > _INT32_MAX:
+            bad = (host < 0) | (host > _INT32_MAX)
+            index = tuple(int(i) for i in np.argwhere(bad)[0])
+            raise ValueError(f"load{list(index)} = {host[index]} is not a token count in [0, 2**31 - 1]")
+        load = host.astype(np.int32)
+    load = jnp.asarray(load)
     return dataclasses.replace(state, pass_load=state.pass_load + load.astype(jnp.int32))
 
 
@@ -248,18 +276,41 @@ def window_slot_load(state: EplbState, *, axis_name=None):
 def window_logical_load(state: EplbState, phy2log, num_logical: int, *, axis_name=None):
     """Total load of each logical expert over the window, ``[L, E]`` float32.
 
-    Slot loads are summed over the window rows and the EP ranks
-    (:func:`window_slot_load`; ``axis_name`` inside ``jax.shard_map``), then
+    Slot loads are summed over the window rows and the EP ranks (``axis_name``
+    inside ``jax.shard_map`` psums them, as :func:`window_slot_load`), then
     into the logical expert each slot holds (``phy2log [L, P]``), so every rank
-    gets the same global load and computes the same placement.
+    gets the same global load and computes the same placement. The sums run in
+    float32 (relative rounding below ``1e-7``, never an int32 wrap). Ids of a
+    concrete ``phy2log`` outside ``[0, E)`` raise ``ValueError`` (checked before
+    the int32 cast); under ``jit`` they are assumed in range.
     """
-    phy2log = jnp.asarray(phy2log, jnp.int32)
+    _check_state(state)
+    num_logical = check_int("num_logical", num_logical, minimum=1)
     want = (state.num_layers, state.num_physical)
-    if phy2log.shape != want:
-        raise ValueError(f"phy2log must have shape [L, P] = {want}, got {tuple(phy2log.shape)}")
-    slot_load = window_slot_load(state, axis_name=axis_name)
+    if tuple(np.shape(phy2log)) != want:
+        raise ValueError(f"phy2log must have shape [L, P] = {want}, got {tuple(np.shape(phy2log))}")
+    dtype = np.dtype(phy2log.dtype) if hasattr(phy2log, "dtype") else np.asarray(phy2log).dtype
+    if dtype.kind not in "iu":
+        raise ValueError(f"phy2log must hold integer expert ids, got dtype {dtype}")
+    if is_concrete(phy2log):
+        host = np.asarray(phy2log)
+        bad = (host < 0) | (host >= num_logical)
+        if np.any(bad):
+            layer, slot = (int(i) for i in np.argwhere(bad)[0])
+            raise ValueError(
+                f"phy2log[{layer}, {slot}] = {host[layer, slot]} is outside the logical expert range [0, {num_logical})"
+            )
+        phy2log = host.astype(np.int32)
+    phy2log = jnp.asarray(phy2log).astype(jnp.int32)
+    valid_rows = jnp.arange(state.window.shape[0]) < state.window_filled
+    valid_rows = valid_rows.reshape((-1,) + (1,) * (state.window.ndim - 1))
+    slot_load = jnp.where(valid_rows, state.window, 0).astype(jnp.float32).sum(0)
+    if state.per_rank:
+        slot_load = slot_load.sum(1)
+    if axis_name is not None:
+        slot_load = jax.lax.psum(slot_load, axis_name)
     onehot = phy2log[..., None] == jnp.arange(num_logical, dtype=jnp.int32)[None, None, :]
-    return jnp.einsum("lp,lpe->le", slot_load.astype(jnp.float32), onehot.astype(jnp.float32))
+    return jnp.einsum("lp,lpe->le", slot_load, onehot.astype(jnp.float32))
 
 
 def compute_placement(logical_load, config: EplbConfig, *, old_phy2log=None) -> Placement:

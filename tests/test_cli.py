@@ -107,6 +107,6 @@ def test_cli_errors(tmp_path, capsys):
         )
         == 2
     )
-    assert "unknown placement policy" in capsys.readouterr().err
+    assert "invalid choice: 'nope'" in capsys.readouterr().err
     assert not (tmp_path / "y.json").exists()
     np.testing.assert_equal(read_load(load).load.shape, (1, 1, 8))

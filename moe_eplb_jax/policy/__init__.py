@@ -9,6 +9,7 @@
   recommended default.
 
 Every policy takes ``old_phy2log`` to keep experts in their old slots.
+``DEFAULT_POLICY`` names the library's default (``"balanced"``).
 """
 
 from moe_eplb_jax.policy._preserve import moved_slots, preserve_slots
@@ -17,6 +18,8 @@ from moe_eplb_jax.policy.balanced import rebalance_balanced
 from moe_eplb_jax.policy.deepseek import rebalance_experts
 from moe_eplb_jax.policy.deepseek_reference import rebalance_experts_reference
 
+DEFAULT_POLICY = "balanced"
+
 register("deepseek", rebalance_experts)
 register("balanced", rebalance_balanced)
 
@@ -24,6 +27,7 @@ register("balanced", rebalance_balanced)
 from moe_eplb_jax.policy import online  # noqa: E402,F401
 
 __all__ = [
+    "DEFAULT_POLICY",
     "PlacementPolicy",
     "available",
     "get",

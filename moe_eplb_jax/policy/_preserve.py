@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from moe_eplb_jax._checks import check_int
 from moe_eplb_jax.policy._packing import gather_rows
 
 __all__ = ["preserve_slots", "moved_slots"]
@@ -152,15 +153,19 @@ def preserve_slots(
     ``old_phy2log`` may come from any policy (ids must be in ``[0, E)``, where
     ``E`` bounds the ids of ``phy2log``).
     """
+    num_gpus = check_int("num_gpus", num_gpus, minimum=1)
+    num_nodes = check_int("num_nodes", num_nodes, minimum=1)
     phy2log, phyrank, old_phy2log = (np.asarray(t) for t in (phy2log, phyrank, old_phy2log))
     for name, table in (("phyrank", phyrank), ("old_phy2log", old_phy2log)):
         if table.shape != phy2log.shape or phy2log.ndim != 2:
             raise ValueError(f"phy2log and {name} must both have shape [L, P], got {phy2log.shape} and {table.shape}")
     for name, table in (("phy2log", phy2log), ("phyrank", phyrank), ("old_phy2log", old_phy2log)):
-        if not np.issubdtype(table.dtype, np.integer) or (table.size and table.min() < 0):
+        if table.dtype.kind not in "iu" or (table.size and table.min() < 0):
             raise ValueError(f"{name} must hold non-negative integers")
+        if table.size and table.max() > np.iinfo(np.int32).max:
+            raise ValueError(f"{name} holds {table.max()}, beyond the int32 range of expert ids and replica ranks")
     num_layers, num_physical = phy2log.shape
-    if num_gpus < 1 or num_nodes < 1 or num_physical % num_gpus or num_gpus % num_nodes:
+    if num_physical % num_gpus or num_gpus % num_nodes:
         raise ValueError(
             f"{num_physical} slots on num_gpus={num_gpus} GPUs in num_nodes={num_nodes} nodes: "
             "slots must divide over GPUs and GPUs over nodes"

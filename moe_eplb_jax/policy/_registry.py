@@ -54,6 +54,8 @@ def register(name: str, fn: PlacementPolicy | None = None, *, overwrite: bool = 
 
 def get(name: str) -> PlacementPolicy:
     """The policy registered under ``name``; ``ValueError`` listing the known names otherwise."""
+    if not isinstance(name, str):
+        raise ValueError(f"policy name must be a string, got {name!r}; registered: {sorted(_POLICIES)}")
     try:
         return _POLICIES[name]
     except KeyError:

@@ -11,7 +11,8 @@ plain-loop version it must equal):
    first, to the least-loaded GPU with a free slot).
 
 When ``num_groups % num_nodes != 0`` the global variant runs with one group and
-one node. Every greedy step loops over items only; each iteration works on all
+one node, and, as in DeepSeek's and vLLM's code, neither ``E % num_groups`` nor
+``num_gpus % num_nodes`` is required then. Every greedy step loops over items only; each iteration works on all
 layers and nodes at once.
 
 With ``old_phy2log`` the result is relabelled to move as few experts as
@@ -21,10 +22,9 @@ balancedness, are unchanged.
 
 from __future__ import annotations
 
-import numbers
-
 import numpy as np
 
+from moe_eplb_jax._checks import check_int
 from moe_eplb_jax.placement import check_expert_ids
 from moe_eplb_jax.policy import _packing
 from moe_eplb_jax.policy._preserve import preserve_slots
@@ -32,6 +32,8 @@ from moe_eplb_jax.policy._preserve import preserve_slots
 __all__ = [
     "rebalance_experts",
     "check_inputs",
+    "check_old_phy2log",
+    "check_weight",
     "hierarchical_layout",
     "log2phy_from_ranks",
     "node_major_order",
@@ -39,35 +41,17 @@ __all__ = [
 ]
 
 
-def _check_count(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
-
-
-def check_inputs(weight, num_replicas, num_groups, num_nodes, num_gpus, old_phy2log=None):
-    """Validates a policy call; returns ``(weight float64 [L, E], old_phy2log int64 [L, P] or None)``.
-
-    Raises ``ValueError`` naming the problem: weight not a finite, non-negative
-    2-D array; ``num_replicas < E``; ``num_replicas % num_gpus``;
-    ``E % num_groups``; ``num_gpus % num_nodes``; ``old_phy2log`` of the wrong
-    shape or holding ids outside ``[0, E)``.
-    """
-    num_replicas = _check_count("num_replicas", num_replicas)
-    num_groups = _check_count("num_groups", num_groups)
-    num_nodes = _check_count("num_nodes", num_nodes)
-    num_gpus = _check_count("num_gpus", num_gpus)
+def check_weight(weight) -> np.ndarray:
+    """``weight`` as float64 ``[L, E]``: real numbers (no bools or strings), finite, non-negative, non-empty."""
     try:
         weight = np.asarray(weight)
-    except ValueError as e:  # ragged nested lists
-        raise ValueError(f"weight must be a rectangular [L, E] array ({e})") from e
+    except (ValueError, TypeError, OverflowError) as e:  # ragged nested lists
+        raise ValueError(f"weight must be a rectangular [L, E] array ({e})") from None
     if weight.ndim != 2:
         raise ValueError(f"weight must have shape [L, E] (2-D), got shape {weight.shape}")
     if weight.shape[0] < 1 or weight.shape[1] < 1:
         raise ValueError(f"weight must have at least one layer and one expert, got shape {weight.shape}")
-    if weight.dtype == bool or not (
-        np.issubdtype(weight.dtype, np.integer) or np.issubdtype(weight.dtype, np.floating)
-    ):
+    if weight.dtype.kind not in "iuf":
         raise ValueError(f"weight must hold real numbers, got dtype {weight.dtype}")
     weight = weight.astype(np.float64) + 0.0  # + 0.0 turns -0.0 into 0.0 (sorts use the bit patterns)
     with np.errstate(over="ignore", invalid="ignore"):
@@ -82,24 +66,50 @@ def check_inputs(weight, num_replicas, num_groups, num_nodes, num_gpus, old_phy2
                 layer, expert = (int(i) for i in np.argwhere(bad)[0])
                 raise ValueError(f"weight holds {problem} at [layer {layer}, expert {expert}]")
         raise ValueError("weight is too large: a layer's total load overflows float64")
+    return weight
+
+
+def check_old_phy2log(old_phy2log, num_layers: int, num_replicas: int, num_experts: int) -> np.ndarray | None:
+    """``old_phy2log`` as int64 ``[L, P]`` with ids in ``[0, E)`` (``None`` passes through)."""
+    if old_phy2log is None:
+        return None
+    old = np.asarray(old_phy2log)
+    if old.shape != (num_layers, num_replicas):
+        raise ValueError(f"old_phy2log must have shape [L, P] = {(num_layers, num_replicas)}, got {old.shape}")
+    if old.dtype.kind not in "iu":
+        raise ValueError(f"old_phy2log must hold integer expert ids, got dtype {old.dtype}")
+    check_expert_ids(old, num_experts, name="old_phy2log")
+    return old.astype(np.int64)
+
+
+def check_inputs(weight, num_replicas, num_groups, num_nodes, num_gpus, old_phy2log=None):
+    """Validates a policy call; returns ``(weight float64 [L, E], old_phy2log int64 [L, P] or None)``.
+
+    Accepts exactly what DeepSeek's EPLB (and vLLM's copy of it) accepts.
+    Raises ``ValueError`` naming the problem: weight not a finite, non-negative
+    2-D array of numbers; a count that is not a positive integer (a bool or
+    16.7 is not); ``num_replicas < E``; ``num_replicas % num_gpus``; and only
+    for the hierarchical variant (``num_groups % num_nodes == 0``; the global
+    one ignores groups and nodes) ``E % num_groups`` or ``num_gpus %
+    num_nodes``; ``old_phy2log`` of the wrong shape or holding ids outside
+    ``[0, E)``.
+    """
+    num_replicas = check_int("num_replicas", num_replicas, minimum=1)
+    num_groups = check_int("num_groups", num_groups, minimum=1)
+    num_nodes = check_int("num_nodes", num_nodes, minimum=1)
+    num_gpus = check_int("num_gpus", num_gpus, minimum=1)
+    weight = check_weight(weight)
     num_layers, num_experts = weight.shape
     if num_replicas < num_experts:
         raise ValueError(f"num_replicas ({num_replicas}) is smaller than the number of experts ({num_experts})")
     if num_replicas % num_gpus:
         raise ValueError(f"num_replicas ({num_replicas}) is not divisible by num_gpus ({num_gpus})")
-    if num_experts % num_groups:
-        raise ValueError(f"the number of experts ({num_experts}) is not divisible by num_groups ({num_groups})")
-    if num_gpus % num_nodes:
-        raise ValueError(f"num_gpus ({num_gpus}) is not divisible by num_nodes ({num_nodes})")
-    if old_phy2log is not None:
-        old = np.asarray(old_phy2log)
-        if old.shape != (num_layers, num_replicas):
-            raise ValueError(f"old_phy2log must have shape [L, P] = {(num_layers, num_replicas)}, got {old.shape}")
-        if not np.issubdtype(old.dtype, np.integer):
-            raise ValueError(f"old_phy2log must hold integer expert ids, got dtype {old.dtype}")
-        check_expert_ids(old, num_experts, name="old_phy2log")
-        old_phy2log = old.astype(np.int64)
-    return weight, old_phy2log
+    if num_groups % num_nodes == 0:  # hierarchical: groups stay on one node
+        if num_experts % num_groups:
+            raise ValueError(f"the number of experts ({num_experts}) is not divisible by num_groups ({num_groups})")
+        if num_gpus % num_nodes:
+            raise ValueError(f"num_gpus ({num_gpus}) is not divisible by num_nodes ({num_nodes})")
+    return weight, check_old_phy2log(old_phy2log, num_layers, num_replicas, num_experts)
 
 
 def log2phy_from_ranks(phy2log: np.ndarray, phyrank: np.ndarray, num_logical: int) -> np.ndarray:
@@ -187,7 +197,7 @@ def rebalance_experts(weight, num_replicas: int, num_groups: int, num_nodes: int
     ``num_groups`` expert groups (contiguous blocks of ``E / num_groups``
     experts) are kept on one of ``num_nodes`` nodes when ``num_groups %
     num_nodes == 0`` (hierarchical); otherwise the global variant ignores
-    groups and nodes. ``num_gpus`` GPUs hold ``num_replicas / num_gpus`` slots
+    groups and nodes (and needs neither to divide anything). ``num_gpus`` GPUs hold ``num_replicas / num_gpus`` slots
     each (slot ``p`` is on GPU ``p // (P / G)``).
 
     Returns numpy int32 ``phy2log [L, P]``, ``log2phy [L, E, P - E + 1]``

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from moe_eplb_jax.policy.deepseek import check_inputs
+
 __all__ = ["rebalance_experts_reference"]
 
 
@@ -112,9 +114,11 @@ def rebalance_experts_reference(weight, num_replicas: int, num_groups: int, num_
 
     ``weight`` is ``[L, E]``; returns numpy int32 ``phy2log [L, P]``,
     ``log2phy [L, E, P - E + 1]`` (replicas in replica-rank order, ``-1``
-    padded) and ``logcnt [L, E]``. Inputs are assumed valid.
+    padded) and ``logcnt [L, E]``. Inputs are checked as the vectorised
+    policy checks them (:func:`moe_eplb_jax.policy.deepseek.check_inputs`).
     """
-    weight = np.asarray(weight, dtype=np.float64)
+    weight, _ = check_inputs(weight, num_replicas, num_groups, num_nodes, num_gpus)
+    num_replicas, num_groups, num_nodes, num_gpus = (int(n) for n in (num_replicas, num_groups, num_nodes, num_gpus))
     num_layers, num_experts = weight.shape
     if num_groups % num_nodes:  # global variant: no node constraint
         num_groups, num_nodes = 1, 1

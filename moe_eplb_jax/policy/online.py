@@ -22,8 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moe_eplb_jax._checks import check_int
 from moe_eplb_jax.placement import build_log2phy
 from moe_eplb_jax.policy._registry import register
+from moe_eplb_jax.policy.deepseek import check_old_phy2log, check_weight
 from moe_eplb_jax.routing.quota import plan_quotas
 
 __all__ = ["online_policy", "home_layout", "fill_unused_spares", "refresh_phy2log"]
@@ -33,7 +35,10 @@ _TOKEN_SCALE = 1 << 20  # float loads are scaled to integers summing to about th
 
 def home_layout(num_logical: int, num_physical: int, num_gpus: int) -> tuple[int, int]:
     """``(H, S)``: home experts and spare slots per rank; ``ValueError`` when the sizes do not fit."""
-    if num_gpus < 1 or num_physical % num_gpus:
+    num_logical = check_int("num_logical", num_logical, minimum=1)
+    num_physical = check_int("num_replicas", num_physical, minimum=1)
+    num_gpus = check_int("num_gpus", num_gpus, minimum=1)
+    if num_physical % num_gpus:
         raise ValueError(f"num_replicas ({num_physical}) must be divisible by num_gpus ({num_gpus})")
     if num_logical % num_gpus:
         raise ValueError(f"the online policy needs E ({num_logical}) divisible by num_gpus ({num_gpus})")
@@ -75,10 +80,14 @@ def fill_unused_spares(phy2log: np.ndarray, weight: np.ndarray, num_home: int, n
     return phy2log
 
 
-def _integer_counts(weight: np.ndarray, num_home: int) -> np.ndarray:
-    """``[L, G, E]`` counts with each expert's (integer-scaled) load sent from its home rank."""
+def _integer_counts(weight: np.ndarray, num_home: int, *, whole_tokens: bool) -> np.ndarray:
+    """``[L, G, E]`` counts with each expert's (integer-scaled) load sent from its home rank.
+
+    Whole-token loads small enough for the planner's int32 sums are used as
+    they are; any other load is scaled to about ``_TOKEN_SCALE`` per layer.
+    """
     num_layers, num_logical = weight.shape
-    if np.issubdtype(weight.dtype, np.integer) and weight.max(initial=0) < 2**30 // max(num_logical, 1):
+    if whole_tokens and weight.max(initial=0) < 2**30 // max(num_logical, 1):
         tokens = weight.astype(np.int64)
     else:
         totals = np.maximum(weight.sum(1, keepdims=True), 1e-300)
@@ -93,17 +102,21 @@ def _integer_counts(weight: np.ndarray, num_home: int) -> np.ndarray:
 def online_policy(weight, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int, old_phy2log=None):
     """Registry entry: home experts fixed, spare slots planned by ``plan_quotas`` on ``weight [L, E]``.
 
-    ``num_groups`` / ``num_nodes`` are ignored; ``old_phy2log`` is ignored too
-    (home slots never move, so nothing is gained by relabelling).
+    ``num_groups`` / ``num_nodes`` are ignored; ``old_phy2log`` is checked but
+    otherwise ignored (home slots never move, so nothing is gained by
+    relabelling). ``weight`` is checked like every policy's (numbers, finite,
+    non-negative, at least one layer and one expert).
     """
-    weight = np.asarray(weight)
-    if weight.ndim != 2:
-        raise ValueError(f"weight must have shape [L, E], got {weight.shape}")
-    if not np.all(np.isfinite(weight)) or np.any(weight < 0):
-        raise ValueError("weight must be finite and non-negative")
+    num_replicas = check_int("num_replicas", num_replicas, minimum=1)
+    check_int("num_groups", num_groups, minimum=1)
+    check_int("num_nodes", num_nodes, minimum=1)
+    num_gpus = check_int("num_gpus", num_gpus, minimum=1)
+    whole_tokens = np.asarray(weight).dtype.kind in "iu"
+    weight = check_weight(weight)
     num_layers, num_logical = weight.shape
-    num_home, num_spare = home_layout(num_logical, int(num_replicas), int(num_gpus))
-    counts = _integer_counts(weight, num_home)
+    num_home, num_spare = home_layout(num_logical, num_replicas, num_gpus)
+    check_old_phy2log(old_phy2log, num_layers, num_replicas, num_logical)
+    counts = _integer_counts(weight, num_home, whole_tokens=whole_tokens)
     planned = np.asarray(_planner(num_home, num_spare)(jnp.asarray(counts)))
     phy2log = np.stack(
         [

@@ -62,6 +62,19 @@ def _check_finite(w, fmt: str) -> None:
         )
 
 
+def _block_size(block) -> tuple[int, int]:
+    """``(bn, bk)`` from a pair of positive integers (a bool or 16.7 is not one)."""
+    try:
+        pair = tuple(block)
+    except TypeError:
+        pair = ()
+    if len(pair) != 2 or any(
+        isinstance(b, (bool, np.bool_)) or not isinstance(b, (int, np.integer)) or b <= 0 for b in pair
+    ):
+        raise ValueError(f"quantize_experts('fp8_block'): block_size must be two positive ints, got {block!r}")
+    return int(pair[0]), int(pair[1])
+
+
 def _per_expert_scale(name: str, value, num_experts: int):
     """A float32 ``[E]`` scale from a scalar or ``[E]`` value, checked on the host (no device work)."""
     if isinstance(value, jax.core.Tracer):
@@ -110,10 +123,7 @@ def quantize_experts(w, fmt: str, *, nonfinite: str = "raise", **opts) -> Quanti
         )
     e, n, k = w.shape
     if fmt == "fp8_block":
-        block = opts.get("block_size", (128, 128))
-        if len(tuple(block)) != 2 or any(int(b) <= 0 for b in block):
-            raise ValueError(f"quantize_experts('fp8_block'): block_size must be two positive ints, got {block}")
-        block = (int(block[0]), int(block[1]))
+        block = _block_size(opts.get("block_size", (128, 128)))
         if n % block[0] or k % block[1]:
             raise ValueError(
                 f"quantize_experts('fp8_block'): N={n} and K={k} must be multiples of the block size {block}"

@@ -45,6 +45,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from moe_eplb_jax.quant._api import _TYPES, _check_finite, _check_weights, _per_expert_scale, quantize_experts
 from moe_eplb_jax.quant._elements import e8m0_to_float32
@@ -68,12 +69,16 @@ def quantize_mlp(w_gate, w_up, w_down, fmt: str, *, input_scale=1.0, down_input_
     is the scale of ``x`` and ``down_input_scale`` that of ``silu(gate) * up`` (both
     fp8 only; the other formats keep activations in bf16).
     """
-    if fmt != "fp8":
-        return tuple(quantize_experts(w, fmt, nonfinite=nonfinite) for w in (w_gate, w_up, w_down))
     for w in (w_gate, w_up, w_down):
         _check_weights(w, fmt, nonfinite)
-    if tuple(w_gate.shape) != tuple(w_up.shape):
-        raise ValueError(f"quantize_mlp: w_gate {tuple(w_gate.shape)} and w_up {tuple(w_up.shape)} differ")
+    e, i, h = w_gate.shape
+    if tuple(w_up.shape) != (e, i, h) or tuple(w_down.shape) != (e, h, i):
+        raise ValueError(
+            f"quantize_mlp: expected w_gate / w_up [E, I, H] and w_down [E, H, I], got "
+            f"{tuple(w_gate.shape)}, {tuple(w_up.shape)}, {tuple(w_down.shape)}"
+        )
+    if fmt != "fp8":
+        return tuple(quantize_experts(w, fmt, nonfinite=nonfinite) for w in (w_gate, w_up, w_down))
     num_experts = w_gate.shape[0]
     scales = [
         _per_expert_scale(name, value, num_experts)
@@ -111,7 +116,15 @@ def share_weight_scale(gate: Fp8Experts, up: Fp8Experts) -> tuple[Fp8Experts, Fp
     return requantize(gate), requantize(up)
 
 
-def _check_mlp(x, gate, up, down, impl, activation_scaling):
+def _check_mlp(x, gate, up, down, impl, activation_scaling, compute_dtype, fast_accumulation):
+    if not isinstance(fast_accumulation, (bool, np.bool_)):
+        raise ValueError(f"expert_mlp: fast_accumulation must be True or False, got {fast_accumulation!r}")
+    try:
+        floating = jnp.issubdtype(jnp.dtype(compute_dtype), jnp.floating)
+    except TypeError:
+        floating = False
+    if not floating:
+        raise ValueError(f"expert_mlp: compute_dtype must be a float dtype (e.g. bfloat16), got {compute_dtype!r}")
     if impl not in IMPLS:
         raise ValueError(f"expert_mlp: unknown impl {impl!r}; choose one of {list(IMPLS)}")
     if activation_scaling not in ("static", "dynamic"):
@@ -253,7 +266,7 @@ def expert_mlp(
     lets ``fp8`` GEMMs use the GPU's reduced-precision FP8 accumulation (faster,
     less accurate at large K); off by default.
     """
-    _check_mlp(x, gate, up, down, impl, activation_scaling)
+    _check_mlp(x, gate, up, down, impl, activation_scaling, compute_dtype, fast_accumulation)
     return _mlp(
         x,
         gate,

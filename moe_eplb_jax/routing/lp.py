@@ -26,36 +26,57 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moe_eplb_jax._checks import check_int, check_real, is_concrete
+
 __all__ = ["lp_shares", "lp_shares_reference", "shares_rank_load"]
 
 
-def _check(load, log2phy, logcnt, num_physical, num_ranks):
+def _check(load, log2phy, logcnt, num_physical, num_ranks) -> tuple[int, int]:
+    """Validates an LP routing call; returns ``(num_physical, num_ranks)`` as ints.
+
+    Shapes and dtypes always; values (loads finite and non-negative, replica
+    counts in ``[1, S]``, slots in ``[0, P)``) where the inputs are concrete.
+    """
+    num_physical = check_int("num_physical", num_physical, minimum=1)
+    num_ranks = check_int("num_ranks", num_ranks, minimum=1)
     load_shape, table_shape, cnt_shape = np.shape(load), np.shape(log2phy), np.shape(logcnt)
-    if len(table_shape) != 2:
-        raise ValueError(f"log2phy must have shape [E, S], got {table_shape}")
+    if len(table_shape) != 2 or 0 in table_shape:
+        raise ValueError(f"log2phy must have shape [E, S] (both at least 1), got {table_shape}")
     num_experts = table_shape[0]
     if load_shape != (num_experts,):
         raise ValueError(f"load must have shape [E={num_experts}], got {load_shape}")
     if cnt_shape != (num_experts,):
         raise ValueError(f"logcnt must have shape [E={num_experts}], got {cnt_shape}")
-    if num_ranks < 1 or num_physical < num_experts or num_physical % num_ranks:
+    if num_physical < num_experts or num_physical % num_ranks:
         raise ValueError(
             f"num_physical ({num_physical}) must be >= E ({num_experts}) and divisible by num_ranks ({num_ranks})"
         )
-    if not isinstance(load, jax.core.Tracer) and np.any(np.asarray(load) < 0):
-        raise ValueError("load must be non-negative")
-    if not any(isinstance(a, jax.core.Tracer) for a in (log2phy, logcnt)):
+    for name, value, kinds in (("load", load, "iuf"), ("log2phy", log2phy, "iu"), ("logcnt", logcnt, "iu")):
+        dtype = np.dtype(value.dtype) if hasattr(value, "dtype") else np.asarray(value).dtype
+        if dtype.kind not in kinds and not (kinds == "iuf" and jnp.issubdtype(dtype, jnp.floating)):
+            want = "numbers" if kinds == "iuf" else "integers"
+            raise ValueError(f"{name} must hold {want}, got dtype {dtype}")
+    if is_concrete(load):
+        host = np.asarray(load)
+        if not np.all(np.isfinite(host)) or np.any(host < 0):
+            raise ValueError("load must be finite and non-negative")
+    if is_concrete(log2phy, logcnt):
         table, cnt = np.asarray(log2phy), np.asarray(logcnt)
         if np.any(cnt < 1) or np.any(cnt > table_shape[1]):
             raise ValueError(f"logcnt must lie in [1, S={table_shape[1]}]")
         valid = np.arange(table_shape[1])[None, :] < cnt[:, None]
         if np.any((table[valid] < 0) | (table[valid] >= num_physical)):
             raise ValueError(f"log2phy lists slots outside [0, {num_physical})")
+    return num_physical, num_ranks
 
 
 def shares_rank_load(load, log2phy, logcnt, shares, *, num_physical: int, num_ranks: int):
     """Per-rank loads ``[G]`` when expert ``e``'s ``load[e]`` splits over its replicas by ``shares [E, S]``."""
-    xp = jnp if any(isinstance(a, jax.Array) for a in (load, log2phy, shares)) else np
+    num_physical, num_ranks = _check(load, log2phy, logcnt, num_physical, num_ranks)
+    if np.shape(shares) != np.shape(log2phy):
+        raise ValueError(f"shares must have the shape of log2phy {np.shape(log2phy)}, got {np.shape(shares)}")
+    xp = jnp if any(isinstance(a, jax.Array) for a in (load, log2phy, logcnt, shares)) else np
+    load, log2phy, logcnt, shares = (xp.asarray(a) for a in (load, log2phy, logcnt, shares))
     slots_per_rank = num_physical // num_ranks
     valid = xp.arange(log2phy.shape[1])[None, :] < logcnt[:, None]
     rank = xp.where(valid, log2phy // slots_per_rank, 0)
@@ -73,9 +94,9 @@ def lp_shares(
     ``logcnt [E]``. Jit-able with ``num_physical``, ``num_ranks`` and
     ``num_iters`` static.
     """
-    _check(load, log2phy, logcnt, num_physical, num_ranks)
-    if num_iters < 1:
-        raise ValueError(f"num_iters must be >= 1, got {num_iters}")
+    num_physical, num_ranks = _check(load, log2phy, logcnt, num_physical, num_ranks)
+    num_iters = check_int("num_iters", num_iters, minimum=1)
+    step_size = check_real("step_size", step_size, positive=True)
     load = jnp.asarray(load).astype(jnp.float32)
     log2phy = jnp.asarray(log2phy).astype(jnp.int32)
     logcnt = jnp.asarray(logcnt).astype(jnp.int32)
@@ -116,7 +137,7 @@ def lp_shares_reference(load, log2phy, logcnt, *, num_physical: int, num_ranks: 
     import scipy.optimize
     import scipy.sparse
 
-    _check(load, log2phy, logcnt, num_physical, num_ranks)
+    num_physical, num_ranks = _check(load, log2phy, logcnt, num_physical, num_ranks)
     load = np.asarray(load, dtype=np.float64)
     log2phy, logcnt = np.asarray(log2phy), np.asarray(logcnt)
     num_experts, width = log2phy.shape

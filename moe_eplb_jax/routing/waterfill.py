@@ -17,11 +17,35 @@ Batches with fewer than ``min_tokens`` tokens skip balancing (first candidate).
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moe_eplb_jax._checks import check_int, is_concrete
+
 __all__ = ["waterfill_shares", "waterfill_assign", "waterfill_reference_level"]
+
+
+def _dtype(value):
+    return np.dtype(value.dtype) if hasattr(value, "dtype") else np.asarray(value).dtype
+
+
+def _is_number(dtype) -> bool:
+    return dtype.kind in "iuf" or bool(jnp.issubdtype(dtype, jnp.floating))
+
+
+def _check_loads(routed_load, total) -> None:
+    """Shapes and dtypes always; finite, non-negative values where the inputs are concrete."""
+    if np.ndim(routed_load) != 1 or np.shape(routed_load)[0] < 1:
+        raise ValueError(f"routed_load must have shape [G] with G >= 1, got {np.shape(routed_load)}")
+    if np.ndim(total) != 0:
+        raise ValueError(f"total must be a scalar, got shape {np.shape(total)}")
+    for name, value in (("routed_load", routed_load), ("total", total)):
+        if not _is_number(_dtype(value)):
+            raise ValueError(f"{name} must hold numbers, got dtype {_dtype(value)}")
+        if is_concrete(value):
+            host = np.asarray(value)
+            if not np.all(np.isfinite(host)) or np.any(host < 0):
+                raise ValueError(f"{name} must be finite and non-negative")
 
 
 def waterfill_shares(routed_load, total):
@@ -30,10 +54,7 @@ def waterfill_shares(routed_load, total):
     ``routed_load [G]`` is each rank's routed-expert load; ``total`` the shared
     work (a scalar). Exact: sorts the floor and finds the level in closed form.
     """
-    if np.ndim(routed_load) != 1:
-        raise ValueError(f"routed_load must have shape [G], got {np.shape(routed_load)}")
-    if np.ndim(total) != 0:
-        raise ValueError(f"total must be a scalar, got shape {np.shape(total)}")
+    _check_loads(routed_load, total)
     floor = jnp.asarray(routed_load).astype(jnp.float32)
     total = jnp.asarray(total).astype(jnp.float32)
     num_ranks = floor.shape[0]
@@ -64,18 +85,27 @@ def waterfill_assign(candidates, routed_load, *, min_tokens: int = 0, token_offs
     ``candidates [T, C]`` int32 rank ids (the first is the fallback, usually the
     token's own rank); ``routed_load [G]`` the routed load of the batch.
     ``token_offset`` shifts the hash index (use the global token index so that
-    ranks agree). Jit-able with ``min_tokens`` static.
+    ranks agree). Jit-able with ``min_tokens`` static. Candidate ids outside
+    ``[0, G)`` raise ``ValueError`` where concrete (checked before the int32
+    cast); under ``jit`` they are assumed in range.
     """
-    if np.ndim(candidates) != 2:
-        raise ValueError(f"candidates must have shape [T, C], got {np.shape(candidates)}")
-    if min_tokens < 0:
-        raise ValueError(f"min_tokens must be >= 0, got {min_tokens}")
+    if np.ndim(candidates) != 2 or np.shape(candidates)[1] < 1:
+        raise ValueError(f"candidates must have shape [T, C] with C >= 1, got {np.shape(candidates)}")
+    min_tokens = check_int("min_tokens", min_tokens, minimum=0)
+    _check_loads(routed_load, 0)
+    if _dtype(candidates).kind not in "iu" or _dtype(token_offset).kind not in "iu" or np.ndim(token_offset):
+        raise ValueError(
+            f"candidates and token_offset must be integers, got dtypes {_dtype(candidates)}, {_dtype(token_offset)}"
+        )
+    num_ranks = np.shape(routed_load)[0]
+    if is_concrete(candidates):  # checked before the int32 cast, so no id wraps into range
+        host = np.asarray(candidates)
+        if np.any((host < 0) | (host >= num_ranks)):
+            raise ValueError(f"candidates must be rank ids in [0, {num_ranks})")
+    if is_concrete(token_offset) and not 0 <= int(token_offset) < 2**31:
+        raise ValueError(f"token_offset must lie in [0, 2**31), got {int(token_offset)}")
     candidates = jnp.asarray(candidates).astype(jnp.int32)
     num_tokens = candidates.shape[0]
-    num_ranks = np.shape(routed_load)[0]
-    if not isinstance(candidates, jax.core.Tracer):
-        if np.any((np.asarray(candidates) < 0) | (np.asarray(candidates) >= num_ranks)):
-            raise ValueError(f"candidates must be rank ids in [0, {num_ranks})")
     share = waterfill_shares(routed_load, jnp.float32(num_tokens))
     if num_tokens < min_tokens or num_tokens == 0:
         dest = candidates[:, 0]

@@ -15,18 +15,28 @@ from moe_eplb_jax.sim.generators import (
     zipf_topk,
 )
 from moe_eplb_jax.sim.loadfile import LOAD_FORMAT, LOAD_VERSION, LoadTrace, read_load, save_load
-from moe_eplb_jax.sim.report import PolicyReport, format_table, plot_reports, resolve_policy, simulate
+from moe_eplb_jax.sim.report import (
+    PolicyReport,
+    check_policy_names,
+    format_table,
+    plot_reports,
+    policy_names,
+    resolve_policy,
+    simulate,
+)
 
 __all__ = [
     "LOAD_FORMAT",
     "LOAD_VERSION",
     "LoadTrace",
     "PolicyReport",
+    "check_policy_names",
     "drifting_load",
     "format_table",
     "home_rank_imbalance",
     "lognormal_load",
     "plot_reports",
+    "policy_names",
     "read_load",
     "resolve_policy",
     "save_load",

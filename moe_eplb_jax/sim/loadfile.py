@@ -9,6 +9,10 @@ Format ``moe_eplb_jax.load`` version 1, as ``.npz`` (preferred) or ``.json``:
 * optional metadata: ``num_ranks`` (EP size the load was recorded at),
   ``top_k``, ``model`` (a name), ``note`` (free text).
 
+Counts are kept exact: integer loads must stay below ``2**53`` (float64's exact
+range) and totals must not overflow. :func:`read_load` also reads SGLang's load
+JSON ``{"logical_count": ...}`` (same shapes). Writes are atomic.
+
 Used by ``moe-eplb fit`` / ``stats`` / ``heatmap`` / ``simulate`` and by the
 serving example (``EplbState.window_logical_load`` gives one step's ``[L, E]``).
 """
@@ -20,13 +24,17 @@ import os
 
 import numpy as np
 
-from moe_eplb_jax._files import read_document, write_document
+from moe_eplb_jax._files import array_field, check_document, int_field, read_json, read_npz, write_document
 
 __all__ = ["LoadTrace", "save_load", "read_load", "LOAD_FORMAT", "LOAD_VERSION"]
 
 LOAD_FORMAT = "moe_eplb_jax.load"
 LOAD_VERSION = 1
 _META = ("num_ranks", "top_k", "model", "note")
+_INT_META = ("num_ranks", "top_k")
+_TEXT_META = ("model", "note")
+# float64 holds every integer count up to 2**53 exactly; a larger count would be silently rounded.
+_MAX_EXACT_COUNT = 2**53
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,41 +61,83 @@ class LoadTrace:
         return self.load.sum(0)
 
 
-def _check_load(load, where: str) -> np.ndarray:
+def _check_load(load, where: str, *, field: str = "load") -> np.ndarray:
+    """``load`` as float64 ``[steps, L, E]`` (a ``[L, E]`` snapshot becomes one step), checked.
+
+    Numbers only (no bools or strings), finite, non-negative, integers exact in
+    float64 (below ``2**53``), and every layer's total over the trace finite.
+    """
     try:
-        arr = np.asarray(load, dtype=np.float64)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{where}: field 'load' is not a numeric table ({e})") from e
+        arr = np.asarray(load)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise ValueError(f"{where}: field {field!r} is not a numeric table ({e})") from None
+    if arr.dtype.kind not in "iuf":
+        raise ValueError(f"{where}: field {field!r} must hold numbers, got dtype {arr.dtype}")
     if arr.ndim == 2:
         arr = arr[None]
     if arr.ndim != 3 or min(arr.shape) < 1:
-        raise ValueError(f"{where}: field 'load' must have shape [steps, L, E] or [L, E], got {arr.shape}")
+        raise ValueError(f"{where}: field {field!r} must have shape [steps, L, E] or [L, E], got {arr.shape}")
+    if arr.dtype.kind in "iu" and arr.max() >= _MAX_EXACT_COUNT:
+        raise ValueError(f"{where}: field {field!r} holds a count >= 2**53, which float64 cannot hold exactly")
+    if arr.dtype.kind in "iu" and arr.min() < 0:
+        raise ValueError(f"{where}: field {field!r} must be finite and non-negative")
+    arr = arr.astype(np.float64)
     if not np.all(np.isfinite(arr)) or np.any(arr < 0):
-        raise ValueError(f"{where}: field 'load' must be finite and non-negative")
+        raise ValueError(f"{where}: field {field!r} must be finite and non-negative")
+    with np.errstate(over="ignore"):
+        if not np.all(np.isfinite(arr.sum(axis=(0, 2)))):
+            raise ValueError(f"{where}: field {field!r} is too large, a layer's total overflows float64")
     return arr
 
 
-def save_load(path, load, **meta) -> None:
-    """Writes ``load`` (``[steps, L, E]`` or ``[L, E]``) and metadata (``num_ranks``, ``top_k``, ``model``, ``note``)."""
-    path = os.fspath(path)
+def _check_meta(meta: dict, where: str) -> dict:
     unknown = sorted(set(meta) - set(_META))
     if unknown:
-        raise ValueError(f"unknown metadata field(s) {unknown}; known: {list(_META)}")
+        raise ValueError(f"{where}: unknown metadata field(s) {unknown}; known: {list(_META)}")
+    for k in _INT_META:
+        if k in meta:
+            int_field(meta, k, where, minimum=1)
+    for k in _TEXT_META:
+        if k in meta and not isinstance(meta[k], str):
+            raise ValueError(f"{where}: field {k!r} must be text, got {meta[k]!r}")
+    return {k: (int(v) if k in _INT_META else v) for k, v in meta.items()}
+
+
+def save_load(path, load, **meta) -> None:
+    """Writes ``load`` (``[steps, L, E]`` or ``[L, E]``) and metadata (``num_ranks``, ``top_k``, ``model``, ``note``).
+
+    The write is atomic: a unique temporary file renamed over ``path``.
+    """
+    path = os.fspath(path)
+    meta = _check_meta({k: v for k, v in meta.items() if v is not None}, path)
     _check_load(load, path)
     fields = {"format": LOAD_FORMAT, "version": LOAD_VERSION, "load": np.asarray(load)}
-    fields.update({k: v for k, v in meta.items() if v is not None})
+    fields.update(meta)
     write_document(path, fields, what="load")
 
 
 def read_load(path) -> LoadTrace:
-    """Reads a load file; every malformed file raises ``ValueError`` naming the field."""
+    """Reads a load file; every malformed file raises ``ValueError`` naming the file and the field.
+
+    Also reads SGLang's load JSON, ``{"logical_count": [steps, L, E] or [L, E]}``
+    (what ``--init-expert-location`` fits a placement to).
+    """
     path = os.fspath(path)
-    doc = read_document(path, what="load", file_format=LOAD_FORMAT, version=LOAD_VERSION)
-    if "load" not in doc:
-        raise ValueError(f"{path}: missing field 'load'")
-    load = _check_load(doc["load"], path)
-    meta = {k: doc[k] for k in _META if k in doc}
-    for k in ("num_ranks", "top_k"):
-        if k in meta and (not isinstance(meta[k], (int, np.integer)) or meta[k] < 1):
-            raise ValueError(f"{path}: field {k!r} must be a positive integer, got {meta[k]!r}")
+    if path.endswith(".npz"):
+        doc = read_npz(path, what="load")
+    elif path.endswith(".json"):
+        doc = read_json(path, what="load")
+    else:
+        raise ValueError(f"load file must end in .json or .npz, got {path!r}")
+    if "format" not in doc and "logical_count" in doc:
+        unknown = sorted(set(doc) - {"logical_count"})
+        if unknown:
+            raise ValueError(f"{path}: unknown field(s) {unknown} in an SGLang load file")
+        field = "logical_count"
+        meta = {}
+    else:
+        check_document(doc, path, file_format=LOAD_FORMAT, version=LOAD_VERSION, fields=("load", *_META))
+        field = "load"
+        meta = _check_meta({k: doc[k] for k in _META if k in doc}, path)
+    load = _check_load(array_field(doc, field, path, kind="number"), path, field=field)
     return LoadTrace(load=load, meta=meta)

@@ -31,13 +31,27 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_eplb_jax import policy as _policy
-from moe_eplb_jax._files import pyplot
+from moe_eplb_jax._checks import check_int, check_real
+from moe_eplb_jax._files import check_output_path, pyplot, save_figure
 from moe_eplb_jax.metrics import rank_load_from_logical
 from moe_eplb_jax.placement import build_log2phy
 from moe_eplb_jax.routing.lp import lp_shares
 from moe_eplb_jax.routing.quota import plan_quotas
+from moe_eplb_jax.sim.loadfile import _check_load
 
-__all__ = ["PolicyReport", "simulate", "format_table", "plot_reports", "resolve_policy"]
+__all__ = [
+    "PolicyReport",
+    "check_policy_names",
+    "format_table",
+    "plot_reports",
+    "policy_names",
+    "resolve_policy",
+    "simulate",
+]
+
+# The quota planner counts tokens in int32: a layer whose total exceeds this (or whose loads are not whole
+# tokens) is planned on its loads scaled to this total, and the plan's rank loads are scaled back.
+_PLANNER_TOKENS = 1 << 30
 
 
 @dataclasses.dataclass
@@ -81,6 +95,32 @@ def resolve_policy(name: str):
     return _policy.get(name)
 
 
+def policy_names() -> list[str]:
+    """Every name :func:`simulate` accepts: ``none``, ``online`` and each registered policy, alone and with ``+lp``."""
+    fitted = [name for name in _policy.available() if name not in ("online", "quota")]
+    return ["none", "online", *fitted, *(f"{name}+lp" for name in fitted)]
+
+
+def check_policy_names(policies) -> tuple[str, ...]:
+    """``policies`` (a name or a sequence of names) as a tuple, each known and none twice; ``ValueError`` otherwise."""
+    if isinstance(policies, str):
+        policies = (policies,)
+    try:
+        policies = tuple(policies)
+    except TypeError:
+        raise ValueError(f"policies must be a policy name or a sequence of names, got {policies!r}") from None
+    if not policies:
+        raise ValueError("policies is empty; choose from " + ", ".join(policy_names()))
+    for name in policies:
+        if not isinstance(name, str):
+            raise ValueError(f"policy names must be strings, got {name!r}")
+        if name not in ("none", "online"):
+            resolve_policy(name.removesuffix("+lp"))
+    if len(set(policies)) != len(policies):
+        raise ValueError(f"policies lists a name twice: {list(policies)}")
+    return policies
+
+
 @functools.lru_cache(maxsize=16)
 def _online_planner(num_home: int, num_spare: int):
     def plan(counts):
@@ -96,12 +136,20 @@ def _lp_router(num_physical: int, num_ranks: int):
     return jax.jit(jax.vmap(lambda load, l2p, cnt: fn(load, l2p, cnt)[1]))
 
 
-def _home_counts(load: np.ndarray, num_home: int) -> np.ndarray:
-    """``[L, G, E]`` integer counts with each expert's load sent from its home rank (rank loads need no more)."""
+def _home_counts(load: np.ndarray, num_home: int) -> tuple[np.ndarray, np.ndarray]:
+    """``[L, G, E]`` int32 counts with each expert's load sent from its home rank, and the ``[L]`` scale applied.
+
+    Whole-token loads whose layer total fits the planner are exact (scale 1);
+    any other layer is scaled to ``_PLANNER_TOKENS`` tokens, so no count wraps.
+    """
     num_layers, num_logical = load.shape
+    totals = load.sum(1)
+    exact = (totals <= _PLANNER_TOKENS) & np.all(load == np.round(load), axis=1)
+    scale = np.where(exact | (totals == 0), 1.0, _PLANNER_TOKENS / np.where(totals > 0, totals, 1.0))
+    tokens = np.minimum(np.rint(load * scale[:, None]), _PLANNER_TOKENS)
     counts = np.zeros((num_layers, num_logical // num_home, num_logical), np.int32)
-    counts[:, np.arange(num_logical) // num_home, np.arange(num_logical)] = np.rint(load).astype(np.int32)
-    return counts
+    counts[:, np.arange(num_logical) // num_home, np.arange(num_logical)] = tokens.astype(np.int32)
+    return counts, scale
 
 
 def simulate(
@@ -124,26 +172,20 @@ def simulate(
     (token, expert) entry on one rank; ``link_gbps`` the per-rank link speed
     for moved bytes. ``progress`` (optional) wraps the step iterator (e.g. tqdm).
     """
-    load = np.asarray(load, dtype=np.float64)
-    if load.ndim == 2:
-        load = load[None]
-    if load.ndim != 3 or min(load.shape) < 1:
-        raise ValueError(f"load must have shape [steps, L, E], got {load.shape}")
-    if not np.all(np.isfinite(load)) or np.any(load < 0):
-        raise ValueError("load must be finite and non-negative")
+    load = _check_load(load, "simulate")
     num_steps, num_layers, num_logical = load.shape
-    if num_ranks < 1 or num_logical % num_ranks:
+    num_ranks = check_int("num_ranks", num_ranks, minimum=1)
+    if num_logical % num_ranks:
         raise ValueError(f"E ({num_logical}) must be divisible by num_ranks ({num_ranks})")
-    if num_spare < 0:
-        raise ValueError(f"num_spare must be >= 0, got {num_spare}")
-    for name, value in (("step_interval", step_interval), ("window", window)):
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
-    if isinstance(policies, str):
-        policies = (policies,)
-    for name in policies:  # fail on a bad name before any work
-        if name not in ("none", "online"):
-            resolve_policy(name.removesuffix("+lp"))
+    num_spare = check_int("num_spare", num_spare, minimum=0, maximum=num_logical)
+    step_interval = check_int("step_interval", step_interval, minimum=1)
+    window = check_int("window", window, minimum=1)
+    expert_bytes = check_real("expert_bytes", expert_bytes, minimum=0.0)
+    token_time_us = check_real("token_time_us", token_time_us, minimum=0.0)
+    link_gbps = check_real("link_gbps", link_gbps, positive=True)
+    if progress is not None and not callable(progress):
+        raise ValueError(f"progress must be callable (e.g. tqdm.tqdm), got {progress!r}")
+    policies = check_policy_names(policies)
     num_home = num_logical // num_ranks
     num_physical = num_ranks * (num_home + num_spare)
     ideal = float(load.sum(-1).mean(0).sum() / num_ranks * token_time_us / 1e3)
@@ -200,13 +242,13 @@ def _runner(name, load, num_ranks, num_home, num_spare, num_physical, step_inter
         state = {"phy2log": None}
 
         def run(step):
-            phy2log, rank_load, logcnt = (
-                np.asarray(a) for a in planner(jnp.asarray(_home_counts(load[step], num_home)))
-            )
+            counts, scale = _home_counts(load[step], num_home)
+            phy2log, rank_load, logcnt = (np.asarray(a) for a in planner(jnp.asarray(counts)))
+            rank_load = rank_load / scale[:, None]
             old = state["phy2log"]
             moved = 0 if old is None else int(np.sum((phy2log >= 0) & (phy2log != old)))
             state["phy2log"] = np.where(phy2log >= 0, phy2log, old if old is not None else -1)
-            return rank_load.astype(np.float64), moved, 1, float((logcnt.sum(-1) - num_logical).mean())
+            return rank_load, moved, 1, float((logcnt.sum(-1) - num_logical).mean())
 
         return run
 
@@ -260,7 +302,8 @@ def format_table(reports: list[PolicyReport]) -> str:
 
 
 def plot_reports(reports: list[PolicyReport], path) -> None:
-    """Writes a PNG: rank imbalance per step (left) and per layer (right), one line per policy."""
+    """Writes a PNG: rank imbalance per step (left) and per layer (right), one line per policy (atomically)."""
+    path = check_output_path(path, what="plot")
     plt = pyplot()
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
@@ -271,5 +314,7 @@ def plot_reports(reports: list[PolicyReport], path) -> None:
     right.set(xlabel="layer", ylabel="rank imbalance", title="per layer (mean over steps)")
     left.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        save_figure(fig, path, what="plot")
+    finally:
+        plt.close(fig)
