@@ -9,8 +9,8 @@ from __future__ import annotations
 import math
 import numbers
 
-import jax
 import numpy as np
+from jax.core import Tracer
 
 __all__ = ["check_int", "check_real", "is_concrete"]
 
@@ -43,4 +43,4 @@ def check_real(name: str, value, *, minimum: float | None = None, positive: bool
 
 def is_concrete(*values) -> bool:
     """True when no value is a JAX tracer, so its contents can be checked on the host."""
-    return not any(isinstance(v, jax.core.Tracer) for v in values)
+    return not any(isinstance(v, Tracer) for v in values)

@@ -145,8 +145,10 @@ def write_document(path, fields: dict, *, what: str) -> None:
     path = os.fspath(path)
     suffix = _kind(path, what)
     if suffix == ".npz":
-        with atomic_write(path, what=what) as f:
-            np.savez_compressed(f, **{k: np.asarray(v) for k, v in fields.items()})
+        with atomic_write(path, what=what) as f, zipfile.ZipFile(f, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+            for name, value in fields.items():  # the layout np.savez_compressed writes, without pickles
+                with archive.open(name + ".npy", "w", force_zip64=True) as member:
+                    np.lib.format.write_array(member, np.asarray(value), allow_pickle=False)
     else:
         doc = {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in fields.items()}
         write_json(path, doc, what=what)
@@ -167,11 +169,16 @@ def _read_regular_file(path: str, what: str) -> bytes:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
         raise ValueError(f"{path}: cannot read the {what} file ({e.strerror})") from None
-    with os.fdopen(fd, "rb") as f:
+    try:
         mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file (a device, FIFO or socket)"
-            raise ValueError(f"{path}: cannot read the {what} file, it is {kind}")
+    except OSError:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file (a device, FIFO or socket)"
+        raise ValueError(f"{path}: cannot read the {what} file, it is {kind}")
+    with os.fdopen(fd, "rb") as f:
         try:
             return f.read()
         except OSError as e:
@@ -248,13 +255,14 @@ def _npy_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo, path: str, arch
                 f"{info.file_size - f.tell()} bytes"
             )
         array = np.empty(count, dtype)
-        view = memoryview(array.view(np.uint8)) if declared else memoryview(b"")
+        view = array.view(np.uint8)
         filled = 0
         while filled < declared:
-            n = f.readinto(view[filled:])
-            if not n:
+            chunk = f.read(min(declared - filled, 1 << 24))
+            if not chunk:
                 raise ValueError(f"{where}: truncated data ({filled} of {declared} bytes)")
-            filled += n
+            view[filled : filled + len(chunk)] = np.frombuffer(chunk, np.uint8)
+            filled += len(chunk)
         if f.read(1):  # also reaches the end of the member, where zipfile checks its CRC
             raise ValueError(f"{where}: data past the declared shape {shape}")
     return array.reshape(shape, order="F" if fortran else "C")
@@ -315,11 +323,12 @@ def int_field(doc: dict, name: str, path: str, *, minimum: int | None = None) ->
     if name not in doc:
         raise ValueError(f"{path}: missing field {name!r}")
     value = doc[name]
-    kind = {1: "a positive integer", 0: "a non-negative integer"}.get(minimum, f"an integer >= {minimum}")
+    if minimum is None:
+        kind = "an integer"
+    else:
+        kind = {1: "a positive integer", 0: "a non-negative integer"}.get(minimum, f"an integer >= {minimum}")
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise ValueError(
-            f"{path}: field {name!r} must be {kind if minimum is not None else 'an integer'}, got {value!r}"
-        )
+        raise ValueError(f"{path}: field {name!r} must be {kind}, got {value!r}")
     if minimum is not None and value < minimum:
         raise ValueError(f"{path}: field {name!r} must be {kind}, got {value!r}")
     return int(value)

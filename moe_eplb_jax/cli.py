@@ -186,7 +186,7 @@ def _check_generator_sizes(args) -> None:
         raise ValueError(f"--imbalance {args.imbalance} must lie in [1, --num-ranks {args.num_ranks}]")
 
 
-def _generate(args) -> np.ndarray:
+def _generate(args):
     from moe_eplb_jax import sim
 
     _check_generator_sizes(args)
@@ -260,7 +260,7 @@ def _progress(what: str, *, seconds: float = _PROGRESS_SECONDS, stream=None):
 def _rank_loads(load_le: np.ndarray, phy2log: np.ndarray, num_ranks: int) -> np.ndarray:
     from moe_eplb_jax.metrics import rank_load_from_logical
 
-    return rank_load_from_logical(load_le, phy2log, num_ranks)
+    return np.asarray(rank_load_from_logical(load_le, phy2log, num_ranks))
 
 
 def _home_phy2log(num_layers: int, num_logical: int) -> np.ndarray:
@@ -295,7 +295,7 @@ def _stats_table(load_le, num_ranks, phy2log=None) -> str:
         head += f" {'imb after':>9}"
     rows = [head, "-" * len(head)]
     imb_b = rank_imbalance(before)
-    imb_a = rank_imbalance(after) if after is not None else None
+    imb_a = rank_imbalance(after) if after is not None else imb_b
     for layer, row in enumerate(load_le):
         total = row.sum()
         line = (

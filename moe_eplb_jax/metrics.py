@@ -3,8 +3,8 @@
 Every function takes numpy or jax arrays and returns the same kind (jax
 inputs make them usable under ``jit``). Loads must be numbers, finite and
 non-negative, and placement ids in range: checked where the inputs are concrete
-(``ValueError``), assumed under ``jit``. The ratios are computed on loads
-divided by their largest entry, so no sum overflows.
+(``ValueError``), assumed under ``jit``. The ratios divide each load by the
+number of ranks and layers before summing, so no sum overflows.
 
 * rank load ``[L, G]``: tokens computed by each of ``G`` EP ranks, per layer;
 * ``balancedness = sum_l mean_g(load[l]) / sum_l max_g(load[l])`` (1.0 is perfect);
@@ -89,7 +89,9 @@ def slot_load_from_logical(logical_load, phy2log):
     logcnt = onehot.sum(1)
     loads = logical_load.astype(jnp.float32 if xp is jnp else np.float64)
     per_replica = loads / xp.maximum(logcnt, 1).astype(loads.dtype)
-    return xp.take_along_axis(per_replica, phy2log, axis=1)
+    if xp is jnp:
+        return jnp.take_along_axis(per_replica, phy2log, axis=1)
+    return np.take_along_axis(np.asarray(per_replica), np.asarray(phy2log), axis=1)
 
 
 def rank_load_from_logical(logical_load, phy2log, num_ranks: int):
@@ -97,25 +99,25 @@ def rank_load_from_logical(logical_load, phy2log, num_ranks: int):
     return rank_load(slot_load_from_logical(logical_load, phy2log), num_ranks)
 
 
-def _normalised(loads, xp, axis=None):
-    """``loads`` as floats divided by their largest entry (per row with ``axis=-1``): no sum below can overflow."""
-    loads = loads.astype(jnp.float32 if xp is jnp else np.float64)
-    peak = loads.max(axis=axis, keepdims=True) if loads.size else xp.zeros((1,) * loads.ndim, loads.dtype)
-    return loads / xp.where(peak > 0, peak, 1)
+def _float(loads, xp):
+    return loads.astype(jnp.float32 if xp is jnp else np.float64)
 
 
 def balancedness(rank_loads):
     """``sum_l mean_g / sum_l max_g`` of per-rank loads ``[L, G]`` (or ``[G]``); 1.0 when there is no load."""
     xp = _xp(rank_loads)
-    loads = _normalised(_loads("rank_loads", rank_loads, xp), xp)
+    loads = _float(_loads("rank_loads", rank_loads, xp), xp)
     loads = loads.reshape(-1, loads.shape[-1])
-    total_max = loads.max(-1).sum()
-    return xp.where(total_max > 0, loads.mean(-1).sum() / xp.where(total_max > 0, total_max, 1), 1.0)
+    num_layers, num_ranks = loads.shape
+    # Each term is divided by L (and G) before it is summed, so no sum exceeds the largest load.
+    total_mean = ((loads / num_ranks).sum(-1) / num_layers).sum()
+    total_max = (loads.max(-1) / num_layers).sum()
+    return xp.where(total_max > 0, total_mean / xp.where(total_max > 0, total_max, 1), 1.0)
 
 
 def rank_imbalance(rank_loads):
     """Per-layer ``max_g / mean_g`` of per-rank loads ``[L, G]`` -> ``[L]`` (1.0 for a layer with no load)."""
     xp = _xp(rank_loads)
-    loads = _normalised(_loads("rank_loads", rank_loads, xp), xp, axis=-1)
-    mean = loads.mean(-1)
+    loads = _float(_loads("rank_loads", rank_loads, xp), xp)
+    mean = (loads / loads.shape[-1]).sum(-1)  # divided before the sum: it cannot overflow
     return xp.where(mean > 0, loads.max(-1) / xp.where(mean > 0, mean, 1), 1.0)

@@ -262,7 +262,8 @@ class Placement:
             return NotImplemented
         return all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(self._tables(), other._tables()))
 
-    __hash__ = None  # mutable-content arrays: not hashable
+    def __hash__(self) -> int:  # array fields compare by value, which no hash can follow
+        raise TypeError("unhashable type: 'Placement'")
 
     def _tables(self):
         return (self.phy2log, self.log2phy, self.logcnt)

@@ -1,6 +1,10 @@
 """The moe-eplb command-line tool, run in-process."""
 
+import json
+import os
+
 import numpy as np
+import pytest
 
 from moe_eplb_jax.cli import main
 from moe_eplb_jax.placement import Placement
@@ -110,3 +114,130 @@ def test_cli_errors(tmp_path, capsys):
     assert "invalid choice: 'nope'" in capsys.readouterr().err
     assert not (tmp_path / "y.json").exists()
     np.testing.assert_equal(read_load(load).load.shape, (1, 1, 8))
+
+
+# --------------------------------------------------------------------------- bad input: one line, exit 2
+def _small_load(tmp_path, name="load.npz", load=None):
+    from moe_eplb_jax.sim import save_load
+
+    path = tmp_path / name
+    save_load(path, np.arange(2 * 16, dtype=np.int64).reshape(2, 16) + 1 if load is None else load)
+    return str(path)
+
+
+def _fails_cleanly(capsys, argv, match=None):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("moe-eplb") and "error" in last
+    if match is not None:
+        assert match in last, last
+    return last
+
+
+def test_bad_output_paths_fail_before_any_work(tmp_path, capsys):
+    load = _small_load(tmp_path)
+    (tmp_path / "dir.json").mkdir()
+    missing = str(tmp_path / "missing" / "out.json")
+    _fails_cleanly(capsys, ["generate", "-o", missing], "does not exist")
+    _fails_cleanly(capsys, ["fit", load, "--num-ranks", "4", "--num-physical", "20", "-o", missing], "does not exist")
+    _fails_cleanly(
+        capsys, ["fit", load, "--num-ranks", "4", "--num-physical", "20", "-o", str(tmp_path / "dir.json")], "directory"
+    )
+    _fails_cleanly(capsys, ["heatmap", load, "--num-ranks", "4", "-o", str(tmp_path / "dir.json")], "directory")
+    _fails_cleanly(capsys, ["simulate", "--load", load, "--num-ranks", "4", "--plot", missing], "does not exist")
+    _fails_cleanly(
+        capsys,
+        ["fit", load, "--num-ranks", "4", "--num-physical", "20", "--format", "sglang", "-o", str(tmp_path / "p.npz")],
+        ".json",
+    )
+
+
+def test_damaged_input_files_fail_cleanly(tmp_path, capsys):
+    good = _small_load(tmp_path)
+    raw = (tmp_path / "load.npz").read_bytes()
+    for name, data in (("truncated.npz", raw[: len(raw) // 2]), ("garbage.npz", b"PK\x03\x04" + b"\x00" * 50)):
+        (tmp_path / name).write_bytes(data)
+        _fails_cleanly(capsys, ["stats", str(tmp_path / name), "--num-ranks", "4"], name)
+    (tmp_path / "deep.json").write_text('{"format": ' + "[" * 50_000 + "]" * 50_000 + "}")
+    _fails_cleanly(capsys, ["stats", str(tmp_path / "deep.json"), "--num-ranks", "4"], "deep.json")
+    os.mkfifo(tmp_path / "fifo.json")
+    _fails_cleanly(capsys, ["stats", str(tmp_path / "fifo.json"), "--num-ranks", "4"], "not a regular file")
+    _fails_cleanly(capsys, ["stats", good, "--num-ranks", "4", "--placement", str(tmp_path / "fifo.json")])
+    huge = tmp_path / "huge.json"  # every value finite, the totals not: save_load refuses to write it
+    huge.write_text(json.dumps({"format": "moe_eplb_jax.load", "version": 1, "load": [[1e308] * 16] * 2}))
+    _fails_cleanly(capsys, ["stats", str(huge), "--num-ranks", "4"], "overflows")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["simulate", "--expert-mb", "-5"],
+        ["simulate", "--expert-mb", "nan"],
+        ["simulate", "--expert-mb", "inf"],
+        ["generate", "-o", "x.npz", "--imbalance", "nan"],
+        ["generate", "-o", "x.npz", "--sigma", "-1"],
+        ["generate", "-o", "x.npz", "--num-layers", "1e9"],
+        ["generate", "-o", "x.npz", "--seed", "-3"],
+        ["generate", "-o", "x.npz", "--num-ranks", "0"],
+        ["generate", "-o", "x.npz", "--tokens", str(2**40)],
+        ["fit", "x.npz", "--num-ranks", "2", "--num-physical", "8", "--policy", "nope", "-o", "y.json"],
+        ["fit", "x.npz", "--num-ranks", "2", "--num-physical", "8", "--format", "yaml", "-o", "y.json"],
+    ],
+)
+def test_absurd_flags_are_refused_by_the_parser(argv, capsys):
+    _fails_cleanly(capsys, argv)
+
+
+def test_huge_sizes_are_refused_before_allocating(tmp_path, capsys):
+    out = str(tmp_path / "x.npz")
+    _fails_cleanly(capsys, ["generate", "-o", out, "--num-layers", "1000000000"], "too large")
+    _fails_cleanly(capsys, ["generate", "-o", out, "--num-steps", "100000", "--experts-per-rank", "1000"], "too large")
+    _fails_cleanly(capsys, ["generate", "-o", out, "--tokens", "2000000000", "--top-k", "1000000"], "2**53")
+    _fails_cleanly(capsys, ["simulate", "--num-spare", "1000000000"], "num_spare")
+    load = _small_load(tmp_path)
+    _fails_cleanly(capsys, ["fit", load, "--num-ranks", "4", "--num-physical", "1000000000", "-o", out], "slots")
+    assert not os.path.exists(out)
+
+
+def test_version_help_defaults_and_choices(capsys):
+    from moe_eplb_jax import __version__, policy
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"moe-eplb {__version__}"
+    assert main(["fit", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"(default: {policy.DEFAULT_POLICY})" in text
+    assert "{" + ",".join(policy.available()) + "}" in text
+    assert "{moe_eplb_jax,sglang}" in text and "(default: moe_eplb_jax)" in text
+    assert main(["simulate", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "deepseek+lp" in text and "(default: 44.0)" in text and "(default: 2)" in text
+
+
+def test_fit_defaults_to_the_library_policy_and_writes_sglang_files(tmp_path, capsys):
+    from moe_eplb_jax import policy
+    from moe_eplb_jax.sim import read_load
+
+    load = _small_load(tmp_path)
+    out = tmp_path / "p.json"
+    assert main(["fit", load, "--num-ranks", "4", "--num-physical", "20", "-o", str(out)]) == 0
+    assert f"({policy.DEFAULT_POLICY}," in capsys.readouterr().out
+    expected = Placement.from_tables(*policy.get(policy.DEFAULT_POLICY)(read_load(load).total(), 20, 1, 1, 4))
+    assert Placement.load(out) == expected
+    sglang = tmp_path / "sglang.json"
+    argv = ["fit", load, "--num-ranks", "4", "--num-physical", "20", "--format", "sglang", "-o", str(sglang)]
+    assert main(argv) == 0
+    assert json.loads(sglang.read_text()) == {"physical_to_logical_map": expected.phy2log.tolist()}
+    capsys.readouterr()
+    assert main(["stats", load, "--num-ranks", "4", "--placement", str(sglang)]) == 0
+    assert "after:" in capsys.readouterr().out
+
+
+def test_simulate_reports_progress_on_stderr(tmp_path, capsys):
+    load = _small_load(tmp_path, load=np.arange(3 * 2 * 16).reshape(3, 2, 16) + 1)
+    assert main(["simulate", "--load", load, "--num-ranks", "4", "--num-spare", "1", "--policies", "none"]) == 0
+    captured = capsys.readouterr()
+    assert "3 steps" in captured.err and "done in" in captured.err
+    assert "none" in captured.out and "3 steps" not in captured.out

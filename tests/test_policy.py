@@ -307,10 +307,16 @@ def _bad_weight(value, where=(0, 3)):
         (np.array([["a"] * 12] * 2), {}, "real numbers"),
         (np.ones((2, 12)), {"num_replicas": 8, "num_gpus": 4}, "smaller than the number of experts"),
         (np.ones((2, 12)), {"num_replicas": 18}, "not divisible by num_gpus"),
-        (np.ones((2, 12)), {"num_groups": 5}, "not divisible by num_groups"),
-        (np.ones((2, 12)), {"num_nodes": 3}, "not divisible by num_nodes"),
-        (np.ones((2, 12)), {"num_gpus": 0}, "num_gpus must be a positive integer"),
-        (np.ones((2, 12)), {"num_groups": 2.0}, "num_groups must be a positive integer"),
+        (np.ones((2, 12)), {"num_groups": 8}, "not divisible by num_groups"),  # hierarchical: 8 groups, 2 nodes
+        (np.ones((2, 12)), {"num_nodes": 4, "num_gpus": 2}, "not divisible by num_nodes"),
+        (np.ones((2, 12)), {"num_replicas": 16.7}, "num_replicas must be an integer"),
+        (np.ones((2, 12)), {"num_replicas": 16.0}, "num_replicas must be an integer"),
+        (np.ones((2, 12)), {"num_gpus": True}, "num_gpus must be an integer"),
+        (np.ones((2, 12), dtype=bool), {}, "real numbers"),
+        (np.ones((2, 12)).astype(object), {}, "real numbers"),
+        ([[1.0] * 12, [1.0] * 11], {}, "rectangular"),
+        (np.ones((2, 12)), {"num_gpus": 0}, "num_gpus must be >= 1"),
+        (np.ones((2, 12)), {"num_groups": 2.0}, "num_groups must be an integer"),
         (np.ones((2, 12)), {"old_phy2log": np.zeros((2, 15), np.int32)}, "old_phy2log must have shape"),
         (np.ones((2, 12)), {"old_phy2log": np.full((2, 16), 12)}, "outside the logical expert range"),
         (np.ones((2, 12)), {"old_phy2log": np.full((2, 16), -1)}, "outside the logical expert range"),
@@ -320,6 +326,101 @@ def _bad_weight(value, where=(0, 3)):
 def test_bad_input_raises(name, weight, overrides, match):
     with pytest.raises(ValueError, match=match):
         policy.get(name)(weight, **dict(_GOOD, **overrides))
+
+
+# ----------------------------------------------------------- reference compatibility (DeepSeek, vLLM)
+def _reference_accepts(num_experts, num_replicas, num_groups, num_nodes, num_gpus) -> bool:
+    """The asserts DeepSeek's eplb.py (and vLLM's copy) make, after its switch to the global variant."""
+    if num_groups % num_nodes:  # global: rebalance_experts_hierarchical(weight, P, 1, 1, G)
+        num_groups = num_nodes = 1
+    return (
+        num_replicas >= num_experts
+        and num_experts % num_groups == 0
+        and num_groups % num_nodes == 0
+        and num_gpus % num_nodes == 0
+        and num_replicas % num_gpus == 0
+    )
+
+
+@given(
+    num_layers=st.integers(1, 3),
+    num_experts=st.integers(1, 12),
+    num_groups=st.integers(1, 6),
+    num_nodes=st.integers(1, 4),
+    num_gpus=st.integers(1, 8),
+    slots_per_gpu=st.integers(1, 6),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_every_input_the_reference_accepts_gives_the_reference_placement(
+    num_layers, num_experts, num_groups, num_nodes, num_gpus, slots_per_gpu, seed
+):
+    weight = _loads(np.random.default_rng(seed), num_layers, num_experts, "with_zeros")
+    args = (weight, num_gpus * slots_per_gpu, num_groups, num_nodes, num_gpus)
+    if not _reference_accepts(num_experts, *args[1:]):
+        for fn in (policy.rebalance_experts, policy.rebalance_balanced, policy.rebalance_experts_reference):
+            with pytest.raises(ValueError):
+                fn(*args)
+        return
+    want = policy.rebalance_experts_reference(*args)
+    for got, expected in zip(policy.rebalance_experts(*args), want):
+        np.testing.assert_array_equal(got, expected)
+    if num_groups % num_nodes:  # the global variant, whatever the groups and nodes
+        for got, expected in zip(want, policy.rebalance_experts_reference(weight, args[1], 1, 1, num_gpus)):
+            np.testing.assert_array_equal(got, expected)
+    balanced = policy.rebalance_balanced(*args)
+    _check_valid(balanced, weight, args[1], num_groups, num_nodes, num_gpus)
+    np.testing.assert_array_equal(balanced[2], want[2])  # same replication as DeepSeek's
+
+
+def test_global_fallback_example_from_the_issue():
+    # 4 experts in 3 groups on 2 nodes: 3 % 2 != 0, so DeepSeek and vLLM run the global policy and
+    # never ask 4 experts to divide into 3 groups (nor 3 GPUs over 2 nodes).
+    weight = np.array([[10.0, 1.0, 5.0, 2.0], [0.0, 3.0, 3.0, 9.0]])
+    for num_gpus in (4, 3):
+        for name in ("deepseek", "balanced"):
+            tables = policy.get(name)(weight, 6 if num_gpus == 3 else 4, 3, 2, num_gpus)
+            Placement.from_tables(*tables, num_ranks=num_gpus)
+        got = policy.rebalance_experts(weight, 4, 3, 2, 4)
+        for a, b in zip(got, policy.rebalance_experts_reference(weight, 4, 1, 1, 4)):
+            np.testing.assert_array_equal(a, b)
+    old = policy.rebalance_experts(weight, 8, 1, 1, 4)[0]
+    tables = policy.rebalance_balanced(weight[::-1].copy(), 8, 3, 2, 4, old_phy2log=old)
+    Placement.from_tables(*tables, num_ranks=4)
+
+
+@pytest.mark.parametrize(
+    "weight, args, match",
+    [
+        ([["a", "b", "c", "d"]], (8, 1, 1, 4), "real numbers"),
+        (np.ones((2, 4)).astype(str), (8, 1, 1, 4), "real numbers"),
+        (np.ones((0, 4)), (8, 1, 1, 4), "at least one"),
+        (np.ones((2, 0)), (8, 1, 1, 4), "at least one"),
+        ([], (8, 1, 1, 4), "2-D"),
+        (np.ones((2, 4)), (8.5, 1, 1, 4), "num_replicas must be an integer"),
+        (np.ones((2, 4)), (8, 1, 1, True), "num_gpus must be an integer"),
+        (np.ones((2, 4)), (8, 1, 1, 3), "divisible"),
+        (np.full((2, 4), np.nan), (8, 1, 1, 4), "NaN"),
+    ],
+)
+def test_online_policy_rejects_bad_input_with_value_error(weight, args, match):
+    with pytest.raises(ValueError, match=match):
+        policy.get("online")(weight, *args)
+
+
+def test_registry_rejects_non_string_names():
+    with pytest.raises(ValueError, match="policy name must be a string"):
+        policy.get(["deepseek"])
+    with pytest.raises(ValueError, match="unknown placement policy"):
+        policy.get("nope")
+    assert policy.DEFAULT_POLICY in policy.available()
+
+
+def test_preserve_slots_rejects_non_integer_topology():
+    table = np.zeros((1, 4), np.int64)
+    with pytest.raises(ValueError, match="num_gpus must be an integer"):
+        policy.preserve_slots(table, table, table, num_gpus=2.0)
+    with pytest.raises(ValueError, match="int32 range"):
+        policy.preserve_slots(table + 2**40, table, table, num_gpus=2)
 
 
 # ------------------------------------------------------------- fast paths of the vectorised packing

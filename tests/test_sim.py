@@ -121,3 +121,65 @@ def test_online_policy_registered(rng):
     old = np.arange(12) % 5
     new = np.where(np.arange(12) % 3 == 2, -1, np.arange(12) % 4)
     np.testing.assert_array_equal(refresh_phy2log(old, new), np.where(new >= 0, new, old))
+
+
+# ------------------------------------------------------------------- big numbers and bad input
+def test_simulator_never_wraps_large_loads():
+    trace = drifting_load(4, 2, 32, 8, imbalance=2.0, tokens=65536, seed=2).astype(np.float64)
+    small = {r.name: r for r in simulate(trace, num_ranks=8, num_spare=2, policies=("none", "online"))}
+    scale = 3e9 * 32 / 65536  # ~3e9 tokens per expert: int32 counts would wrap
+    large = {r.name: r for r in simulate(trace * scale, num_ranks=8, num_spare=2, policies=("none", "online"))}
+    for name in ("none", "online"):
+        assert large[name].balancedness == pytest.approx(small[name].balancedness, abs=2e-3)
+        np.testing.assert_allclose(large[name].rank_load.sum(-1), trace.sum(-1) * scale, rtol=1e-6)
+    assert large["online"].balancedness > 0.99
+    fractional = {r.name: r for r in simulate(trace / 1e6, num_ranks=8, num_spare=2, policies=("online",))}
+    assert fractional["online"].balancedness == pytest.approx(small["online"].balancedness, abs=2e-3)
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        ({"num_ranks": True}, "num_ranks must be an integer"),
+        ({"num_ranks": 8.0}, "num_ranks must be an integer"),
+        ({"num_spare": 16.7}, "num_spare must be an integer"),
+        ({"num_spare": 10**9}, "num_spare must be <="),
+        ({"step_interval": 0}, "step_interval must be >= 1"),
+        ({"window": "4"}, "window must be an integer"),
+        ({"expert_bytes": -5e6}, "expert_bytes must be >= 0"),
+        ({"expert_bytes": float("nan")}, "expert_bytes must be finite"),
+        ({"link_gbps": 0.0}, "link_gbps must be positive"),
+        ({"token_time_us": float("inf")}, "token_time_us must be finite"),
+        ({"policies": ()}, "policies is empty"),
+        ({"policies": ("none", "none")}, "twice"),
+        ({"policies": (3,)}, "must be strings"),
+        ({"policies": ("deepseek+lp+lp",)}, "unknown placement policy"),
+        ({"progress": "yes"}, "progress must be callable"),
+        ({"load": np.ones((2, 2, 16), dtype=bool)}, "must hold numbers"),
+        ({"load": np.array([[["1"] * 16] * 2])}, "must hold numbers"),
+        ({"load": np.full((2, 2, 16), 1e307)}, "overflows"),
+        ({"load": np.ones((0, 2, 16))}, "shape"),
+    ],
+)
+def test_simulate_rejects_bad_arguments_before_any_work(overrides, match):
+    args = dict(load=np.ones((2, 2, 16)), num_ranks=4, num_spare=1, policies=("none",))
+    args.update(overrides)
+    with pytest.raises(ValueError, match=match):
+        simulate(args.pop("load"), **args)
+
+
+def test_generators_reject_bools_floats_and_counts_that_would_wrap():
+    with pytest.raises(ValueError, match="num_layers must be an integer"):
+        lognormal_load(True, 8)
+    with pytest.raises(ValueError, match="tokens must be an integer"):
+        lognormal_load(2, 8, tokens=1000.5)
+    with pytest.raises(ValueError, match="sigma must be finite"):
+        lognormal_load(2, 8, sigma=float("inf"))
+    with pytest.raises(ValueError, match="int32"):
+        zipf_counts(2, 8, 2**28, 8, 1.5)
+    with pytest.raises(ValueError, match="imbalance must be finite|imbalance must lie"):
+        zipf_popularity(8, 2, float("nan"))
+    with pytest.raises(ValueError, match="popularity must be"):
+        home_rank_imbalance(np.ones(7), 2)
+    with pytest.raises(ValueError, match="num_ranks must be an integer"):
+        home_rank_imbalance(np.ones(8), 2.0)

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moe_eplb_jax._checks import is_concrete
 from moe_eplb_jax.quant.fp8 import Fp8BlockExperts, Fp8Experts, quantize_fp8, quantize_fp8_block
 from moe_eplb_jax.quant.mx import MX_BLOCK, Mxfp4Experts, Mxfp8Experts, quantize_mxfp4, quantize_mxfp8
 from moe_eplb_jax.quant.nvfp4 import NVFP4_BLOCK, Nvfp4Experts, quantize_nvfp4
@@ -50,7 +51,7 @@ def _check_weights(w, fmt: str, nonfinite: str) -> None:
 
 def _check_finite(w, fmt: str) -> None:
     """Raises on NaN/Inf in a concrete ``w``; traced values cannot be inspected and follow the format's rule."""
-    if isinstance(w, jax.core.Tracer):
+    if not is_concrete(w):
         return
     bad = ~jnp.isfinite(jnp.asarray(w))
     if bool(jnp.any(bad)):
@@ -77,7 +78,7 @@ def _block_size(block) -> tuple[int, int]:
 
 def _per_expert_scale(name: str, value, num_experts: int):
     """A float32 ``[E]`` scale from a scalar or ``[E]`` value, checked on the host (no device work)."""
-    if isinstance(value, jax.core.Tracer):
+    if not is_concrete(value):
         if not jnp.issubdtype(value.dtype, jnp.floating) or value.shape not in ((), (num_experts,)):
             raise ValueError(
                 f"quantize_experts('fp8'): {name} must be a float scalar or shape ({num_experts},), "
@@ -122,8 +123,8 @@ def quantize_experts(w, fmt: str, *, nonfinite: str = "raise", **opts) -> Quanti
             f"quantize_experts({fmt!r}): unknown options {sorted(unknown)}; accepted: {sorted(_OPTIONS[fmt])}"
         )
     e, n, k = w.shape
+    block = _block_size(opts.get("block_size", (128, 128)))
     if fmt == "fp8_block":
-        block = _block_size(opts.get("block_size", (128, 128)))
         if n % block[0] or k % block[1]:
             raise ValueError(
                 f"quantize_experts('fp8_block'): N={n} and K={k} must be multiples of the block size {block}"
@@ -132,11 +133,10 @@ def quantize_experts(w, fmt: str, *, nonfinite: str = "raise", **opts) -> Quanti
         raise ValueError(f"quantize_experts({fmt!r}): contraction axis K={k} must be a multiple of {MX_BLOCK}")
     elif fmt == "nvfp4" and k % NVFP4_BLOCK:
         raise ValueError(f"quantize_experts('nvfp4'): contraction axis K={k} must be a multiple of {NVFP4_BLOCK}")
-    if fmt == "fp8":
-        weight_scale = opts.get("weight_scale")
-        if weight_scale is not None:
-            weight_scale = _per_expert_scale("weight_scale", weight_scale, e)
-        input_scale = _per_expert_scale("input_scale", opts.get("input_scale", 1.0), e)
+    weight_scale = opts.get("weight_scale")
+    if weight_scale is not None:
+        weight_scale = _per_expert_scale("weight_scale", weight_scale, e)
+    input_scale = _per_expert_scale("input_scale", opts.get("input_scale", 1.0), e)
     if nonfinite == "raise":
         _check_finite(w, fmt)
 

@@ -28,6 +28,7 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from moe_eplb_jax.quant._elements import INV_E4M3_MAX, abs_max, canonical_nan, encode_e4m3
 
@@ -52,7 +53,8 @@ class Fp8Experts:
 
     @property
     def shape(self) -> tuple[int, int, int]:
-        return tuple(self.weight.shape)
+        e, n, k = self.weight.shape
+        return e, n, k
 
     def dequantize(self) -> jax.Array:
         """Float32 ``[E, N, K]`` weights ``weight * weight_scale``."""
@@ -71,7 +73,8 @@ class Fp8BlockExperts:
 
     @property
     def shape(self) -> tuple[int, int, int]:
-        return tuple(self.weight.shape)
+        e, n, k = self.weight.shape
+        return e, n, k
 
     @property
     def block_size(self) -> tuple[int, int]:
@@ -105,7 +108,7 @@ def _quantize_fp8(w, weight_scale, input_scale):
     return Fp8Experts(weight, weight_scale, input_scale, canonical_nan(weight_scale * input_scale))
 
 
-def quantize_fp8(w: jax.Array, weight_scale: jax.Array | None, input_scale: jax.Array) -> Fp8Experts:
+def quantize_fp8(w: jax.Array, weight_scale: ArrayLike | None, input_scale: ArrayLike) -> Fp8Experts:
     """Core of ``quantize_experts(w, "fp8")``; inputs already validated (float32 ``[E]`` scales).
 
     ``weight_scale=None`` derives ``amax * fl32(1/448)`` per expert (one jitted pass).

@@ -57,7 +57,8 @@ class Mxfp8Experts:
 
     @property
     def shape(self) -> tuple[int, int, int]:
-        return tuple(self.elements.shape)
+        e, n, k = self.elements.shape
+        return e, n, k
 
     def dequantize(self) -> jax.Array:
         return _dequantize_mx(self.elements.astype(jnp.float32), self.scales)

@@ -14,6 +14,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from moe_eplb_jax._checks import is_concrete
 from moe_eplb_jax.quant._elements import INV_E4M3_MAX, abs_max, encode_e4m3
 from moe_eplb_jax.quant.fp8 import Fp8Experts
 
@@ -60,7 +61,7 @@ def with_input_scale(q: Fp8Experts, input_scale) -> Fp8Experts:
         raise ValueError(
             f"with_input_scale: input_scale must be a float scalar, got shape {scale.shape} dtype {scale.dtype}"
         )
-    if not isinstance(scale, jax.core.Tracer) and not (0.0 < float(scale) < float("inf")):
+    if is_concrete(scale) and not (0.0 < float(scale) < float("inf")):
         raise ValueError(f"with_input_scale: input_scale must be positive and finite, got {float(scale)}")
     per_expert = jnp.broadcast_to(scale.astype(jnp.float32), q.weight_scale.shape)
     return dataclasses.replace(q, input_scale=per_expert, alpha=q.weight_scale * per_expert)

@@ -16,18 +16,28 @@ from __future__ import annotations
 
 import numpy as np
 
+from moe_eplb_jax._checks import check_int, check_real
+
 __all__ = ["zipf_popularity", "zipf_counts", "zipf_topk", "lognormal_load", "drifting_load", "home_rank_imbalance"]
 
 
 def _check_positive(**kw):
     for name, value in kw.items():
-        if int(value) != value or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        check_int(name, value, minimum=1)
 
 
 def home_rank_imbalance(popularity, num_ranks: int) -> float:
     """``max / mean`` of per-rank sums of ``popularity [E]`` with contiguous home experts."""
-    popularity = np.asarray(popularity, dtype=np.float64)
+    num_ranks = check_int("num_ranks", num_ranks, minimum=1)
+    popularity = np.asarray(popularity)
+    if popularity.ndim != 1 or popularity.dtype.kind not in "iuf" or popularity.size % num_ranks:
+        raise ValueError(
+            f"popularity must be numbers of shape [E] with E a multiple of num_ranks={num_ranks}, "
+            f"got {popularity.dtype} {popularity.shape}"
+        )
+    popularity = popularity.astype(np.float64)
+    if not np.all(np.isfinite(popularity)) or np.any(popularity < 0) or popularity.sum() <= 0:
+        raise ValueError("popularity must be finite, non-negative and not all zero")
     per_rank = popularity.reshape(num_ranks, -1).sum(1)
     return float(per_rank.max() / per_rank.mean())
 
@@ -39,8 +49,10 @@ def zipf_popularity(num_experts: int, num_ranks: int, imbalance: float, *, seed:
     ``[1, num_ranks]``. An imbalance of 1 gives uniform popularity.
     """
     _check_positive(num_experts=num_experts, num_ranks=num_ranks)
+    check_int("seed", seed, minimum=0)
     if num_experts % num_ranks:
         raise ValueError(f"num_experts ({num_experts}) must be a multiple of num_ranks ({num_ranks})")
+    imbalance = check_real("imbalance", imbalance)
     if not 1.0 <= imbalance <= num_ranks:
         raise ValueError(f"imbalance must lie in [1, num_ranks={num_ranks}], got {imbalance}")
     order = np.random.default_rng(seed).permutation(num_experts)
@@ -72,6 +84,8 @@ def zipf_counts(
     distinct; use :func:`zipf_topk` for token-level ids).
     """
     _check_positive(tokens_per_rank=tokens_per_rank, top_k=top_k)
+    if tokens_per_rank * top_k > np.iinfo(np.int32).max:
+        raise ValueError(f"tokens_per_rank * top_k = {tokens_per_rank * top_k} does not fit the int32 counts")
     p = zipf_popularity(num_experts, num_ranks, imbalance, seed=seed)
     rng = np.random.default_rng(seed + 1)
     return rng.multinomial(tokens_per_rank * top_k, p, size=num_ranks).astype(np.int32)
@@ -98,8 +112,8 @@ def lognormal_load(
 ) -> np.ndarray:
     """Per-layer expert loads ``[L, E]`` int64: ``tokens`` assignments per layer, log-normal(σ) popularity."""
     _check_positive(num_layers=num_layers, num_experts=num_experts, tokens=tokens)
-    if not sigma >= 0:
-        raise ValueError(f"sigma must be >= 0, got {sigma}")
+    check_real("sigma", sigma, minimum=0.0)
+    check_int("seed", seed, minimum=0)
     rng = np.random.default_rng(seed)
     w = rng.lognormal(0.0, sigma, size=(num_layers, num_experts))
     w /= w.sum(1, keepdims=True)
@@ -125,6 +139,7 @@ def drifting_load(
     served on a different distribution at the end.
     """
     _check_positive(num_steps=num_steps, num_layers=num_layers, num_datasets=num_datasets, tokens=tokens)
+    check_int("seed", seed, minimum=0)
     profiles = np.stack(
         [
             np.stack(

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -189,7 +190,7 @@ def simulate(
     num_home = num_logical // num_ranks
     num_physical = num_ranks * (num_home + num_spare)
     ideal = float(load.sum(-1).mean(0).sum() / num_ranks * token_time_us / 1e3)
-    steps = range(num_steps) if progress is None else progress(range(num_steps))
+    steps: Any = range(num_steps) if progress is None else progress(range(num_steps))
     runners = {
         name: _runner(name, load, num_ranks, num_home, num_spare, num_physical, step_interval, window)
         for name in policies
@@ -227,7 +228,7 @@ def _runner(name, load, num_ranks, num_home, num_spare, num_physical, step_inter
 
     if name == "none":
 
-        def run(step):
+        def run_home(step):
             return (
                 rank_load_from_logical(load[step], np.broadcast_to(home_phy2log, (num_layers, num_logical)), num_ranks),
                 0,
@@ -235,13 +236,13 @@ def _runner(name, load, num_ranks, num_home, num_spare, num_physical, step_inter
                 0.0,
             )
 
-        return run
+        return run_home
 
     if name == "online":
         planner = _online_planner(num_home, num_spare)
-        state = {"phy2log": None}
+        state: dict[str, Any] = {"phy2log": None}
 
-        def run(step):
+        def run_online(step):
             counts, scale = _home_counts(load[step], num_home)
             phy2log, rank_load, logcnt = (np.asarray(a) for a in planner(jnp.asarray(counts)))
             rank_load = rank_load / scale[:, None]
@@ -250,11 +251,11 @@ def _runner(name, load, num_ranks, num_home, num_spare, num_physical, step_inter
             state["phy2log"] = np.where(phy2log >= 0, phy2log, old if old is not None else -1)
             return rank_load, moved, 1, float((logcnt.sum(-1) - num_logical).mean())
 
-        return run
+        return run_online
 
     use_lp = name.endswith("+lp")
     fn = resolve_policy(name.removesuffix("+lp"))
-    state = {"phy2log": None, "tables": None}
+    state: dict[str, Any] = {"phy2log": None, "tables": None}
 
     def fit(weight):
         phy2log, _, _ = fn(weight, num_physical, 1, 1, num_ranks, old_phy2log=state["phy2log"])

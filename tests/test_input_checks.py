@@ -1,0 +1,229 @@
+"""Bad input to the public functions of placements, metrics, routing, quantization and load recording.
+
+The classes of issue 31 each have a test here: integers that would wrap in an
+int32 cast, types that pass as others (a bool as an int, 16.7 as 16, "no" as
+true), tables that disagree with their sizes. Each must raise ``ValueError``
+naming the argument; where a function also runs under ``jit``, the concrete
+check is made outside it.
+"""
+
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+
+from moe_eplb_jax import EplbConfig, Placement, metrics, quant
+from moe_eplb_jax import state as eplb_state
+from moe_eplb_jax.routing.lp import lp_shares, lp_shares_reference, shares_rank_load
+from moe_eplb_jax.routing.waterfill import waterfill_assign, waterfill_shares
+
+
+def _wrapping_to(valid: int):
+    """int64 values an int32 cast turns into ``valid``: ``valid + k * 2**32``, ``k != 0``."""
+    return st.integers(-(2**30) + 1, 2**30).filter(bool).map(lambda k: valid + k * 2**32)
+
+
+# --------------------------------------------------------------------------------- integers that wrap
+@given(data=st.data(), layer=st.integers(0, 1), slot=st.integers(0, 5))
+def test_placement_tables_never_wrap_wide_integers(data, layer, slot):
+    good = Placement.linear(2, 4, 6)
+    phy2log = good.phy2log.astype(np.int64)
+    phy2log[layer, slot] = data.draw(_wrapping_to(int(good.phy2log[layer, slot])))
+    with pytest.raises(ValueError, match="phy2log"):
+        Placement.from_phy2log(phy2log, 4)
+    with pytest.raises(ValueError, match="phy2log"):
+        Placement.from_tables(phy2log, good.log2phy, good.logcnt)
+    logcnt = good.logcnt.astype(np.int64)
+    logcnt[layer, slot % 4] = data.draw(_wrapping_to(int(good.logcnt[layer, slot % 4])))
+    with pytest.raises(ValueError, match="logcnt"):
+        Placement.from_tables(good.phy2log, good.log2phy, logcnt)
+
+
+@given(value=st.one_of(st.integers(2**31, 2**63 - 1), _wrapping_to(5).filter(lambda v: v > 0)), index=st.integers(0, 7))
+def test_record_never_wraps_wide_counts(value, index):
+    state = eplb_state.init_state(EplbConfig(window_size=2), num_layers=2, num_physical=4)
+    load = np.zeros((2, 4), np.int64)
+    load.reshape(-1)[index] = value
+    with pytest.raises(ValueError, match=r"load\[.*\] = .* token count"):
+        eplb_state.record(state, load)
+    load.reshape(-1)[index] = -1
+    with pytest.raises(ValueError, match="token count"):
+        eplb_state.record(state, load)
+
+
+def test_record_accepts_what_fits_and_refuses_other_types():
+    state = eplb_state.init_state(EplbConfig(window_size=2), num_layers=1, num_physical=2)
+    state = eplb_state.record(state, np.array([[2**31 - 1, 0]], np.int64))
+    assert int(state.pass_load[0, 0]) == 2**31 - 1
+    for bad, match in (
+        (np.array([[1.0, 2.0]]), "integer token counts"),
+        (np.array([[True, False]]), "integer token counts"),
+        ([["1", "2"]], "integer token counts"),
+        (np.zeros((2, 2), np.int32), "shape"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            eplb_state.record(state, bad)
+    with pytest.raises(ValueError, match="EplbState"):
+        eplb_state.record({"pass_load": 0}, np.zeros((1, 2), np.int32))
+
+
+def test_window_logical_load_sums_past_int32():
+    cfg = EplbConfig(window_size=4)
+    state = eplb_state.init_state(cfg, num_layers=1, num_physical=2)
+    for _ in range(4):  # 4 * 2**30 tokens on slot 0: an int32 sum wraps to 0
+        state = eplb_state.end_step(eplb_state.record(state, np.array([[2**30, 1]], np.int32)))
+    logical = np.asarray(eplb_state.window_logical_load(state, np.array([[0, 1]]), 2))
+    np.testing.assert_allclose(logical, [[4.0 * 2**30, 4.0]], rtol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "phy2log, num_logical, match",
+    [
+        (np.array([[0, 3]]), 3, r"phy2log\[0, 1\] = 3 is outside"),
+        (np.array([[0, -1]]), 3, "outside"),
+        (np.array([[0, 2**32 + 1]], np.int64), 3, "outside"),  # would wrap to expert 1
+        (jnp.array([[0, 5]]), 3, "outside"),
+        (np.array([[0.0, 1.0]]), 3, "integer expert ids"),
+        (np.array([[0, 1]]), True, "num_logical must be an integer"),
+        (np.array([[0, 1]]), 2.5, "num_logical must be an integer"),
+        (np.array([[0, 1, 1]]), 2, "shape"),
+    ],
+)
+def test_window_logical_load_checks_concrete_ids(phy2log, num_logical, match):
+    state = eplb_state.init_state(EplbConfig(window_size=2), num_layers=1, num_physical=2)
+    state = eplb_state.end_step(eplb_state.record(state, np.array([[3, 4]], np.int32)))
+    with pytest.raises(ValueError, match=match):
+        eplb_state.window_logical_load(state, phy2log, num_logical)
+    # Under jit the ids are assumed valid (documented); the jitted call still traces.
+    if match == "outside" and phy2log.dtype != np.int64:
+        jax.jit(eplb_state.window_logical_load, static_argnums=2)(state, jnp.asarray(phy2log), num_logical)
+
+
+@given(data=st.data(), rank=st.integers(0, 1))
+def test_waterfill_candidates_never_wrap(data, rank):
+    candidates = np.zeros((3, 2), np.int64)
+    candidates[1, 1] = data.draw(_wrapping_to(rank))  # an int32 cast makes it a valid rank id
+    with pytest.raises(ValueError, match="candidates must be rank ids"):
+        waterfill_assign(candidates, np.array([1.0, 2.0]))
+
+
+# ------------------------------------------------------------------------------ types passing as others
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: Placement.linear(True, 4, 6), "num_layers must be an integer"),
+        (lambda: Placement.linear(2, 4, 6.0), "num_physical must be an integer"),
+        (lambda: Placement.linear(2, 4, 6, num_ranks=True), "num_ranks must be an integer"),
+        (lambda: Placement.round_robin(1, 8, 8, 4.0), "num_ranks must be an integer"),
+        (lambda: Placement.from_phy2log([[0, 1]], 16.7), "num_logical must be an integer"),
+        (lambda: Placement.from_phy2log([[0, 1]], True), "num_logical must be an integer"),
+        (lambda: Placement.from_phy2log([[0, "1"]], 2), "must hold integers"),
+        (lambda: Placement.from_phy2log([[0, 1], [0]], 2), "rectangular"),
+        (lambda: Placement.from_phy2log([[0.5, 1]], 2), "must hold integers"),
+        (lambda: Placement.from_phy2log([[True, False]], 2), "must hold integers"),
+        (lambda: Placement(np.zeros((1, 2)), np.zeros((1, 2, 1)), np.ones((1, 2))).validate(), "must hold integers"),
+        (lambda: Placement.linear(2, 4, 6).slots_per_rank(True), "num_ranks must be an integer"),
+        (lambda: Placement.linear(2, 4, 6).layer(2), "index must be <= 1"),
+        (lambda: Placement.linear(2, 4, 6).layer(True), "index must be an integer"),
+        (lambda: Placement.load("p.json", num_ranks=True), "num_ranks must be an integer"),
+        (lambda: metrics.rank_load(np.ones(4), True), "num_ranks must be an integer"),
+        (lambda: metrics.rank_load(np.ones(4), 2.0), "num_ranks must be an integer"),
+        (lambda: metrics.rank_load(np.array(["1", "2"]), 2), "must hold numbers"),
+        (lambda: metrics.rank_load(np.ones(4, bool), 2), "must hold numbers"),
+        (lambda: metrics.balancedness(np.array([[1.0, np.nan]])), "finite and non-negative"),
+        (lambda: metrics.balancedness(np.array([[1.0, -2.0]])), "finite and non-negative"),
+        (lambda: metrics.rank_imbalance(np.zeros((2, 0))), "non-empty"),
+        (lambda: metrics.slot_load_from_logical(np.ones((1, 3)), np.array([[0, 1, 3]])), r"phy2log\[0, 2\] = 3"),
+        (lambda: metrics.slot_load_from_logical(jnp.ones((1, 3)), jnp.array([[0, 1, -1]])), "outside"),
+        (lambda: metrics.slot_load_from_logical(np.ones((1, 3)), np.array([[0.0, 1.0]])), "integer expert ids"),
+        (lambda: metrics.slot_load_from_logical(np.ones((2, 3)), np.zeros((3, 4), int)), "shape"),
+        (lambda: waterfill_assign(np.zeros((2, 1), int), np.ones(2), min_tokens=True), "min_tokens must be"),
+        (lambda: waterfill_assign(np.zeros((2, 1)), np.ones(2)), "must be integers"),
+        (lambda: waterfill_assign(np.zeros((2, 1), int), np.ones(2), token_offset=-1), "token_offset"),
+        (lambda: waterfill_shares(np.array([1.0, np.nan]), 4.0), "finite"),
+        (lambda: waterfill_shares(np.ones(2), -4.0), "non-negative"),
+        (lambda: waterfill_shares(np.array(["a", "b"]), 4.0), "must hold numbers"),
+        (lambda: waterfill_shares(np.ones(0), 4.0), "G >= 1"),
+        (lambda: quant.quantize_experts(jnp.ones((1, 16, 16)), "fp8_block", block_size=(8.5, 8)), "block_size"),
+        (lambda: quant.quantize_experts(jnp.ones((1, 16, 16)), "fp8_block", block_size=(True, 8)), "block_size"),
+        (lambda: quant.quantize_experts(jnp.ones((1, 16, 16)), "fp8_block", block_size=8), "block_size"),
+        (lambda: quant.quantize_experts(jnp.ones((1, 16, 16)), "fp8", input_scale=True), "input_scale"),
+        (lambda: quant.quantize_experts(jnp.ones((1, 16, 16)), "fp8", weight_scale="1"), "weight_scale"),
+    ],
+)
+def test_types_that_pass_as_others_are_refused(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def _lp_inputs():
+    log2phy = np.array([[0, 2], [1, -1]])
+    logcnt = np.array([2, 1])
+    return np.array([4.0, 2.0]), log2phy, logcnt
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"num_ranks": True}, "num_ranks must be an integer"),
+        ({"num_physical": 4.0}, "num_physical must be an integer"),
+        ({"num_iters": 2.5}, "num_iters must be an integer"),
+        ({"step_size": float("nan")}, "step_size must be finite"),
+        ({"step_size": -1.0}, "step_size must be positive"),
+        ({"load": np.array([np.nan, 1.0])}, "finite and non-negative"),
+        ({"load": np.array([np.inf, 1.0])}, "finite and non-negative"),
+        ({"load": np.array(["4", "2"])}, "load must hold numbers"),
+        ({"logcnt": np.array([1.5, 1.0])}, "logcnt must hold integers"),
+        ({"log2phy": np.array([[0.0, 2.0], [1.0, -1.0]])}, "log2phy must hold integers"),
+        ({"log2phy": np.array([[0, 2**32 + 2], [1, -1]], np.int64)}, "outside"),
+        ({"log2phy": np.zeros((0, 2), int), "load": np.zeros(0), "logcnt": np.zeros(0, int)}, r"\[E, S\]"),
+    ],
+)
+def test_lp_routing_checks_every_argument(change, match):
+    load, log2phy, logcnt = _lp_inputs()
+    args = dict(load=load, log2phy=log2phy, logcnt=logcnt, num_physical=4, num_ranks=2)
+    args.update(change)
+    options = {k: args.pop(k) for k in ("num_iters", "step_size") if k in args}
+    with pytest.raises(ValueError, match=match):
+        lp_shares(args.pop("load"), args.pop("log2phy"), args.pop("logcnt"), **args, **options)
+    if not options:
+        args = dict(load=load, log2phy=log2phy, logcnt=logcnt, num_physical=4, num_ranks=2)
+        args.update(change)
+        with pytest.raises(ValueError, match=match):
+            lp_shares_reference(args.pop("load"), args.pop("log2phy"), args.pop("logcnt"), **args)
+
+
+def test_shares_rank_load_checks_its_tables():
+    load, log2phy, logcnt = _lp_inputs()
+    shares = np.array([[0.5, 0.5], [1.0, 0.0]])
+    np.testing.assert_allclose(shares_rank_load(load, log2phy, logcnt, shares, num_physical=4, num_ranks=2), [4, 2])
+    with pytest.raises(ValueError, match="shares must have the shape"):
+        shares_rank_load(load, log2phy, logcnt, shares[:, :1], num_physical=4, num_ranks=2)
+    with pytest.raises(ValueError, match="num_ranks must be an integer"):
+        shares_rank_load(load, log2phy, logcnt, shares, num_physical=4, num_ranks=2.0)
+
+
+def test_expert_mlp_flags_are_typed():
+    x = jnp.ones((2, 3, 32), jnp.float32)
+    gate = up = jnp.ones((2, 32, 32), jnp.float32)
+    with pytest.raises(ValueError, match="fast_accumulation must be True or False"):
+        quant.expert_mlp(x, gate, up, gate, fast_accumulation="no")
+    with pytest.raises(ValueError, match="compute_dtype must be a float dtype"):
+        quant.expert_mlp(x, gate, up, gate, compute_dtype=jnp.int8)
+    with pytest.raises(ValueError, match="compute_dtype must be a float dtype"):
+        quant.expert_mlp(x, gate, up, gate, compute_dtype="not a dtype")
+    with pytest.raises(ValueError, match="w_down"):
+        quant.quantize_mlp(gate, up, jnp.ones((2, 32, 16), jnp.float32), "mxfp8")
+
+
+# ------------------------------------------------------------------------------------------ overflow
+def test_metrics_ratios_do_not_overflow():
+    loads = np.array([[1e308, 1e308, 5e307, 1e308], [1e308, 1e308, 1e308, 1e308]])
+    expected = (loads / 1e308).mean(1).sum() / (loads / 1e308).max(1).sum()
+    assert float(metrics.balancedness(loads)) == pytest.approx(expected)
+    np.testing.assert_allclose(metrics.rank_imbalance(loads), [1.0 / 0.875, 1.0])
+    near_max = jnp.asarray(loads / 1e308 * 3e38, jnp.float32)  # float32 sums of these overflow
+    assert float(metrics.balancedness(near_max)) == pytest.approx(expected, rel=1e-6)
+    np.testing.assert_allclose(np.asarray(metrics.rank_imbalance(near_max)), [1.0 / 0.875, 1.0], rtol=1e-6)
