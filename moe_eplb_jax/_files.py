@@ -9,11 +9,12 @@
   ``NaN`` / ``Infinity`` or deep nesting is refused; ``.npz`` members are read
   by their ``.npy`` headers, whose declared sizes are checked against the
   archive before anything is allocated.
-* :func:`write_document` / :func:`read_document` -- versioned documents: a flat
-  mapping of field names to scalars or arrays carrying a ``format`` name and an
-  integer ``version``; JSON stores arrays as nested lists, ``.npz`` every field
-  as an array (scalars as 0-d arrays). :func:`int_field` / :func:`array_field`
-  read a field strictly (a bool is not an int, a string is not a number).
+* :func:`write_document` / :func:`read_fields` + :func:`check_document` --
+  versioned documents: a flat mapping of field names to scalars or arrays
+  carrying a ``format`` name and an integer ``version``; JSON stores arrays as
+  nested lists, ``.npz`` every field as an array (scalars as 0-d arrays).
+  :func:`int_field` / :func:`array_field` read a field strictly (a bool is not
+  an int, a string is not a number).
 
 Every malformed file raises ``ValueError`` naming the file and the field.
 """
@@ -36,14 +37,16 @@ import numpy as np
 __all__ = [
     "array_field",
     "atomic_write",
+    "check_document",
     "check_output_path",
     "int_field",
     "pyplot",
-    "read_document",
+    "read_fields",
     "read_json",
     "read_npz",
     "save_figure",
     "write_document",
+    "write_json",
 ]
 
 # Deflate expands at most 1032-fold; a member declaring more than this per stored byte is damaged, so no
@@ -291,19 +294,14 @@ def read_npz(path, *, what: str) -> dict:
     return {k: (v.item() if v.ndim == 0 else v) for k, v in fields.items()}
 
 
-def read_document(path, *, what: str, file_format: str, version: int, fields: tuple[str, ...] = ()) -> dict:
-    """Reads a versioned document; checks ``format``, ``version`` and, given ``fields``, that no other field appears.
-
-    ``ValueError`` for any malformed file, naming the file and the field.
-    """
+def read_fields(path, *, what: str) -> dict:
+    """The fields of a ``.json`` (:func:`read_json`) or ``.npz`` (:func:`read_npz`) file, chosen by the suffix."""
     path = os.fspath(path)
-    doc = read_npz(path, what=what) if _kind(path, what) == ".npz" else read_json(path, what=what)
-    check_document(doc, path, file_format=file_format, version=version, fields=fields)
-    return doc
+    return read_npz(path, what=what) if _kind(path, what) == ".npz" else read_json(path, what=what)
 
 
 def check_document(doc: dict, path: str, *, file_format: str, version: int, fields: tuple[str, ...] = ()) -> None:
-    """The ``format`` / ``version`` / known-fields checks of :func:`read_document`, on a parsed ``doc``."""
+    """Checks a versioned document's ``format`` and ``version`` and, given ``fields``, that no other field appears."""
     if "format" not in doc:
         raise ValueError(f"{path}: missing field 'format'")
     if doc["format"] != file_format:

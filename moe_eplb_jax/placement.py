@@ -44,8 +44,7 @@ from moe_eplb_jax._files import (
     check_document,
     check_output_path,
     int_field,
-    read_json,
-    read_npz,
+    read_fields,
     write_document,
     write_json,
 )
@@ -54,6 +53,7 @@ FILE_FORMAT = "moe_eplb_jax.placement"
 FILE_VERSION = 1
 FILE_FORMATS = ("moe_eplb_jax", "sglang")
 _FIELDS = ("num_layers", "num_logical", "num_physical", "phy2log", "log2phy", "logcnt")
+_TABLES = ("phy2log", "log2phy", "logcnt")
 
 __all__ = ["Placement", "build_log2phy", "check_expert_ids", "FILE_FORMAT", "FILE_FORMATS", "FILE_VERSION"]
 
@@ -85,10 +85,12 @@ def _as_int_table(name: str, value: Any, ndim: int | None = None) -> np.ndarray:
 def build_log2phy(phy2log: np.ndarray, num_logical: int) -> tuple[np.ndarray, np.ndarray]:
     """Inverts ``phy2log [L, P]`` into ``(log2phy [L, E, P - E + 1], logcnt [L, E])``.
 
-    Replicas of an expert are listed in ascending slot order. Ids must already be
-    in ``[0, num_logical)``.
+    Replicas of an expert are listed in ascending slot order; ids outside
+    ``[0, num_logical)`` raise ``ValueError``.
     """
-    phy2log = np.asarray(phy2log, dtype=np.int64)
+    num_logical = check_int("num_logical", num_logical, minimum=1)
+    phy2log = _as_int_table("phy2log", phy2log, 2).astype(np.int64)
+    check_expert_ids(phy2log, num_logical)
     num_layers, num_physical = phy2log.shape
     width = num_physical - num_logical + 1
     # Stable sort by expert id: replicas of one expert end up adjacent, in slot order.
@@ -243,12 +245,15 @@ class Placement:
         return np.arange(self.num_physical) // self.slots_per_rank(num_ranks)
 
     def to_numpy(self) -> Placement:
-        return Placement(*(np.asarray(t, dtype=np.int32) for t in (self.phy2log, self.log2phy, self.logcnt)))
+        """The tables as numpy int32 (``ValueError`` for values int32 cannot hold: nothing wraps)."""
+        return Placement(*(_as_int_table(name, t) for name, t in zip(_TABLES, self._tables())))
 
     def to_jax(self) -> Placement:
+        """The tables as jax int32 arrays (host tables checked as in :meth:`to_numpy` first)."""
         import jax.numpy as jnp
 
-        return Placement(*(jnp.asarray(t, dtype=jnp.int32) for t in (self.phy2log, self.log2phy, self.logcnt)))
+        tables = (t if isinstance(t, jax.Array) else _as_int_table(n, t) for n, t in zip(_TABLES, self._tables()))
+        return Placement(*(jnp.asarray(t).astype(jnp.int32) for t in tables))
 
     def layer(self, index: int) -> Placement:
         """The placement of one layer (``-L <= index < L``), as a one-layer ``Placement``."""
@@ -278,7 +283,7 @@ class Placement:
         """
         if format not in FILE_FORMATS:
             raise ValueError(f"format must be one of {list(FILE_FORMATS)}, got {format!r}")
-        p = self.to_numpy().validate()
+        p = self.validate().to_numpy()
         if format == "sglang":
             path = check_output_path(path, what="SGLang placement", suffixes=(".json",))
             write_json(path, {"physical_to_logical_map": p.phy2log.tolist()}, what="SGLang placement")
@@ -314,12 +319,7 @@ class Placement:
             num_logical = check_int("num_logical", num_logical, minimum=1)
         if num_ranks is not None:
             num_ranks = check_int("num_ranks", num_ranks, minimum=1)
-        if path.endswith(".npz"):
-            doc = read_npz(path, what="placement")
-        elif path.endswith(".json"):
-            doc = read_json(path, what="placement")
-        else:
-            raise ValueError(f"placement file must end in .json or .npz, got {path!r}")
+        doc = read_fields(path, what="placement")
         if "format" not in doc and "physical_to_logical_map" in doc:
             return cls._from_sglang(doc, path, num_ranks, num_logical)
         if "format" not in doc and "logical_count" in doc:

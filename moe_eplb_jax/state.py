@@ -231,9 +231,15 @@ def record(state: EplbState, load) -> EplbState:
 def end_step(state: EplbState, *, dummy=False) -> EplbState:
     """Closes a step: pushes the step's load into the window (unless ``dummy``) and advances the counters.
 
-    ``dummy`` may be a traced boolean. A dummy step records nothing but still
-    advances ``step`` so that every rank stays in lock-step.
+    ``dummy`` is a bool or a (possibly traced) boolean scalar array; anything
+    else (``"no"``, ``0``) raises ``ValueError``. A dummy step records nothing
+    but still advances ``step`` so that every rank stays in lock-step.
     """
+    _check_state(state)
+    if not isinstance(dummy, (bool, np.bool_)) and not (
+        hasattr(dummy, "dtype") and np.dtype(dummy.dtype) == np.bool_ and np.ndim(dummy) == 0
+    ):
+        raise ValueError(f"dummy must be True, False or a boolean scalar array, got {dummy!r}")
     dummy = jnp.asarray(dummy, jnp.bool_)
     written = state.window.at[state.window_pos].set(state.pass_load)
     window = jnp.where(dummy, state.window, written)

@@ -16,6 +16,8 @@ from hypothesis import given
 
 from moe_eplb_jax import EplbConfig, Placement, metrics, quant
 from moe_eplb_jax import state as eplb_state
+from moe_eplb_jax.placement import build_log2phy
+from moe_eplb_jax.policy.online import fill_unused_spares
 from moe_eplb_jax.routing.lp import lp_shares, lp_shares_reference, shares_rank_load
 from moe_eplb_jax.routing.waterfill import waterfill_assign, waterfill_shares
 
@@ -109,7 +111,31 @@ def test_waterfill_candidates_never_wrap(data, rank):
         waterfill_assign(candidates, np.array([1.0, 2.0]))
 
 
+def test_placement_conversions_never_wrap():
+    good = Placement.linear(1, 2, 3)
+    wide = Placement(good.phy2log.astype(np.int64) + np.array([[0, 0, 2**32]]), good.log2phy, good.logcnt)
+    for convert in (wide.to_numpy, wide.to_jax):
+        with pytest.raises(ValueError, match="int32"):
+            convert()
+    with pytest.raises(ValueError, match="outside the logical expert range"):
+        wide.save("p.json")  # validated before any conversion: the file never holds the wrapped id
+
+
 # ------------------------------------------------------------------------------ types passing as others
+@pytest.mark.parametrize("dummy", ["no", "", 0, 1, None, np.array([True, False])])
+def test_end_step_dummy_must_be_a_bool(dummy):
+    state = eplb_state.init_state(EplbConfig(window_size=2), num_layers=1, num_physical=2)
+    with pytest.raises(ValueError, match="dummy must be True, False"):
+        eplb_state.end_step(state, dummy=dummy)
+
+
+def test_end_step_accepts_bools_and_traced_flags():
+    state = eplb_state.init_state(EplbConfig(window_size=2), num_layers=1, num_physical=2)
+    state = eplb_state.end_step(state, dummy=np.bool_(True))
+    state = jax.jit(eplb_state.end_step)(state, dummy=jnp.asarray(False))
+    assert int(state.step) == 2 and int(state.window_filled) == 1
+
+
 @pytest.mark.parametrize(
     "call, match",
     [
@@ -151,6 +177,12 @@ def test_waterfill_candidates_never_wrap(data, rank):
         (lambda: quant.quantize_experts(jnp.ones((1, 16, 16)), "fp8_block", block_size=8), "block_size"),
         (lambda: quant.quantize_experts(jnp.ones((1, 16, 16)), "fp8", input_scale=True), "input_scale"),
         (lambda: quant.quantize_experts(jnp.ones((1, 16, 16)), "fp8", weight_scale="1"), "weight_scale"),
+        (lambda: fill_unused_spares(np.array([0, -1, 1, -1]), np.ones(3), 1, 1), "weight must be numbers"),
+        (lambda: fill_unused_spares(np.array([0, -1, 5, -1]), np.ones(2), 1, 1), "outside"),
+        (lambda: fill_unused_spares(np.array([0.0, -1.0]), np.ones(1), 1, 1), "integer ids"),
+        (lambda: fill_unused_spares(np.array([0, -1]), np.ones(1), 1, 1.0), "num_spare must be an integer"),
+        (lambda: build_log2phy(np.array([[0, 2]]), 2), "outside"),
+        (lambda: build_log2phy(np.array([[0, 1]]), 2.0), "num_logical must be an integer"),
     ],
 )
 def test_types_that_pass_as_others_are_refused(call, match):

@@ -61,10 +61,23 @@ def fill_unused_spares(phy2log: np.ndarray, weight: np.ndarray, num_home: int, n
     A rank never gets a second copy of an expert it already holds (unless it
     holds every expert). Returns a new ``[P]`` array.
     """
-    phy2log = np.array(phy2log, dtype=np.int64)
+    num_home = check_int("num_home", num_home, minimum=1)
+    num_spare = check_int("num_spare", num_spare, minimum=0)
+    weight = np.asarray(weight)
+    phy2log = np.asarray(phy2log)
     slots_per_rank = num_home + num_spare
+    if phy2log.ndim != 1 or phy2log.dtype.kind not in "iu" or phy2log.size % slots_per_rank:
+        raise ValueError(f"phy2log must be integer ids of shape [G * (H + S)], got {phy2log.dtype} {phy2log.shape}")
     num_ranks = phy2log.size // slots_per_rank
+    if weight.shape != (num_ranks * num_home,) or weight.dtype.kind not in "iuf":
+        raise ValueError(f"weight must be numbers of shape [E = {num_ranks * num_home}], got {weight.shape}")
+    if not np.all(np.isfinite(weight)) or np.any(weight < 0):
+        raise ValueError("weight must be finite and non-negative")
     num_logical = weight.size
+    if np.any((phy2log < -1) | (phy2log >= num_logical)):
+        raise ValueError(f"phy2log holds ids outside [-1, {num_logical})")
+    phy2log = phy2log.astype(np.int64)
+    weight = weight.astype(np.float64)
     count = np.bincount(phy2log[phy2log >= 0], minlength=num_logical).astype(np.float64)
     for slot in np.flatnonzero(phy2log < 0):
         rank = slot // slots_per_rank
@@ -76,7 +89,6 @@ def fill_unused_spares(phy2log: np.ndarray, weight: np.ndarray, num_home: int, n
         e = int(np.argmax(score))
         phy2log[slot] = e
         count[e] += 1
-    del num_ranks
     return phy2log
 
 

@@ -124,6 +124,7 @@ def waterfill_assign(candidates, routed_load, *, min_tokens: int = 0, token_offs
 
 def waterfill_reference_level(routed_load, total) -> float:
     """Numpy bisection for the water level (test oracle for :func:`waterfill_shares`)."""
+    _check_loads(routed_load, total)
     floor = np.asarray(routed_load, dtype=np.float64)
     lo, hi = floor.min(), floor.max() + float(total)
     for _ in range(200):

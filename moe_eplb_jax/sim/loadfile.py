@@ -24,7 +24,7 @@ import os
 
 import numpy as np
 
-from moe_eplb_jax._files import array_field, check_document, int_field, read_json, read_npz, write_document
+from moe_eplb_jax._files import array_field, check_document, int_field, read_fields, write_document
 
 __all__ = ["LoadTrace", "save_load", "read_load", "LOAD_FORMAT", "LOAD_VERSION"]
 
@@ -123,12 +123,7 @@ def read_load(path) -> LoadTrace:
     (what ``--init-expert-location`` fits a placement to).
     """
     path = os.fspath(path)
-    if path.endswith(".npz"):
-        doc = read_npz(path, what="load")
-    elif path.endswith(".json"):
-        doc = read_json(path, what="load")
-    else:
-        raise ValueError(f"load file must end in .json or .npz, got {path!r}")
+    doc = read_fields(path, what="load")
     if "format" not in doc and "logical_count" in doc:
         unknown = sorted(set(doc) - {"logical_count"})
         if unknown:
