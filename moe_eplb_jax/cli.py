@@ -239,16 +239,17 @@ def _progress(what: str, *, seconds: float = _PROGRESS_SECONDS, stream=None):
         steps = list(steps)
         total = len(steps)
         start = last = time.monotonic()
+        after_first = None  # the first step also compiles: the rate is measured after it
         print(f"{what}: {total} steps", file=stream, flush=True)
-        for done, step in enumerate(steps):
+        for done, step in enumerate(steps, start=1):
             yield step
             now = time.monotonic()
-            if now - last >= seconds and done + 1 < total:
+            after_first = now if after_first is None else after_first
+            if now - last >= seconds and done < total:
                 last = now
-                rate = (done + 1) / (now - start)
+                left = f", ~{(total - done) * (now - after_first) / (done - 1):.0f} s left" if done > 1 else ""
                 print(
-                    f"{what}: step {done + 1}/{total} ({100 * (done + 1) / total:.0f}%), "
-                    f"{now - start:.0f} s elapsed, ~{(total - done - 1) / rate:.0f} s left",
+                    f"{what}: step {done}/{total} ({100 * done / total:.0f}%), {now - start:.0f} s elapsed{left}",
                     file=stream,
                     flush=True,
                 )
