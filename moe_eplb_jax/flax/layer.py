@@ -257,23 +257,18 @@ def moe_apply(
         ids, weights = route(x, router_w, top_k=top_k, num_groups=num_groups, topk_groups=topk_groups, bias=router_bias)
         # map_and_count neither maps nor counts an id outside [0, E): padding goes nowhere.
         ids = jnp.where(valid[:, None], ids, jnp.int32(-1))
-        per_mode = {}
-        if routing == "lp":
-            per_mode = {"replica_shares": replica_shares}
-        elif routing == "quota":
-            per_mode = {"quotas": batch_quotas(ids, log2phy, logcnt, axis_name=axis, num_physical=num_physical)}
-        physical, load = _map_and_count(
+        physical, load = _map_replicas(
             ids,
             log2phy,
             logcnt,
+            record,
+            lookup,
+            replica_shares,
+            routing=routing,
             num_physical=num_physical,
-            record=record,
-            mode=routing,
+            axis=axis,
             implementation=map_implementation,
-            lookup=lookup,
-            **per_mode,
         )
-        load = load.astype(jnp.int32)
         if load_reduce == "psum":
             load = jax.lax.psum(load, (*batch_axes, axis))
         else:
@@ -320,6 +315,32 @@ def moe_apply(
         # rejects that under check_vma=True.
         check_vma=False,
     )(x, router_w, router_bias, experts, log2phy, logcnt, valid, record, lookup, replica_shares, shared)
+
+
+def _map_replicas(ids, log2phy, logcnt, record, lookup, replica_shares, *, routing, num_physical, axis, implementation):
+    """Per rank: logical ids ``[T, k]`` (``-1``: padding) -> physical slots ``[T, k]`` and this rank's load ``[P]``.
+
+    The one place a routing mode turns into ``map_and_count``'s inputs
+    (``"quota"`` plans its quotas here, with an all-gather over ``axis``);
+    ``benchmarks/moe_step.py`` calls it to route exactly as the layer does.
+    """
+    per_mode = {}
+    if routing == "lp":
+        per_mode = {"replica_shares": replica_shares}
+    elif routing == "quota":
+        per_mode = {"quotas": batch_quotas(ids, log2phy, logcnt, axis_name=axis, num_physical=num_physical)}
+    physical, load = _map_and_count(
+        ids,
+        log2phy,
+        logcnt,
+        num_physical=num_physical,
+        record=record,
+        mode=routing,
+        implementation=implementation,
+        lookup=lookup,
+        **per_mode,
+    )
+    return physical, load.astype(jnp.int32)
 
 
 def _batch_axes(mesh, axis, batch_axes) -> tuple[str, ...]:
