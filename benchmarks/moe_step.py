@@ -196,6 +196,8 @@ def main():
         log2phy, logcnt = placement.log2phy[0], placement.logcnt[0]
         shares = None
         if routing == "lp":  # the shares a controller installs with the placement, and the lookup carrying them
+            if load is None:
+                raise ValueError("routing 'lp' needs the load its shares are solved from")
             shares = routing_tables("lp", load[None], placement, num_ranks=ranks)[0]["replica_shares"]
             lookup = lookup_table(log2phy, logcnt, replica_shares=shares, num_physical=P)
             shares = put_host(shares, mesh, PS())

@@ -248,7 +248,7 @@ def moe_apply(
         replica_shares = _check_shares(replica_shares, logcnt, log2phy.shape)
     else:
         replica_shares = None  # read by "lp" only
-    routed_cost = None
+    routed_cost = 1.0  # a routed row's cost in shared-expert rows (their hidden widths' ratio)
     if shared is not None:
         _check_shared(shared, x.shape[1])
         routed_cost = _expert_hidden(experts) / shared["w_out"].shape[0]
@@ -621,7 +621,7 @@ class MoELayer(nnx.Module):
         else:  # quantized experts are frozen (serving): nothing to tie
             experts = {name: var.get_value() for name, var in self.eplb_expert_variables().items()}
         shared = None
-        if self.shared_in is not None:
+        if self.shared_in is not None and self.shared_out is not None:
             shared = {"w_in": self.shared_in.get_value(), "w_out": self.shared_out.get_value()}
         out, load = moe_apply(
             tokens,
@@ -659,8 +659,10 @@ class MoELayer(nnx.Module):
 
     def eplb_expert_variables(self) -> dict[str, nnx.Variable]:
         if self.quant_format is None:
-            return {"w_in": self.w_in, "w_out": self.w_out}
-        return {"gate": self.q_gate, "up": self.q_up, "down": self.q_down}
+            variables = {"w_in": self.w_in, "w_out": self.w_out}
+        else:
+            variables = {"gate": self.q_gate, "up": self.q_up, "down": self.q_down}
+        return {name: var for name, var in variables.items() if var is not None}
 
     # ------------------------------------------------------ quantization
     def quantize(self, fmt: str, *, impl: str = "auto", activation_scaling: str = "dynamic") -> None:
@@ -674,15 +676,16 @@ class MoELayer(nnx.Module):
         """
         from moe_eplb_jax import quant
 
-        if self.quant_format is not None:
+        w_in_var, w_out_var = self.w_in, self.w_out
+        if self.quant_format is not None or w_in_var is None or w_out_var is None:
             raise ValueError(f"layer is already quantized ({self.quant_format!r})")
         if fmt not in quant.FORMATS:
             raise ValueError(f"unknown quantized format {fmt!r}; known: {sorted(quant.FORMATS)}")
         if impl not in quant.IMPLS:
             raise ValueError(f"unknown quant impl {impl!r}; known: {list(quant.IMPLS)}")
-        hidden = self.w_out.get_value().shape[1]
-        w_in = np.asarray(self.w_in.get_value(), np.float32)
-        w_out = np.asarray(self.w_out.get_value(), np.float32)
+        hidden = w_out_var.get_value().shape[1]
+        w_in = np.asarray(w_in_var.get_value(), np.float32)
+        w_out = np.asarray(w_out_var.get_value(), np.float32)
         # quant wants the contraction axis last: gate/up [P, H, D], down [P, D, H].
         gate = np.ascontiguousarray(np.swapaxes(w_in[:, :, :hidden], 1, 2))
         up = np.ascontiguousarray(np.swapaxes(w_in[:, :, hidden:], 1, 2))

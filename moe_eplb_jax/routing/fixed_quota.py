@@ -47,6 +47,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 
 from moe_eplb_jax.routing.lp import lp_shares
 
@@ -95,7 +96,7 @@ def _check(counts, log2phy, logcnt, num_physical):
         raise ValueError(
             f"num_physical ({num_physical}) must be >= E ({table_shape[0]}) and divisible by G ({num_ranks})"
         )
-    if not isinstance(counts, jax.core.Tracer) and np.any(np.asarray(counts) < 0):
+    if not isinstance(counts, Tracer) and np.any(np.asarray(counts) < 0):
         raise ValueError("counts must be non-negative")
 
 

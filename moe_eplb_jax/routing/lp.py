@@ -25,6 +25,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 
 __all__ = ["lp_shares", "lp_shares_reference", "shares_rank_load"]
 
@@ -42,9 +43,9 @@ def _check(load, log2phy, logcnt, num_physical, num_ranks):
         raise ValueError(
             f"num_physical ({num_physical}) must be >= E ({num_experts}) and divisible by num_ranks ({num_ranks})"
         )
-    if not isinstance(load, jax.core.Tracer) and np.any(np.asarray(load) < 0):
+    if not isinstance(load, Tracer) and np.any(np.asarray(load) < 0):
         raise ValueError("load must be non-negative")
-    if not any(isinstance(a, jax.core.Tracer) for a in (log2phy, logcnt)):
+    if not any(isinstance(a, Tracer) for a in (log2phy, logcnt)):
         table, cnt = np.asarray(log2phy), np.asarray(logcnt)
         if np.any(cnt < 1) or np.any(cnt > table_shape[1]):
             raise ValueError(f"logcnt must lie in [1, S={table_shape[1]}]")

@@ -17,9 +17,9 @@ Batches with fewer than ``min_tokens`` tokens skip balancing (first candidate).
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 
 __all__ = ["waterfill_shares", "waterfill_assign", "waterfill_reference_level"]
 
@@ -77,7 +77,7 @@ def waterfill_assign(candidates, routed_load, *, min_tokens: int = 0, token_offs
     candidates = jnp.asarray(candidates).astype(jnp.int32)
     num_tokens = candidates.shape[0]
     num_ranks = np.shape(routed_load)[0]
-    if not isinstance(candidates, jax.core.Tracer):
+    if not isinstance(candidates, Tracer):
         if np.any((np.asarray(candidates) < 0) | (np.asarray(candidates) >= num_ranks)):
             raise ValueError(f"candidates must be rank ids in [0, {num_ranks})")
     if valid is not None and np.shape(valid) != (num_tokens,):
