@@ -433,3 +433,40 @@ def test_waterfill_moves_shared_work_to_the_ranks_with_slack(rng):
     np.testing.assert_allclose(work, expected, atol=3 * np.sqrt(expected.max()) + 1)
     own = valid.reshape(G, tokens).sum(1)  # the local shared expert's rows per rank
     assert (routed + work).max() < (routed + own).max()
+
+
+# -------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("routing", ROUTING_MODES)
+def test_pallas_map_routes_every_mode_like_the_reference_on_gpu(rng, routing):
+    """On a GPU the layer maps with the Pallas kernel (its prepared lookup: with the alias table for "lp"):
+    the same slots counted and the same outputs as the jnp reference, every mode, on every GPU of the host."""
+    devices = jax.devices()
+    mesh = jax.make_mesh((len(devices),), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
+    num_physical = E + 8 * len(devices)
+    phy2log = np.concatenate([np.arange(E), rng.integers(0, E, num_physical - E)])
+    new = Placement.from_phy2log(rng.permutation(phy2log)[None], E)
+    load = rng.lognormal(0.0, 1.0, (1, E)) * 100
+    tables = routing_tables(routing, load, new, num_ranks=len(devices))[0]
+    x = jnp.asarray(rng.standard_normal((len(devices) * 64, D)).astype(np.float32))
+    valid = jnp.asarray(rng.random(x.shape[0]) < 0.9)
+    results = {}
+    for implementation in ("pallas", "xla"):
+        layer = MoELayer(
+            D,
+            H,
+            E,
+            K,
+            mesh=mesh,
+            num_physical=num_physical,
+            routing=routing,
+            rngs=nnx.Rngs(1),
+            map_implementation=implementation,
+        )
+        for var in layer.eplb_expert_variables().values():
+            var.set_value(put_host(np.asarray(var.get_value())[:E][new.phy2log[0]], mesh, PS("ep")))
+        layer.eplb_set_placement(new.phy2log[0], new.log2phy[0], new.logcnt[0], **tables)
+        out = np.asarray(nnx.jit(lambda module, x, valid: module(x, valid=valid))(layer, x, valid))
+        results[implementation] = (out, np.asarray(layer.expert_load.get_value()))
+    np.testing.assert_array_equal(results["pallas"][1], results["xla"][1])
+    np.testing.assert_array_equal(results["pallas"][0].view(np.uint32), results["xla"][0].view(np.uint32))
