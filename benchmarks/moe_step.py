@@ -1,41 +1,45 @@
-"""MoE layer step time under Zipf-skewed routing: initial vs EPLB placement vs online quotas vs uniform routing.
+"""MoE layer step time per replica-routing mode under Zipf-skewed routing, against the uniform-routing ideal.
 
-    PYTHONPATH=. python3 benchmarks/moe_step.py --ranks 2                       # 2 GPUs
+    PYTHONPATH=. python3 benchmarks/moe_step.py --ranks 2                       # 2 GPUs (4 when lent)
     PYTHONPATH=. python3 benchmarks/moe_step.py --ranks 8 --matmul pallas,dense --capacity-factor 1.25  # EP8
                                                                   # (issue 8; benchmarks/multi_gpu.py runs it)
-    PYTHONPATH=. python3 benchmarks/moe_step.py --cpu-devices 8 --small --matmul dense,pallas_interpret
+    PYTHONPATH=. python3 benchmarks/moe_step.py --cpu-devices 8 --small --matmul dense --capacity-factor none
 
-Prints, side by side in one run and for each grouped-matmul implementation:
-the forward step time of one expert-parallel MoE layer (route + map_and_count
-+ dispatch all_to_all + grouped expert MLP + combine) with the initial
-placement (experts in id order, redundant slots on the coldest experts: the
-hot experts share the first rank), with the EPLB placement (the ``deepseek``
-policy on the measured load) and with perfectly uniform routing on an even
-placement (the ideal: every expert gets ``T*k/E`` tokens); with online quota routing (``--online``; UltraEP-style,
-``benchmarks/online_ep.py``: every step all_gathers the per-rank expert counts, runs ``plan_quotas`` and routes
-with ``map_and_count(mode="resolved")``, all inside the timed step; experts at home, ``R / G`` spare slots per
-rank filled per batch, their weights taken from a resident replicated copy -- ``resident``, the fetch free -- or
-from an all_gather of the home experts inside the step -- ``all_gather``, an upper bound on the fetch); the
-measured balancedness of each; and whether the outputs under every placement / routing are bit-identical.
+For each grouped-matmul implementation / exchange and each Zipf skew ``s`` (``--skews``, default 1.5, 2, 3:
+token ``t``'s top-k experts drawn by Gumbel top-k from popularity ``∝ rank**-s`` over a fixed random expert
+order, imposed exactly by a one-hot router), the forward step time of one expert-parallel MoE layer through
+``moe_eplb_jax.flax.layer.moe_apply`` (route + replica routing + dispatch all_to_all + grouped expert MLP +
+combine), one row per routing case, side by side in one run:
 
-Then the EPLB bookkeeping (mapping + counting + state update) of one step, for the first matmul / exchange
-listed, under the EPLB placement: (a) the EPLB step -- ``moe_apply`` with ``map_and_count`` mapping and
-counting per rank (no load all-reduce: each rank keeps its own ``[G, P]`` row, summed only at rearrangement)
-plus ``EplbState.record`` / ``end_step`` of the per-rank load with the state donated, as
-``EplbController.step`` does -- against (b) the same step with the placement fixed and no EPLB work: the
-slots come from one gather ``log2phy[ids, replica]`` (``replica`` precomputed from (a)'s routing, so both steps
-exchange and multiply the same rows; checked: bit-identical outputs), no counting, no state. (a) - (b) is the
-bookkeeping, printed as ms and % of (a) in device time (kernel time from the profiler's CUPTI records,
-``_timing.device_seconds``; all kernels of GPU 0, and without the NCCL kernels, whose time includes waiting
-for the peer -- both as % of (a)'s all-kernel time) side by side with host wall-clock time (which adds launch
-and sync overheads), plus the device time of (a) by kernel name, and (a'): (a) the old way, the load
-psum'd over EP every step (``load_reduce="psum"``) into a replicated window. One step per call: device time leaves the
-launch gaps between calls out, and a chain of steps in one program would route different tokens than the
-precomputed replicas of (b). Device columns read "n/a" on CPU.
+* ``initial / hash``: experts in id order, redundant slots on the coldest experts (no EPLB: the hot experts share
+  the first rank);
+* ``EPLB / hash``, ``EPLB / round_robin``, ``EPLB / lp``, ``EPLB / quota``: the ``balanced`` policy's placement
+  for the batch's load; ``lp`` with the LP replica shares of that load (``routing.routing_tables``), ``quota``
+  planning its quotas per batch inside the step (all_gather of the per-rank counts + ``plan_fixed_quotas`` +
+  ``map_and_count(mode="quota")``);
+* ``online / quota``: home experts plus spare slots filled by the ``online`` policy (UltraEP's layout), quotas per
+  batch;
+* ``uniform (ideal)``: every expert gets ``T*k/E`` tokens (a one-hot router) on a placement where every rank
+  holds as many single-replica slots and as many halves of two-replica experts (hash routing).
 
-``dense`` costs the worst case whatever the routing, so only an implementation
-whose cost follows the rows a rank received (``pallas``) can show the balance
-in step time.
+Printed: ms, ratio to the ideal, the balancedness of the load each case recorded, and whether every case's
+outputs are bit-identical (they compute the same tokens) and its load sums exact.
+
+Then the EPLB bookkeeping of one step per mode in ``--book-modes`` (first matmul / exchange listed, middle
+skew; ``hash`` on the EPLB placement, ``quota`` on the online one): (a) the EPLB step -- ``moe_apply`` mapping
+and counting per rank (each rank keeps its own ``[G, P]`` row, summed only at rearrangement; for ``quota`` also
+the all_gather of counts and the per-batch plan) plus ``EplbState.record`` / ``end_step`` with the state
+donated, as ``EplbController.step`` does -- against (b) the same step with the placement fixed and no EPLB work:
+the slots come from one gather ``log2phy[ids, replica]`` (``replica`` precomputed from (a)'s routing, so both
+steps exchange and multiply the same rows; checked: bit-identical outputs), no counting, no state, no plan.
+(a) - (b) is the bookkeeping (for ``quota``: all_gather + plan + reroute + counting), printed as ms and % of (a)
+in device time (kernel time from the profiler's CUPTI records, ``_timing.device_seconds``; all kernels of GPU 0,
+and without the NCCL kernels, whose time includes waiting for the peer) beside host wall-clock time, the device
+time of (a) by kernel name, and (a'): (a) with the load psum'd over EP every step (``load_reduce="psum"``)
+into a replicated window. Device columns read "n/a" on CPU.
+
+``dense`` costs the worst case whatever the routing, so only an implementation whose cost follows the rows a
+rank received (``pallas``) can show the balance in step time.
 """
 
 from __future__ import annotations
@@ -61,7 +65,12 @@ def _args():
     p.add_argument("--experts", type=int, default=32)
     p.add_argument("--redundant", type=int, default=16)
     p.add_argument("--top-k", type=int, default=4)
-    p.add_argument("--zipf", type=float, default=1.2, help="router bias -4*zipf*log(1+e)")
+    p.add_argument("--skews", default="1.5,2,3", help="comma-separated Zipf exponents of the expert popularity")
+    p.add_argument(
+        "--cases",
+        default=",".join(CASES),
+        help=f"comma-separated routing cases (placement/mode) out of {','.join(CASES)}; the ideal always runs",
+    )
     p.add_argument("--matmul", default="dense,pallas", help="comma-separated grouped matmul implementations")
     p.add_argument("--map-impl", default=None, help="map_and_count implementation (None: its default)")
     p.add_argument(
@@ -70,12 +79,8 @@ def _args():
         help="comma-separated exchange capacity factors ('none': one worst-case all_to_all)",
     )
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument(
-        "--online",
-        default="resident,all_gather",
-        help="online quota rows: comma-separated spare-weight fetches (resident, all_gather; '' for none)",
-    )
     p.add_argument("--window", type=int, default=1000, help="EplbState window (steps) in the bookkeeping step")
+    p.add_argument("--book-modes", default="hash,quota", help="bookkeeping rows: comma-separated routing modes")
     p.add_argument(
         "--book-reps",
         type=int,
@@ -84,6 +89,42 @@ def _args():
     )
     p.add_argument("--json", default=None, help="write the table rows here")
     return p.parse_args()
+
+
+# (placement, routing mode) of each row; the ideal runs on its own.
+CASES = ("initial/hash", "EPLB/hash", "EPLB/round_robin", "EPLB/lp", "EPLB/quota", "online/quota")
+
+
+def zipf_ids(num_tokens: int, num_experts: int, top_k: int, skew: float, seed: int):
+    """``[T, k]`` distinct expert ids per token: Gumbel top-k of popularity ``∝ rank**-skew`` (random order)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    rank = np.empty(num_experts)
+    rank[rng.permutation(num_experts)] = np.arange(1, num_experts + 1)
+    keys = -skew * np.log(rank)[None, :] + rng.gumbel(size=(num_tokens, num_experts))
+    return np.argpartition(-keys, top_k - 1, axis=1)[:, :top_k]
+
+
+def even_placement(num_experts: int, num_physical: int, num_ranks: int):
+    """A placement under which equal expert loads give equal rank loads (hash routing, in expectation).
+
+    Experts ``0 .. R-1`` get two replicas, the rest one; each rank takes an equal share of the two-replica slots
+    (never both replicas of one expert) and of the one-replica slots. ``Placement.linear`` where ``R`` or the
+    share does not divide (then the ideal's balancedness, printed, is below 1).
+    """
+    import numpy as np
+
+    from moe_eplb_jax.placement import Placement
+
+    redundant = num_physical - num_experts
+    doubles = np.concatenate([np.arange(redundant), np.arange(redundant)])
+    singles = np.arange(redundant, num_experts)
+    if redundant > num_experts or doubles.size % num_ranks or singles.size % num_ranks:
+        return Placement.linear(1, num_experts, num_physical, num_ranks=num_ranks)
+    rows = zip(np.split(doubles, num_ranks), np.split(singles, num_ranks))
+    phy2log = np.concatenate([np.concatenate(pair) for pair in rows])
+    return Placement.from_phy2log(phy2log[None], num_experts, num_ranks=num_ranks)
 
 
 def main():
@@ -102,54 +143,90 @@ def main():
     from moe_eplb_jax import metrics
     from moe_eplb_jax import state as eplb_state
     from moe_eplb_jax.flax import layer as L
-    from moe_eplb_jax.pallas import map_and_count
+    from moe_eplb_jax.pallas import lookup_table
     from moe_eplb_jax.placement import Placement
+    from moe_eplb_jax.routing import routing_tables
     from moe_eplb_jax.sharding import put_host
     from moe_eplb_jax.state import EplbConfig
 
     try:  # run as a script: benchmarks/ is on sys.path
         from _timing import device_seconds, median_seconds
-        from online_ep import online_moe_apply
     except ImportError:
         from benchmarks._timing import device_seconds, median_seconds
-        from benchmarks.online_ep import online_moe_apply
 
     ranks = args.ranks or jax.device_count()
     mesh = jax.make_mesh((ranks,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:ranks])
     E, P, D, H, K = args.experts, args.experts + args.redundant, args.dim, args.hidden, args.top_k
     T = args.tokens * ranks
+    if D < E:
+        raise ValueError(f"--dim ({D}) must be at least --experts ({E}): a one-hot router imposes the routing")
+    skews = [float(s) for s in args.skews.split(",")]
+    cases = [c for c in args.cases.split(",") if c]
+    if set(cases) - set(CASES):
+        raise ValueError(f"--cases takes names out of {CASES}, got {args.cases!r}")
+    online_ok = E % ranks == 0 and (P - E) % ranks == 0 and P > E
+    if not online_ok and "online/quota" in cases:
+        print(f"online/quota skipped: E={E} and R={P - E} must be positive multiples of the EP size {ranks}")
+        cases.remove("online/quota")
     rng = np.random.default_rng(0)
     dtype = jnp.bfloat16
     w_in = rng.standard_normal((E, D, 2 * H)).astype(np.float32) * D**-0.5
     w_out = rng.standard_normal((E, H, D)).astype(np.float32) * H**-0.5
-    router = put_host(rng.standard_normal((D, E)).astype(np.float32) * D**-0.5, mesh, PS())
-    zipf_bias = put_host((-4.0 * args.zipf * np.log1p(np.arange(E))).astype(np.float32), mesh, PS())
-    flat_bias = put_host(np.zeros(E, np.float32), mesh, PS())
-    x = put_host(rng.standard_normal((T, D)).astype(np.float32).astype(dtype), mesh, PS("ep"))
-    # The ideal: token t picks experts (t*k + j) mod E exactly (a one-hot router), so every expert gets
-    # T*k/E tokens, under a placement that spreads E equal loads evenly (linear: replicas of 0..R-1 last).
-    if D < E:
-        raise ValueError(f"--dim ({D}) must be at least --experts ({E}) for the uniform routing case")
-    picks = (np.arange(T)[:, None] * K + np.arange(K)[None, :]) % E
-    x_uni_host = 0.01 * rng.standard_normal((T, D)).astype(np.float32)
-    np.put_along_axis(x_uni_host, picks, 8.0, axis=1)
-    x_uni = put_host(x_uni_host.astype(dtype), mesh, PS("ep"))
-    router_uni = put_host(np.eye(D, E, dtype=np.float32), mesh, PS())
+    router = put_host(np.eye(D, E, dtype=np.float32), mesh, PS())
+    bias = put_host(np.zeros(E, np.float32), mesh, PS())
 
-    def operands(placement, bias, tokens=x, router=router):
+    def one_hot_tokens(picks):  # tokens whose top-k under the identity router are exactly ``picks``
+        host = 0.01 * rng.standard_normal((T, D)).astype(np.float32)
+        np.put_along_axis(host, picks, 8.0, axis=1)
+        return put_host(host.astype(dtype), mesh, PS("ep"))
+
+    x_uni = one_hot_tokens((np.arange(T)[:, None] * K + np.arange(K)[None, :]) % E)
+    uniform = even_placement(E, P, ranks)
+    initial = Placement.from_phy2log(
+        np.concatenate([np.arange(E), np.arange(E - 1, E - 1 - (P - E), -1)])[None], E, num_ranks=ranks
+    )
+
+    def operands(placement, routing, tokens, load=None):
+        """(positional moe_apply operands, lookup, replica_shares) of one case."""
         phy = placement.phy2log[0]
         experts = {
             "w_in": put_host(w_in[phy].astype(dtype), mesh, PS("ep")),
             "w_out": put_host(w_out[phy].astype(dtype), mesh, PS("ep")),
         }
-        return (
-            tokens,
-            router,
-            bias,
-            experts,
-            put_host(placement.log2phy[0], mesh, PS()),
-            put_host(placement.logcnt[0], mesh, PS()),
-        )
+        log2phy, logcnt = placement.log2phy[0], placement.logcnt[0]
+        shares = None
+        if routing == "lp":  # the shares a controller installs with the placement, and the lookup carrying them
+            if load is None:
+                raise ValueError("routing 'lp' needs the load its shares are solved from")
+            shares = routing_tables("lp", load[None], placement, num_ranks=ranks)[0]["replica_shares"]
+            lookup = lookup_table(log2phy, logcnt, replica_shares=shares, num_physical=P)
+            shares = put_host(shares, mesh, PS())
+        else:
+            lookup = lookup_table(log2phy, logcnt)
+        put = functools.partial(put_host, mesh=mesh)
+        return (tokens, router, bias, experts, put(log2phy), put(logcnt), put(np.asarray(lookup)), shares)
+
+    def stepper(routing, matmul, factor, load_reduce="none"):
+        def step(x, router, bias, experts, log2phy, logcnt, lookup, shares):
+            return L.moe_apply(
+                x,
+                router,
+                bias,
+                experts,
+                log2phy,
+                logcnt,
+                top_k=K,
+                mesh=mesh,
+                routing=routing,
+                matmul=matmul,
+                map_implementation=args.map_impl,
+                capacity_factor=factor,
+                load_reduce=load_reduce,
+                lookup=lookup,
+                replica_shares=shares,
+            )
+
+        return step
 
     def bench(fn, ops):
         out = jax.block_until_ready(fn(*ops))
@@ -160,59 +237,74 @@ def main():
             times.append(time.perf_counter() - t0)
         return float(np.median(times)), out
 
-    def total(load):  # moe_apply returns per-rank rows [G, P] (no psum in the step); online_moe_apply [P]
+    def total(load):  # moe_apply returns per-rank rows [G, P] (no psum in the step), or [P] with "psum"
         load = np.asarray(load)
         return load.sum(0) if load.ndim == 2 else load
 
     def balancedness(load):
         return float(metrics.balancedness(metrics.rank_load(total(load)[None], ranks)))
 
-    initial = np.concatenate([np.arange(E), np.arange(E - 1, E - 1 - (P - E), -1)])
-    start = Placement.from_phy2log(initial[None], E, num_ranks=ranks)
-    uniform = Placement.linear(1, E, P, num_ranks=ranks)
-    config = EplbConfig(num_redundant_experts=P - E, num_gpus=ranks)
-    fitted = None
+    # Per skew: the batch, its load and the placements fitted to it (the same for every matmul / exchange).
+    batches = {}
+    for skew in skews:
+        ids = zipf_ids(T, E, K, skew, seed=int(skew * 1000))
+        load = np.bincount(ids.ravel(), minlength=E).astype(np.float64)
+        placements = {"initial": initial}
+        for name, policy in (("EPLB", "balanced"), ("online", "online")):
+            if name == "online" and not online_ok:
+                continue
+            config = EplbConfig(num_redundant_experts=P - E, num_gpus=ranks, policy=policy)
+            placements[name] = eplb_state.compute_placement(load[None], config)
+        batches[skew] = (one_hot_tokens(ids), load, placements)
 
-    # The old host-timed estimate: route + map_and_count per rank + EplbState update, minus routing alone.
-    def book(x, router, bias, log2phy, logcnt, state):
-        def per_rank(x, router, bias, log2phy, logcnt):
-            ids, _ = L.route(x, router, top_k=K, bias=bias)
-            _, load = map_and_count(ids, log2phy, logcnt, num_physical=P, implementation=args.map_impl)
-            return load[None]
+    rows = []
+    factors = [None if f == "none" else float(f) for f in args.capacity_factor.split(",")]
+    for matmul, factor in [(m, f) for m in args.matmul.split(",") for f in factors]:
+        label = f"{matmul}/{'worst' if factor is None else f'cf{factor:g}'}"
+        jitted = {mode: jax.jit(stepper(mode, matmul, factor)) for mode in {c.split("/")[1] for c in cases} | {"hash"}}
+        try:
+            t_uni, (_, load_uni) = bench(jitted["hash"], operands(uniform, "hash", x_uni))
+        except Exception:  # one implementation failing must not hide the others' figures
+            traceback.print_exc()
+            rows.append((label, None))
+            continue
+        per_skew = {}
+        for skew, (tokens, load, placements) in batches.items():
+            found, reference, same, loads_ok = {}, None, True, True
+            for case in cases:
+                where, mode = case.split("/")
+                try:
+                    t, (out, case_load) = bench(jitted[mode], operands(placements[where], mode, tokens, load))
+                except Exception:  # one case failing must not hide the others
+                    traceback.print_exc()
+                    found[case] = None
+                    continue
+                out = np.asarray(out).view(np.uint16)
+                reference = out if reference is None else reference
+                same = same and bool(np.array_equal(out, reference))
+                loads_ok = loads_ok and int(total(case_load).sum()) == T * K
+                found[case] = (t, balancedness(case_load))
+            per_skew[skew] = dict(cases=found, same=same, loads_ok=loads_ok)
+            print(f"{label} skew {skew:g}: {per_skew[skew]}", flush=True)  # a run cut short still shows it
+        rows.append((label, dict(t_uni=t_uni, b_uni=balancedness(load_uni), skews=per_skew)))
 
-        load = jax.shard_map(
-            per_rank, mesh=mesh, in_specs=(PS("ep"),) + (PS(),) * 4, out_specs=PS("ep"), check_vma=False
-        )(x, router, bias, log2phy, logcnt)
-        return eplb_state.end_step(eplb_state.record(state, load[None]))
+    # ------------------------------------------------------------ bookkeeping
+    book_config = EplbConfig(num_gpus=ranks, num_redundant_experts=P - E, window_size=args.window)
+    make_state = lambda: eplb_state.init_state(book_config, 1, P, per_rank=True)
+    state_sharding = jax.tree.map(lambda _: NamedSharding(mesh, PS()), jax.eval_shape(make_state))
+    state_sharding = dataclasses.replace(
+        state_sharding,
+        pass_load=NamedSharding(mesh, PS(None, "ep", None)),
+        window=NamedSharding(mesh, PS(None, None, "ep", None)),
+    )
 
-    def route_only(x, router, bias):
-        return jax.shard_map(
-            lambda x, r, b: L.route(x, r, top_k=K, bias=b)[0],
-            mesh=mesh,
-            in_specs=(PS("ep"), PS(), PS()),
-            out_specs=PS("ep"),
-            check_vma=False,
-        )(x, router, bias)
-
-    def bookkeeping(ops, state, state_sharding, matmul, factor):
+    def bookkeeping(routing, ops, matmul, factor):
         """(a) the EPLB step vs (b) the same step, fixed placement, no EPLB work (see the module docstring)."""
-        x, router, bias, experts, log2phy, logcnt = ops
+        x, router, bias, experts, log2phy, logcnt, lookup, shares = ops
 
-        def eplb_step(x, router, bias, experts, log2phy, logcnt, state, load_reduce="none"):  # (a)
-            out, load = L.moe_apply(
-                x,
-                router,
-                bias,
-                experts,
-                log2phy,
-                logcnt,
-                top_k=K,
-                mesh=mesh,
-                matmul=matmul,
-                map_implementation=args.map_impl,
-                capacity_factor=factor,
-                load_reduce=load_reduce,
-            )
+        def eplb_step(*ops_and_state, load_reduce="none"):  # (a)
+            *step_ops, state = ops_and_state
+            out, load = stepper(routing, matmul, factor, load_reduce)(*step_ops)
             return out, eplb_state.end_step(eplb_state.record(state, load[None]))  # load: [G, P] or psum'd [P]
 
         def fixed_step(x, router, bias, experts, log2phy, replica):  # (b)
@@ -241,29 +333,32 @@ def main():
                 check_vma=False,
             )(x, router, bias, experts, log2phy, replica)
 
-        def replicas(x, router, bias, log2phy, logcnt):  # the replica (a)'s map_and_count picks per assignment
-            def per_rank(x, router, bias, log2phy, logcnt):
+        def replicas(x, router, bias, log2phy, logcnt, lookup, shares):  # the replica (a) picks per assignment
+            def per_rank(x, router, bias, log2phy, logcnt, lookup, shares):
                 ids, _ = L.route(x, router, top_k=K, bias=bias)
-                physical, _ = map_and_count(
+                physical, _ = L._map_replicas(  # exactly the layer's routing, plan included
                     ids,
                     log2phy,
                     logcnt,
+                    jnp.bool_(True),
+                    lookup,
+                    shares,
+                    routing=routing,
                     num_physical=P,
-                    mode="hash",
-                    num_valid_tokens=jnp.int32(x.shape[0]),
+                    axis="ep",
                     implementation=args.map_impl,
                 )
                 return jnp.argmax(log2phy[ids] == physical[..., None], axis=-1).astype(jnp.int32)
 
             return jax.shard_map(
-                per_rank, mesh=mesh, in_specs=(PS("ep"),) + (PS(),) * 4, out_specs=PS("ep"), check_vma=False
-            )(x, router, bias, log2phy, logcnt)
+                per_rank, mesh=mesh, in_specs=(PS("ep"),) + (PS(),) * 6, out_specs=PS("ep"), check_vma=False
+            )(x, router, bias, log2phy, logcnt, lookup, shares)
 
         def runner(state, sharding, load_reduce):
             # The state is donated, as EplbController.step does: the window row is written in place.
             step = jax.jit(
                 functools.partial(eplb_step, load_reduce=load_reduce),
-                donate_argnums=6,
+                donate_argnums=len(ops),
                 out_shardings=(NamedSharding(mesh, PS("ep")), sharding),
             )
             held = [state]
@@ -274,14 +369,14 @@ def main():
 
             return run
 
-        run_a = runner(state, state_sharding, "none")
-        # (a'): the old path -- the load psum'd every step, recorded into a replicated [W, 1, P] window.
+        run_a = runner(jax.jit(make_state, out_shardings=state_sharding)(), state_sharding, "none")
+        # (a'): the load psum'd every step, recorded into a replicated [W, 1, P] window.
         replicated = NamedSharding(mesh, PS())
         summed_state = jax.jit(lambda: eplb_state.init_state(book_config, 1, P), out_shardings=replicated)()
         run_psum = runner(summed_state, replicated, "psum")
 
         run_b = jax.jit(fixed_step)
-        ops_b = (x, router, bias, experts, log2phy, jax.jit(replicas)(x, router, bias, log2phy, logcnt))
+        ops_b = (x, router, bias, experts, log2phy, jax.jit(replicas)(x, router, bias, log2phy, logcnt, lookup, shares))
         same = bool(np.array_equal(np.asarray(run_a(*ops)).view(np.uint16), np.asarray(run_b(*ops_b)).view(np.uint16)))
         device = {"a": [], "b": [], "psum": []}
         compute = {"a": [], "b": [], "psum": []}  # without NCCL kernels (their time includes waiting for the peer)
@@ -328,154 +423,74 @@ def main():
             kernels_diff=sorted(table, key=lambda r: r[2] - r[1])[:10],
         )
 
-    def print_bookkeeping(row, t_book, t_book_route, t_route):
-        print("\nEPLB bookkeeping per step (mapping + counting + state update)", end="")
+    def print_bookkeeping(routing, where, row):
+        print(f"\nEPLB bookkeeping per step, routing {routing!r} on the {where} placement", end="")
         if row is None:
             print(": FAILED (traceback above)")
-        else:
-            print(f", {row['case']}, EPLB placement, window {row['window']} steps:")
-            print(f"{'':44s} {'device ms':>10s} {'w/o NCCL':>10s} {'host ms':>10s}")
-            cols = (row["device"], row["compute"], row["host"])
-            for name, key, fmt in (
-                ("(a) EPLB step: map+count+state", "a_ms", "{:10.3f}"),
-                ("(b) fixed placement, no EPLB work", "b_ms", "{:10.3f}"),
-                ("bookkeeping (a) - (b)", "book_ms", "{:10.3f}"),
-                ("bookkeeping, % of (a) (device: all kernels)", "pct", "{:9.2f}%"),
-                ("(a') old path: + load psum every step", "psum_ms", "{:10.3f}"),
-                ("(a') bookkeeping (a') - (b)", "psum_book_ms", "{:10.3f}"),
-                ("(a') bookkeeping, % of (a)", "psum_pct", "{:9.2f}%"),
-            ):
-                print(f"{name:44s} " + " ".join("       n/a" if c is None else fmt.format(c[key]) for c in cols))
-            print(f"(a) and (b) route the same rows (bit-identical outputs): {row['same']}")
-            if row["kernels_a"]:
-                print(
-                    "device time by kernel, us per step: (a), (b) for the same name, (a) - (b); XLA may number "
-                    "fusions differently in (b)"
-                )
-                for title, key in (("top 10 of (a)", "kernels_a"), ("top 10 of (a) - (b)", "kernels_diff")):
-                    print(f"  {title}:")
-                    for k, a, b in row[key]:
-                        print(f"  {a:10.1f} {b:10.1f} {a - b:10.1f}  {k[:90]}")
-        print(
-            f"old host estimate (route+map+count+state minus route, separate programs): {t_book * 1e3:.3f} ms "
-            f"({t_book_route * 1e3:.3f} - {t_route * 1e3:.3f} ms)"
-        )
-
-    # Online quota routing needs the home layout: E/G experts per rank, (P-E)/G spare slots per rank.
-    fetches = [f for f in args.online.split(",") if f]
-    if set(fetches) - {"resident", "all_gather"}:
-        raise ValueError(f"--online takes 'resident' and/or 'all_gather', got {args.online!r}")
-    if fetches and (E % ranks or (P - E) % ranks or P == E):
-        print(f"online rows skipped: E={E} and R={P - E} must be positive multiples of the EP size {ranks}")
-        fetches = []
-    if fetches:
-        home = {name: put_host(w.astype(dtype), mesh, PS("ep")) for name, w in (("w_in", w_in), ("w_out", w_out))}
-        resident = {name: put_host(w.astype(dtype), mesh, PS()) for name, w in (("w_in", w_in), ("w_out", w_out))}
-
-    rows = []
-    factors = [None if f == "none" else float(f) for f in args.capacity_factor.split(",")]
-    for matmul, factor in [(m, f) for m in args.matmul.split(",") for f in factors]:
-        label = f"{matmul}/{'worst' if factor is None else f'cf{factor:g}'}"
-        apply = jax.jit(
-            lambda *a, matmul=matmul, factor=factor: L.moe_apply(
-                *a, top_k=K, mesh=mesh, matmul=matmul, map_implementation=args.map_impl, capacity_factor=factor
+            return
+        extra = " (+ all_gather + plan + reroute)" if routing == "quota" else ""
+        print(f", {row['case']}, window {row['window']} steps: mapping + counting{extra} + state update")
+        print(f"{'':44s} {'device ms':>10s} {'w/o NCCL':>10s} {'host ms':>10s}")
+        cols = (row["device"], row["compute"], row["host"])
+        for name, key, fmt in (
+            ("(a) EPLB step", "a_ms", "{:10.3f}"),
+            ("(b) fixed placement, no EPLB work", "b_ms", "{:10.3f}"),
+            ("bookkeeping (a) - (b)", "book_ms", "{:10.3f}"),
+            ("bookkeeping, % of (a) (device: all kernels)", "pct", "{:9.2f}%"),
+            ("(a') + load psum every step", "psum_ms", "{:10.3f}"),
+            ("(a') bookkeeping (a') - (b)", "psum_book_ms", "{:10.3f}"),
+            ("(a') bookkeeping, % of (a)", "psum_pct", "{:9.2f}%"),
+        ):
+            print(f"{name:44s} " + " ".join("       n/a" if c is None else fmt.format(c[key]) for c in cols))
+        print(f"(a) and (b) route the same rows (bit-identical outputs): {row['same']}")
+        if row["kernels_a"]:
+            print(
+                "device time by kernel, us per step: (a), (b) for the same name, (a) - (b); XLA may number "
+                "fusions differently in (b)"
             )
-        )
+            for title, key in (("top 10 of (a)", "kernels_a"), ("top 10 of (a) - (b)", "kernels_diff")):
+                print(f"  {title}:")
+                for k, a, b in row[key]:
+                    print(f"  {a:10.1f} {b:10.1f} {a - b:10.1f}  {k[:90]}")
+
+    book = {}
+    middle = skews[len(skews) // 2]
+    tokens, load, placements = batches[middle]
+    for routing in [m for m in args.book_modes.split(",") if m]:
+        where = "online" if routing == "quota" and online_ok else "EPLB"
         try:
-            t_init, (y_init, load_init) = bench(apply, operands(start, zipf_bias))
-            if fitted is None:
-                logical = np.bincount(start.phy2log[0], weights=total(load_init), minlength=E)[None]
-                fitted = eplb_state.compute_placement(logical, config)
-            ops_fit = operands(fitted, zipf_bias)
-            t_fit, (y_fit, load_fit) = bench(apply, ops_fit)
-            t_uni, (_, load_uni) = bench(apply, operands(uniform, flat_bias, x_uni, router_uni))
-        except Exception:  # one implementation failing must not hide the others' figures
+            ops = operands(placements[where], routing, tokens, load)
+            book[routing] = (where, bookkeeping(routing, ops, args.matmul.split(",")[0], factors[0]))
+        except Exception:  # must not hide the step-time rows
             traceback.print_exc()
-            rows.append((label, None))
-            continue
-        same = bool(np.array_equal(np.asarray(y_init).view(np.uint16), np.asarray(y_fit).view(np.uint16)))
-        loads_ok = int(total(load_init).sum()) == T * K == int(total(load_fit).sum())
-        online = {}
-        for fetch in fetches:
-            run_online = jax.jit(
-                lambda *a, matmul=matmul, factor=factor: online_moe_apply(
-                    *a,
-                    top_k=K,
-                    mesh=mesh,
-                    num_spare=(P - E) // ranks,
-                    matmul=matmul,
-                    map_implementation=args.map_impl,
-                    capacity_factor=factor,
-                )
-            )
-            try:
-                t_onl, (y_onl, load_onl) = bench(
-                    run_online, (x, router, zipf_bias, home, resident if fetch == "resident" else None)
-                )
-            except Exception:  # the online rows must not hide the others
-                traceback.print_exc()
-                online[fetch] = None
-                continue
-            same = same and bool(np.array_equal(np.asarray(y_init).view(np.uint16), np.asarray(y_onl).view(np.uint16)))
-            loads_ok = loads_ok and int(total(load_onl).sum()) == T * K
-            online[fetch] = (t_onl, balancedness(load_onl))
-        rows.append(
-            (
-                label,
-                dict(
-                    t_init=t_init,
-                    t_fit=t_fit,
-                    t_uni=t_uni,
-                    b_init=balancedness(load_init),
-                    b_fit=balancedness(load_fit),
-                    b_uni=balancedness(load_uni),
-                    same=same,
-                    loads_ok=loads_ok,
-                    online=online,
-                ),
-            )
-        )
-        print(f"{label}: {rows[-1][1]}", flush=True)  # a run cut short still shows what it measured
-
-    # The per-rank state layout the controller keeps: rank rows on their EP rank, counters replicated.
-    book_config = EplbConfig(num_gpus=ranks, num_redundant_experts=P - E, window_size=args.window)
-    make_state = lambda: eplb_state.init_state(book_config, 1, P, per_rank=True)
-    state_sharding = jax.tree.map(lambda _: NamedSharding(mesh, PS()), jax.eval_shape(make_state))
-    state_sharding = dataclasses.replace(
-        state_sharding,
-        pass_load=NamedSharding(mesh, PS(None, "ep", None)),
-        window=NamedSharding(mesh, PS(None, None, "ep", None)),
-    )
-    state = jax.jit(make_state, out_shardings=state_sharding)()
-    ops_fit = operands(fitted or start, zipf_bias)
-    t_book_route = median_seconds(jax.jit(book), *ops_fit[:3], *ops_fit[4:], state, reps=args.iters)
-    t_route = median_seconds(jax.jit(route_only), *ops_fit[:3], reps=args.iters)
-    t_book = max(t_book_route - t_route, 0.0)
-    try:
-        book_row = bookkeeping(ops_fit, state, state_sharding, args.matmul.split(",")[0], factors[0])
-    except Exception:  # must not hide the step-time rows
-        traceback.print_exc()
-        book_row = None
+            book[routing] = (where, None)
 
     print(
         f"\n=== MoE step ({ranks} x {jax.devices()[0].device_kind}; T={args.tokens}/rank, D={D}, H={H}, E={E}, "
         f"P={P}, top-{K}, bf16, map_and_count={args.map_impl or 'default'}) ==="
     )
     print("matmul/exchange: 'worst' = one worst-case all_to_all; 'cfX' = rounds of X times the balanced share")
-    print(f"{'matmul/exchange':24s} {'routing / placement':26s} {'step ms':>9s} {'vs ideal':>9s} {'balancedness':>13s}")
+    print(
+        f"{'matmul/exchange':18s} {'skew':>5s} {'placement / routing':22s} {'step ms':>9s} {'vs ideal':>9s} {'bal.':>7s}"
+    )
     for label, r in rows:
         if r is None:
-            print(f"{label:24s} FAILED (traceback above)")
+            print(f"{label:18s} FAILED (traceback above)")
             continue
-        cases = [("zipf / initial", r["t_init"], r["b_init"]), ("zipf / EPLB", r["t_fit"], r["b_fit"])]
-        cases += [(f"zipf / online {fetch}",) + (tb if tb else (None, None)) for fetch, tb in r["online"].items()]
-        for name, t, b in cases + [("uniform (ideal)", r["t_uni"], r["b_uni"])]:
-            if t is None:
-                print(f"{label:24s} {name:26s} FAILED (traceback above)")
-                continue
-            print(f"{label:24s} {name:26s} {t * 1e3:9.3f} {t / r['t_uni']:9.3f} {b:13.3f}")
-        print(f"{label:24s} outputs bit-identical across placements: {r['same']}; load sums exact: {r['loads_ok']}")
-    print_bookkeeping(book_row, t_book, t_book_route, t_route)
+        for skew, found in r["skews"].items():
+            for case, tb in found["cases"].items():
+                if tb is None:
+                    print(f"{label:18s} {skew:5g} {case:22s} FAILED (traceback above)")
+                    continue
+                t, b = tb
+                print(f"{label:18s} {skew:5g} {case:22s} {t * 1e3:9.3f} {t / r['t_uni']:9.3f} {b:7.3f}")
+            print(
+                f"{label:18s} {skew:5g} outputs bit-identical across cases: {found['same']}; "
+                f"load sums exact: {found['loads_ok']}"
+            )
+        print(f"{label:18s} {'-':>5s} {'uniform (ideal)':22s} {r['t_uni'] * 1e3:9.3f} {1.0:9.3f} {r['b_uni']:7.3f}")
+    for routing, (where, row) in book.items():
+        print_bookkeeping(routing, where, row)
     if args.json:
         import json
 
@@ -484,13 +499,20 @@ def main():
                 dict(
                     ranks=ranks,
                     device=jax.devices()[0].device_kind,
-                    bookkeeping_ms=t_book * 1e3,
-                    bookkeeping=book_row,
+                    skews=skews,
                     rows={label: r for label, r in rows},
+                    bookkeeping={routing: row for routing, (_, row) in book.items()},
                 ),
                 f,
                 indent=1,
             )
+    ok = all(r is not None for _, r in rows) and all(
+        f["same"] and f["loads_ok"] and all(v is not None for v in f["cases"].values())
+        for _, r in rows
+        if r is not None
+        for f in r["skews"].values()
+    )
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -24,9 +24,9 @@ its own time-out, its full log at ``<out>/<part>.log`` (and a ``.json`` where th
 ``transport``    ``benchmarks/transport.py`` at EP = every GPU: rearrange_experts of a DeepSeek-V3-shaped
                  58 x 288-slot model (10% / 50% of slots moved) vs a raw ppermute of the same bytes; the
                  default schedule (NVLink put kernel: every rank writing to every peer) and the NCCL stream one.
-``moe_step``     ``benchmarks/moe_step.py`` at EP = every GPU, Zipf routing: initial vs EPLB placement vs
-                 online quota routing (resident / all_gathered spare weights) vs uniform routing (the ideal),
-                 grouped matmul ``pallas`` (cost follows rows) and ``dense``.
+``moe_step``     ``benchmarks/moe_step.py`` at EP = every GPU, Zipf routing: every replica-routing mode of the
+                 MoE layer (initial / EPLB placement, hash / round_robin / lp / quota, online placement with
+                 quota) vs uniform routing (the ideal), grouped matmul ``pallas`` (cost follows rows) and ``dense``.
 ``online``       ``benchmarks/online_ep.py``: all_gather of per-rank counts + ``plan_quotas`` + resolved
                  reroute, per layer, at EP = every GPU (E = 256, 4 spare slots per rank).
 ``serve``        ``examples/serve.py`` as two processes (``jax.distributed`` on localhost, a free port, half
@@ -254,7 +254,7 @@ def plan_part(part, args, ranks):
             os.path.join(out, "moe_step.json"),
         ]  # 1 rep: fits its time-out
         cmd += (
-            ["--cpu-devices", str(ranks), "--small", "--matmul", "dense,pallas_interpret"]
+            ["--cpu-devices", str(ranks), "--small", "--matmul", "dense,pallas_interpret", "--skews", "2"]
             if smoke
             else ["--matmul", "pallas,dense", "--iters", "10"]
         )
@@ -424,13 +424,12 @@ def headline(part, out, text):
                 ok = False
                 figs.append(f"{label} FAILED")
                 continue
-            ok = ok and r["same"] and r["loads_ok"] and all(v is not None for v in r["online"].values())
-            onl = "/".join(f"{v[0] / r['t_uni']:.2f}" for v in r["online"].values() if v is not None)
-            figs.append(
-                f"{label}: init {r['t_init'] / r['t_uni']:.2f}, EPLB {r['t_fit'] / r['t_uni']:.2f}, "
-                f"online {onl or '-'} x ideal"
-            )
-        return ok, "; ".join(figs[:2]) + f"; same outputs+loads: {ok}"
+            for skew, found in r["skews"].items():
+                cases = found["cases"]
+                ok = ok and found["same"] and found["loads_ok"] and all(v is not None for v in cases.values())
+                ratios = ", ".join(f"{c} {v[0] / r['t_uni']:.2f}" for c, v in cases.items() if v is not None)
+                figs.append(f"{label} skew {skew}: {ratios} x ideal")
+        return ok, "; ".join(figs[:3]) + f"; same outputs+loads: {ok}"
     if part == "online":
         r = _load_json(os.path.join(out, "online_ep.json"))
         if not r:

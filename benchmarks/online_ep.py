@@ -1,4 +1,4 @@
-"""Online (quota) balancing inside the step on an EP mesh: all_gather of counts + plan_quotas + resolved reroute.
+"""Online (quota) balancing inside the step on an EP mesh: all_gather of counts + plan_quotas + quota reroute.
 
     PYTHONPATH=. python3 benchmarks/online_ep.py --ranks 8                  # EP8 (issue 8), real GPUs
     PYTHONPATH=. python3 benchmarks/online_ep.py --cpu-devices 8 --small    # CPU smoke run
@@ -11,7 +11,7 @@ initial rank imbalance ``--imbalance``. Per layer, every rank
 1. counts its own tokens per logical expert (``[E]``),
 2. all_gathers the counts over the EP axis (``[G, E]``, ``G * E * 4`` bytes),
 3. runs ``plan_quotas`` on them (every rank computes the same plan),
-4. reroutes its own tokens with ``map_and_count(mode="resolved")`` and its quota row.
+4. reroutes its own tokens with ``map_and_count(mode="quota")`` and its quota row.
 
 Timed per layer as ``--layers`` dependent layers in one jit divided by the
 layer count (host dispatch amortised, as inside a model step): the whole chain,
@@ -22,8 +22,14 @@ Correctness: each rank's routed slot loads, summed over ranks, give per-rank
 loads equal to the plan's ``rank_load`` (so every rank computed the same plan),
 and the load sums are exact.
 
-Also here: :func:`online_moe_apply`, the MoE layer forward with online quota
-routing that ``benchmarks/moe_step.py`` times as its "zipf / online" row.
+Beside it, the MoE layer's own ``routing="quota"`` (its replicas fixed between
+the controller's refreshes): the same all_gather, then ``plan_fixed_quotas``
+(per-batch LP shares over the replicas of a placement the ``online`` policy
+fitted to the expected loads, rounded to per-source quotas) and the
+``map_and_count(mode="quota")`` reroute -- ``routing.batch_quotas`` + the map,
+exactly as ``moe_apply`` runs them -- timed the same way; its routed loads must
+equal its plan's, and its final imbalance is printed beside the free-spare
+plan's. ``benchmarks/moe_step.py`` times the layer's whole step per mode.
 """
 
 from __future__ import annotations
@@ -37,117 +43,6 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import median_seconds
-
-
-# ------------------------------------------------------------ the MoE forward
-def online_moe_apply(
-    x,
-    router_w,
-    router_bias,
-    home_experts,
-    resident_experts=None,
-    *,
-    top_k,
-    mesh,
-    num_spare,
-    axis="ep",
-    matmul="dense",
-    map_implementation=None,
-    planner_implementation=None,
-    capacity_factor=None,
-):
-    """One MoE layer forward with per-batch quota routing (UltraEP-style), as a pure function.
-
-    ``x [T, D]`` tokens sharded over ``axis`` (``G`` ranks); ``router_w [D, E]``,
-    ``router_bias [E]`` replicated; ``home_experts``: ``{"w_in": [E, D, 2H],
-    "w_out": [E, H, D]}`` sharded over ``axis`` (rank ``g`` holds experts
-    ``g * E/G ...``: the home layout). Each rank also has ``num_spare`` spare
-    slots, filled per batch by the plan: their weights are gathered from
-    ``resident_experts`` (the same pytree replicated on every rank: the fetch
-    costs nothing, the lower bound; UltraEP overlaps it with attention) or,
-    when ``resident_experts`` is None, from an ``all_gather`` of the home
-    experts inside the step (an upper bound on the fetch). ``matmul``,
-    ``map_implementation`` and ``capacity_factor`` mean what they mean in
-    ``moe_eplb_jax.flax.layer.moe_apply``; ``planner_implementation`` goes to
-    ``plan_quotas`` (None: its default). The step's counts, plan and reroute
-    all run inside the function: its time includes the online planner.
-
-    Returns ``(out [T, D] in x.dtype, load [P] int32)`` with ``P = G * (E/G + S)``
-    slots, rank-major; load summed over the EP axis.
-    """
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import PartitionSpec as PS
-
-    from moe_eplb_jax.flax import layer as L
-    from moe_eplb_jax.flax.experts import expert_mlp
-    from moe_eplb_jax.pallas import map_and_count
-    from moe_eplb_jax.routing import plan_quotas
-    from moe_eplb_jax.sharding import dispatch as _dispatch
-
-    num_ranks = mesh.shape[axis]
-    num_logical = router_w.shape[1]
-    if num_logical % num_ranks or num_spare < 1:
-        raise ValueError(
-            f"online routing needs E={num_logical} divisible by G={num_ranks} and num_spare >= 1, "
-            f"got num_spare={num_spare}"
-        )
-    if x.ndim != 2 or x.shape[0] % num_ranks:
-        raise ValueError(f"x must have shape [T, D] with T divisible by G={num_ranks}, got {x.shape}")
-    leading = {leaf.shape[0] for leaf in jax.tree.leaves(home_experts)}
-    if leading != {num_logical}:
-        raise ValueError(f"home_experts leaves must have a leading [E={num_logical}] axis, got {sorted(leading)}")
-    num_home = num_logical // num_ranks
-    per_rank_slots = num_home + num_spare
-    num_physical = num_ranks * per_rank_slots
-    capacity = L._capacity(x.shape[0] // num_ranks * top_k, num_ranks, capacity_factor)
-    if planner_implementation is None:
-        # The default is decided by a probe run on first GPU use: let it run here, outside the shard_map trace.
-        from moe_eplb_jax.routing.quota import _default_implementation
-
-        planner_implementation = _default_implementation()
-
-    def per_rank(x, router_w, router_bias, home, resident):
-        ids, weights = L.route(x, router_w, top_k=top_k, bias=router_bias)
-        local = jnp.zeros((num_logical,), jnp.int32).at[ids.reshape(-1)].add(jnp.int32(1))
-        counts = jax.lax.all_gather(local, axis)  # [G, E]
-        plan = plan_quotas(counts, num_home=num_home, num_spare=num_spare, implementation=planner_implementation)
-        rank = jax.lax.axis_index(axis).astype(jnp.int32)
-        quota = jax.lax.dynamic_index_in_dim(plan.quota, rank, 0, keepdims=False)
-        physical, load = map_and_count(
-            ids,
-            plan.log2phy,
-            plan.logcnt,
-            num_physical=num_physical,
-            mode="resolved",
-            resolved=quota,
-            implementation=map_implementation,
-        )
-        load = jax.lax.psum(load.astype(jnp.int32), axis)
-        spare_ids = jax.lax.dynamic_slice_in_dim(plan.phy2log, rank * per_rank_slots + num_home, num_spare)
-        spare_ids = jnp.maximum(spare_ids, 0)  # an unused spare gets no rows: any expert will do
-        source = (
-            resident if resident is not None else jax.tree.map(lambda w: jax.lax.all_gather(w, axis, tiled=True), home)
-        )
-        local_experts = jax.tree.map(lambda h, s: jnp.concatenate([h, s[spare_ids]], axis=0), home, source)
-        rows, row_slot, dplan = _dispatch.dispatch(
-            x, physical, slots_per_rank=per_rank_slots, axis_name=axis, num_ranks=num_ranks, capacity=capacity
-        )
-        order, group_sizes = _dispatch.sort_by_slot(row_slot, per_rank_slots)
-        y = expert_mlp(rows[order], local_experts, group_sizes, implementation=matmul, axis_name=axis)
-        y = _dispatch.unsort(y, order)
-        out = _dispatch.combine(y, dplan, weights, axis_name=axis, out_dtype=x.dtype, capacity=capacity)
-        return out, load
-
-    sharded = PS(axis)
-    resident_spec = None if resident_experts is None else PS()
-    return jax.shard_map(
-        per_rank,
-        mesh=mesh,
-        in_specs=(sharded, PS(), PS(), sharded, resident_spec),
-        out_specs=(sharded, PS()),
-        check_vma=False,
-    )(x, router_w, router_bias, home_experts, resident_experts)
 
 
 # ------------------------------------------------------------- planner timing
@@ -186,8 +81,9 @@ def main():
     from jax.sharding import PartitionSpec as PS
 
     from moe_eplb_jax.pallas import map_and_count
-    from moe_eplb_jax.routing import plan_quotas
-    from moe_eplb_jax.sim import zipf_topk
+    from moe_eplb_jax.policy.online import online_policy
+    from moe_eplb_jax.routing import batch_quotas, plan_fixed_quotas, plan_quotas
+    from moe_eplb_jax.sim import zipf_popularity, zipf_topk
 
     G = args.ranks or jax.device_count()
     if args.planners is None:
@@ -224,7 +120,7 @@ def main():
     def reroute(ids_l, quota, log2phy, logcnt):  # quota [G, E, R]: this rank takes its row
         rank = jax.lax.axis_index("ep").astype(jnp.int32)
         mine = jax.lax.dynamic_index_in_dim(quota, rank, 0, keepdims=False)
-        return map_and_count(ids_l, log2phy, logcnt, num_physical=P, mode="resolved", resolved=mine)
+        return map_and_count(ids_l, log2phy, logcnt, num_physical=P, mode="quota", quotas=mine)
 
     def smap(fn, in_specs):
         return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=PS("ep"), check_vma=False))
@@ -298,9 +194,54 @@ def main():
     )
     if reference is not None:
         tables = [jax.device_put(np.asarray(a), rep) for a in (reference.quota, reference.log2phy, reference.logcnt)]
-        per_layer["  reroute alone (resolved map_and_count)"] = median_seconds(
+        per_layer["  reroute alone (quota map_and_count)"] = median_seconds(
             smap(reroute_alone, (ids_spec, PS(), PS(), PS())), ids, *tables, reps=reps
         )
+
+    # The MoE layer's routing="quota": replicas of a placement the online policy fitted to the expected loads.
+    expected = np.stack([zipf_popularity(E, G, args.imbalance, seed=100 + i) for i in range(NL)]) * (G * T * K)
+    _, fixed_log2phy, fixed_logcnt = online_policy(expected, P, 1, 1, G)
+    fixed_tables = [jax.device_put(a, rep) for a in (fixed_log2phy, fixed_logcnt)]
+
+    def chain_fixed(ids, log2phy, logcnt):  # count + all_gather + plan + reroute, as moe_apply runs them
+        carry, loads = jnp.zeros((), jnp.int32), []
+        for layer in range(NL):
+            mine = batch_quotas(ids[layer] + carry, log2phy[layer], logcnt[layer], axis_name="ep", num_physical=P)
+            _, load = map_and_count(
+                ids[layer], log2phy[layer], logcnt[layer], num_physical=P, mode="quota", quotas=mine
+            )
+            carry = jnp.minimum(load[0], 0)
+            loads.append(load)
+        return jnp.stack(loads)[None]
+
+    def plan_fixed_alone(counts, log2phy, logcnt):
+        carry = jnp.zeros((), jnp.int32)
+        for layer in range(NL):
+            plan = plan_fixed_quotas(counts[layer] + carry, log2phy[layer], logcnt[layer], num_physical=P)
+            carry = jnp.minimum(plan.rank_load[0], 0)
+        return carry[None]
+
+    fixed = "fixed replicas (layer quota)"
+    try:
+        chain_fn = smap(chain_fixed, (ids_spec, PS(), PS()))
+        slot_load = np.asarray(chain_fn(ids, *fixed_tables)).reshape(G, NL, P).sum(0)
+        rank_load = slot_load.reshape(NL, G, H + S).sum(2)
+        planned = jax.jit(jax.vmap(functools.partial(plan_fixed_quotas, num_physical=P)))(
+            jnp.asarray(counts_host), *fixed_tables
+        )
+        correct[fixed] = bool(np.array_equal(rank_load, np.asarray(planned.rank_load))) and bool(
+            np.all(slot_load.sum(1) == G * T * K)
+        )
+        finals[fixed] = float(np.mean(rank_load.max(1) / rank_load.mean(1)))
+        per_layer["layer quota: all_gather + fixed plan + reroute"] = median_seconds(
+            chain_fn, ids, *fixed_tables, reps=reps
+        )
+        per_layer["  plan_fixed_quotas alone"] = median_seconds(
+            smap(plan_fixed_alone, (PS(), PS(), PS())), counts_rep, *fixed_tables, reps=reps
+        )
+    except Exception:
+        traceback.print_exc()
+        correct[fixed] = False
     per_layer = {k: v * 1e3 / NL for k, v in per_layer.items()}
     chains = {k: v for k, v in per_layer.items() if k.startswith("all_gather + plan")}
     best = min(chains.values()) if chains else float("nan")

@@ -5,6 +5,10 @@
   quantized (``moe_eplb_jax.quant`` pytrees, through ``quant.expert_mlp``).
 * ``tie_replicas`` -- identity whose gradient sums over an expert's replicas,
   so replicas stay bit-identical through training.
+* ``shared_mlp`` / ``waterfill_shared_mlp`` -- the shared expert (weights
+  replicated on every rank: ``w_in [D, 2H]``, ``w_out [H, D]``) on each rank's
+  own tokens, or, by Waterfill, on the ranks the routed experts left slack
+  (the same rows through the same weights: the same outputs, moved work).
 """
 
 from __future__ import annotations
@@ -14,8 +18,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moe_eplb_jax.flax import grouped_matmul as _gmm
+from moe_eplb_jax.routing import waterfill_assign
+from moe_eplb_jax.sharding import dispatch as _dispatch
 
-__all__ = ["QuantizedExperts", "expert_mlp", "tie_replicas"]
+__all__ = ["QuantizedExperts", "expert_mlp", "shared_mlp", "tie_replicas", "waterfill_shared_mlp"]
 
 
 class QuantizedExperts(nnx.Variable):
@@ -103,8 +109,67 @@ def expert_mlp(
     return matmul(act, w_out, group_sizes).astype(x.dtype)
 
 
-def _gated_mlp(x, w_in, w_out):
-    hidden = w_out.shape[0]
-    h = jnp.dot(x, w_in, preferred_element_type=jnp.float32)
-    act = (jax.nn.silu(h[:, :hidden]) * h[:, hidden:]).astype(x.dtype)
-    return jnp.dot(act, w_out, preferred_element_type=jnp.float32).astype(x.dtype)
+# ------------------------------------------------------------ shared expert
+def shared_mlp(x, shared, group_sizes=None, *, implementation: str = "dense"):
+    """The shared expert on rows ``x [N, D]`` -> ``[N, D]`` in ``x.dtype`` (an ``expert_mlp`` of one slot).
+
+    ``shared``: ``{"w_in": [D, 2H], "w_out": [H, D]}``. ``group_sizes``: ``[1]``
+    real rows first (``None``: all ``N``); rows past it hold unspecified values.
+    """
+    w_in, w_out = shared["w_in"], shared["w_out"]
+    if group_sizes is None:
+        group_sizes = jnp.full((1,), x.shape[0], jnp.int32)
+    rows = x.astype(w_in.dtype)
+    y = expert_mlp(rows, {"w_in": w_in[None], "w_out": w_out[None]}, group_sizes, implementation=implementation)
+    return y.astype(x.dtype)
+
+
+def waterfill_shared_mlp(
+    x,
+    valid,
+    routed_rows,
+    shared,
+    *,
+    axis_name,
+    num_ranks: int,
+    routed_cost: float = 1.0,
+    implementation: str = "dense",
+    capacity: int | None = None,
+):
+    """The shared expert by Waterfill, per rank inside ``shard_map`` over the EP axis ``axis_name``.
+
+    Args:
+      x: ``[T, D]`` this rank's tokens; ``valid [T]`` bool (padding: computed nowhere, output zero).
+      routed_rows: ``[G]`` routed-expert rows each rank computes this pass (the same on every rank).
+      shared: the replicated ``{"w_in": [D, 2H], "w_out": [H, D]}``.
+      num_ranks: ``G``; ``routed_cost``: a routed row's cost in shared rows (hidden widths' ratio).
+      implementation: the grouped matmul of the received rows (``"pallas"``: cost follows them;
+        ``"dense"`` computes the worst-case buffer, ``G * T`` rows).
+      capacity: exchange rows per rank pair and round (see ``sharding.dispatch``).
+
+    The EP group's valid tokens are poured over the ranks above the routed
+    load (``routing.waterfill_assign``, every rank a candidate, own rank
+    first): each token's row goes to the rank drawn for it, through the same
+    weights, and comes back. Returns ``(out [T, D] in x.dtype, work [G] int32)``:
+    the output (the same rows as :func:`shared_mlp`'s for valid tokens) and
+    the shared rows each rank computed.
+    """
+    num_tokens = x.shape[0]
+    rank = jax.lax.axis_index(axis_name).astype(jnp.int32)
+    total = jax.lax.psum(jnp.sum(valid, dtype=jnp.int32), axis_name)
+    candidates = (rank + jnp.arange(num_ranks, dtype=jnp.int32))[None, :] % num_ranks
+    dest, work = waterfill_assign(
+        jnp.broadcast_to(candidates, (num_tokens, num_ranks)),
+        routed_rows.astype(jnp.float32) * jnp.float32(routed_cost),
+        token_offset=rank * num_tokens,
+        total=total,
+        valid=valid,
+    )
+    rows, row_slot, plan = _dispatch.dispatch(
+        x, dest[:, None], slots_per_rank=1, axis_name=axis_name, num_ranks=num_ranks, capacity=capacity
+    )
+    order, group_sizes = _dispatch.sort_by_slot(row_slot, 1)
+    y = _dispatch.unsort(shared_mlp(rows[order], shared, group_sizes, implementation=implementation), order)
+    ones = jnp.ones((num_tokens, 1), jnp.float32)  # a weight of 1 adds the row unchanged
+    out = _dispatch.combine(y, plan, ones, axis_name=axis_name, out_dtype=x.dtype, capacity=capacity)
+    return out, jax.lax.psum(work, axis_name)

@@ -4,32 +4,65 @@ Shapes: ``D`` model width, ``H`` expert hidden width, ``E`` logical experts,
 ``P = E + R`` physical slots, ``G`` EP ranks (the size of the mesh axis
 ``axis``), ``k`` experts per token, ``S = R + 1`` replicas at most.
 
-The forward pass, per rank of the EP axis (``jax.shard_map``)::
+The forward pass, per device (``jax.shard_map``)::
 
     router logits [T, E] -> top-k logical ids [T, k] + weights [T, k]
-    map_and_count(ids, log2phy, logcnt) -> physical ids [T, k] + this rank's load [P]
-    dispatch (all_to_all, dropless) -> rows of this rank's P/G slots
+    map_and_count(ids, log2phy, logcnt, mode=routing) -> physical ids [T, k] + this rank's load [P]
+    dispatch (all_to_all over EP, dropless) -> rows of this rank's P/G slots
     gated MLP per slot (grouped matmul)      -> combine (all_to_all back, sum in router order)
 
-plus an optional shared expert applied to every token. Expert weights are
+plus an optional shared expert applied to every token (on its own rank,
+``shared_expert="local"``, or where the routed experts left slack,
+``"waterfill"``). Expert weights are
 stored per physical slot, ``w_in [P, D, 2H]`` and ``w_out [P, H, D]``, sharded
 over ``axis`` (or, after ``MoELayer.quantize(fmt)``, quantized pytrees of
 ``moe_eplb_jax.quant``); replicas of an expert hold identical bytes, and in
 training ``tie_replicas`` gives every replica the expert's summed gradient so
 they stay identical. The placement tables
-(``phy2log [P]``, ``log2phy [E, S]``, ``logcnt [E]``, and ``route_lookup``,
-the Pallas kernel's lookup table of them, rebuilt whenever they change so no
-forward pass rebuilds it) are ``EplbTable`` variables -- inputs of the
-compiled function, never constants in it, so a rearrangement never
-recompiles -- and the tokens per slot of every forward
-pass are added to the ``ExpertLoad`` variable, which the controller reads.
+(``phy2log [P]``, ``log2phy [E, S]``, ``logcnt [E]``, ``replica_shares [E, S]``
+(``"lp"``), and ``route_lookup``, the Pallas kernel's lookup table of them,
+rebuilt whenever they change so no forward pass rebuilds it) are
+``EplbTable`` variables -- inputs of the compiled function, never constants
+in it, so a rearrangement never recompiles -- and the tokens per slot of
+every forward pass are added to the ``ExpertLoad`` variable, which the
+controller reads.
+
+Replica routing (``routing``, the L2 modes of ``moe_eplb_jax.routing``), and
+what each guarantees. Replicas hold the same bytes and every token's ``k``
+results are summed in router order, so in every mode a token's output is that
+of the plain expert MLP -- bit for bit under any placement and mode with a
+placement-invariant matmul (``"dense"``, ``"pallas"``); what a mode decides is
+only which replica computes it (the load):
+
+* ``"hash"``: replica ``h(t) mod c`` of the rank-local token index: stateless.
+* ``"round_robin"``: replica ``t mod c``.
+* ``"lp"``: replicas drawn (by the token hash, Walker's alias method) with the
+  layer's ``replica_shares``, solved at each rearrangement from the window's
+  loads (``moe_eplb_jax.routing.routing_tables``); equal shares until then.
+* ``"quota"``: per batch, inside the step: each rank counts its valid tokens
+  per expert, the counts are all-gathered over EP, every rank plans the same
+  integer quotas over the replicas the placement holds
+  (``routing.plan_fixed_quotas``: per-batch LP shares, rounded, locality
+  first) and routes its tokens by its row in token order. The realised load
+  is the plan's. The replicas themselves change only when the controller
+  moves weights (the ``"online"`` policy's spare-slot refresh).
+
+Every mode is a deterministic function of the batch and the placement tables.
+
+Meshes with batch axes (``("data", "ep")``, ``("fsdp", "ep")``, ...): tokens
+are sharded over every batch axis and ``axis``, expert weights over ``axis``
+only, so each device computes only its own tokens; dispatch, combine and the
+quota counts stay inside the device's EP group (the devices sharing its batch
+coordinates).
 
 Loads are not summed over the EP axis in the forward pass (``load_reduce=
 "none"``, the default): each rank adds its own counts to its row of a
-``[G, P]`` load sharded over ``axis``, so the step has no collective for
-them; the controller sums the rows when it reads its window (at
-rearrangement or logging). ``load_reduce="psum"`` gives the replicated
-``[P]`` total every pass instead, at one small all-reduce per layer per pass.
+``[G, P]`` load sharded over ``axis`` (summed over the batch axes first, one
+all-reduce of ``P`` ints over them where the mesh has any), so a 1-D EP step
+has no collective for them; the controller sums the rows when it reads its
+window (at rearrangement or logging). ``load_reduce="psum"`` gives the
+replicated ``[P]`` total every pass instead, at one small all-reduce per
+layer per pass.
 """
 
 from __future__ import annotations
@@ -44,9 +77,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as PS
 
 from moe_eplb_jax.flax import grouped_matmul as _gmm
-from moe_eplb_jax.flax.experts import QuantizedExperts, _gated_mlp, expert_mlp, tie_replicas
+from moe_eplb_jax.flax.experts import QuantizedExperts, expert_mlp, shared_mlp, tie_replicas, waterfill_shared_mlp
 from moe_eplb_jax.pallas import lookup_table, map_and_count
 from moe_eplb_jax.placement import Placement
+from moe_eplb_jax.routing import batch_quotas, check_routing, equal_shares
 from moe_eplb_jax.sharding import dispatch as _dispatch
 from moe_eplb_jax.sharding.mesh import put_host
 
@@ -63,14 +97,15 @@ __all__ = [
 
 
 class EplbTable(nnx.Variable):
-    """A placement table of one MoE layer (int32). Not a parameter: optimizers skip it."""
+    """A placement table of one MoE layer (int32; float32 ``replica_shares``). Not a parameter: optimizers skip it."""
 
 
 class ExpertLoad(nnx.Variable):
     """Tokens routed to each physical slot since the controller last read it (int32).
 
-    ``[G, P]`` (row ``g``: counted on EP rank ``g``; sharded over the EP axis)
-    with ``load_reduce="none"``, ``[P]`` (replicated) with ``"psum"``.
+    ``[G, P]`` (row ``g``: counted on EP rank ``g``, summed over the mesh's
+    batch axes; sharded over the EP axis, replicated over the batch axes) with
+    ``load_reduce="none"``, ``[P]`` (replicated) with ``"psum"``.
     """
 
 
@@ -79,6 +114,7 @@ def _map_and_count(*args, **kwargs):
 
 
 LOAD_REDUCTIONS = ("none", "psum")
+SHARED_EXPERTS = ("local", "waterfill")
 
 
 # --------------------------------------------------------------------- router
@@ -127,6 +163,7 @@ def moe_apply(
     top_k: int,
     mesh: jax.sharding.Mesh,
     axis: str = "ep",
+    batch_axes: tuple[str, ...] | None = None,
     num_groups: int = 1,
     topk_groups: int | None = None,
     routing: str = "hash",
@@ -137,22 +174,33 @@ def moe_apply(
     capacity_factor: float | None = None,
     load_reduce: str = "none",
     lookup=None,
+    replica_shares=None,
+    shared=None,
+    shared_expert: str = "local",
 ):
-    """The routed-expert part of the layer as a pure function.
+    """The MoE layer's forward pass as a pure function (routed experts, and the shared expert if given).
 
     Args:
-      x: ``[T, D]`` tokens, ``T`` divisible by ``G``; sharded (or resharded) over ``axis``.
+      x: ``[T, D]`` tokens, ``T`` divisible by ``B * G`` (``B``: the product of
+        the batch axes' sizes); sharded (or resharded) over ``batch_axes`` and ``axis``.
       router_w: ``[D, E]``; ``router_bias [E]``.
       experts: expert weights with leading ``[P]`` slot axes sharded over ``axis``
         (see ``expert_mlp``: float ``w_in``/``w_out`` or quantized ``gate``/``up``/``down``).
       log2phy: ``[E, S]`` int32 (-1 padded); ``logcnt [E]`` int32.
-      lookup: optional ``moe_eplb_jax.pallas.lookup_table(log2phy, logcnt)``,
-        kept with the placement so the Pallas ``map_and_count`` does not
-        rebuild it every pass (``map_and_count(lookup=...)``).
+      batch_axes: the mesh axes that shard tokens besides ``axis`` (``None``:
+        every other axis of ``mesh``). Each device computes only its own
+        tokens; its EP group is the ``G`` devices sharing its batch coordinates.
+      routing: the replica routing mode, one of ``moe_eplb_jax.routing.ROUTING_MODES``
+        (see the module docstring for what each guarantees).
+      lookup: optional ``moe_eplb_jax.pallas.lookup_table(log2phy, logcnt[,
+        replica_shares=...])``, kept with the placement so the Pallas
+        ``map_and_count`` does not rebuild it every pass (``map_and_count(lookup=...)``).
+      replica_shares: ``[E, S]`` float32 weights of each expert's replicas, read
+        with ``routing="lp"`` only (``None``: equal shares).
       valid: optional ``[T]`` bool, sharded like ``x``: ``False`` marks padding
         (an unused cache position, a finished request), which is neither sent
-        to an expert nor counted; its routed output is zero. ``None``: every
-        token is real.
+        to an expert (routed or shared-by-Waterfill) nor counted, nor counted in
+        the ``"quota"`` plan; its routed output is zero. ``None``: every token is real.
       record: count the load (a Python or traced bool; ``False`` gives a zero
         load, e.g. for a warm-up pass, without recompiling).
       capacity_factor: ``None`` exchanges the worst-case buffer in one
@@ -160,12 +208,18 @@ def moe_apply(
         ``ceil(f * A / G)`` rows per rank pair (``A = T_rank * k``), as many as
         the fullest pair needs: about ``f / G`` of the bytes when balanced, still
         dropless, same results.
-      load_reduce: ``"none"`` (default): no collective for the load; each rank
-        returns its own counts, ``load [G, P]`` sharded over ``axis`` (row
-        ``g``: the assignments of rank ``g``'s tokens), to be summed over ``G``
-        when read (``load.sum(0)``; ``EplbController`` does it at
-        rearrangement). ``"psum"``: ``load [P]``, summed over the EP axis in
-        the step (one all-reduce of ``P`` ints), replicated.
+      load_reduce: ``"none"`` (default): no collective over EP for the load;
+        each rank returns its own counts (summed over the batch axes), ``load
+        [G, P]`` sharded over ``axis`` (row ``g``: the assignments of EP rank
+        ``g``'s tokens), to be summed over ``G`` when read (``load.sum(0)``;
+        ``EplbController`` does it at rearrangement). ``"psum"``: ``load [P]``,
+        summed over every axis in the step (one all-reduce of ``P`` ints), replicated.
+      shared: optional replicated shared-expert weights ``{"w_in": [D, 2H_s], "w_out": [H_s, D]}``,
+        applied to every token and added to the routed output.
+      shared_expert: where the shared expert runs: ``"local"`` (each rank its own
+        tokens, padding included) or ``"waterfill"`` (valid tokens moved to the
+        ranks with slack above the routed load, ``waterfill_shared_mlp``; same
+        outputs for valid tokens, zero for padding).
 
     Returns:
       ``(out [T, D] in x.dtype, load int32)`` -- load counts every valid
@@ -174,32 +228,51 @@ def moe_apply(
     """
     if load_reduce not in LOAD_REDUCTIONS:
         raise ValueError(f"load_reduce must be one of {LOAD_REDUCTIONS}, got {load_reduce!r}")
-    _check_apply(x, router_w, router_bias, experts, log2phy, logcnt, top_k=top_k, mesh=mesh, axis=axis)
+    check_routing(routing)
+    if shared_expert not in SHARED_EXPERTS:
+        raise ValueError(f"shared_expert must be one of {SHARED_EXPERTS}, got {shared_expert!r}")
+    batch_axes = _batch_axes(mesh, axis, batch_axes)
+    _check_apply(
+        x, router_w, router_bias, experts, log2phy, logcnt, top_k=top_k, mesh=mesh, axis=axis, batch_axes=batch_axes
+    )
     num_ranks = mesh.shape[axis]
     num_physical = jax.tree.leaves(experts)[0].shape[0]
     slots_per_rank = num_physical // num_ranks
-    capacity = _capacity(x.shape[0] // num_ranks * top_k, num_ranks, capacity_factor)
+    tokens_per_device = x.shape[0] // (num_ranks * _size(mesh, batch_axes))
+    capacity = _capacity(tokens_per_device * top_k, num_ranks, capacity_factor)
     valid = _check_valid(valid, x.shape[0])
     record = jnp.asarray(record)
     if record.shape != () or record.dtype != jnp.bool_:
         raise ValueError(f"record must be a boolean scalar, got shape {record.shape} dtype {record.dtype}")
+    if routing == "lp":
+        replica_shares = _check_shares(replica_shares, logcnt, log2phy.shape)
+    else:
+        replica_shares = None  # read by "lp" only
+    routed_cost = 1.0  # a routed row's cost in shared-expert rows (their hidden widths' ratio)
+    if shared is not None:
+        _check_shared(shared, x.shape[1])
+        routed_cost = _expert_hidden(experts) / shared["w_out"].shape[0]
 
-    def per_rank(x, router_w, router_bias, experts, log2phy, logcnt, valid, record, lookup):
+    def per_rank(x, router_w, router_bias, experts, log2phy, logcnt, valid, record, lookup, replica_shares, shared):
         ids, weights = route(x, router_w, top_k=top_k, num_groups=num_groups, topk_groups=topk_groups, bias=router_bias)
         # map_and_count neither maps nor counts an id outside [0, E): padding goes nowhere.
         ids = jnp.where(valid[:, None], ids, jnp.int32(-1))
-        physical, load = _map_and_count(
+        physical, load = _map_replicas(
             ids,
             log2phy,
             logcnt,
+            record,
+            lookup,
+            replica_shares,
+            routing=routing,
             num_physical=num_physical,
-            record=record,
-            mode=routing,
+            axis=axis,
             implementation=map_implementation,
-            lookup=lookup,
         )
-        load = load.astype(jnp.int32)
-        load = jax.lax.psum(load, axis) if load_reduce == "psum" else load[None]
+        if load_reduce == "psum":
+            load = jax.lax.psum(load, (*batch_axes, axis))
+        else:
+            load = (jax.lax.psum(load, batch_axes) if batch_axes else load)[None]
         out = _routed_experts(
             x,
             physical,
@@ -213,18 +286,109 @@ def moe_apply(
             quant_impl=quant_impl,
             activation_scaling=activation_scaling,
         )
+        if shared is not None and shared_expert == "local":
+            out = out + shared_mlp(x, shared).astype(out.dtype)
+        elif shared is not None:
+            owner = jnp.where(physical >= 0, physical // slots_per_rank, num_ranks)
+            sent = jnp.sum(owner[..., None] == jnp.arange(num_ranks)[None, None, :], axis=(0, 1), dtype=jnp.int32)
+            shared_out, _ = waterfill_shared_mlp(
+                x,
+                valid,
+                jax.lax.psum(sent, axis),
+                shared,
+                axis_name=axis,
+                num_ranks=num_ranks,
+                routed_cost=routed_cost,
+                implementation=matmul,
+                capacity=_capacity(tokens_per_device, num_ranks, capacity_factor),
+            )
+            out = out + shared_out.astype(out.dtype)
         return out, load
 
-    sharded = PS(axis)
+    tokens, rep = PS((*batch_axes, axis)), PS()
     return jax.shard_map(
         per_rank,
         mesh=mesh,
-        in_specs=(sharded, PS(), PS(), sharded, PS(), PS(), sharded, PS(), PS()),
-        out_specs=(sharded, PS() if load_reduce == "psum" else sharded),
+        in_specs=(tokens, rep, rep, PS(axis), rep, rep, tokens, rep, rep, rep, rep),
+        out_specs=(tokens, rep if load_reduce == "psum" else PS(axis)),
         # The Pallas map_and_count (GPU) declares outputs without a varying-axes type; jax 0.11
         # rejects that under check_vma=True.
         check_vma=False,
-    )(x, router_w, router_bias, experts, log2phy, logcnt, valid, record, lookup)
+    )(x, router_w, router_bias, experts, log2phy, logcnt, valid, record, lookup, replica_shares, shared)
+
+
+def _map_replicas(ids, log2phy, logcnt, record, lookup, replica_shares, *, routing, num_physical, axis, implementation):
+    """Per rank: logical ids ``[T, k]`` (``-1``: padding) -> physical slots ``[T, k]`` and this rank's load ``[P]``.
+
+    The one place a routing mode turns into ``map_and_count``'s inputs
+    (``"quota"`` plans its quotas here, with an all-gather over ``axis``);
+    ``benchmarks/moe_step.py`` calls it to route exactly as the layer does.
+    """
+    per_mode = {}
+    if routing == "lp":
+        per_mode = {"replica_shares": replica_shares}
+    elif routing == "quota":
+        per_mode = {"quotas": batch_quotas(ids, log2phy, logcnt, axis_name=axis, num_physical=num_physical)}
+    physical, load = _map_and_count(
+        ids,
+        log2phy,
+        logcnt,
+        num_physical=num_physical,
+        record=record,
+        mode=routing,
+        implementation=implementation,
+        lookup=lookup,
+        **per_mode,
+    )
+    return physical, load.astype(jnp.int32)
+
+
+def _batch_axes(mesh, axis, batch_axes) -> tuple[str, ...]:
+    """The token-sharding axes besides ``axis`` (default: every other mesh axis), validated."""
+    if axis not in mesh.shape:
+        raise ValueError(f"mesh has no axis {axis!r}; its axes are {tuple(mesh.shape)}")
+    if batch_axes is None:
+        return tuple(name for name in mesh.axis_names if name != axis)
+    batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
+    for name in batch_axes:
+        if name not in mesh.shape or name == axis:
+            raise ValueError(f"batch_axes must name mesh axes other than {axis!r}; mesh axes {tuple(mesh.shape)}")
+    if len(set(batch_axes)) != len(batch_axes):
+        raise ValueError(f"batch_axes names an axis twice: {batch_axes}")
+    return batch_axes
+
+
+def _size(mesh, axes) -> int:
+    return int(np.prod([mesh.shape[name] for name in axes], dtype=np.int64))
+
+
+def _check_shares(replica_shares, logcnt, table_shape):
+    """``replica_shares`` as ``[E, S]`` float32 (equal shares for ``None``)."""
+    if replica_shares is None:
+        width = table_shape[1]
+        live = jnp.arange(width, dtype=jnp.int32)[None, :] < logcnt[:, None]
+        return jnp.where(live, 1.0 / jnp.maximum(logcnt, 1).astype(jnp.float32)[:, None], 0.0).astype(jnp.float32)
+    if tuple(np.shape(replica_shares)) != tuple(table_shape):
+        raise ValueError(
+            f"replica_shares must have shape [E, S] = {tuple(table_shape)}, got {np.shape(replica_shares)}"
+        )
+    if not jnp.issubdtype(jnp.asarray(replica_shares).dtype, jnp.floating):
+        raise ValueError(f"replica_shares must be floats, got dtype {jnp.asarray(replica_shares).dtype}")
+    return jnp.asarray(replica_shares).astype(jnp.float32)
+
+
+def _check_shared(shared, dim: int) -> None:
+    if not isinstance(shared, dict) or set(shared) != {"w_in", "w_out"}:
+        raise ValueError("shared must be {'w_in': [D, 2H], 'w_out': [H, D]}")
+    w_in, w_out = shared["w_in"], shared["w_out"]
+    hidden = w_out.shape[0] if w_out.ndim == 2 else -1
+    if w_in.shape != (dim, 2 * hidden) or w_out.shape != (hidden, dim):
+        raise ValueError(f"shared w_in must be [D={dim}, 2H] and w_out [H, D={dim}], got {w_in.shape}, {w_out.shape}")
+
+
+def _expert_hidden(experts) -> int:
+    """``H`` of the routed experts: ``w_out [P, H, D]``, or the quantized ``gate [P, H, D]``."""
+    return int(experts["w_out"].shape[1] if "w_out" in experts else experts["gate"].shape[1])
 
 
 def _check_valid(valid, num_tokens: int):
@@ -273,12 +437,14 @@ def _capacity(num_assign: int, num_ranks: int, factor: float | None) -> int | No
     return int(min(num_assign, max(1, -(-int(np.ceil(factor * num_assign)) // num_ranks))))
 
 
-def _check_apply(x, router_w, router_bias, experts, log2phy, logcnt, *, top_k, mesh, axis):
-    if axis not in mesh.shape:
-        raise ValueError(f"mesh has no axis {axis!r}; its axes are {tuple(mesh.shape)}")
+def _check_apply(x, router_w, router_bias, experts, log2phy, logcnt, *, top_k, mesh, axis, batch_axes):
     num_ranks = mesh.shape[axis]
-    if x.ndim != 2 or x.shape[0] % num_ranks:
-        raise ValueError(f"x must have shape [T, D] with T divisible by the EP size {num_ranks}, got {x.shape}")
+    num_devices = num_ranks * _size(mesh, batch_axes)
+    if x.ndim != 2 or x.shape[0] % num_devices:
+        raise ValueError(
+            f"x must have shape [T, D] with T divisible by the EP size {num_ranks} times the batch axes' size "
+            f"{num_devices // num_ranks}, got {x.shape}"
+        )
     if router_w.ndim != 2 or router_w.shape[0] != x.shape[1]:
         raise ValueError(f"router_w must have shape [D={x.shape[1]}, E], got {router_w.shape}")
     num_logical = router_w.shape[1]
@@ -313,8 +479,15 @@ class MoELayer(nnx.Module):
       num_physical: ``P`` (default ``E``: no redundant slots).
       num_groups, topk_groups: group-limited routing (``topk_groups=None``: plain top-k).
       shared_hidden: width of a shared expert applied to every token (0: none).
+      shared_expert: where the shared expert runs: ``"local"`` (each rank its
+        own tokens) or ``"waterfill"`` (tokens of overloaded ranks computed on
+        ranks with slack; same outputs; see ``moe_apply``).
       dtype: activation and expert-weight dtype (e.g. ``jnp.bfloat16``).
-      routing: replica routing mode for ``map_and_count`` (``"hash"``...).
+      routing: replica routing mode, one of ``moe_eplb_jax.routing.ROUTING_MODES``
+        (``"hash"``, ``"round_robin"``, ``"lp"``, ``"quota"``; see the module
+        docstring); ``eplb_set_routing`` switches it later.
+      batch_axes: mesh axes sharding tokens besides ``axis`` (``None``: every
+        other mesh axis); see ``moe_apply``.
       matmul: grouped matmul implementation (``"dense"``, ``"pallas"``, ``"ragged_dot"``).
       map_implementation: ``map_and_count`` implementation (None: its default).
       capacity_factor: exchange tokens in rounds of this factor times the
@@ -324,6 +497,7 @@ class MoELayer(nnx.Module):
         controller sums the rows when it reads them); ``"psum"``: ``[P]``,
         summed over the EP axis every forward pass (replicated: readable
         directly after each pass, at one small all-reduce per pass).
+        On a mesh with batch axes the rows are also summed over them.
       rngs: ``nnx.Rngs`` for the initial weights.
 
     Replicas start with identical weights: slot ``p`` holds expert ``p mod E``.
@@ -342,8 +516,10 @@ class MoELayer(nnx.Module):
         num_groups: int = 1,
         topk_groups: int | None = None,
         shared_hidden: int = 0,
+        shared_expert: str = "local",
         dtype: Any = jnp.float32,
         routing: str = "hash",
+        batch_axes: tuple[str, ...] | None = None,
         matmul: str = "dense",
         map_implementation: str | None = None,
         capacity_factor: float | None = None,
@@ -374,6 +550,11 @@ class MoELayer(nnx.Module):
         _capacity(1, 1, capacity_factor)  # validates the factor
         if load_reduce not in LOAD_REDUCTIONS:
             raise ValueError(f"load_reduce must be one of {LOAD_REDUCTIONS}, got {load_reduce!r}")
+        check_routing(routing)
+        if shared_expert not in SHARED_EXPERTS:
+            raise ValueError(f"shared_expert must be one of {SHARED_EXPERTS}, got {shared_expert!r}")
+        self.batch_axes = _batch_axes(mesh, axis, batch_axes)
+        self.shared_expert = shared_expert
         self.capacity_factor, self.load_reduce = capacity_factor, load_reduce
         self.mesh, self.axis = mesh, axis
         self.top_k, self.num_groups, self.topk_groups = top_k, num_groups, topk_groups
@@ -403,7 +584,9 @@ class MoELayer(nnx.Module):
         self.phy2log = EplbTable(put_host(placement.phy2log[0], mesh, PS()))
         self.log2phy = EplbTable(put_host(placement.log2phy[0], mesh, PS()))
         self.logcnt = EplbTable(put_host(placement.logcnt[0], mesh, PS()))
-        self.route_lookup = EplbTable(_route_lookup(placement.log2phy[0], placement.logcnt[0], mesh))
+        shares = equal_shares(placement.logcnt[0], placement.log2phy.shape[2])
+        self.replica_shares = EplbTable(put_host(shares, mesh, PS()))
+        self.route_lookup = EplbTable(self._lookup(routing, placement.log2phy[0], placement.logcnt[0], shares))
         if load_reduce == "psum":
             self.expert_load = ExpertLoad(put_host(np.zeros(num_physical, np.int32), mesh, PS()))
         else:  # one row per EP rank, each on its rank: the forward pass adds to it without communication
@@ -411,12 +594,12 @@ class MoELayer(nnx.Module):
             self.expert_load = ExpertLoad(put_host(load, mesh, PS(axis)))
 
     def __call__(self, x, *, valid=None, record=True):
-        """``x [..., D]`` (leading sizes multiply to a multiple of ``G``) -> ``[..., D]``.
+        """``x [..., D]`` (leading sizes multiply to a multiple of ``G`` times the batch axes' size) -> ``[..., D]``.
 
         ``valid``: optional bool mask of ``x``'s leading shape; ``False`` marks
-        padding, which no routed expert computes (the shared expert still
-        does) and no load counts. ``record``: count this pass's load (a Python
-        or traced bool).
+        padding, which no routed expert computes (the local shared expert
+        still does; Waterfill does not) and no load counts. ``record``: count
+        this pass's load (a Python or traced bool).
         """
         lead, dim = x.shape[:-1], x.shape[-1]
         tokens = x.reshape(-1, dim)
@@ -424,8 +607,12 @@ class MoELayer(nnx.Module):
             if tuple(valid.shape) != tuple(lead):
                 raise ValueError(f"valid must have x's leading shape {tuple(lead)}, got {tuple(valid.shape)}")
             valid = valid.reshape(-1)
-        if tokens.shape[0] % self.mesh.shape[self.axis]:
-            raise ValueError(f"{tokens.shape[0]} tokens are not divisible by the EP size {self.mesh.shape[self.axis]}")
+        num_devices = self.mesh.shape[self.axis] * _size(self.mesh, self.batch_axes)
+        if tokens.shape[0] % num_devices:
+            raise ValueError(
+                f"{tokens.shape[0]} tokens are not divisible by the EP size {self.mesh.shape[self.axis]} "
+                f"times the batch axes' size {num_devices // self.mesh.shape[self.axis]}"
+            )
         phy2log = self.phy2log.get_value()
         if self.quant_format is None:
             experts = {
@@ -433,6 +620,9 @@ class MoELayer(nnx.Module):
             }
         else:  # quantized experts are frozen (serving): nothing to tie
             experts = {name: var.get_value() for name, var in self.eplb_expert_variables().items()}
+        shared = None
+        if self.shared_in is not None and self.shared_out is not None:
+            shared = {"w_in": self.shared_in.get_value(), "w_out": self.shared_out.get_value()}
         out, load = moe_apply(
             tokens,
             self.router.get_value(),
@@ -445,6 +635,7 @@ class MoELayer(nnx.Module):
             top_k=self.top_k,
             mesh=self.mesh,
             axis=self.axis,
+            batch_axes=self.batch_axes,
             num_groups=self.num_groups,
             topk_groups=self.topk_groups,
             routing=self.routing,
@@ -455,11 +646,11 @@ class MoELayer(nnx.Module):
             capacity_factor=self.capacity_factor,
             load_reduce=self.load_reduce,
             lookup=self.route_lookup.get_value(),
+            replica_shares=self.replica_shares.get_value(),
+            shared=shared,
+            shared_expert=self.shared_expert,
         )
         self.expert_load.set_value(self.expert_load.get_value() + load)
-        if self.shared_in is not None:
-            shared_in, shared_out = self.shared_in.get_value(), self.shared_out.get_value()
-            out = out + _gated_mlp(tokens.astype(shared_in.dtype), shared_in, shared_out).astype(out.dtype)
         return out.reshape(*lead, dim)
 
     # ------------------------------------------------- the EPLB protocol
@@ -468,8 +659,10 @@ class MoELayer(nnx.Module):
 
     def eplb_expert_variables(self) -> dict[str, nnx.Variable]:
         if self.quant_format is None:
-            return {"w_in": self.w_in, "w_out": self.w_out}
-        return {"gate": self.q_gate, "up": self.q_up, "down": self.q_down}
+            variables = {"w_in": self.w_in, "w_out": self.w_out}
+        else:
+            variables = {"gate": self.q_gate, "up": self.q_up, "down": self.q_down}
+        return {name: var for name, var in variables.items() if var is not None}
 
     # ------------------------------------------------------ quantization
     def quantize(self, fmt: str, *, impl: str = "auto", activation_scaling: str = "dynamic") -> None:
@@ -483,15 +676,16 @@ class MoELayer(nnx.Module):
         """
         from moe_eplb_jax import quant
 
-        if self.quant_format is not None:
+        w_in_var, w_out_var = self.w_in, self.w_out
+        if self.quant_format is not None or w_in_var is None or w_out_var is None:
             raise ValueError(f"layer is already quantized ({self.quant_format!r})")
         if fmt not in quant.FORMATS:
             raise ValueError(f"unknown quantized format {fmt!r}; known: {sorted(quant.FORMATS)}")
         if impl not in quant.IMPLS:
             raise ValueError(f"unknown quant impl {impl!r}; known: {list(quant.IMPLS)}")
-        hidden = self.w_out.get_value().shape[1]
-        w_in = np.asarray(self.w_in.get_value(), np.float32)
-        w_out = np.asarray(self.w_out.get_value(), np.float32)
+        hidden = w_out_var.get_value().shape[1]
+        w_in = np.asarray(w_in_var.get_value(), np.float32)
+        w_out = np.asarray(w_out_var.get_value(), np.float32)
         # quant wants the contraction axis last: gate/up [P, H, D], down [P, D, H].
         gate = np.ascontiguousarray(np.swapaxes(w_in[:, :, :hidden], 1, 2))
         up = np.ascontiguousarray(np.swapaxes(w_in[:, :, hidden:], 1, 2))
@@ -509,19 +703,60 @@ class MoELayer(nnx.Module):
     def eplb_get_placement(self):
         return self.phy2log.get_value(), self.log2phy.get_value(), self.logcnt.get_value()
 
-    def eplb_set_placement(self, phy2log, log2phy, logcnt) -> None:
+    def eplb_set_placement(self, phy2log, log2phy, logcnt, *, replica_shares=None) -> None:
+        """Installs a new placement (and, for ``"lp"``, its replica shares), checked before anything changes.
+
+        ``replica_shares``: ``[E, S]`` finite non-negative weights of each
+        expert's replicas (``moe_eplb_jax.routing.routing_tables``); ``None``:
+        equal shares. Kept whatever the mode, read by ``"lp"``.
+        """
         for var, value in ((self.phy2log, phy2log), (self.log2phy, log2phy), (self.logcnt, logcnt)):
             if tuple(np.shape(value)) != tuple(var.get_value().shape):
                 raise ValueError(
                     f"placement table must have shape {tuple(var.get_value().shape)}, got {np.shape(value)}"
                 )
-        route_lookup = _route_lookup(log2phy, logcnt, self.mesh)  # before any table changes
+        log2phy, logcnt = np.asarray(log2phy, np.int32), np.asarray(logcnt, np.int32)
+        if replica_shares is None:
+            shares = equal_shares(logcnt, log2phy.shape[1])
+        else:
+            shares = np.asarray(replica_shares)
+            if shares.shape != log2phy.shape or not np.issubdtype(shares.dtype, np.floating):
+                raise ValueError(
+                    f"replica_shares must be floats of shape [E, S] = {log2phy.shape}, got {shares.dtype} {shares.shape}"
+                )
+            if not np.all(np.isfinite(shares)) or np.any(shares < 0):
+                raise ValueError("replica_shares must be finite and non-negative")
+            shares = shares.astype(np.float32)
+        route_lookup = self._lookup(self.routing, log2phy, logcnt, shares)  # before any table changes
         self.phy2log.set_value(put_host(np.asarray(phy2log, np.int32), self.mesh, PS()))
-        self.log2phy.set_value(put_host(np.asarray(log2phy, np.int32), self.mesh, PS()))
-        self.logcnt.set_value(put_host(np.asarray(logcnt, np.int32), self.mesh, PS()))
+        self.log2phy.set_value(put_host(log2phy, self.mesh, PS()))
+        self.logcnt.set_value(put_host(logcnt, self.mesh, PS()))
+        self.replica_shares.set_value(put_host(shares, self.mesh, PS()))
         self.route_lookup.set_value(route_lookup)
 
+    def eplb_set_routing(self, routing: str) -> None:
+        """Switches the replica routing mode (one of ``moe_eplb_jax.routing.ROUTING_MODES``).
 
-def _route_lookup(log2phy, logcnt, mesh):
-    """``lookup_table`` of one layer's placement, replicated on ``mesh`` (built once per placement)."""
-    return put_host(np.asarray(lookup_table(np.asarray(log2phy, np.int32), np.asarray(logcnt, np.int32))), mesh, PS())
+        The mode is static configuration: the next jitted call compiles once
+        for it; the weights, tables and loads stay as they are.
+        """
+        check_routing(routing)
+        if routing == self.routing:
+            return
+        tables = (self.log2phy, self.logcnt, self.replica_shares)
+        route_lookup = self._lookup(routing, *(np.asarray(t.get_value()) for t in tables))
+        self.routing = routing
+        self.route_lookup.set_value(route_lookup)  # "lp"'s carries the alias table: another shape
+
+    def _lookup(self, routing, log2phy, logcnt, shares):
+        """``lookup_table`` of this layer's placement for ``routing``, replicated (built once per placement).
+
+        For ``"lp"`` it carries the shares' alias table too, so the Pallas
+        kernel builds none per call.
+        """
+        log2phy, logcnt = np.asarray(log2phy, np.int32), np.asarray(logcnt, np.int32)
+        if routing == "lp":
+            table = lookup_table(log2phy, logcnt, replica_shares=np.asarray(shares), num_physical=self.num_physical)
+        else:
+            table = lookup_table(log2phy, logcnt)
+        return put_host(np.asarray(table), self.mesh, PS())

@@ -10,8 +10,12 @@ Through the registry interface (``weight [L, E]`` -> tables) the policy plans
 on the given loads and fills spare slots the planner left unused with further
 replicas (largest load per replica first, never a second copy on one rank),
 so the result is a complete :class:`~moe_eplb_jax.placement.Placement`.
-Inside a step, call ``plan_quotas`` directly on the batch's counts and route
-with ``map_and_count(mode="resolved")``.
+Given ``old_phy2log`` (a refresh: the controller calls the policy every
+``refresh_interval`` steps on the window's loads), a rank's spare experts that
+it already held keep their slots, so only the spare slots whose expert
+changes move bytes (:func:`keep_spare_slots`); home slots never move.
+The per-batch side is the MoE layer's ``routing="quota"``: quotas over the
+replicas this placement holds (``moe_eplb_jax.routing.plan_fixed_quotas``).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from moe_eplb_jax.policy._registry import register
 from moe_eplb_jax.policy.deepseek import check_old_phy2log, check_weight
 from moe_eplb_jax.routing.quota import plan_quotas
 
-__all__ = ["online_policy", "home_layout", "fill_unused_spares", "refresh_phy2log"]
+__all__ = ["online_policy", "home_layout", "fill_unused_spares", "keep_spare_slots", "refresh_phy2log"]
 
 _TOKEN_SCALE = 1 << 20  # float loads are scaled to integers summing to about this per layer
 
@@ -111,13 +115,31 @@ def _integer_counts(weight: np.ndarray, num_home: int, *, whole_tokens: bool) ->
     return counts
 
 
+def keep_spare_slots(phy2log: np.ndarray, old_phy2log: np.ndarray, num_home: int, num_spare: int) -> np.ndarray:
+    """``phy2log [P]`` with each rank's spare experts reordered so those ``old_phy2log [P]`` already held there
+    keep their slot (the same experts per rank: the same placement, fewer slots to move). Returns a new array."""
+    phy2log = np.array(phy2log, dtype=np.int64)
+    old = np.asarray(old_phy2log)
+    slots_per_rank = num_home + num_spare
+    for start in range(num_home, phy2log.size, slots_per_rank):
+        new_spares, old_spares = list(phy2log[start : start + num_spare]), old[start : start + num_spare]
+        kept = [-1] * num_spare
+        for k, expert in enumerate(old_spares):
+            if expert in new_spares:
+                kept[k] = int(expert)
+                new_spares.remove(expert)
+        rest = iter(new_spares)
+        phy2log[start : start + num_spare] = [expert if expert >= 0 else next(rest) for expert in kept]
+    return phy2log
+
+
 def online_policy(weight, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int, old_phy2log=None):
     """Registry entry: home experts fixed, spare slots planned by ``plan_quotas`` on ``weight [L, E]``.
 
-    ``num_groups`` / ``num_nodes`` are ignored; ``old_phy2log`` is checked but
-    otherwise ignored (home slots never move, so nothing is gained by
-    relabelling). ``weight`` is checked like every policy's (numbers, finite,
-    non-negative, at least one layer and one expert).
+    ``num_groups`` / ``num_nodes`` are ignored. With ``old_phy2log [L, P]``
+    each rank's spare experts that it already held stay in their slots
+    (:func:`keep_spare_slots`). ``weight`` is checked like every policy's
+    (numbers, finite, non-negative, at least one layer and one expert).
     """
     num_replicas = check_int("num_replicas", num_replicas, minimum=1)
     check_int("num_groups", num_groups, minimum=1)
@@ -135,7 +157,13 @@ def online_policy(weight, num_replicas: int, num_groups: int, num_nodes: int, nu
             fill_unused_spares(planned[layer], weight[layer].astype(np.float64), num_home, num_spare)
             for layer in range(num_layers)
         ]
-    ).astype(np.int32)
+    )
+    if old_phy2log is not None:
+        old = np.asarray(old_phy2log)
+        if old.shape != phy2log.shape:
+            raise ValueError(f"old_phy2log must have shape [L, P] = {phy2log.shape}, got {old.shape}")
+        phy2log = np.stack([keep_spare_slots(phy2log[i], old[i], num_home, num_spare) for i in range(num_layers)])
+    phy2log = phy2log.astype(np.int32)
     log2phy, logcnt = build_log2phy(phy2log, num_logical)
     return phy2log, log2phy, logcnt
 

@@ -1,20 +1,25 @@
 """Replica (L2) routing rules and their tables.
 
+* :func:`plan_fixed_quotas` / :func:`batch_quotas` -- per-batch token quotas
+  over the replicas the placement already has: the MoE layer's
+  ``routing="quota"``, consumed by ``map_and_count(mode="quota")``;
+* :func:`routing_tables` -- per layer, the tables a mode reads, solved at each
+  rearrangement (``"lp"``: replica shares), for ``eplb_set_placement``;
 * :func:`plan_quotas` -- per-batch spare-slot placement and per-replica token
-  quotas (UltraEP-style), consumed by ``map_and_count(mode="resolved")``;
+  quotas (UltraEP-style, spares chosen per batch), consumed by
+  ``map_and_count(mode="quota")``;
 * :func:`lp_shares` / :func:`lp_shares_reference` -- replica shares minimising the
-  max rank load (LPLB-style; on device / exact HiGHS), for ``mode="shares"``;
+  max rank load (LPLB-style; on device / exact HiGHS), for ``mode="lp"``;
 * :func:`waterfill_assign` / :func:`waterfill_shares` -- where a shared expert's
   work runs, by the slack the routed load leaves;
 * :data:`ROUTING_MODES` -- the L2 names ``EplbConfig.routing`` accepts.
 """
 
+from moe_eplb_jax.routing.fixed_quota import FixedQuotaPlan, batch_quotas, plan_fixed_quotas
 from moe_eplb_jax.routing.lp import lp_shares, lp_shares_reference, shares_rank_load
 from moe_eplb_jax.routing.quota import QuotaPlan, check_counts, default_max_replicas, plan_quotas
+from moe_eplb_jax.routing.tables import ROUTING_MODES, check_routing, equal_shares, routing_tables
 from moe_eplb_jax.routing.waterfill import waterfill_assign, waterfill_reference_level, waterfill_shares
-
-# L2 modes: "hash" (stateless token hash), "round_robin", "lp" (LP replica shares), "quota" (per-batch quotas).
-ROUTING_MODES = ("hash", "round_robin", "lp", "quota")
 
 
 def map_and_count_mode(routing: str) -> str:
@@ -33,14 +38,20 @@ def map_and_count_mode(routing: str) -> str:
 
 
 __all__ = [
+    "FixedQuotaPlan",
     "QuotaPlan",
     "ROUTING_MODES",
+    "batch_quotas",
     "check_counts",
+    "check_routing",
     "default_max_replicas",
+    "equal_shares",
     "lp_shares",
     "lp_shares_reference",
     "map_and_count_mode",
+    "plan_fixed_quotas",
     "plan_quotas",
+    "routing_tables",
     "shares_rank_load",
     "waterfill_assign",
     "waterfill_reference_level",

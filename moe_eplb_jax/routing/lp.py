@@ -86,13 +86,25 @@ def shares_rank_load(load, log2phy, logcnt, shares, *, num_physical: int, num_ra
 
 
 def lp_shares(
-    load, log2phy, logcnt, *, num_physical: int, num_ranks: int, num_iters: int = 256, step_size: float = 2.0
+    load,
+    log2phy,
+    logcnt,
+    *,
+    num_physical: int,
+    num_ranks: int,
+    num_iters: int = 256,
+    step_size: float = 2.0,
+    unroll: bool = False,
 ):
     """Replica shares ``[E, S]`` float32 (rows sum to 1 over the ``logcnt`` replicas) and rank loads ``[G]``.
 
     ``load [E]`` tokens per logical expert, ``log2phy [E, S]`` (``-1`` padded),
-    ``logcnt [E]``. Jit-able with ``num_physical``, ``num_ranks`` and
-    ``num_iters`` static.
+    ``logcnt [E]``. Jit-able with ``num_physical``, ``num_ranks``,
+    ``num_iters`` and ``unroll`` static. ``unroll=True`` unrolls the
+    iterations into straight-line code (for a few iterations inside a step:
+    on GPU a rolled loop costs a host round trip per iteration). The rank
+    loads are masked sums, not scatters, so every device computes the same
+    bits from the same inputs.
     """
     num_physical, num_ranks = _check(load, log2phy, logcnt, num_physical, num_ranks)
     num_iters = check_int("num_iters", num_iters, minimum=1)
@@ -103,6 +115,7 @@ def lp_shares(
     slots_per_rank = num_physical // num_ranks
     valid = jnp.arange(log2phy.shape[1], dtype=jnp.int32)[None, :] < logcnt[:, None]
     rank = jnp.where(valid, log2phy // slots_per_rank, 0)
+    on_rank = valid[..., None] & (rank[..., None] == jnp.arange(num_ranks, dtype=jnp.int32)[None, None, :])  # [E, S, G]
     mean = jnp.sum(load) / num_ranks
     tiny = jnp.float32(1e-30)
 
@@ -112,7 +125,7 @@ def lp_shares(
 
     def rank_load(shares):
         part = jnp.where(valid, shares * load[:, None], 0.0)
-        return jnp.zeros((num_ranks,), jnp.float32).at[rank.reshape(-1)].add(part.reshape(-1))
+        return jnp.sum(jnp.where(on_rank, part[..., None], 0.0), axis=(0, 1))
 
     def body(_, carry):
         log_w, best_shares, best_max = carry
@@ -128,7 +141,7 @@ def lp_shares(
 
     log_w0 = jnp.zeros((num_ranks,), jnp.float32)
     init = (log_w0, shares_of(log_w0), jnp.float32(jnp.inf))
-    _, shares, _ = jax.lax.fori_loop(0, num_iters, body, init)
+    _, shares, _ = jax.lax.fori_loop(0, num_iters, body, init, unroll=bool(unroll))
     return shares, rank_load(shares)
 
 

@@ -79,15 +79,19 @@ def _hash_unit(index):
     return (h >> jnp.uint32(8)).astype(jnp.float32) / jnp.float32(1 << 24)
 
 
-def waterfill_assign(candidates, routed_load, *, min_tokens: int = 0, token_offset=0):
+def waterfill_assign(candidates, routed_load, *, min_tokens: int = 0, token_offset=0, total=None, valid=None):
     """Rank ``[T]`` int32 that computes each token's shared expert, and the shared load ``[G]`` int32.
 
     ``candidates [T, C]`` int32 rank ids (the first is the fallback, usually the
     token's own rank); ``routed_load [G]`` the routed load of the batch.
     ``token_offset`` shifts the hash index (use the global token index so that
-    ranks agree). Jit-able with ``min_tokens`` static. Candidate ids outside
-    ``[0, G)`` raise ``ValueError`` where concrete (checked before the int32
-    cast); under ``jit`` they are assumed in range.
+    ranks agree). ``total``: the shared work poured into the ranks (default
+    ``T``, this call's tokens; pass the whole batch's when each rank assigns
+    only its own tokens, so every rank pours the same water). ``valid``:
+    optional ``[T]`` bool; a ``False`` token (padding) goes nowhere (rank
+    ``-1``) and is not counted. Jit-able with ``min_tokens`` static. Candidate
+    ids outside ``[0, G)`` raise ``ValueError`` where concrete (checked before
+    the int32 cast); under ``jit`` they are assumed in range.
     """
     if np.ndim(candidates) != 2 or np.shape(candidates)[1] < 1:
         raise ValueError(f"candidates must have shape [T, C] with C >= 1, got {np.shape(candidates)}")
@@ -106,19 +110,26 @@ def waterfill_assign(candidates, routed_load, *, min_tokens: int = 0, token_offs
         raise ValueError(f"token_offset must lie in [0, 2**31), got {int(token_offset)}")
     candidates = jnp.asarray(candidates).astype(jnp.int32)
     num_tokens = candidates.shape[0]
-    share = waterfill_shares(routed_load, jnp.float32(num_tokens))
+    if valid is not None and np.shape(valid) != (num_tokens,):
+        raise ValueError(f"valid must have shape [T] = ({num_tokens},), got {np.shape(valid)}")
+    if total is not None and np.ndim(total) != 0:
+        raise ValueError(f"total must be a scalar, got shape {np.shape(total)}")
+    total = jnp.float32(num_tokens) if total is None else jnp.asarray(total).astype(jnp.float32)
+    share = waterfill_shares(routed_load, total)
     if num_tokens < min_tokens or num_tokens == 0:
         dest = candidates[:, 0]
     else:
         weight = share[candidates]  # [T, C]
         cum = jnp.cumsum(weight, axis=1)
-        total = cum[:, -1:]
+        weight_sum = cum[:, -1:]
         u = _hash_unit(jnp.arange(num_tokens, dtype=jnp.int32) + jnp.asarray(token_offset, jnp.int32))
-        pick = jnp.sum((cum <= u[:, None] * total).astype(jnp.int32), axis=1)
+        pick = jnp.sum((cum <= u[:, None] * weight_sum).astype(jnp.int32), axis=1)
         pick = jnp.minimum(pick, candidates.shape[1] - 1)
         chosen = jnp.take_along_axis(candidates, pick[:, None], axis=1)[:, 0]
-        dest = jnp.where(total[:, 0] > 0, chosen, candidates[:, 0])
-    load = jnp.zeros((num_ranks,), jnp.int32).at[dest].add(1)
+        dest = jnp.where(weight_sum[:, 0] > 0, chosen, candidates[:, 0])
+    if valid is not None:
+        dest = jnp.where(jnp.asarray(valid), dest, -1)
+    load = jnp.zeros((num_ranks,), jnp.int32).at[jnp.where(dest >= 0, dest, num_ranks)].add(1, mode="drop")
     return dest, load
 
 

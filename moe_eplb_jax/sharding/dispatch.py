@@ -126,7 +126,7 @@ def _exchange_bwd(capacity, axis_name, rounds, grad):
 _exchange_rounds.defvjp(_exchange_fwd, _exchange_bwd)
 
 
-def exchange(buf, *, axis_name, rounds=None, capacity: int | None = None):
+def exchange(buf, *, axis_name, rounds=None, capacity: int | None = None) -> jax.Array:
     """Sends block ``g`` of ``buf [G, A, ...]`` to rank ``g``; returns the blocks received, by source.
 
     Without ``capacity``: one ``all_to_all``. With it: ``rounds`` rounds of

@@ -1,0 +1,83 @@
+"""The per-placement tables of each L2 routing mode, solved when the placement changes.
+
+A controller calls :func:`routing_tables` at every rearrangement (after the
+new placement is decided, before it is installed) and hands each layer its
+dict: ``layer.eplb_set_placement(phy2log, log2phy, logcnt, **tables[l])``.
+
+* ``"lp"``: ``{"replica_shares": [E, S] float32}`` -- the shares minimising
+  the largest rank load of the window's logical loads on the new placement
+  (``lp_shares``); the layer routes by them until the next rearrangement.
+* ``"hash"``, ``"round_robin"``, ``"quota"``: ``{}`` -- nothing to solve
+  (``quota`` plans every batch inside the forward pass).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moe_eplb_jax.routing.lp import lp_shares
+
+__all__ = ["ROUTING_MODES", "check_routing", "equal_shares", "routing_tables"]
+
+# L2 modes: "hash" (stateless token hash), "round_robin", "lp" (LP replica shares), "quota" (per-batch quotas).
+ROUTING_MODES = ("hash", "round_robin", "lp", "quota")
+
+
+def check_routing(routing) -> str:
+    """``routing`` if it names an L2 mode, else ``ValueError`` listing them."""
+    if routing not in ROUTING_MODES:
+        raise ValueError(f"routing must be one of {ROUTING_MODES}, got {routing!r}")
+    return routing
+
+
+def equal_shares(logcnt, width: int) -> np.ndarray:
+    """``[..., E, S]`` float32 shares splitting each expert equally over its ``logcnt [..., E]`` replicas."""
+    logcnt = np.asarray(logcnt)
+    live = np.arange(width) < logcnt[..., None]
+    return (live / np.maximum(logcnt[..., None], 1)).astype(np.float32)
+
+
+@functools.lru_cache(maxsize=16)
+def _solver(num_physical: int, num_ranks: int):
+    solve = functools.partial(lp_shares, num_physical=num_physical, num_ranks=num_ranks)
+    return jax.jit(jax.vmap(lambda load, log2phy, logcnt: solve(load, log2phy, logcnt)[0]))
+
+
+def routing_tables(routing: str, logical_load, placement, *, num_ranks: int) -> list[dict]:
+    """Per layer, the tables ``routing`` reads, for ``eplb_set_placement(..., **tables[layer])``.
+
+    Args:
+      routing: an L2 mode (:data:`ROUTING_MODES`).
+      logical_load: ``[L, E]`` non-negative tokens per logical expert (e.g. the
+        controller's window, summed over ranks and replicas).
+      placement: the ``moe_eplb_jax.placement.Placement`` being installed
+        (``log2phy [L, E, S]``, ``logcnt [L, E]``).
+      num_ranks: ``G``, the EP size.
+
+    Returns:
+      ``[{"replica_shares": [E, S] float32 numpy}, ...]`` for ``"lp"``, a list
+      of ``L`` empty dicts otherwise.
+    """
+    check_routing(routing)
+    log2phy, logcnt = np.asarray(placement.log2phy), np.asarray(placement.logcnt)
+    num_layers, num_logical = logcnt.shape
+    num_physical = int(np.asarray(placement.phy2log).shape[1])
+    load = np.asarray(logical_load)
+    if load.shape != (num_layers, num_logical):
+        raise ValueError(f"logical_load must have shape [L, E] = ({num_layers}, {num_logical}), got {load.shape}")
+    if not np.all(np.isfinite(load)) or np.any(load < 0):
+        raise ValueError("logical_load must be finite and non-negative")
+    if isinstance(num_ranks, bool) or not isinstance(num_ranks, (int, np.integer)) or num_ranks < 1:
+        raise ValueError(f"num_ranks must be a positive integer, got {num_ranks!r}")
+    if num_physical % num_ranks:
+        raise ValueError(f"num_ranks ({num_ranks}) must divide the placement's P = {num_physical} slots")
+    if routing != "lp":
+        return [{} for _ in range(num_layers)]
+    shares = _solver(num_physical, int(num_ranks))(
+        jnp.asarray(load, jnp.float32), jnp.asarray(log2phy, jnp.int32), jnp.asarray(logcnt, jnp.int32)
+    )
+    return [{"replica_shares": layer} for layer in np.asarray(shares, np.float32)]
