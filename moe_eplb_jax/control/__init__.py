@@ -18,6 +18,7 @@ from moe_eplb_jax.control.functional import (
     RouteTables,
     check_slot_leaf,
     rehearsal_load,
+    rehearsal_targets,
 )
 from moe_eplb_jax.control.moves import ExpertStore, Mover, Rearrangement, RearrangementError, row_bytes
 from moe_eplb_jax.control.window import LoadWindow, close_step, host_value
@@ -37,5 +38,6 @@ __all__ = [
     "close_step",
     "host_value",
     "rehearsal_load",
+    "rehearsal_targets",
     "row_bytes",
 ]

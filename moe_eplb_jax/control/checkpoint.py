@@ -43,20 +43,25 @@ import numpy as np
 from moe_eplb_jax.placement import Placement
 from moe_eplb_jax.state import EplbConfig, EplbState
 
-__all__ = ["ITEM_VERSION", "Snapshot", "from_item", "to_item"]
+__all__ = ["ITEM_VERSION", "STATE_FIELDS", "Snapshot", "from_item", "to_item"]
 
 ITEM_VERSION = 1
+STATE_FIELDS = tuple(f.name for f in dataclasses.fields(EplbState))
 _COUNTERS = ("window_pos", "window_filled", "step", "total_steps", "num_rearrangements")
 _FIELDS = ("version", "config", "phy2log", "log2phy", "logcnt", "pass_load", "window", *_COUNTERS)
 
 
 @dataclasses.dataclass(frozen=True)
 class Snapshot:
-    """The host side of a checkpoint item: config, placement, and the state in the summed layout."""
+    """The host side of a checkpoint item: config, placement, and the ``EplbState`` fields in the summed layout.
+
+    ``state``: field name -> numpy array (``pass_load [L, P]``, ``window
+    [W, L, P]``, the counters 0-d), the rank rows summed.
+    """
 
     config: EplbConfig
     placement: Placement
-    state: EplbState  # numpy fields: pass_load [L, P], window [W, L, P], counters 0-d
+    state: dict[str, np.ndarray]
 
 
 def to_item(snapshot: Snapshot) -> dict[str, np.ndarray]:
@@ -69,8 +74,8 @@ def to_item(snapshot: Snapshot) -> dict[str, np.ndarray]:
         "log2phy": p.log2phy,
         "logcnt": p.logcnt,
     }
-    for f in dataclasses.fields(EplbState):
-        item[f.name] = np.asarray(getattr(snapshot.state, f.name), np.int32)
+    for name in STATE_FIELDS:
+        item[name] = np.asarray(snapshot.state[name], np.int32)
     return item
 
 
@@ -137,8 +142,7 @@ def from_item(item, *, config: EplbConfig, num_layers: int, num_logical: int, nu
         raise ValueError(f"EPLB checkpoint fields 'step' ({step}) and 'total_steps' ({total}) need 0 <= step <= total")
     if count < 0:
         raise ValueError(f"EPLB checkpoint field 'num_rearrangements' is negative ({count})")
-    state = EplbState(**{f.name: fields[f.name].astype(np.int32) for f in dataclasses.fields(EplbState)})
-    return Snapshot(saved, placement, state)
+    return Snapshot(saved, placement, {name: fields[name].astype(np.int32) for name in STATE_FIELDS})
 
 
 def _saved_config(raw: np.ndarray) -> EplbConfig:

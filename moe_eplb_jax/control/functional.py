@@ -54,6 +54,7 @@ __all__ = [
     "RouteTables",
     "check_slot_leaf",
     "rehearsal_load",
+    "rehearsal_targets",
 ]
 
 
@@ -181,15 +182,25 @@ def check_slot_leaf(name: str, value, *, num_physical: int | None, mesh, axis: s
     return int(value.shape[0])
 
 
-def rehearsal_load(num_layers: int, num_logical: int) -> np.ndarray:
-    """``[L, E]`` a skewed synthetic load (Zipf 1.2 over a fixed random expert order per layer) to rehearse with.
+def rehearsal_load(num_layers: int, num_logical: int, seed: int = 0) -> np.ndarray:
+    """``[L, E]`` a skewed synthetic load (Zipf 1.2 over a random expert order per layer) to rehearse with.
 
-    The same on every process (fixed seed): ``warmup`` plans the move to its
-    placement to size and compile the mover before any real load is known.
+    The same on every process for one ``seed``: ``warmup`` plans moves to the
+    placements of a few such loads to size and compile the mover before any
+    real load is known.
     """
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     weights = 1.0 / np.arange(1, num_logical + 1) ** 1.2
     return np.stack([weights[rng.permutation(num_logical)] for _ in range(num_layers)]) * 1e4
+
+
+def rehearsal_targets(config: EplbConfig, current: Placement, load=None) -> list[Placement]:
+    """The placements ``warmup`` rehearses moves to: the policy's for ``load``, or for four rehearsal loads."""
+    if load is not None:
+        loads = [np.asarray(load, np.float64)]
+    else:
+        loads = [rehearsal_load(current.num_layers, current.num_logical, seed) for seed in range(4)]
+    return [compute_placement(x, config, old_phy2log=current.phy2log) for x in loads]
 
 
 class _PytreeStore:
@@ -397,22 +408,21 @@ class Balancer:
     def warmup(self, params, opt_state, balance: BalanceState, *, load=None) -> dict[str, Any]:
         """Compiles the mover and the readers a rearrangement uses, moving nothing.
 
-        Plans the move to the policy's placement for ``load`` (``[L, E]``;
-        default :func:`rehearsal_load`), pads every later plan to its send
-        capacity, runs one such move per distinct layer signature without
-        keeping the result, and runs the window readers and the route-table
-        build once. Returns ``seconds`` and the mover's ``send_capacity``.
+        Plans the moves to the policy's placements for ``load`` (``[L, E]``;
+        default: four :func:`rehearsal_load` s), pads every later plan to
+        their largest send capacity, runs these moves without keeping their
+        results, and runs the window readers and the route-table build once.
+        Returns ``seconds`` and the mover's ``send_capacity``.
         """
         start = time.perf_counter()
         positions = self._positions(params, opt_state)
         assert self.window is not None and self.mover is not None
         current = balance.tables.placement()
-        load = rehearsal_load(self.num_layers, self.num_logical) if load is None else np.asarray(load, np.float64)
-        target = compute_placement(load, self.config, old_phy2log=current.phy2log)
-        info = self.mover.rehearse(_PytreeStore(params, opt_state, current, positions), current, target)
+        targets = rehearsal_targets(self.config, current, load)
+        info = self.mover.rehearse(_PytreeStore(params, opt_state, current, positions), current, targets)
         self.window.logical_load(balance.loads, current.phy2log, self.num_logical)
         jax.block_until_ready(self.window.mark_rearranged(balance.loads))
-        RouteTables.build(target, self.mesh)
+        balance.tables.updated(targets[0], self.mesh)
         return {"seconds": time.perf_counter() - start, **info}
 
     # ------------------------------------------------------ files, checkpoints
@@ -431,10 +441,7 @@ class Balancer:
         """The Orbax item of ``balance`` (``moe_eplb_jax.control.checkpoint``)."""
         self._need_sizes()
         assert self.window is not None
-        summed = self.window.summed(balance.loads)
-        host = EplbState(
-            **{f.name: np.asarray(host_value(getattr(summed, f.name))) for f in dataclasses.fields(EplbState)}
-        )
+        host = self.window.host_summed(balance.loads)
         return _checkpoint.to_item(_checkpoint.Snapshot(self.config, balance.tables.placement(), host))
 
     def restore_item(self, item) -> BalanceState:

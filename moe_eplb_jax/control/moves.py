@@ -184,11 +184,6 @@ def row_bytes(tree: Any) -> int:
     return -(-bits // 8)
 
 
-def _signature(tree: Any) -> tuple:
-    leaves, treedef = jax.tree.flatten(tree)
-    return treedef, tuple((leaf.shape, leaf.dtype, getattr(leaf, "sharding", None)) for leaf in leaves)
-
-
 class Mover:
     """Runs a rearrangement's layer moves atomically on ``mesh`` (see the module docstring).
 
@@ -287,28 +282,24 @@ class Mover:
                 f"failure was {type(cause).__name__}: {cause}"
             ) from error
 
-    def rehearse(self, store: ExpertStore, current: Placement, target: Placement) -> dict[str, Any]:
-        """Compiles the executor a move from ``current`` to ``target`` needs, moving nothing (``warmup``).
+    def rehearse(self, store: ExpertStore, current: Placement, targets: Sequence[Placement]) -> dict[str, Any]:
+        """Compiles the executors moves from ``current`` to ``targets`` need, moving nothing (``warmup``).
 
-        Raises the send capacity to the largest of the target's layer plans,
-        then runs one padded move per distinct layer signature without keeping
-        its result (one layer's memory at a time). Returns the capacity and the
-        number of executors compiled.
+        Raises the send capacity to the largest of the targets' layer plans,
+        then runs every changed layer's padded move without keeping its
+        result (one layer's memory at a time): each executor variant these
+        plans need (chunking differs with the chains of moves) compiles now.
+        Returns the capacity and the number of moves rehearsed.
         """
-        changed = [
-            layer
+        moves = [
+            (layer, target)
+            for target in targets
             for layer in range(current.num_layers)
             if not np.array_equal(current.phy2log[layer], target.phy2log[layer])
         ]
-        for layer in changed:  # the floor first: every rehearsed plan is padded to the final capacity
+        for layer, target in moves:  # the capacity first: every rehearsed plan is padded to the final one
             raw = plan_rearrangement(current.phy2log[layer], target.phy2log[layer], self.num_ranks)
             self.send_capacity = max(self.send_capacity, raw.capacities[0])
-        seen = set()
-        for layer in changed:
-            tree = store.read(layer)
-            signature = _signature(tree)
-            if signature in seen:
-                continue
-            seen.add(signature)
-            self.transfer(tree, self.plan(current.phy2log[layer], target.phy2log[layer]))
-        return {"send_capacity": self.send_capacity, "executors": len(seen)}
+        for layer, target in moves:
+            self.transfer(store.read(layer), self.plan(current.phy2log[layer], target.phy2log[layer]))
+        return {"send_capacity": self.send_capacity, "moves": len(moves)}

@@ -117,18 +117,20 @@ class LoadWindow:
         """``[steps, L, E]`` host logical loads of each step in the window, oldest first (a load file's rows)."""
         filled = int(host_value(state.window_filled))
         rows = np.asarray(host_value(self.rows(state)))[:filled].astype(np.float64)
-        phy2log = np.asarray(phy2log)
-        out = np.zeros((filled, self.num_layers, int(num_logical)))
-        for layer in range(self.num_layers):
-            np.add.at(out[:, layer], (slice(None), phy2log[layer]), rows[:, layer])
-        return out
+        onehot = np.asarray(phy2log)[:, :, None] == np.arange(int(num_logical))  # [L, P, E]
+        return np.einsum("slp,lpe->sle", rows, onehot.astype(np.float64))
 
-    def put(self, summed: EplbState) -> EplbState:
-        """A host state in the summed layout (a checkpoint's) placed on the mesh in the per-rank layout."""
+    def put(self, summed: dict[str, np.ndarray]) -> EplbState:
+        """Host ``EplbState`` fields in the summed layout (a checkpoint's) placed on the mesh, per-rank layout."""
         from moe_eplb_jax.sharding.mesh import put_host
 
-        fields = {f.name: put_host(np.asarray(getattr(summed, f.name), np.int32), self.mesh) for f in _FIELDS}
+        fields = {f.name: put_host(np.asarray(summed[f.name], np.int32), self.mesh) for f in _FIELDS}
         return self.split(EplbState(**fields), self.num_ranks)
+
+    def host_summed(self, state: EplbState) -> dict[str, np.ndarray]:
+        """The state's fields on the host, rank rows summed (a checkpoint's layout)."""
+        summed = self.summed(state)
+        return {f.name: np.array(host_value(getattr(summed, f.name))) for f in _FIELDS}
 
 
 _FIELDS = dataclasses.fields(EplbState)

@@ -59,7 +59,7 @@ from moe_eplb_jax.control import (
     check_slot_leaf,
     checkpoint,
     host_value,
-    rehearsal_load,
+    rehearsal_targets,
 )
 from moe_eplb_jax.flax.discovery import MoELayerRef, find_moe_layers, variable_paths
 from moe_eplb_jax.placement import Placement
@@ -186,8 +186,8 @@ class EplbController:
                 if not leaves:
                     raise ValueError(f"expert variable {ref.name}/{name} must be an nnx.Variable holding arrays")
                 for value in leaves:  # a variable may hold a pytree (quantized weights and scales)
-                    check = dict(num_physical=None, mesh=self.mesh, axis=self.axis)
-                    leading.add(check_slot_leaf(f"{ref.name}/{name}", value, **check))
+                    name_ = f"{ref.name}/{name}"
+                    leading.add(check_slot_leaf(name_, value, num_physical=None, mesh=self.mesh, axis=self.axis))
             if len(leading) != 1:
                 raise ValueError(f"expert variables of {ref.name} disagree on the slot axis size: {sorted(leading)}")
             num_physical = leading.pop()
@@ -404,20 +404,21 @@ class EplbController:
     def warmup(self, load=None) -> dict[str, Any]:
         """Compiles what a rearrangement runs -- the mover, the window readers, the tables' switch -- moving nothing.
 
-        Plans the move to the policy's placement for ``load`` (``[L, E]``,
-        default ``control.rehearsal_load``: skewed, synthetic), pads every
-        later plan to its send capacity, runs one such move per distinct layer
-        signature without keeping the result, reads the window, and hands
-        every layer its current tables again. Call it on every process before
-        the run. Returns ``seconds`` and the mover's ``send_capacity``.
+        Plans the moves to the policy's placements for ``load`` (``[L, E]``;
+        default: four skewed synthetic loads, ``control.rehearsal_load``),
+        pads every later plan to their largest send capacity, runs these moves
+        without keeping their results (one layer's memory at a time), reads
+        the window, and hands every layer its current tables again. A later
+        plan that needs more capacity, or an executor variant none of these
+        needed (a longer chain of moves), still compiles once. Call it on
+        every process before the run. Returns ``seconds``, the mover's
+        ``send_capacity`` and the number of ``moves`` rehearsed.
         """
         import time
 
         start = time.perf_counter()
         current = self.placement
-        load = rehearsal_load(len(self.layers), self.num_logical) if load is None else np.asarray(load, np.float64)
-        target = compute_placement(load, self.config, old_phy2log=current.phy2log)
-        info = self._mover.rehearse(self._store, current, target)
+        info = self._mover.rehearse(self._store, current, rehearsal_targets(self.config, current, load))
         self._window.logical_load(self.state, current.phy2log, self.num_logical)
         self.window_slot_load()
         jax.block_until_ready(self._window.mark_rearranged(self.state))
@@ -451,12 +452,10 @@ class EplbController:
         layers route with now and drops the moved layers' window rows (they
         were recorded under those layers' old placement).
         """
-        summed = self._window.summed(self.state)
-        host = {f.name: np.array(host_value(getattr(summed, f.name))) for f in dataclasses.fields(EplbState)}
+        host = self._window.host_summed(self.state)
         if self._moving is not None:
             host["window"][:, list(self._moving.moved)] = 0
-        snapshot = checkpoint.Snapshot(self.config, self.placement, EplbState(**host))
-        return checkpoint.to_item(snapshot)
+        return checkpoint.to_item(checkpoint.Snapshot(self.config, self.placement, host))
 
     def restore_item(self, item) -> None:
         """Restores :meth:`checkpoint_item` output: the state, and the tables the layers route with.
@@ -485,5 +484,5 @@ class EplbController:
             raise
         counters = snapshot.state
         self.state, self._placement, self._moving = state, snapshot.placement, None
-        self._total_steps, self._steps_since = int(counters.total_steps), int(counters.step)
-        self._num_rearrangements = int(counters.num_rearrangements)
+        self._total_steps, self._steps_since = int(counters["total_steps"]), int(counters["step"])
+        self._num_rearrangements = int(counters["num_rearrangements"])
