@@ -69,12 +69,17 @@ class Twin(nnx.Module):
 
 
 @pytest.mark.parametrize(
-    "eplb_config", ['{"window_size": 4, "step_interval": 8}', '{"step_interval": 8, "use_async": true}']
+    "eplb_config",
+    [
+        '{"window_size": 4, "step_interval": 8}',
+        pytest.param('{"step_interval": 8, "use_async": true}', marks=pytest.mark.slow),  # one layer per step
+    ],
 )
 def test_functional_example_matches_the_nnx_controller(eplb_config):
     args = example_args(eplb_config)
     rt = Runtime(args)
-    losses, reports, balancer, params, balance = train_functional.train(args, rt, log=lambda *_: None)
+    with jax.numpy_dtype_promotion("standard"):  # optax's Adam mixes int and float scalars
+        losses, reports, balancer, params, balance = train_functional.train(args, rt, log=lambda *_: None)
     assert [step for step, _ in reports] == ([2, 10] if "use_async" not in eplb_config else [3, 12])
     assert all(r["bytes_moved"] > 0 and r["layers_moved"] == LAYERS for _, r in reports)
     assert losses[-1] < losses[0]
@@ -133,14 +138,20 @@ def small(mesh):
 MESH = jax.make_mesh((8,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
 
 
+@jax.jit
+def loss_and_record(params, balance, tokens):
+    loss, loads = loss_and_loads(params, balance.tables, tokens, mesh=MESH)
+    return loss, Balancer.record_step(balance, loads)
+
+
+def tokens(seed):
+    sharding = jax.NamedSharding(MESH, jax.sharding.PartitionSpec("ep"))
+    return jax.device_put(synthetic_batch(np.random.default_rng(seed), 8, 9, 64), sharding)
+
+
 def record(balancer, params, balance, steps=3):
-    rng = np.random.default_rng(0)
-    for _ in range(steps):
-        tokens = jax.device_put(
-            synthetic_batch(rng, 8, 9, 64), jax.NamedSharding(MESH, jax.sharding.PartitionSpec("ep"))
-        )
-        _, loads = loss_and_loads(params, balance.tables, tokens, mesh=MESH)
-        balance = balancer.record_step(balance, loads)
+    for step in range(steps):
+        balance = loss_and_record(params, balance, tokens(step))[1]
     return balance
 
 
@@ -190,11 +201,8 @@ def test_functional_checkpoint_item_dump_and_bad_input(tmp_path):
     balance = record(balancer, params, balancer.init(params))
     item = balancer.checkpoint_item(balance)
     again = balancer.restore_item(item)
-    for a, b in zip(jax.tree.leaves(balance.loads), jax.tree.leaves(again.loads)):
-        assert np.array_equal(
-            np.asarray(a).sum(1) if np.ndim(a) >= 3 else np.asarray(a),
-            np.asarray(b).sum(1) if np.ndim(b) >= 3 else np.asarray(b),
-        )
+    assert int(np.asarray(item["window_filled"])) == 3 and item["window"].sum() > 0
+    assert all(np.array_equal(a, b) for a, b in zip(item.values(), balancer.checkpoint_item(again).values()))
     assert again.tables.placement() == balance.tables.placement()
     balancer.dump_loads(balance, tmp_path / "loads.json")
     assert read_load(tmp_path / "loads.json").load.shape == (3, LAYERS, EXPERTS)
@@ -221,17 +229,15 @@ def test_functional_overlap_moves_a_layer_per_call_and_stays_consistent():
     params, opt_state, balancer = small(MESH)
     balancer = Balancer(EplbConfig(**{**balancer.config.to_dict(), "overlap": "layer"}), MESH, balancer.layout)
     balance = record(balancer, params, balancer.init(params))
-    tokens = jax.device_put(
-        synthetic_batch(np.random.default_rng(9), 8, 9, 64), jax.NamedSharding(MESH, jax.sharding.PartitionSpec("ep"))
-    )
-    loss0, _ = loss_and_loads(params, balance.tables, tokens, mesh=MESH)
+    batch = tokens(9)
+    loss0, _ = loss_and_record(params, balance, batch)
     move = balancer.decide(balance)
     assert len(move.pending) == LAYERS
     calls = 0
     while True:
         params, opt_state, balance, move, report = balancer.advance(params, opt_state, balance, move)
         calls += 1
-        loss, _ = loss_and_loads(params, balance.tables, tokens, mesh=MESH)
+        loss, _ = loss_and_record(params, balance, batch)
         assert float(loss) == float(loss0)  # consistent after every call: outputs placement-invariant
         if report is not None:
             break
