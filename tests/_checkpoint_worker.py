@@ -10,6 +10,7 @@ import pathlib
 import signal
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's package
 os.environ["JAX_PLATFORMS"] = "cpu"
 mode, directory = sys.argv[1], pathlib.Path(sys.argv[2])
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={4 if mode == 'crash' else 2}"
