@@ -61,6 +61,7 @@ def train(args, rt, *, log=print):
     import optax
     from _functional_lm import EXPERT_PATTERN, init_params, loss_and_loads, synthetic_batch
 
+    from moe_eplb_jax import metrics
     from moe_eplb_jax.control import Balancer, ExpertLayout
 
     mesh = rt.mesh
@@ -78,6 +79,7 @@ def train(args, rt, *, log=print):
     opt_state = tx.init(params)
     balancer = Balancer(config, mesh, ExpertLayout.match(params, EXPERT_PATTERN))
     balance = balancer.init(params)
+    balancer.warmup(params, opt_state, balance)  # compiles the mover now: no rearrangement compiles mid-run
 
     @jax.jit
     def train_step(params, opt_state, balance, tokens, moving):
@@ -94,6 +96,9 @@ def train(args, rt, *, log=print):
         tokens = rt.global_batch(synthetic_batch(rng, args.batch, args.seq + 1, 64))
         params, opt_state, balance, loss = train_step(params, opt_state, balance, tokens, jnp.bool_(move is not None))
         losses.append(float(loss))
+        if config.log_interval and (step + 1) % config.log_interval == 0:
+            ranks = metrics.rank_load(balancer.window_slot_load(balance), rt.ranks)
+            log(f"step {step + 1}: loss {losses[-1]:.3f}, window balancedness {metrics.balancedness(ranks):.3f}")
         report = None
         if move is None and balancer.is_due(balance):
             move = balancer.decide(balance)  # the window's loads -> the policy's placement (host, ~ms)

@@ -342,6 +342,12 @@ class Balancer:
         step, count = (int(host_value(x)) for x in (balance.loads.step, balance.loads.num_rearrangements))
         return step >= (self.config.first_rearrangement_step if count == 0 else self.config.rearrange_interval)
 
+    def window_slot_load(self, balance: BalanceState) -> np.ndarray:
+        """``[L, P]`` tokens per slot summed over the load window and the EP ranks (under the current placement)."""
+        self._need_sizes()
+        assert self.window is not None
+        return np.asarray(host_value(self.window.slot_load(balance.loads)))
+
     # ------------------------------------------------------------- moves
     def decide(self, balance: BalanceState, *, placement: Placement | None = None) -> Rearrangement:
         """The rearrangement from the current placement to ``placement`` or, by default, the policy's for the window."""
