@@ -174,7 +174,8 @@ def main(argv=None):
     )
     print(
         f"after warmup ({ms(warm['seconds'])}): first / second rearrangement step "
-        f"{ms(first_t)} / {ms(second_t)} = {first_t / second_t:.3f}   [target <= 1.0]"
+        f"{ms(first_t)} / {ms(second_t)} = {first_t / second_t:.3f}   [target <= 1.0]; their moves "
+        f"{ms(first_r['move_seconds'])} / {ms(second_r['move_seconds'])}"
     )
     print(
         f"without warmup: first rearrangement step      {ms(cold_t)} = {cold_t / second_t:.3f}x the warm second"
