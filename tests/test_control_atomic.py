@@ -210,3 +210,22 @@ def test_failure_in_any_phase_at_any_layer_rolls_back(monkeypatch, phase, layer,
         for moved, was in zip(done["layers"][i], before["layers"][i]):
             assert np.array_equal(moved, permuted(was, old, new))
         assert np.array_equal(np.asarray(module.phy2log.get_value()), new)
+
+
+def test_one_layer_move_rolls_back(monkeypatch):
+    """apply_placement of a placement that changes one layer: a failed transfer leaves everything as it was."""
+    model, optimizer = trained(seed=0)
+    ctl = EplbController(model, MESH, CONFIG, optimizer=optimizer)
+    x = inputs()
+    before = snapshot(model, optimizer, ctl, x)
+    linear = ctl.placement
+    phy2log = linear.phy2log.copy()
+    phy2log[1] = scrambled(linear, seed=3).phy2log[1]
+    target = Placement.from_phy2log(phy2log, E, num_ranks=G)
+    Inject(monkeypatch, "transfer", 0, None)
+    with pytest.raises(RearrangementError, match="layer 1"):
+        ctl.apply_placement(target)
+    assert_same(before, snapshot(model, optimizer, ctl, x))
+    summary = ctl.apply_placement(target)
+    assert summary["layers_moved"] == 1 and ctl.placement == target
+    assert np.array_equal(np.asarray(forward(model, x, jnp.bool_(False))), before["out"])
