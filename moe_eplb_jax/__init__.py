@@ -6,6 +6,7 @@ Subpackages (one concern each):
   routing    -- replica (L2) routing rules and online quota planning
   metrics    -- rank loads, balancedness, rank imbalance
   state      -- EplbConfig / EplbState: load window, trigger, rearrangement
+  control    -- the control loop: atomic moves, the functional API, Orbax checkpoint items
   sharding   -- move planning and the uint8 collective transport on a Mesh
   pallas     -- fused replica routing + load counting kernels
   quant      -- quantized expert formats and EP-consistent scales

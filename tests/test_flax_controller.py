@@ -42,6 +42,9 @@ def _model(seed=0):
     return VisionLanguageModel(lm, rngs=nnx.Rngs(seed + 1))
 
 
+_TIMING = ("move_seconds", "gb_per_s")  # report entries that measure time
+
+
 def _tokens(rng):
     return jnp.asarray(synthetic_batch(rng, G, 8, 64))
 
@@ -80,7 +83,7 @@ def test_training_rearranges_moves_optimizer_state_and_keeps_outputs(rng):
     model = _model(int(rng.integers(100)))
     optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
     ctl = EplbController(model, MESH, CONFIG, optimizer=optimizer)
-    assert [len(v) for v in ctl._opt_vars] == [4, 4]  # mu and nu of w_in and w_out per layer
+    assert [len(v) for v in ctl._store.opt_vars] == [4, 4]  # mu and nu of w_in and w_out per layer
     tokens = _tokens(rng)
     report = None
     for _ in range(CONFIG.first_rearrangement_step):
@@ -93,14 +96,14 @@ def test_training_rearranges_moves_optimizer_state_and_keeps_outputs(rng):
     layer = ctl.layers[0].module
     old_phy = ctl.placement.phy2log[0].copy()
     w_before = np.asarray(layer.w_in.get_value())
-    mu_before = np.asarray(ctl._opt_vars[0][0].get_value())
+    mu_before = np.asarray(ctl._store.opt_vars[0][0].get_value())
     logits_before = np.asarray(_forward(model, tokens))
     ctl.step()
     new = ctl.rearrange()["num_rearrangements"]
     assert new == 2
     new_phy = ctl.placement.phy2log[0]
     w_after = np.asarray(layer.w_in.get_value())
-    mu_after = np.asarray(ctl._opt_vars[0][0].get_value())
+    mu_after = np.asarray(ctl._store.opt_vars[0][0].get_value())
     for p in range(P):
         q = np.nonzero(old_phy == new_phy[p])[0]
         assert any(np.array_equal(w_after[p], w_before[s]) for s in q)
@@ -141,10 +144,8 @@ def test_fitted_placement_file_round_trip(rng, tmp_path):
     for _ in range(CONFIG.step_interval + 1):
         held.step()
     assert held.num_rearrangements == 0
-    ckpt = tmp_path / "eplb.npz"
-    ctl.save(ckpt)
     twin = EplbController(_model(5), MESH, CONFIG)
-    twin.restore(ckpt)
+    twin.restore_item(ctl.checkpoint_item())
     assert twin.placement == ctl.placement and twin.total_steps == ctl.total_steps
     # The checkpoint holds the window summed over the EP ranks: every row's totals come back.
     assert np.array_equal(np.asarray(twin.state.window).sum(2), np.asarray(ctl.state.window).sum(2))
@@ -261,7 +262,8 @@ def test_deferred_load_sum_equals_per_step_psum(rng):
         history.append(total)
         for mode, ctl in ctls.items():
             reports[mode] = ctl.step()
-        assert reports["psum"] == reports["none"], step
+        timeless = {mode: {k: v for k, v in (r or {}).items() if k not in _TIMING} for mode, r in reports.items()}
+        assert timeless["psum"] == timeless["none"], step
         assert np.array_equal(ctls["psum"].window_slot_load(), ctls["none"].window_slot_load())
         assert ctls["psum"].placement == ctls["none"].placement
         if reports["none"].get("rearranged"):
@@ -273,4 +275,4 @@ def test_deferred_load_sum_equals_per_step_psum(rng):
     # The per-step bookkeeping is local to each rank: no all-reduce in the controller's compiled step update.
     ctl = ctls["none"]
     loads = [models["none"].moe.expert_load.get_value()]
-    assert "all-reduce" not in ctl._close.lower(ctl.state, loads, 8).compile().as_text()
+    assert "all-reduce" not in ctl._window.close.lower(ctl.state, loads, np.bool_(False)).compile().as_text()

@@ -23,7 +23,7 @@ def test_config_validation():
         EplbConfig(num_redundant_experts=3, num_gpus=8).num_physical(16)
     with pytest.raises(ValueError, match="num_groups=3"):
         EplbConfig(num_groups=3).num_physical(16)
-    with pytest.raises(ValueError, match="EplbConfig.routing: unknown routing 'nope'"):
+    with pytest.raises(ValueError, match="EplbConfig.routing must be one of"):
         EplbConfig(routing="nope")
     assert EplbConfig(num_redundant_experts=8, num_gpus=8).num_physical(16) == 24
 
@@ -158,3 +158,60 @@ def test_compute_placement_uses_the_registered_policy(rng):
         st.compute_placement(load, cfg, old_phy2log=np.zeros((2, 7), np.int32))
     with pytest.raises(ValueError, match="unknown placement policy 'nope'"):
         st.compute_placement(load, EplbConfig(policy="nope"))
+
+
+def test_config_from_vllm_json_and_back():
+    vllm = '{"window_size": 1000, "step_interval": 3000, "num_redundant_experts": 8, "log_balancedness": true,'
+    vllm += ' "log_balancedness_interval": 5, "use_async": true, "policy": "default"}'
+    cfg = EplbConfig.from_json(vllm)
+    assert (cfg.window_size, cfg.step_interval, cfg.num_redundant_experts) == (1000, 3000, 8)
+    assert cfg.log_interval == 5 and cfg.overlap == "layer" and cfg.policy == "balanced"
+    assert EplbConfig.from_json('{"log_balancedness": false, "log_balancedness_interval": 5}').log_interval is None
+    assert EplbConfig.from_json(cfg.to_json()) == cfg and EplbConfig.from_dict(cfg.to_dict()) == cfg
+    quota = EplbConfig(routing="quota", policy="online", refresh_interval=40, step_interval=400)
+    assert quota.rearrange_interval == 40 and quota.first_rearrangement_step == 10
+    assert EplbConfig.from_json(quota.to_json()) == quota
+    assert EplbConfig(overlap=1 << 20).overlap == 1 << 20
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ('{"window_size": true}', "window_size must be a positive integer"),
+        ('{"window_size": 16.7}', "window_size must be a positive integer"),
+        ('{"window_size": 16.0}', "window_size must be a positive integer"),
+        ('{"step_interval": "3000"}', "step_interval must be a positive integer"),
+        ('{"num_redundant_experts": -1}', "num_redundant_experts"),
+        ('{"log_balancedness": "no"}', "'log_balancedness' must be true or false"),
+        ('{"use_async": 1}', "'use_async' must be true or false"),
+        ('{"log_balancedness": true, "log_balancedness_interval": 0}', "log_balancedness_interval"),
+        ('{"log_interval": 3, "log_balancedness": true}', "not both"),
+        ('{"overlap": "layer", "use_async": false}', "not both"),
+        ('{"window_size": 8, "window_size": 9}', "repeats key"),
+        ('{"windowsize": 8}', r"unknown field\(s\) \['windowsize'\]"),
+        ('{"policy": "nope"}', "EplbConfig.policy: unknown placement policy 'nope'"),
+        ('{"policy": 3}', "policy must be a policy name"),
+        ('{"routing": "shares"}', "routing must be one of"),
+        ('{"routing": "quota"}', "needs policy='online'"),
+        ('{"refresh_interval": 10}', "refresh_interval is the spare-slot refresh period"),
+        ('{"overlap": "layers"}', "overlap must be None, 'layer' or a positive integer"),
+        ('{"overlap": true}', "overlap must be"),
+        ("[1, 2]", "must be an object"),
+        ("{not json", "not valid JSON"),
+    ],
+)
+def test_config_rejects_what_users_get_wrong(text, match):
+    with pytest.raises(ValueError, match=match):
+        EplbConfig.from_json(text)
+
+
+def test_quota_routing_refreshes_every_refresh_interval():
+    cfg = EplbConfig(routing="quota", policy="quota", window_size=2, step_interval=100, refresh_interval=8)
+    s = st.init_state(cfg, 1, 2)
+    fired = []
+    for step in range(1, 21):
+        s = st.end_step(s)
+        if bool(st.should_rearrange(s, cfg)):
+            fired.append(step)
+            s = st.mark_rearranged(s)
+    assert fired == [2, 10, 18]

@@ -7,7 +7,9 @@
 * ``EplbMoE`` -- the protocol any Flax NNX MoE module implements to be balanced.
 * ``find_moe_layers`` -- discovery of every MoE layer, however nested.
 * ``EplbController`` -- wraps a model + mesh + ``EplbConfig``: records loads,
-  rebalances, moves parameters and optimizer state, saves placements.
+  rebalances, moves parameters and optimizer state atomically (all at once or
+  a layer per step), checkpoints its state as an Orbax item, dumps loads and
+  saves placements; a thin layer over ``moe_eplb_jax.control``.
 """
 
 from moe_eplb_jax.flax.controller import EplbController

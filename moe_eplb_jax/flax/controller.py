@@ -1,84 +1,99 @@
-"""The EPLB controller: wraps a Flax NNX MoE model, records loads, rebalances.
+"""The EPLB controller: wraps a Flax NNX MoE model, records loads, rebalances, moves experts atomically.
 
     controller = EplbController(model, mesh, config, optimizer=optimizer)
+    controller.warmup()                          # compile the mover and readers before the run
     for batch in data:
-        train_step(model, optimizer, batch)     # the MoE layers add their loads
-        info = controller.step()                 # record; rearrange when due
+        train_step(model, optimizer, batch)      # the MoE layers add their loads
+        report = controller.step()               # record; rearrange when due
 
-``step`` reads every layer's load into the ``EplbState`` window (one small
-jitted update, no host sync, no communication: the window keeps one row per EP
-rank, sharded over the EP axis, and each rank writes its own counts) and,
-every ``config.step_interval`` steps, rearranges: window -> rows summed over
-the ranks (the one all-reduce of the loads) -> logical load ``[L, E]`` ->
-policy -> new ``Placement`` (a pure function of the summed, replicated loads:
-every process computes the same one) ->
-the transport moves each layer's expert variables and the matching optimizer
-moments -> the layers get the new tables. Outputs are unchanged by a
-rearrangement (same expert bytes, same math per token), and nothing
-recompiles (the tables are variables).
+A thin layer over ``moe_eplb_jax.control`` (the functional API's pieces): the
+model's expert variables and optimizer moments are its ``ExpertStore``.
+``step`` closes the step in the ``LoadWindow`` (one small jitted update, no
+host sync, no communication: each EP rank writes its own rows) and, every
+``config.rearrange_interval`` steps, decides a placement (window -> rows
+summed over the ranks, the one all-reduce -> logical load ``[L, E]`` ->
+policy; every process computes the same one) and moves each layer's expert
+variables and the matching optimizer moments with the ``Mover``: atomically
+(on any failure every layer is moved back and gets its old tables, then
+``RearrangementError`` is raised), each layer switching tables only once its
+bytes have arrived, with one layer's extra memory at a time. With
+``overlap`` the layers move over the following steps (one layer, or a byte
+budget, per step) instead of all at one step boundary; outputs are the same
+at every step either way (placement-invariant layers). Nothing recompiles
+when tables change (they are variables), and ``warmup()`` compiles the mover
+ahead so no rearrangement compiles mid-run. Every rearrangement logs and
+reports its duration, bytes moved and GB/s.
+
+Checkpoints: ``checkpoint_item()`` / ``restore_item(item)`` are the EPLB state
+as an Orbax item beside the model and optimizer (see
+``moe_eplb_jax.control.checkpoint`` for the ``CheckpointManager`` example).
+``dump_loads(path)`` writes the window as a load file for ``moe-eplb fit``.
 
 Everything is validated when the controller is built and before any byte
 moves: a model with no MoE layer, expert variables without a ``[P]`` slot axis
 sharded over the EP axis, an EP size that does not divide ``P``, a placement
-file for another model shape -- each raises ``ValueError`` and leaves the model
+for another model shape -- each raises ``ValueError`` and leaves the model
 untouched.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as PS
 
 from moe_eplb_jax import metrics
-from moe_eplb_jax import state as eplb_state
+from moe_eplb_jax.control import (
+    LoadWindow,
+    Mover,
+    Rearrangement,
+    RearrangementError,
+    check_slot_leaf,
+    checkpoint,
+    host_value,
+    rehearsal_targets,
+)
 from moe_eplb_jax.flax.discovery import MoELayerRef, find_moe_layers, variable_paths
 from moe_eplb_jax.placement import Placement
 from moe_eplb_jax.sharding.mesh import put_host
-from moe_eplb_jax.state import EplbConfig, EplbState
+from moe_eplb_jax.state import EplbConfig, EplbState, compute_placement
 
 __all__ = ["EplbController"]
 
 _log = logging.getLogger("moe_eplb_jax")
-_CHECKPOINT_FORMAT = "moe_eplb_jax.controller"
 
 
-def _close_step(state: EplbState, loads, num_ranks: int):
-    """Records one step's loads (``[G, P]`` per rank or ``[P]`` already summed) into the per-rank state."""
-    rows = []
-    for load in loads:
-        load = load.astype(jnp.int32)
-        if load.ndim == 1:  # a layer that psums its own load: charge the total to rank 0's row, sums unchanged
-            load = jnp.where(jnp.arange(num_ranks)[:, None] == 0, load[None, :], 0)
-        rows.append(load)
-    load = jnp.stack(rows)
-    return eplb_state.end_step(eplb_state.record(state, load)), load
+class _ModuleStore:
+    """The ``ExpertStore`` of NNX MoE layers: their expert variables and the optimizer moments mirroring them."""
 
+    def __init__(self, layers: list[MoELayerRef], opt_vars: list[list[nnx.Variable]]):
+        self.layers, self.opt_vars = layers, opt_vars
 
-def _sum_rank_rows(state: EplbState) -> EplbState:
-    """The per-rank state with its rank rows summed: the single-layout state a checkpoint holds."""
-    return dataclasses.replace(
-        state, pass_load=state.pass_load.sum(1, dtype=jnp.int32), window=state.window.sum(2, dtype=jnp.int32)
-    )
+    def read(self, layer: int):
+        variables = self.layers[layer].module.eplb_expert_variables()
+        return {
+            "experts": {name: var.get_value() for name, var in variables.items()},
+            "opt": [var.get_value() for var in self.opt_vars[layer]],
+        }
 
+    def write(self, layer: int, tree) -> None:
+        for name, var in self.layers[layer].module.eplb_expert_variables().items():
+            var.set_value(tree["experts"][name])
+        for var, value in zip(self.opt_vars[layer], tree["opt"]):
+            var.set_value(value)
 
-def _split_rank_rows(state: EplbState, num_ranks: int) -> EplbState:
-    """Inverse of ``_sum_rank_rows`` up to the split: the totals go to rank 0's row."""
-
-    def rows(x, axis):
-        first = jax.lax.broadcasted_iota(jnp.int32, (*x.shape[:axis], num_ranks, *x.shape[axis:]), axis) == 0
-        return jnp.where(first, jnp.expand_dims(x, axis), 0)
-
-    return dataclasses.replace(state, pass_load=rows(state.pass_load, 1), window=rows(state.window, 2))
+    def switch(self, layer: int, placement: Placement, tables: Mapping[str, np.ndarray]) -> None:
+        rows = {name: table[layer] for name, table in tables.items()}
+        module = self.layers[layer].module
+        module.eplb_set_placement(placement.phy2log[layer], placement.log2phy[layer], placement.logcnt[layer], **rows)
 
 
 class EplbController:
@@ -97,6 +112,9 @@ class EplbController:
         start from (the experts are moved to it now), e.g. one fitted earlier.
       rebalance: ``False`` holds the placement (serving with a fitted
         placement): loads are still recorded, nothing moves.
+      overlap: how rearrangements spread their moves over steps (``None``,
+        ``"layer"`` or bytes per step, see ``EplbConfig.overlap``); default
+        ``config.overlap``.
     """
 
     def __init__(
@@ -109,9 +127,12 @@ class EplbController:
         optimizer=None,
         placement: Placement | str | os.PathLike | None = None,
         rebalance: bool = True,
+        overlap: str | int | None = None,
     ):
         if not isinstance(config, EplbConfig):
             raise ValueError(f"config must be an EplbConfig, got {type(config).__name__}")
+        if overlap is not None:
+            config = dataclasses.replace(config, overlap=overlap)  # validated as a config field
         if axis not in mesh.shape:
             raise ValueError(f"mesh has no axis {axis!r}; its axes are {tuple(mesh.shape)}")
         if optimizer is not None and not isinstance(optimizer, nnx.Optimizer):
@@ -128,18 +149,25 @@ class EplbController:
             )
         if config.num_gpus != self.num_ranks:
             raise ValueError(f"config.num_gpus={config.num_gpus} but mesh axis {axis!r} has {self.num_ranks} ranks")
-        self._opt_vars = self._optimizer_variables() if optimizer is not None else [[] for _ in self.layers]
+        config.num_physical(self.num_logical)  # the expert groups divide E
+        if config.policy in ("online", "quota"):
+            from moe_eplb_jax.policy.online import home_layout
+
+            home_layout(self.num_logical, self.num_physical, self.num_ranks)
+        opt_vars = self._optimizer_variables() if optimizer is not None else [[] for _ in self.layers]
         start = None
         if placement is not None:
             start = placement if isinstance(placement, Placement) else Placement.load(placement)
             self._check_placement(start)
-        self._init_state_functions()
-        self.state = self._fresh_state()
-        self._steps_since = 0
-        self._total_steps = 0
-        self._num_rearrangements = 0
+        self._store = _ModuleStore(self.layers, opt_vars)
+        self._window = LoadWindow(config, mesh, len(self.layers), self.num_physical, axis)
+        self._mover = Mover(mesh, axis, self.num_logical, self.num_physical)
+        self.state: EplbState = self._window.fresh()
+        self._steps_since = self._total_steps = self._num_rearrangements = 0
+        self._moving: Rearrangement | None = None
+        self._moving_since = 0
         self.last_report: dict[str, Any] | None = None
-        self._zero_loads = [self._zeros_like_load(ref.module.eplb_load_variable().get_value()) for ref in self.layers]
+        self._zero_loads = [self._zeros_like(ref.module.eplb_load_variable().get_value()) for ref in self.layers]
         self._placement = self._read_placement()
         if start is not None:
             self.apply_placement(start)
@@ -158,8 +186,8 @@ class EplbController:
                 if not leaves:
                     raise ValueError(f"expert variable {ref.name}/{name} must be an nnx.Variable holding arrays")
                 for value in leaves:  # a variable may hold a pytree (quantized weights and scales)
-                    self._check_slot_leaf(f"{ref.name}/{name}", value)
-                    leading.add(int(value.shape[0]))
+                    name_ = f"{ref.name}/{name}"
+                    leading.add(check_slot_leaf(name_, value, num_physical=None, mesh=self.mesh, axis=self.axis))
             if len(leading) != 1:
                 raise ValueError(f"expert variables of {ref.name} disagree on the slot axis size: {sorted(leading)}")
             num_physical = leading.pop()
@@ -177,19 +205,6 @@ class EplbController:
         if len(sizes) != 1:
             raise ValueError(f"MoE layers disagree on (E, P): {sorted(sizes)}")
         return sizes.pop()
-
-    def _check_slot_leaf(self, name: str, value) -> None:
-        if not isinstance(value, jax.Array) or value.ndim < 1:
-            raise ValueError(f"expert variable {name} must hold jax.Arrays with a leading slot axis [P, ...]")
-        spec = value.sharding.spec if isinstance(value.sharding, NamedSharding) else None
-        first = spec[0] if spec is not None and len(spec) else None
-        names = first if isinstance(first, tuple) else (first,)
-        if self.num_ranks > 1 and self.axis not in names:
-            raise ValueError(
-                f"expert variable {name} (shape {value.shape}) has no slot axis sharded over mesh axis "
-                f"{self.axis!r} (sharding {value.sharding}); expected a leading [P, ...] axis with "
-                f"PartitionSpec({self.axis!r}, ...)"
-            )
 
     def _check_placement(self, placement: Placement) -> None:
         want = (len(self.layers), self.num_logical, self.num_physical)
@@ -217,41 +232,7 @@ class EplbController:
                     break
         return found
 
-    # ------------------------------------------------------ state on the mesh
-    def _init_state_functions(self) -> None:
-        """Jitted state updates with fixed output shardings: rank rows on their EP rank, counters replicated.
-
-        Fixed shardings keep every update a local op on each rank's shard (no
-        collective) and give the model's and the controller's jitted functions
-        the same input shardings every step, so nothing recompiles.
-        """
-        mesh, axis = self.mesh, self.axis
-        replicated = NamedSharding(mesh, PS())
-        make = functools.partial(eplb_state.init_state, self.config, len(self.layers), self.num_physical, per_rank=True)
-        shape = jax.eval_shape(make)
-        self._state_sharding = jax.tree.map(lambda _: replicated, shape)
-        self._state_sharding = dataclasses.replace(
-            self._state_sharding,
-            pass_load=NamedSharding(mesh, PS(None, axis, None)),
-            window=NamedSharding(mesh, PS(None, None, axis, None)),
-        )
-        self._fresh_state = jax.jit(make, out_shardings=self._state_sharding)
-        # The state is donated: the window ([W, L, G, P]) is updated in place, not copied every step.
-        self._close = jax.jit(
-            _close_step,
-            static_argnums=2,
-            donate_argnums=0,
-            out_shardings=(self._state_sharding, NamedSharding(mesh, PS(None, axis, None))),
-        )
-        self._mark_rearranged = jax.jit(eplb_state.mark_rearranged, out_shardings=self._state_sharding)
-        # The readers: the sums over ranks happen here, on logging / rearrangement / checkpoint steps only.
-        self._step_slot_load = jax.jit(lambda load: load.sum(1, dtype=jnp.int32), out_shardings=replicated)
-        self._window_slot_load = jax.jit(eplb_state.window_slot_load, out_shardings=replicated)
-        self._window_logical_load = jax.jit(eplb_state.window_logical_load, static_argnums=2, out_shardings=replicated)
-        self._summed_state = jax.jit(_sum_rank_rows, out_shardings=replicated)
-        self._split_state = jax.jit(_split_rank_rows, static_argnums=1, out_shardings=self._state_sharding)
-
-    def _zeros_like_load(self, value) -> jax.Array:
+    def _zeros_like(self, value) -> jax.Array:
         # The layer's own sharding, so the model's jitted step sees one input sharding and never recompiles.
         spec = value.sharding.spec if isinstance(value.sharding, NamedSharding) else PS()
         return put_host(np.zeros(value.shape, np.int32), self.mesh, spec)
@@ -263,56 +244,45 @@ class EplbController:
 
     @property
     def placement(self) -> Placement:
-        """The current placement of every layer (host numpy tables)."""
-        return self._placement
+        """The placement every layer routes with now (during an overlapped move: moved layers on the new one)."""
+        return self._moving.current if self._moving is not None else self._placement
 
-    def apply_placement(self, placement: Placement) -> dict[str, int]:
+    @property
+    def rearranging(self) -> bool:
+        """True while an overlapped rearrangement has layers left to move."""
+        return self._moving is not None
+
+    def apply_placement(self, placement: Placement) -> dict[str, Any]:
         """Moves every layer's experts (and optimizer state) to ``placement`` and hands the layers its tables.
 
-        Validated before any byte moves. Returns ``{"slots_moved": n}``.
+        Validated before any byte moves; atomic (``RearrangementError`` after a
+        rollback on failure). The load window and counters are left as they
+        are. Returns the move's summary (``slots_moved``, ``bytes_moved``,
+        ``move_seconds``, ...).
         """
-        from moe_eplb_jax.sharding import rearrange_experts
-
-        placement = placement.to_numpy()
+        if self._moving is not None:
+            raise ValueError("a rearrangement is in progress: call rearrange() to finish it first")
         self._check_placement(placement)
-        old = self._placement
-        moved = int(np.sum(old.phy2log != placement.phy2log))
-        for layer, ref in enumerate(self.layers):
-            if np.array_equal(old.phy2log[layer], placement.phy2log[layer]):
-                continue
-            variables = dict(ref.module.eplb_expert_variables())
-            opt_vars = self._opt_vars[layer]
-            tree = {
-                "experts": {k: v.get_value() for k, v in variables.items()},
-                "opt": [v.get_value() for v in opt_vars],
-            }
-            tree = rearrange_experts(
-                tree,
-                old.phy2log[layer],
-                placement.phy2log[layer],
-                mesh=self.mesh,
-                axis=self.axis,
-                num_logical=self.num_logical,
-            )
-            for k, v in variables.items():
-                v.set_value(tree["experts"][k])
-            for v, value in zip(opt_vars, tree["opt"]):
-                v.set_value(value)
-            ref.module.eplb_set_placement(placement.phy2log[layer], placement.log2phy[layer], placement.logcnt[layer])
-        self._placement = placement
-        return {"slots_moved": moved}
+        move = Rearrangement.between(self._placement, placement, num_ranks=self.num_ranks)
+        move = self._mover.run(self._store, move, move.pending, defer_switch=True)
+        self._placement = move.new
+        return move.summary(self.num_ranks)
 
     # --------------------------------------------------------------- steps
     def step(self) -> dict[str, Any] | None:
-        """Closes one step: records every layer's load, rearranges when due.
+        """Closes one step: records every layer's load, rearranges (or moves the next layers) when due.
 
         Call it once per training / serving step on every process. Returns a
-        report dict on steps that log (``config.log_interval``) or rearrange,
-        else ``None``. ``self.state`` is replaced: the old state's arrays are
-        donated to the update (read ``controller.state`` anew after a step).
+        report dict on steps that log (``config.log_interval``) or finish a
+        rearrangement, else ``None``. While an overlapped rearrangement is in
+        progress the step's loads are not recorded (they fall under a
+        placement that is changing; the window restarts when it completes).
+        ``self.state`` is replaced: the old state's arrays are donated to the
+        update (read ``controller.state`` anew after a step).
         """
         variables = [ref.module.eplb_load_variable() for ref in self.layers]
-        self.state, load = self._close(self.state, [v.get_value() for v in variables], self.num_ranks)
+        loads = [v.get_value() for v in variables]
+        self.state = self._window.close(self.state, loads, np.bool_(self._moving is not None))
         for v, zeros in zip(variables, self._zero_loads):
             v.set_value(zeros)
         self._steps_since += 1
@@ -320,9 +290,13 @@ class EplbController:
         report = None
         interval = self.config.log_interval
         if interval is not None and self._total_steps % interval == 0:
-            report = self._report(np.asarray(self._step_slot_load(load)), "step")
-        if self.rebalance and self._due():
-            report = dict(report or {}, **self.rearrange())
+            report = self._report(np.asarray(host_value(self._window.step_slot_load(loads))), "step")
+        if self._moving is not None:
+            done = self._advance()
+            report = dict(report or {}, **done) if done is not None else report
+        elif self.rebalance and self._due():
+            done = self._begin()
+            report = dict(report or {}, **done) if done is not None else report
         if report is not None:
             self.last_report = report
         return report
@@ -338,37 +312,76 @@ class EplbController:
 
     def _due(self) -> bool:
         # Host mirror of state.should_rearrange (no device sync): all processes step in lock-step.
-        due = self.config.first_rearrangement_step if self._num_rearrangements == 0 else self.config.step_interval
+        due = self.config.first_rearrangement_step if self._num_rearrangements == 0 else self.config.rearrange_interval
         return self._steps_since >= due
 
     def window_slot_load(self) -> np.ndarray:
         """``[L, P]`` tokens per slot summed over the load window and the EP ranks (under the current placement)."""
-        return np.asarray(self._window_slot_load(self.state))
+        return np.asarray(host_value(self._window.slot_load(self.state)))
+
+    def _decide(self) -> Rearrangement:
+        current = self._placement
+        logical = self._window.logical_load(self.state, current.phy2log, self.num_logical)
+        new = compute_placement(logical, self.config, old_phy2log=current.phy2log)
+        return Rearrangement.between(current, new, num_ranks=self.num_ranks, load=logical)
+
+    def _begin(self) -> dict[str, Any] | None:
+        move = self._decide()
+        if self.config.overlap is None:
+            return self._commit(self._mover.run(self._store, move, move.pending, defer_switch=True))
+        self._moving, self._moving_since = move, self._total_steps
+        return self._advance()
+
+    def _advance(self) -> dict[str, Any] | None:
+        """Moves the next layer (or byte budget) of the rearrangement in progress; its report when it completes."""
+        move, overlap = self._moving, self.config.overlap
+        assert move is not None
+        layers = move.pending[:1] if overlap == "layer" else move.pending
+        budget = overlap if isinstance(overlap, int) else None
+        try:
+            move = self._mover.run(self._store, move, layers, budget=budget)
+        except RearrangementError:
+            self._moving = None  # rolled back: the old placement, the window as it was before the decision
+            raise
+        if not move.done:
+            self._moving = move
+            return None
+        self._moving = None
+        return self._commit(move)
 
     def rearrange(self) -> dict[str, Any]:
-        """Computes a placement from the load window, moves the experts to it, resets the window."""
-        logical = np.asarray(self._window_logical_load(self.state, self._placement.phy2log, self.num_logical))
-        before = self._report(self.window_slot_load(), "window")
-        new = eplb_state.compute_placement(logical, self.config, old_phy2log=self._placement.phy2log)
-        moved = self.apply_placement(new)
-        predicted = metrics.rank_load_from_logical(logical, new.phy2log, self.num_ranks)
+        """Rearranges now, all layers at once (or finishes the overlapped rearrangement in progress).
+
+        Computes a placement from the load window, moves the experts to it,
+        resets the window; returns the report (also logged).
+        """
+        if self._moving is not None:
+            move, self._moving = self._moving, None
+            return self._commit(self._mover.run(self._store, move, move.pending))
+        move = self._decide()
+        return self._commit(self._mover.run(self._store, move, move.pending, defer_switch=True))
+
+    def _commit(self, move: Rearrangement) -> dict[str, Any]:
+        self._placement = move.new
         self._steps_since = 0
         self._num_rearrangements += 1
-        self.state = self._mark_rearranged(self.state)
+        self.state = self._window.mark_rearranged(self.state)
         report = {
             "rearranged": True,
             "num_rearrangements": self._num_rearrangements,
-            "balancedness_before": before["balancedness"],
-            "balancedness_after": float(metrics.balancedness(predicted)),
-            "max_rank_imbalance_after": float(np.max(metrics.rank_imbalance(predicted))),
-            **moved,
+            **move.summary(self.num_ranks),
         }
         _log.info(
-            "EPLB rearrangement %d: balancedness %.4f -> %.4f, %d slots moved",
+            "EPLB rearrangement %d: balancedness %.4f -> %.4f, %d slots in %d layers moved, "
+            "%.1f MB in %.3f s (%.2f GB/s)",
             self._num_rearrangements,
-            report["balancedness_before"],
-            report["balancedness_after"],
-            moved["slots_moved"],
+            report.get("balancedness_before", float("nan")),
+            report.get("balancedness_after", float("nan")),
+            report["slots_moved"],
+            report["layers_moved"],
+            report["bytes_moved"] / 1e6,
+            report["move_seconds"],
+            report["gb_per_s"],
         )
         return report
 
@@ -388,66 +401,88 @@ class EplbController:
             )
         return report
 
+    def warmup(self, load=None) -> dict[str, Any]:
+        """Compiles what a rearrangement runs -- the mover, the window readers, the tables' switch -- moving nothing.
+
+        Plans the moves to the policy's placements for ``load`` (``[L, E]``;
+        default: four skewed synthetic loads, ``control.rehearsal_load``),
+        pads every later plan to their largest send capacity, runs these moves
+        without keeping their results (one layer's memory at a time), reads
+        the window, and hands every layer its current tables again. A later
+        plan that needs more capacity, or an executor variant none of these
+        needed (a longer chain of moves), still compiles once. Call it on
+        every process before the run. Returns ``seconds``, the mover's
+        ``send_capacity`` and the number of ``moves`` rehearsed.
+        """
+        import time
+
+        start = time.perf_counter()
+        current = self.placement
+        info = self._mover.rehearse(self._store, current, rehearsal_targets(self.config, current, load))
+        self._window.logical_load(self.state, current.phy2log, self.num_logical)
+        self.window_slot_load()
+        jax.block_until_ready(self._window.mark_rearranged(self.state))
+        for layer in range(len(self.layers)):
+            self._store.switch(layer, current, {})
+        return {"seconds": time.perf_counter() - start, **info}
+
     # ----------------------------------------------------- files and state
     def save_placement(self, path) -> None:
         """Writes the current placement (``.json`` / ``.npz``), e.g. to serve with it later."""
-        self._placement.save(path)
+        self.placement.save(path)
 
-    def save(self, path) -> None:
-        """Checkpoints the EPLB state and placement as ``.npz`` (restore next to the model's own checkpoint).
+    def dump_loads(self, path) -> None:
+        """Writes the window's per-step logical loads ``[steps, L, E]`` as a load file (``moe-eplb fit`` reads it).
 
-        The loads are saved summed over the EP ranks (``window [W, L, P]``), the
-        totals every reader uses.
+        The loads are summed over the EP ranks and mapped to logical experts
+        through the placement they were recorded under.
         """
-        summed = self._summed_state(self.state)
-        fields = {f.name: np.asarray(getattr(summed, f.name)) for f in dataclasses.fields(EplbState)}
-        p = self._placement
-        host = np.asarray([self._total_steps, self._steps_since, self._num_rearrangements], np.int64)
-        path = os.fspath(path)
-        if not path.endswith(".npz"):
-            raise ValueError(f"controller checkpoint must end in .npz, got {path!r}")
-        np.savez(
-            path,
-            format=np.asarray(_CHECKPOINT_FORMAT),
-            phy2log=p.phy2log,
-            log2phy=p.log2phy,
-            logcnt=p.logcnt,
-            host_counters=host,
-            **{f"state_{k}": v for k, v in fields.items()},
+        from moe_eplb_jax.sim.loadfile import save_load
+
+        recorded_under = self._moving.old if self._moving is not None else self._placement
+        rows = self._window.logical_rows(self.state, recorded_under.phy2log, self.num_logical)
+        if not len(rows):
+            raise ValueError("the load window is empty: record at least one step before dump_loads")
+        save_load(path, rows, num_ranks=self.num_ranks)
+
+    def checkpoint_item(self) -> dict[str, np.ndarray]:
+        """The EPLB state as an Orbax item (host numpy arrays; see ``moe_eplb_jax.control.checkpoint``).
+
+        During an overlapped rearrangement the item holds the placement the
+        layers route with now and drops the moved layers' window rows (they
+        were recorded under those layers' old placement).
+        """
+        host = self._window.host_summed(self.state)
+        if self._moving is not None:
+            host["window"][:, list(self._moving.moved)] = 0
+        return checkpoint.to_item(checkpoint.Snapshot(self.config, self.placement, host))
+
+    def restore_item(self, item) -> None:
+        """Restores :meth:`checkpoint_item` output: the state, and the tables the layers route with.
+
+        Every field is validated first (``ValueError`` naming it; nothing
+        changes then). The model's expert variables must come from the
+        checkpoint saved with it (they already follow that placement): nothing
+        moves here. An overlapped rearrangement in progress is dropped.
+        """
+        snapshot = checkpoint.from_item(
+            item,
+            config=self.config,
+            num_layers=len(self.layers),
+            num_logical=self.num_logical,
+            num_physical=self.num_physical,
         )
-
-    def restore(self, path) -> None:
-        """Restores :meth:`save` output: the state, and the tables the layers route with.
-
-        The model's expert variables must come from the checkpoint saved with it
-        (they already follow that placement): nothing moves here.
-        """
+        state = self._window.put(snapshot.state)
+        previous, switched = self.placement, []
         try:
-            with np.load(os.fspath(path), allow_pickle=False) as z:
-                doc = {k: z[k] for k in z.files}
-        except (OSError, ValueError, EOFError) as e:
-            raise ValueError(f"{path}: not a readable controller checkpoint ({e})") from e
-        if str(doc.get("format", "")) != _CHECKPOINT_FORMAT:
-            raise ValueError(f"{path}: field 'format' is not {_CHECKPOINT_FORMAT!r}")
-        try:
-            placement = Placement.from_tables(doc["phy2log"], doc["log2phy"], doc["logcnt"], num_ranks=self.num_ranks)
-        except KeyError as e:
-            raise ValueError(f"{path}: missing field {e}") from None
-        self._check_placement(placement)
-        fields = {}
-        summed = jax.eval_shape(_sum_rank_rows, self.state)
-        for f in dataclasses.fields(EplbState):
-            try:
-                value = doc[f"state_{f.name}"]
-            except KeyError as e:
-                raise ValueError(f"{path}: missing field {e}") from None
-            want = tuple(getattr(summed, f.name).shape)
-            if value.shape != want:
-                raise ValueError(f"{path}: state field {f.name} has shape {value.shape}, expected {want}")
-            fields[f.name] = put_host(value.astype(np.int32), self.mesh)
-        total, since, count = (int(v) for v in doc["host_counters"])
-        self.state = self._split_state(EplbState(**fields), self.num_ranks)
-        for layer, ref in enumerate(self.layers):
-            ref.module.eplb_set_placement(placement.phy2log[layer], placement.log2phy[layer], placement.logcnt[layer])
-        self._placement = placement
-        self._total_steps, self._steps_since, self._num_rearrangements = total, since, count
+            for layer in range(len(self.layers)):
+                self._store.switch(layer, snapshot.placement, {})
+                switched.append(layer)
+        except BaseException:
+            for layer in switched:
+                self._store.switch(layer, previous, {})
+            raise
+        counters = snapshot.state
+        self.state, self._placement, self._moving = state, snapshot.placement, None
+        self._total_steps, self._steps_since = int(counters["total_steps"]), int(counters["step"])
+        self._num_rearrangements = int(counters["num_rearrangements"])

@@ -17,10 +17,14 @@ A module is an EPLB MoE layer when it has these five methods (checked with
   summed over the EP ranks;
 * ``eplb_get_placement() -> (phy2log [P], log2phy [E, S], logcnt [E])`` -- the
   tables the layer routes with (``S = P - E + 1``);
-* ``eplb_set_placement(phy2log, log2phy, logcnt) -> None`` -- the hook that
-  receives new tables. The layer must read them as inputs of its compiled
-  function (variables), never bake them in, so a new placement never
-  recompiles.
+* ``eplb_set_placement(phy2log, log2phy, logcnt, **routing_tables) -> None``
+  -- the hook that receives new tables, called for a layer only once its
+  expert bytes have arrived. Routing modes with tables of their own (e.g.
+  LP replica shares, ``[E, S]``) pass them as keyword arguments; hash and
+  round-robin routing pass none. The layer must read the tables as inputs of
+  its compiled function (variables), never bake them in, so a new placement
+  never recompiles. It may raise (before changing anything): the controller
+  then rolls the whole rearrangement back.
 
 ``moe_eplb_jax.flax.MoELayer`` is the reference implementation.
 """

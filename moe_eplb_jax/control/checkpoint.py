@@ -1,0 +1,154 @@
+"""The EPLB state as an Orbax checkpoint item, every field validated when it is restored.
+
+The item is a flat dict of host numpy arrays -- the placement tables, the load
+window summed over the EP ranks (``window [W, L, P]``), the step counters and
+the config (its JSON as ``uint8`` bytes) -- so Orbax's standard handler saves
+it beside the model and the optimizer in one ``CheckpointManager`` step
+(atomic as Orbax makes it: a step is written to a temporary directory and
+renamed when every item is complete; every process calls ``save``, the
+primary one writes the host arrays)::
+
+    import orbax.checkpoint as ocp
+
+    manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(max_to_keep=3))
+    manager.save(step, args=ocp.args.Composite(
+        model=ocp.args.StandardSave(nnx.state(model)),
+        optimizer=ocp.args.StandardSave(nnx.state(optimizer)),
+        eplb=ocp.args.StandardSave(controller.checkpoint_item()),
+    ))
+    manager.wait_until_finished()
+
+    restored = manager.restore(manager.latest_step(), args=ocp.args.Composite(
+        model=ocp.args.StandardRestore(nnx.state(model)),
+        optimizer=ocp.args.StandardRestore(nnx.state(optimizer)),
+        eplb=ocp.args.StandardRestore(),   # no target: the item as saved, checked by restore_item
+    ))
+    controller.restore_item(restored["eplb"])   # ValueError naming the field; nothing changes unless all pass
+    nnx.update(model, restored["model"])
+    nnx.update(optimizer, restored["optimizer"])
+
+The model checkpoint holds the expert weights on the placement the item names
+(the layers' tables are model variables too), so restoring moves no byte. The
+functional API has the same pair (``Balancer.checkpoint_item`` /
+``restore_item``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import numpy as np
+
+from moe_eplb_jax.placement import Placement
+from moe_eplb_jax.state import EplbConfig, EplbState
+
+__all__ = ["ITEM_VERSION", "STATE_FIELDS", "Snapshot", "from_item", "to_item"]
+
+ITEM_VERSION = 1
+STATE_FIELDS = tuple(f.name for f in dataclasses.fields(EplbState))
+_COUNTERS = ("window_pos", "window_filled", "step", "total_steps", "num_rearrangements")
+_FIELDS = ("version", "config", "phy2log", "log2phy", "logcnt", "pass_load", "window", *_COUNTERS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """The host side of a checkpoint item: config, placement, and the ``EplbState`` fields in the summed layout.
+
+    ``state``: field name -> numpy array (``pass_load [L, P]``, ``window
+    [W, L, P]``, the counters 0-d), the rank rows summed.
+    """
+
+    config: EplbConfig
+    placement: Placement
+    state: dict[str, np.ndarray]
+
+
+def to_item(snapshot: Snapshot) -> dict[str, np.ndarray]:
+    """The Orbax item of ``snapshot``: a flat dict of numpy arrays (see the module docstring)."""
+    p = snapshot.placement.to_numpy()
+    item = {
+        "version": np.asarray(ITEM_VERSION, np.int32),
+        "config": np.frombuffer(snapshot.config.to_json().encode(), np.uint8).copy(),
+        "phy2log": p.phy2log,
+        "log2phy": p.log2phy,
+        "logcnt": p.logcnt,
+    }
+    for name in STATE_FIELDS:
+        item[name] = np.asarray(snapshot.state[name], np.int32)
+    return item
+
+
+def from_item(item, *, config: EplbConfig, num_layers: int, num_logical: int, num_physical: int) -> Snapshot:
+    """Validates a restored item for a model of ``(L, E, P)`` run with ``config``; ``ValueError`` naming the field.
+
+    Checked: the set of fields, integer dtypes, the version, the saved config
+    (it must parse, and agree with ``config`` on the window size, redundant
+    experts and EP ranks), every shape, the placement (a valid one for
+    ``config.num_gpus`` ranks), non-negative loads, and counters in range
+    (``0 <= window_pos < W``, ``0 <= window_filled <= W`` -- equal to
+    ``window_pos`` while the window is not full --, ``0 <= step <=
+    total_steps``, ``num_rearrangements >= 0``).
+    """
+    if not isinstance(item, Mapping):
+        raise ValueError(f"EPLB checkpoint item must be a mapping of arrays, got {type(item).__name__}")
+    missing, unknown = sorted(set(_FIELDS) - set(item)), sorted(str(k) for k in set(item) - set(_FIELDS))
+    if missing or unknown:
+        raise ValueError(f"EPLB checkpoint item: missing field(s) {missing}, unknown field(s) {unknown}")
+    fields = {}
+    for name in _FIELDS:
+        value = np.asarray(item[name])
+        if value.dtype.kind not in "iu":
+            raise ValueError(f"EPLB checkpoint field {name!r} must hold integers, got dtype {value.dtype}")
+        fields[name] = value
+    if fields["version"].shape != () or int(fields["version"]) != ITEM_VERSION:
+        raise ValueError(f"EPLB checkpoint field 'version' is {fields['version']!r}, this library reads {ITEM_VERSION}")
+    saved = _saved_config(fields["config"])
+    for name in ("window_size", "num_redundant_experts", "num_gpus"):
+        if getattr(saved, name) != getattr(config, name):
+            raise ValueError(
+                f"EPLB checkpoint field 'config': saved with {name}={getattr(saved, name)}, "
+                f"the controller has {name}={getattr(config, name)}"
+            )
+    size = config.window_size
+    shapes = {
+        "phy2log": (num_layers, num_physical),
+        "log2phy": (num_layers, num_logical, num_physical - num_logical + 1),
+        "logcnt": (num_layers, num_logical),
+        "pass_load": (num_layers, num_physical),
+        "window": (size, num_layers, num_physical),
+        **{name: () for name in _COUNTERS},
+    }
+    for name, shape in shapes.items():
+        if fields[name].shape != shape:
+            raise ValueError(f"EPLB checkpoint field {name!r} has shape {fields[name].shape}, the model needs {shape}")
+    try:
+        placement = Placement.from_tables(
+            fields["phy2log"], fields["log2phy"], fields["logcnt"], num_ranks=config.num_gpus
+        )
+    except ValueError as e:
+        raise ValueError(f"EPLB checkpoint placement (fields 'phy2log', 'log2phy', 'logcnt'): {e}") from None
+    for name in ("pass_load", "window"):
+        if np.any(fields[name] < 0):
+            raise ValueError(f"EPLB checkpoint field {name!r} holds negative loads")
+    pos, filled, step, total, count = (int(fields[name]) for name in _COUNTERS)
+    if not 0 <= pos < size:
+        raise ValueError(f"EPLB checkpoint field 'window_pos' is {pos}, outside [0, {size})")
+    if not 0 <= filled <= size:
+        raise ValueError(f"EPLB checkpoint field 'window_filled' is {filled}, outside [0, {size}]")
+    if filled < size and pos != filled:
+        raise ValueError(f"EPLB checkpoint fields 'window_pos' ({pos}) and 'window_filled' ({filled}) disagree")
+    if not 0 <= step <= total:
+        raise ValueError(f"EPLB checkpoint fields 'step' ({step}) and 'total_steps' ({total}) need 0 <= step <= total")
+    if count < 0:
+        raise ValueError(f"EPLB checkpoint field 'num_rearrangements' is negative ({count})")
+    return Snapshot(saved, placement, {name: fields[name].astype(np.int32) for name in STATE_FIELDS})
+
+
+def _saved_config(raw: np.ndarray) -> EplbConfig:
+    if raw.ndim != 1 or raw.dtype != np.uint8:
+        raise ValueError(f"EPLB checkpoint field 'config' must be uint8 JSON bytes, got {raw.dtype}{list(raw.shape)}")
+    try:
+        return EplbConfig.from_json(raw.tobytes().decode())
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"EPLB checkpoint field 'config': {e}") from None

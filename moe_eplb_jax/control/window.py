@@ -1,0 +1,148 @@
+"""The load window on the mesh: per-rank rows sharded over the EP axis, jitted updates with fixed shardings.
+
+``LoadWindow`` owns the jitted functions over an ``EplbState`` in the
+per-rank layout (``pass_load [L, G, P]``, ``window [W, L, G, P]``, the ``G``
+axis sharded over the EP mesh axis, counters replicated): closing a step is
+elementwise on each rank's rows (no collective); the readers sum the rank rows
+(the one all-reduce), only on steps that log, rearrange or checkpoint.
+
+:func:`close_step` is the pure function a jitted train step calls itself (the
+functional API); ``LoadWindow.close`` is the same, jitted with the state
+donated, for callers outside a jitted step (the NNX controller).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as PS
+
+from moe_eplb_jax import state as eplb_state
+from moe_eplb_jax.state import EplbConfig, EplbState
+
+__all__ = ["LoadWindow", "close_step", "host_value", "sum_rank_rows", "split_rank_rows"]
+
+
+def close_step(state: EplbState, loads, *, dummy=False) -> EplbState:
+    """Records one step's per-layer loads and closes the step; pure, for use inside a jitted step.
+
+    ``loads``: one array per MoE layer (or one ``[L, ...]`` array), each
+    ``[G, P]`` (row ``g`` counted on EP rank ``g``) or ``[P]`` already summed
+    over the ranks (then charged to rank 0's row: the sums every reader uses
+    are unchanged). ``dummy`` (a traced bool allowed) advances the step
+    counters without writing the window.
+    """
+    num_ranks = state.pass_load.shape[1]
+    rows = []
+    for load in loads:
+        load = jnp.asarray(load).astype(jnp.int32)
+        if load.ndim == 1:
+            load = jnp.where(jnp.arange(num_ranks)[:, None] == 0, load[None, :], 0)
+        rows.append(load)
+    return eplb_state.end_step(eplb_state.record(state, jnp.stack(rows)), dummy=dummy)
+
+
+def sum_rank_rows(state: EplbState) -> EplbState:
+    """The per-rank state with its rank rows summed: the single-layout state a checkpoint holds."""
+    return dataclasses.replace(
+        state, pass_load=state.pass_load.sum(1, dtype=jnp.int32), window=state.window.sum(2, dtype=jnp.int32)
+    )
+
+
+def split_rank_rows(state: EplbState, num_ranks: int) -> EplbState:
+    """Inverse of :func:`sum_rank_rows` up to the split: the totals go to rank 0's row."""
+
+    def rows(x, axis):
+        first = jax.lax.broadcasted_iota(jnp.int32, (*x.shape[:axis], num_ranks, *x.shape[axis:]), axis) == 0
+        return jnp.where(first, jnp.expand_dims(x, axis), 0)
+
+    return dataclasses.replace(state, pass_load=rows(state.pass_load, 1), window=rows(state.window, 2))
+
+
+def _window_rows(state: EplbState):
+    """``[W, L, P]`` the window's valid rows summed over ranks, oldest first (rows past ``window_filled`` zero)."""
+    size = state.window.shape[0]
+    order = (state.window_pos - state.window_filled + jnp.arange(size)) % size
+    rows = state.window.sum(2, dtype=jnp.int32)[order]
+    valid = jnp.arange(size) < state.window_filled
+    return jnp.where(valid[:, None, None], rows, 0)
+
+
+class LoadWindow:
+    """Jitted ``EplbState`` updates of ``num_layers`` layers of ``num_physical`` slots on ``mesh``.
+
+    Every function has fixed output shardings, so the model's and these
+    functions' inputs keep one sharding and nothing recompiles step to step.
+    """
+
+    def __init__(self, config: EplbConfig, mesh: jax.sharding.Mesh, num_layers: int, num_physical: int, axis: str):
+        self.config, self.mesh, self.axis = config, mesh, axis
+        self.num_layers, self.num_physical = int(num_layers), int(num_physical)
+        self.num_ranks = int(mesh.shape[axis])
+        replicated = NamedSharding(mesh, PS())
+        make = functools.partial(eplb_state.init_state, config, self.num_layers, self.num_physical, per_rank=True)
+        sharding = jax.tree.map(lambda _: replicated, jax.eval_shape(make))
+        self.sharding = dataclasses.replace(
+            sharding,
+            pass_load=NamedSharding(mesh, PS(None, axis, None)),
+            window=NamedSharding(mesh, PS(None, None, axis, None)),
+        )
+        self.fresh = jax.jit(make, out_shardings=self.sharding)
+        # Donated: the window ([W, L, G, P]) is updated in place, not copied every step.
+        self.close = jax.jit(
+            lambda state, loads, dummy: close_step(state, loads, dummy=dummy),
+            donate_argnums=0,
+            out_shardings=self.sharding,
+        )
+        self.mark_rearranged = jax.jit(eplb_state.mark_rearranged, out_shardings=self.sharding)
+        self.step_slot_load = jax.jit(_per_step, out_shardings=replicated)
+        self.slot_load = jax.jit(eplb_state.window_slot_load, out_shardings=replicated)
+        self._logical_load = jax.jit(eplb_state.window_logical_load, static_argnums=2, out_shardings=replicated)
+        self.summed = jax.jit(sum_rank_rows, out_shardings=replicated)
+        self.split = jax.jit(split_rank_rows, static_argnums=1, out_shardings=self.sharding)
+        self.rows = jax.jit(_window_rows, out_shardings=replicated)
+
+    def logical_load(self, state: EplbState, phy2log, num_logical: int) -> np.ndarray:
+        """``[L, E]`` host float64 logical loads of the window (every rank's rows summed)."""
+        return np.asarray(
+            host_value(self._logical_load(state, np.asarray(phy2log, np.int32), int(num_logical))), np.float64
+        )
+
+    def logical_rows(self, state: EplbState, phy2log, num_logical: int) -> np.ndarray:
+        """``[steps, L, E]`` host logical loads of each step in the window, oldest first (a load file's rows)."""
+        filled = int(host_value(state.window_filled))
+        rows = np.asarray(host_value(self.rows(state)))[:filled].astype(np.float64)
+        onehot = np.asarray(phy2log)[:, :, None] == np.arange(int(num_logical))  # [L, P, E]
+        return np.einsum("slp,lpe->sle", rows, onehot.astype(np.float64))
+
+    def put(self, summed: dict[str, np.ndarray]) -> EplbState:
+        """Host ``EplbState`` fields in the summed layout (a checkpoint's) placed on the mesh, per-rank layout."""
+        from moe_eplb_jax.sharding.mesh import put_host
+
+        fields = {f.name: put_host(np.asarray(summed[f.name], np.int32), self.mesh) for f in _FIELDS}
+        return self.split(EplbState(**fields), self.num_ranks)
+
+    def host_summed(self, state: EplbState) -> dict[str, np.ndarray]:
+        """The state's fields on the host, rank rows summed (a checkpoint's layout)."""
+        summed = self.summed(state)
+        return {f.name: np.array(host_value(getattr(summed, f.name))) for f in _FIELDS}
+
+
+_FIELDS = dataclasses.fields(EplbState)
+
+
+def _per_step(loads):
+    """``[L, P]`` one step's per-layer loads summed over the ranks (each ``[G, P]`` or ``[P]``)."""
+    return jnp.stack([load.sum(0, dtype=jnp.int32) if load.ndim == 2 else load.astype(jnp.int32) for load in loads])
+
+
+def host_value(value) -> np.ndarray:
+    """A replicated array's value on this host (every process holds all of it)."""
+    if isinstance(value, jax.Array) and not value.is_fully_addressable:
+        value = value.addressable_data(0)
+    return np.asarray(value)
