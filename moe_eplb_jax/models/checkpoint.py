@@ -236,18 +236,18 @@ def _placement_for(model: MoECausalLM, placement) -> Placement:
 
 
 def _check_quantizable(tensors, config: ModelConfig, fmt: str) -> None:
-    """Quantizes one expert of the shapes at hand (the format's shape rules) and scans every expert for NaN/Inf."""
+    """Scans every expert for NaN/Inf, then quantizes one expert of the shapes at hand (the format's shape rules)."""
     from moe_eplb_jax import quant
 
+    for name, value in tensors.items():
+        if ".mlp.experts." in name and not np.all(np.isfinite(value.astype(np.float32))):
+            raise ValueError(f"checkpoint tensor {name!r} holds NaN/Inf; it cannot be quantized to {fmt!r}")
     first = f"model.layers.{config.first_dense_layers}.mlp.experts.0."
     gate, up, down = (tensors[first + f"{n}_proj.weight"].astype(np.float32)[None] for n in ("gate", "up", "down"))
     try:
         quant.quantize_mlp(gate, up, down, fmt)
     except ValueError as e:
         raise ValueError(f"quantize={fmt!r} does not fit the expert shapes: {e}") from None
-    for name, value in tensors.items():
-        if ".mlp.experts." in name and not np.all(np.isfinite(value.astype(np.float32))):
-            raise ValueError(f"checkpoint tensor {name!r} holds NaN/Inf; it cannot be quantized to {fmt!r}")
 
 
 def _assignments(model: MoECausalLM, tensors, placement: Placement, *, keep_expert_float32: bool):

@@ -180,6 +180,8 @@ def generate(
     valid = np.arange(width)[None, :] >= (width - lengths)[:, None]
     rows = PS(model.axis)
     key = jax.random.key(seed)
+    # Traced, so a new eos or pad id does not recompile; -1 matches no token.
+    ids = {"eos_id": jnp.int32(-1 if eos_id is None else eos_id), "pad_id": jnp.int32(pad_id)}
     recording = jnp.asarray(bool(record))
     step = functools.partial(_step_callback, on_step)
     start = time.perf_counter()
@@ -194,8 +196,7 @@ def generate(
             key,
             recording,
             sampling=sampling,
-            eos_id=eos_id,
-            pad_id=pad_id,
+            **ids,
         )
         generated = [jax.block_until_ready(out)]
         prefill_seconds = time.perf_counter() - start
@@ -209,8 +210,7 @@ def generate(
                 jax.random.fold_in(key, n),
                 recording,
                 sampling=sampling,
-                eos_id=eos_id,
-                pad_id=pad_id,
+                **ids,
             )
             generated.append(out)
             step(n + 1)
@@ -230,8 +230,7 @@ def generate(
                 jax.random.fold_in(key, n),
                 recording,
                 sampling=sampling,
-                eos_id=eos_id,
-                pad_id=pad_id,
+                **ids,
             )
             generated.append(out)
             if n == 0:
@@ -255,21 +254,20 @@ def _step_callback(on_step, n):
 
 def _next(logits, active, key, *, mesh, sampling, eos_id, pad_id):
     """Picks the next tokens; rows no longer active get ``pad_id``; returns replicated ``(tokens, active)``."""
-    picked = jnp.where(active, sample(logits, key, sampling), jnp.int32(pad_id))
-    if eos_id is not None:
-        active = active & (picked != eos_id)
+    picked = jnp.where(active, sample(logits, key, sampling), pad_id)
+    active = active & (picked != eos_id)
     replicated = NamedSharding(mesh, PS())  # readable on every process
     return jax.lax.with_sharding_constraint(picked, replicated), jax.lax.with_sharding_constraint(active, replicated)
 
 
-@functools.partial(nnx.jit, static_argnames=("sampling", "eos_id", "pad_id"), donate_argnames=("cache",))
+@functools.partial(nnx.jit, static_argnames=("sampling",), donate_argnames=("cache",))
 def _prefill(model, tokens, valid, active, cache, key, record, *, sampling, eos_id, pad_id):
     logits, cache = model.call_cached(tokens, cache, valid=valid, record=record)
     picked, active = _next(logits, active, key, mesh=model.mesh, sampling=sampling, eos_id=eos_id, pad_id=pad_id)
     return picked, active, cache
 
 
-@functools.partial(nnx.jit, static_argnames=("sampling", "eos_id", "pad_id"), donate_argnames=("cache",))
+@functools.partial(nnx.jit, static_argnames=("sampling",), donate_argnames=("cache",))
 def _decode(model, token, active, cache, key, record, *, sampling, eos_id, pad_id):
     rows = NamedSharding(model.mesh, PS(model.axis))
     token = jax.lax.with_sharding_constraint(token, rows)[:, None]
@@ -279,7 +277,7 @@ def _decode(model, token, active, cache, key, record, *, sampling, eos_id, pad_i
     return picked, active, cache
 
 
-@functools.partial(nnx.jit, static_argnames=("sampling", "eos_id", "pad_id"), donate_argnames=("buffer", "valid"))
+@functools.partial(nnx.jit, static_argnames=("sampling",), donate_argnames=("buffer", "valid"))
 def _recompute(model, buffer, valid, active, position, key, record, *, sampling, eos_id, pad_id):
     """One token by running the whole buffer (no cache); writes it at ``position``."""
     logits = model(buffer, valid=valid, record=record)

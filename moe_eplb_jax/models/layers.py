@@ -21,9 +21,14 @@ __all__ = ["Attention", "DenseMLP", "RMSNorm", "apply_rope", "attention_mask", "
 
 
 def replicated_param(rngs: nnx.Rngs, shape, *, fan_in: int, dtype, mesh) -> nnx.Param:
-    """A parameter drawn from ``N(0, 1/fan_in)``, replicated on ``mesh`` (same on every process)."""
-    value = jax.random.normal(rngs.params(), shape, jnp.float32) * fan_in**-0.5
-    return nnx.Param(put_host(np.asarray(value.astype(dtype)), mesh))
+    """A parameter drawn from ``N(0, 1/fan_in)``, replicated on ``mesh`` (same on every process).
+
+    Drawn on the host from a seed taken from ``rngs``: no device program per
+    weight shape to compile.
+    """
+    seed = np.asarray(jax.random.key_data(rngs.params())).ravel()
+    value = np.random.default_rng(seed).standard_normal(shape, np.float32) * np.float32(fan_in**-0.5)
+    return nnx.Param(put_host(value.astype(dtype), mesh))
 
 
 class RMSNorm(nnx.Module):
