@@ -120,7 +120,7 @@ def test_sample_filters(rng):
     ("kwargs", "match"),
     [
         ({"max_new_tokens": 0}, "max_new_tokens"),
-        ({"max_new_tokens": 300}, "max_seq_len"),
+        ({"max_new_tokens": 600}, "max_seq_len"),
         ({"prompt_width": 2}, "width must be"),
         ({"eos_id": 256}, "eos_id=256 is outside"),
         ({"prompts": []}, "prompts is empty"),

@@ -77,7 +77,7 @@ class ModelConfig:
     qk_norm: bool = True
     rope_theta: float = 10000.0
     rms_eps: float = 1e-6
-    max_seq_len: int = 256
+    max_seq_len: int = 512
     tie_embeddings: bool = False
     dtype: str = "float32"
 
