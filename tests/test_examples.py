@@ -54,7 +54,18 @@ def test_help_shows_defaults(capsys, script):
     assert "(default: tiny)" in out and "(default: 8)" in out and "{deepseek_v3_small,small,tiny}" in out
 
 
+@pytest.fixture
+def keep_environment(monkeypatch):
+    """The scripts set JAX's device flags in os.environ (no effect once JAX runs): undo that afterwards."""
+    for name in ("XLA_FLAGS", "JAX_PLATFORMS"):
+        if name in os.environ:
+            monkeypatch.setenv(name, os.environ[name])
+        else:
+            monkeypatch.delenv(name, raising=False)
+
+
 @pytest.mark.slow
+@pytest.mark.usefixtures("keep_environment")
 def test_serve_runs_and_rebalances(capsys):
     serve.main(["--batch", "8", "--new-tokens", "3", "--max-prompt", "8", "--warmup-batches", "2", "--batches", "1"])
     out = capsys.readouterr().out
@@ -66,6 +77,7 @@ def test_serve_runs_and_rebalances(capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("keep_environment")
 def test_train_checkpoints_and_resumes_exactly(capsys, tmp_path):
     """Three steps, a checkpoint, three more after --resume == six steps straight (same data, same moves)."""
     common = ["--batch", "8", "--seq", "8", "--step-interval", "4", "--log-every", "1"]

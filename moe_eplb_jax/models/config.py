@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax.numpy as jnp
 import numpy as np
 
 from moe_eplb_jax.flax.layer import ROUTER_SCORINGS
@@ -148,8 +149,7 @@ class ModelConfig:
 
     @property
     def jnp_dtype(self):
-        import jax.numpy as jnp
-
+        """``dtype`` as a numpy dtype (``jnp.bfloat16``'s for ``"bfloat16"``)."""
         return jnp.dtype(self.dtype)
 
     def replace(self, **changes) -> ModelConfig:
@@ -163,9 +163,9 @@ def _check_int(name: str, value, *, minimum: int) -> None:
 
 
 PRESETS: dict[str, ModelConfig] = {
-    # CPU tests and the README demo: 3 blocks (1 dense, 2 MoE), 16 experts, Qwen3-MoE routing, ~0.2M parameters.
+    # CPU tests and the README demo: 3 blocks (1 dense, 2 MoE), 16 experts, Qwen3-MoE routing, 0.3M parameters.
     "tiny": ModelConfig(),
-    # One GPU: Qwen3-MoE-shaped, 8 blocks (1 dense, 7 MoE x 64 experts), ~0.9B parameters (1.8 GB in bf16).
+    # One GPU: Qwen3-MoE-shaped, 8 blocks (1 dense, 7 MoE x 64 experts, top-8), 0.77B parameters (1.5 GB in bf16).
     "small": ModelConfig(
         vocab_size=32768,
         dim=1024,
@@ -186,7 +186,8 @@ PRESETS: dict[str, ModelConfig] = {
     ),
     # Two GPUs: DeepSeek-V3's MoE (256 experts, top-8 of 4 of 8 groups, sigmoid scores with a correction bias,
     # a shared expert, routed scaling 2.5, 3 of 61 blocks dense -> 1 of 12) at a smaller width, with GQA in place
-    # of MLA; ~19B parameters (38 GB in bf16; training with Adam fills two H200s).
+    # of MLA; 18B parameters, 0.94B active per token (36 GB in bf16; with AdamW moments and gradients training
+    # needs ~150 GB before activations: two H200s).
     "deepseek_v3_small": ModelConfig(
         vocab_size=32768,
         dim=2048,

@@ -193,7 +193,9 @@ class MoECausalLM(nnx.Module):
         (``T = 1``) are the same call. The new tokens go to positions
         ``[cache.index, cache.index + T)`` of every row; ``valid`` marks the
         real ones (a finished request's decode token is padding). Fixed shapes:
-        one compilation per ``(B, T, S)``.
+        one compilation per ``(B, T, S)``. ``cache.index + T`` must not exceed
+        ``S``: the index is traced, so this is the caller's to keep
+        (``generate`` sizes the cache for it).
         """
         if not isinstance(cache, KVCache):
             raise ValueError(f"cache must be a KVCache, got {type(cache).__name__}")
