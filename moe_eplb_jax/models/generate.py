@@ -184,16 +184,20 @@ def generate(
     ids = {"eos_id": jnp.int32(-1 if eos_id is None else eos_id), "pad_id": jnp.int32(pad_id)}
     recording = jnp.asarray(bool(record))
     step = functools.partial(_step_callback, on_step)
+    counter = jnp.int32(0)  # the step index, carried on the device: it folds into the sampling key
     start = time.perf_counter()
+    # cached_partial walks the model's graph once, not at every step; variables set from outside between steps
+    # (a rearrangement's weights and tables) are still read at each call.
     if use_cache:
         cache = model.init_cache(tokens.shape[0], total - 1)
-        out, active, cache = _prefill(
-            model,
+        prefill, decode = nnx.cached_partial(_prefill, model), nnx.cached_partial(_decode, model)
+        out, active, cache, counter = prefill(
             put_host(tokens, model.mesh, rows),
             put_host(valid, model.mesh, rows),
             put_host(lengths > 0, model.mesh, PS()),
             cache,
             key,
+            counter,
             recording,
             sampling=sampling,
             **ids,
@@ -202,35 +206,19 @@ def generate(
         prefill_seconds = time.perf_counter() - start
         step(1)
         for n in range(1, max_new_tokens):
-            out, active, cache = _decode(
-                model,
-                out,
-                active,
-                cache,
-                jax.random.fold_in(key, n),
-                recording,
-                sampling=sampling,
-                **ids,
-            )
+            out, active, cache, counter = decode(out, active, cache, key, counter, recording, sampling=sampling, **ids)
             generated.append(out)
             step(n + 1)
     else:
+        recompute = nnx.cached_partial(_recompute, model)
         buffer = np.concatenate([tokens, np.full((tokens.shape[0], max_new_tokens), pad_id, np.int32)], axis=1)
         buffer_valid = np.concatenate([valid, np.zeros((tokens.shape[0], max_new_tokens), bool)], axis=1)
         buffer, buffer_valid = put_host(buffer, model.mesh, rows), put_host(buffer_valid, model.mesh, rows)
         active = put_host(lengths > 0, model.mesh, PS())
-        generated, prefill_seconds = [], 0.0
+        generated, prefill_seconds, prompt_end = [], 0.0, jnp.int32(width)
         for n in range(max_new_tokens):
-            out, active, buffer, buffer_valid = _recompute(
-                model,
-                buffer,
-                buffer_valid,
-                active,
-                jnp.int32(width + n),
-                jax.random.fold_in(key, n),
-                recording,
-                sampling=sampling,
-                **ids,
+            out, active, buffer, buffer_valid, counter = recompute(
+                buffer, buffer_valid, active, prompt_end, key, counter, recording, sampling=sampling, **ids
             )
             generated.append(out)
             if n == 0:
@@ -252,40 +240,47 @@ def _step_callback(on_step, n):
         on_step(n)
 
 
-def _next(logits, active, key, *, mesh, sampling, eos_id, pad_id):
+def _next(logits, active, key, counter, *, mesh, sampling, eos_id, pad_id):
     """Picks the next tokens; rows no longer active get ``pad_id``; returns replicated ``(tokens, active)``."""
-    picked = jnp.where(active, sample(logits, key, sampling), pad_id)
+    picked = jnp.where(active, sample(logits, jax.random.fold_in(key, counter), sampling), pad_id)
     active = active & (picked != eos_id)
     replicated = NamedSharding(mesh, PS())  # readable on every process
     return jax.lax.with_sharding_constraint(picked, replicated), jax.lax.with_sharding_constraint(active, replicated)
 
 
 @functools.partial(nnx.jit, static_argnames=("sampling",), donate_argnames=("cache",))
-def _prefill(model, tokens, valid, active, cache, key, record, *, sampling, eos_id, pad_id):
+def _prefill(model, tokens, valid, active, cache, key, counter, record, *, sampling, eos_id, pad_id):
     logits, cache = model.call_cached(tokens, cache, valid=valid, record=record)
-    picked, active = _next(logits, active, key, mesh=model.mesh, sampling=sampling, eos_id=eos_id, pad_id=pad_id)
-    return picked, active, cache
+    picked, active = _next(
+        logits, active, key, counter, mesh=model.mesh, sampling=sampling, eos_id=eos_id, pad_id=pad_id
+    )
+    return picked, active, cache, counter + 1
 
 
 @functools.partial(nnx.jit, static_argnames=("sampling",), donate_argnames=("cache",))
-def _decode(model, token, active, cache, key, record, *, sampling, eos_id, pad_id):
+def _decode(model, token, active, cache, key, counter, record, *, sampling, eos_id, pad_id):
     rows = NamedSharding(model.mesh, PS(model.axis))
     token = jax.lax.with_sharding_constraint(token, rows)[:, None]
     valid = jax.lax.with_sharding_constraint(active, rows)[:, None]
     logits, cache = model.call_cached(token, cache, valid=valid, record=record)
-    picked, active = _next(logits, active, key, mesh=model.mesh, sampling=sampling, eos_id=eos_id, pad_id=pad_id)
-    return picked, active, cache
+    picked, active = _next(
+        logits, active, key, counter, mesh=model.mesh, sampling=sampling, eos_id=eos_id, pad_id=pad_id
+    )
+    return picked, active, cache, counter + 1
 
 
 @functools.partial(nnx.jit, static_argnames=("sampling",), donate_argnames=("buffer", "valid"))
-def _recompute(model, buffer, valid, active, position, key, record, *, sampling, eos_id, pad_id):
-    """One token by running the whole buffer (no cache); writes it at ``position``."""
+def _recompute(model, buffer, valid, active, width, key, counter, record, *, sampling, eos_id, pad_id):
+    """One token by running the whole buffer (no cache); writes it at position ``width + counter``."""
+    position = width + counter
     logits = model(buffer, valid=valid, record=record)
     last = jax.lax.dynamic_index_in_dim(logits, position - 1, axis=1, keepdims=False)
-    picked, new_active = _next(last, active, key, mesh=model.mesh, sampling=sampling, eos_id=eos_id, pad_id=pad_id)
+    picked, new_active = _next(
+        last, active, key, counter, mesh=model.mesh, sampling=sampling, eos_id=eos_id, pad_id=pad_id
+    )
     rows = NamedSharding(model.mesh, PS(model.axis))
     column = jax.lax.with_sharding_constraint(picked, rows)[:, None]
     buffer = jax.lax.dynamic_update_slice(buffer, column, (0, position))
     written = jax.lax.with_sharding_constraint(active & new_active, rows)[:, None]
     valid = jax.lax.dynamic_update_slice(valid, written, (0, position))
-    return picked, new_active, buffer, valid
+    return picked, new_active, buffer, valid, counter + 1
