@@ -87,6 +87,18 @@ def _divided(args) -> dict[str, int]:
     return {"--batch": args.batch, "P = E + --redundant": PRESETS[args.preset].num_experts + args.redundant}
 
 
+def on_mesh(x, mesh):
+    """``x`` as is when it is already on ``mesh``, else replicated on it (from its host bytes)."""
+    import numpy as np
+    from jax.sharding import NamedSharding
+
+    from moe_eplb_jax.sharding import put_host
+
+    if isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh:
+        return x
+    return put_host(np.asarray(x), mesh)
+
+
 def main(argv=None):
     prepare_devices(argv)  # before anything imports jax
     parser, args = parse_args(argv)
@@ -114,6 +126,9 @@ def main(argv=None):
     skew_routers(model, args.skew)
     trainable = nnx.All(nnx.Param, nnx.Not(nnx.PathContains("router_bias")))  # the skew stays fixed
     optimizer = nnx.Optimizer(model, optax.adamw(args.lr), wrt=trainable)
+    # optax makes its step counters on one device; put them on the mesh like everything else, so a checkpoint
+    # restores them where the jitted step expects them.
+    nnx.update(optimizer, jax.tree.map(lambda x: on_mesh(x, mesh), nnx.state(optimizer)))
     eplb = EplbConfig(
         num_redundant_experts=args.redundant,
         window_size=args.step_interval,
