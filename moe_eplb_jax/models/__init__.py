@@ -10,7 +10,7 @@
 from moe_eplb_jax.models.checkpoint import checkpoint_shapes, export_checkpoint, load_checkpoint, router_bias_name
 from moe_eplb_jax.models.config import DTYPES, PRESETS, ModelConfig, preset
 from moe_eplb_jax.models.data import skew_routers, zipf_router_bias, zipf_tokens
-from moe_eplb_jax.models.generate import Generation, Sampling, generate, left_pad, sample
+from moe_eplb_jax.models.generation import Generation, Sampling, generate, left_pad, sample
 from moe_eplb_jax.models.model import DecoderBlock, KVCache, MoECausalLM
 
 __all__ = [
