@@ -1,37 +1,121 @@
-"""Start-up shared by the examples: simulated devices, several processes, the EP mesh.
+"""Start-up shared by the examples: flag types and checks, simulated devices, several processes, the EP mesh.
 
-JAX reads the device count when it starts, so ``start`` sets the flags BEFORE
-importing jax; the example scripts therefore import jax only after calling it.
+JAX reads its platform and device count when it is imported and started, so
+a script calls ``prepare_devices(argv)`` first, before anything imports jax
+(``moe_eplb_jax`` does), then parses and checks its flags the argparse way
+(one line naming the flag, exit status 2), then builds the ``Runtime``.
 """
 
 from __future__ import annotations
 
+import argparse
+import math
 import os
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring as written, and every flag's default in its help."""
+
+
+def _number(kind, text: str, test, what: str):
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+    if kind is float and not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    if not test(value):
+        raise argparse.ArgumentTypeError(f"{text!r} must be {what}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    return _number(int, text, lambda v: v >= 1, "a positive integer")
+
+
+def nonnegative_int(text: str) -> int:
+    return _number(int, text, lambda v: v >= 0, "an integer >= 0")
+
+
+def positive_float(text: str) -> float:
+    return _number(float, text, lambda v: v > 0, "a positive number")
+
+
+def nonnegative_float(text: str) -> float:
+    return _number(float, text, lambda v: v >= 0, "a number >= 0")
+
+
+def unit_interval(text: str) -> float:
+    return _number(float, text, lambda v: 0 < v <= 1, "in (0, 1]")
+
+
+DEFAULT_DEVICES = 8
+
+
+def prepare_devices(argv=None) -> None:
+    """Sets JAX's platform and device count from ``--devices`` (default 8) before jax is imported.
+
+    A malformed value is left to the full parser to report.
+    """
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--devices", default=str(DEFAULT_DEVICES))
+    known, _ = pre.parse_known_args(argv)
+    try:
+        devices = int(known.devices)
+    except ValueError:
+        return
+    if devices > 0:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
 
 
 def add_runtime_args(parser):
     """Adds --devices, --ranks and the multi-process flags to an argparse parser."""
-    parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices (0: use the real backend)")
-    parser.add_argument("--ranks", type=int, default=None, help="EP ranks (default: every device)")
+    parser.add_argument(
+        "--devices", type=nonnegative_int, default=DEFAULT_DEVICES, help="simulated CPU devices (0: the real backend)"
+    )
+    parser.add_argument("--ranks", type=positive_int, default=None, help="EP ranks (default: every device)")
     parser.add_argument("--coordinator", help="HOST:PORT of process 0 (several hosts/processes)")
-    parser.add_argument("--num-processes", type=int, default=1)
-    parser.add_argument("--process-id", type=int, default=0)
+    parser.add_argument("--num-processes", type=positive_int, default=1, help="processes taking part")
+    parser.add_argument("--process-id", type=nonnegative_int, default=0, help="this process's index")
+
+
+def check_runtime_args(parser, args) -> int | None:
+    """Checks the runtime flags against each other; returns the EP size where it is known before jax starts."""
+    if args.process_id >= args.num_processes:
+        parser.error(f"--process-id {args.process_id} must be below --num-processes {args.num_processes}")
+    if args.num_processes > 1 and not args.coordinator:
+        parser.error("--num-processes > 1 needs --coordinator HOST:PORT")
+    if args.devices and args.ranks is not None and args.ranks > args.devices * args.num_processes:
+        parser.error(f"--ranks {args.ranks} exceeds the {args.devices * args.num_processes} simulated devices")
+    if args.ranks is not None:
+        return args.ranks
+    return args.devices * args.num_processes if args.devices else None
+
+
+def check_divides(parser, ranks: int | None, sizes: dict[str, int]) -> None:
+    """``parser.error`` unless ``ranks`` divides each size, named as the user knows it (``"--batch"``...)."""
+    if ranks is None:
+        return
+    for name, size in sizes.items():
+        if size % ranks:
+            parser.error(f"{name} = {size} is not divisible by the {ranks} EP ranks (--ranks)")
 
 
 class Runtime:
     """The EP mesh, and helpers to place host data on it (the same on every process)."""
 
-    def __init__(self, args):
-        if args.devices:
-            os.environ.setdefault("JAX_PLATFORMS", "cpu")
-            os.environ["XLA_FLAGS"] = (
-                os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
-            )
-        import jax
+    def __init__(self, args, parser=None):
+        import jax  # after prepare_devices
 
         if args.coordinator:
             jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
         self.ranks = args.ranks or jax.device_count()
+        if self.ranks > jax.device_count():
+            message = f"--ranks {self.ranks} exceeds the {jax.device_count()} devices of the {jax.default_backend()}"
+            if parser is None:
+                raise ValueError(message)
+            parser.error(message)
         self.mesh = jax.make_mesh(
             (self.ranks,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[: self.ranks]
         )

@@ -6,28 +6,40 @@ Runs on the CPU in a second or two; no devices needed.
 """
 
 import argparse
+import os
+import sys
 import time
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _runtime import HelpFormatter, nonnegative_float, nonnegative_int, positive_int
 
 from moe_eplb_jax import Placement, metrics, policy
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=58)
-    ap.add_argument("--experts", type=int, default=256)
-    ap.add_argument("--redundant", type=int, default=32)
-    ap.add_argument("--gpus", type=int, default=32)
-    ap.add_argument("--nodes", type=int, default=4)
-    ap.add_argument("--groups", type=int, default=8)
-    ap.add_argument("--sigma", type=float, default=1.0, help="log-normal skew of expert loads")
-    ap.add_argument("--seed", type=int, default=0)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    ap.add_argument("--layers", type=positive_int, default=58, help="MoE layers")
+    ap.add_argument("--experts", type=positive_int, default=256, help="logical experts E")
+    ap.add_argument("--redundant", type=nonnegative_int, default=32, help="redundant slots R")
+    ap.add_argument("--gpus", type=positive_int, default=32, help="EP ranks (dividing E + R)")
+    ap.add_argument("--nodes", type=positive_int, default=4, help="hosts (dividing --gpus)")
+    ap.add_argument("--groups", type=positive_int, default=8, help="expert groups (dividing E)")
+    ap.add_argument("--sigma", type=nonnegative_float, default=1.0, help="log-normal skew of expert loads")
+    ap.add_argument("--seed", type=nonnegative_int, default=0, help="loads")
     args = ap.parse_args(argv)
+    num_physical = args.experts + args.redundant
+    for flag, size, divisor in (
+        ("E + --redundant", num_physical, args.gpus),
+        ("--gpus", args.gpus, args.nodes),
+        ("--experts", args.experts, args.groups),
+    ):
+        if size % divisor:
+            ap.error(f"{flag} = {size} is not divisible by {divisor}")
 
     rng = np.random.default_rng(args.seed)
     load = rng.lognormal(0.0, args.sigma, size=(args.layers, args.experts))
-    num_physical = args.experts + args.redundant
     before = Placement.linear(args.layers, args.experts, num_physical, num_ranks=args.gpus)
     rank_before = metrics.rank_load_from_logical(load, before.phy2log, args.gpus)
     print(

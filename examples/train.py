@@ -1,11 +1,20 @@
-"""Train a small MoE language model with optax and EPLB on synthetic, skew-routed data.
+"""Train an MoE language model with optax and EPLB on a skew-routed token stream; checkpoint and resume.
 
-    python examples/train.py                         # CPU, 8 simulated devices
-    python examples/train.py --devices 0 --ranks 8   # real GPUs
+    python examples/train.py                                    # CPU, 8 simulated devices
+    python examples/train.py --devices 0 --ranks 8              # real GPUs
+    python examples/train.py --checkpoint-dir ckpt --steps 40   # Orbax checkpoints every --checkpoint-every steps
+    python examples/train.py --checkpoint-dir ckpt --steps 80 --resume   # continue from the latest one
 
-Prints loss and balancedness as it goes; the optimizer state (Adam moments)
-moves with the expert weights at every rearrangement. Several hosts: one copy
-per host with --coordinator HOST:PORT --num-processes N --process-id I.
+The model is ``moe_eplb_jax.models`` at a preset's shape (default ``tiny``). The routing is skewed two ways:
+the tokens follow a Zipf distribution (a few ids dominate, and each row's second half repeats its first, which
+the model learns: the loss falls), and every router carries a fixed Zipf bias (expert e: -skew * log(1 + e)),
+held out of the optimizer like DeepSeek-V3's score-correction bias, so the skew lasts through training. The
+controller rearranges every --step-interval steps (the first at a quarter of it); the optimizer state (AdamW
+moments) moves with the expert weights. A checkpoint holds the model and optimizer state (Orbax) and the
+controller's state (placement, load window, counters); batch ``n`` is drawn from seed (--seed, n), so a
+resumed run sees the same data as one that never stopped.
+
+Several hosts: one copy per host with --coordinator HOST:PORT --num-processes N --process-id I.
 """
 
 from __future__ import annotations
@@ -15,70 +24,153 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _runtime import Runtime, add_runtime_args
+from _runtime import (
+    HelpFormatter,
+    Runtime,
+    add_runtime_args,
+    check_divides,
+    check_runtime_args,
+    nonnegative_float,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+    prepare_devices,
+)
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--experts", type=int, default=16)
-    p.add_argument("--redundant", type=int, default=8)
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--seq", type=int, default=32)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--step-interval", type=int, default=40, help="steps between rearrangements (first at 1/4)")
+    from moe_eplb_jax.models import PRESETS
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model shape")
+    p.add_argument("--steps", type=positive_int, default=60, help="train until this step (counting resumed ones)")
+    p.add_argument("--redundant", type=nonnegative_int, default=8, help="redundant expert slots R (P = E + R)")
+    p.add_argument("--batch", type=positive_int, default=16, help="sequences per step (divisible by the ranks)")
+    p.add_argument("--seq", type=positive_int, default=32, help="tokens per sequence")
+    p.add_argument("--lr", type=positive_float, default=3e-3, help="AdamW learning rate")
+    p.add_argument("--step-interval", type=positive_int, default=40, help="steps between rearrangements")
     p.add_argument(
         "--capacity-factor",
-        type=float,
+        type=nonnegative_float,
         default=1.25,
         help="token exchange in rounds of this factor times the balanced share (0: one worst-case all_to_all)",
     )
-    p.add_argument("--skew", type=float, default=1.5)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skew", type=nonnegative_float, default=1.5, help="Zipf skew of the fixed router bias")
+    p.add_argument("--log-every", type=positive_int, default=10, help="steps between loss lines")
+    p.add_argument("--checkpoint-dir", help="save checkpoints here (created if missing)")
+    p.add_argument("--checkpoint-every", type=positive_int, default=20, help="steps between checkpoints")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="weights and data")
     add_runtime_args(p)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    config = PRESETS[args.preset]
+    check_divides(p, check_runtime_args(p, args), _divided(args))
+    if args.seq + 1 > config.max_seq_len:
+        p.error(f"--seq {args.seq} + 1 exceeds the {args.preset} preset's max_seq_len {config.max_seq_len}")
+    if args.resume and not args.checkpoint_dir:
+        p.error("--resume needs --checkpoint-dir")
+    if args.resume and not os.path.isdir(args.checkpoint_dir):
+        p.error(f"--checkpoint-dir {args.checkpoint_dir}: no such directory to resume from")
+    if args.checkpoint_dir and os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
+        p.error(f"--checkpoint-dir {args.checkpoint_dir} is not a directory")
+    if args.checkpoint_dir and not os.path.isdir(os.path.dirname(os.path.abspath(args.checkpoint_dir))):
+        p.error(f"--checkpoint-dir {args.checkpoint_dir}: its parent directory does not exist")
+    if args.capacity_factor == 0:
+        args.capacity_factor = None
+    return p, args
+
+
+def _divided(args) -> dict[str, int]:
+    """The sizes the EP ranks must divide."""
+    from moe_eplb_jax.models import PRESETS
+
+    return {"--batch": args.batch, "P = E + --redundant": PRESETS[args.preset].num_experts + args.redundant}
+
+
+def on_mesh(x, mesh):
+    """``x`` as is when it is already on ``mesh``, else replicated on it (from its host bytes)."""
+    import numpy as np
+    from jax.sharding import NamedSharding
+
+    from moe_eplb_jax.sharding import put_host
+
+    if isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh:
+        return x
+    return put_host(np.asarray(x), mesh)
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    rt = Runtime(args)  # sets the device flags, then imports jax
+    prepare_devices(argv)  # before anything imports jax
+    parser, args = parse_args(argv)
+    rt = Runtime(args, parser)
+    check_divides(parser, rt.ranks, _divided(args))  # the EP size is known now even with --devices 0
     import jax
     import numpy as np
     import optax
-    from _model import MoELM, synthetic_batch
+    import orbax.checkpoint as ocp
     from flax import nnx
-    from tqdm import tqdm
 
     from moe_eplb_jax import EplbConfig
     from moe_eplb_jax.flax import EplbController
+    from moe_eplb_jax.models import MoECausalLM, preset, skew_routers, zipf_tokens
 
-    ranks, mesh, replicated, global_batch = rt.ranks, rt.mesh, rt.replicated, rt.global_batch
-    model = MoELM(
-        vocab=256,
-        dim=args.dim,
-        heads=4,
-        hidden=args.dim,
-        num_layers=args.layers,
-        num_experts=args.experts,
-        top_k=args.top_k,
-        num_physical=args.experts + args.redundant,
+    ranks, mesh = rt.ranks, rt.mesh
+    config = preset(args.preset)
+    model = MoECausalLM(
+        config,
         mesh=mesh,
-        skew=args.skew,
-        capacity_factor=args.capacity_factor or None,
+        num_redundant_experts=args.redundant,
+        capacity_factor=args.capacity_factor,
         rngs=nnx.Rngs(args.seed),
     )
-    optimizer = nnx.Optimizer(model, optax.adamw(args.lr), wrt=nnx.Param)
-    config = EplbConfig(
+    skew_routers(model, args.skew)
+    trainable = nnx.All(nnx.Param, nnx.Not(nnx.PathContains("router_bias")))  # the skew stays fixed
+    optimizer = nnx.Optimizer(model, optax.adamw(args.lr), wrt=trainable)
+    # optax makes its step counters on one device; put them on the mesh like everything else, so a checkpoint
+    # restores them where the jitted step expects them.
+    nnx.update(optimizer, jax.tree.map(lambda x: on_mesh(x, mesh), nnx.state(optimizer)))
+    eplb = EplbConfig(
         num_redundant_experts=args.redundant,
         window_size=args.step_interval,
         step_interval=args.step_interval,
         num_gpus=ranks,
-        log_interval=10,
     )
-    controller = EplbController(model, mesh, config, optimizer=optimizer)
+    controller = EplbController(model, mesh, eplb, optimizer=optimizer)
+    main_process = jax.process_index() == 0
+
+    manager = None
+    start = 0
+    if args.checkpoint_dir:
+        folder = os.path.abspath(args.checkpoint_dir)
+        manager = ocp.CheckpointManager(folder, options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+        if args.resume:
+            start = manager.latest_step() or 0
+            if not start:
+                parser.error(f"--resume: {args.checkpoint_dir} holds no checkpoint")
+            state = {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
+            abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+            restored = manager.restore(start, args=ocp.args.StandardRestore(abstract))
+            nnx.update(model, restored["model"])
+            nnx.update(optimizer, restored["optimizer"])
+            try:
+                controller.restore(os.path.join(folder, f"eplb-{start}.npz"))
+            except ValueError as e:
+                parser.error(f"--resume: {e}")
+            if main_process:
+                print(f"resumed from step {start} ({controller.num_rearrangements} rearrangements so far)")
+        if start >= args.steps:
+            parser.error(f"--steps {args.steps}: the checkpoint is already at step {start}")
+
+    def save(step):
+        assert manager is not None
+        manager.save(step, args=ocp.args.StandardSave({"model": nnx.state(model), "optimizer": nnx.state(optimizer)}))
+        manager.wait_until_finished()
+        if main_process:
+            controller.save(os.path.join(manager.directory, f"eplb-{step}.npz"))
+            kept = {f"eplb-{s}.npz" for s in manager.all_steps()}
+            for old in os.listdir(manager.directory):  # keep the controller states of the kept checkpoints
+                if old.startswith("eplb-") and old not in kept:
+                    os.remove(os.path.join(manager.directory, old))
 
     @nnx.jit
     def train_step(model, optimizer, tokens):
@@ -86,32 +178,33 @@ def main(argv=None):
             logits = model(tokens[:, :-1])
             return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
-        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, trainable))(model)
         optimizer.update(model, grads)
-        return jax.lax.with_sharding_constraint(loss, replicated)
+        return jax.lax.with_sharding_constraint(loss, rt.replicated)
 
-    rng = np.random.default_rng(args.seed)
-    main_process = jax.process_index() == 0
-    history = []
-    bar = tqdm(range(args.steps), disable=not main_process)
-    for step in bar:
-        loss = train_step(model, optimizer, global_batch(synthetic_batch(rng, args.batch, args.seq + 1, 256)))
+    losses = []
+    for step in range(start + 1, args.steps + 1):
+        rng = np.random.default_rng([args.seed, step])  # batch n is the same whether or not the run resumed
+        tokens = rt.global_batch(zipf_tokens(rng, args.batch, args.seq + 1, config.vocab_size))
+        loss = float(train_step(model, optimizer, tokens))
+        losses.append((step, loss))
         report = controller.step()
-        if report:
-            history.append((step + 1, float(loss), report))
-            bar.set_postfix(loss=f"{float(loss):.3f}", balancedness=f"{report.get('balancedness', 0):.3f}")
-            if report.get("rearranged") and main_process:
-                tqdm.write(
-                    f"step {step + 1}: rearranged, balancedness {report['balancedness_before']:.3f} -> "
-                    f"{report['balancedness_after']:.3f} (predicted), {report['slots_moved']} slots moved"
-                )
+        if main_process and report and report.get("rearranged"):
+            print(
+                f"step {step}: rearranged, balancedness {report['balancedness_before']:.3f} -> "
+                f"{report['balancedness_after']:.3f} (predicted), {report['slots_moved']} slots moved",
+                flush=True,
+            )
+        if main_process and (step % args.log_every == 0 or step == start + 1):
+            print(f"step {step}: loss {loss:.4f}", flush=True)
+        if manager is not None and (step % args.checkpoint_every == 0 or step == args.steps):
+            save(step)
+            if main_process:
+                print(f"step {step}: checkpoint saved to {manager.directory}", flush=True)
     if main_process:
         print("\n=== summary ===")
-        print("step    loss  balancedness")
-        for step, loss, report in history:
-            if "balancedness" in report:
-                print(f"{step:4d}  {loss:6.3f}  {report['balancedness']:.3f}")
-        print(f"rearrangements: {controller.num_rearrangements}; final loss {float(loss):.3f}")
+        print(f"steps {start + 1}..{args.steps}: loss {losses[0][1]:.4f} -> {losses[-1][1]:.4f}")
+        print(f"rearrangements: {controller.num_rearrangements}; final loss {losses[-1][1]:.6f}")
 
 
 if __name__ == "__main__":

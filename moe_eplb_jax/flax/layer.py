@@ -89,6 +89,7 @@ __all__ = [
     "ExpertLoad",
     "QuantizedExperts",
     "MoELayer",
+    "ROUTER_SCORINGS",
     "route",
     "expert_mlp",
     "moe_apply",
@@ -118,34 +119,73 @@ SHARED_EXPERTS = ("local", "waterfill")
 
 
 # --------------------------------------------------------------------- router
-def route(x, router_w, *, top_k: int, num_groups: int = 1, topk_groups: int | None = None, bias=None):
-    """Softmax top-k routing, optionally group-limited (DeepSeek-V3 style).
+ROUTER_SCORINGS = ("softmax", "sigmoid")
+
+
+def route(
+    x,
+    router_w,
+    *,
+    top_k: int,
+    num_groups: int = 1,
+    topk_groups: int | None = None,
+    bias=None,
+    scoring: str = "softmax",
+    renormalize: bool = True,
+    routed_scaling_factor: float = 1.0,
+):
+    """Top-k routing in the two styles of released MoE models.
+
+    ``scoring="softmax"`` (Qwen3-MoE; group-limited as DeepSeek-V2): scores
+    are ``softmax(logits + bias)``; a group's score is its best expert's.
+    ``scoring="sigmoid"`` (DeepSeek-V3): scores are ``sigmoid(logits)``;
+    ``bias`` (the checkpoint's ``e_score_correction_bias``) is added for the
+    choice of experts only, a group's score is the sum of its two best biased
+    scores, and the weights come from the unbiased scores.
 
     Args:
       x: ``[T, D]`` tokens.
       router_w: ``[D, E]`` router weights.
       top_k: experts per token.
       num_groups: expert groups (``E`` divisible by it); with ``topk_groups``
-        set, a token picks its experts only from its ``topk_groups`` groups with
-        the highest best-expert score.
-      bias: optional ``[E]`` added to the router logits.
+        set, a token picks its experts only from its ``topk_groups`` groups
+        with the highest group score.
+      bias: optional ``[E]`` router bias (see ``scoring``).
+      renormalize: divide the ``k`` weights by their sum (Qwen3's
+        ``norm_topk_prob``; DeepSeek-V3 sets it).
+      routed_scaling_factor: multiplies the weights after renormalisation
+        (DeepSeek-V3: 2.5).
 
     Returns:
-      ``(ids [T, k] int32, weights [T, k] float32)`` -- weights renormalised to sum to 1.
+      ``(ids [T, k] int32, weights [T, k] float32)``.
     """
+    if scoring not in ROUTER_SCORINGS:
+        raise ValueError(f"scoring must be one of {ROUTER_SCORINGS}, got {scoring!r}")
     num_experts = router_w.shape[1]
     logits = jnp.dot(x.astype(jnp.float32), router_w.astype(jnp.float32))
-    if bias is not None:
-        logits = logits + bias.astype(jnp.float32)[None, :]
-    scores = jax.nn.softmax(logits, axis=-1)
+    bias = None if bias is None else bias.astype(jnp.float32)[None, :]
+    if scoring == "softmax":
+        scores = jax.nn.softmax(logits if bias is None else logits + bias, axis=-1)
+        choice = scores
+    else:
+        scores = jax.nn.sigmoid(logits)
+        choice = scores if bias is None else scores + bias
     if topk_groups is not None and topk_groups < num_groups:
-        per_group = scores.reshape(scores.shape[0], num_groups, num_experts // num_groups)
-        _, keep = jax.lax.top_k(per_group.max(-1), topk_groups)  # [T, topk_groups]
+        per_group = choice.reshape(choice.shape[0], num_groups, num_experts // num_groups)
+        if scoring == "softmax":
+            group_score = per_group.max(-1)
+        else:
+            group_score = jax.lax.top_k(per_group, min(2, per_group.shape[-1]))[0].sum(-1)
+        _, keep = jax.lax.top_k(group_score, topk_groups)  # [T, topk_groups]
         group_mask = (keep[:, :, None] == jnp.arange(num_groups)[None, None, :]).any(1)  # [T, groups]
         mask = jnp.repeat(group_mask, num_experts // num_groups, axis=1)
-        scores = jnp.where(mask, scores, -1.0)  # below any softmax score: never picked
-    top, ids = jax.lax.top_k(scores, top_k)
-    weights = top / top.sum(-1, keepdims=True)
+        choice = jnp.where(mask, choice, -jnp.inf)  # never picked
+    _, ids = jax.lax.top_k(choice, top_k)
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
+    if renormalize:
+        weights = weights / (weights.sum(-1, keepdims=True) + jnp.float32(1e-20))
+    if routed_scaling_factor != 1.0:
+        weights = weights * jnp.float32(routed_scaling_factor)
     return ids.astype(jnp.int32), weights
 
 
@@ -166,6 +206,9 @@ def moe_apply(
     batch_axes: tuple[str, ...] | None = None,
     num_groups: int = 1,
     topk_groups: int | None = None,
+    scoring: str = "softmax",
+    renormalize: bool = True,
+    routed_scaling_factor: float = 1.0,
     routing: str = "hash",
     matmul: str = "dense",
     map_implementation: str | None = None,
@@ -184,6 +227,8 @@ def moe_apply(
       x: ``[T, D]`` tokens, ``T`` divisible by ``B * G`` (``B``: the product of
         the batch axes' sizes); sharded (or resharded) over ``batch_axes`` and ``axis``.
       router_w: ``[D, E]``; ``router_bias [E]``.
+      num_groups, topk_groups, scoring, renormalize, routed_scaling_factor:
+        the router style, see ``route``.
       experts: expert weights with leading ``[P]`` slot axes sharded over ``axis``
         (see ``expert_mlp``: float ``w_in``/``w_out`` or quantized ``gate``/``up``/``down``).
       log2phy: ``[E, S]`` int32 (-1 padded); ``logcnt [E]`` int32.
@@ -254,7 +299,17 @@ def moe_apply(
         routed_cost = _expert_hidden(experts) / shared["w_out"].shape[0]
 
     def per_rank(x, router_w, router_bias, experts, log2phy, logcnt, valid, record, lookup, replica_shares, shared):
-        ids, weights = route(x, router_w, top_k=top_k, num_groups=num_groups, topk_groups=topk_groups, bias=router_bias)
+        ids, weights = route(
+            x,
+            router_w,
+            top_k=top_k,
+            num_groups=num_groups,
+            topk_groups=topk_groups,
+            bias=router_bias,
+            scoring=scoring,
+            renormalize=renormalize,
+            routed_scaling_factor=routed_scaling_factor,
+        )
         # map_and_count neither maps nor counts an id outside [0, E): padding goes nowhere.
         ids = jnp.where(valid[:, None], ids, jnp.int32(-1))
         physical, load = _map_replicas(
@@ -478,6 +533,10 @@ class MoELayer(nnx.Module):
       mesh: the device mesh; ``axis`` names its EP axis (``G`` ranks, ``P % G == 0``).
       num_physical: ``P`` (default ``E``: no redundant slots).
       num_groups, topk_groups: group-limited routing (``topk_groups=None``: plain top-k).
+      scoring, renormalize, routed_scaling_factor: the router style (see
+        ``route``): ``"softmax"`` (Qwen3-MoE; ``router_bias`` is added to the
+        logits) or ``"sigmoid"`` (DeepSeek-V3; ``router_bias`` is the
+        score-correction bias, used to choose experts only).
       shared_hidden: width of a shared expert applied to every token (0: none).
       shared_expert: where the shared expert runs: ``"local"`` (each rank its
         own tokens) or ``"waterfill"`` (tokens of overloaded ranks computed on
@@ -515,6 +574,9 @@ class MoELayer(nnx.Module):
         num_physical: int | None = None,
         num_groups: int = 1,
         topk_groups: int | None = None,
+        scoring: str = "softmax",
+        renormalize: bool = True,
+        routed_scaling_factor: float = 1.0,
         shared_hidden: int = 0,
         shared_expert: str = "local",
         dtype: Any = jnp.float32,
@@ -546,6 +608,10 @@ class MoELayer(nnx.Module):
             raise ValueError(f"topk_groups={topk_groups} must be in [1, num_groups={num_groups}]")
         if topk_groups is not None and topk_groups * (num_experts // num_groups) < top_k:
             raise ValueError(f"topk_groups={topk_groups} groups hold fewer than top_k={top_k} experts")
+        if scoring not in ROUTER_SCORINGS:
+            raise ValueError(f"scoring must be one of {ROUTER_SCORINGS}, got {scoring!r}")
+        if not (np.isfinite(routed_scaling_factor) and routed_scaling_factor > 0):
+            raise ValueError(f"routed_scaling_factor must be positive and finite, got {routed_scaling_factor!r}")
         _gmm.get(matmul)  # validates the name
         _capacity(1, 1, capacity_factor)  # validates the factor
         if load_reduce not in LOAD_REDUCTIONS:
@@ -558,6 +624,8 @@ class MoELayer(nnx.Module):
         self.capacity_factor, self.load_reduce = capacity_factor, load_reduce
         self.mesh, self.axis = mesh, axis
         self.top_k, self.num_groups, self.topk_groups = top_k, num_groups, topk_groups
+        self.scoring, self.renormalize = scoring, bool(renormalize)
+        self.routed_scaling_factor = float(routed_scaling_factor)
         self.routing, self.matmul, self.map_implementation = routing, matmul, map_implementation
         self.num_experts, self.num_physical = num_experts, num_physical
         self.quant_format, self.quant_impl, self.activation_scaling = None, "auto", "dynamic"
@@ -638,6 +706,9 @@ class MoELayer(nnx.Module):
             batch_axes=self.batch_axes,
             num_groups=self.num_groups,
             topk_groups=self.topk_groups,
+            scoring=self.scoring,
+            renormalize=self.renormalize,
+            routed_scaling_factor=self.routed_scaling_factor,
             routing=self.routing,
             matmul=self.matmul,
             map_implementation=self.map_implementation,

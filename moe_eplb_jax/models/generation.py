@@ -1,0 +1,286 @@
+"""Batched generation with a preallocated KV cache: left-padded prefill, then one jitted step per token.
+
+    result = generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=32, sampling=Sampling(temperature=0.7, top_p=0.9),
+                      on_step=lambda n: controller.step())
+
+Prompts of different lengths are **left-padded** to one width, so every row
+writes the same cache position at every step (one ``dynamic_update_slice``,
+no per-row scatter) and the last column holds every row's newest token.
+Padding is marked invalid: it is never attended to, never routed to an
+expert and never counted as expert load; a request that produced ``eos_id``
+turns into padding too. The batch is padded with empty rows to a multiple of
+the EP size. Prefill and decode are jitted once per shape; the cache is
+donated, so each step updates it in place. ``on_step`` runs on the host
+between forward passes: record the loads there (``controller.step()``) and
+rearrange when due -- nothing recompiles, the tables are model variables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as PS
+
+from moe_eplb_jax.models.model import MoECausalLM
+from moe_eplb_jax.sharding.mesh import put_host
+
+__all__ = ["Generation", "Sampling", "generate", "left_pad", "sample"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How the next token is picked from the logits.
+
+    Attributes:
+      temperature: 0 (default): greedy (argmax); else logits are divided by it and sampled.
+      top_k: keep only the ``top_k`` most likely tokens (0: all).
+      top_p: keep the smallest set of most likely tokens whose probability reaches ``top_p`` (1.0: all).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (math.isfinite(t) and t >= 0):
+            raise ValueError(f"Sampling.temperature must be a finite number >= 0, got {t!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"Sampling.top_k must be an integer >= 0, got {self.top_k!r}")
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+            raise ValueError(f"Sampling.top_p must be in (0, 1], got {p!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """What ``generate`` returns (host arrays, one row per prompt).
+
+    Attributes:
+      tokens: ``[N, max_new_tokens]`` int32; after a request's ``eos_id`` (kept) the row holds ``pad_id``.
+      num_generated: ``[N]`` tokens generated per request, its ``eos_id`` included.
+      prefill_seconds: wall time of the prefill pass (until its tokens were ready).
+      decode_seconds: wall time of the decode steps after it, ``on_step`` included.
+    """
+
+    tokens: np.ndarray
+    num_generated: np.ndarray
+    prefill_seconds: float
+    decode_seconds: float
+
+
+def sample(logits, key, sampling: Sampling):
+    """Next tokens ``[B]`` int32 from ``logits [B, V]`` (``key`` unused when greedy)."""
+    if sampling.temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits.astype(jnp.float32) / jnp.float32(sampling.temperature)
+    floor = jnp.float32(-jnp.inf)
+    if 0 < sampling.top_k < logits.shape[-1]:
+        kth = jax.lax.top_k(logits, sampling.top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, floor, logits)
+    if sampling.top_p < 1:
+        ordered = jnp.sort(logits, axis=-1)[:, ::-1]
+        probs = jax.nn.softmax(ordered, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # probability of the tokens ranked above each one
+        keep = jnp.maximum((before < jnp.float32(sampling.top_p)).sum(-1, keepdims=True), 1)
+        cutoff = jnp.take_along_axis(ordered, keep - 1, axis=-1)
+        logits = jnp.where(logits < cutoff, floor, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def left_pad(prompts: Sequence[Sequence[int]], *, width: int | None = None, batch_multiple: int = 1, pad_id: int = 0):
+    """Host ``(tokens [B, width] int32, lengths [B] int32)``: prompts right-aligned, ``B`` rounded up to ``batch_multiple``.
+
+    Rows added for the multiple are empty (length 0). ``width`` defaults to
+    the longest prompt.
+    """
+    rows = [np.asarray(p) for p in prompts]
+    if not rows:
+        raise ValueError("prompts is empty")
+    for i, row in enumerate(rows):
+        if row.ndim != 1 or row.size == 0 or not np.issubdtype(row.dtype, np.integer):
+            raise ValueError(f"prompt {i} must be a non-empty sequence of integer token ids, got {row!r}")
+    longest = max(row.size for row in rows)
+    width = longest if width is None else width
+    if isinstance(width, bool) or not isinstance(width, (int, np.integer)) or width < longest:
+        raise ValueError(f"width must be an integer >= the longest prompt ({longest}), got {width!r}")
+    batch = -(-len(rows) // batch_multiple) * batch_multiple
+    tokens = np.full((batch, int(width)), pad_id, np.int32)
+    lengths = np.zeros(batch, np.int32)
+    for i, row in enumerate(rows):
+        tokens[i, width - row.size :] = row
+        lengths[i] = row.size
+    return tokens, lengths
+
+
+def generate(
+    model: MoECausalLM,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    sampling: Sampling = Sampling(),
+    seed: int = 0,
+    eos_id: int | None = None,
+    pad_id: int = 0,
+    prompt_width: int | None = None,
+    use_cache: bool = True,
+    record: bool = True,
+    on_step: Callable[[int], object] | None = None,
+) -> Generation:
+    """Generates ``max_new_tokens`` tokens for each prompt (see the module docstring).
+
+    Args:
+      model: the model; its MoE layers add each pass's load (``record``).
+      prompts: ``N`` token sequences, each non-empty, ids in ``[0, vocab)``.
+      max_new_tokens: tokens per request (a finished request pads the rest).
+      sampling: greedy (default) or sampled decoding; ``seed`` seeds it.
+      eos_id: a request ends after producing it (``None``: never ends early).
+      pad_id: the id written into padding.
+      prompt_width: the padded prompt width (default: the longest prompt);
+        fix it to reuse one compilation across batches of different prompts.
+      use_cache: ``False`` runs the whole sequence again for every token
+        (no KV cache): the reference the cache must match, and the baseline
+        of its speed-up.
+      record: count the expert load of every pass.
+      on_step: called on the host after each forward pass with the number of
+        tokens generated so far (1 after the prefill), e.g.
+        ``lambda n: controller.step()``.
+    """
+    if not isinstance(model, MoECausalLM):
+        raise ValueError(f"model must be a MoECausalLM, got {type(model).__name__}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if not isinstance(sampling, Sampling):
+        raise ValueError(f"sampling must be a Sampling, got {type(sampling).__name__}")
+    vocab = model.config.vocab_size
+    for name, value in (("eos_id", eos_id), ("pad_id", pad_id)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
+            raise ValueError(f"{name} must be an integer token id, got {value!r}")
+        if value is not None and not 0 <= value < vocab:
+            raise ValueError(f"{name}={value} is outside the vocabulary [0, {vocab})")
+    ranks = model.mesh.shape[model.axis]
+    tokens, lengths = left_pad(prompts, width=prompt_width, batch_multiple=ranks, pad_id=pad_id)
+    if tokens.min() < 0 or tokens.max() >= vocab:
+        raise ValueError(f"prompt token ids must be in [0, {vocab}), got ids in [{tokens.min()}, {tokens.max()}]")
+    width = tokens.shape[1]
+    total = width + int(max_new_tokens)
+    if total - 1 > model.config.max_seq_len:
+        raise ValueError(
+            f"prompt width {width} + max_new_tokens {max_new_tokens} - 1 exceeds max_seq_len={model.config.max_seq_len}"
+        )
+    valid = np.arange(width)[None, :] >= (width - lengths)[:, None]
+    rows = PS(model.axis)
+    key = jax.random.key(seed)
+    # Traced, so a new eos or pad id does not recompile; -1 matches no token.
+    ids = {"eos_id": jnp.int32(-1 if eos_id is None else eos_id), "pad_id": jnp.int32(pad_id)}
+    recording = jnp.asarray(bool(record))
+    step = functools.partial(_step_callback, on_step)
+    counter = jnp.int32(0)  # the step index, carried on the device: it folds into the sampling key
+    start = time.perf_counter()
+    # cached_partial walks the model's graph once, not at every step; variables set from outside between steps
+    # (a rearrangement's weights and tables) are still read at each call.
+    if use_cache:
+        cache = model.init_cache(tokens.shape[0], total - 1)
+        prefill, decode = nnx.cached_partial(_prefill, model), nnx.cached_partial(_decode, model)
+        out, active, cache, counter = prefill(
+            put_host(tokens, model.mesh, rows),
+            put_host(valid, model.mesh, rows),
+            put_host(lengths > 0, model.mesh, PS()),
+            cache,
+            key,
+            counter,
+            recording,
+            sampling=sampling,
+            **ids,
+        )
+        generated = [jax.block_until_ready(out)]
+        prefill_seconds = time.perf_counter() - start
+        step(1)
+        for n in range(1, max_new_tokens):
+            out, active, cache, counter = decode(out, active, cache, key, counter, recording, sampling=sampling, **ids)
+            generated.append(out)
+            step(n + 1)
+    else:
+        recompute = nnx.cached_partial(_recompute, model)
+        buffer = np.concatenate([tokens, np.full((tokens.shape[0], max_new_tokens), pad_id, np.int32)], axis=1)
+        buffer_valid = np.concatenate([valid, np.zeros((tokens.shape[0], max_new_tokens), bool)], axis=1)
+        buffer, buffer_valid = put_host(buffer, model.mesh, rows), put_host(buffer_valid, model.mesh, rows)
+        active = put_host(lengths > 0, model.mesh, PS())
+        generated, prefill_seconds, prompt_end = [], 0.0, jnp.int32(width)
+        for n in range(max_new_tokens):
+            out, active, buffer, buffer_valid, counter = recompute(
+                buffer, buffer_valid, active, prompt_end, key, counter, recording, sampling=sampling, **ids
+            )
+            generated.append(out)
+            if n == 0:
+                jax.block_until_ready(out)
+                prefill_seconds = time.perf_counter() - start
+            step(n + 1)
+    result = np.asarray(jax.device_get(jnp.stack(generated, axis=1)))
+    decode_seconds = time.perf_counter() - start - prefill_seconds
+    count = len(prompts)
+    num_generated = np.full(result.shape[0], max_new_tokens, np.int32)
+    if eos_id is not None:
+        hits = result == eos_id
+        num_generated = np.where(hits.any(axis=1), hits.argmax(axis=1) + 1, max_new_tokens).astype(np.int32)
+    return Generation(result[:count], num_generated[:count], prefill_seconds, decode_seconds)
+
+
+def _step_callback(on_step, n):
+    if on_step is not None:
+        on_step(n)
+
+
+def _next(logits, active, key, counter, *, mesh, sampling, eos_id, pad_id):
+    """Picks the next tokens; rows no longer active get ``pad_id``; returns replicated ``(tokens, active)``."""
+    picked = jnp.where(active, sample(logits, jax.random.fold_in(key, counter), sampling), pad_id)
+    active = active & (picked != eos_id)
+    replicated = NamedSharding(mesh, PS())  # readable on every process
+    return jax.lax.with_sharding_constraint(picked, replicated), jax.lax.with_sharding_constraint(active, replicated)
+
+
+@functools.partial(nnx.jit, static_argnames=("sampling",), donate_argnames=("cache",))
+def _prefill(model, tokens, valid, active, cache, key, counter, record, *, sampling, eos_id, pad_id):
+    logits, cache = model.call_cached(tokens, cache, valid=valid, record=record)
+    picked, active = _next(
+        logits, active, key, counter, mesh=model.mesh, sampling=sampling, eos_id=eos_id, pad_id=pad_id
+    )
+    return picked, active, cache, counter + 1
+
+
+@functools.partial(nnx.jit, static_argnames=("sampling",), donate_argnames=("cache",))
+def _decode(model, token, active, cache, key, counter, record, *, sampling, eos_id, pad_id):
+    rows = NamedSharding(model.mesh, PS(model.axis))
+    token = jax.lax.with_sharding_constraint(token, rows)[:, None]
+    valid = jax.lax.with_sharding_constraint(active, rows)[:, None]
+    logits, cache = model.call_cached(token, cache, valid=valid, record=record)
+    picked, active = _next(
+        logits, active, key, counter, mesh=model.mesh, sampling=sampling, eos_id=eos_id, pad_id=pad_id
+    )
+    return picked, active, cache, counter + 1
+
+
+@functools.partial(nnx.jit, static_argnames=("sampling",), donate_argnames=("buffer", "valid"))
+def _recompute(model, buffer, valid, active, width, key, counter, record, *, sampling, eos_id, pad_id):
+    """One token by running the whole buffer (no cache); writes it at position ``width + counter``."""
+    position = width + counter
+    logits = model(buffer, valid=valid, record=record)
+    last = jax.lax.dynamic_index_in_dim(logits, position - 1, axis=1, keepdims=False)
+    picked, new_active = _next(
+        last, active, key, counter, mesh=model.mesh, sampling=sampling, eos_id=eos_id, pad_id=pad_id
+    )
+    rows = NamedSharding(model.mesh, PS(model.axis))
+    column = jax.lax.with_sharding_constraint(picked, rows)[:, None]
+    buffer = jax.lax.dynamic_update_slice(buffer, column, (0, position))
+    written = jax.lax.with_sharding_constraint(active & new_active, rows)[:, None]
+    valid = jax.lax.dynamic_update_slice(valid, written, (0, position))
+    return picked, new_active, buffer, valid, counter + 1

@@ -1,0 +1,268 @@
+"""``MoECausalLM``: a decoder-only MoE language model whose MoE layers EPLB balances as they are.
+
+Token embedding -> ``num_layers`` blocks of (RMSNorm, grouped-query attention
+with RoPE, RMSNorm, MLP) -> RMSNorm -> output projection. The first
+``config.first_dense_layers`` blocks have a dense SwiGLU MLP, the rest a
+``moe_eplb_jax.flax.MoELayer`` (routed experts in ``P`` physical slots over the
+EP mesh axis, plus the shared expert), so ``EplbController(model, ...)`` finds
+and balances every MoE layer without glue. Attribute names follow the Hugging
+Face checkpoints (``embed_tokens``, ``layers[i].self_attn.q_proj``, ...).
+
+Shapes: ``tokens [B, T]`` int32 sharded over the EP axis by batch (``B * T``
+divisible by the EP size ``G``); ``valid [B, T]`` bool marks real tokens
+(``False``: padding, never routed to an expert, never counted as load, never
+attended to). A token's position is the number of real tokens before it in
+its row, so left padding and a KV cache give the same positions as the
+unpadded sequence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as PS
+
+from moe_eplb_jax.flax import MoELayer
+from moe_eplb_jax.models.config import ModelConfig
+from moe_eplb_jax.models.layers import Attention, DenseMLP, RMSNorm, attention_mask, replicated_param
+
+__all__ = ["DecoderBlock", "KVCache", "MoECausalLM"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """A preallocated key/value cache of every block for ``B`` sequences of up to ``S`` positions.
+
+    Attributes:
+      keys, values: per block, ``[B, S, K, Dh]`` in the model dtype (batch sharded over the EP axis).
+      valid: ``[B, S]`` bool, positions that hold a real token (padding and unwritten positions: ``False``).
+      index: ``[]`` int32, the next position written (the same for every row: prompts are left-padded).
+    """
+
+    keys: tuple[jax.Array, ...]
+    values: tuple[jax.Array, ...]
+    valid: jax.Array
+    index: jax.Array
+
+    @property
+    def max_len(self) -> int:
+        return int(self.valid.shape[1])
+
+
+class DecoderBlock(nnx.Module):
+    """``x + attn(norm(x))`` then ``+ mlp(norm(x))``; ``mlp`` is a ``DenseMLP`` or an EP ``MoELayer``."""
+
+    def __init__(self, config: ModelConfig, *, moe: bool, mesh, axis: str, num_physical: int, rngs, **moe_options):
+        dtype = config.jnp_dtype
+        self.input_layernorm = RMSNorm(config.dim, eps=config.rms_eps, dtype=dtype, mesh=mesh)
+        self.self_attn = Attention(config, mesh=mesh, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(config.dim, eps=config.rms_eps, dtype=dtype, mesh=mesh)
+        if moe:
+            self.mlp = MoELayer(
+                config.dim,
+                config.moe_hidden,
+                config.num_experts,
+                config.top_k,
+                mesh=mesh,
+                axis=axis,
+                num_physical=num_physical,
+                num_groups=config.num_groups,
+                topk_groups=config.topk_groups,
+                scoring=config.scoring,
+                renormalize=config.renormalize,
+                routed_scaling_factor=config.routed_scaling_factor,
+                shared_hidden=config.shared_hidden,
+                dtype=dtype,
+                rngs=rngs,
+                **moe_options,
+            )
+        else:
+            self.mlp = DenseMLP(config.dim, config.dense_hidden, dtype=dtype, mesh=mesh, rngs=rngs)
+
+    def __call__(self, x, positions, mask, *, valid, record, cache=None, cache_index: jax.Array | int = 0):
+        """-> ``(x, keys, values)``; see ``Attention`` for the cache."""
+        h, keys, values = self.self_attn(self.input_layernorm(x), positions, mask, cache, cache_index)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x), valid=valid, record=record), keys, values
+
+
+class MoECausalLM(nnx.Module):
+    """The decoder (see the module docstring).
+
+    Args:
+      config: the architecture (``ModelConfig`` or a preset from ``models.preset``).
+      mesh: the device mesh; ``axis`` is its EP axis (``G`` ranks): expert
+        slots and the batch are sharded over it, everything else replicated.
+      num_redundant_experts: ``R``, redundant slots per MoE layer
+        (``P = E + R``, divisible by ``G``); ``EplbConfig.num_redundant_experts``
+        must match.
+      rngs: ``nnx.Rngs`` for the initial weights (``models.load_checkpoint``
+        replaces them).
+      **moe_options: passed to every ``MoELayer`` (``routing``, ``matmul``,
+        ``capacity_factor``, ``load_reduce``, ``map_implementation``), so one
+        config builds the model with any replica routing or kernel.
+
+    Replicas start as copies of their expert (slot ``p`` holds expert ``p mod E``).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        mesh: jax.sharding.Mesh,
+        axis: str = "ep",
+        num_redundant_experts: int = 0,
+        rngs: nnx.Rngs,
+        **moe_options,
+    ):
+        if not isinstance(config, ModelConfig):
+            raise ValueError(f"config must be a ModelConfig, got {type(config).__name__}")
+        if axis not in mesh.shape:
+            raise ValueError(f"mesh has no axis {axis!r}; its axes are {tuple(mesh.shape)}")
+        r = num_redundant_experts
+        if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or r < 0:
+            raise ValueError(f"num_redundant_experts must be a non-negative integer, got {r!r}")
+        num_physical = config.num_experts + int(r)
+        if num_physical % mesh.shape[axis]:
+            raise ValueError(
+                f"num_redundant_experts={r}: P = E + R = {config.num_experts} + {r} = {num_physical} slots are not "
+                f"divisible by the EP size {mesh.shape[axis]} of mesh axis {axis!r}"
+            )
+        self.config, self.mesh, self.axis = config, mesh, axis
+        dtype = config.jnp_dtype
+        self.embed_tokens = replicated_param(
+            rngs, (config.vocab_size, config.dim), fan_in=config.dim, dtype=dtype, mesh=mesh
+        )
+        self.layers = nnx.List(
+            [
+                DecoderBlock(
+                    config,
+                    moe=i >= config.first_dense_layers,
+                    mesh=mesh,
+                    axis=axis,
+                    num_physical=num_physical,
+                    rngs=rngs,
+                    **moe_options,
+                )
+                for i in range(config.num_layers)
+            ]
+        )
+        self.norm = RMSNorm(config.dim, eps=config.rms_eps, dtype=dtype, mesh=mesh)
+        if config.tie_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = replicated_param(
+                rngs, (config.dim, config.vocab_size), fan_in=config.dim, dtype=dtype, mesh=mesh
+            )
+
+    # ------------------------------------------------------------ structure
+    @property
+    def moe_layers(self) -> list[MoELayer]:
+        """The MoE layers in order (the ``L`` layers of a ``Placement``)."""
+        return [block.mlp for block in self.layers if isinstance(block.mlp, MoELayer)]
+
+    @property
+    def num_physical(self) -> int:
+        return self.moe_layers[0].num_physical
+
+    # -------------------------------------------------------------- forward
+    def __call__(self, tokens, *, valid=None, record=True):
+        """``tokens [B, T]`` -> logits ``[B, T, vocab]`` float32 (causal; no cache: training, full recompute).
+
+        ``valid [B, T]`` bool (default all ``True``) marks real tokens;
+        ``record`` (a Python or traced bool) counts this pass's expert load.
+        """
+        valid = self._check_tokens(tokens, valid)
+        positions = jnp.maximum(jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1, 0)
+        mask = attention_mask(valid, 0, tokens.shape[1])
+        x = self._embed(tokens)
+        for block in self.layers:
+            x, _, _ = block(x, positions, mask, valid=valid, record=record)
+        return self._logits(x)
+
+    def call_cached(self, tokens, cache: KVCache, *, valid=None, record=True):
+        """Appends ``tokens [B, T]`` to ``cache``; returns ``(logits of the last position [B, vocab], new cache)``.
+
+        Prefill (``T`` = the left-padded prompt width, empty cache) and decode
+        (``T = 1``) are the same call. The new tokens go to positions
+        ``[cache.index, cache.index + T)`` of every row; ``valid`` marks the
+        real ones (a finished request's decode token is padding). Fixed shapes:
+        one compilation per ``(B, T, S)``. ``cache.index + T`` must not exceed
+        ``S``: the index is traced, so this is the caller's to keep
+        (``generate`` sizes the cache for it).
+        """
+        if not isinstance(cache, KVCache):
+            raise ValueError(f"cache must be a KVCache, got {type(cache).__name__}")
+        valid = self._check_tokens(tokens, valid)
+        if cache.valid.shape[0] != tokens.shape[0] or len(cache.keys) != len(self.layers):
+            raise ValueError(
+                f"cache holds {cache.valid.shape[0]} sequences of {len(cache.keys)} blocks; tokens have "
+                f"{tokens.shape[0]} sequences and the model {len(self.layers)} blocks"
+            )
+        if tokens.shape[1] > cache.max_len:
+            raise ValueError(f"{tokens.shape[1]} tokens do not fit a cache of {cache.max_len} positions")
+        seen = cache.valid.sum(axis=1, dtype=jnp.int32)[:, None]
+        positions = jnp.maximum(seen + jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1, 0)
+        kv_valid = jax.lax.dynamic_update_slice(cache.valid, valid, (0, cache.index))
+        mask = attention_mask(kv_valid, cache.index, tokens.shape[1])
+        x = self._embed(tokens)
+        keys, values = [], []
+        for block, k, v in zip(self.layers, cache.keys, cache.values):
+            x, k, v = block(x, positions, mask, valid=valid, record=record, cache=(k, v), cache_index=cache.index)
+            keys.append(k)
+            values.append(v)
+        new = KVCache(tuple(keys), tuple(values), kv_valid, cache.index + tokens.shape[1])
+        return self._logits(x[:, -1:])[:, 0], new
+
+    def init_cache(self, batch: int, max_len: int) -> KVCache:
+        """An empty cache for ``batch`` sequences (divisible by ``G``) of up to ``max_len`` positions, on the mesh."""
+        g = self.mesh.shape[self.axis]
+        if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1 or batch % g:
+            raise ValueError(f"batch must be a positive multiple of the EP size {g}, got {batch!r}")
+        if isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) or max_len < 1:
+            raise ValueError(f"max_len must be a positive integer, got {max_len!r}")
+        if max_len > self.config.max_seq_len:
+            raise ValueError(f"max_len={max_len} exceeds the model's max_seq_len={self.config.max_seq_len}")
+        c = self.config
+        shape = (int(batch), int(max_len), c.num_kv_heads, c.head_dim)
+        rows = NamedSharding(self.mesh, PS(self.axis))
+        replicated = NamedSharding(self.mesh, PS())
+        n = c.num_layers
+
+        def empty():
+            keys = tuple(jnp.zeros(shape, c.jnp_dtype) for _ in range(n))
+            values = tuple(jnp.zeros(shape, c.jnp_dtype) for _ in range(n))
+            return KVCache(keys, values, jnp.zeros(shape[:2], jnp.bool_), jnp.zeros((), jnp.int32))
+
+        shardings = jax.tree.map(lambda x: replicated if x.ndim == 0 else rows, jax.eval_shape(empty))
+        return jax.jit(empty, out_shardings=shardings)()
+
+    # -------------------------------------------------------------- helpers
+    def _check_tokens(self, tokens, valid):
+        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise ValueError(f"tokens must be an integer [B, T] array, got shape {tokens.shape} dtype {tokens.dtype}")
+        g = self.mesh.shape[self.axis]
+        if tokens.shape[0] % g:
+            raise ValueError(f"batch {tokens.shape[0]} is not divisible by the EP size {g}")
+        if valid is None:
+            return jnp.ones(tokens.shape, jnp.bool_)
+        if tuple(valid.shape) != tuple(tokens.shape) or valid.dtype != jnp.bool_:
+            raise ValueError(f"valid must be a bool array of shape {tokens.shape}, got {valid.shape} {valid.dtype}")
+        return valid
+
+    def _embed(self, tokens):
+        return jnp.take(self.embed_tokens.get_value(), tokens, axis=0)
+
+    def _logits(self, x):
+        x = self.norm(x)
+        if self.lm_head is None:
+            head = self.embed_tokens.get_value().T
+        else:
+            head = self.lm_head.get_value()
+        return jnp.dot(x, head, preferred_element_type=jnp.float32)

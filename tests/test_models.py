@@ -1,0 +1,314 @@
+"""The MoE decoder: config checks, the two router styles, the forward pass against a numpy oracle, checkpoints."""
+
+import dataclasses
+
+import _models_reference as reference
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from moe_eplb_jax.flax import route
+from moe_eplb_jax.models import (
+    PRESETS,
+    ModelConfig,
+    MoECausalLM,
+    checkpoint_shapes,
+    export_checkpoint,
+    load_checkpoint,
+    preset,
+)
+from moe_eplb_jax.placement import Placement
+
+try:
+    from safetensors import numpy as safetensors_numpy
+except ImportError:  # the optional "hf" extra; the GPU machines lack it
+    safetensors_numpy = None
+needs_safetensors = pytest.mark.skipif(safetensors_numpy is None, reason="needs safetensors (pip install .[hf])")
+
+G, R = 4, 4
+MESH = jax.make_mesh((G,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:G])
+SOFTMAX = preset("tiny")
+SIGMOID = preset(
+    "tiny", scoring="sigmoid", num_groups=4, topk_groups=2, routed_scaling_factor=2.5, qk_norm=False, shared_hidden=16
+)
+
+
+@nnx.jit
+def _forward(model, tokens, valid):
+    return model(tokens, valid=valid)
+
+
+def _model(config, seed=0, **kw):
+    return MoECausalLM(config, mesh=MESH, num_redundant_experts=R, rngs=nnx.Rngs(seed), **kw)
+
+
+def _write(tmp_path, tensors, name="model.safetensors"):
+    path = tmp_path / name
+    safetensors_numpy.save_file(tensors, str(path))
+    return path
+
+
+def _left_padded(rng, config, lengths, width):
+    tokens = rng.integers(0, config.vocab_size, (len(lengths), width)).astype(np.int32)
+    valid = np.arange(width)[None, :] >= (width - np.asarray(lengths))[:, None]
+    return tokens, valid
+
+
+# ------------------------------------------------------------------- config
+def test_presets_are_valid_and_shaped_as_described():
+    assert set(PRESETS) == {"tiny", "small", "deepseek_v3_small"}
+    v3 = PRESETS["deepseek_v3_small"]
+    assert (v3.num_experts, v3.top_k, v3.num_groups, v3.topk_groups, v3.scoring) == (256, 8, 8, 4, "sigmoid")
+    assert v3.routed_scaling_factor == 2.5 and v3.shared_hidden > 0 and v3.num_moe_layers == v3.num_layers - 1
+    assert PRESETS["tiny"].scoring == "softmax" and PRESETS["tiny"].num_moe_layers == 2
+    with pytest.raises(ValueError, match="unknown preset 'huge'"):
+        preset("huge")
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"dim": 0}, "dim"),
+        ({"num_layers": True}, "num_layers"),
+        ({"num_heads": 6, "num_kv_heads": 4}, "num_heads"),
+        ({"head_dim": 15}, "head_dim"),
+        ({"first_dense_layers": 3}, "first_dense_layers"),
+        ({"top_k": 17}, "top_k"),
+        ({"num_groups": 3}, "num_experts"),
+        ({"num_groups": 4, "topk_groups": 5}, "topk_groups"),
+        ({"num_groups": 8, "topk_groups": 1, "top_k": 3}, "topk_groups"),
+        ({"scoring": "relu"}, "scoring"),
+        ({"dtype": "float16"}, "dtype"),
+        ({"routed_scaling_factor": float("nan")}, "routed_scaling_factor"),
+        ({"rms_eps": -1.0}, "rms_eps"),
+        ({"renormalize": 1}, "renormalize"),
+    ],
+)
+def test_config_rejects_bad_fields_by_name(changes, field):
+    with pytest.raises(ValueError, match=f"ModelConfig.{field}"):
+        ModelConfig(**changes)
+
+
+def test_model_rejects_bad_construction():
+    with pytest.raises(ValueError, match="not divisible by the EP size 4"):
+        MoECausalLM(SOFTMAX, mesh=MESH, num_redundant_experts=3, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="mesh has no axis 'tp'"):
+        MoECausalLM(SOFTMAX, mesh=MESH, axis="tp", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="config must be a ModelConfig"):
+        MoECausalLM({"dim": 64}, mesh=MESH, rngs=nnx.Rngs(0))  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------- router
+@pytest.mark.parametrize(
+    "config",
+    [
+        SOFTMAX,
+        SOFTMAX.replace(renormalize=False),
+        SOFTMAX.replace(num_groups=4, topk_groups=2),
+        SIGMOID,
+        SIGMOID.replace(renormalize=False, routed_scaling_factor=1.0, topk_groups=None),
+    ],
+    ids=["qwen3", "qwen3-raw", "softmax-groups", "deepseek-v3", "sigmoid-plain"],
+)
+def test_route_matches_reference(rng, config):
+    tokens, dim, e = 64, 8, config.num_experts
+    x = rng.standard_normal((tokens, dim)).astype(np.float32)
+    w = rng.standard_normal((dim, e)).astype(np.float32)
+    bias = (rng.standard_normal(e) * 0.3).astype(np.float32)
+    ids, weights = route(
+        jnp.asarray(x),
+        jnp.asarray(w),
+        top_k=config.top_k,
+        num_groups=config.num_groups,
+        topk_groups=config.topk_groups,
+        bias=jnp.asarray(bias),
+        scoring=config.scoring,
+        renormalize=config.renormalize,
+        routed_scaling_factor=config.routed_scaling_factor,
+    )
+    ids, weights = np.asarray(ids), np.asarray(weights)
+    for t in range(tokens):
+        want_ids, want_w = reference.route(x[t].astype(np.float64) @ w.astype(np.float64), bias, config)
+        order = np.argsort(want_ids)
+        got = np.argsort(ids[t])
+        assert np.array_equal(ids[t][got], want_ids[order]), t
+        np.testing.assert_allclose(weights[t][got], want_w[order], rtol=1e-5, atol=1e-6)
+    if config.scoring == "sigmoid" and config.topk_groups is not None:
+        per_group = e // config.num_groups
+        assert all(len(set(row // per_group)) <= config.topk_groups for row in ids)
+
+
+def test_sigmoid_bias_chooses_but_does_not_weigh(rng):
+    """DeepSeek-V3: a large bias on expert 3 makes every token pick it, with its unbiased sigmoid weight."""
+    x = rng.standard_normal((16, 8)).astype(np.float32)
+    w = rng.standard_normal((8, 16)).astype(np.float32)
+    bias = np.zeros(16, np.float32)
+    bias[3] = 10.0
+    ids, weights = route(
+        jnp.asarray(x), jnp.asarray(w), top_k=2, bias=jnp.asarray(bias), scoring="sigmoid", renormalize=False
+    )
+    ids, weights = np.asarray(ids), np.asarray(weights)
+    assert np.all(ids[:, 0] == 3)
+    np.testing.assert_allclose(weights[:, 0], 1 / (1 + np.exp(-(x @ w)[:, 3])), rtol=1e-5)
+
+
+# ------------------------------------------------------------- forward pass
+@needs_safetensors
+@pytest.mark.parametrize("config", [SOFTMAX, SIGMOID], ids=["qwen3", "deepseek-v3"])
+def test_loaded_model_matches_numpy_oracle(tmp_path, rng, config):
+    """Checkpoint -> model (redundant slots, a random placement) == the float64 oracle on the checkpoint tensors."""
+    tensors = reference.random_tensors(config, rng)
+    path = _write(tmp_path, tensors)
+    model = _model(config)
+    phy2log = np.stack([rng.permutation(np.r_[np.arange(16), rng.integers(0, 16, R)]) for _ in range(2)])
+    load_checkpoint(model, path, placement=Placement.from_phy2log(phy2log, 16))
+    tokens, valid = _left_padded(rng, config, [9, 4, 1, 7], 9)
+    got = np.asarray(_forward(model, jnp.asarray(tokens), jnp.asarray(valid)))
+    want = reference.logits(tensors, config, tokens, valid)
+    np.testing.assert_allclose(got[valid], want[valid], rtol=2e-4, atol=2e-4)
+    # Padding is routed nowhere: every layer counted exactly the valid tokens' k assignments.
+    for layer in model.moe_layers:
+        assert int(np.asarray(layer.expert_load.get_value()).sum()) == valid.sum() * config.top_k
+
+
+# -------------------------------------------------------------- checkpoints
+@needs_safetensors
+def test_export_round_trips_every_tensor_byte_for_byte(tmp_path, rng):
+    tensors = reference.random_tensors(SIGMOID, rng, dtype=jnp.bfloat16)
+    path = _write(tmp_path, tensors)
+    model = _model(SIGMOID.replace(dtype="bfloat16"))
+    phy2log = np.stack([rng.permutation(np.r_[np.arange(16), rng.integers(0, 16, R)]) for _ in range(2)])
+    placement = Placement.from_phy2log(phy2log, 16)
+    load_checkpoint(model, path, placement=placement)
+    # Slot p holds expert phy2log[p]: redundant slots are copies of their expert.
+    layer = model.moe_layers[1]
+    w_in = np.asarray(layer.w_in.get_value())
+    for p, e in enumerate(phy2log[1]):
+        gate = tensors[f"model.layers.2.mlp.experts.{e}.gate_proj.weight"]
+        assert np.array_equal(w_in[p, :, :32].view(np.uint16), gate.T.view(np.uint16))
+    out = tmp_path / "export.safetensors"
+    export_checkpoint(model, out)
+    back = safetensors_numpy.load_file(str(out))
+    assert set(back) == set(tensors)
+    for name, value in tensors.items():
+        if name.endswith("mlp.gate.weight"):  # routers stay float32 in the model (and in its export): lossless
+            assert back[name].dtype == np.float32
+            value = value.astype(np.float32)
+        assert back[name].dtype == value.dtype and back[name].shape == value.shape, name
+        assert np.array_equal(back[name].view(np.uint8), value.view(np.uint8)), name
+
+
+@needs_safetensors
+def test_softmax_gate_bias_is_optional_and_exported_only_when_set(tmp_path, rng):
+    tensors = reference.random_tensors(SOFTMAX, rng)
+    path = _write(tmp_path, tensors)
+    model = _model(SOFTMAX)
+    load_checkpoint(model, path)
+    assert all(not np.asarray(layer.router_bias.get_value()).any() for layer in model.moe_layers)
+    export_checkpoint(model, tmp_path / "plain.safetensors")
+    assert set(safetensors_numpy.load_file(str(tmp_path / "plain.safetensors"))) == set(tensors)
+    tensors["model.layers.1.mlp.gate.bias"] = np.linspace(-1, 0, 16).astype(np.float32)
+    load_checkpoint(model, _write(tmp_path, tensors, "biased.safetensors"))
+    export_checkpoint(model, tmp_path / "biased_out.safetensors")
+    back = safetensors_numpy.load_file(str(tmp_path / "biased_out.safetensors"))
+    assert np.array_equal(back["model.layers.1.mlp.gate.bias"], tensors["model.layers.1.mlp.gate.bias"])
+    assert "model.layers.2.mlp.gate.bias" not in back
+
+
+@needs_safetensors
+def test_sharded_directory_loads_like_one_file(tmp_path, rng):
+    tensors = reference.random_tensors(SOFTMAX, rng)
+    names = sorted(tensors)
+    (tmp_path / "shards").mkdir()
+    _write(tmp_path / "shards", {n: tensors[n] for n in names[::2]}, "model-00001-of-00002.safetensors")
+    _write(tmp_path / "shards", {n: tensors[n] for n in names[1::2]}, "model-00002-of-00002.safetensors")
+    one, two = _model(SOFTMAX, seed=1), _model(SOFTMAX, seed=2)
+    load_checkpoint(one, tmp_path / "shards")
+    load_checkpoint(two, _write(tmp_path, tensors))
+    for a, b in zip(jax.tree.leaves(nnx.state(one, nnx.Param)), jax.tree.leaves(nnx.state(two, nnx.Param))):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+@needs_safetensors
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_quantize_on_load_equals_quantizing_the_loaded_model(tmp_path, rng, fmt):
+    tensors = reference.random_tensors(SOFTMAX, rng)
+    path = _write(tmp_path, tensors)
+    direct, later = _model(SOFTMAX), _model(SOFTMAX)
+    load_checkpoint(direct, path, quantize=fmt)
+    load_checkpoint(later, path)
+    for layer in later.moe_layers:
+        layer.quantize(fmt)
+    for a, b in zip(direct.moe_layers, later.moe_layers):
+        assert a.quant_format == fmt and a.w_in is None
+        for name in ("gate", "up", "down"):
+            leaves_a = jax.tree.leaves(a.eplb_expert_variables()[name].get_value())
+            leaves_b = jax.tree.leaves(b.eplb_expert_variables()[name].get_value())
+            for x, y in zip(leaves_a, leaves_b):
+                assert np.array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
+    with pytest.raises(ValueError, match="already quantized"):
+        load_checkpoint(direct, path)
+    with pytest.raises(ValueError, match="quantized experts have no float checkpoint layout"):
+        export_checkpoint(direct, tmp_path / "q.safetensors")
+
+
+def _params(model):
+    return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model))]
+
+
+@needs_safetensors
+def test_bad_checkpoints_raise_naming_the_tensor_and_change_nothing(tmp_path, rng):
+    config = SIGMOID
+    tensors = reference.random_tensors(config, rng)
+    model = _model(config)
+    before = _params(model)
+    gate0 = "model.layers.1.mlp.experts.0.gate_proj.weight"
+
+    def bad(name, tensors, match, **kw):
+        with pytest.raises(ValueError, match=match):
+            load_checkpoint(model, _write(tmp_path, tensors, name), **kw)
+
+    bad("missing.safetensors", {k: v for k, v in tensors.items() if k != gate0}, "missing tensors " + gate0)
+    bad("extra.safetensors", {**tensors, "model.layers.9.mlp.gate.weight": tensors["model.norm.weight"]}, "unexpected")
+    bad("shape.safetensors", {**tensors, gate0: tensors[gate0][:-1]}, f"{gate0}.*shape")
+    bad("dtype.safetensors", {**tensors, gate0: tensors[gate0].astype(np.int32)}, f"{gate0}.*dtype I32")
+    nan = tensors[gate0].copy()
+    nan[0, 0] = np.nan
+    bad("nan.safetensors", {**tensors, gate0: nan}, f"{gate0}.*NaN", quantize="fp8")
+    bad("ok.safetensors", tensors, "does not fit the expert shapes", quantize="fp8_block")
+    bad("ok.safetensors", tensors, "quantize must be", quantize="int3")
+    bad(
+        "ok.safetensors",
+        tensors,
+        r"placement is for \(L, E, P\) = \(3, 16, 20\)",
+        placement=Placement.linear(3, 16, 20),
+    )
+    (tmp_path / "damaged.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{not json")
+    with pytest.raises(ValueError, match="damaged.safetensors: not a readable safetensors file"):
+        load_checkpoint(model, tmp_path / "damaged.safetensors")
+    with pytest.raises(ValueError, match="no such checkpoint"):
+        load_checkpoint(model, tmp_path / "absent.safetensors")
+    assert all(np.array_equal(a, b) for a, b in zip(before, _params(model)))
+    with pytest.raises(ValueError, match="must end in .safetensors"):
+        export_checkpoint(model, tmp_path / "model.bin")
+    with pytest.raises(ValueError, match="does not exist"):
+        export_checkpoint(model, tmp_path / "nowhere" / "model.safetensors")
+
+
+def test_checkpoint_shapes_cover_the_model(rng):
+    """Every parameter of the model is named by the checkpoint layout (nothing silently left at its init)."""
+    for config in (SOFTMAX, SIGMOID, SOFTMAX.replace(tie_embeddings=True, shared_hidden=0)):
+        model = _model(config)
+        names = checkpoint_shapes(config)
+        experts = sum(1 for n in names if ".mlp.experts." in n)
+        assert experts == config.num_moe_layers * config.num_experts * 3
+        params = nnx.state(model, nnx.Param)
+        per_expert_params = 2 * config.num_moe_layers  # w_in, w_out per MoE layer hold the experts
+        shared = 3 * config.num_moe_layers if config.shared_hidden else 0  # gate, up, down -> shared_in/out
+        bias = config.num_moe_layers if config.scoring == "softmax" else 0  # the optional softmax gate bias
+        plain = len(names) - experts - shared
+        have = len(jax.tree.leaves(params))
+        assert have == plain + per_expert_params + (2 * config.num_moe_layers if config.shared_hidden else 0) + bias
+        assert dataclasses.asdict(config) == dataclasses.asdict(model.config)

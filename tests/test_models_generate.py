@@ -1,0 +1,136 @@
+"""Serving the MoE decoder: KV-cache decoding equals full recompute, EPLB records and rearranges mid-decode,
+a rearranged model equals the model loaded from the permuted checkpoint; sampling; bad input."""
+
+import _models_reference as reference
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from moe_eplb_jax.flax import EplbController
+from moe_eplb_jax.models import MoECausalLM, Sampling, generate, left_pad, load_checkpoint, preset, sample
+from moe_eplb_jax.state import EplbConfig
+
+G, R = 4, 4
+MESH = jax.make_mesh((G,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:G])
+# DeepSeek-V3 routing, with a score-correction bias from the checkpoint skewing the traffic.
+CONFIG = preset("tiny", scoring="sigmoid", num_groups=4, topk_groups=2, routed_scaling_factor=2.5)
+NEW = 6
+
+
+def _model(seed=0):
+    return MoECausalLM(CONFIG, mesh=MESH, num_redundant_experts=R, rngs=nnx.Rngs(seed))
+
+
+def _prompts(rng, lengths=(5, 11, 1, 8)):
+    return [rng.integers(0, CONFIG.vocab_size, n) for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    safetensors_numpy = pytest.importorskip("safetensors.numpy")
+    path = tmp_path_factory.mktemp("ckpt") / "model.safetensors"
+    safetensors_numpy.save_file(reference.random_tensors(CONFIG, np.random.default_rng(7)), str(path))
+    return path
+
+
+def test_cached_decoding_equals_full_recompute(rng):
+    model = _model()
+    prompts = _prompts(rng)
+    cached = generate(model, prompts, max_new_tokens=NEW, prompt_width=12)
+    again = generate(model, prompts, max_new_tokens=NEW, prompt_width=12, use_cache=False)
+    assert cached.tokens.shape == (len(prompts), NEW)
+    assert np.array_equal(cached.tokens, again.tokens)
+
+
+def test_serve_record_rearrange_equals_permuted_checkpoint(checkpoint, rng):
+    """Checkpoint -> serve with EPLB recording -> rearrange between decode steps -> outputs of the permuted load."""
+    model = _model(1)
+    load_checkpoint(model, checkpoint)
+    config = EplbConfig(num_redundant_experts=R, num_gpus=G, window_size=64, step_interval=10**6)
+    controller = EplbController(model, MESH, config)
+    prompts = _prompts(rng)
+    lengths = [len(p) for p in prompts]
+    first = generate(model, prompts, max_new_tokens=NEW, prompt_width=12, on_step=lambda n: controller.step())
+    # Padding never counts: per layer, k assignments for each prompt token and each decoded token fed back.
+    window = controller.window_slot_load()
+    assert np.all(window.sum(1) == CONFIG.top_k * (sum(lengths) + (NEW - 1) * len(prompts)))
+    balancedness_before = controller.rearrange()["balancedness_before"]
+    assert controller.num_rearrangements == 1
+
+    def rearrange_midway(n):  # the caller rearranges between two decode steps
+        controller.step()
+        if n == 3:
+            controller.rearrange()
+
+    second = generate(model, prompts, max_new_tokens=NEW, prompt_width=12, on_step=rearrange_midway)
+    assert controller.num_rearrangements == 2
+    assert np.array_equal(second.tokens, first.tokens)  # moving experts never changes what the model says
+    assert balancedness_before < 1.0
+    permuted = _model(2)
+    load_checkpoint(permuted, checkpoint, placement=controller.placement)
+    assert np.any(controller.placement.phy2log != np.arange(CONFIG.num_experts + R) % CONFIG.num_experts)
+    for ours, theirs in zip(model.moe_layers, permuted.moe_layers):
+        for name in ("w_in", "w_out"):
+            a, b = ours.eplb_expert_variables()[name].get_value(), theirs.eplb_expert_variables()[name].get_value()
+            assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+    third = generate(permuted, prompts, max_new_tokens=NEW, prompt_width=12)
+    assert np.array_equal(third.tokens, first.tokens)
+    tokens, lengths = left_pad(prompts, batch_multiple=G)
+    valid = np.arange(tokens.shape[1])[None, :] >= (tokens.shape[1] - lengths)[:, None]
+    forward = nnx.jit(lambda m, t, v: m(t, valid=v, record=False))
+    assert np.array_equal(np.asarray(forward(model, tokens, valid)), np.asarray(forward(permuted, tokens, valid)))
+
+
+def test_sampling_and_eos(rng):
+    model = _model(3)
+    prompts = _prompts(rng, (4, 9, 2, 6))
+    hot = Sampling(temperature=1.5)
+    a = generate(model, prompts, max_new_tokens=NEW, sampling=hot, seed=5, prompt_width=12)
+    b = generate(model, prompts, max_new_tokens=NEW, sampling=hot, seed=5, prompt_width=12)
+    c = generate(model, prompts, max_new_tokens=NEW, sampling=hot, seed=6, prompt_width=12)
+    assert np.array_equal(a.tokens, b.tokens) and not np.array_equal(a.tokens, c.tokens)
+    eos = int(a.tokens[1, 2])  # some request produces it at step 3 (or earlier)
+    ended = generate(model, prompts, max_new_tokens=NEW, sampling=hot, seed=5, eos_id=eos, pad_id=0, prompt_width=12)
+    for row, full in zip(ended.tokens, a.tokens):
+        hits = np.nonzero(full == eos)[0]
+        stop = hits[0] + 1 if hits.size else NEW
+        assert np.array_equal(row[:stop], full[:stop]) and np.all(row[stop:] == 0)
+    assert ended.num_generated[1] <= 3 and np.all(ended.num_generated >= 1)
+
+
+def test_sample_filters(rng):
+    logits = jax.numpy.asarray(rng.standard_normal((64, 50)).astype(np.float32))
+    key = jax.random.key(0)
+    top = np.argsort(-np.asarray(logits), axis=1)
+    picked = np.asarray(sample(logits, key, Sampling(temperature=1.0, top_k=3)))
+    assert all(p in top[i, :3] for i, p in enumerate(picked))
+    one = np.asarray(sample(logits, key, Sampling(temperature=1.0, top_p=1e-6)))
+    assert np.array_equal(one, top[:, 0])
+    assert np.array_equal(np.asarray(sample(logits, key, Sampling())), top[:, 0])
+    probs = np.exp(np.asarray(logits))
+    probs /= probs.sum(1, keepdims=True)
+    ordered = np.take_along_axis(probs, top, 1)
+    keep = ((np.cumsum(ordered, 1) - ordered) < 0.5).sum(1)
+    picked = np.asarray(sample(logits, key, Sampling(temperature=1.0, top_p=0.5)))
+    assert all(p in top[i, : keep[i]] for i, p in enumerate(picked))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"max_new_tokens": 600}, "max_seq_len"),
+        ({"prompt_width": 2}, "width must be"),
+        ({"eos_id": 256}, "eos_id=256 is outside"),
+        ({"prompts": []}, "prompts is empty"),
+        ({"prompts": [[1, 2], []]}, "prompt 1"),
+        ({"prompts": [[1, 999]]}, r"token ids must be in \[0, 256\)"),
+    ],
+)
+def test_generate_rejects_bad_input(kwargs, match):
+    args = {"prompts": [[1, 2, 3]], "max_new_tokens": 2, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        generate(_model(), args.pop("prompts"), **args)
+    with pytest.raises(ValueError, match="Sampling.top_p"):
+        Sampling(temperature=1.0, top_p=0.0)
