@@ -10,7 +10,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as PS
 
 from moe_eplb_jax.flax import MoELayer, grouped_matmul, route, tie_replicas
-from moe_eplb_jax.flax import layer as layer_mod
+from moe_eplb_jax.flax import apply as layer_mod
 from moe_eplb_jax.placement import Placement
 from moe_eplb_jax.sharding import dispatch as disp
 from moe_eplb_jax.sharding import put_host

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as PS
 
 from moe_eplb_jax.flax import MoELayer, route
-from moe_eplb_jax.flax import layer as layer_mod
+from moe_eplb_jax.flax import apply as layer_mod
 from moe_eplb_jax.flax.experts import shared_mlp, waterfill_shared_mlp
 from moe_eplb_jax.placement import Placement, build_log2phy
 from moe_eplb_jax.policy.online import keep_spare_slots, online_policy

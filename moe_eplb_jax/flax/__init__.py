@@ -2,7 +2,7 @@
 
 * ``MoELayer`` -- a reference expert-parallel MoE layer with physical slots;
   ``moe_apply`` / ``route`` / ``expert_mlp`` / ``tie_replicas`` are its pure
-  functions (``layer``, ``experts``); ``grouped_matmul`` holds the grouped
+  functions (``apply``, ``router``, ``experts``); ``grouped_matmul`` holds the grouped
   matmuls (``dense``, ``ragged_dot``, Triton ``pallas``).
 * ``EplbMoE`` -- the protocol any Flax NNX MoE module implements to be balanced.
 * ``find_moe_layers`` -- discovery of every MoE layer, however nested.
@@ -12,19 +12,13 @@
   saves placements; a thin layer over ``moe_eplb_jax.control``.
 """
 
+from moe_eplb_jax.flax.apply import moe_apply
 from moe_eplb_jax.flax.controller import EplbController
 from moe_eplb_jax.flax.discovery import MoELayerRef, find_moe_layers
-from moe_eplb_jax.flax.layer import (
-    EplbTable,
-    ExpertLoad,
-    MoELayer,
-    QuantizedExperts,
-    expert_mlp,
-    moe_apply,
-    route,
-    tie_replicas,
-)
+from moe_eplb_jax.flax.experts import QuantizedExperts, expert_mlp, tie_replicas
+from moe_eplb_jax.flax.layer import EplbTable, ExpertLoad, MoELayer
 from moe_eplb_jax.flax.protocol import EplbMoE
+from moe_eplb_jax.flax.router import route
 
 __all__ = [
     "EplbController",

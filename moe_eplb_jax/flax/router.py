@@ -1,0 +1,77 @@
+"""Top-k expert routing in the styles of released MoE models (Qwen3-MoE softmax, DeepSeek-V3 sigmoid)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["ROUTER_SCORINGS", "route"]
+
+ROUTER_SCORINGS = ("softmax", "sigmoid")
+
+
+def route(
+    x,
+    router_w,
+    *,
+    top_k: int,
+    num_groups: int = 1,
+    topk_groups: int | None = None,
+    bias=None,
+    scoring: str = "softmax",
+    renormalize: bool = True,
+    routed_scaling_factor: float = 1.0,
+):
+    """Top-k routing in the two styles of released MoE models.
+
+    ``scoring="softmax"`` (Qwen3-MoE; group-limited as DeepSeek-V2): scores
+    are ``softmax(logits + bias)``; a group's score is its best expert's.
+    ``scoring="sigmoid"`` (DeepSeek-V3): scores are ``sigmoid(logits)``;
+    ``bias`` (the checkpoint's ``e_score_correction_bias``) is added for the
+    choice of experts only, a group's score is the sum of its two best biased
+    scores, and the weights come from the unbiased scores.
+
+    Args:
+      x: ``[T, D]`` tokens.
+      router_w: ``[D, E]`` router weights.
+      top_k: experts per token.
+      num_groups: expert groups (``E`` divisible by it); with ``topk_groups``
+        set, a token picks its experts only from its ``topk_groups`` groups
+        with the highest group score.
+      bias: optional ``[E]`` router bias (see ``scoring``).
+      renormalize: divide the ``k`` weights by their sum (Qwen3's
+        ``norm_topk_prob``; DeepSeek-V3 sets it).
+      routed_scaling_factor: multiplies the weights after renormalisation
+        (DeepSeek-V3: 2.5).
+
+    Returns:
+      ``(ids [T, k] int32, weights [T, k] float32)``.
+    """
+    if scoring not in ROUTER_SCORINGS:
+        raise ValueError(f"scoring must be one of {ROUTER_SCORINGS}, got {scoring!r}")
+    num_experts = router_w.shape[1]
+    logits = jnp.dot(x.astype(jnp.float32), router_w.astype(jnp.float32))
+    bias = None if bias is None else bias.astype(jnp.float32)[None, :]
+    if scoring == "softmax":
+        scores = jax.nn.softmax(logits if bias is None else logits + bias, axis=-1)
+        choice = scores
+    else:
+        scores = jax.nn.sigmoid(logits)
+        choice = scores if bias is None else scores + bias
+    if topk_groups is not None and topk_groups < num_groups:
+        per_group = choice.reshape(choice.shape[0], num_groups, num_experts // num_groups)
+        if scoring == "softmax":
+            group_score = per_group.max(-1)
+        else:
+            group_score = jax.lax.top_k(per_group, min(2, per_group.shape[-1]))[0].sum(-1)
+        _, keep = jax.lax.top_k(group_score, topk_groups)  # [T, topk_groups]
+        group_mask = (keep[:, :, None] == jnp.arange(num_groups)[None, None, :]).any(1)  # [T, groups]
+        mask = jnp.repeat(group_mask, num_experts // num_groups, axis=1)
+        choice = jnp.where(mask, choice, -jnp.inf)  # never picked
+    _, ids = jax.lax.top_k(choice, top_k)
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
+    if renormalize:
+        weights = weights / (weights.sum(-1, keepdims=True) + jnp.float32(1e-20))
+    if routed_scaling_factor != 1.0:
+        weights = weights * jnp.float32(routed_scaling_factor)
+    return ids.astype(jnp.int32), weights
