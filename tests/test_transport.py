@@ -172,6 +172,29 @@ def test_no_float_op_touches_expert_bytes(layered, rng):
     assert_bytes_equal(move(experts), load(ckpt, new), 2 if layered else 1)
 
 
+@pytest.mark.gpu
+def test_on_the_gpu_no_float_op_and_no_copy_of_the_leaves(rng):
+    """On this machine's GPUs (one is enough: a move within one rank is local copies): the executor moves
+    unsigned integers only, and its temporary memory is the rows it moves, not a copy of the leaves (the
+    bitcasts into and out of the row views are free)."""
+    num_ranks, layers, per_rank = jax.device_count(), 4, 16
+    num_slots = num_ranks * per_rank
+    ckpt = checkpoint(rng, layers, num_slots, dtypes=FLOATS, row=(8, 256))
+    old = np.stack([rng.permutation(num_slots) for _ in range(layers)])
+    new = old.copy()
+    new[:, [0, 1]] = old[:, [1, 0]]  # one swap per layer, inside rank 0: local copies only
+    if num_ranks > 1:
+        new[:, [2, per_rank + 2]] = old[:, [per_rank + 2, 2]]  # and one across ranks
+    mesh = eps.ep_mesh(num_ranks)
+    experts = eps.shard_slots(load(ckpt, old), mesh, layered=True)
+    move = eps.prepare_move(experts, eps.plan_rearrangement(old, new, num_ranks), mesh=mesh)
+    compiled = move.run.lower(move.tables, [experts[k] for k in sorted(experts)]).compile()
+    assert float_ops(compiled.as_text()) <= {"parameter", "bitcast-convert", "bitcast", "tuple", "get-tuple-element"}
+    leaf_bytes = sum(leaf.addressable_shards[0].data.nbytes for leaf in experts.values())
+    assert compiled.memory_analysis().temp_size_in_bytes < 0.25 * leaf_bytes
+    assert_bytes_equal(move(experts), load(ckpt, new), 2)
+
+
 MIXED_DTYPES = [ml_dtypes.bfloat16, ml_dtypes.float8_e5m2, ml_dtypes.float4_e2m1fn, np.float32]
 
 
