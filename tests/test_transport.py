@@ -502,6 +502,10 @@ def test_bad_leaves_raise_and_nothing_is_donated(rng):
         assert not good.is_deleted()
     with pytest.raises(ValueError, match="appears twice"):
         eps.rearrange_experts({"a": good, "b": good}, old, new, mesh=mesh)
+    with pytest.raises(ValueError, match="donate must be a bool, got 'no'"):
+        eps.rearrange_experts({"good": good}, old, new, mesh=mesh, donate="no")
+    with pytest.raises(ValueError, match="layer must be an integer"):
+        eps.rearrange_experts({"good": good}, old[None], new[None], mesh=mesh, layer=True)
     with pytest.raises(ValueError, match="plan must be a TransportPlan"):
         eps.prepare_move({"good": good}, "plan", mesh=mesh)
     with pytest.raises(ValueError, match="plan is for 4 ranks but mesh axis 'ep' has 2"):

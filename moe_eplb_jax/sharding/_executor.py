@@ -56,8 +56,9 @@ def stream_order(plan: TransportPlan) -> TransportPlan:
     """``plan`` ordered for streaming in up to 8 chunks per round (fewer where a cycle of moves needs them).
 
     A plan already ordered (``order_for_streaming`` called ahead) is used as
-    it is. Eight chunks: each rank's one packed chunk in flight then adds 1/8
-    of the bytes moved, and fewer, larger transfers were no faster on 2xH200.
+    it is. Eight chunks: a rank's packed chunks in flight then hold a few
+    eighths of the bytes moved, and fewer, larger transfers do not pay
+    (``docs/transport.md``).
     """
     if plan.chunk_bounds:
         return plan

@@ -42,7 +42,7 @@ class Config:
 
     ``num_programs`` CUDA blocks share the work: few enough to leave a
     concurrent transfer its bandwidth, enough that the copies keep up with it
-    (48 on an H200 moving ~0.5 MB rows). ``block`` words are copied per loop
+    (the default suits an H200 moving rows of about half a megabyte). ``block`` words are copied per loop
     step (a power of two >= 128; a multiple of ``4 * 32 * num_warps`` gives
     16-byte accesses); ``num_warps`` and ``num_stages`` go to Triton.
     """

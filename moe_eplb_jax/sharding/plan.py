@@ -266,7 +266,7 @@ def plan_rearrangement(
     old, new, layered = validate_placements(old_phy2log, new_phy2log, num_ranks, num_logical=num_logical)
     num_layers, num_slots = old.shape
     if layer is not None:
-        if not isinstance(layer, (int, np.integer)) or not 0 <= layer < num_layers:
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < num_layers:
             raise ValueError(f"layer must be an integer in [0, {num_layers}), got {layer!r}")
         keep = np.arange(num_layers) != layer
         new = np.where(keep[:, None], old, new)

@@ -109,6 +109,8 @@ def prepare_move(
     """
     if not isinstance(plan, TransportPlan):
         raise ValueError(f"plan must be a TransportPlan, got {type(plan).__name__}")
+    if not isinstance(donate, bool | np.bool_):
+        raise ValueError(f"donate must be a bool, got {donate!r}")
     num_ranks = axis_size(mesh, axis)
     if plan.num_ranks != num_ranks:
         raise ValueError(f"plan is for {plan.num_ranks} ranks but mesh axis {axis!r} has {num_ranks}")
@@ -139,7 +141,7 @@ class PreparedMove(NamedTuple):
     positions: tuple  # flat positions of the moving leaves (0-d leaves pass through)
     signature: tuple  # (shape, dtype, partition spec without trailing Nones) per moving leaf
     donate: bool
-    schedule: str  # one of _executor.SCHEDULES ("" when nothing moves)
+    schedule: str  # "put", "stream_pallas_copies" or "stream_xla_copies" ("" when nothing moves)
     tables: jax.Array | None  # None: nothing moves
     run: Any
 
