@@ -42,7 +42,7 @@ __all__ = ["SCHEDULES", "build", "device_tables", "stream_order", "trace_count"]
 # What a move runs, best first: the NVLink put kernel, the stream schedule with Pallas row copies, with XLA's.
 SCHEDULES = ("put", "stream_pallas_copies", "stream_xla_copies")
 
-_EXECUTORS: dict = {}  # (mesh, axis, specs, layouts, lead axes, donate, chunk bounds, table layout) -> (schedule, run)
+_EXECUTORS: dict = {}  # (mesh, axis, specs, layouts, lead axes, donate, chunks, table layout, schedule, config) -> run
 _FAILED_KERNELS: set = set()  # kernels that could not run here (warned once)
 _TRACES = [0]
 
@@ -62,12 +62,13 @@ def stream_order(plan: TransportPlan) -> TransportPlan:
     """
     if plan.chunk_bounds:
         return plan
-    chunks = max(1, min(plan.capacities[0], 8))
-    while True:
+    chunks = min(plan.capacities[0], 8)
+    while chunks > 1:
         try:
             return order_for_streaming(plan, chunks)
-        except ValueError:  # a cycle of moves longer than a chunk: larger chunks (one always fits)
+        except ValueError:  # a cycle of moves longer than a chunk: larger chunks
             chunks //= 2
+    return order_for_streaming(plan, 1)  # one chunk holds every cycle
 
 
 def device_tables(plan: TransportPlan, mesh: Mesh, axis: str, *, sender_destinations: bool) -> tuple[jax.Array, tuple]:
