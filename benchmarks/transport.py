@@ -342,6 +342,8 @@ def main():
     args = parse_args()
     mesh = eps.ep_mesh(args.ranks)
     num_ranks = mesh.shape["ep"]
+    if num_ranks < 2:
+        raise SystemExit("the transport benchmark moves experts between ranks: it needs 2 or more devices")
     devices = list(mesh.devices.flat)
     rng = np.random.default_rng(args.seed)
     print(f"devices: {num_ranks} x {devices[0].device_kind}; jax {jax.__version__}", flush=True)
