@@ -22,8 +22,8 @@ its own time-out, its full log at ``<out>/<part>.log`` (and a ``.json`` where th
 ``collectives``  raw ppermute (ring), all_to_all and all_gather of uint8 bytes over the EP axis at a few
                  sizes: GB/s sent off-rank per rank against the NVLink ceiling (this file, ``--collectives``).
 ``transport``    ``benchmarks/transport.py`` at EP = every GPU: rearrange_experts of a DeepSeek-V3-shaped
-                 58 x 288-slot model (10% / 50% of slots moved) vs a raw ppermute of the same bytes; the
-                 default schedule (NVLink put kernel: every rank writing to every peer) and the NCCL stream one.
+                 58 x 288-slot model (10% / 50% of slots moved) vs a raw ppermute of the same bytes, with the
+                 library's default schedule (on one host the NVLink put kernel: every rank writing to every peer).
 ``moe_step``     ``benchmarks/moe_step.py`` at EP = every GPU, Zipf routing: every replica-routing mode of the
                  MoE layer (initial / EPLB placement, hash / round_robin / lp / quota, online placement with
                  quota) vs uniform routing (the ideal), grouped matmul ``pallas`` (cost follows rows) and ``dense``.
@@ -237,8 +237,6 @@ def plan_part(part, args, ranks):
         ]
         if smoke:
             cmd += ["--layers", "4", "--hidden", "256", "--inter", "32", "--iters", "2"]
-        else:  # the default (the NVLink put schedule on one host: its multi-peer path) beside the NCCL stream one
-            cmd += ["--variants", "prepared", "stream+prepared"]
         return [("transport", cmd, _env(smoke, devices=ranks, gpus=ranks))]
     if part == "moe_step":
         cmd = [
@@ -408,8 +406,7 @@ def headline(part, out, text):
         checks = re.findall(r"^dtype check \(.*\): (True|False)$", text, flags=re.MULTILINE)
         dtype_ok = bool(checks) and all(c == "True" for c in checks)
         fig = "; ".join(
-            f"{r['view']} {r['schedule']} {r['fraction']:.0%}: {r['time_ms']:.3g} ms vs raw "
-            f"{r['raw_ms']:.3g} ms ({r['ratio']:.2f})"
+            f"{r['schedule']} {r['fraction']:.0%}: {r['time_ms']:.3g} ms vs raw {r['raw_ms']:.3g} ms ({r['ratio']:.2f})"
             for r in rows
         )
         ok = all(r["correct"] and r["recompiles_after_first"] == 0 for r in rows) and dtype_ok

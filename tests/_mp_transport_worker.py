@@ -67,7 +67,7 @@ def main():
     arrays = eps.rearrange_experts(arrays, p0, p1, mesh=mesh)
     check(arrays, p1, "all layers")
     for layer in range(layers):  # layer by layer
-        arrays = eps.rearrange_experts(arrays, p1, p2, mesh=mesh, layer=layer, max_chunk_bytes=64)
+        arrays = eps.rearrange_experts(arrays, p1, p2, mesh=mesh, layer=layer)
     check(arrays, p2, "layer by layer")
     print(f"WORKER_OK {process_id}", flush=True)
     jax.distributed.shutdown()

@@ -1,15 +1,19 @@
 """The put schedule's NVLink kernel: copy pipeline (CPU interpreter), lowering, and real moves on 2+ GPUs."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from _bytes import random_bytes
 from jax.sharding import NamedSharding, PartitionSpec
 
 from moe_eplb_jax import sharding as eps
-from moe_eplb_jax.sharding import _nvlink
+from moe_eplb_jax.sharding import _executor, _nvlink
 from moe_eplb_jax.sharding.packing import byte_rows_numpy
+from moe_eplb_jax.sharding.plan import order_for_streaming
 
 
 def numpy_put(views, staged, dst, offsets):
@@ -22,12 +26,36 @@ def numpy_put(views, staged, dst, offsets):
     return out
 
 
-def test_chunk_words():
-    assert _nvlink.put_chunk_words(65536) == 8192  # the largest multiple of 32 words dividing 65536 within 40 KiB
-    assert _nvlink.put_chunk_words(133120) == 10240
-    assert _nvlink.put_chunk_words(96) == 96
-    assert _nvlink.put_chunk_words(48) == 0  # not a multiple of 128 bytes: no TMA copy of whole rows
+def test_copy_words():
+    assert _nvlink.copy_words(65536) == 8192  # the largest multiple of 32 words dividing 65536 within 40 KiB
+    assert _nvlink.copy_words(133120) == 10240
+    assert _nvlink.copy_words(96) == 96
+    assert _nvlink.copy_words(48) == 0  # not a multiple of 128 bytes: no TMA copy of whole rows
+    assert _nvlink.copy_words(65536, max_copy_bytes=4096) == 1024
     assert not _nvlink.can_put([64], jax.devices()[:2]) or jax.default_backend() == "gpu"
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(num_programs=0), "num_programs must be an int >= 1"),
+        (dict(stages=1), "stages must be at least 2"),
+        (dict(stages=8, max_copy_bytes=40 * 1024), "exceeds .* shared memory"),
+        (dict(num_programs=16, pack_programs=16), "pack_programs .* must leave writing programs"),
+        (dict(pack_programs=2.5), "pack_programs must be an int >= 1"),
+    ],
+)
+def test_config_validation_errors(fields, message):
+    with pytest.raises(ValueError, match=message):
+        _nvlink.Config(**fields)
+
+
+def test_config_for_a_device_takes_one_program_per_sm():
+    class Device:
+        core_count = 78
+
+    assert _nvlink.config_for(Device()) == _nvlink.Config(num_programs=78)
+    assert _nvlink.config_for(object()) == _nvlink.Config()  # a device that does not say: an H200's 132
 
 
 @pytest.mark.parametrize("programs, pack_programs, stages", [(2, 1, 2), (4, 1, 2), (8, 3, 3), (20, 9, 4), (3, None, 2)])
@@ -54,9 +82,7 @@ def test_copy_pipeline_under_the_interpreter(programs, pack_programs, stages, rn
         num_ranks=2,
         rows_per_round=6,
         offsets=offsets,
-        num_programs=programs,
-        pack_programs=pack_programs or 0,
-        stages=stages,
+        config=_nvlink.Config(num_programs=programs, pack_programs=pack_programs or 1, stages=stages),
         local=True,
         interpret=plgpu.InterpretGPUParams(detect_races=True),
     )
@@ -97,16 +123,29 @@ def test_kernel_lowers_for_cuda_with_peer_addresses():
     assert text.count("output_operand_alias") >= 3
 
 
-def test_put_schedule_rejects_rows_it_cannot_copy(monkeypatch):
-    """On GPUs, rows that are not a multiple of 128 bytes: ValueError naming the sizes, before any device work."""
-    layouts = [eps.packing.leaf_layout(np.float32, (6,), word_view=True)]
-    mesh = jax.make_mesh((2,), ("ep",), devices=jax.devices()[:2])
+def test_candidates_put_only_where_the_kernel_runs(monkeypatch):
+    """The put kernel is a candidate on GPUs of this process, one EP axis, rows of a multiple of 128 bytes; the
+    Pallas row copies wherever the rows are words on GPUs; XLA's copies always, last."""
+    mesh = eps.ep_mesh(2)
+    rows = lambda *row: {"w": np.zeros((2, 4) + row, np.uint8)}
+
+    def candidates(experts, grid=mesh):
+        experts = eps.shard_slots(experts, grid, layered=True) if grid is mesh else experts
+        plan = eps.plan_rearrangement(np.zeros((2, 4), int), np.zeros((2, 4), int), 2)
+        leaves, layouts, _, _ = eps.transport._check_leaves(experts, plan, grid, "ep")
+        return [name for name, _ in _executor._candidates(plan, leaves, layouts, grid, "ep")]
+
     if jax.default_backend() != "gpu":
-        assert eps.transport._put_kind("put", layouts, mesh) == "emulated"
-        monkeypatch.setattr(eps.transport, "_all_gpus", lambda devices: True)  # as if on GPUs
-    with pytest.raises(ValueError, match=r"multiple of 128 bytes.*\[24\] bytes"):
-        eps.transport._put_kind("put", layouts, mesh)
-    assert eps.transport._put_kind("stream", layouts, mesh) == ""
+        assert candidates(rows(256)) == ["stream_xla_copies"]  # no GPUs: XLA's copies only
+        monkeypatch.setattr(_executor, "_on_gpus", lambda mesh: True)  # as if on GPUs
+        monkeypatch.setattr(_nvlink, "can_put", lambda widths, devices: all(_nvlink.copy_words(w) for w in widths))
+    assert candidates(rows(256)) == ["put", "stream_pallas_copies", "stream_xla_copies"]
+    assert candidates(rows(24)) == ["stream_pallas_copies", "stream_xla_copies"]  # 24 bytes: no TMA copy
+    assert candidates(rows(6)) == ["stream_xla_copies"]  # byte rows
+    grid = jax.make_mesh((2, 2), ("dp", "ep"), devices=jax.devices()[:4], axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    host = np.zeros((2, 4, 256), np.uint8)
+    leaf = jax.device_put(host, jax.sharding.NamedSharding(grid, PartitionSpec(None, "ep")))
+    assert candidates({"w": leaf}, grid) == ["stream_pallas_copies", "stream_xla_copies"]  # another axis of size 2
 
 
 # ------------------------------------------------------------------ GPUs
@@ -121,21 +160,16 @@ DTYPES = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("chunk_rows", [None, 3])
-def test_put_schedule_moves_exact_bytes_between_gpus(chunk_rows, rng):
-    """Every dtype (random bytes, NaN payloads), several chunks, a second move of the same capacities (no
+@pytest.mark.parametrize("num_chunks", [None, 5])
+def test_put_schedule_moves_exact_bytes_between_gpus(num_chunks, rng):
+    """Every dtype (random bytes, special values), several chunks, a second move of the same capacities (no
     recompilation), forth and back."""
     if jax.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     num_ranks = 2
     layers, experts, slots = 3, 6, 8
     mesh = eps.ep_mesh(num_ranks)
-    ckpt = {}
-    for i, dt in enumerate(DTYPES):
-        raw = rng.integers(0, 256, (layers, experts, 256 if dt != np.float32 else 1024), dtype=np.uint8)
-        if dt == ml_dtypes.float4_e2m1fn:
-            raw &= 0x0F
-        ckpt[f"leaf{i}"] = raw.view(dt) if dt != np.float32 else raw.view(np.float32)
+    ckpt = {f"leaf{i}": random_bytes(rng, dt, (layers, experts, 256)) for i, dt in enumerate(DTYPES)}
     take = lambda table: {k: v[np.arange(layers)[:, None], table] for k, v in ckpt.items()}
     old = np.stack([rng.permutation(np.arange(slots) % experts) for _ in range(layers)])
     new = np.stack(
@@ -144,23 +178,22 @@ def test_put_schedule_moves_exact_bytes_between_gpus(chunk_rows, rng):
             for _ in range(layers)
         ]
     )
+
+    def plan(a, b):  # default chunks, or num_chunks ordered ahead
+        plan = eps.plan_rearrangement(a, b, num_ranks).padded(send=layers * 4, dup=layers * 4, copy=layers * 4)
+        return plan if num_chunks is None else order_for_streaming(plan, num_chunks)
+
     experts_now = eps.shard_slots(take(old), mesh, layered=True)
-    plan = eps.plan_rearrangement(old, new, num_ranks).padded(send=layers * 4, dup=layers * 4, copy=layers * 4)
-    row = eps.row_bytes(experts_now, plan, mesh=mesh)
-    chunk_bytes = None if chunk_rows is None else chunk_rows * row
-    # default chunks: the default schedule ("auto": put on GPUs of one process); else put by name
-    schedule = {} if chunk_rows is None else {"schedule": "put"}
-    before = set(eps.transport._EXECUTORS)
-    moved = eps.execute_plan(experts_now, plan, mesh=mesh, max_chunk_bytes=chunk_bytes, **schedule)
-    assert [key[-1][0] for key in set(eps.transport._EXECUTORS) - before] in ([], ["kernel"])
+    move = eps.prepare_move(experts_now, plan(old, new), mesh=mesh)
+    assert move.schedule == "put"
+    moved = move(experts_now)
     for k in ckpt:
         np.testing.assert_array_equal(byte_rows_numpy(np.asarray(moved[k]), 2), byte_rows_numpy(take(new)[k], 2), k)
     traces = eps.executor_trace_count()
-    back = eps.plan_rearrangement(new, old, num_ranks).padded(send=layers * 4, dup=layers * 4, copy=layers * 4)
-    returned = eps.execute_plan(moved, back, mesh=mesh, schedule="put", max_chunk_bytes=chunk_bytes)
+    returned = eps.execute_plan(moved, plan(new, old), mesh=mesh)
     for k in ckpt:
         np.testing.assert_array_equal(byte_rows_numpy(np.asarray(returned[k]), 2), byte_rows_numpy(take(old)[k], 2), k)
-    if chunk_rows is None:  # same capacities, default chunking: the compiled executor is reused
+    if num_chunks is None:  # same capacities, default chunking: the compiled executor is reused
         assert eps.executor_trace_count() == traces
 
 
@@ -190,8 +223,7 @@ def test_put_kernel_writes_the_peers_rows(rng):
             num_ranks=2,
             rows_per_round=per_round,
             offsets=offsets,
-            num_programs=24,
-            pack_programs=5,
+            config=_nvlink.Config(num_programs=24, pack_programs=5),
         )
 
     spec = PartitionSpec("ep")
@@ -209,40 +241,32 @@ def test_put_kernel_writes_the_peers_rows(rng):
         )
 
 
-def test_auto_schedule_picks_put_only_where_the_kernel_runs(monkeypatch):
-    words = [eps.packing.leaf_layout(np.uint8, (256,), word_view=True)]
-    odd = [eps.packing.leaf_layout(np.uint8, (256,), word_view=True), eps.packing.leaf_layout(np.uint8, (12,))]
-    mesh = jax.make_mesh((2,), ("ep",), devices=jax.devices()[:2])
-    resolve = eps.transport.resolve_schedule
-    assert resolve("serial", words, mesh) == "serial" and resolve("put", odd, mesh) == "put"  # explicit: kept
-    if jax.default_backend() != "gpu":
-        assert resolve("auto", words, mesh) == "stream"  # no GPUs: the NCCL-free emulation is never automatic
-        monkeypatch.setattr(eps.transport, "_all_gpus", lambda devices: True)
-        monkeypatch.setattr(_nvlink, "can_put", lambda widths, devices: all(_nvlink.put_chunk_words(w) for w in widths))
-    assert resolve("auto", words, mesh) == "put"
-    assert resolve("auto", odd, mesh) == "stream"  # a 12-byte row: no TMA copies, not uint32 words
-    grid = jax.make_mesh((2, 2), ("dp", "ep"), devices=jax.devices()[:4])
-    assert resolve("auto", words, grid, "ep") == "stream"  # another axis of size 2: not measured, not automatic
-
-
-def test_put_executor_lowers_to_kernels_without_collectives(monkeypatch):
-    """The put executor's kernel path (traced on CPU only here, exported for CUDA): one Mosaic GPU kernel per
-    chunk, no collective-permute, the leaves aliased in place."""
-    monkeypatch.setattr(eps.transport, "_all_gpus", lambda devices: True)  # as if on GPUs
-    monkeypatch.setattr(_nvlink, "can_put", lambda widths, devices: all(_nvlink.put_chunk_words(w) for w in widths))
+def test_put_executor_lowers_to_kernels_without_collectives_or_floats():
+    """The put executor (exported for CUDA on this machine): one Mosaic GPU kernel per chunk, no
+    collective-permute, the leaves aliased in place, and no op on a float but the bitcasts into and out of the
+    unsigned row views."""
     rng = np.random.default_rng(0)
     mesh = eps.ep_mesh(2)
     layers, slots = 3, 8
-    experts = {"w": np.zeros((layers, slots, 64), np.float32), "s": np.zeros((layers, slots, 128), np.uint8)}
-    monkeypatch.setattr(eps.transport, "WORD_VIEW", True)
+    experts = {"w": np.zeros((layers, slots, 64), np.float32), "s": np.zeros((layers, slots, 256), jnp.bfloat16)}
     experts = eps.shard_slots(experts, mesh, layered=True)
     old = np.stack([rng.permutation(slots) for _ in range(layers)])
     new = np.stack([np.roll(row, 4) for row in old])  # every slot changes rank: all rows move
-    plan = eps.plan_rearrangement(old, new, 2)
-    move = eps.prepare_move(experts, plan, mesh=mesh, max_chunk_bytes=3 * (64 * 4 + 128))  # 3 rows a chunk
-    leaves = [experts[k] for k in sorted(experts)]
-    text = jax.export.export(move.run, platforms=["cuda"])(move.tables, leaves).mlir_module()
-    steps = len(move.plan.chunk_bounds) - 1
+    plan = order_for_streaming(eps.plan_rearrangement(old, new, 2), 4)
+    leaves, layouts, specs, _ = eps.transport._check_leaves(experts, plan, mesh, "ep")
+    tables, table_layout = _executor.device_tables(plan, mesh, "ep", sender_destinations=True)
+    key = (mesh, "ep", tuple(specs), tuple(layouts), 2, True, plan.chunk_bounds, table_layout, "put", _nvlink.Config())
+    text = jax.export.export(_executor._jitted(*key), platforms=["cuda"])(tables, leaves).mlir_module()
+    steps = len(plan.chunk_bounds) - 1
     assert steps > 1 and text.count("stablehlo.custom_call @mosaic_gpu_v2") == steps
     assert "collective_permute" not in text
     assert "uses_xla_collective_metadata = true" in text
+    produced = []  # (op, result types) of every StableHLO op
+    for line in text.splitlines():
+        op = re.search(r"(stablehlo\.[a-z_]+|func\.call|call)\b", line)
+        if op and " : " in line:
+            signature = line.rsplit(" : ", 1)[1]
+            produced.append((op.group(1), signature.split("->")[-1]))
+    floats = re.compile(r"x(?:bf16|f16|f32|f64|f8E\w+|f4E\w+)>")
+    float_ops = {op for op, result in produced if floats.search(result)}
+    assert float_ops == {"stablehlo.bitcast_convert"}, float_ops  # the leaves' bitcasts out of the row views

@@ -1,4 +1,4 @@
-"""Byte views and row packing: exact for every dtype, NaN payloads included."""
+"""Unsigned-integer row views and row packing: exact for every dtype, special float values included."""
 
 import jax
 import jax.numpy as jnp
@@ -41,14 +41,15 @@ def roundtrip():
     return jax.jit(run, static_argnums=1)
 
 
-@pytest.mark.parametrize("word_view", [False, True], ids=["own-dtype", "words"])
+@pytest.mark.parametrize("row_shape", [(4, 4), (6,)], ids=["words", "odd"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-def test_pack_unpack_bytes_exact(dtype, word_view, rng, roundtrip):
-    x = random_rows(rng, dtype, 12, (4, 4))
-    layout = packing.leaf_layout(x.dtype, x.shape[1:], word_view=word_view)
-    if word_view and dtype != np.bool_:
-        assert layout.view_dtype == np.uint32
-    assert layout.row_bytes == 16 * jax.dtypes.itemsize_bits(np.dtype(dtype)) // 8
+def test_pack_unpack_bytes_exact(dtype, row_shape, rng, roundtrip):
+    x = random_rows(rng, dtype, 12, row_shape)
+    layout = packing.leaf_layout(x.dtype, x.shape[1:])
+    bits = jax.dtypes.itemsize_bits(np.dtype(dtype))
+    assert layout.row_bytes == x[0].size * bits // 8
+    want = np.uint32 if layout.row_bytes % 4 == 0 else np.uint16 if bits == 16 else np.uint8
+    assert layout.view_dtype == want
     rows = rng.permutation(12)[:7].astype(np.int32)
     packed, back = roundtrip(jax.device_put(x), layout, jnp.asarray(rows))
     expected = packing.pack_rows_numpy([x], rows)
@@ -67,8 +68,8 @@ def test_fp4_pairs_low_nibble_first(roundtrip):
 
 
 def test_words_only_when_every_leaf_is_words(rng):
-    four = packing.leaf_layout(np.float32, (3,), word_view=True)
-    odd = packing.leaf_layout(ml_dtypes.float8_e5m2, (3,), word_view=True)
+    four = packing.leaf_layout(np.float32, (3,))
+    odd = packing.leaf_layout(ml_dtypes.float8_e5m2, (3,))
     assert four.view_dtype == np.uint32 and odd.view_dtype == np.uint8
     assert packing.wire_dtype([four, four]) == np.uint32 and packing.wire_dtype([four, odd]) == np.uint8
     assert packing.wire_offsets([four, four]) == [0, 3, 6] and packing.wire_offsets([four, odd]) == [0, 12, 15]
@@ -94,10 +95,15 @@ def test_several_leaves_concatenate_in_order(rng):
     np.testing.assert_array_equal(packed[:, 8:11], leaves[1][rows].view(np.uint8))
 
 
-def test_e5m2_moves_through_uint8_view():
-    layout = packing.leaf_layout(ml_dtypes.float8_e5m2, (4,))
-    assert layout.view_dtype == np.uint8
-    assert packing.leaf_layout(ml_dtypes.bfloat16, (4,)).view_dtype == np.dtype(ml_dtypes.bfloat16)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_views_are_unsigned_integers(dtype):
+    """No row view is a float: gathers, scatters and concatenations see integers only."""
+    for row_shape in [(4,), (6,), (2, 4), (1,)]:
+        if jax.dtypes.itemsize_bits(np.dtype(dtype)) == 4 and row_shape == (1,):
+            continue  # 4-bit rows are byte pairs
+        layout = packing.leaf_layout(dtype, row_shape)
+        assert np.dtype(layout.view_dtype).kind == "u"
+        assert layout.view_width * np.dtype(layout.view_dtype).itemsize == layout.row_bytes
 
 
 def test_odd_fp4_row_is_an_error():
@@ -113,5 +119,5 @@ def test_unsupported_dtypes_are_errors(dtype):
 
 def test_unpack_checks_width(rng):
     layout = packing.leaf_layout(np.float32, (2,))
-    with pytest.raises(ValueError, match=r"uint8 \[\*, 5\], the leaves need uint8 \[\*, 8\]"):
+    with pytest.raises(ValueError, match=r"uint8 \[\*, 5\], the leaves need uint32 \[\*, 2\]"):
         packing.unpack_rows(jnp.zeros((3, 5), jnp.uint8), [layout])

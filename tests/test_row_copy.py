@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_eplb_jax.sharding._row_copy import gather_rows, scatter_rows
+from moe_eplb_jax.sharding._row_copy import Config, gather_rows, scatter_rows
 
 P = jax.sharding.PartitionSpec
 
@@ -77,7 +77,7 @@ def test_gather_matches_reference(case, rng):
     views = random_views(rng, num_rows, widths)
     rows = rng.integers(0, num_rows, num_selected).astype(np.int32)
     rows[-1] = 0  # a padding entry
-    got = gather_rows(views, rows, num_programs=num_programs, block=block)
+    got = gather_rows(views, rows, config=Config(num_programs=num_programs, block=block))
     assert got.shape == (num_selected, sum(widths)) and got.dtype == jnp.uint32
     np.testing.assert_array_equal(np.asarray(got), gather_oracle(views, rows))
     np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.concatenate([v[rows] for v in views], axis=1)))
@@ -89,7 +89,9 @@ def test_scatter_matches_reference(case, rng):
     views = random_views(rng, num_rows, widths)
     packed = rng.integers(0, 2**32, (num_selected, sum(widths)), dtype=np.uint32)
     dst = random_dst(rng, num_rows, num_selected)
-    got = scatter_rows([jnp.asarray(v) for v in views], packed, dst, num_programs=num_programs, block=block)
+    got = scatter_rows(
+        [jnp.asarray(v) for v in views], packed, dst, config=Config(num_programs=num_programs, block=block)
+    )
     assert_views_equal(got, scatter_oracle(views, packed, dst))
     untouched = np.setdiff1d(np.arange(num_rows), dst)
     for g, v in zip(got, views):  # rows not named in dst keep their bytes
@@ -110,8 +112,8 @@ def test_gather_then_scatter_round_trip(rng):
     source, target = random_views(rng, num_rows, widths), random_views(rng, num_rows, widths)
     rows = rng.permutation(num_rows)[:5].astype(np.int32)
     dst = rng.permutation(num_rows)[:5].astype(np.int32)
-    packed = gather_rows(source, rows, num_programs=2, block=128)
-    got = scatter_rows(target, packed, dst, num_programs=2, block=128)
+    packed = gather_rows(source, rows, config=Config(num_programs=2, block=128))
+    got = scatter_rows(target, packed, dst, config=Config(num_programs=2, block=128))
     for g, s in zip(got, source):
         np.testing.assert_array_equal(np.asarray(g)[dst], s[rows])
 
@@ -123,7 +125,7 @@ def test_index_window_equals_slice(start, count, rng):
     table = rng.integers(0, num_rows, 12).astype(np.int32)
     window = table[start:] if count is None else table[start : start + count]
     views = random_views(rng, num_rows, widths)
-    opts = dict(num_programs=3, block=128, index_start=start, index_count=count)
+    opts = dict(config=Config(num_programs=3, block=128), index_start=start, index_count=count)
     got = gather_rows(views, table, **opts)
     np.testing.assert_array_equal(np.asarray(got), gather_oracle(views, window).reshape(len(window), sum(widths)))
     dst_table = np.concatenate([random_dst(rng, num_rows, 6), random_dst(rng, num_rows, 6)])
@@ -146,8 +148,10 @@ def test_jit_with_donated_views(rng):
     views = random_views(rng, num_rows, widths)
     packed = rng.integers(0, 2**32, (num_selected, sum(widths)), dtype=np.uint32)
     dst = random_dst(rng, num_rows, num_selected)
-    scatter = jax.jit(lambda v, p, d: scatter_rows(v, p, d, num_programs=3, block=1024), donate_argnums=0)
-    gather = jax.jit(lambda v, r: gather_rows(v, r, num_programs=3, block=1024))
+    scatter = jax.jit(
+        lambda v, p, d: scatter_rows(v, p, d, config=Config(num_programs=3, block=1024)), donate_argnums=0
+    )
+    gather = jax.jit(lambda v, r: gather_rows(v, r, config=Config(num_programs=3, block=1024)))
     lowered = scatter.lower([jax.ShapeDtypeStruct(v.shape, v.dtype) for v in views], packed, dst).as_text()
     assert lowered.count("tf.aliasing_output") == len(widths)  # each donated view is aliased to its output
     donated = [jnp.asarray(v) for v in views]
@@ -171,7 +175,7 @@ def test_shard_map_per_shard(rng):
 
     gather = jax.jit(
         jax.shard_map(
-            lambda v, r: gather_rows(v, r, num_programs=2, block=128),
+            lambda v, r: gather_rows(v, r, config=Config(num_programs=2, block=128)),
             mesh=mesh,
             in_specs=(P("ep"), P("ep")),
             out_specs=P("ep"),
@@ -179,7 +183,7 @@ def test_shard_map_per_shard(rng):
     )
     scatter = jax.jit(
         jax.shard_map(
-            lambda v, p, d: scatter_rows(v, p, d, num_programs=2, block=128),
+            lambda v, p, d: scatter_rows(v, p, d, config=Config(num_programs=2, block=128)),
             mesh=mesh,
             in_specs=(P("ep"), P("ep"), P("ep")),
             out_specs=P("ep"),
@@ -213,16 +217,12 @@ def _valid_args(rng):
         (lambda a: a.update(row_views=a["row_views"][0]), "must be a sequence"),
         (lambda a: a.update(rows=a["rows"].astype(np.int64)), "rows must have dtype int32"),
         (lambda a: a.update(rows=a["rows"][None]), "rows must have 1 dimension"),
-        (lambda a: a.update(num_programs=0), "num_programs must be an int >= 1"),
-        (lambda a: a.update(num_programs=2.0), "num_programs must be an int >= 1"),
-        (lambda a: a.update(block=1000), "block must be a power of two >= 128"),
-        (lambda a: a.update(block=64), "block must be a power of two >= 128"),
-        (lambda a: a.update(num_warps=0), "num_warps must be an int >= 1"),
         (lambda a: a.update(row_views=[jax.ShapeDtypeStruct((2**16, 2**15), jnp.uint32)]), "int32 offsets"),
         (lambda a: a.update(index_start=1, index_count=2), "rows has 2 entries: too few for index_start=1"),
         (lambda a: a.update(index_start=3), "rows has 2 entries: too few for index_start=3"),
         (lambda a: a.update(index_start=-1), "index_start must be an int >= 0"),
         (lambda a: a.update(index_count=1.0), "index_count must be an int >= 0"),
+        (lambda a: a.update(config=dict(num_programs=4)), "config must be a _row_copy.Config"),
     ],
 )
 def test_gather_validation_errors(change, message, rng):
@@ -241,8 +241,6 @@ def test_gather_validation_errors(change, message, rng):
         (lambda a: a.update(packed=a["packed"][None]), "packed must have 2 dimensions"),
         (lambda a: a.update(dst=a["dst"].astype(np.uint32)), "dst must have dtype int32"),
         (lambda a: a.update(row_views=[v.astype(np.float32) for v in a["row_views"]]), "must have dtype uint32"),
-        (lambda a: a.update(block=384), "block must be a power of two >= 128"),
-        (lambda a: a.update(num_programs=-1), "num_programs must be an int >= 1"),
         (lambda a: a.update(index_start=1), "packed has 2 rows but dst has 1 entries"),
     ],
 )
@@ -258,12 +256,30 @@ def test_scatter_validation_errors(change, message, rng):
         scatter_rows(**kwargs)
 
 
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(num_programs=0), "num_programs must be an int >= 1"),
+        (dict(num_programs=2.0), "num_programs must be an int >= 1"),
+        (dict(num_programs=True), "num_programs must be an int >= 1"),
+        (dict(block=1000), "block must be a power of two >= 128"),
+        (dict(block=64), "block must be a power of two >= 128"),
+        (dict(block=384), "block must be a power of two >= 128"),
+        (dict(num_warps=0), "num_warps must be an int >= 1"),
+        (dict(num_stages=-1), "num_stages must be an int >= 1"),
+    ],
+)
+def test_config_validation_errors(fields, message):
+    with pytest.raises(ValueError, match=message):
+        Config(**fields)
+
+
 # ------------------------------------------------------------------ GPU only
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_programs, block, num_warps", [(8, 4096, 4), (16, 1024, 2), (64, 4096, 8)])
 def test_gpu_kernels_match_reference(num_programs, block, num_warps, rng):
     widths, num_rows, num_selected = (65536, 2048, 1, 7, 4099), 40, 24
-    options = dict(num_programs=num_programs, block=block, num_warps=num_warps, interpret=False)
+    options = dict(config=Config(num_programs=num_programs, block=block, num_warps=num_warps), interpret=False)
     gather = jax.jit(lambda v, r: gather_rows(v, r, **options))
     scatter = jax.jit(lambda v, p, d: scatter_rows(v, p, d, **options), donate_argnums=0)
     for _ in range(2):  # fresh inputs each time
@@ -281,7 +297,7 @@ def test_kernels_lower_to_triton_ir(h100_lowering):
     """Lowers both kernels to Triton IR for an H100/H200 without a GPU (catches lowering breakage)."""
     spec = jax.ShapeDtypeStruct
     widths, num_rows, num_selected = (65536, 2048, 65536, 7), 32, 64
-    options = dict(num_programs=16, block=4096, num_warps=4, interpret=False)
+    options = dict(config=Config(num_programs=16, block=4096, num_warps=4), interpret=False)
     views = [spec((num_rows, width), jnp.uint32) for width in widths]
     disabled = h100_lowering
 

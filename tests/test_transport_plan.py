@@ -64,6 +64,51 @@ def apply_streamed(plan: TransportPlan, content: np.ndarray) -> np.ndarray:
     return out.reshape(content.shape)
 
 
+def apply_put(plan: TransportPlan, content: np.ndarray) -> np.ndarray:
+    """Numpy oracle of the executor's put schedule: per chunk every sender writes its packed rows into the
+    receivers' rows (``send_dst``) while packing the next chunk, which the chunk's writes may not touch."""
+    g, per_rank, rows, bounds = plan.num_ranks, plan.slots_per_rank, plan.num_local_rows, plan.chunk_bounds
+    layers = content.shape[0]
+    local = [
+        content[:, r * per_rank : (r + 1) * per_rank].reshape((rows,) + content.shape[2:]).copy() for r in range(g)
+    ]
+    copied = [local[r][plan.copy_src[r]] for r in range(g)]
+    send_dst = plan.send_dst
+    steps = len(bounds) - 1 if plan.capacities[0] and g > 1 else 0
+
+    def pack(c):  # [sender, round]: the rows of chunk c as they are now, and which are real (not padding)
+        part = slice(bounds[c], bounds[c + 1])
+        return [
+            [(local[h][plan.send_rows[h, d, part]], send_dst[h, d, part] < rows) for d in range(g - 1)]
+            for h in range(g)
+        ]
+
+    packed = pack(0) if steps else None
+    for c in range(steps):
+        following = pack(c + 1) if c + 1 < steps else None
+        for h in range(g):
+            for d in range(1, g):
+                dst = send_dst[h, d - 1, bounds[c] : bounds[c + 1]]
+                mine, real = packed[h][d - 1]
+                local[(h + d) % g][dst[real]] = mine[real]
+        if following is not None:  # packed beside the writes: they did not change a real row of it
+            for got, want in zip(sum(following, []), sum(pack(c + 1), [])):
+                np.testing.assert_array_equal(got[0][got[1]], want[0][want[1]])
+        packed = following
+    for r in range(g):
+        keep = plan.copy_dst[r] < rows
+        local[r][plan.copy_dst[r][keep]] = copied[r][keep]
+    for r in range(g):
+        keep = plan.dup_dst[r] < rows
+        local[r][plan.dup_dst[r][keep]] = local[r][plan.dup_src[r][keep]]
+    out = np.stack([x.reshape((layers, per_rank) + content.shape[2:]) for x in local], axis=1)
+    return out.reshape(content.shape)
+
+
+def chunk_rows(plan: TransportPlan) -> int:
+    return int(np.diff(plan.chunk_bounds).max())
+
+
 def transfers(plan: TransportPlan) -> list[tuple[int, int, int, int]]:
     """Sorted ``(sender, source row, receiver, destination row)`` of every real transfer."""
     out = []
@@ -219,44 +264,15 @@ def test_streaming_order_moves_the_same_rows_and_is_exact(case, num_chunks):
     except ValueError as e:  # only a cycle longer than a chunk, never with one chunk
         assert num_chunks > 1 and "cycle" in str(e)
         return
-    assert ordered.chunk_rows == max(1, -(-plan.capacities[0] // num_chunks))
+    assert chunk_rows(ordered) == max(1, -(-plan.capacities[0] // num_chunks))
     assert ordered.capacities[0] >= plan.capacities[0] and ordered.capacities[1:] == plan.capacities[1:]
     assert transfers(ordered) == transfers(plan)
     np.testing.assert_array_equal(ordered.send_count, plan.send_count)
     for row in ordered.recv_dst.reshape(num_ranks, -1):  # padding stays distinct and out of range
         assert len(set(row.tolist())) == row.size
     np.testing.assert_array_equal(apply_streamed(ordered, old), new)
+    np.testing.assert_array_equal(apply_put(ordered, old), new)
     np.testing.assert_array_equal(apply_plan(ordered, old), new)
-
-
-@given(placements(), st.sampled_from([(1, 4, 4, 1), (1, 2, 4, 4, 2, 1), (3, 1), (1,)]))
-def test_uneven_chunks_move_the_same_rows_and_are_exact(case, weights):
-    num_ranks, old, new = case
-    plan = plan_rearrangement(old, new, num_ranks)
-    try:
-        ordered = order_for_streaming(plan, len(weights), weights=weights)
-    except ValueError as e:
-        assert len(weights) > 1 and "cycle" in str(e)
-        return
-    bounds = ordered.chunk_bounds
-    assert all(b > a for a, b in zip(bounds, bounds[1:])) and ordered.chunk_rows == max(np.diff(bounds))
-    if plan.capacities[0] and num_ranks > 1:  # something to send: the chunks cover the (maybe grown) capacity
-        assert bounds[0] == 0 and bounds[-1] == ordered.capacities[0] >= plan.capacities[0]
-    assert transfers(ordered) == transfers(plan)
-    np.testing.assert_array_equal(apply_streamed(ordered, old), new)
-    np.testing.assert_array_equal(apply_plan(ordered, old), new)
-
-
-def test_uneven_chunk_sizes_follow_the_weights(rng):
-    old, new = swap_placements(rng, layers=8, per_rank=16, count=6)  # 48 swaps: no padding needed
-    plan = plan_rearrangement(old, new, 2)
-    ordered = order_for_streaming(plan, 5, weights=(1, 4, 4, 4, 1))
-    assert plan.capacities[0] == 48 and ordered.capacities[0] == 48
-    assert ordered.chunk_bounds == (0, 4, 18, 31, 45, 48)
-    np.testing.assert_array_equal(apply_streamed(ordered, old), new)
-    for bad in [(1, 2), (1, 0, 1, 1, 1), (1, -1, 1, 1, 1), (1, float("nan"), 1, 1, 1)]:
-        with pytest.raises(ValueError, match="weights"):
-            order_for_streaming(plan, 5, weights=bad)
 
 
 def swap_placements(rng, layers=8, per_rank=16, count=4):
@@ -274,20 +290,22 @@ def test_swaps_stream_without_padding_and_need_the_order(rng):
     plan = plan_rearrangement(old, new, 2)
     ordered = order_for_streaming(plan, 4)
     assert ordered.capacities == plan.capacities == (32, 0, 0)  # swaps (2-cycles) leave no gaps
-    assert ordered.chunk_rows == 8
+    assert chunk_rows(ordered) == 8
     # every swap in one chunk: each row is received in the chunk that sends its old bytes
     chunk_of = {}
     for _h, _src, r, dst in transfers(ordered):
         i = int(np.flatnonzero(ordered.recv_dst[r, 0] == dst)[0])
-        chunk_of[(r, dst)] = i // ordered.chunk_rows
+        chunk_of[(r, dst)] = i // chunk_rows(ordered)
     for (r, dst), c in chunk_of.items():
         sender_pos = np.flatnonzero(ordered.send_rows[r, 0] == dst)
-        assert c == sender_pos[0] // ordered.chunk_rows
+        assert c == sender_pos[0] // chunk_rows(ordered)
     np.testing.assert_array_equal(apply_streamed(ordered, old), new)
     # the planner's own order (a swap's two transfers at different positions), run in the stream schedule
     # in chunks of one row, reads rows already overwritten
-    unordered = dataclasses.replace(plan, chunk_rows=1, chunk_bounds=tuple(range(plan.capacities[0] + 1)))
+    unordered = dataclasses.replace(plan, chunk_bounds=tuple(range(plan.capacities[0] + 1)))
     assert not np.array_equal(apply_streamed(unordered, old), new)
+    with pytest.raises(AssertionError):  # the put schedule would pack rows its kernel is writing
+        apply_put(unordered, old)
     np.testing.assert_array_equal(apply_streamed(order_for_streaming(plan, 32), old), new)  # chunks of 1
 
 
@@ -312,7 +330,7 @@ def test_chains_and_cycles_are_ordered():
 def test_streaming_order_of_a_plan_without_transfers():
     plan = plan_rearrangement(np.array([0, 1, 2, 3]), np.array([1, 1, 2, 2]), 2).padded(send=4)  # copies only
     ordered = order_for_streaming(plan, 2)
-    assert ordered.capacities == (4, 0, 1) and ordered.chunk_rows == 2 and transfers(ordered) == []
+    assert ordered.capacities == (4, 0, 1) and chunk_rows(ordered) == 2 and transfers(ordered) == []
     np.testing.assert_array_equal(apply_streamed(ordered, np.arange(4)[None])[0], [1, 1, 2, 2])
 
 

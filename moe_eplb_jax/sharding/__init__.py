@@ -1,10 +1,9 @@
-"""Expert transport on a Mesh: move planning, uint8 packing and the collective executor.
+"""Expert transport on a Mesh: move planning, packing of slot rows and the collective executor.
 
 ``rearrange_experts(experts, old_phy2log, new_phy2log, mesh=mesh)`` moves every
 leaf of an expert pytree (weights, quantisation scales, optimizer state) to a
 new placement, bit-exactly, sending only the slots whose expert changes, as one
-packed row of bytes per slot (moved as ``uint32`` words on GPU). The
-lower-level pieces:
+packed row of unsigned integers per slot. The lower-level pieces:
 
 * ``plan_rearrangement`` -> ``TransportPlan`` (host numpy index tables, the
   same on every process) and ``execute_plan`` (the jitted ``shard_map``), or
@@ -12,7 +11,7 @@ lower-level pieces:
   ``PreparedMove``, called when the move is due;
   ``plan_layer_by_layer`` -> one same-shaped plan per changed layer, to
   interleave the move with forward steps;
-* ``packing`` -- byte/word views of any dtype (fp4 in pairs) and row packing;
+* ``packing`` -- unsigned-integer views of any dtype (fp4 in pairs) and row packing;
 * ``mesh`` -- an EP mesh, the slot sharding, placing host arrays on it.
 """
 

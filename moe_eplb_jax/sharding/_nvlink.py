@@ -24,12 +24,11 @@ this rank is complete.
 Peer addresses come from XLA's collective metadata, so the kernel needs every
 device of the mesh in this process (``jax.device_count() ==
 jax.local_device_count()``) and no NVSHMEM. Nothing multicast is used.
-``local=True`` writes this rank's own rows (no remote refs, no semaphores: the
-Mosaic GPU interpreter has neither), for checking the copy pipeline on CPU.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 
@@ -37,23 +36,56 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["put_rows", "put_chunk_words", "can_put", "MAX_CHUNK_BYTES", "DEFAULT_STAGES", "DEFAULT_PACK_PROGRAMS"]
+__all__ = ["Config", "config_for", "copy_words", "can_put", "put_rows"]
 
-# One TMA copy moves at most this many bytes (the largest multiple of 128 bytes dividing a leaf's row, up to
-# this); measured on 2xH200 (benchmarks/nvlink_put.py): 40 KiB x 4 stages as fast as any other configuration.
-MAX_CHUNK_BYTES = 40 * 1024
-DEFAULT_STAGES = 4
-# Programs of the kernel that pack the next chunk (the others write this chunk into the peers).
-DEFAULT_PACK_PROGRAMS = 16
-# Shared memory per block on H100 / H200 available to a kernel.
-_SMEM_BYTES = 227 * 1024
+_SMEM_BYTES = 227 * 1024  # shared memory per block on H100 / H200 available to a kernel
 _WORD_MULTIPLE = 32  # Lane semantics: each of the warpgroup's 128 threads arrives on a TMA barrier with bytes / 128
 
 
-def put_chunk_words(width: int, max_chunk_bytes: int = MAX_CHUNK_BYTES) -> int:
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Tiling of the put kernel.
+
+    ``num_programs`` CUDA blocks (:func:`config_for`: one per SM), of which
+    ``pack_programs`` pack the next chunk while the others write this one;
+    each program cycles ``stages`` shared-memory buffers of one TMA copy of at
+    most ``max_copy_bytes`` (the largest multiple of 128 bytes dividing a
+    leaf's row, up to this: :func:`copy_words`).
+    """
+
+    num_programs: int = 132
+    pack_programs: int = 16
+    stages: int = 4
+    max_copy_bytes: int = 40 * 1024
+
+    def __post_init__(self):
+        for name in ("num_programs", "pack_programs", "stages", "max_copy_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.stages < 2:
+            raise ValueError(f"stages must be at least 2 (one buffer loading while one is stored), got {self.stages}")
+        if self.stages * self.max_copy_bytes > _SMEM_BYTES:
+            raise ValueError(
+                f"stages * max_copy_bytes = {self.stages * self.max_copy_bytes} exceeds {_SMEM_BYTES} bytes of "
+                "shared memory"
+            )
+        if self.pack_programs >= self.num_programs:
+            raise ValueError(
+                f"pack_programs ({self.pack_programs}) must leave writing programs of num_programs "
+                f"({self.num_programs})"
+            )
+
+
+def config_for(device) -> Config:
+    """The default :class:`Config` for ``device``: one program per streaming multiprocessor."""
+    return Config(num_programs=int(getattr(device, "core_count", 0) or Config.num_programs))
+
+
+def copy_words(width: int, max_copy_bytes: int = Config.max_copy_bytes) -> int:
     """Words per TMA copy for rows of ``width`` uint32 words, or 0 when no multiple of 32 words divides them."""
     best = 0
-    for chunk in range(_WORD_MULTIPLE, min(width, max_chunk_bytes // 4) + 1, _WORD_MULTIPLE):
+    for chunk in range(_WORD_MULTIPLE, min(width, max_copy_bytes // 4) + 1, _WORD_MULTIPLE):
         if width % chunk == 0:
             best = chunk
     return best
@@ -66,7 +98,7 @@ def can_put(widths: Sequence[int], devices) -> bool:
         len(devices) > 1
         and all(d.platform == "gpu" for d in devices)
         and jax.device_count() == jax.local_device_count()
-        and all(put_chunk_words(int(w)) for w in widths)
+        and all(copy_words(int(w)) for w in widths)
     )
 
 
@@ -80,9 +112,7 @@ def put_rows(
     num_ranks: int,
     rows_per_round: int,
     offsets: Sequence[int],
-    num_programs: int = 132,
-    pack_programs: int = DEFAULT_PACK_PROGRAMS,
-    stages: int = DEFAULT_STAGES,
+    config: Config = Config(),
     local: bool = False,
     interpret=None,
 ):
@@ -95,9 +125,11 @@ def put_rows(
     ``row_views`` are this rank's ``[num_rows, m_i]`` uint32 leaves; packed
     row ``k`` holds leaf ``i``'s row in words ``offsets[i] : offsets[i] +
     m_i``. ``next_rows [N']`` (optional): local rows to pack, as
-    ``pack_rows`` would, into a new ``[N', B]`` buffer by ``pack_programs``
-    of the ``num_programs`` programs (the caller guarantees no peer writes
-    them in this call).
+    ``pack_rows`` would, into a new ``[N', B]`` buffer by
+    ``config.pack_programs`` of the programs (the caller guarantees no peer
+    writes them in this call). ``local`` writes this rank's own rows instead
+    of the peers' (no remote refs, no semaphores: the Mosaic GPU interpreter
+    has neither), to check the copy pipeline off the GPU.
 
     Returns ``(row views with every row the peers sent written, the next
     staged buffer or None)``; the row views are updated in place where the
@@ -109,20 +141,16 @@ def put_rows(
     row_views = list(row_views)
     num_rows = int(row_views[0].shape[0])
     widths = [int(v.shape[1]) for v in row_views]
-    chunks = [put_chunk_words(w) for w in widths]
+    if not isinstance(config, Config):
+        raise ValueError(f"config must be a _nvlink.Config, got {type(config).__name__}")
+    chunks = [copy_words(w, config.max_copy_bytes) for w in widths]
     offsets = tuple(int(o) for o in offsets)
     if not all(chunks):
         raise ValueError(f"put_rows: every row must be a multiple of {_WORD_MULTIPLE * 4} bytes, got widths {widths}")
-    if stages < 2 or stages * max(chunks) * 4 > _SMEM_BYTES:
-        raise ValueError(f"put_rows: {stages} stages of {max(chunks) * 4} bytes do not fit in shared memory")
     packing = next_rows is not None
-    pack_programs = int(pack_programs) if packing else 0
-    put_programs = int(num_programs) - pack_programs
-    if put_programs < 1 or (packing and pack_programs < 1):
-        raise ValueError(
-            f"put_rows: {num_programs} programs cannot hold {pack_programs} packing programs and "
-            "at least one writing program"
-        )
+    num_programs, stages = config.num_programs, config.stages
+    pack_programs = config.pack_programs if packing else 0
+    put_programs = num_programs - pack_programs
     num_staged, num_next = int(staged.shape[0]), int(next_rows.shape[0]) if packing else 0
     num_leaves = len(row_views)
 
@@ -131,12 +159,12 @@ def put_rows(
             next_ref, row_refs, next_out = refs[0], refs[1 : 1 + num_leaves], refs[1 + num_leaves]
         else:
             next_ref, row_refs, next_out = None, refs[:num_leaves], None
-        me = None if local else lax.axis_index(axis)  # local: no mesh needed (interpreter checks)
 
         def target(row_ref, row):  # the receiving rank's row view of packed row `row` (its round)
-            if local:
+            if local:  # no mesh needed (interpreter checks)
                 return row_ref
-            return plgpu.remote_ref(row_ref, {axis: lax.rem(me + 1 + lax.div(row, rows_per_round), num_ranks)})
+            receiver = lax.rem(lax.axis_index(axis) + 1 + lax.div(row, rows_per_round), num_ranks)
+            return plgpu.remote_ref(row_ref, {axis: receiver})  # pyright: ignore[reportArgumentType]
 
         def copy_loop(program, programs, rows, chunk, per_row, source, dest, valid, buf, loaded):
             """Copies items ``program, program + programs, ...`` of ``rows * per_row``: TMA in, TMA out."""
@@ -217,13 +245,15 @@ def put_rows(
                 )
 
         def pack_next(program, buf, loaded):  # the next chunk's rows, from the local row views
+            assert next_ref is not None and next_out is not None
+            rows_ref, out_ref = next_ref, next_out
             for leaf, (row_ref, chunk, offset) in enumerate(zip(row_refs, chunks, offsets)):
 
                 def local_row(row, col, row_ref=row_ref, chunk=chunk):  # local row next_rows[row] of this leaf
-                    return row_ref.at[next_ref[row], pl.ds(col, chunk)]
+                    return row_ref.at[rows_ref[row], pl.ds(col, chunk)]
 
                 def next_packed(row, col, chunk=chunk, offset=offset):  # its place in the next staged buffer
-                    return next_out.at[row, pl.ds(offset + col, chunk)]
+                    return out_ref.at[row, pl.ds(offset + col, chunk)]
 
                 copy_loop(
                     program,
@@ -267,6 +297,7 @@ def put_rows(
         if local:
             return
         done = pl.get_global(plgpu.SemaphoreType.REGULAR)  # zeroed by XLA before every launch
+        me = lax.axis_index(axis)
         for d in range(1, num_ranks):  # release.sys: this program's writes are visible before the signal
             pl.semaphore_signal(done, 1, device_id={axis: lax.rem(me + d, num_ranks)})
 
@@ -284,7 +315,7 @@ def put_rows(
     next_staged = plgpu.kernel(
         body,
         out_type=out_type,
-        grid=(1 if interpret else int(num_programs),),
+        grid=(1 if interpret else num_programs,),
         grid_names=("programs",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=interpret,

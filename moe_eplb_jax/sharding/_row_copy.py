@@ -1,35 +1,26 @@
 """Row gather / scatter kernels with a bounded grid (Pallas, Triton backend).
 
-When expert weights move between GPUs, the rows to send are gathered from each
-leaf's ``[N, m]`` word view into one packed ``[C, sum(m)]`` buffer, and the
-received rows are scattered back into the views. These copies run *while* an
-NCCL transfer is in flight. XLA's own gather / scatter fusions launch enough
-blocks to fill every SM and saturate HBM, which slows the transfer they are
-meant to overlap with. These kernels instead launch a small, fixed number of
-programs (``num_programs`` CUDA blocks, e.g. 8 to 64) that each loop over many
-work items, so the copy takes a bounded share of the SMs and of the memory
-bandwidth and the transfer keeps the rest.
+``gather_rows(row_views, rows)`` packs rows ``[C]`` of uint32 row views
+``[N, m_i]`` into one ``[C, sum(m_i)]`` buffer; ``scatter_rows(row_views,
+packed, dst)`` writes packed rows back into the views in place. The
+transport's stream schedule runs them beside an NCCL transfer: XLA's gather
+and scatter fusions fill every SM at full HBM speed and slow the transfer
+they overlap, while these kernels launch ``Config.num_programs`` programs that
+loop over their work items, taking a bounded share of the GPU.
 
-A work item is one ``[R, W]`` tile of one leaf: ``R`` rows (of the ``C``
-selected rows) by ``W`` consecutive columns, with ``R * W == block``. Wide
-leaves (``m >= block``) use ``R = 1`` and ``W = block`` (one contiguous,
-16-byte-vectorisable run per item, the row's last block masked); narrow leaves
-(quantisation scales, ``m`` of a few words) put ``block / next_power_of_2(m)``
-rows in one item instead of wasting a mostly-masked block per row. The work
-items of all leaves are numbered globally and program ``p`` takes items ``p,
-p + num_programs, p + 2 * num_programs, ...`` (one ``fori_loop`` per leaf with
-static widths).
+A work item is one ``[R, W]`` tile of one leaf (``R * W == Config.block``):
+wide leaves take ``R = 1`` (one contiguous run of a row), narrow ones
+(quantisation scales of a few words) several rows per item. Program ``p``
+takes items ``p, p + num_programs, ...`` of the items of all leaves.
 
-``scatter_rows`` updates the views in place (``input_output_aliases``): under
-``jax.jit`` with the views donated only the ``C`` named rows are written.
-
-Offsets are int32, so every view needs ``N * m < 2**31`` words and the packed
-buffer ``C * sum(m) < 2**31`` (a ``ValueError`` otherwise: use the XLA path).
-On a non-GPU backend the kernels run in Pallas interpret mode (tests).
+Offsets are int32: every view needs ``N * m < 2**31`` words and the packed
+buffer ``C * sum(m) < 2**31`` (:func:`offsets_fit`). Off the GPU the kernels
+run in Pallas interpret mode.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 
@@ -37,13 +28,48 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from moe_eplb_jax._kernels import join_varying
 
-__all__ = ["gather_rows", "scatter_rows", "offsets_fit"]
+__all__ = ["Config", "gather_rows", "scatter_rows", "offsets_fit"]
 
 _MAX_OFFSET = 2**31  # int32 flat offsets
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Tiling of the row-copy kernels.
+
+    ``num_programs`` CUDA blocks share the work: few enough to leave a
+    concurrent transfer its bandwidth, enough that the copies keep up with it
+    (the default suits an H200 moving rows of about half a megabyte). ``block`` words are copied per loop
+    step (a power of two >= 128; a multiple of ``4 * 32 * num_warps`` gives
+    16-byte accesses); ``num_warps`` and ``num_stages`` go to Triton.
+    """
+
+    num_programs: int = 48
+    block: int = 4096
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        for name in ("num_programs", "num_warps", "num_stages"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        block = self.block
+        if isinstance(block, bool) or not isinstance(block, int | np.integer) or block < 128 or block & (block - 1):
+            raise ValueError(f"block must be a power of two >= 128, got {block!r}")
+
+
+@functools.cache
+def _triton():
+    """Pallas' Triton backend; ``ValueError`` in a jax without it (the transport then copies rows with XLA)."""
+    try:
+        from jax.experimental.pallas import triton
+    except ImportError as err:
+        raise ValueError(f"Pallas' Triton backend is not available in this jax ({err}): use XLA's copies") from err
+    return triton
 
 
 def offsets_fit(num_rows: int, widths, num_selected: int) -> bool:
@@ -88,10 +114,11 @@ def _check_views(row_views) -> tuple[int, tuple[int, ...]]:
                 f"(N * m must be < 2**31): use the XLA path"
             )
         widths.append(int(shape[1]))
+    assert num_rows is not None
     return int(num_rows), tuple(widths)
 
 
-def _check_index(name, index, start=0, count=None) -> int:
+def _check_index(name, index, start: int = 0, count: int | None = None) -> int:
     """``C``: the number of entries used, ``index[start : start + C]`` (all from ``start`` when ``count`` is None)."""
     dtype, shape = _dtype_shape(index)
     if dtype != jnp.int32:
@@ -101,20 +128,19 @@ def _check_index(name, index, start=0, count=None) -> int:
     for what, value in (("index_start", start), ("index_count", count)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0):
             raise ValueError(f"{what} must be an int >= 0, got {value!r}")
-    count = shape[0] - start if count is None else count
-    if start + count > shape[0] or count < 0:
-        raise ValueError(f"{name} has {shape[0]} entries: too few for index_start={start}, index_count={count}")
-    return int(count)
+    used = shape[0] - start if count is None else count
+    if start + used > shape[0] or used < 0:
+        raise ValueError(f"{name} has {shape[0]} entries: too few for index_start={start}, index_count={used}")
+    return int(used)
 
 
-def _check_config(num_programs, block, num_warps, num_stages, interpret):
-    for name, value in (("num_programs", num_programs), ("num_warps", num_warps), ("num_stages", num_stages)):
-        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    if isinstance(block, bool) or not isinstance(block, int | np.integer) or block < 128 or block & (block - 1):
-        raise ValueError(f"block must be a power of two >= 128, got {block!r}")
+def _check_config(config, interpret) -> bool:
+    """Interpret mode (off the GPU unless ``interpret`` says), or a ``ValueError``."""
+    if not isinstance(config, Config):
+        raise ValueError(f"config must be a _row_copy.Config, got {type(config).__name__}")
     if interpret is not None and not isinstance(interpret, bool):
         raise ValueError(f"interpret must be None or a bool, got {interpret!r}")
+    _triton()
     return jax.default_backend() != "gpu" if interpret is None else interpret
 
 
@@ -188,7 +214,7 @@ def _item_rows(index_ref, item, rows, cols, col_blocks, num_selected, index_star
     """:func:`_item_coords` and the item's entries of the index (``other`` where masked), from ``index_start``."""
     selected, row_ok, columns = _item_coords(item, rows, cols, col_blocks, num_selected)
     at = index_start + _safe(selected, row_ok, num_selected, interpret)
-    return selected, row_ok, columns, plgpu.load(index_ref.at[at], mask=row_ok, other=other)
+    return selected, row_ok, columns, _triton().load(index_ref.at[at], mask=row_ok, other=other)
 
 
 def _gather_kernel(rows_ref, *refs, num_rows, num_selected, widths, total, plans, num_programs, interpret, index_start):
@@ -204,9 +230,9 @@ def _gather_kernel(rows_ref, *refs, num_rows, num_selected, widths, total, plans
             index = jnp.clip(index, 0, num_rows - 1)  # out-of-range rows are clamped: never an out-of-bounds read
             mask = row_ok & (columns < width)
             src = _hint(index * width, width) + columns
-            words = plgpu.load(view_ref.at[src], mask=mask, other=jnp.uint32(0))
+            words = _triton().load(view_ref.at[src], mask=mask, other=jnp.uint32(0))
             dst = _hint(selected * total + offset, total, offset) + columns
-            plgpu.store(out_ref.at[_safe(dst, mask, num_selected * total, interpret)], words, mask=mask)
+            _triton().store(out_ref.at[_safe(dst, mask, num_selected * total, interpret)], words, mask=mask)
 
         _for_items(program, num_programs, items, first, copy)
         offset += width
@@ -227,11 +253,11 @@ def _scatter_kernel(
             row_ok = row_ok & (index >= 0) & (index < num_rows)  # out-of-range destinations are skipped
             mask = row_ok & (columns < width)
             src = _hint(selected * total + offset, total, offset) + columns
-            words = plgpu.load(
+            words = _triton().load(
                 packed_ref.at[_safe(src, mask, num_selected * total, interpret)], mask=mask, other=jnp.uint32(0)
             )
             dst = _hint(jnp.where(row_ok, index, 0) * width, width) + columns
-            plgpu.store(out_ref.at[_safe(dst, mask, num_rows * width, interpret)], words, mask=mask)
+            _triton().store(out_ref.at[_safe(dst, mask, num_rows * width, interpret)], words, mask=mask)
 
         _for_items(program, num_programs, items, first, copy)
         offset += width
@@ -242,15 +268,12 @@ def gather_rows(
     row_views: Sequence[jax.Array],
     rows: jax.Array,
     *,
-    num_programs: int = 32,
-    block: int = 4096,
-    num_warps: int = 4,
-    num_stages: int = 3,
+    config: Config = Config(),
     interpret: bool | None = None,
     index_start: int = 0,
     index_count: int | None = None,
 ) -> jax.Array:
-    """Gathers rows of several row views into one packed buffer, on ``num_programs`` programs.
+    """Gathers rows of several row views into one packed buffer, on ``config.num_programs`` programs.
 
     **Arguments:**
 
@@ -263,12 +286,7 @@ def gather_rows(
       ``rows[index_start : index_start + index_count]`` are used (default: all
       from `index_start`) -- read in place, where a sliced operand would cost
       the executor a copy (and a launch) per call.
-    - `num_programs`: the number of programs (CUDA blocks) of the kernel: each
-      loops over its share of the work, so the copy leaves the other SMs to a
-      concurrent transfer.
-    - `block`: the words one program copies per loop step (a power of two
-      >= 128; a multiple of ``4 * 32 * num_warps`` gives 16-byte accesses).
-    - `num_warps`, `num_stages`: Triton compiler parameters.
+    - `config`: the kernel's tiling (:class:`Config`).
     - `interpret`: Pallas interpret mode; ``None`` picks it when
       ``jax.default_backend() != "gpu"``.
 
@@ -281,19 +299,19 @@ def gather_rows(
     **Raises:**
 
     ``ValueError`` (before any device work) on a wrong dtype or rank, views
-    with different ``N``, a bad ``num_programs`` / ``block``, or sizes too
-    large for int32 offsets.
+    with different ``N``, a bad ``config``, sizes too large for int32 offsets,
+    or a jax without Pallas' Triton backend.
     """
     num_rows, widths = _check_views(row_views)
     num_selected = _check_index("rows", rows, index_start, index_count)
-    interpret = _check_config(num_programs, block, num_warps, num_stages, interpret)
+    interpret = _check_config(config, interpret)
     total = sum(widths)
     _check_packed_size(num_selected, total)
     if num_selected == 0:
         return jnp.zeros((0, total), jnp.uint32)
     if num_rows == 0:
         raise ValueError(f"rows has {num_selected} entries but the row views have no rows (N = 0)")
-    num_programs, block = int(num_programs), int(block)
+    num_programs, block = int(config.num_programs), int(config.block)
     plans = _schedule(widths, num_selected, block, num_programs)
     (rows, *flat), out_struct = join_varying(jnp.asarray(rows), *(jnp.asarray(v).reshape(-1) for v in row_views))
     kernel = functools.partial(
@@ -313,7 +331,7 @@ def gather_rows(
         in_specs=[pl.no_block_spec] * (1 + len(flat)),
         out_specs=pl.no_block_spec,
         out_shape=out_struct((num_selected * total,), jnp.uint32),
-        compiler_params=plgpu.CompilerParams(num_warps=int(num_warps), num_stages=int(num_stages)),
+        compiler_params=_triton().CompilerParams(num_warps=int(config.num_warps), num_stages=int(config.num_stages)),
         interpret=interpret,
         name="gather_rows",
     )(rows, *flat)
@@ -325,15 +343,12 @@ def scatter_rows(
     packed: jax.Array,
     dst: jax.Array,
     *,
-    num_programs: int = 32,
-    block: int = 4096,
-    num_warps: int = 4,
-    num_stages: int = 3,
+    config: Config = Config(),
     interpret: bool | None = None,
     index_start: int = 0,
     index_count: int | None = None,
 ) -> list[jax.Array]:
-    """Scatters the rows of a packed buffer into several row views, in place, on ``num_programs`` programs.
+    """Scatters the rows of a packed buffer into several row views, in place, on ``config.num_programs`` programs.
 
     **Arguments:**
 
@@ -348,9 +363,8 @@ def scatter_rows(
       ``dst[c]`` of every view. Entries outside ``[0, N)``, negative ones
       included, are skipped (callers pad with distinct out-of-range rows);
       in-range entries must be distinct.
-    - `num_programs`, `block`, `num_warps`, `num_stages`, `interpret`,
-      `index_start`, `index_count`: as in :func:`gather_rows` (``C`` is then
-      the number of entries used).
+    - `config`, `interpret`, `index_start`, `index_count`: as in
+      :func:`gather_rows` (``C`` is then the number of entries used).
 
     **Returns:**
 
@@ -363,7 +377,8 @@ def scatter_rows(
 
     ``ValueError`` (before any device work) on a wrong dtype or rank, views
     with different ``N``, ``packed`` not ``[len(dst), sum(m_i)]``, a bad
-    ``num_programs`` / ``block``, or sizes too large for int32 offsets.
+    ``config``, sizes too large for int32 offsets, or a jax without Pallas'
+    Triton backend.
     """
     num_rows, widths = _check_views(row_views)
     num_selected = _check_index("dst", dst, index_start, index_count)
@@ -377,11 +392,11 @@ def scatter_rows(
         raise ValueError(f"packed has {shape[0]} rows but dst has {num_selected} entries (both must be C)")
     if shape[1] != total:
         raise ValueError(f"packed has {shape[1]} columns but the row views' widths {widths} sum to {total}")
-    interpret = _check_config(num_programs, block, num_warps, num_stages, interpret)
+    interpret = _check_config(config, interpret)
     _check_packed_size(num_selected, total)
     if num_selected == 0 or num_rows == 0:
         return [jnp.asarray(v) for v in row_views]
-    num_programs, block = int(num_programs), int(block)
+    num_programs, block = int(config.num_programs), int(config.block)
     plans = _schedule(widths, num_selected, block, num_programs)
     (dst, packed, *flat), out_struct = join_varying(
         jnp.asarray(dst), jnp.asarray(packed).reshape(-1), *(jnp.asarray(v).reshape(-1) for v in row_views)
@@ -404,7 +419,7 @@ def scatter_rows(
         out_specs=[pl.no_block_spec] * len(flat),
         out_shape=[out_struct((num_rows * width,), jnp.uint32) for width in widths],
         input_output_aliases={2 + i: i for i in range(len(flat))},
-        compiler_params=plgpu.CompilerParams(num_warps=int(num_warps), num_stages=int(num_stages)),
+        compiler_params=_triton().CompilerParams(num_warps=int(config.num_warps), num_stages=int(config.num_stages)),
         interpret=interpret,
         name="scatter_rows",
     )(dst, packed, *flat)

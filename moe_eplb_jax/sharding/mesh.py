@@ -45,7 +45,7 @@ def slot_sharding(mesh: Mesh, ndim: int, *, axis: str = "ep", layered: bool = Fa
         raise ValueError(
             f"a {'[L, P, ...]' if layered else '[P, ...]'} leaf needs at least {lead} dimensions, got {ndim}"
         )
-    spec = [None] * ndim
+    spec: list[str | None] = [None] * ndim
     spec[lead - 1] = axis
     return NamedSharding(mesh, PartitionSpec(*spec))
 

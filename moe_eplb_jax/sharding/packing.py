@@ -1,26 +1,21 @@
-"""Slot rows as bytes: the leaves of every moving slot become one packed row.
+"""Slot rows as unsigned integers: the leaves of every moving slot become one packed row.
 
 A leaf with leading slot axes ``[N, *row_shape]`` is handled as a *row view*
-``[N, m]`` (``m`` elements per row), in one of two forms:
+``[N, m]`` of unsigned integers: ``uint32`` words where a row is a multiple of
+4 bytes, else the unsigned type of the element's width (``uint8`` for 8- and
+4-bit dtypes, 4-bit elements in pairs, and bools; ``uint16`` for 16-bit).
+:func:`pack_rows` gathers the rows that move of several leaves into one
+``[C, B]`` buffer: ``uint32`` words when every leaf is viewed as words, else
+``uint8`` bytes (:func:`to_byte_rows`; 4-bit element ``2i`` in the low nibble
+of byte ``i``, so a 4-bit row needs an even element count). Either way the
+buffer holds each row's bytes in order, leaf after leaf;
+:func:`pack_rows_numpy` is the host reference.
 
-* ``word_view``: rows whose size is a multiple of 4 bytes as ``uint32`` words.
-  Gathers and scatters then move 4 bytes per element -- about twice as fast
-  as 1-byte dtypes on H200 -- and XLA:GPU makes the whole-leaf bitcast free
-  (no extra memory measured). The GPU default.
-* the leaf's own dtype (a reshape only), except float8_e5m2, whose NaN
-  payloads XLA:CPU rewrites in gathers and scatters: e5m2 leaves are viewed as
-  ``uint8``. The CPU default, because XLA:CPU materialises a whole-leaf
-  ``bitcast_convert_type`` as a copy.
-
-Both forms are byte-exact for every dtype (tested with random bytes, NaN
-payloads included, on CPU and on 2xH200).
-
-Only rows that move are packed: :func:`pack_rows` gathers the requested rows
-of several leaves into one ``[C, B]`` buffer -- ``uint32`` words when every
-leaf is viewed as words, else ``uint8`` bytes (:func:`to_byte_rows`: bitcast;
-4-bit dtypes in pairs, element ``2i`` in the low nibble of byte ``i``, so a
-row needs an even element count). Either way the buffer holds each row's
-bytes in order, leaf after leaf. ``pack_rows_numpy`` is the host reference.
+Why unsigned integers: the only op that sees a leaf's own dtype is the
+bitcast into (and out of) its view, so no gather, scatter, select or
+concatenate ever handles a float. Float ops are not byte-exact on every
+backend (XLA:CPU rewrites float8_e5m2 NaN payloads and may flush bfloat16
+subnormals); integer ops are.
 """
 
 from __future__ import annotations
@@ -34,7 +29,6 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
-    "BYTE_VIEW_DTYPES",
     "LeafLayout",
     "leaf_layout",
     "row_view",
@@ -56,8 +50,8 @@ class LeafLayout:
     """How one leaf's slot row maps to bytes.
 
     ``dtype`` is the leaf's dtype, ``row_shape`` the shape of one slot's row,
-    ``row_bytes`` its size in bytes and ``view_dtype`` the dtype of the row
-    view (``uint8`` for dtypes in ``BYTE_VIEW_DTYPES``, else ``dtype``).
+    ``row_bytes`` its size in bytes and ``view_dtype`` the unsigned integer
+    dtype of the row view (see the module docstring).
     """
 
     dtype: np.dtype
@@ -69,13 +63,14 @@ class LeafLayout:
     def row_elements(self) -> int:
         return math.prod(self.row_shape)
 
+    @property
+    def view_width(self) -> int:
+        """Elements of ``view_dtype`` per row."""
+        return self.row_bytes * 8 // _bits(self.view_dtype)
 
-# Dtypes whose gathers / scatters are not byte-exact on some backend: moved through uint8 views.
-BYTE_VIEW_DTYPES = frozenset({np.dtype(jnp.float8_e5m2)})
 
-
-# ml_dtypes floats report numpy kind 'V'.
-_ML_DTYPE_KINDS = frozenset(
+# ml_dtypes floats and narrow ints report numpy kind 'V'.
+_ML_DTYPES = frozenset(
     np.dtype(d)
     for d in (
         jnp.bfloat16,
@@ -91,90 +86,87 @@ _ML_DTYPE_KINDS = frozenset(
     )
     + tuple(getattr(jnp, n) for n in ("float8_e3m4", "float8_e4m3") if hasattr(jnp, n))
 )
+_UNSIGNED = {4: np.dtype(jnp.uint4), 8: np.dtype(np.uint8), 16: np.dtype(np.uint16), 32: np.dtype(np.uint32)}
+_UNSIGNED[64] = np.dtype(np.uint64)
 
 
 def _bits(dtype) -> int:
     return int(jax.dtypes.itemsize_bits(np.dtype(dtype)))
 
 
-def leaf_layout(dtype, row_shape: Sequence[int], *, name: str = "leaf", word_view: bool = False) -> LeafLayout:
+def leaf_layout(dtype, row_shape: Sequence[int], *, name: str = "leaf") -> LeafLayout:
     """The byte layout of one row of ``row_shape`` elements of ``dtype``.
 
-    With ``word_view`` a row whose size is a multiple of 4 bytes is handled as
-    ``uint32`` words (gathers and scatters then move 4 bytes per element).
     Raises ``ValueError`` for dtypes that cannot be viewed as bytes and for
     4-bit rows with an odd element count.
     """
     dtype = np.dtype(dtype)
     row_shape = tuple(int(d) for d in row_shape)
     count = math.prod(row_shape)
-    if dtype.kind not in "biuf" and dtype not in _ML_DTYPE_KINDS:
+    if dtype.kind not in "biuf" and dtype not in _ML_DTYPES:
         raise ValueError(f"{name}: dtype {dtype} cannot be moved as bytes (need bool, integer or float)")
     bits = _bits(dtype)
-    if bits == 4:
-        if count % 2:
-            raise ValueError(
-                f"{name}: a {dtype} row of shape {row_shape} has {count} elements; 4-bit rows are moved as "
-                "byte pairs and need an even element count per slot"
-            )
-        row_bytes = count // 2
-    elif bits in (8, 16, 32, 64):
-        row_bytes = count * bits // 8
-    else:
+    if bits not in (4, 8, 16, 32, 64):
         raise ValueError(f"{name}: dtype {dtype} ({bits} bits) cannot be moved as bytes")
-    if word_view and row_bytes % 4 == 0 and bits <= 32 and dtype != np.bool_:
-        view = np.dtype(np.uint32)
-    elif dtype in BYTE_VIEW_DTYPES:
-        view = np.dtype(np.uint8)
-    else:
-        view = dtype
+    if bits == 4 and count % 2:
+        raise ValueError(
+            f"{name}: a {dtype} row of shape {row_shape} has {count} elements; 4-bit rows are moved as "
+            "byte pairs and need an even element count per slot"
+        )
+    row_bytes = count * bits // 8
+    view = _UNSIGNED[32] if row_bytes % 4 == 0 else _UNSIGNED[max(8, bits)]
     return LeafLayout(dtype, row_shape, row_bytes, view)
 
 
+def _regroup(x: jax.Array, dtype) -> jax.Array:
+    """Unsigned ``x [N, k]`` as ``dtype [N, k']`` over the same bytes (a bitcast; integers only)."""
+    src, dst = _bits(x.dtype), _bits(dtype)
+    if src == dst:
+        return x
+    num_rows = x.shape[0]
+    if src < dst:  # several elements per new element: group them on a trailing axis
+        return jax.lax.bitcast_convert_type(x.reshape(num_rows, -1, dst // src), dtype)
+    return jax.lax.bitcast_convert_type(x, dtype).reshape(num_rows, -1)
+
+
 def row_view(x: jax.Array, layout: LeafLayout, num_rows: int) -> jax.Array:
-    """``x [.., *row_shape]`` with ``num_rows`` rows as the row view ``[num_rows, m]`` of ``layout.view_dtype``."""
-    flat = x.reshape(num_rows, layout.row_elements)
-    if layout.view_dtype == layout.dtype:
-        return flat
-    ratio = _bits(layout.view_dtype) // _bits(layout.dtype)
-    if ratio > 1:  # several elements per view element: group them on a trailing axis
-        flat = flat.reshape(num_rows, layout.row_elements // ratio, ratio)
-    return jax.lax.bitcast_convert_type(flat, layout.view_dtype)
+    """``x [.., *row_shape]`` with ``num_rows`` rows as the row view ``[num_rows, view_width]``.
+
+    The leaf's own dtype meets one op only: the bitcast to the unsigned
+    integer of its width (bools: a conversion to ``uint8``). Where the view
+    then regroups elements into words, an optimisation barrier keeps XLA from
+    moving that bitcast past the regrouping (XLA:CPU would slice the float
+    leaf to assemble its words).
+    """
+    if layout.dtype == np.bool_:
+        unsigned = x.astype(jnp.uint8)
+    else:
+        unsigned = _fenced(jax.lax.bitcast_convert_type(x, _UNSIGNED[_bits(layout.dtype)]), layout)
+    return _regroup(unsigned.reshape(num_rows, layout.row_elements), layout.view_dtype)
 
 
 def from_row_view(rows: jax.Array, layout: LeafLayout, shape: Sequence[int]) -> jax.Array:
-    """Inverse of :func:`row_view`: back to ``layout.dtype`` and ``shape``."""
-    if layout.view_dtype != layout.dtype:
-        rows = jax.lax.bitcast_convert_type(rows, layout.dtype)  # [N, w] or [N, w, ratio]
-    return rows.reshape(tuple(shape))
+    """Inverse of :func:`row_view`: back to ``layout.dtype`` and ``shape`` (the bitcast to it last)."""
+    if layout.dtype == np.bool_:
+        return _regroup(rows, np.uint8).reshape(tuple(shape)) != jnp.uint8(0)
+    unsigned = _fenced(_regroup(rows, _UNSIGNED[_bits(layout.dtype)]).reshape(tuple(shape)), layout)
+    return jax.lax.bitcast_convert_type(unsigned, layout.dtype)
+
+
+def _fenced(unsigned: jax.Array, layout: LeafLayout) -> jax.Array:
+    """``unsigned`` behind an optimisation barrier where the row view regroups its elements."""
+    return jax.lax.optimization_barrier(unsigned) if _bits(layout.dtype) != _bits(layout.view_dtype) else unsigned
 
 
 def to_byte_rows(rows: jax.Array, layout: LeafLayout) -> jax.Array:
-    """Row view ``[C, m]`` to ``uint8 [C, row_bytes]`` (bitcast; 4-bit dtypes in pairs)."""
-    num_rows = rows.shape[0]
-    if rows.dtype == jnp.uint8:
-        return rows
-    if rows.dtype == jnp.bool_:
-        return rows.astype(jnp.uint8)  # bool is one 0/1 byte: exact
-    if _bits(rows.dtype) == 4:
-        rows = rows.reshape(num_rows, layout.row_bytes, 2)
-    return jax.lax.bitcast_convert_type(rows, jnp.uint8).reshape(num_rows, layout.row_bytes)
+    """Row view ``[C, view_width]`` to ``uint8 [C, row_bytes]`` (a bitcast; 4-bit dtypes in pairs)."""
+    del layout  # the view's own dtype says how many bytes an element holds
+    return _regroup(rows, np.uint8)
 
 
 def from_byte_rows(rows: jax.Array, layout: LeafLayout) -> jax.Array:
-    """Inverse of :func:`to_byte_rows`: ``uint8 [C, row_bytes]`` to the row view ``[C, m]``."""
-    num_rows = rows.shape[0]
-    view = layout.view_dtype
-    if view == np.uint8:
-        return rows
-    if view == np.bool_:
-        return rows != jnp.uint8(0)
-    bits = _bits(view)
-    if bits == 4:
-        return jax.lax.bitcast_convert_type(rows, view).reshape(num_rows, layout.row_elements)
-    if bits == 8:
-        return jax.lax.bitcast_convert_type(rows, view)
-    return jax.lax.bitcast_convert_type(rows.reshape(num_rows, -1, bits // 8), view)
+    """Inverse of :func:`to_byte_rows`: ``uint8 [C, row_bytes]`` to the row view ``[C, view_width]``."""
+    return _regroup(rows, layout.view_dtype)
 
 
 def wire_dtype(layouts: Sequence[LeafLayout]) -> np.dtype:
@@ -191,24 +183,22 @@ def wire_offsets(layouts: Sequence[LeafLayout]) -> list[int]:
 
 
 def pack_rows(row_views: Sequence[jax.Array], layouts: Sequence[LeafLayout], rows: jax.Array) -> jax.Array:
-    """Gathers ``rows [C]`` of every row view into one packed ``[C, B]`` buffer of ``wire_dtype`` bytes/words.
+    """Gathers ``rows [C]`` of every row view into one packed ``[C, B]`` buffer of ``wire_dtype``.
 
     Row indices must be in ``[0, N)``; only the ``C`` requested rows are read.
     """
-    if wire_dtype(layouts) == np.uint32:
-        return jnp.concatenate([v[rows] for v in row_views], axis=1)
-    return jnp.concatenate([to_byte_rows(v[rows], lay) for v, lay in zip(row_views, layouts)], axis=1)
+    wire = wire_dtype(layouts)
+    return jnp.concatenate([_regroup(v[rows], wire) for v in row_views], axis=1)
 
 
 def unpack_leaf(packed: jax.Array, layouts: Sequence[LeafLayout], index: int) -> jax.Array:
-    """Leaf ``index``'s row view ``[C, m]`` from packed rows made by :func:`pack_rows`."""
+    """Leaf ``index``'s row view ``[C, view_width]`` from packed rows made by :func:`pack_rows`."""
     offsets = wire_offsets(layouts)
-    part = packed[:, offsets[index] : offsets[index + 1]]
-    return part if packed.dtype == jnp.uint32 else from_byte_rows(part, layouts[index])
+    return _regroup(packed[:, offsets[index] : offsets[index + 1]], layouts[index].view_dtype)
 
 
 def unpack_rows(packed: jax.Array, layouts: Sequence[LeafLayout]) -> list[jax.Array]:
-    """Splits packed ``[C, B]`` rows from :func:`pack_rows` into the leaves' row views ``[C, m_i]``."""
+    """Splits packed ``[C, B]`` rows from :func:`pack_rows` into the leaves' row views."""
     width = wire_offsets(layouts)[-1]
     if packed.shape[1] != width or packed.dtype != wire_dtype(layouts):
         raise ValueError(

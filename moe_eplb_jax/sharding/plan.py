@@ -35,7 +35,6 @@ __all__ = [
     "plan_rearrangement",
     "plan_layer_by_layer",
     "order_for_streaming",
-    "check_chunk_weights",
     "bucket_capacity",
     "validate_placements",
 ]
@@ -69,12 +68,11 @@ class TransportPlan:
     * ``written [L, P]`` -- slots whose expert changes (the only slots written).
     * ``moves [M, 4]`` -- one row per received (layer, expert):
       ``(layer, expert, source slot, destination rank)``.
-    * ``chunk_rows`` -- 0, or the largest chunk of a plan reordered by
-      :func:`order_for_streaming`; ``chunk_bounds`` -- then the first position
-      of each chunk of a round and, last, the end of the last chunk (position
-      ``i`` belongs to chunk ``c`` when ``bounds[c] <= i < bounds[c + 1]``;
-      every row is received in a chunk no earlier than every chunk that sends
-      its old bytes).
+    * ``chunk_bounds`` -- ``()``, or for a plan reordered by
+      :func:`order_for_streaming` the first position of each chunk of a round
+      and, last, the end of the last chunk (position ``i`` belongs to chunk
+      ``c`` when ``bounds[c] <= i < bounds[c + 1]``; every row is received in
+      a chunk no earlier than every chunk that sends its old bytes).
     """
 
     num_ranks: int
@@ -92,7 +90,6 @@ class TransportPlan:
     copy_count: np.ndarray
     written: np.ndarray
     moves: np.ndarray
-    chunk_rows: int = 0
     chunk_bounds: tuple = ()
 
     @property
@@ -169,6 +166,13 @@ class TransportPlan:
             copy_dst=grow(self.copy_dst, new_k, True),
             copy_src=grow(self.copy_src, new_k, False),
         )
+
+    @property
+    def send_dst(self) -> np.ndarray:
+        """``[G, G - 1, C]``: the receiver's row for each row rank ``r`` sends in round ``d`` (padding: out of range)."""
+        rounds = np.arange(1, self.num_ranks)
+        receiver = (np.arange(self.num_ranks)[:, None] + rounds[None, :]) % self.num_ranks  # [G, G - 1]
+        return self.recv_dst[receiver, rounds[None, :] - 1]
 
     def device_tables(self) -> dict[str, np.ndarray]:
         """The int32 tables the executor takes, each with a leading rank axis ``[G, ...]``."""
@@ -262,7 +266,7 @@ def plan_rearrangement(
     old, new, layered = validate_placements(old_phy2log, new_phy2log, num_ranks, num_logical=num_logical)
     num_layers, num_slots = old.shape
     if layer is not None:
-        if not isinstance(layer, (int, np.integer)) or not 0 <= layer < num_layers:
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < num_layers:
             raise ValueError(f"layer must be an integer in [0, {num_layers}), got {layer!r}")
         keep = np.arange(num_layers) != layer
         new = np.where(keep[:, None], old, new)
@@ -318,7 +322,7 @@ def plan_rearrangement(
             moves.append((lyr, expert, src_slot, rank))
 
     send_count = np.array([[len(s) for s in per] for per in sends], dtype=np.int64).reshape(num_ranks, rounds)
-    capacity = bucket_capacity(send_count.max() if send_count.size else 0)
+    capacity = bucket_capacity(int(send_count.max()) if send_count.size else 0)
     dup_cap = bucket_capacity(max(len(x) for x in dups))
     copy_cap = bucket_capacity(max(len(c) for c in copies))
 
@@ -374,32 +378,26 @@ def plan_layer_by_layer(
     return [(layer, plan.padded(send=send, dup=dup, copy=copy)) for layer, plan in plans]
 
 
-def order_for_streaming(plan: TransportPlan, num_chunks: int, *, weights=None) -> TransportPlan:
+def order_for_streaming(plan: TransportPlan, num_chunks: int) -> TransportPlan:
     """The same moves, reordered so that the executor may overwrite rows while later chunks are still sent.
 
-    The executor's ``"stream"`` schedule sends each round in chunks of
-    ``ceil(C / num_chunks)`` positions and writes the rows received in chunk
-    ``c`` right after packing chunk ``c + 1``, so chunk ``c + 2`` is packed
-    from rows that chunk ``c`` may have overwritten. That is exact if no row's
-    old bytes are sent in a later chunk than the one that overwrites the row;
-    this function places every transfer so. Transfers form chains (row ``b`` receives the
+    The executor sends each round in ``num_chunks`` chunks of ``ceil(C /
+    num_chunks)`` positions and writes the rows received in chunk ``c`` right
+    after packing chunk ``c + 1``, so chunk ``c + 2`` is packed from rows that
+    chunk ``c`` may have overwritten. That is exact if no row's old bytes are
+    sent in a later chunk than the one that overwrites the row; this function
+    places every transfer so. Transfers form chains (row ``b`` receives the
     old bytes of row ``a``, whose old bytes another row received...) that may
     close into cycles (a swap is a cycle of two); a transfer is placed no
     earlier than every transfer that reads its destination row, a cycle all in
     one chunk. Chunks fill greedily; where a dependency leaves a chunk short,
-    padding follows and the capacity may grow (then to ``bucket_capacity`` chunks,
-    so later plans share shapes). Swaps, and every plan whose chains fit,
-    keep ``num_chunks * ceil(C / num_chunks)`` positions per round.
-
-    ``weights`` (``num_chunks`` positive numbers) makes the chunks uneven, in
-    those proportions: e.g. ``(1, 4, 4, 4, 1)`` keeps the first chunk (packed
-    before any transfer runs) and the last (written after the last transfer)
-    small while the middle transfers stay large. ``None``: equal chunks.
+    padding follows and the capacity may grow (then to ``bucket_capacity``
+    chunks, so later plans share shapes). Swaps, and every plan whose chains
+    fit, keep ``num_chunks * ceil(C / num_chunks)`` positions per round.
 
     Local copies and duplicates are unaffected (the executor reads copy
     sources before the first write and writes copies and duplicates last).
-    Returns a plan with ``chunk_rows`` and ``chunk_bounds`` set; the input is
-    not modified.
+    Returns a plan with ``chunk_bounds`` set; the input is not modified.
     Raises ``ValueError`` where a cycle has more transfers in one round than a
     chunk holds (one chunk, ``num_chunks=1``, always fits).
     """
@@ -408,16 +406,10 @@ def order_for_streaming(plan: TransportPlan, num_chunks: int, *, weights=None) -
     if not isinstance(plan, TransportPlan):
         raise ValueError(f"plan must be a TransportPlan, got {type(plan).__name__}")
     g, rounds, capacity, rows = plan.num_ranks, plan.num_ranks - 1, plan.capacities[0], plan.num_local_rows
-    bounds = _chunk_bounds(capacity, int(num_chunks), weights)
-    chunk = max(b - a for a, b in zip(bounds, bounds[1:]))
+    num_chunks = int(num_chunks)
+    chunk = max(1, -(-capacity // num_chunks))
     if rounds == 0 or capacity == 0:
-        return dataclasses.replace(plan, chunk_rows=chunk, chunk_bounds=tuple(bounds))
-
-    def chunk_start(c):  # first position of chunk c (beyond num_chunks, where dependencies need them: size chunk)
-        return bounds[c] if c < len(bounds) else bounds[-1] + (c - num_chunks) * chunk
-
-    def chunk_size(c):
-        return chunk_start(c + 1) - chunk_start(c)
+        return dataclasses.replace(plan, chunk_bounds=tuple(c * chunk for c in range(num_chunks + 1)))
 
     # Transfers, read at the receivers (real entries: rows < num_local_rows, wherever they sit).
     recv_rank, k, pos = np.nonzero(plan.recv_dst < rows)
@@ -437,12 +429,12 @@ def order_for_streaming(plan: TransportPlan, num_chunks: int, *, weights=None) -
 
     def fits(lst, c, need):
         f = fill[lst]
-        return (f[c] if c < len(f) else 0) + need <= chunk_size(c)
+        return (f[c] if c < len(f) else 0) + need <= chunk
 
     def take(t, c):
         f = fill[lists[t]]
         f.extend([0] * (c + 1 - len(f)))
-        slot[t], chunk_of[t] = chunk_start(c) + f[c], c
+        slot[t], chunk_of[t] = c * chunk + f[c], c  # past num_chunks where dependencies need more
         f[c] += 1
 
     def placed(t):  # the transfer overwriting the row t reads may not come before t
@@ -488,34 +480,11 @@ def order_for_streaming(plan: TransportPlan, num_chunks: int, *, weights=None) -
 
     used = max(chunk_of, default=-1) + 1
     chunks = int(num_chunks) if used <= num_chunks else bucket_capacity(used)
-    all_bounds = tuple(chunk_start(c) for c in range(chunks + 1))
+    all_bounds = tuple(c * chunk for c in range(chunks + 1))
     new_capacity = all_bounds[-1]
     send_rows = np.zeros((g, rounds, new_capacity), dtype=np.int32)
     padding = rows + np.arange(rounds * new_capacity, dtype=np.int32).reshape(rounds, new_capacity)
     recv_dst = np.tile(padding, (g, 1, 1))  # distinct out-of-range rows, dropped by the scatter
     send_rows[send_rank, k, slot] = src
     recv_dst[recv_rank, k, slot] = dst
-    return dataclasses.replace(plan, send_rows=send_rows, recv_dst=recv_dst, chunk_rows=chunk, chunk_bounds=all_bounds)
-
-
-def check_chunk_weights(weights, name: str = "weights") -> tuple[float, ...]:
-    """``weights`` as a tuple of floats, or a ``ValueError`` unless it is a 1-D sequence of positive numbers."""
-    values = np.asarray(weights, dtype=np.float64) if np.ndim(weights) == 1 and not isinstance(weights, str) else None
-    if values is None or values.size < 1 or not np.all(np.isfinite(values)) or np.any(values <= 0):
-        raise ValueError(f"{name} must be a sequence of positive numbers, got {weights!r}")
-    return tuple(float(w) for w in values)
-
-
-def _chunk_bounds(capacity: int, num_chunks: int, weights) -> list[int]:
-    """Chunk starts and the end: equal chunks of ``ceil(C / n)``, or in proportion to ``weights`` (each >= 1 row)."""
-    if weights is None:
-        chunk = max(1, -(-capacity // num_chunks))
-        return [c * chunk for c in range(num_chunks + 1)]
-    weights = np.asarray(check_chunk_weights(weights))
-    if weights.shape != (num_chunks,):
-        raise ValueError(f"weights must be {num_chunks} positive numbers (one per chunk), got {weights.tolist()}")
-    cumulative = np.cumsum(weights) / weights.sum()
-    bounds = [0]
-    for fraction in cumulative:
-        bounds.append(max(bounds[-1] + 1, int(np.ceil(capacity * fraction - 1e-9))))
-    return bounds
+    return dataclasses.replace(plan, send_rows=send_rows, recv_dst=recv_dst, chunk_bounds=all_bounds)
