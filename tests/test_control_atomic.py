@@ -18,7 +18,7 @@ from moe_eplb_jax.control import RearrangementError, moves
 from moe_eplb_jax.flax import EplbController, MoELayer
 from moe_eplb_jax.flax import controller as controller_module
 from moe_eplb_jax.placement import Placement
-from moe_eplb_jax.sharding import transport
+from moe_eplb_jax.sharding import _executor as executor
 from moe_eplb_jax.state import EplbConfig
 
 G, E, P, L, D = 4, 8, 12, 3, 16
@@ -152,11 +152,11 @@ class Inject:
             raise RuntimeError(f"injected {self.phase} failure")
 
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(transport, "_EXECUTORS", {})  # trace anew, so the failure happens inside the executor
+            mp.setattr(executor, "_EXECUTORS", {})  # trace anew, so the failure happens inside the executor
             if self.phase == "pack":
-                mp.setattr(transport, "pack_rows", boom)
+                mp.setattr(executor, "pack_rows", boom)
             elif self.phase == "unpack":
-                mp.setattr(transport, "unpack_leaf", boom)
+                mp.setattr(executor, "unpack_leaf", boom)
             else:
                 mp.setattr(jax.lax, "ppermute", boom)
             return real_execute(*args, **kwargs)
