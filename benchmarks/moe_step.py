@@ -13,7 +13,7 @@ hot experts share the first rank), with the EPLB placement (the ``deepseek``
 policy on the measured load) and with perfectly uniform routing on an even
 placement (the ideal: every expert gets ``T*k/E`` tokens); with online quota routing (``--online``; UltraEP-style,
 ``benchmarks/online_ep.py``: every step all_gathers the per-rank expert counts, runs ``plan_quotas`` and routes
-with ``map_and_count(mode="resolved")``, all inside the timed step; experts at home, ``R / G`` spare slots per
+with ``map_and_count(mode="quota")``, all inside the timed step; experts at home, ``R / G`` spare slots per
 rank filled per batch, their weights taken from a resident replicated copy -- ``resident``, the fetch free -- or
 from an all_gather of the home experts inside the step -- ``all_gather``, an upper bound on the fetch); the
 measured balancedness of each; and whether the outputs under every placement / routing are bit-identical.

@@ -1,4 +1,4 @@
-"""Online (quota) balancing inside the step on an EP mesh: all_gather of counts + plan_quotas + resolved reroute.
+"""Online (quota) balancing inside the step on an EP mesh: all_gather of counts + plan_quotas + quota reroute.
 
     PYTHONPATH=. python3 benchmarks/online_ep.py --ranks 8                  # EP8 (issue 8), real GPUs
     PYTHONPATH=. python3 benchmarks/online_ep.py --cpu-devices 8 --small    # CPU smoke run
@@ -11,7 +11,7 @@ initial rank imbalance ``--imbalance``. Per layer, every rank
 1. counts its own tokens per logical expert (``[E]``),
 2. all_gathers the counts over the EP axis (``[G, E]``, ``G * E * 4`` bytes),
 3. runs ``plan_quotas`` on them (every rank computes the same plan),
-4. reroutes its own tokens with ``map_and_count(mode="resolved")`` and its quota row.
+4. reroutes its own tokens with ``map_and_count(mode="quota")`` and its quota row.
 
 Timed per layer as ``--layers`` dependent layers in one jit divided by the
 layer count (host dispatch amortised, as inside a model step): the whole chain,
@@ -119,8 +119,8 @@ def online_moe_apply(
             plan.log2phy,
             plan.logcnt,
             num_physical=num_physical,
-            mode="resolved",
-            resolved=quota,
+            mode="quota",
+            quotas=quota,
             implementation=map_implementation,
         )
         load = jax.lax.psum(load.astype(jnp.int32), axis)
@@ -224,7 +224,7 @@ def main():
     def reroute(ids_l, quota, log2phy, logcnt):  # quota [G, E, R]: this rank takes its row
         rank = jax.lax.axis_index("ep").astype(jnp.int32)
         mine = jax.lax.dynamic_index_in_dim(quota, rank, 0, keepdims=False)
-        return map_and_count(ids_l, log2phy, logcnt, num_physical=P, mode="resolved", resolved=mine)
+        return map_and_count(ids_l, log2phy, logcnt, num_physical=P, mode="quota", quotas=mine)
 
     def smap(fn, in_specs):
         return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=PS("ep"), check_vma=False))
@@ -298,7 +298,7 @@ def main():
     )
     if reference is not None:
         tables = [jax.device_put(np.asarray(a), rep) for a in (reference.quota, reference.log2phy, reference.logcnt)]
-        per_layer["  reroute alone (resolved map_and_count)"] = median_seconds(
+        per_layer["  reroute alone (quota map_and_count)"] = median_seconds(
             smap(reroute_alone, (ids_spec, PS(), PS(), PS())), ids, *tables, reps=reps
         )
     per_layer = {k: v * 1e3 / NL for k, v in per_layer.items()}

@@ -11,7 +11,7 @@ on the given loads and fills spare slots the planner left unused with further
 replicas (largest load per replica first, never a second copy on one rank),
 so the result is a complete :class:`~moe_eplb_jax.placement.Placement`.
 Inside a step, call ``plan_quotas`` directly on the batch's counts and route
-with ``map_and_count(mode="resolved")``.
+with ``map_and_count(mode="quota")``.
 """
 
 from __future__ import annotations
