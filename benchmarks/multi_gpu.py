@@ -27,7 +27,7 @@ its own time-out, its full log at ``<out>/<part>.log`` (and a ``.json`` where th
 ``moe_step``     ``benchmarks/moe_step.py`` at EP = every GPU, Zipf routing: every replica-routing mode of the
                  MoE layer (initial / EPLB placement, hash / round_robin / lp / quota, online placement with
                  quota) vs uniform routing (the ideal), grouped matmul ``pallas`` (cost follows rows) and ``dense``.
-``online``       ``benchmarks/online_ep.py``: all_gather of per-rank counts + ``plan_quotas`` + resolved
+``online``       ``benchmarks/online_ep.py``: all_gather of per-rank counts + ``plan_quotas`` + quota
                  reroute, per layer, at EP = every GPU (E = 256, 4 spare slots per rank).
 ``serve``        ``examples/serve.py`` as two processes (``jax.distributed`` on localhost, a free port, half
                  of the GPUs each via ``CUDA_VISIBLE_DEVICES``): both must print the same summary; then one

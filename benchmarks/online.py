@@ -5,18 +5,18 @@
 1. UltraEP's setting: EP64, 256 experts, 4 home + 2 spare slots per rank, top-8,
    8,192 tokens per rank, Zipf loads at initial rank imbalance 1.5 / 2.0 / 3.0.
    plan_quotas on the batch's counts, then every source rank routes its tokens
-   with map_and_count(mode="resolved"); the final rank imbalance is measured from
+   with map_and_count(mode="quota"); the final rank imbalance is measured from
    the routed slot loads (target <= 1.01; UltraEP reports 1.01).
 2. LP routing: a DeepSeek placement (P = 384) fitted on one Zipf batch serves
    another; lp_shares (on device) vs the HiGHS optimum of the max rank load
    (target: within 0.5 %).
 3. Drifting loads: periodic DeepSeek (hash / LP routing) vs online quotas.
-4. Timing (median of repeated runs, after warm-up): the planner alone (the
-   one-kernel Pallas search vs its lax.scan twin, the XLA baseline), routing of one rank's
-   8,192 x 8 entries, and planner + routing per layer measured as 8 dependent
-   layers in one jit divided by 8 (host dispatch amortised, as inside a step).
-   Target <= 0.1 ms per layer on one H200; UltraEP: ~0.07 ms planner + ~0.04 ms
-   reroute.
+4. Timing (median of repeated runs, after warm-up; on GPU also the device time): ours (the default planner:
+   the one-kernel Pallas search; routing by the Pallas map_and_count) against the baselines (the same search
+   as a lax.scan walk, the XLA routing) and the target, the limit this work sets itself: planner + routing
+   <= 0.1 ms per layer on one H200 (UltraEP: ~0.07 ms planner + ~0.04 ms reroute). The planner alone, the
+   search kernel alone, routing of one rank's 8,192 x 8 entries, and planner + routing per layer measured as
+   8 dependent layers in one jit divided by 8 (host dispatch amortised, as inside a step).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from moe_eplb_jax.pallas import map_and_count
 from moe_eplb_jax.placement import build_log2phy
 from moe_eplb_jax.routing import default_max_replicas, lp_shares, lp_shares_reference, plan_quotas
 from moe_eplb_jax.routing._quota_fill import search_pallas
+from moe_eplb_jax.routing.quota import _default_implementation
 from moe_eplb_jax.sim import drifting_load, format_table, simulate, zipf_counts, zipf_topk
 from moe_eplb_jax.sim.report import resolve_policy
 
@@ -63,7 +64,7 @@ def timeit(fn, *args, reps=100):
     return host
 
 
-def route_all(plan, ids, mode="resolved"):
+def route_all(plan, ids, mode="quota"):
     """Every source rank routes its tokens with its quota row; returns the summed slot loads [P]."""
 
     def one(ids_g, quota_g):
@@ -72,21 +73,14 @@ def route_all(plan, ids, mode="resolved"):
     return jnp.sum(jax.vmap(one)(ids, plan.quota), axis=0)
 
 
-def _route_one(ids, quota, log2phy, logcnt, implementation, mode="resolved"):
-    """One source rank's routing by its quota row: exactly (``resolved``) or by hash in proportion (``shares``)."""
-    if mode == "shares":  # the quotas as weights: cheaper routing, counts equal to the quotas only on average
-        return map_and_count(
-            ids,
-            log2phy,
-            logcnt,
-            num_physical=P,
-            mode="shares",
-            replica_shares=quota.astype(jnp.float32),
-            implementation=implementation,
-        )
-    return map_and_count(
-        ids, log2phy, logcnt, num_physical=P, mode="resolved", resolved=quota, implementation=implementation
-    )
+def _route_one(ids, quota, log2phy, logcnt, implementation, mode="quota"):
+    """One source rank's routing by its quota row: exactly (``quota``) or by the alias table in proportion
+    (``lp``, the quotas as weights: cheaper, counts equal to the quotas only on average)."""
+    if mode == "lp":
+        extra = {"replica_shares": quota.astype(jnp.float32)}
+    else:
+        extra = {"quotas": quota}
+    return map_and_count(ids, log2phy, logcnt, num_physical=P, mode=mode, implementation=implementation, **extra)
 
 
 def _planner(implementation=None, rounds=None, width=None, **extra):
@@ -96,7 +90,7 @@ def _planner(implementation=None, rounds=None, width=None, **extra):
     return functools.partial(plan_quotas, implementation=implementation, **opts)
 
 
-def _layers(planner, routing, num_layers, mode="resolved"):
+def _layers(planner, routing, num_layers, mode="quota"):
     """``num_layers`` MoE layers in one jit, each planning on its own counts and routing rank 0's tokens.
 
     Every layer's counts depend (by a no-op) on the previous layer's routed load, so nothing overlaps: the time
@@ -118,16 +112,11 @@ def _layers(planner, routing, num_layers, mode="resolved"):
 
 def quota_section(tokens, rows, timings, reps, num_layers=8):
     plan_fn = {
-        "xla 3x16 (lax.scan walk per round, the first version's search shape)": jax.jit(_planner("xla", 3, 16)),
-        "default (one Pallas search kernel on GPU)": jax.jit(_planner()),
-        "xla, default search shape (lax.scan walk)": jax.jit(_planner("xla")),
-        "pallas 2x64 (one program)": jax.jit(_planner("pallas", 2, 64)),
-        "pallas 3x16 (one program)": jax.jit(_planner("pallas", 3, 16)),
-        "pallas 1x512, default lanes per program": jax.jit(_planner("pallas", 1, 512)),
-        "pallas 1x256, default lanes per program": jax.jit(_planner("pallas", 1, 256)),
-        "default, no quota table": jax.jit(_planner(with_quota=False)),
+        "ours: default (one Pallas search kernel on GPU)": jax.jit(_planner()),
+        "ours: default, no quota table": jax.jit(_planner(with_quota=False)),
+        "baseline: xla, default search shape (lax.scan walk)": jax.jit(_planner("xla")),
+        "baseline: xla 3x16 (the first version's search shape)": jax.jit(_planner("xla", 3, 16)),
     }
-    lanes_variants = (16, 64)  # candidates per program of the one-round search (1x1024; the default, 32, is above)
     # The search kernel alone (loads in, layout out), to split the planner's time into kernel and XLA tables.
     kernel_only = jax.jit(
         lambda c: search_pallas(
@@ -136,8 +125,8 @@ def quota_section(tokens, rows, timings, reps, num_layers=8):
             num_spare=S,
             min_replica_tokens=1,
             max_replicas=default_max_replicas(G, S),
-            search_rounds=2,
-            search_width=64,
+            search_rounds=1,
+            search_width=1024,
         )[0]
     )
     default = jax.jit(_planner())
@@ -152,8 +141,8 @@ def quota_section(tokens, rows, timings, reps, num_layers=8):
         ok = np.array_equal(rank_load, np.asarray(plan.rank_load)) and int(slot_load.sum()) == ids.size
         # The two searches must agree integer for integer (on GPU: the Triton kernel vs lax.scan).
         try:
-            kernel_plan = plan_fn["default (one Pallas search kernel on GPU)"](jnp.asarray(counts))
-            other = plan_fn["xla, default search shape (lax.scan walk)"](jnp.asarray(counts))
+            kernel_plan = jax.jit(_planner("pallas"))(jnp.asarray(counts))
+            other = plan_fn["baseline: xla, default search shape (lax.scan walk)"](jnp.asarray(counts))
             same = all(
                 np.array_equal(np.asarray(a), np.asarray(b))
                 for a, b in zip(jax.tree_util.tree_leaves(kernel_plan), jax.tree_util.tree_leaves(other))
@@ -161,7 +150,7 @@ def quota_section(tokens, rows, timings, reps, num_layers=8):
         except Exception as e:
             print(f"pallas search failed: {type(e).__name__}: {e}"[:800])
             same = False
-        by_shares = np.asarray(route_fn(plan, jnp.asarray(ids), mode="shares")).reshape(G, H + S).sum(1)
+        by_shares = np.asarray(route_fn(plan, jnp.asarray(ids), mode="lp")).reshape(G, H + S).sum(1)
         rows.append(
             dict(
                 final_shares=float(by_shares.max() / by_shares.mean()),
@@ -182,26 +171,12 @@ def quota_section(tokens, rows, timings, reps, num_layers=8):
                     timings[f"planner {name} (imb {rl.max() / rl.mean():.4f})"] = timeit(fn, c, reps=reps)
                 except Exception as e:
                     print(f"planner {name} failed: {type(e).__name__}: {e}"[:600])
-            from moe_eplb_jax.routing import _quota_fill
-
-            default_lanes = _quota_fill.LANES_PER_PROGRAM
-            for lanes in lanes_variants:  # fresh jit per variant: the constant is read at trace time
-                _quota_fill.LANES_PER_PROGRAM = lanes
-                try:
-                    fn = jax.jit(_planner("pallas", 1, 1024))
-                    rl = np.asarray(fn(c).rank_load)
-                    timings[
-                        f"planner pallas 1x1024, {lanes} candidates per program (imb {rl.max() / rl.mean():.4f})"
-                    ] = timeit(fn, c, reps=reps)
-                except Exception as e:
-                    print(f"planner lanes {lanes} failed: {type(e).__name__}: {e}"[:600])
-            _quota_fill.LANES_PER_PROGRAM = default_lanes
             try:
-                timings["search kernel alone, 2x64 (loads -> target and layout)"] = timeit(kernel_only, c, reps=reps)
+                timings["search kernel alone, 1x1024 (loads -> target and layout)"] = timeit(kernel_only, c, reps=reps)
             except Exception as e:
                 print(f"search kernel failed: {type(e).__name__}: {e}"[:600])
             one_ids = jnp.asarray(ids[0])
-            for impl, mode in (("xla", "resolved"), ("pallas", "resolved"), ("pallas", "shares")):
+            for impl, mode in (("xla", "quota"), ("pallas", "quota"), ("pallas", "lp")):
                 route_one = jax.jit(functools.partial(_route_one, implementation=impl, mode=mode))
                 try:
                     timings[f"routing, one rank ({tokens}x{K}, {mode}, {impl})"] = timeit(
@@ -215,10 +190,9 @@ def quota_section(tokens, rows, timings, reps, num_layers=8):
             layer_counts = np.stack([np.roll(counts, i * H, axis=1) for i in range(num_layers)])
             lc, li = jnp.asarray(layer_counts), jnp.asarray(layer_ids)
             for name, planner, mode in (
-                ("xla scan search, default shape", _planner("xla"), "resolved"),
-                ("default pallas search", _planner("pallas"), "resolved"),
-                ("default pallas search", _planner("pallas"), "shares"),
-                ("pallas 2x64 search (one program)", _planner("pallas", 2, 64), "shares"),
+                ("ours: default pallas search", _planner("pallas"), "quota"),
+                ("ours: default pallas search", _planner("pallas"), "lp"),
+                ("baseline: xla scan search, default shape", _planner("xla"), "quota"),
             ):
                 try:
                     ms = timeit(_layers(planner, "pallas", num_layers, mode), lc, li, reps=max(reps // 4, 3))
@@ -269,9 +243,7 @@ def main():
     tokens = 1024 if args.quick else T
     reps = 5 if args.quick else 200
     print(f"backend: {jax.default_backend()}  devices: {jax.devices()}")
-    from moe_eplb_jax.routing import quota
-
-    print(f"plan_quotas default implementation here: {quota._default_implementation()}", flush=True)
+    print(f"plan_quotas default implementation here: {_default_implementation()}", flush=True)
     quota_rows, lp_rows, timings = [], [], _Timings()
     if "quota" in sections:
         quota_section(tokens, quota_rows, timings, reps)
@@ -307,7 +279,7 @@ def main():
     if quota_rows:
         print(f"\n== quota routing, EP{G}, E={E}, {H} home + {S} spare/rank, top-{K}, {tokens} tokens/rank ==")
         print(
-            f"{'target imb':>10} {'initial':>8} {'final':>8} {'shares':>8} {'replicas':>8} "
+            f"{'target imb':>10} {'initial':>8} {'final':>8} {'lp':>8} {'replicas':>8} "
             f"{'max rep':>7} {'routed==plan':>12} {'pallas==xla':>11}"
         )
     for r in quota_rows:
@@ -317,8 +289,8 @@ def main():
             f"{str(r['routed_matches_plan']):>12} {str(r['pallas_equals_xla']):>11}   (target final <= 1.01)"
         )
     if quota_rows:
-        print("  final: resolved routing of the plan; shares: the plan's")
-        print("  quotas used as hash-split weights (map_and_count mode 'shares'), counts equal to quotas on average")
+        print("  final: quota routing of the plan; lp: the plan's quotas used as replica shares")
+        print("  (map_and_count mode 'lp'), counts equal to the quotas on average")
     if lp_rows:
         print(f"\n== LP routing vs HiGHS, DeepSeek placement P={P} fitted on another batch ==")
         print(f"{'imb':>4} {'mean':>9} {'hash max':>9} {'LP max':>9} {'HiGHS max':>9} {'LP/HiGHS':>8}")

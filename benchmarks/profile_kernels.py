@@ -1,21 +1,24 @@
 """Diagnostic: runs ``map_and_count``'s kernels once per case, for a hardware profiler to read.
 
-Each case is one (mode, T, P, options) of ``benchmarks/map_and_count.py``'s sweep, on the same draws (checked
-against the reference first), then called ``--calls`` more times. Under Nsight Compute, on the GPU machine::
+Each case is one (mode, T, P[, Config]) on ``benchmarks/map_and_count.py``'s draws (checked against the
+reference first), then called ``--calls`` more times. Under Nsight Compute, on the GPU machine::
 
-    ncu --clock-control none --target-processes all -k regex:'map_and_count|expert_rank|tile_counts|boundary' \\
+    XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none --target-processes all \\
+        -k regex:'map_and_count|expert_rank|tile_counts|boundary|alias' \\
         --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \\
-        python3 benchmarks/profile_kernels.py --cases "shares:262144:288;hash:262144:288"
+        python3 benchmarks/profile_kernels.py --cases "lp:262144:288;hash:262144:288"
 
-Options of a case follow a fourth colon as JSON (``shares:262144:288:{"num_warps": 8}``). The profiler's kernel
-launches come in the order of ``--cases``; ``--copy`` first runs the Pallas copy of the ids (the floor's kernel).
-Under ncu's replay ``resolved``'s ``tile_counts`` kernel did not finish within a 600 s call (H200, fourteenth
-session): profile ``resolved`` on its own, and give the command a timeout.
+A case's ``Config`` fields follow a fourth colon as JSON (``lp:262144:288:{"num_warps": 8}``; default:
+``default_config`` by size). The kernels launch in the order of ``--cases``; ``--copy`` first runs a Pallas copy
+of the ids (the floor's kernel). Without preallocation switched off ncu backs up the whole preallocated device
+memory on every replay. Give the command a timeout: under ncu's replay ``quota``'s ``tile_counts`` kernel can
+run for minutes, so profile ``quota`` on its own.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -27,46 +30,70 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import map_and_count as bench
 
-from moe_eplb_jax.pallas import _reference, _triton
+from moe_eplb_jax.pallas import MODES, _triton, map_and_count
 
 
-def case_call(mode, num_tokens, num_physical, options):
-    """A jitted call of the kernels, its arguments (``bench.variant_case``'s draws) and whether it gave the
-    reference's ids (and loads, unless ``options`` turn counting off)."""
-    log2phy, logcnt, _, ids, thresholds, limits = bench.variant_case(mode, num_tokens, num_physical)
+def pallas_copy(x, block=2048, num_warps=4):
+    """The Pallas floor: a Triton kernel that reads the ids and writes ids + 1 (same bytes as the mapping)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...] + 1
+
+    flat = x.reshape(-1)
+    out = pl.pallas_call(
+        kernel,
+        grid=(pl.cdiv(flat.size, block),),
+        in_specs=[pl.BlockSpec((block,), lambda i: (i,))],
+        out_specs=pl.BlockSpec((block,), lambda i: (i,)),
+        out_shape=jax.ShapeDtypeStruct(flat.shape, flat.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps),
+        interpret=jax.default_backend() != "gpu",
+    )(flat)
+    return out.reshape(x.shape)
+
+
+def case_call(mode, num_tokens, num_physical, fields):
+    """A jitted call of the kernels, its arguments and whether it gave the reference's ids and loads."""
+    rng = np.random.default_rng([num_tokens, num_physical, MODES.index(mode)])
+    log2phy, logcnt, kw, ids = bench.make_case(rng, num_tokens, 8, num_physical, mode)
+    config = dataclasses.replace(_triton.default_config(mode, num_tokens * 8), **fields)
+    limits = jnp.asarray([(num_tokens - 3) * 8] * 2, jnp.int32)
     fn = jax.jit(
-        lambda x, log2phy, logcnt, thresholds: _triton.map_and_count_triton(
+        lambda x, log2phy, logcnt, kw: _triton.map_and_count_triton(
             x,
             log2phy,
             logcnt,
-            thresholds,
             limits,
             num_physical=num_physical,
             mode=mode,
+            quotas=kw.get("quotas"),
+            shares=kw.get("replica_shares"),
             interpret=jax.default_backend() != "gpu",
-            **options,
+            config=config,
         )
     )
-    args = (ids[0], log2phy, logcnt, thresholds)
+    args = (ids[0], log2phy, logcnt, kw)
     got = fn(*args)
-    want = _reference.map_and_count_reference(*args, limits, num_physical=num_physical, mode=mode)
-    ok = np.array_equal(got[0], want[0]) and (not options.get("count", True) or np.array_equal(got[1], want[1]))
-    return fn, args, ok
+    want = map_and_count(
+        ids[0], log2phy, logcnt, num_physical=num_physical, num_valid_tokens=num_tokens - 3, mode=mode, **kw
+    )
+    return fn, args, all(np.array_equal(a, b) for a, b in zip(got, want))
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--cases", required=True, help="semicolon-separated mode:T:P[:options JSON]")
+    parser.add_argument("--cases", required=True, help="semicolon-separated mode:T:P[:Config fields as JSON]")
     parser.add_argument("--calls", type=int, default=1, help="calls per case after the checked one")
     parser.add_argument("--copy", action="store_true", help="first the Pallas copy of 262144 x 8 ids")
     args = parser.parse_args()
     if args.copy:
         x = jnp.asarray(np.random.default_rng(0).integers(0, 256, (262144, 8)), jnp.int32)
-        jax.block_until_ready(bench.pallas_copy(x))
+        jax.block_until_ready(pallas_copy(x))
     for case in args.cases.split(";"):
         mode, num_tokens, num_physical, *rest = case.split(":", 3)
-        options = json.loads(rest[0]) if rest else {}
-        fn, call_args, ok = case_call(mode, int(num_tokens), int(num_physical), options)
+        fn, call_args, ok = case_call(mode, int(num_tokens), int(num_physical), json.loads(rest[0]) if rest else {})
         for _ in range(args.calls):
             jax.block_until_ready(fn(*call_args))
         print(f"case {case}: {'ok' if ok else 'WRONG RESULT'}", flush=True)

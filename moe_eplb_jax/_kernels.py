@@ -1,12 +1,21 @@
-"""Helpers shared by the package's Pallas kernels (``pallas/``, ``routing/``, ``sharding/``)."""
+"""Helpers shared by the package's Pallas kernels (``pallas/``, ``routing/``, ``sharding/``, ``flax/``).
+
+* :func:`join_varying` -- inputs and output types of a ``pallas_call`` inside ``shard_map``;
+* :func:`pallas_default` / :func:`probed` -- whether a kernel's Pallas implementation may serve here: once a
+  probe of it ran and agreed with its XLA implementation (``pallas_default``: and only on a GPU). Pallas'
+  Triton backend is deprecated and leans on JAX internals, so a kernel that cannot lower or compile falls
+  back to XLA with one warning instead of failing the caller.
+"""
 
 from __future__ import annotations
 
 import functools
+import warnings
+from collections.abc import Callable
 
 import jax
 
-__all__ = ["join_varying"]
+__all__ = ["join_varying", "on_gpu", "pallas_default", "probed"]
 
 
 def join_varying(*arrays):
@@ -16,12 +25,57 @@ def join_varying(*arrays):
     vary over that union (``pallas_call`` needs it under ``check_vma=True``).
     """
     mats = [getattr(jax.typeof(a), "mat", None) for a in arrays]
-    if any(m is None for m in mats):  # a jax without manual axis types
+    varying = [m.varying for m in mats if m is not None]
+    if len(varying) < len(arrays):  # a jax without manual axis types
         return arrays, jax.ShapeDtypeStruct
-    axes = frozenset().union(*(m.varying for m in mats))
+    axes = frozenset().union(*varying)
     cast = []
-    for array, mat in zip(arrays, mats):
-        missing = tuple(sorted(axes - mat.varying, key=str))
+    for array, have in zip(arrays, varying):
+        missing = tuple(sorted(axes - have, key=str))
         cast.append(jax.lax.pcast(array, missing, to="varying") if missing else array)
     mat = jax.sharding.ManualAxisType(varying=axes)
     return cast, functools.partial(jax.ShapeDtypeStruct, manual_axis_type=mat)
+
+
+def on_gpu() -> bool:
+    """Whether JAX's default backend is a GPU (where the Pallas kernels are the defaults)."""
+    return jax.default_backend() == "gpu"
+
+
+# Probe outcomes per (kernel, case) and the kernels already warned about: process state, not settings.
+_PROBED: dict[tuple[str, str], bool] = {}
+_WARNED: set[str] = set()
+
+
+def pallas_default(kernel: str, probe: Callable[[], bool], *, case: str = "") -> bool:
+    """Whether ``kernel``'s Pallas implementation serves as its default in this process: on a GPU
+    (:func:`on_gpu`) where :func:`probed` says it works."""
+    return on_gpu() and probed(kernel, probe, case=case)
+
+
+def probed(kernel: str, probe: Callable[[], bool], *, case: str = "") -> bool:
+    """Whether ``probe()`` -- run once per ``(kernel, case)`` and process -- returned ``True``.
+
+    The probe should compile and run the Pallas kernel on a small input, ahead
+    of time and outside any trace the caller is in
+    (``jax.jit(f).lower(...).compile()(...)``), and compare it with the XLA
+    implementation. A probe that raises (the Triton backend or a JAX internal
+    missing, a lowering or compilation error, no GPU) or returns ``False``
+    means the XLA implementation serves, with one ``RuntimeWarning`` per
+    kernel and process.
+    """
+    key = (kernel, case)
+    if key not in _PROBED:
+        try:
+            problem = None if probe() else "disagrees with its XLA implementation on this device"
+        except Exception as err:  # any failure of the Pallas path: the XLA one still serves
+            problem = f"failed on this device ({type(err).__name__}: {err})"
+        _PROBED[key] = problem is None
+        if problem is not None and kernel not in _WARNED:
+            _WARNED.add(kernel)
+            warnings.warn(
+                f"{kernel}: the Pallas kernel {problem}; using the XLA implementation",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+    return _PROBED[key]

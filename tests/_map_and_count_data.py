@@ -28,14 +28,14 @@ def random_placement(rng, num_logical, num_physical):
 
 def random_mode_inputs(rng, mode, placement, num_flat):
     num_logical, width = placement.log2phy.shape[1:]
-    if mode == "shares":
+    if mode == "lp":
         # Dyadic weights (multiples of 1/4) so float32 sums are exact in every summation order.
         shares = rng.integers(0, 5, (num_logical, width)).astype(np.float32) / 4
         shares[rng.random(num_logical) < 0.1] = 0.0  # some all-zero rows: equal shares
         return {"replica_shares": shares}
-    if mode == "resolved":
+    if mode == "quota":
         per_expert = max(1, 2 * num_flat // num_logical)
-        return {"resolved": rng.integers(0, per_expert, (num_logical, width)).astype(np.int32)}
+        return {"quotas": rng.integers(0, per_expert, (num_logical, width)).astype(np.int32)}
     return {}
 
 
@@ -102,7 +102,7 @@ def sweep_alias_table(masses, unit):
     return prob, alias
 
 
-def oracle(ids, log2phy, logcnt, num_physical, num_valid, mode, replica_shares=None, resolved=None, record=True):
+def oracle(ids, log2phy, logcnt, num_physical, num_valid, mode, replica_shares=None, quotas=None, record=True):
     """Entry-by-entry numpy model of the documented semantics."""
     num_tokens, top_k = ids.shape
     num_logical, width = log2phy.shape
@@ -118,16 +118,15 @@ def oracle(ids, log2phy, logcnt, num_physical, num_valid, mode, replica_shares=N
         replica = hashed % count
         if mode == "round_robin":
             replica = token % count
-        elif mode == "shares":
+        elif mode == "lp":
             live = min(count, width)
             masses = share_masses(replica_shares[expert, :live], width)
             prob, alias = sweep_alias_table(masses, 1 << 10)
             scaled = hashed * live // 2**16  # exact in Python ints
             bucket, fraction = scaled >> 16, (scaled & 0xFFFF) >> 6  # 10 bits: U = 2**10 units per bucket
             replica = bucket if fraction < prob[bucket] else alias[bucket]
-        elif mode == "resolved" and token < num_valid:
-            quotas = np.maximum(resolved[expert, :count], 0)
-            passed = int(np.sum(np.cumsum(quotas) <= consumed[expert]))
+        elif mode == "quota" and token < num_valid:
+            passed = int(np.sum(np.cumsum(np.maximum(quotas[expert, :count], 0)) <= consumed[expert]))
             consumed[expert] += 1
             if passed < count:
                 replica = passed
@@ -172,3 +171,46 @@ def check_against_oracle(implementation, rng, mode, num_tokens, top_k, num_logic
     np.testing.assert_array_equal(np.asarray(phys), want_phys)
     np.testing.assert_array_equal(np.asarray(load), want_load)
     return placement, ids, np.asarray(phys), np.asarray(load), num_valid
+
+
+# ------------------------------------------------------------ the private implementations, on the same inputs
+def reference_call(ids, log2phy, logcnt, limits, num_physical, mode, values=None):
+    """The XLA implementation (the reference) on prepared inputs: ``limits [2]``, ``values`` the shares / quotas."""
+    from moe_eplb_jax.pallas import _alias, _reference, _tables
+
+    log2phy, logcnt = jnp.asarray(log2phy, jnp.int32), jnp.asarray(logcnt, jnp.int32)
+    if mode == "lp":
+        table = _alias.alias_words(jnp.asarray(values, jnp.float32), log2phy, logcnt)
+    elif mode == "quota":
+        table = _tables.quota_thresholds(jnp.asarray(values, jnp.int32), logcnt, cap=int(np.size(ids)))
+    else:
+        table = jnp.zeros(log2phy.shape, jnp.int32)
+    limits = jnp.asarray(limits, jnp.int32)
+    return _reference.map_and_count_reference(
+        jnp.asarray(ids, jnp.int32), log2phy, logcnt, table, limits, num_physical=num_physical, mode=mode
+    )
+
+
+def kernel_call(ids, log2phy, logcnt, limits, num_physical, mode, values=None, *, config=None, lookup=None):
+    """The Pallas implementation (interpret mode off GPU) on the inputs of :func:`reference_call`."""
+    from moe_eplb_jax.pallas import _triton
+
+    return _triton.map_and_count_triton(
+        jnp.asarray(ids, jnp.int32),
+        jnp.asarray(log2phy, jnp.int32),
+        jnp.asarray(logcnt, jnp.int32),
+        jnp.asarray(limits, jnp.int32),
+        num_physical=num_physical,
+        mode=mode,
+        quotas=values if mode == "quota" else None,
+        shares=values if mode == "lp" else None,
+        lookup=lookup,
+        interpret=jax.default_backend() != "gpu",
+        config=config,
+    )
+
+
+def assert_same(got, want, message=""):
+    """Physical ids and loads equal, element for element."""
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]), err_msg=message)
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]), err_msg=message)

@@ -200,7 +200,8 @@ def test_pallas_grouped_matmul_in_interpret_mode(rng):
     x = jnp.asarray(rng.standard_normal((150, 32)).astype(np.float32))
     w = jnp.asarray(rng.standard_normal((4, 32, 64)).astype(np.float32))
     sizes = np.array([10, 0, 70, 45], np.int32)  # 25 padding rows; groups straddle 64-row tiles
-    out = np.asarray(_gmm_pallas.grouped_matmul(x, w, jnp.asarray(sizes), block_k=16, block_cols=32, interpret=True))
+    config = _gmm_pallas.Config(block_k=16, block_cols=32)
+    out = np.asarray(_gmm_pallas.grouped_matmul(x, w, jnp.asarray(sizes), config=config, interpret=True))
     start = 0
     for s, n in enumerate(sizes):
         np.testing.assert_allclose(

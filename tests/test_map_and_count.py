@@ -19,18 +19,21 @@ from _map_and_count_data import (
     GOLDEN,
     check_against_oracle,
     jitted,
+    kernel_call,
     layered_inputs,
     oracle,
     random_ids,
     random_mode_inputs,
     random_placement,
+    reference_call,
     share_masses,
     sweep_alias_table,
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moe_eplb_jax.pallas import MODES, map_and_count
+from moe_eplb_jax.pallas import MODES, _alias, _rank, _tables, lookup_table, map_and_count
+from moe_eplb_jax.pallas._triton import Config
 from moe_eplb_jax.placement import Placement
 
 # ------------------------------------------------ both implementations, vs oracle
@@ -105,14 +108,14 @@ def test_hash_is_uniform_over_replicas(rng):
         np.testing.assert_allclose(per_replica, num_tokens / len(replicas), rtol=0.02)
 
 
-def test_shares_followed_within_two_percent(rng):
+def test_lp_follows_shares_within_two_percent(rng):
     num_tokens, num_logical = 65536, 4
     placement = Placement.from_phy2log(np.array([0, 1, 2, 3, 0, 0, 0, 1, 1]), num_logical)
     width = placement.max_replicas
     shares = rng.uniform(0.1, 1.0, (num_logical, width)).astype(np.float32)
     shares[1, 1] = 0.0  # a zero-share replica is never chosen
     ids = rng.integers(0, 2, (num_tokens, 1)).astype(np.int32)
-    _, load = jitted("xla", "shares", 9)(
+    _, load = jitted("xla", "lp", 9)(
         ids, placement.log2phy[0], placement.logcnt[0], np.int32(num_tokens), True, {"replica_shares": shares}
     )
     load = np.asarray(load)
@@ -125,7 +128,7 @@ def test_shares_followed_within_two_percent(rng):
 
 
 @pytest.mark.parametrize("implementation", ["xla", "pallas"])
-def test_shares_zero_and_huge_rows(implementation, rng):
+def test_lp_zero_and_huge_rows(implementation, rng):
     """A row without a positive weight is split equally; weights near float32 max do not overflow the sums."""
     num_tokens = 65536
     placement = Placement.from_phy2log(np.array([0, 1, 0, 0, 1, 1]), 2)
@@ -133,19 +136,19 @@ def test_shares_zero_and_huge_rows(implementation, rng):
     shares[0, :3] = [np.nan, -1.0, 0.0]  # nothing positive: equal shares
     shares[1, :3] = [3e38, 1.5e38, np.inf]  # counts as [3e38, 1.5e38, 0]: no overflow
     ids = rng.integers(0, 2, (num_tokens, 1)).astype(np.int32)
-    phys, load = jitted(implementation, "shares", 6)(
+    phys, load = jitted(implementation, "lp", 6)(
         ids, placement.log2phy[0], placement.logcnt[0], np.int32(num_tokens), True, {"replica_shares": shares}
     )
     load = np.asarray(load)
     for expert, fractions in ((0, [1 / 3, 1 / 3, 1 / 3]), (1, [2 / 3, 1 / 3, 0])):
         replicas = placement.log2phy[0, expert, :3]
         np.testing.assert_allclose(load[replicas], np.multiply(fractions, np.sum(ids == expert)), rtol=0.03, atol=0)
-    want, _ = oracle(ids, placement.log2phy[0], placement.logcnt[0], 6, num_tokens, "shares", replica_shares=shares)
+    want, _ = oracle(ids, placement.log2phy[0], placement.logcnt[0], 6, num_tokens, "lp", replica_shares=shares)
     np.testing.assert_array_equal(np.asarray(phys), want)
 
 
 @pytest.mark.parametrize("implementation", ["xla", "pallas"])
-def test_resolved_matches_quotas_exactly(implementation, rng):
+def test_quota_matches_quotas_exactly(implementation, rng):
     num_logical, num_physical, top_k = 16, 28, 2
     placement = random_placement(rng, num_logical, num_physical)
     logcnt = placement.logcnt[0]
@@ -157,13 +160,13 @@ def test_resolved_matches_quotas_exactly(implementation, rng):
     num_tokens = ids.size // top_k
     ids = ids[: num_tokens * top_k]  # an odd total drops one entry: demand may fall one short of supply
     demand = np.bincount(ids, minlength=num_logical)
-    phys, load = jitted(implementation, "resolved", num_physical)(
+    phys, load = jitted(implementation, "quota", num_physical)(
         ids.reshape(num_tokens, top_k).astype(np.int32),
         placement.log2phy[0],
         logcnt,
         np.int32(num_tokens),
         True,
-        {"resolved": quotas.astype(np.int32)},
+        {"quotas": quotas.astype(np.int32)},
     )
     load = np.asarray(load)
     for expert in range(num_logical):
@@ -174,12 +177,12 @@ def test_resolved_matches_quotas_exactly(implementation, rng):
         np.testing.assert_array_equal(got, np.diff(np.concatenate([[0], cumulative])))
 
 
-def test_resolved_overflow_falls_back_to_hash(rng):
+def test_quota_overflow_falls_back_to_hash(rng):
     placement = Placement.from_phy2log(np.array([0, 1, 0, 0]), 2)
     quotas = np.array([[3, 0, 2], [0, 0, 0]], np.int32)  # replica 1 of expert 0 has quota 0
     ids = np.zeros((20, 1), np.int32)
-    phys, load = jitted("xla", "resolved", 4)(
-        ids, placement.log2phy[0], placement.logcnt[0], np.int32(20), True, {"resolved": quotas}
+    phys, load = jitted("xla", "quota", 4)(
+        ids, placement.log2phy[0], placement.logcnt[0], np.int32(20), True, {"quotas": quotas}
     )
     phys = np.asarray(phys)[:, 0]
     replicas = placement.log2phy[0, 0]
@@ -272,7 +275,7 @@ def test_feeds_eplb_state_record(rng):
 
 
 # ---------------------------------------------------------------- validation
-def _tables(rng):
+def _small_tables(rng):
     placement = random_placement(rng, 8, 12)
     return random_ids(rng, 10, 2, 8), placement.log2phy[0], placement.logcnt[0]
 
@@ -287,15 +290,16 @@ def _tables(rng):
         (lambda a: a.update(num_physical=7), "num_physical"),
         (lambda a: a.update(num_physical=12.0), "num_physical must be a Python int"),
         (lambda a: a.update(mode="random"), "mode must be one of"),
-        (lambda a: a.update(mode="shares"), "needs replica_shares"),
-        (lambda a: a.update(mode="resolved"), "needs resolved"),
-        (lambda a: a.update(replica_shares=np.ones((8, 5), np.float32)), "only used with mode='shares'"),
-        (
-            lambda a: a.update(mode="shares", replica_shares=np.ones((8, 4), np.float32)),
-            "replica_shares must have shape",
-        ),
-        (lambda a: a.update(mode="shares", replica_shares=np.ones((8, 5), np.int32)), "floating dtype"),
-        (lambda a: a.update(mode="resolved", resolved=np.ones((8, 5), np.float32)), "resolved must have an integer"),
+        (lambda a: a.update(mode="shares"), "mode must be one of"),
+        (lambda a: a.update(mode="resolved"), "mode must be one of"),
+        (lambda a: a.update(mode="lp"), "needs replica_shares"),
+        (lambda a: a.update(mode="quota"), "needs quotas"),
+        (lambda a: a.update(replica_shares=np.ones((8, 5), np.float32)), "only used with mode='lp'"),
+        (lambda a: a.update(quotas=np.ones((8, 5), np.int32)), "only used with mode='quota'"),
+        (lambda a: a.update(mode="lp", replica_shares=np.ones((8, 4), np.float32)), "replica_shares must have shape"),
+        (lambda a: a.update(mode="lp", replica_shares=np.ones((8, 5), np.int32)), "floating dtype"),
+        (lambda a: a.update(mode="quota", quotas=np.ones((8, 5), np.float32)), "quotas must have an integer"),
+        (lambda a: a.update(num_physical=True), "num_physical must be a Python int"),
         (lambda a: a.update(num_valid_tokens=11), "num_valid_tokens must be in"),
         (lambda a: a.update(num_valid_tokens=np.ones(2, np.int32)), "num_valid_tokens must be an integer scalar"),
         (lambda a: a.update(record=1), "record must be a boolean"),
@@ -305,25 +309,101 @@ def _tables(rng):
     ],
 )
 def test_validation_errors(change, message, rng):
-    ids, log2phy, logcnt = _tables(rng)
+    ids, log2phy, logcnt = _small_tables(rng)
     kwargs = dict(topk_ids=ids, log2phy=log2phy, logcnt=logcnt, num_physical=12)
     change(kwargs)
     with pytest.raises(ValueError, match=message):
         map_and_count(**kwargs)
 
 
+# ------------------------------------------- values: integers past int32, tables that disagree
+@pytest.mark.parametrize("dtype", [np.int64, np.uint64, np.uint32])
+def test_ids_past_int32_are_refused_not_wrapped(dtype, rng):
+    """Concrete 64-bit (or unsigned 32-bit) ids that int32 cannot hold raise instead of wrapping onto another
+    expert (``2**32 + 3`` would be expert 3); ids that fit, in any integer dtype, route as int32 ones."""
+    ids, log2phy, logcnt = _small_tables(rng)
+    ids = np.where(ids < 0, 9, ids)  # invalid ids that unsigned dtypes hold too
+    want = map_and_count(ids, log2phy, logcnt, num_physical=12)
+    got = map_and_count(ids.astype(dtype), log2phy.astype(np.int64), logcnt.astype(dtype), num_physical=12)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    wrapped = ids.astype(dtype)
+    wrapped[0, 0] = dtype(2**32 + 3) if np.dtype(dtype).itemsize == 8 else dtype(2**31)
+    for implementation in ("xla", "pallas"):
+        with pytest.raises(ValueError, match="outside int32"):
+            map_and_count(wrapped, log2phy, logcnt, num_physical=12, implementation=implementation)
+
+
+def test_wide_integers_under_jit_saturate(rng):
+    """Under jit (64-bit ints enabled) values cannot be checked: an id or slot past int32 saturates, so it stays out
+    of range and maps to -1 -- never onto the expert or slot its low 32 bits name -- and a huge quota is spent like
+    any quota past the entry count."""
+    ids, log2phy, logcnt = _small_tables(rng)
+    quotas = np.zeros((8, log2phy.shape[1]), np.int64)
+    quotas[:, 0] = 2**40  # every entry to replica 0
+    with jax.enable_x64(True):
+        wide = ids.astype(np.int64)
+        wide[0, 0], wide[1, 0] = 2**32 + 3, -(2**32) + 3  # low 32 bits: expert 3
+        table = log2phy.astype(np.int64)
+        table[3, 0] = 2**32 + int(log2phy[4, 0])  # expert 3's first replica: low 32 bits name expert 4's slot
+        for mode, extra in (("hash", {}), ("quota", {"quotas": quotas})):
+            fn = jax.jit(functools.partial(map_and_count, num_physical=12, mode=mode, implementation="xla", **extra))
+            phys = np.asarray(fn(wide, table, logcnt.astype(np.int64))[0])
+            assert phys[0, 0] == phys[1, 0] == -1
+            assert set(phys[wide == 3].tolist()) <= {-1, *log2phy[3, 1 : logcnt[3]].tolist()}
+            if mode == "quota":
+                np.testing.assert_array_equal(phys[wide == 3], -1)
+                np.testing.assert_array_equal(phys[wide == 4], log2phy[4, 0])
+
+
+CONTRADICTIONS = [  # (edit of log2phy [8, 5] / logcnt [8] of a 12-slot placement, message)
+    (lambda t, c: c.__setitem__(0, 6), "logcnt\\[0\\] = 6 is outside \\[0, S = 5\\]"),
+    (lambda t, c: c.__setitem__(1, -1), "logcnt\\[1\\] = -1 is outside"),
+    (lambda t, c: t.__setitem__((2, 0), 12), "log2phy\\[2, 0\\] = 12 is not a slot in \\[0, 12\\)"),
+    (lambda t, c: t.__setitem__((2, 0), -1), "log2phy\\[2, 0\\] = -1 is not a slot"),
+    (lambda t, c: (c.__setitem__(4, 0),), "log2phy\\[4, 0\\] = .* past logcnt\\[4\\] = 0 must be -1"),
+    (lambda t, c: t.__setitem__((5, 4), 3), "log2phy\\[5, 4\\] = 3 past logcnt\\[5\\] = .* must be -1"),
+    (lambda t, c: t.__setitem__((6, 0), t[7, 0]), "is listed more than once in log2phy \\(experts \\[6, 7\\]\\)"),
+]
+
+
+def _placement_with_spare(rng):
+    """An 8-expert, 12-slot placement whose expert 5 has fewer than S = 5 replicas (its last column is padding)."""
+    placement = Placement.from_phy2log(np.array([0, 1, 2, 3, 4, 5, 6, 7, 0, 0, 1, 2]), 8)
+    return random_ids(rng, 10, 2, 8), placement.log2phy[0].copy(), placement.logcnt[0].copy()
+
+
+@pytest.mark.parametrize("edit, message", CONTRADICTIONS)
+def test_tables_that_disagree_are_refused(edit, message, rng):
+    """Concrete ``logcnt`` / ``log2phy`` that contradict each other -- a count past the listed slots or negative, a
+    live replica outside ``[0, P)``, a listed slot past the count, a slot held twice -- raise ``ValueError`` in both
+    implementations and in ``lookup_table``, before anything runs; under jit the same tables are assumed right
+    (no error, the documented behaviour)."""
+    ids, log2phy, logcnt = _placement_with_spare(rng)
+    edit(log2phy, logcnt)
+    for implementation in ("xla", "pallas"):
+        with pytest.raises(ValueError, match=message):
+            map_and_count(ids, log2phy, logcnt, num_physical=12, implementation=implementation)
+    if "not a slot in" not in message:  # (lookup_table knows P only with shares)
+        with pytest.raises(ValueError, match=message):
+            lookup_table(log2phy, logcnt)
+    with pytest.raises(ValueError, match=message):
+        lookup_table(log2phy, logcnt, replica_shares=np.ones(log2phy.shape, np.float32), num_physical=12)
+    traced = jax.jit(functools.partial(map_and_count, num_physical=12, implementation="xla"))(ids, log2phy, logcnt)
+    assert traced[1].shape == (12,)
+
+
+# ------------------------------------------- prepared lookups; vmap and shard_map of every kernel
 @pytest.mark.parametrize("mode", MODES)
 def test_prepared_lookup_gives_the_same_results(mode, rng):
     """A lookup table built once per placement (vmapped over layers, as a model keeps it) changes nothing, with
-    or without shares' alias words in it (which every mode accepts; shares then reads them)."""
-    from moe_eplb_jax.pallas import lookup_table
-
+    or without the alias words in it (which every mode accepts; lp then reads them)."""
     num_layers, num_tokens, top_k, num_logical, num_physical = 2, 48, 4, 16, 30
     placements, log2phy, logcnt, ids = layered_inputs(rng, num_layers, num_tokens, top_k, num_logical, num_physical)
     extra = [random_mode_inputs(rng, mode, p, num_tokens * top_k) for p in placements]
     extra = {k: np.stack([e[k] for e in extra]) for k in extra[0]}
     width = log2phy.shape[2]
-    weights = extra["replica_shares"] if mode == "shares" else rng.random(log2phy.shape).astype(np.float32)
+    weights = extra["replica_shares"] if mode == "lp" else rng.random(log2phy.shape).astype(np.float32)
     lookups = [jax.vmap(lookup_table)(log2phy, logcnt), jax.vmap(lookup_table)(log2phy, logcnt, replica_shares=weights)]
     assert lookups[0].shape == (num_layers, num_logical * (1 + width)) and lookups[0].dtype == jnp.int32
     assert lookups[1].shape == (num_layers, 3 * num_logical * (1 + width)) and lookups[1].dtype == jnp.int32
@@ -358,40 +438,27 @@ def test_prepared_lookup_gives_the_same_results(mode, rng):
                 np.testing.assert_array_equal(np.asarray(g[layer]), w)
 
 
-@pytest.mark.parametrize("mode, path", [("shares", "alias"), ("resolved", "guide"), ("resolved", "positions")])
-def test_extra_kernels_under_vmap_and_shard_map(mode, path, monkeypatch, rng):
-    """Shares' alias-table kernel, resolved's guided path and resolved by boundary positions (both forced on for
-    small inputs here), under vmap over layers with prepared lookups, and inside shard_map with per-rank quotas or
-    shares, equal the oracle: their extra kernels batch and shard like the map kernel."""
-    from moe_eplb_jax.pallas import _triton, lookup_table
-
-    if path == "guide":
-        monkeypatch.setitem(_triton.DEFAULTS, "guide", 4)
-    elif path == "positions":
-        monkeypatch.setattr(_triton, "_POSITIONS_FROM", 0)
+@pytest.mark.parametrize(
+    "mode, path", [("lp", "ranks"), ("quota", "lookback"), ("quota", "ranks"), ("quota", "positions")]
+)
+def test_every_kernel_under_vmap_and_shard_map(mode, path, rng):
+    """The alias-table kernel and each quota path (forced by a Config for these small inputs), under vmap over layers
+    with prepared lookups, and inside shard_map with per-rank quotas or shares, equal the oracle: their extra
+    kernels batch and shard like the map kernel."""
+    config = Config(quota_path=path, rank_tile=64, tile=64, sub=32, position_tile=32)
     num_layers, num_tokens, top_k, num_logical, num_physical = 2, 48, 4, 16, 30
     placements, log2phy, logcnt, ids = layered_inputs(rng, num_layers, num_tokens, top_k, num_logical, num_physical)
     extra = [random_mode_inputs(rng, mode, p, num_tokens * top_k) for p in placements]
-    extra = {k: np.stack([e[k] for e in extra]) for k in extra[0]}
+    values = np.stack([next(iter(e.values())) for e in extra])
 
-    def run(ids, log2phy, logcnt, extra, lookup=None):
-        return map_and_count(
-            ids,
-            log2phy,
-            logcnt,
-            num_physical=num_physical,
-            num_valid_tokens=40,
-            mode=mode,
-            implementation="pallas",
-            lookup=lookup,
-            **extra,
-        )
+    def run(ids, log2phy, logcnt, values, limits, lookup=None):
+        return kernel_call(ids, log2phy, logcnt, limits, num_physical, mode, values, config=config, lookup=lookup)
 
-    got = jax.jit(jax.vmap(run))(ids, log2phy, logcnt, extra, jax.vmap(lookup_table)(log2phy, logcnt))
+    limits = np.asarray([[40 * top_k] * 2] * num_layers, np.int32)
+    got = jax.jit(jax.vmap(run))(ids, log2phy, logcnt, values, limits, jax.vmap(lookup_table)(log2phy, logcnt))
     for layer in range(num_layers):
-        want = oracle(
-            ids[layer], log2phy[layer], logcnt[layer], num_physical, 40, mode, **{k: v[layer] for k, v in extra.items()}
-        )
+        name = "replica_shares" if mode == "lp" else "quotas"
+        want = oracle(ids[layer], log2phy[layer], logcnt[layer], num_physical, 40, mode, **{name: values[layer]})
         for g, w in zip(got, want):
             np.testing.assert_array_equal(np.asarray(g[layer]), w)
 
@@ -400,37 +467,26 @@ def test_extra_kernels_under_vmap_and_shard_map(mode, path, monkeypatch, rng):
     P = jax.sharding.PartitionSpec
     num_local = 12
     ids = random_ids(rng, num_local * len(devices), top_k, num_logical)
-    per_rank = [random_mode_inputs(rng, mode, placements[0], num_local * top_k) for _ in devices]
-    values = np.stack([r[next(iter(r))] for r in per_rank])  # [G, E, S]: each rank its own row
-    name = next(iter(per_rank[0]))
+    per_rank = np.stack(
+        [next(iter(random_mode_inputs(rng, mode, placements[0], num_local * top_k).values())) for _ in devices]
+    )
 
     def local(ids_shard, values, log2phy, logcnt):
-        phys, load = map_and_count(
-            ids_shard,
-            log2phy,
-            logcnt,
-            num_physical=num_physical,
-            mode=mode,
-            implementation="pallas",
-            **{name: values[0]},
-        )
+        limits = jnp.asarray([num_local * top_k] * 2, jnp.int32)
+        phys, load = kernel_call(ids_shard, log2phy, logcnt, limits, num_physical, mode, values[0], config=config)
         return phys, jax.lax.psum(load, "ep")
 
-    fn = jax.jit(
-        jax.shard_map(
-            local,
-            mesh=mesh,
-            in_specs=(P("ep"), P("ep"), P(), P()),
-            out_specs=(P("ep"), P()),
-            check_vma=jax.default_backend() == "gpu",
-        )
-    )  # interpret mode: see above
-    phys, load = fn(ids, values, log2phy[0], logcnt[0])
+    # Pallas interpret mode trips jax's own varying-axes check inside shard_map (its interpreter slices a varying
+    # operand with an invariant index), so interpret runs with check_vma=False; compiled kernels with True.
+    check_vma = jax.default_backend() == "gpu"
+    specs = dict(in_specs=(P("ep"), P("ep"), P(), P()), out_specs=(P("ep"), P()), check_vma=check_vma)
+    phys, load = jax.jit(jax.shard_map(local, mesh=mesh, **specs))(ids, per_rank, log2phy[0], logcnt[0])
     want_load = np.zeros(num_physical, np.int64)
+    name = "replica_shares" if mode == "lp" else "quotas"
     for rank in range(len(devices)):
         shard = ids[rank * num_local : (rank + 1) * num_local]
         want_phys, shard_load = oracle(
-            shard, log2phy[0], logcnt[0], num_physical, num_local, mode, **{name: values[rank]}
+            shard, log2phy[0], logcnt[0], num_physical, num_local, mode, **{name: per_rank[rank]}
         )
         np.testing.assert_array_equal(np.asarray(phys[rank * num_local : (rank + 1) * num_local]), want_phys)
         want_load += shard_load
@@ -438,9 +494,7 @@ def test_extra_kernels_under_vmap_and_shard_map(mode, path, monkeypatch, rng):
 
 
 def test_lookup_table_rejects_bad_tables(rng):
-    from moe_eplb_jax.pallas import lookup_table
-
-    _, log2phy, logcnt = _tables(rng)
+    _, log2phy, logcnt = _small_tables(rng)
     with pytest.raises(ValueError, match="logcnt must have shape"):
         lookup_table(log2phy, logcnt[:-1])
     with pytest.raises(ValueError, match="log2phy must have an integer dtype"):
@@ -456,9 +510,85 @@ def test_lookup_table_rejects_bad_tables(rng):
 
 
 def test_empty_input(rng):
-    _, log2phy, logcnt = _tables(rng)
+    _, log2phy, logcnt = _small_tables(rng)
     phys, load = map_and_count(np.zeros((0, 4), np.int32), log2phy, logcnt, num_physical=12, implementation="pallas")
     assert phys.shape == (0, 4) and load.shape == (12,) and not np.asarray(load).any()
+
+
+# ------------------------------------------- the default: Pallas on a GPU, XLA where its kernels cannot run
+@pytest.fixture
+def probes(monkeypatch):
+    """A fresh record of probes and warnings, and ``map_and_count`` deciding as on a GPU."""
+    from moe_eplb_jax import _kernels
+
+    monkeypatch.setattr(_kernels, "_PROBED", {})
+    monkeypatch.setattr(_kernels, "_WARNED", set())
+    monkeypatch.setattr(_kernels, "on_gpu", lambda: True)
+    return _kernels
+
+
+def _default_calls(rng):
+    """The default implementation in every mode inside jit (and eager for hash): each result against the oracle."""
+    placement = random_placement(rng, 16, 23)
+    log2phy, logcnt = placement.log2phy[0], placement.logcnt[0]
+    ids = random_ids(rng, 37, 2, 16)
+    for mode in MODES:
+        extra = random_mode_inputs(rng, mode, placement, ids.size)
+        want = oracle(ids, log2phy, logcnt, 23, 30, mode, **extra)
+        fn = functools.partial(map_and_count, num_physical=23, num_valid_tokens=30, mode=mode, **extra)
+        calls = [jax.jit(fn)] + ([fn] if mode == "hash" else [])
+        for got in (call(ids, log2phy, logcnt) for call in calls):
+            for g, w in zip(got, want):
+                np.testing.assert_array_equal(np.asarray(g), w)
+
+
+@pytest.mark.slow
+def test_default_is_pallas_where_its_probe_agrees(probes, rng, recwarn):
+    """As on a GPU: each mode's kernels are probed once (here in interpret mode, where they run and agree), then
+    serve as the default -- no warning."""
+    _default_calls(rng)
+    assert {("map_and_count", mode): True for mode in MODES} == probes._PROBED
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+
+
+def test_default_falls_back_to_xla_without_the_triton_backend(probes, monkeypatch, rng):
+    """Pallas' Triton backend missing (its import fails): every mode falls back to the XLA implementation -- the
+    oracle's results, eager and inside jit -- with exactly one warning in the process."""
+    import sys
+
+    from jax.experimental import pallas
+
+    import moe_eplb_jax.pallas as package
+
+    monkeypatch.setitem(sys.modules, "jax.experimental.pallas.triton", None)  # `import` raises ImportError
+    monkeypatch.delattr(pallas, "triton", raising=False)
+    for name in ("_triton", "_alias_kernel", "_rank", "_positions", "_search", "_triton_ops"):  # re-imported on use
+        monkeypatch.delitem(sys.modules, f"moe_eplb_jax.pallas.{name}", raising=False)
+        monkeypatch.delattr(package, name, raising=False)
+    with pytest.warns(RuntimeWarning, match="map_and_count: the Pallas kernel failed .*ModuleNotFoundError") as caught:
+        _default_calls(rng)
+        _default_calls(rng)
+    assert len([w for w in caught if issubclass(w.category, RuntimeWarning)]) == 1
+    assert {("map_and_count", mode): False for mode in MODES} == probes._PROBED
+
+
+def test_default_falls_back_to_xla_when_a_kernel_fails_to_lower(probes, monkeypatch, rng):
+    """A kernel that fails to lower (here: the map kernel's wrapper raises as a broken lowering rule would) or that
+    disagrees with the reference: the XLA implementation serves, with one warning."""
+    from moe_eplb_jax.pallas import _triton
+
+    def broken(*args, **kwargs):
+        raise AttributeError("'tuple' object has no attribute 'type'")
+
+    monkeypatch.setattr(_triton, "map_and_count_triton", broken)
+    with pytest.warns(RuntimeWarning, match="failed on this device \\(AttributeError") as caught:
+        _default_calls(rng)
+    assert len([w for w in caught if issubclass(w.category, RuntimeWarning)]) == 1
+    probes._PROBED.clear()
+    probes._WARNED.clear()
+    monkeypatch.setattr(_triton, "map_and_count_triton", lambda *a, **k: (np.zeros((64, 4), np.int32), np.zeros(24)))
+    with pytest.warns(RuntimeWarning, match="disagrees with its XLA implementation"):
+        _default_calls(rng)
 
 
 # ------------------------------------------------------------------ GPU only
@@ -487,75 +617,55 @@ def test_gpu_kernel_matches_reference(mode, shape, rng):
             np.testing.assert_array_equal(np.asarray(got[1]), want_load)
 
 
+GPU_CONFIGS = [
+    Config(),
+    Config(tile=1024, sub=1024, num_warps=8),
+    Config(tile=4096, sub=4096, num_warps=16),
+    Config(quota_path="lookback"),
+    Config(quota_path="lookback", rank_tile=64),
+    Config(quota_path="ranks", rank_tile=128),
+    Config(quota_path="positions"),
+    Config(quota_path="positions", position_tile=4096, position_scan=512, count_warps=8),
+]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "options",
-    [
-        {"count_method": "onehot", "tables": "global"},
-        {"count_method": "atomic", "tables": "global"},
-        {"count_method": "atomic_warp", "tables": "global"},
-        {"count_method": "histogram", "tables": "global"},
-        {"count_method": "histogram", "tables": "shared"},
-        {"count_method": "histogram", "tables": "head"},
-        {"count_method": "onehot", "tables": "head"},
-        {"tables": "head", "layout": "replica_major"},
-        {"tables": "global", "layout": "replica_major"},
-        {"tables": "shared", "layout": "replica_major"},
-        {"reduce": "atomic"},
-        {"reduce": "atomic", "layout": "replica_major"},
-        {"reduce": "atomic", "layout": "expert_major", "tables": "global"},
-        {"rank_in_step": "match"},
-        {"rank_in_step": "match", "reduce": "atomic", "layout": "replica_major"},
-        {"linear_search": 16},
-        {"linear_search": 4},
-        {"guide": 0},
-        {"guide": 1},
-        {"guide": 16, "search": "unrolled"},
-        {"rank_running": "registers", "rank_chains": 1},
-        {"rank_running": "memory", "rank_in_step": "compare"},
-        {"rank_chains": 1},
-        {"rank_chains": 2},
-        {"rank_chains": 4},
-        {"resolved_by": "positions"},
-        {"resolved_by": "ranks"},
-        {"resolved_by": "positions", "position_tile": 256, "position_groups": 1},
-        {"resolved_by": "positions", "position_tile": 4096, "position_groups": 3, "position_scan": 512},
-    ],
-    ids=lambda o: "-".join(map(str, o.values())),
-)
+@pytest.mark.parametrize("config", GPU_CONFIGS, ids=str)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize(
-    "shape", [(1, 1, 8, 8), (333, 6, 512, 519), (65536, 8, 256, 288)], ids=lambda s: "T{}k{}E{}P{}".format(*s)
+    "shape", [(1, 1, 8, 8), (333, 6, 512, 519), (8192, 8, 256, 288)], ids=lambda s: "T{}k{}E{}P{}".format(*s)
 )
-def test_gpu_count_methods_match_reference(options, mode, shape, rng):
-    """Every counting method and table layout of the compiled kernel gives the reference's ids and loads on fresh
-    inputs."""
-    from moe_eplb_jax.pallas import _reference, _triton
-    from moe_eplb_jax.pallas.map_and_count import _build_mode_table
-
+def test_gpu_configs_match_reference(config, mode, shape, rng):
+    """Every tiling and quota path of the compiled kernels gives the reference's ids and loads on fresh inputs."""
     num_tokens, top_k, num_logical, num_physical = shape
+    if mode != "quota" and config.quota_path != "ranks":
+        pytest.skip("the quota path is read by mode 'quota' only")
+    if config.quota_path == "ranks" and num_tokens * top_k > _rank.MAX_TILES * config.rank_tile:
+        pytest.skip("too many rank tiles for one product")
     placement = random_placement(rng, num_logical, num_physical)
-    log2phy, logcnt = jnp.asarray(placement.log2phy[0]), jnp.asarray(placement.logcnt[0])
-    log2phy.shape[1]
+    log2phy, logcnt = placement.log2phy[0], placement.logcnt[0]
     for _ in range(2):
-        ids = jnp.asarray(random_ids(rng, num_tokens, top_k, num_logical))
-        extra = random_mode_inputs(rng, mode, placement, ids.size)
-        values = extra.get("replica_shares", extra.get("resolved"))
-        thresholds = (
-            jnp.zeros_like(log2phy) if values is None else _build_mode_table(mode, jnp.asarray(values), log2phy, logcnt)
-        )
+        ids = random_ids(rng, num_tokens, top_k, num_logical)
+        values = next(iter(random_mode_inputs(rng, mode, placement, ids.size).values()), None)
         valid = int(rng.integers(0, num_tokens + 1)) * top_k
-        limits = jnp.asarray([valid, valid], jnp.int32)
-        want = _reference.map_and_count_reference(
-            ids, log2phy, logcnt, thresholds, limits, num_physical=num_physical, mode=mode
+        limits = [valid, valid]
+        want = reference_call(ids, log2phy, logcnt, limits, num_physical, mode, values)
+        got = jax.jit(lambda ids: kernel_call(ids, log2phy, logcnt, limits, num_physical, mode, values, config=config))(
+            ids
         )
-        got = jax.jit(
-            lambda x: _triton.map_and_count_triton(
-                x, log2phy, logcnt, thresholds, limits, num_physical=num_physical, mode=mode, **options
-            )
-        )(ids)
         np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
         np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
+@pytest.mark.gpu
+def test_gpu_default_is_pallas():
+    """On a GPU each mode's first-use probe passes: the default is the Pallas implementation, without a warning."""
+    from moe_eplb_jax import _kernels
+    from moe_eplb_jax.pallas.map_and_count import _probe_pallas
+
+    for mode in MODES:
+        assert _probe_pallas(mode)
+        assert _kernels.pallas_default("map_and_count", functools.partial(_probe_pallas, mode), case=mode)
 
 
 @pytest.mark.gpu
@@ -592,38 +702,33 @@ def test_gpu_shard_map(rng):
 
 
 # ------------------------------------------------------------ mode tables
-@pytest.mark.parametrize("width", [1, 5, 33, 257])
-@pytest.mark.parametrize("limit", [None, 2**21, 2**26, 100, 2**24 - 1, 3 * 2**23])
-def test_thresholds_exact_by_every_summation(width, limit, rng):
-    """Quota thresholds are the capped int64 prefix sums exactly, whichever way the sums run (the triangular
-    product on the quotas themselves below a cap of 2**24, else on two or three limbs; or the saturating scan)."""
-    from moe_eplb_jax.pallas.map_and_count import _build_thresholds
-
-    num_logical = 40
+@pytest.mark.parametrize("width", [1, 5, 33, 257, 4100])
+@pytest.mark.parametrize("limit", [2**31 - 1, 2**21, 2**26, 100, 2**24 - 1, 3 * 2**23])
+def test_quota_thresholds_are_exact(width, limit, rng):
+    """Quota thresholds are the capped int64 prefix sums exactly, whichever way the shape makes them run (the
+    triangular product on the quotas themselves below a cap of 2**24, else on two or three limbs; the saturating
+    scan past 4096 replicas or where limbs' sums could pass int32)."""
+    num_logical = 40 if width < 4096 else 3
     logcnt = rng.integers(0, width + 1, num_logical)
     live = np.arange(width)[None, :] < logcnt[:, None]
     # All three 11-bit limbs; below a cap, mostly unclipped (odd sums near 2**24 would round in float32).
-    high = 30_000_000 if limit is None else min(30_000_000, limit + limit // 4)
+    high = min(30_000_000, limit + limit // 4)
     quotas = rng.integers(-5, high, (num_logical, width)).astype(np.int32)
-    cap = np.iinfo(np.int32).max if limit is None else limit
-    sums = np.cumsum(np.clip(np.where(live, quotas, 0), 0, cap).astype(np.int64), axis=1)
-    want = np.where(live, np.minimum(sums, cap), np.iinfo(np.int32).max)
-    for method in ("matmul", "cumsum"):
-        got = _build_thresholds("resolved", jnp.asarray(quotas), jnp.asarray(logcnt), width, limit=limit, sums=method)
-        np.testing.assert_array_equal(np.asarray(got), want)
-    with pytest.raises(ValueError, match="thresholds are resolved's"):
-        _build_thresholds("shares", jnp.asarray(quotas, jnp.float32), jnp.asarray(logcnt), width)
+    sums = np.cumsum(np.clip(np.where(live, quotas, 0), 0, limit).astype(np.int64), axis=1)
+    want = np.where(live, np.minimum(sums, limit), np.iinfo(np.int32).max)
+    got = _tables.quota_thresholds(jnp.asarray(quotas), jnp.asarray(logcnt), cap=limit)
+    np.testing.assert_array_equal(np.asarray(got), want)
 
 
 @pytest.mark.parametrize("draw", ["spread", "ties", "tiny"])
 @pytest.mark.parametrize("width", [1, 5, 33, 257, 300])
 def test_alias_table_is_the_sequential_sweep(width, draw, rng):
-    """shares' alias table -- jnp, and the Pallas kernel in interpret mode -- is Vose's sequential sweep over the
+    """lp's alias table -- jnp, and the Pallas kernel in interpret mode -- is Vose's sequential sweep over the
     documented masses (modelled in exact rational arithmetic), each replica's parts add up to its mass (none for a
     zero weight) and the words name the alias's slot: weights spanning 60 orders of magnitude, a few small
     integers (masses that tie running sums exactly) or subnormal ones, zeros, NaN, infinities and negatives, rows
     without a positive weight, counts past the table's width."""
-    from moe_eplb_jax.pallas import _alias
+    from moe_eplb_jax.pallas._alias_kernel import alias_kernel
 
     num_logical = 24
     logcnt = rng.integers(0, width + 3, num_logical)
@@ -658,9 +763,7 @@ def test_alias_table_is_the_sequential_sweep(width, draw, rng):
     pairs = packed[2 * num_logical : used].reshape(-1, 2)
     np.testing.assert_array_equal(pairs[:, 0], np.concatenate([words[e, :c] for e, c in enumerate(counts)]))
     np.testing.assert_array_equal(pairs[:, 1], np.concatenate([log2phy[e, :c] for e, c in enumerate(counts)]))
-    built = _alias.alias_kernel(
-        jnp.asarray(shares), jnp.asarray(log2phy), jnp.asarray(logcnt, jnp.int32), interpret=True
-    )
+    built = alias_kernel(jnp.asarray(shares), jnp.asarray(log2phy), jnp.asarray(logcnt, jnp.int32), interpret=True)
     np.testing.assert_array_equal(np.asarray(built)[:used], packed[:used])
     unit = 1 << _alias.UNIT_BITS
     for expert in range(num_logical):
@@ -686,8 +789,6 @@ def test_alias_table_is_the_sequential_sweep(width, draw, rng):
 def test_bucket_and_fraction_split_the_hash_exactly(rng):
     """The bucket is floor(h * c / 2**32) and the fraction the next 10 bits of h * c (U = 2**10 units per
     bucket), computed in 32 bits (h split in 16-bit halves) exactly as in 64."""
-    from moe_eplb_jax.pallas import _alias
-
     hashes = np.concatenate(
         [rng.integers(0, 2**32, 4000, dtype=np.uint64), np.array([0, 2**32 - 1, 2**31, 65535, 65536], np.uint64)]
     )
@@ -702,25 +803,31 @@ def test_bucket_and_fraction_split_the_hash_exactly(rng):
 
 
 @pytest.mark.parametrize("prepared", [False, True])
-def test_shares_never_wraps_an_invalid_slot_onto_a_valid_one(prepared, rng):
-    """A live replica whose slot is past 16 bits (an invalid placement) maps to -1 like the reference's, as an
-    alias, as a bucket's own replica and as a single-replica expert's first slot -- not to its low 16 bits or a
-    clipped 65534, both valid slots with ``num_physical = 65535`` (counted by per-entry atomics: too many bins
-    for a histogram in shared memory)."""
-    from moe_eplb_jax.pallas import lookup_table
-
-    log2phy = np.asarray([[3, 70000], [65536, 65534], [70001, -1], [65534, -1]], np.int32)
+def test_lp_never_wraps_an_invalid_slot_onto_a_valid_one(prepared, rng):
+    """A live replica whose slot is past 16 bits (tables that disagree with ``P``: refused where concrete, so traced
+    here) maps to -1 like the reference's, as an alias, as a bucket's own replica and as a single-replica expert's
+    first slot -- not to its low 16 bits or a clipped 65534, both valid slots with ``num_physical = 65535``
+    (counted by per-entry atomics: too many bins for a histogram in shared memory)."""
+    log2phy = np.asarray([[3, 70000], [65536, 65534], [70001, -1], [65533, -1]], np.int32)
     logcnt = np.asarray([2, 2, 1, 1], np.int32)
     shares = np.asarray([[1.0, 3.0], [2.0, 1.0], [1.0, 0.0], [1.0, 0.0]], np.float32)
     ids = rng.integers(0, 4, (256, 2)).astype(np.int32)
-    kw = dict(num_physical=65535, mode="shares", replica_shares=shares)
-    want = map_and_count(ids, log2phy, logcnt, implementation="xla", **kw)
-    lookup = lookup_table(log2phy, logcnt, replica_shares=shares) if prepared else None
-    got = map_and_count(ids, log2phy, logcnt, implementation="pallas", lookup=lookup, **kw)
+    kw = dict(num_physical=65535, mode="lp")
+    with pytest.raises(ValueError, match="log2phy\\[0, 1\\] = 70000 is not a slot in \\[0, 65535\\)"):
+        map_and_count(ids, log2phy, logcnt, replica_shares=shares, **kw)
+
+    def run(ids, log2phy, logcnt, shares, implementation):
+        lookup = lookup_table(log2phy, logcnt, replica_shares=shares) if prepared else None
+        return map_and_count(
+            ids, log2phy, logcnt, replica_shares=shares, implementation=implementation, lookup=lookup, **kw
+        )
+
+    want = jax.jit(functools.partial(run, implementation="xla"))(ids, log2phy, logcnt, shares)
+    got = jax.jit(functools.partial(run, implementation="pallas"))(ids, log2phy, logcnt, shares)
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
     phys = np.asarray(want[0])
-    assert (phys[ids == 2] == -1).all() and (phys[ids == 3] == 65534).all()
+    assert (phys[ids == 2] == -1).all() and (phys[ids == 3] == 65533).all()
     assert {int(p) for p in phys[ids == 0]} == {3, -1} and {int(p) for p in phys[ids == 1]} == {65534, -1}
 
 
@@ -731,7 +838,7 @@ def test_many_slots_count_by_entry_atomics(mode, rng):
     num_physical = 40000
     placement = random_placement(rng, 64, num_physical)
     logcnt = placement.logcnt[0]
-    log2phy = placement.log2phy[0][:, : logcnt.max()]  # (Placement pads to P - E + 1 columns: past shares' limit)
+    log2phy = placement.log2phy[0][:, : logcnt.max()]  # (Placement pads to P - E + 1 columns: past lp's limit)
     ids = random_ids(rng, 300, 4, 64)
     ids[::3, 0] = 5  # one expert hot: many atomics on its slots
     extra = {k: v[:, : log2phy.shape[1]] for k, v in random_mode_inputs(rng, mode, placement, ids.size).items()}
@@ -742,82 +849,7 @@ def test_many_slots_count_by_entry_atomics(mode, rng):
     assert np.asarray(got[1]).sum() > 0
 
 
-@pytest.mark.parametrize("shape", [(15, 4), (2200, 64)])
-def test_shares_table_forms_and_loads(shape, rng):
-    """However the alias table lies and the map kernel reads it -- one word per bucket (up to 2047 slots) or a
-    (word, slot) pair, the expert's head word alone (where every offset fits its 17 bits) or the head pair -- it
-    gives the reference's ids and loads: built per call, packed from given words, or prepared; and with more
-    buckets than a head word can address (2200 x 64, offsets past 2**17: the head pair) and more slots than 11
-    bits hold (4000: two words per bucket)."""
-    from moe_eplb_jax.pallas import _alias, _reference, _triton, lookup_table
-
-    num_logical, width = shape
-    num_physical = min(num_logical * width, 4000)
-    logcnt = np.full(num_logical, width, np.int32)
-    logcnt[1::10] = rng.integers(1, width + 1, logcnt[1::10].size)
-    log2phy = rng.integers(0, num_physical, (num_logical, width)).astype(np.int32)
-    shares = rng.uniform(0.0, 1.0, (num_logical, width)).astype(np.float32)
-    ids = rng.integers(-1, num_logical + 1, (500, 4)).astype(np.int32)
-    ids[::2, 1] = 0  # the widest expert: buckets up to its last
-    ids[1::2, 2] = num_logical - 1 - ids[1::2, 2] % 40  # the last experts: offsets past 2**17 (the large shape)
-    limits = jnp.asarray([480 * 4, 490 * 4], jnp.int32)
-    words = _alias.alias_words(jnp.asarray(shares), jnp.asarray(log2phy), jnp.asarray(logcnt))
-    want = _reference.map_and_count_reference(
-        ids, log2phy, logcnt, words, limits, num_physical=num_physical, mode="shares"
-    )
-    small = shape == (15, 4)
-    assert _alias.word_heads_fit(num_logical, width) == small == _alias.compact_fits(num_physical)
-    assert small or np.clip(logcnt, 1, width)[:-1].sum() >= 1 << _alias.HEAD_SHIFT
-    one_word = dict(lookup=lookup_table(log2phy, logcnt, replica_shares=shares, num_physical=num_physical))
-    two_words = dict(lookup=lookup_table(log2phy, logcnt, replica_shares=shares))
-    per_call, given = dict(shares=shares), dict(thresholds=words)
-    sizes = one_word["lookup"].size, two_words["lookup"].size
-    assert sizes[0] < sizes[1] if small else sizes[0] == sizes[1]
-    cases = (
-        [
-            ({}, one_word),
-            ({}, two_words),
-            ({}, per_call),
-            ({"compact": False}, per_call),
-            ({"word_heads": False, "compact": False}, given),
-            ({"word_heads": False}, one_word),
-        ]
-        if small
-        else [({}, given), ({}, one_word)]
-    )
-    for options, tables in cases:
-        got = _triton.map_and_count_triton(
-            ids,
-            log2phy,
-            logcnt,
-            tables.get("thresholds"),
-            limits,
-            num_physical=num_physical,
-            mode="shares",
-            interpret=jax.default_backend() != "gpu",
-            lookup=tables.get("lookup"),
-            shares=tables.get("shares"),
-            **options,
-        )
-        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]), err_msg=str(options))
-        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]), err_msg=str(options))
-    if small:  # a one-word table cannot name slots past 2047
-        with pytest.raises(ValueError, match="cannot serve num_physical = 3000"):
-            map_and_count(
-                ids,
-                log2phy,
-                logcnt,
-                num_physical=3000,
-                mode="shares",
-                replica_shares=shares,
-                implementation="pallas",
-                **one_word,
-            )
-
-
-def test_shares_rejects_tables_its_words_cannot_hold(rng):
-    from moe_eplb_jax.pallas import _alias, lookup_table
-
+def test_lp_rejects_tables_its_words_cannot_hold(rng):
     width = _alias.MAX_WIDTH + 1
     with pytest.raises(ValueError, match="at most 32767 replicas per expert"):
         map_and_count(
@@ -825,7 +857,7 @@ def test_shares_rejects_tables_its_words_cannot_hold(rng):
             np.zeros((1, width), np.int32),
             np.ones(1, np.int32),
             num_physical=2,
-            mode="shares",
+            mode="lp",
             replica_shares=np.ones((1, width), np.float32),
         )
     with pytest.raises(ValueError, match="at most 32767 replicas per expert"):
@@ -838,6 +870,6 @@ def test_shares_rejects_tables_its_words_cannot_hold(rng):
             np.zeros((1, 2), np.int32),
             np.ones(1, np.int32),
             num_physical=65536,
-            mode="shares",
+            mode="lp",
             replica_shares=np.ones((1, 2), np.float32),
         )

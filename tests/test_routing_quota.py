@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from moe_eplb_jax.routing import plan_quotas
-from moe_eplb_jax.routing._quota_reference import plan_quotas_reference, simulate_resolved_routing
+from moe_eplb_jax.routing._quota_reference import plan_quotas_reference, simulate_quota_routing
 from moe_eplb_jax.sim import zipf_counts, zipf_topk
 
 FIELDS = ("phy2log", "log2phy", "logcnt", "replica_load", "quota", "rank_load", "target")
@@ -84,7 +84,7 @@ def test_matches_reference(seed, shape, min_tokens):
 
 
 def test_routing_follows_quotas_exactly(rng):
-    """Token-level: resolved routing with each source's quota row sends each replica exactly its tokens."""
+    """Token-level: quota routing with each source's quota row sends each replica exactly its tokens."""
     num_ranks, num_home, num_spare, top_k = 8, 2, 2, 4
     ids = zipf_topk(num_ranks, num_ranks * num_home, 64, top_k, 2.5, seed=int(rng.integers(1000)))
     counts = np.stack([np.bincount(ids[g].ravel(), minlength=num_ranks * num_home) for g in range(num_ranks)])
@@ -92,7 +92,7 @@ def test_routing_follows_quotas_exactly(rng):
     check_plan(plan, counts, num_home, num_spare)
     slot_load = np.zeros(num_ranks * (num_home + num_spare), np.int64)
     for g in range(num_ranks):
-        phys = simulate_resolved_routing(
+        phys = simulate_quota_routing(
             ids[g], np.asarray(plan.log2phy), np.asarray(plan.logcnt), np.asarray(plan.quota[g])
         )
         assert np.all(np.asarray(plan.phy2log)[phys] == ids[g])  # each entry went to a replica of its expert
@@ -100,7 +100,7 @@ def test_routing_follows_quotas_exactly(rng):
     np.testing.assert_array_equal(slot_load.reshape(num_ranks, -1).sum(1), np.asarray(plan.rank_load))
 
 
-def test_map_and_count_resolved_end_to_end(rng):
+def test_map_and_count_quota_end_to_end(rng):
     pallas = pytest.importorskip("moe_eplb_jax.pallas")
     num_ranks, num_home, num_spare, top_k = 8, 2, 2, 4
     ids = zipf_topk(num_ranks, num_ranks * num_home, 64, top_k, 3.0, seed=int(rng.integers(1000)))
@@ -114,8 +114,8 @@ def test_map_and_count_resolved_end_to_end(rng):
             plan.log2phy,
             plan.logcnt,
             num_physical=num_physical,
-            mode="resolved",
-            resolved=plan.quota[g],
+            mode="quota",
+            quotas=plan.quota[g],
             implementation="xla",
         )
         assert np.all(np.asarray(plan.phy2log)[np.asarray(phys)] == ids[g])
@@ -272,25 +272,50 @@ def test_pallas_plan_equals_xla_plan_on_gpu(rng):
         )
         for a, b in zip(*(jax.tree_util.tree_leaves(p) for p in (xla(batch), pallas(batch)))):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    quota._pallas_probe.cache_clear()
-    assert quota._default_implementation() == "pallas"
+    assert quota._probe_pallas()
 
 
-def test_gpu_default_falls_back_to_xla_when_the_kernel_fails(monkeypatch):
-    """The GPU default is the Pallas search only if a probe plan from it equals the XLA plan; else XLA, warned."""
+@pytest.fixture
+def probes(monkeypatch):
+    """A fresh record of probes and warnings, and defaults decided as on a GPU."""
+    from moe_eplb_jax import _kernels
+
+    monkeypatch.setattr(_kernels, "_PROBED", {})
+    monkeypatch.setattr(_kernels, "_WARNED", set())
+    monkeypatch.setattr(_kernels, "on_gpu", lambda: True)
+    return _kernels
+
+
+def test_gpu_default_falls_back_to_xla_when_the_kernel_fails(probes, monkeypatch):
+    """The GPU default is the Pallas search only if a probe plan from it equals the XLA plan; else the XLA search
+    plans (the reference's plan), with exactly one warning per process."""
     from moe_eplb_jax.routing import quota
 
-    monkeypatch.setattr(quota, "default_implementation", lambda: "pallas")  # as on a GPU
-    quota._pallas_probe.cache_clear()
-    try:
-        assert quota._default_implementation() == "pallas"  # interpret mode here: compiles and agrees
-        quota._pallas_probe.cache_clear()
+    assert quota._default_implementation() == "pallas"  # interpret mode here: compiles and agrees
+    probes._PROBED.clear()
 
-        def broken(*args, **kwargs):
-            raise RuntimeError("no kernel today")
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel today")
 
-        monkeypatch.setattr(quota, "search_pallas", broken)
-        with pytest.warns(RuntimeWarning, match="no kernel today"):
-            assert quota._default_implementation() == "xla"
-    finally:
-        quota._pallas_probe.cache_clear()
+    monkeypatch.setattr(quota, "search_pallas", broken)
+    counts = zipf_counts(4, 8, 256, 4, 2.0, seed=3)
+    with pytest.warns(RuntimeWarning, match="plan_quotas: the Pallas kernel failed .*no kernel today") as caught:
+        for _ in range(2):
+            plan = plan_quotas(counts, num_home=2, num_spare=2)
+            want = plan_quotas_reference(counts, num_home=2, num_spare=2)
+            for field in FIELDS:
+                np.testing.assert_array_equal(np.asarray(getattr(plan, field)), np.asarray(want[field]))
+    assert len([w for w in caught if issubclass(w.category, RuntimeWarning)]) == 1
+
+
+def test_search_config_is_checked_and_keeps_the_plan(rng):
+    """The search kernel's lanes per program change nothing but how programs share the grid."""
+    from moe_eplb_jax.routing import _quota_fill
+
+    with pytest.raises(ValueError, match="Config.lanes must be a power of two >= 16"):
+        _quota_fill.Config(lanes=24)
+    load = jnp.asarray(_skewed_counts(rng, 4, 2).sum(0))
+    kw = dict(num_home=2, num_spare=2, min_replica_tokens=1, max_replicas=8, search_rounds=1, search_width=100)
+    plans = [_quota_fill.search_pallas(load, config=_quota_fill.Config(lanes=lanes), **kw) for lanes in (16, 128)]
+    for a, b in zip(*plans):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

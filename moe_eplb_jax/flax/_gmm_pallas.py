@@ -3,7 +3,7 @@
 ``grouped_matmul(x [N, K], w [S, K, M], group_sizes [S]) -> [N, M] float32``:
 rows ``[start_s, end_s)`` (the runs of ``group_sizes``) times ``w[s]``.
 
-Work items. Rows are cut into tiles of ``block_rows``; a group covers the
+Work items. Rows are cut into tiles of ``Config.block_rows``; a group covers the
 tiles from ``start_s // block_rows`` to ``(end_s - 1) // block_rows``, so a
 tile straddling two groups is one item of each (each item writes only its own
 group's rows: disjoint masked stores, no race). There are at most
@@ -21,6 +21,7 @@ written: their content is unspecified.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -28,7 +29,25 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-__all__ = ["grouped_matmul", "work_items"]
+__all__ = ["Config", "grouped_matmul", "work_items"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    """The kernel's tiling: ``[block_rows, block_cols]`` output tiles, ``K`` in chunks of ``block_k`` (powers of two
+    >= 16; ``block_k`` / ``block_cols`` are clipped to ``K`` / ``M``), and Triton's warps and stages."""
+
+    block_rows: int = 64
+    block_k: int = 64
+    block_cols: int = 128
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_rows", "block_k", "block_cols", "num_warps", "num_stages"):
+            value, least = getattr(self, name), 16 if name.startswith("block") else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"Config.{name} must be an int >= {least}, got {value!r}")
 
 
 def work_items(group_sizes, num_rows: int, block_rows: int):
@@ -91,10 +110,8 @@ def _kernel(
         )
 
 
-@functools.partial(jax.jit, static_argnames=("block_rows", "block_k", "block_cols", "interpret"))
-def grouped_matmul(
-    x, w, group_sizes, *, block_rows: int = 64, block_k: int = 64, block_cols: int = 128, interpret: bool = False
-):
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def grouped_matmul(x, w, group_sizes, *, config: Config = Config(), interpret: bool = False):
     """See the module docstring. ``K`` and ``M`` must be multiples of the (clipped, power-of-two) blocks."""
     if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1]:
         raise ValueError(f"need x [N, K] and w [S, K, M] with the same K, got {x.shape} and {w.shape}")
@@ -104,7 +121,7 @@ def grouped_matmul(
         raise ValueError(f"x and w must share a dtype, got {x.dtype} and {w.dtype}")
     num_rows, depth = x.shape
     num_groups, _, width = w.shape
-    block_k, block_cols = min(block_k, depth), min(block_cols, width)
+    block_rows, block_k, block_cols = config.block_rows, min(config.block_k, depth), min(config.block_cols, width)
     for name, block, size in (
         ("block_k", block_k, depth),
         ("block_cols", block_cols, width),
@@ -128,7 +145,7 @@ def grouped_matmul(
         in_specs=[whole] * 7,
         out_specs=whole,
         out_shape=jax.ShapeDtypeStruct((num_rows, width), jnp.float32),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="grouped_matmul",
     )(x, w.reshape(num_groups * depth, width), group, tile, count, starts, ends)

@@ -15,8 +15,11 @@ them).
 * ``"pallas"`` -- a Triton grouped matmul (GPU; ``_gmm_pallas``): work items
   of ``64`` rows inside one group, items past the real row count return at
   once, so the cost follows the rows the rank received. Placement-invariant
-  by construction (one instruction sequence per row). Checked in interpret
-  mode on CPU (``"pallas_interpret"``); NOT yet run on a GPU.
+  by construction (one instruction sequence per row). Where the kernel cannot
+  run (no GPU, Pallas' Triton backend missing or failing to compile: a
+  first-use probe, :func:`moe_eplb_jax._kernels.probed`) ``"dense"`` serves
+  instead, with one warning. Checked in interpret mode on CPU
+  (``"pallas_interpret"``).
 
 ``dense`` and ``ragged_dot`` do not skip work for rows a rank did not
 receive: per-rank compute is that of the worst case, whatever the balance.
@@ -26,6 +29,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from moe_eplb_jax._kernels import probed
 
 __all__ = ["dense", "ragged_dot", "select_own_slot", "slot_of_row", "get", "available"]
 
@@ -61,9 +67,26 @@ def ragged_dot(x, w, group_sizes):
 
 
 def _pallas(x, w, group_sizes):
+    if not probed("grouped_matmul", _probe_pallas):
+        return dense(x, w, group_sizes)
     from moe_eplb_jax.flax import _gmm_pallas
 
     return _gmm_pallas.grouped_matmul(x, w, group_sizes)
+
+
+def _probe_pallas() -> bool:
+    """Whether the Triton kernel, compiled ahead of time and run outside any trace, matches ``dense`` (float32)."""
+    from moe_eplb_jax.flax import _gmm_pallas  # raises where Pallas' Triton backend is missing
+
+    rng = np.random.default_rng(0)
+    args = (
+        rng.standard_normal((48, 32)).astype(np.float32),
+        rng.standard_normal((3, 32, 32)).astype(np.float32),
+        np.asarray([10, 0, 30], np.int32),  # 8 padding rows, never compared
+    )
+    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
+    got, want = (np.asarray(jax.jit(f).lower(*specs).compile()(*args)) for f in (_gmm_pallas.grouped_matmul, dense))
+    return np.allclose(got[:40], want[:40], rtol=1e-4, atol=1e-4)
 
 
 def _pallas_interpret(x, w, group_sizes):

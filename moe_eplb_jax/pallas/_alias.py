@@ -1,57 +1,22 @@
-"""Walker's alias table of ``shares``: each entry's slot from one table word, for :mod:`.map_and_count`.
+"""Walker's alias table of mode ``"lp"``: each entry's slot from one or two table words, for :mod:`.map_and_count`.
 
-An expert with ``c`` replicas gets ``c`` buckets of ``U = 2**10`` mass units
-each. Its float weights become integer masses ``m_j`` summing to ``c * U``
-(:func:`integer_masses`: integer work only, so every implementation builds
-the same words bit for bit); bucket ``b`` holds its own replica ``b`` with
-``prob_b`` units and one other replica, ``alias_b``, with the rest, and every
-replica's parts over all buckets add up to its mass (:func:`alias_words`,
-jnp; :func:`alias_kernel`, one Pallas program per expert). A word holds
-``prob_b << 16`` and the *slot* of ``alias_b``, so an entry's token hash picks
-a bucket and a point inside it (:func:`bucket_and_fraction`) and the map
-kernel loads that word and the bucket's own slot side by side
-(:func:`alias_slot`; :func:`pack_words` lays the table out for it, each
-expert's head first; with at most 2047 slots a bucket is one word,
-:func:`compact_words`): constant work per entry, two dependent loads as ``hash``,
-where the inverse of the cumulative shares needed a search over the expert's
-thresholds (on an H200 the map kernel at 262144 x 8 took 14.1 / 20.7 us that
-way at P = 288 / 512; benchmarks/RESULTS.md has the alias table's figures).
-
-Masses. Weights that are not positive and finite count as 0. A float32 weight
-is ``M * 2**(e - 150)`` with an integer significand ``M < 2**24``; the row's
-weights become ``q_j = floor(w_j * 2**k)``, ``k`` putting the row's largest
-weight in ``[2**(B-1), 2**B)`` (``B = min(24, 30 - ceil(log2 S))``, so that
-``c * q_j`` and ``Q = sum q_j`` stay below ``2**30``) -- shifts of the
-significands, exact. Every live replica but the last with ``q_j > 0`` gets
-``m_j = floor(c * U * q_j / Q)`` (binary long division in int32) and that last
-one the rest of ``c * U``; a row with ``Q = 0`` is split equally (every mass
-``U``).
-
-The table is built by the *sweep* order of Vose's construction, in closed
-form: light replicas (``m < U``) in index order each need ``d = U - m``,
-heavy ones (``m > U``) in index order give their excess ``x = m - U``. Put the
-deficits end to end on one axis (light ``k`` covers ``[D_k - d_k, D_k)``, ``D``
-their running sums) and the excesses on the same axis (heavy ``h`` covers
-``[X_h - x_h, X_h)``). A light bucket's alias is the heavy whose excess
-interval holds the start of its deficit; a heavy ``h`` gives away ``x_h`` plus
-what the light crossing ``X_h`` still needs beyond it (``o_h = D_k - X_h`` for
-that light ``k``), so its own bucket keeps ``U - o_h`` and takes the rest from
-the next heavy -- the one whose interval holds ``X_h``. Each replica then
-totals its mass exactly: a heavy keeps ``U - o_h``, gets ``o_{h'}`` back as the
-alias of the heavy ``h'`` before it, and the deficits of the lights starting in
-its interval, ``x_h + o_h - o_{h'}``. Every search is over a non-decreasing
-row, so the build is two running sums and three bisections (no sequential
-loop); the tests check it against the sequential sweep.
+An expert with ``c`` replicas gets ``c`` buckets of ``U = 2**UNIT_BITS`` mass
+units. Its float weights become integer masses summing to ``c * U``
+(:func:`integer_masses`), and Vose's sweep fills the buckets (:func:`row_words`,
+in closed form): bucket ``b`` keeps replica ``b`` for ``prob_b`` units and sends
+the rest to one other replica, its alias. An entry's token hash picks a bucket
+and a fraction of it (:func:`bucket_and_fraction`), so the map kernel does
+constant work per entry. Everything here is integer jnp work, so every
+implementation -- the reference, the Pallas kernel that builds the table per
+call (:mod:`._alias_kernel`), a table prepared once per placement -- gives the
+same words bit for bit. Shapes: weights and words ``[E, S]``; the kernel's
+packed layout is flat (:func:`pack_words`). The construction: docs/kernels.md.
 """
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 __all__ = [
     "weight_bits",
@@ -59,7 +24,6 @@ __all__ = [
     "alias_words",
     "pack_words",
     "packed_size",
-    "alias_kernel",
     "slot_bits",
     "head_word",
     "alias_head",
@@ -77,7 +41,7 @@ __all__ = [
     "HEAD_SHIFT",
 ]
 
-# U = 2**10 mass units per bucket (shares to within 2**-10 of a bucket: far below the routing noise of a batch):
+# U = 2**10 mass units per bucket (shares followed to within 2**-10 of a bucket, far below a batch's routing noise):
 # prob fits 10 bits, so with up to 2047 slots a bucket's prob and both its slots share one word (compact_words).
 UNIT_BITS = 10
 MAX_WIDTH = 0x7FFF  # replicas per expert: the count fills a head word's top 15 bits (HEAD_SHIFT)
@@ -129,9 +93,9 @@ def integer_masses(values, index, count, width):
     unit = 1 << UNIT_BITS
     live = index < count
     quanta = _integer_weights(values, live, width)
-    keep = dict(axis=-1, keepdims=index.ndim > 1)
-    total = jnp.sum(quanta, **keep)  # Q < 2**30
-    last = jnp.max(jnp.where(quanta > 0, index, -1), **keep)  # -1: Q = 0
+    rows = index.ndim > 1  # keep the row axis
+    total = jnp.sum(quanta, axis=-1, keepdims=rows)  # Q < 2**30
+    last = jnp.max(jnp.where(quanta > 0, index, -1), axis=-1, keepdims=rows)  # -1: Q = 0
     # floor(count * q * U / Q): the integer part of count * q / Q, then UNIT_BITS quotient bits one at a time
     # (the remainder stays below Q < 2**30, so doubling it fits int32).
     divisor = jnp.maximum(total, 1)
@@ -143,7 +107,7 @@ def integer_masses(values, index, count, width):
         quotient = (quotient << 1) | carry.astype(jnp.int32)
         remainder = jnp.where(carry, remainder - divisor, remainder)
     floors = jnp.where(live & (index != last), quotient, 0)
-    masses = jnp.where(index == last, count * unit - jnp.sum(floors, **keep), floors)
+    masses = jnp.where(index == last, count * unit - jnp.sum(floors, axis=-1, keepdims=rows), floors)
     return jnp.where(total > 0, masses, jnp.where(live, unit, 0))
 
 
@@ -200,8 +164,8 @@ def _first_slot_field(first_slot):
 
 
 def head_word(first_slot, count):
-    """A head's ``(first slot + 1) | count << 16``, the first slot ``-1`` (unmapped) outside ``[0, 0xFFFF)``: the
-    placement lookup table's (:func:`._triton.lookup_table`)."""
+    """A head of the placement lookup table (:func:`._tables.placement_lookup`): ``(first slot + 1) | count << 16``
+    (``count < 2**16``: read with a logical shift), the first slot ``-1`` (unmapped) outside ``[0, 0xFFFF)``."""
     return _first_slot_field(first_slot) | (count << 16)
 
 
@@ -226,7 +190,7 @@ def word_heads_fit(num_logical: int, width: int) -> bool:
 
 
 def alias_words(values, log2phy, logcnt):
-    """The alias table ``[E, S]`` int32 of ``shares`` in jnp (the reference of :func:`alias_kernel`).
+    """The alias table ``[E, S]`` int32 of mode ``"lp"`` in jnp (the reference of :mod:`._alias_kernel`).
 
     ``values [E, S]`` the raw weights, ``log2phy [E, S]`` the replicas' slots.
     Word ``b`` of a live bucket: ``prob << 16 | slot of alias_b`` -- the
@@ -277,11 +241,8 @@ def pack_words(words, log2phy, logcnt, compact=False):
     bucket in expert order, ``(word, own slot)`` -- or with ``compact``
     (``num_physical <= 2047``) one :func:`compact_words` word; the rest is 0.
     An entry reads its expert's head, then -- for a multi-replica expert --
-    its bucket: the placement's lookup table is not read, and a few KB of
-    this one are in use (the live buckets number about ``P``), where
-    ``[E, S]`` rows padded to the widest expert spread the words over ``4 E
-    S`` bytes (263 KB at ``S = 257``; H200, 262144 x 8, P = 512: map kernel
-    14.3 us over such rows, 12.0-12.6 packed; fifteenth session).
+    its bucket: the live buckets number about ``P``, so a few KB are in use
+    whatever the table's width.
     """
     num_logical, width = words.shape
     log2phy = log2phy.astype(jnp.int32)
@@ -297,73 +258,6 @@ def pack_words(words, log2phy, logcnt, compact=False):
     buckets = buckets.reshape(-1, buckets.shape[-1])
     packed = jnp.zeros((num_logical * width + 1, buckets.shape[-1]), jnp.int32).at[at.reshape(-1)].set(buckets)
     return jnp.concatenate([heads, packed[:-1].reshape(-1)])
-
-
-def _alias_kernel(values_ref, log2phy_ref, logcnt_ref, table_ref, *, num_logical, width, lanes, experts, compact):
-    """Program ``e`` writes expert ``e``'s head pair and buckets of the packed table (:func:`pack_words`), its row held
-    in registers (bisections through ``tt.gather``, ``bit_length(count)`` steps each)."""
-    from moe_eplb_jax.pallas._triton_ops import take
-
-    expert = pl.program_id(0)
-    others = jnp.arange(experts, dtype=jnp.int32)
-    earlier = plgpu.load(logcnt_ref.at[jnp.minimum(others, num_logical - 1)], mask=others < expert, other=0)
-    offset = jnp.sum(jnp.where(others < expert, jnp.clip(earlier, 1, width), 0))
-    count = jnp.clip(logcnt_ref[expert], 1, width)
-    index = jnp.arange(lanes, dtype=jnp.int32)
-    at = expert * width + jnp.minimum(index, width - 1)
-    values = plgpu.load(values_ref.at[at], mask=index < count, other=0.0)
-    slots = plgpu.load(log2phy_ref.at[at], mask=index < count, other=0)
-    masses = integer_masses(values, index, count, width)
-    read_from = lambda row: lambda at: take(row, jnp.clip(at, 0, lanes - 1))
-    steps = sum((count >= 1 << bit).astype(jnp.int32) for bit in range(int(width).bit_length()))  # bit_length
-    words = row_words(masses, slots, index, count, read_from, steps)
-    # Lanes past the row point at distinct spare entries past the table (interpret mode's masked scatter writes
-    # back what it read, which must not land on an entry another lane writes).
-    spare = table_ref.shape[0] - 2 * lanes + 2 * index
-    live = index < count
-    if compact:
-        plgpu.store(
-            table_ref.at[jnp.where(live, 2 * num_logical + offset + index, spare)],
-            compact_words(words, slots),
-            mask=live,
-        )
-    else:
-        pair = jnp.where(live, 2 * (num_logical + offset + index), spare)
-        plgpu.store(table_ref.at[pair], words, mask=live)
-        plgpu.store(table_ref.at[pair + 1], slots, mask=live)
-    head = alias_head(log2phy_ref[expert * width], count, offset)
-    plgpu.store(
-        table_ref.at[jnp.where(index < 2, 2 * expert + index, spare)],
-        jnp.where(index == 0, head, offset),
-        mask=index < 2,
-    )
-
-
-def alias_kernel(
-    values, log2phy, logcnt, *, compact=False, out_struct=jax.ShapeDtypeStruct, interpret=False, num_warps=4
-):
-    """:func:`alias_words`, packed (:func:`pack_words`, ``compact`` or not), as one Pallas kernel, a program per
-    expert: flat ``[packed_size + 2 lanes]`` int32, the table and then a spare tail never read (``lanes = max(32,
-    2**ceil(log2 S))``); entries past the last live bucket are left unwritten (never read)."""
-    num_logical, width = log2phy.shape
-    lanes = max(32, pl.next_power_of_2(width))
-    return pl.pallas_call(
-        functools.partial(
-            _alias_kernel,
-            num_logical=num_logical,
-            width=width,
-            lanes=lanes,
-            experts=max(32, pl.next_power_of_2(num_logical)),
-            compact=compact,
-        ),
-        grid=(num_logical,),
-        in_specs=[pl.no_block_spec] * 3,
-        out_specs=pl.no_block_spec,
-        out_shape=out_struct((packed_size(num_logical, width, compact) + 2 * lanes,), jnp.int32),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
-        interpret=interpret,
-        name="alias_table",
-    )(values.astype(jnp.float32).reshape(-1), log2phy.astype(jnp.int32).reshape(-1), logcnt)
 
 
 def bucket_and_fraction(hashed, count):

@@ -1,11 +1,10 @@
-"""Pure-jnp reference of ``map_and_count``: the CPU path and the test oracle.
+"""Pure-jnp reference of ``map_and_count``: the XLA implementation and the test oracle.
 
 Written for clarity, not speed: every step of the semantics documented in
 :mod:`moe_eplb_jax.pallas.map_and_count` is one array expression here. The
-inputs are already validated and prepared by the public function (see
-``_prepare`` there): ``thresholds`` is the per-mode ``[E, S]`` int32 table and
-``limits`` the ``[2]`` int32 pair ``(count_limit, rank_limit)`` in flat
-(token, k) positions.
+inputs are validated and prepared by the public function: ``table`` is the
+per-mode ``[E, S]`` int32 table and ``limits`` the ``[2]`` int32 pair
+``(count_limit, rank_limit)`` in flat (token, k) positions.
 """
 
 from __future__ import annotations
@@ -43,12 +42,13 @@ def replica_rank(expert, rank_valid, num_logical: int):
     return jnp.where(rank_valid, rank, 0)
 
 
-def map_and_count_reference(topk_ids, log2phy, logcnt, thresholds, limits, *, num_physical: int, mode: str):
+def map_and_count_reference(topk_ids, log2phy, logcnt, table, limits, *, num_physical: int, mode: str):
     """Maps ``topk_ids [T, k]`` to ``(physical_ids [T, k] int32, load [num_physical] int32)``.
 
-    ``log2phy [E, S]``, ``logcnt [E]``, ``thresholds [E, S]`` (the alias words of
-    ``shares``, the quota sums of ``resolved``; ignored for ``hash`` /
-    ``round_robin``) and ``limits [2]`` are int32.
+    ``log2phy [E, S]``, ``logcnt [E]``, ``table [E, S]`` (the alias words of
+    ``"lp"`` (:func:`._alias.alias_words`), the thresholds of ``"quota"``
+    (:func:`._tables.quota_thresholds`); ignored for ``"hash"`` /
+    ``"round_robin"``) and ``limits [2]`` are int32.
     """
     num_tokens, top_k = topk_ids.shape
     num_logical, width = log2phy.shape
@@ -65,22 +65,22 @@ def map_and_count_reference(topk_ids, log2phy, logcnt, thresholds, limits, *, nu
         replica = by_hash
     elif mode == "round_robin":
         replica = token % count
-    elif mode == "shares":  # thresholds holds the alias words: the hash picks a bucket and a point inside it
+    elif mode == "lp":  # the alias words: the hash picks a bucket and a point inside it
         bucket, fraction = _alias.bucket_and_fraction(hashed, _alias.live_counts(logcnt[expert], width))
         replica = bucket  # (the word names the slot itself where the point falls to the alias)
-    elif mode == "resolved":
+    elif mode == "quota":
         point = replica_rank(expert, valid_id & (flat < limits[1]), num_logical)
         point = jnp.where(flat < limits[1], point, jnp.iinfo(jnp.int32).max)  # padding: no quota
         # Thresholds rise along each row; the replica is how many of them the point has passed.
-        passed = jnp.sum(thresholds[expert] <= point[:, None], axis=1, dtype=jnp.int32)
+        passed = jnp.sum(table[expert] <= point[:, None], axis=1, dtype=jnp.int32)
         replica = jnp.where(passed < count, passed, by_hash)
     else:
         raise ValueError(f"unknown mode {mode!r}")
 
     replica = jnp.clip(replica, 0, width - 1)
     slot = log2phy[expert, replica]
-    if mode == "shares":
-        slot = _alias.alias_slot(thresholds[expert, replica], slot, fraction)
+    if mode == "lp":
+        slot = _alias.alias_slot(table[expert, replica], slot, fraction)
     mapped = valid_id & (slot >= 0) & (slot < num_physical)
     physical_ids = jnp.where(mapped, slot, -1)
     counted = mapped & (flat < limits[0])

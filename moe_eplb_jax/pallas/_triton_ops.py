@@ -1,6 +1,6 @@
-"""Two Triton operations that Pallas Triton does not expose, as JAX primitives.
+"""Three Triton operations that Pallas Triton does not expose (or lowers wrongly), as JAX primitives.
 
-Pallas lowers a kernel body primitive by primitive to Triton IR; these two
+Pallas lowers a kernel body primitive by primitive to Triton IR; these
 primitives lower to Triton ops that have no ``jax.lax`` counterpart:
 
 * :func:`histogram` -> ``tt.histogram``: counts of a 1-D int32 tensor in
@@ -12,14 +12,16 @@ primitives lower to Triton ops that have no ``jax.lax`` counterpart:
   program (registers), lowered through shared memory (or warp shuffles)
   instead of one global-memory load per index.
 * :func:`atomic_add_int` -> ``tt.atomic_rmw add`` (relaxed): ``ref[index] +=
-  values`` where ``mask`` holds, as integer atomics. (jax 0.11.2's
-  ``plgpu.atomic_add`` turns an int32 *vector* add into a float add -- it tests
-  the tensor type, not its element type -- and always uses ``acq_rel``.)
+  values`` where ``mask`` holds, as integer atomics (``plgpu.atomic_add``
+  lowers an int32 *vector* add as a float add in jax 0.11.2, and is always
+  ``acq_rel``).
 
-Outside a Triton kernel (Pallas interpret mode, or plain ``jit``) both run as
+Outside a Triton kernel (Pallas interpret mode, or plain ``jit``) they run as
 ordinary jnp code with the same results, so the interpret-mode tests check
-the kernels that use them. They are internal to :mod:`moe_eplb_jax.pallas`:
-they lean on jax's private Pallas Triton lowering registry (jax 0.11).
+the kernels that use them. They lean on jax's private Pallas Triton lowering
+registry (written for jax 0.11.2 and 0.12): importing this module fails where
+those internals are gone, and the kernels' callers then fall back to XLA
+(:func:`moe_eplb_jax._kernels.pallas_default`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax._src import core as jax_core
 from jax._src.interpreters import mlir
+from jax._src.lib.mlir.dialects import arith as arith_dialect
 from jax._src.lib.triton import dialect as tt_dialect
 from jax._src.pallas import primitives as pallas_primitives
 from jax._src.pallas.triton import lowering as triton_lowering
@@ -166,9 +169,13 @@ def _atomic_add_triton(ctx, *args_flat, args_tree):
     ptr, transforms, values, mask = args_tree.unflatten(args_flat)
     *_, values_aval, mask_aval = args_tree.unflatten(ctx.avals_in)
     (indexer,) = transforms
-    ptr = triton_lowering._compute_pointers_from_indices(ptr, block_info, indexer)
     values = triton_lowering._ensure_ir_value(values, values_aval)
     mask = triton_lowering._ensure_ir_value(mask, mask_aval)
+    ptr = triton_lowering._compute_pointers_from_indices(ptr, block_info, indexer)
+    if isinstance(ptr, tuple):  # jax >= 0.12: (pointers, the lanes inside the block or None)
+        ptr, inside = ptr
+        if inside is not None:
+            mask = arith_dialect.andi(mask, inside)
     return triton_lowering._atomic_rmw(
         tt_dialect.RMWOp.ADD, ptr, values, mask=mask, semantic=tt_dialect.MemSemantic.RELAXED
     )

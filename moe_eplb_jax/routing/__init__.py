@@ -12,7 +12,8 @@
   max rank load (LPLB-style; on device / exact HiGHS), for ``mode="lp"``;
 * :func:`waterfill_assign` / :func:`waterfill_shares` -- where a shared expert's
   work runs, by the slack the routed load leaves;
-* :data:`ROUTING_MODES` -- the L2 names ``EplbConfig.routing`` accepts.
+* :data:`ROUTING_MODES` -- the L2 names ``EplbConfig.routing``, ``MoELayer`` and
+  ``map_and_count(mode=...)`` accept; :func:`check_routing` checks one.
 """
 
 from moe_eplb_jax.routing.fixed_quota import FixedQuotaPlan, batch_quotas, plan_fixed_quotas
@@ -20,22 +21,6 @@ from moe_eplb_jax.routing.lp import lp_shares, lp_shares_reference, shares_rank_
 from moe_eplb_jax.routing.quota import QuotaPlan, check_counts, default_max_replicas, plan_quotas
 from moe_eplb_jax.routing.tables import ROUTING_MODES, check_routing, equal_shares, routing_tables
 from moe_eplb_jax.routing.waterfill import waterfill_assign, waterfill_reference_level, waterfill_shares
-
-
-def map_and_count_mode(routing: str) -> str:
-    """The ``map_and_count`` mode behind an L2 routing name; ``ValueError`` for an unknown name."""
-    modes = {
-        "hash": "hash",
-        "round_robin": "round_robin",
-        "lp": "shares",
-        "shares": "shares",
-        "quota": "resolved",
-        "resolved": "resolved",
-    }
-    if routing not in modes:
-        raise ValueError(f"unknown routing {routing!r}; known: {sorted(modes)}")
-    return modes[routing]
-
 
 __all__ = [
     "FixedQuotaPlan",
@@ -48,7 +33,6 @@ __all__ = [
     "equal_shares",
     "lp_shares",
     "lp_shares_reference",
-    "map_and_count_mode",
     "plan_fixed_quotas",
     "plan_quotas",
     "routing_tables",

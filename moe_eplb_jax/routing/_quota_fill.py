@@ -23,28 +23,45 @@ Two implementations give the same integers:
   round (candidate grid, demands, their running sums, the walk), with the
   candidates as vectors; the pick of the smallest feasible candidate of the
   last round is one small XLA step after it. A one-round search (the default)
-  splits its candidates over programs that walk in parallel; several rounds
-  run in one program (each round's pick feeds the next). Under ``vmap`` the
-  batch becomes the kernel's first grid axis. Off GPU it runs in Pallas
-  interpret mode (slowly; for tests).
+  splits its candidates over programs of :attr:`Config.lanes` that walk in
+  parallel; several rounds run in one program (each round's pick feeds the
+  next). Under ``vmap`` the batch becomes the kernel's first grid axis. Off
+  GPU it runs in Pallas interpret mode (slowly; for tests).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["fill_layout", "search_pallas", "candidates", "IMPLEMENTATIONS", "default_implementation"]
+__all__ = ["Config", "fill_layout", "search_pallas", "candidates", "IMPLEMENTATIONS"]
 
 IMPLEMENTATIONS = ("xla", "pallas")
 
 
-def default_implementation() -> str:
-    """``"pallas"`` on GPU, ``"xla"`` elsewhere."""
-    return "pallas" if jax.default_backend() == "gpu" else "xla"
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    """The search kernel's tiling.
+
+    Attributes:
+      lanes: candidates per program of a one-round search (a power of two >= 16; each program's walk over the
+        ranks is the same chain of dependent steps whatever its lane count, so the lanes only set how many
+        programs share the grid). A search of several rounds runs in one program of all its candidates.
+      num_warps: warps per program.
+    """
+
+    lanes: int = 32
+    num_warps: int = 4
+
+    def __post_init__(self):
+        for name, least in (("lanes", 16), ("num_warps", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least or value & (value - 1):
+                raise ValueError(f"Config.{name} must be a power of two >= {least}, got {value!r}")
 
 
 def candidates(lo, hi, steps, search_width):
@@ -332,14 +349,8 @@ def _search_kernel(
     plgpu.store(x_end_ref.at[lane_slice], x)
 
 
-# Candidates per program when the search is one round split over programs (read at trace time). On one H200
-# 16, 32 and 64 gave the same 44 us (benchmarks/RESULTS.md "Online balancing"): each program's walk is the same
-# chain of G dependent steps, so the lane count only sets how many programs share the grid.
-LANES_PER_PROGRAM = 32
-
-
 def _search_batched(
-    load, *, num_home, num_spare, min_replica_tokens, max_replicas, search_rounds, search_width, interpret
+    load, *, num_home, num_spare, min_replica_tokens, max_replicas, search_rounds, search_width, interpret, config
 ):
     """``load [B, E]``; one program per batch element and chunk of candidates.
 
@@ -354,7 +365,7 @@ def _search_batched(
     all_lanes = max(int(pl.next_power_of_2(search_width)), 16)
     lanes = all_lanes
     if search_rounds == 1:  # every candidate is independent: split the grid over programs
-        lanes = min(all_lanes, max(16, int(pl.next_power_of_2(LANES_PER_PROGRAM))))
+        lanes = min(all_lanes, config.lanes)
     num_chunks = all_lanes // lanes
     entry_lanes = max(int(pl.next_power_of_2(num_experts)), 16)
     rank_lanes = max(int(pl.next_power_of_2(num_ranks)), 16)
@@ -397,7 +408,7 @@ def _search_batched(
         in_specs=[whole],
         out_specs=[whole] * (len(outs) + len(scratch)),
         out_shape=outs + scratch,
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
         interpret=interpret,
         name="quota_search",
     )(load.reshape(-1))
@@ -415,7 +426,7 @@ def _search_batched(
 
 
 @functools.cache
-def _search_fn(num_home, num_spare, min_replica_tokens, max_replicas, search_rounds, search_width, interpret):
+def _search_fn(num_home, num_spare, min_replica_tokens, max_replicas, search_rounds, search_width, interpret, config):
     batched = functools.partial(
         _search_batched,
         num_home=num_home,
@@ -425,6 +436,7 @@ def _search_fn(num_home, num_spare, min_replica_tokens, max_replicas, search_rou
         search_rounds=search_rounds,
         search_width=search_width,
         interpret=interpret,
+        config=config,
     )
     num_out = 6
 
@@ -467,8 +479,9 @@ def search_pallas(
     search_rounds: int,
     search_width: int,
     interpret: bool | None = None,
+    config: Config | None = None,
 ):
-    """The orders and the whole K-ary search in one kernel.
+    """The orders and the whole K-ary search in one kernel (``config``: its tiling, default :class:`Config`).
 
     ``load [E]`` int32: each expert's load (expert-id order, ``E = G *
     num_home``); the search runs over ``[ceil(mean), max home load]``. Returns
@@ -480,6 +493,13 @@ def search_pallas(
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     search = _search_fn(
-        num_home, num_spare, min_replica_tokens, max_replicas, search_rounds, search_width, bool(interpret)
+        num_home,
+        num_spare,
+        min_replica_tokens,
+        max_replicas,
+        search_rounds,
+        search_width,
+        bool(interpret),
+        Config() if config is None else config,
     )
     return search(load.astype(jnp.int32))

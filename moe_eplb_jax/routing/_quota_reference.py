@@ -11,7 +11,7 @@ import numpy as np
 
 from moe_eplb_jax.routing.quota import check_counts, default_max_replicas
 
-__all__ = ["plan_quotas_reference", "simulate_resolved_routing"]
+__all__ = ["plan_quotas_reference", "simulate_quota_routing"]
 
 
 def _demands(load, num_home, target):
@@ -172,21 +172,21 @@ def plan_quotas_reference(
     )
 
 
-def simulate_resolved_routing(topk_ids, log2phy, logcnt, resolved):
-    """Numpy model of ``map_and_count(mode="resolved")`` for one source rank.
+def simulate_quota_routing(topk_ids, log2phy, logcnt, quotas):
+    """Numpy model of ``map_and_count(mode="quota")`` for one source rank.
 
     ``topk_ids [T, k]`` logical ids; ``log2phy [E, R]``; ``logcnt [E]``;
-    ``resolved [E, R]`` quotas. Tokens of expert ``e`` in flat (token, k) order
+    ``quotas [E, R]``. Tokens of expert ``e`` in flat (token, k) order
     fill replica 0's quota, then replica 1's, ...; overflow falls back to a
     hash-free round robin over the replicas. Returns physical ids ``[T, k]``.
     """
     topk_ids = np.asarray(topk_ids)
     out = np.empty_like(topk_ids)
-    used = np.zeros_like(np.asarray(resolved))
+    used = np.zeros_like(np.asarray(quotas))
     flat_ids, flat_out = topk_ids.reshape(-1), out.reshape(-1)
     for i, e in enumerate(flat_ids):
         s = 0
-        while s < logcnt[e] and used[e, s] >= resolved[e, s]:
+        while s < logcnt[e] and used[e, s] >= quotas[e, s]:
             s += 1
         if s == logcnt[e]:  # overflow
             s = i % logcnt[e]

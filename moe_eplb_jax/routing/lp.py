@@ -17,7 +17,7 @@ program is::
   shapes, jit-able; it lands within a fraction of a percent of the optimum on
   the benchmark's inputs (``benchmarks/online.py``).
 
-The result feeds ``map_and_count(mode="shares", replica_shares=shares)``.
+The result feeds ``map_and_count(mode="lp", replica_shares=shares)``.
 """
 
 from __future__ import annotations

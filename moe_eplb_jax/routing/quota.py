@@ -47,27 +47,22 @@ Quotas put locality first: a source rank's tokens for expert ``e`` go to the
 replica of ``e`` on its own rank (up to that replica's capacity) before the
 remaining tokens are laid against the remaining replica capacities in rank
 order. Quotas of a source rank are consumed by ``map_and_count(mode=
-"resolved", resolved=plan.quota[g], log2phy=plan.log2phy)``.
+"quota", quotas=plan.quota[g], log2phy=plan.log2phy)``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 
-from moe_eplb_jax.routing._quota_fill import (
-    IMPLEMENTATIONS,
-    candidates,
-    default_implementation,
-    fill_layout,
-    search_pallas,
-)
+from moe_eplb_jax._kernels import pallas_default
+from moe_eplb_jax.routing._quota_fill import IMPLEMENTATIONS, candidates, fill_layout, search_pallas
 
 __all__ = ["QuotaPlan", "plan_quotas", "check_counts", "default_max_replicas"]
 
@@ -127,42 +122,21 @@ def check_counts(counts, *, num_home: int) -> None:
 
 
 def _default_implementation() -> str:
-    """``"pallas"`` on GPU once a probe plan from it equals the XLA plan (checked once per process), else ``"xla"``."""
-    if default_implementation() != "pallas":
-        return "xla"
-    return _pallas_probe()
+    """``"pallas"`` on a GPU once a probe plan from it equals the XLA plan (once per process), else ``"xla"``."""
+    return "pallas" if pallas_default("plan_quotas", _probe_pallas) else "xla"
 
 
-@functools.cache
-def _pallas_probe() -> str:
-    # A kernel that fails to compile on this GPU, or disagrees with the XLA search, must not take the hot path down:
-    # fall back to the XLA search, with a warning.
-    try:
-        rng = np.random.default_rng(0)
-        counts = (rng.pareto(1.2, size=(2, 8, 16)) * 40).astype(np.int32)
-        plans = []
-        for impl in IMPLEMENTATIONS:  # compiled ahead of time and run outside any trace the caller is in
-            probe = jax.jit(jax.vmap(functools.partial(plan_quotas, num_home=2, num_spare=2, implementation=impl)))
-            plans.append(probe.lower(jax.ShapeDtypeStruct(counts.shape, jnp.int32)).compile()(counts))
-        same = all(
-            np.array_equal(np.asarray(a), np.asarray(b))
-            for a, b in zip(*(jax.tree_util.tree_leaves(plan) for plan in plans))
-        )
-    except Exception as err:
-        warnings.warn(
-            f"plan_quotas: the Pallas search failed on this device ({type(err).__name__}: {err}); using the XLA search",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return "xla"
-    if not same:
-        warnings.warn(
-            "plan_quotas: the Pallas search disagrees with the XLA search on this device; using the XLA search",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return "xla"
-    return "pallas"
+def _probe_pallas() -> bool:
+    """Whether the Pallas search, compiled ahead of time and run outside any trace, plans as the XLA search."""
+    rng = np.random.default_rng(0)
+    counts = (rng.pareto(1.2, size=(2, 8, 16)) * 40).astype(np.int32)
+    plans = []
+    for impl in IMPLEMENTATIONS:
+        probe = jax.jit(jax.vmap(functools.partial(plan_quotas, num_home=2, num_spare=2, implementation=impl)))
+        plans.append(probe.lower(jax.ShapeDtypeStruct(counts.shape, jnp.int32)).compile()(counts))
+    return all(
+        np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(*(jax.tree_util.tree_leaves(p) for p in plans))
+    )
 
 
 def _check_static(shape, dtype, num_home, num_spare, min_replica_tokens, max_replicas, search_rounds, search_width):
@@ -221,7 +195,7 @@ def plan_quotas(
     _check_static(
         np.shape(counts), dtype, num_home, num_spare, min_replica_tokens, max_replicas, search_rounds, search_width
     )
-    if not isinstance(counts, jax.core.Tracer):
+    if not isinstance(counts, Tracer):  # concrete counts: their values are checked too
         check_counts(counts, num_home=num_home)
     if implementation is None:
         implementation = _default_implementation()  # after validation: on GPU this may run the one-time probe
