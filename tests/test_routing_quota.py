@@ -10,11 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _quota_reference import plan_quotas_reference, simulate_quota_routing
 from hypothesis import given
 from hypothesis import strategies as st
 
 from moe_eplb_jax.routing import plan_quotas
-from moe_eplb_jax.routing._quota_reference import plan_quotas_reference, simulate_quota_routing
 from moe_eplb_jax.sim import zipf_counts, zipf_topk
 
 FIELDS = ("phy2log", "log2phy", "logcnt", "replica_load", "quota", "rank_load", "target")
