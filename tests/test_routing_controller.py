@@ -12,8 +12,8 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as PS
 
-from moe_eplb_jax.control import RearrangementError
-from moe_eplb_jax.flax import EplbController, MoELayer
+from moe_eplb_jax.control import Balancer, ExpertLayout, RearrangementError, moves
+from moe_eplb_jax.flax import EplbController, MoELayer, moe_apply
 from moe_eplb_jax.flax import controller as controller_module
 from moe_eplb_jax.flax import layer as layer_mod
 from moe_eplb_jax.placement import Placement
@@ -349,3 +349,85 @@ def test_quota_refresh_balances_zipf_batches_and_moves_only_spare_slots():
     second = ctl.placement
     np.testing.assert_array_equal(second.phy2log[:, home], first.phy2log[:, home])
     assert report["slots_moved"] == int(np.sum(second.phy2log != first.phy2log)) > 0
+
+
+# ------------------------------------------------------------ functional API
+def functional_step(routing):
+    """A jitted serving step over plain pytrees: ``TwoLayers``' math through ``moe_apply`` and the balancer's
+    tables (``routing`` and, for ``"lp"``, the replica shares as the train step passes them)."""
+
+    @jax.jit
+    def step(params, balance, x):
+        t, out, loads = balance.tables, x, []
+        for i, p in enumerate(params["layers"]):
+            y, load = moe_apply(
+                x,
+                p["router"],
+                p["router_bias"],
+                p["experts"],
+                t.log2phy[i],
+                t.logcnt[i],
+                top_k=K,
+                mesh=MESH,
+                routing=routing,
+                lookup=t.lookup[i],
+                replica_shares=t.replica_shares[i],
+            )
+            out, loads = out + y, [*loads, load]
+        return out, Balancer.record_step(balance, loads)
+
+    return step
+
+
+@pytest.mark.parametrize("routing", ["lp", pytest.param("quota", marks=pytest.mark.slow)])
+def test_functional_balancer_routes_and_rearranges_like_the_controller(monkeypatch, routing):
+    model = TwoLayers()
+    params = {
+        "layers": [
+            {
+                "router": layer.router.get_value(),
+                "router_bias": layer.router_bias.get_value(),
+                "experts": {"w_in": layer.w_in.get_value(), "w_out": layer.w_out.get_value()},
+            }
+            for layer in model.layers
+        ]
+    }
+    ctl = EplbController(model, MESH, config(routing))
+    balancer = Balancer(config(routing), MESH, ExpertLayout.match(params, r"layers/(\d+)/experts/"))
+    balance = balancer.init(params)
+    step = functional_step(routing)
+    for i in range(3):
+        x = zipf_batch(seed=i)
+        out, balance = step(params, balance, x)
+        want = np.asarray(forward(model, x))
+        np.testing.assert_array_equal(np.asarray(out).view(np.uint32), want.view(np.uint32))
+        ctl.step()
+        if balancer.is_due(balance):
+            params, _, balance, report = balancer.rearrange(params, (), balance)
+            assert report["rearranged"]
+    assert ctl.num_rearrangements == 1 and balance.tables.placement() == ctl.placement != Placement.linear(L, E, P)
+    shares = np.asarray(balance.tables.replica_shares)
+    if routing == "lp":
+        np.testing.assert_array_equal(shares, ctl.routing_tables["replica_shares"])
+        assert not np.array_equal(shares, equal_shares(ctl.placement.logcnt, S))
+    else:
+        np.testing.assert_array_equal(shares, equal_shares(ctl.placement.logcnt, S))
+    for i, layer in enumerate(model.layers):
+        np.testing.assert_array_equal(np.asarray(balance.tables.lookup[i]), np.asarray(layer.route_lookup.get_value()))
+    x = zipf_batch(seed=60)
+    out, balance = step(params, balance, x)
+    np.testing.assert_array_equal(np.asarray(out).view(np.uint32), np.asarray(forward(model, x)).view(np.uint32))
+
+    # The shares travel in the checkpoint item, and a failed move hands back the tables it started from.
+    restored = balancer.restore_item(balancer.checkpoint_item(balance))
+    for a, b in zip(jax.tree.leaves(restored.tables), jax.tree.leaves(balance.tables)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    rng = np.random.default_rng(5)
+    current = balance.tables.placement()
+    target = Placement.from_phy2log(np.stack([rng.permutation(r) for r in current.phy2log]), E, num_ranks=G)
+    monkeypatch.setattr(moves, "execute_plan", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("injected")))
+    with pytest.raises(RearrangementError) as failure:
+        balancer.rearrange(params, (), balance, placement=target)
+    _, _, back = failure.value.restored
+    for a, b in zip(jax.tree.leaves(back.tables), jax.tree.leaves(balance.tables)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

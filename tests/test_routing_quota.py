@@ -180,13 +180,15 @@ def test_bad_input():
     for dtype in (np.int64, np.uint32, np.uint64):
         with pytest.raises(ValueError, match=r"counts\[1, 5\] = 2147483648 does not fit"):
             plan_quotas(
-                np.where((np.arange(4) == 1)[:, None] & (np.arange(8) == 5), 2**31, good).astype(dtype),
+                np.where((np.arange(4) == 1)[:, None] & (np.arange(8) == 5), 2**31, good.astype(np.int64)).astype(
+                    dtype
+                ),
                 num_home=2,
                 num_spare=1,
             )
         with pytest.raises(ValueError, match="sum to 2147483648 tokens"):  # each count fits, their total does not
             check_counts(np.full((4, 8), 2**26, dtype), num_home=2)
-    assert check_counts(np.full((4, 8), (2**31 - 1) // 32, np.int64), num_home=2) is None  # the largest total
+    assert check_counts(np.full((4, 8), (2**31 - 1) // 32, np.int64), num_home=2) is None  # a total just below 2**31
     # Traced negative counts never raise: they count as zero.
     negative = np.where(np.arange(8) == 3, -5, good).astype(np.int32)
     plan = _jitted(2, 1)(jnp.asarray(negative))

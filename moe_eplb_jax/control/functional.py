@@ -161,7 +161,7 @@ class RouteTables:
         if routing == "lp":  # its lookup carries the shares
             changed |= (shares != np.asarray(host_value(self.replica_shares))).any((1, 2))
         for layer in np.flatnonzero(changed):
-            lookup[layer] = _lookup(routing, p, shares, layer)
+            lookup[layer] = _lookup(routing, p, shares, int(layer))
         return RouteTables(*(put_host(t, mesh) for t in (p.phy2log, p.log2phy, p.logcnt, shares, lookup)))
 
     def host_tables(self, routing: str) -> dict[str, np.ndarray]:
@@ -399,10 +399,13 @@ class Balancer:
         return step >= (self.config.first_rearrangement_step if count == 0 else self.config.rearrange_interval)
 
     def window_slot_load(self, balance: BalanceState) -> np.ndarray:
-        """``[L, P]`` tokens per slot summed over the load window and the EP ranks (under the current placement)."""
+        """``[L, P]`` tokens per slot summed over the load window and the EP ranks (under the current placement).
+
+        float64 on the host, summed in float32 on the device (no int32 wrap; see ``state.window_slot_load``).
+        """
         self._need_sizes()
         assert self.window is not None
-        return np.asarray(host_value(self.window.slot_load(balance.loads)))
+        return np.asarray(host_value(self.window.slot_load(balance.loads)), np.float64)
 
     # ------------------------------------------------------------- moves
     def decide(self, balance: BalanceState, *, placement: Placement | None = None) -> Rearrangement:

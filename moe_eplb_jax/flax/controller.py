@@ -180,7 +180,7 @@ class EplbController:
             )
         if config.num_gpus != self.num_ranks:
             raise ValueError(f"config.num_gpus={config.num_gpus} but mesh axis {axis!r} has {self.num_ranks} ranks")
-        config.num_physical(self.num_logical)  # the expert groups divide E
+        config.num_physical(self.num_logical)  # P divides into the ranks, E into the groups where hierarchical
         if config.policy in ("online", "quota"):
             from moe_eplb_jax.policy.online import home_layout
 
@@ -407,8 +407,11 @@ class EplbController:
         return self._steps_since >= due
 
     def window_slot_load(self) -> np.ndarray:
-        """``[L, P]`` tokens per slot summed over the load window and the EP ranks (under the current placement)."""
-        return np.asarray(host_value(self._window.slot_load(self.state)))
+        """``[L, P]`` tokens per slot summed over the load window and the EP ranks (under the current placement).
+
+        float64 on the host, summed in float32 on the device (no int32 wrap; see ``state.window_slot_load``).
+        """
+        return np.asarray(host_value(self._window.slot_load(self.state)), np.float64)
 
     def _decide(self) -> Rearrangement:
         current = self._placement

@@ -61,6 +61,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moe_eplb_jax._checks import is_concrete
 from moe_eplb_jax.routing._quota_fill import (
     IMPLEMENTATIONS,
     candidates,
@@ -237,7 +238,7 @@ def plan_quotas(
     _check_static(
         np.shape(counts), dtype, num_home, num_spare, min_replica_tokens, max_replicas, search_rounds, search_width
     )
-    if not isinstance(counts, jax.core.Tracer):
+    if is_concrete(counts):
         check_counts(counts, num_home=num_home)
     if implementation is None:
         implementation = _default_implementation()  # after validation: on GPU this may run the one-time probe
