@@ -33,9 +33,8 @@ The model checkpoint holds the expert weights on the placement the item names
 (the layers' tables are model variables too), so restoring moves no byte. The
 shares are stored, not solved again: the loads they were solved from left the
 window at that rearrangement, and a resumed run must route as the run it
-resumes. Items of version 1 (before the shares were stored) restore with
-equal shares. The
-functional API has the same pair (``Balancer.checkpoint_item`` /
+resumes. Items of version 1 (before the shares were stored) restore with equal
+shares. The functional API has the same pair (``Balancer.checkpoint_item`` /
 ``restore_item``).
 """
 
