@@ -72,12 +72,17 @@ class EplbConfig:
       step_interval: steps between rearrangements. The first rearrangement comes
         after a quarter of the interval, so a fresh model is balanced early.
       policy: name of the placement (L1) policy registered in
-        ``moe_eplb_jax.policy`` (``policy.available()``): ``"balanced"``
-        (default; DeepSeek's replication with a refined GPU packing, never less
-        balanced), ``"deepseek"``, ``"online"``, or any name registered with
+        ``moe_eplb_jax.policy`` (``policy.available()``); default
+        ``moe_eplb_jax.policy.DEFAULT_POLICY`` (``"balanced"``: DeepSeek's
+        replication with a refined GPU packing, never less balanced), or
+        ``"deepseek"``, ``"online"``, or any name registered with
         ``moe_eplb_jax.policy.register`` before the config is built.
       num_groups, num_nodes, num_gpus: topology handed to the policy (expert
-        groups, hosts, EP ranks).
+        groups, hosts, EP ranks). As in DeepSeek's and vLLM's EPLB, groups are
+        kept on one node only when ``num_groups % num_nodes == 0``
+        (hierarchical; then ``num_gpus % num_nodes == 0`` and ``E %
+        num_groups == 0`` are required); otherwise the policy balances
+        globally and neither is required.
       log_interval: steps between balance logs (``None``: never).
       routing: replica (L2) routing, one of ``moe_eplb_jax.routing.ROUTING_MODES``:
         ``"hash"`` (stateless), ``"round_robin"``, ``"lp"`` (LP replica shares)
@@ -95,7 +100,7 @@ class EplbConfig:
     num_redundant_experts: int = 0
     window_size: int = 1000
     step_interval: int = 3000
-    policy: str = "balanced"
+    policy: str = _policy.DEFAULT_POLICY
     num_groups: int = 1
     num_nodes: int = 1
     num_gpus: int = 1
@@ -111,8 +116,11 @@ class EplbConfig:
         for name in ("log_interval", "refresh_interval"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), minimum=1, none="None or ")
-        if self.num_gpus % self.num_nodes:
-            raise ValueError(f"EplbConfig: num_gpus ({self.num_gpus}) is not divisible by num_nodes ({self.num_nodes})")
+        if self.hierarchical and self.num_gpus % self.num_nodes:
+            raise ValueError(
+                f"EplbConfig: num_gpus ({self.num_gpus}) is not divisible by num_nodes ({self.num_nodes}), which "
+                f"the hierarchical policy needs when num_groups ({self.num_groups}) is a multiple of num_nodes"
+            )
         if not isinstance(self.policy, str) or not self.policy:
             raise ValueError(f"EplbConfig.policy must be a policy name, got {self.policy!r}")
         try:
@@ -135,6 +143,11 @@ class EplbConfig:
             _check_int("overlap", self.overlap, minimum=1, none="None, 'layer' or ")
 
     @property
+    def hierarchical(self) -> bool:
+        """Whether the policies keep expert groups on one node: ``num_groups % num_nodes == 0`` (else global)."""
+        return self.num_groups % self.num_nodes == 0
+
+    @property
     def rearrange_interval(self) -> int:
         """Steps between rearrangements: ``refresh_interval`` under quota routing when set, else ``step_interval``."""
         return self.refresh_interval if self.refresh_interval is not None else self.step_interval
@@ -144,15 +157,23 @@ class EplbConfig:
         return max(1, self.rearrange_interval // 4)
 
     def num_physical(self, num_logical: int) -> int:
-        """``P = E + R`` for ``E`` logical experts, checked against the topology."""
+        """``P = E + R`` for ``E`` logical experts, checked against the topology.
+
+        ``P`` must divide into ``num_gpus``; ``E`` into ``num_groups`` only
+        where the policy is hierarchical (:attr:`hierarchical`).
+        """
+        num_logical = check_int("num_logical", num_logical, minimum=1)
         num_physical = num_logical + self.num_redundant_experts
         if num_physical % self.num_gpus:
             raise ValueError(
                 f"{num_logical} experts + {self.num_redundant_experts} redundant = {num_physical} slots, "
                 f"not divisible by num_gpus={self.num_gpus}"
             )
-        if num_logical % self.num_groups:
-            raise ValueError(f"{num_logical} experts are not divisible by num_groups={self.num_groups}")
+        if self.hierarchical and num_logical % self.num_groups:
+            raise ValueError(
+                f"{num_logical} experts are not divisible by num_groups={self.num_groups}, which the hierarchical "
+                f"policy needs when num_groups is a multiple of num_nodes={self.num_nodes}"
+            )
         return num_physical
 
     # ------------------------------------------------------------------ JSON
@@ -372,18 +393,30 @@ def should_rearrange(state: EplbState, config: EplbConfig):
 
 
 def window_slot_load(state: EplbState, *, axis_name=None):
-    """Tokens per physical slot summed over the window, ``[L, P]`` int32 -- over every EP rank.
+    """Tokens per physical slot summed over the window, ``[L, P]`` float32 -- over every EP rank.
 
     The per-rank layout's rows are summed here (under ``jit`` on a state whose
     rank axis is sharded, this is the all-reduce). Inside ``jax.shard_map``
     pass ``axis_name`` (the EP axis): each rank's locally counted loads are
     then psummed, so every rank gets the same global load.
+
+    The sums run in float32, as :func:`window_logical_load`'s: a window of
+    many steps passes ``2**31`` tokens per slot long before any one step does,
+    and an int32 sum would wrap there (JAX has no wider integer without x64).
+    They are exact while every partial sum stays below ``2**24``, and rounded
+    to float32 (relative error about ``1e-7`` per addition) beyond.
     """
+    _check_state(state)
+    return _summed_window(state, axis_name)
+
+
+def _summed_window(state: EplbState, axis_name):
+    """``[L, P]`` float32: the valid window rows summed over the rows and the EP ranks."""
     valid_rows = jnp.arange(state.window.shape[0]) < state.window_filled
     valid_rows = valid_rows.reshape((-1,) + (1,) * (state.window.ndim - 1))
-    slot_load = jnp.where(valid_rows, state.window, 0).sum(0, dtype=jnp.int32)
+    slot_load = jnp.where(valid_rows, state.window, 0).astype(jnp.float32).sum(0)
     if state.per_rank:
-        slot_load = slot_load.sum(1, dtype=jnp.int32)
+        slot_load = slot_load.sum(1)
     if axis_name is not None:
         slot_load = jax.lax.psum(slot_load, axis_name)
     return slot_load
@@ -396,7 +429,7 @@ def window_logical_load(state: EplbState, phy2log, num_logical: int, *, axis_nam
     inside ``jax.shard_map`` psums them, as :func:`window_slot_load`), then
     into the logical expert each slot holds (``phy2log [L, P]``), so every rank
     gets the same global load and computes the same placement. The sums run in
-    float32 (relative rounding below ``1e-7``, never an int32 wrap). Ids of a
+    float32 (never an int32 wrap; see :func:`window_slot_load`). Ids of a
     concrete ``phy2log`` outside ``[0, E)`` raise ``ValueError`` (checked before
     the int32 cast); under ``jit`` they are assumed in range.
     """
@@ -418,13 +451,7 @@ def window_logical_load(state: EplbState, phy2log, num_logical: int, *, axis_nam
             )
         phy2log = host.astype(np.int32)
     phy2log = jnp.asarray(phy2log).astype(jnp.int32)
-    valid_rows = jnp.arange(state.window.shape[0]) < state.window_filled
-    valid_rows = valid_rows.reshape((-1,) + (1,) * (state.window.ndim - 1))
-    slot_load = jnp.where(valid_rows, state.window, 0).astype(jnp.float32).sum(0)
-    if state.per_rank:
-        slot_load = slot_load.sum(1)
-    if axis_name is not None:
-        slot_load = jax.lax.psum(slot_load, axis_name)
+    slot_load = _summed_window(state, axis_name)
     onehot = phy2log[..., None] == jnp.arange(num_logical, dtype=jnp.int32)[None, None, :]
     return jnp.einsum("lp,lpe->le", slot_load, onehot.astype(jnp.float32))
 

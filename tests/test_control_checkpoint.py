@@ -140,7 +140,12 @@ DAMAGE = {
     ),
     "missing field": (lambda it: {k: v for k, v in it.items() if k != "window"}, "missing field"),
     "unknown field": (lambda it: _damage(it, "extra", np.int32(1)), "unknown field"),
-    "version": (lambda it: _damage(it, "version", np.int32(2)), "version"),
+    "version": (lambda it: _damage(it, "version", np.int32(3)), "version"),
+    "version 1 with shares": (
+        lambda it: _damage(it, "version", np.int32(1)),
+        r"unknown field\(s\) \['replica_shares'\]",
+    ),
+    "missing version": (lambda it: {k: v for k, v in it.items() if k != "version"}, "'version'"),
 }
 
 

@@ -14,7 +14,7 @@ from _quota_reference import plan_quotas_reference, simulate_quota_routing
 from hypothesis import given
 from hypothesis import strategies as st
 
-from moe_eplb_jax.routing import plan_quotas
+from moe_eplb_jax.routing import check_counts, plan_quotas
 from moe_eplb_jax.sim import zipf_counts, zipf_topk
 
 FIELDS = ("phy2log", "log2phy", "logcnt", "replica_load", "quota", "rank_load", "target")
@@ -176,6 +176,19 @@ def test_bad_input():
         plan_quotas(good, num_home=2, num_spare=-1)
     with pytest.raises(ValueError, match="min_replica_tokens"):
         plan_quotas(good, num_home=2, num_spare=1, min_replica_tokens=0)
+    # Counts int32 cannot hold, or whose sums it cannot hold, are refused, not wrapped into other counts.
+    for dtype in (np.int64, np.uint32, np.uint64):
+        with pytest.raises(ValueError, match=r"counts\[1, 5\] = 2147483648 does not fit"):
+            plan_quotas(
+                np.where((np.arange(4) == 1)[:, None] & (np.arange(8) == 5), 2**31, good.astype(np.int64)).astype(
+                    dtype
+                ),
+                num_home=2,
+                num_spare=1,
+            )
+        with pytest.raises(ValueError, match="sum to 2147483648 tokens"):  # each count fits, their total does not
+            check_counts(np.full((4, 8), 2**26, dtype), num_home=2)
+    assert check_counts(np.full((4, 8), (2**31 - 1) // 32, np.int64), num_home=2) is None  # a total just below 2**31
     # Traced negative counts never raise: they count as zero.
     negative = np.where(np.arange(8) == 3, -5, good).astype(np.int32)
     plan = _jitted(2, 1)(jnp.asarray(negative))

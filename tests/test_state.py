@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from moe_eplb_jax import EplbConfig, Placement, policy
+from moe_eplb_jax import EplbConfig, Placement, metrics, policy
 from moe_eplb_jax import state as st
 
 
@@ -18,7 +18,7 @@ def test_config_validation():
     with pytest.raises(ValueError, match="num_redundant_experts"):
         EplbConfig(num_redundant_experts=-1)
     with pytest.raises(ValueError, match="num_gpus .* num_nodes"):
-        EplbConfig(num_gpus=6, num_nodes=4)
+        EplbConfig(num_groups=4, num_gpus=6, num_nodes=4)  # hierarchical (4 groups on 4 nodes)
     with pytest.raises(ValueError, match="not divisible by num_gpus=8"):
         EplbConfig(num_redundant_experts=3, num_gpus=8).num_physical(16)
     with pytest.raises(ValueError, match="num_groups=3"):
@@ -196,6 +196,10 @@ def test_config_from_vllm_json_and_back():
         ('{"refresh_interval": 10}', "refresh_interval is the spare-slot refresh period"),
         ('{"overlap": "layers"}', "overlap must be None, 'layer' or a positive integer"),
         ('{"overlap": true}', "overlap must be"),
+        ('{"log_interval": true}', "log_interval must be None or a positive integer"),
+        ('{"log_interval": 0}', "log_interval must be None or a positive integer"),
+        ('{"log_balancedness": true, "log_balancedness_interval": true}', "log_balancedness_interval"),
+        ('{"num_groups": 4, "num_nodes": 2, "num_gpus": 3}', "num_gpus .3. is not divisible by num_nodes .2."),
         ("[1, 2]", "must be an object"),
         ("{not json", "not valid JSON"),
     ],
@@ -215,3 +219,62 @@ def test_quota_routing_refreshes_every_refresh_interval():
             fired.append(step)
             s = st.mark_rearranged(s)
     assert fired == [2, 10, 18]
+
+
+@pytest.mark.parametrize("name", ["deepseek", "balanced"])
+def test_config_accepts_what_deepseek_and_vllm_accept(name):
+    """When num_groups % num_nodes != 0 the reference balances globally, and requires neither E % num_groups nor
+    num_gpus % num_nodes: the config accepts the same and the policies return the reference's placement."""
+    from moe_eplb_jax.policy import rebalance_experts_reference
+
+    for groups, nodes, gpus, experts, redundant in [(3, 2, 4, 4, 4), (3, 2, 3, 4, 2), (4, 3, 3, 6, 0), (1, 4, 6, 6, 0)]:
+        cfg = EplbConfig(
+            num_groups=groups, num_nodes=nodes, num_gpus=gpus, num_redundant_experts=redundant, policy=name
+        )
+        assert not cfg.hierarchical
+        assert cfg.num_physical(experts) == experts + redundant
+        load = np.arange(1, experts + 1, dtype=np.float64)[None] ** 2
+        got = st.compute_placement(load, cfg)
+        want = rebalance_experts_reference(load, experts + redundant, groups, nodes, gpus)
+        if name == "deepseek":  # the same tables
+            np.testing.assert_array_equal(got.phy2log, want[0])
+        rank = lambda p: metrics.rank_load_from_logical(load, p, gpus)
+        assert np.max(rank(got.phy2log)) <= np.max(rank(np.asarray(want[0]))) + 1e-9
+    # Hierarchical (groups a multiple of nodes): both divisions are still required.
+    with pytest.raises(ValueError, match="not divisible by num_groups=2"):
+        EplbConfig(num_groups=2, num_nodes=2, num_gpus=4, num_redundant_experts=1).num_physical(7)
+    with pytest.raises(ValueError, match="num_gpus .6. is not divisible by num_nodes .4."):
+        EplbConfig(num_groups=8, num_nodes=4, num_gpus=6)
+
+
+def test_config_defaults_to_the_library_policy():
+    assert EplbConfig().policy == policy.DEFAULT_POLICY
+    assert EplbConfig.from_json('{"policy": "default"}').policy == policy.DEFAULT_POLICY
+    with pytest.raises(ValueError, match="log_interval must be None or a positive integer, got True"):
+        EplbConfig(log_interval=True)
+
+
+def test_window_readers_do_not_wrap_past_int32():
+    """Four steps of 2**30 tokens in one slot: 2**32 over the window, in both layouts (int32 sums would wrap to 0)."""
+    from moe_eplb_jax.control import LoadWindow
+
+    cfg = EplbConfig(window_size=4, num_gpus=2)
+    big = np.array([[2**30, 0, 0, 6]], np.int32)
+    summed = st.init_state(cfg, 1, 4)
+    ranked = st.init_state(cfg, 1, 4, per_rank=True)
+    for _ in range(4):
+        summed = st.end_step(st.record(summed, big))
+        ranked = st.end_step(st.record(ranked, np.stack([big, big // 2], axis=1)))
+    want = np.array([[2.0**32, 0, 0, 24]])
+    np.testing.assert_array_equal(np.asarray(st.window_slot_load(summed)), want)
+    np.testing.assert_array_equal(np.asarray(st.window_slot_load(ranked)), want * 1.5)
+    phy2log = np.array([[0, 1, 1, 0]], np.int32)
+    np.testing.assert_allclose(np.asarray(st.window_logical_load(summed, phy2log, 2)), [[2.0**32 + 24, 0]], rtol=1e-7)
+    # The controller's reader, on the mesh.
+    mesh = jax.make_mesh((2,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
+    window = LoadWindow(cfg, mesh, 1, 4, "ep")
+    state = window.fresh()
+    for _ in range(4):
+        state = window.close(state, [jnp.asarray(np.concatenate([big, big]))], np.bool_(False))
+    np.testing.assert_array_equal(np.asarray(window.slot_load(state)), want * 2)
+    np.testing.assert_allclose(window.logical_load(state, phy2log, 2), [[2.0**33 + 48, 0]], rtol=1e-7)

@@ -1,6 +1,8 @@
 """The EPLB state as an Orbax checkpoint item, every field validated when it is restored.
 
-The item is a flat dict of host numpy arrays -- the placement tables, the load
+The item is a flat dict of host numpy arrays -- the placement tables, the
+replica shares the layers route with (``replica_shares [L, E, S]`` float32:
+the LP shares of ``routing="lp"``, equal shares in the other modes), the load
 window summed over the EP ranks (``window [W, L, P]``), the step counters and
 the config (its JSON as ``uint8`` bytes) -- so Orbax's standard handler saves
 it beside the model and the optimizer in one ``CheckpointManager`` step
@@ -29,7 +31,10 @@ primary one writes the host arrays)::
 
 The model checkpoint holds the expert weights on the placement the item names
 (the layers' tables are model variables too), so restoring moves no byte. The
-functional API has the same pair (``Balancer.checkpoint_item`` /
+shares are stored, not solved again: the loads they were solved from left the
+window at that rearrangement, and a resumed run must route as the run it
+resumes. Items of version 1 (before the shares were stored) restore with equal
+shares. The functional API has the same pair (``Balancer.checkpoint_item`` /
 ``restore_item``).
 """
 
@@ -41,26 +46,31 @@ from collections.abc import Mapping
 import numpy as np
 
 from moe_eplb_jax.placement import Placement
+from moe_eplb_jax.routing import equal_shares
 from moe_eplb_jax.state import EplbConfig, EplbState
 
 __all__ = ["ITEM_VERSION", "STATE_FIELDS", "Snapshot", "from_item", "to_item"]
 
-ITEM_VERSION = 1
+ITEM_VERSION = 2
 STATE_FIELDS = tuple(f.name for f in dataclasses.fields(EplbState))
 _COUNTERS = ("window_pos", "window_filled", "step", "total_steps", "num_rearrangements")
-_FIELDS = ("version", "config", "phy2log", "log2phy", "logcnt", "pass_load", "window", *_COUNTERS)
+_INTEGER_FIELDS = ("version", "config", "phy2log", "log2phy", "logcnt", "pass_load", "window", *_COUNTERS)
+_FIELDS = {1: _INTEGER_FIELDS, 2: (*_INTEGER_FIELDS, "replica_shares")}
 
 
 @dataclasses.dataclass(frozen=True)
 class Snapshot:
-    """The host side of a checkpoint item: config, placement, and the ``EplbState`` fields in the summed layout.
+    """The host side of a checkpoint item: config, placement, replica shares and the ``EplbState`` fields.
 
-    ``state``: field name -> numpy array (``pass_load [L, P]``, ``window
-    [W, L, P]``, the counters 0-d), the rank rows summed.
+    ``replica_shares``: ``[L, E, S]`` float32, each layer's shares of its
+    replicas (``moe_eplb_jax.routing.equal_shares`` where the routing mode
+    solves none). ``state``: field name -> numpy array (``pass_load [L, P]``,
+    ``window [W, L, P]``, the counters 0-d), the rank rows summed.
     """
 
     config: EplbConfig
     placement: Placement
+    replica_shares: np.ndarray
     state: dict[str, np.ndarray]
 
 
@@ -73,6 +83,7 @@ def to_item(snapshot: Snapshot) -> dict[str, np.ndarray]:
         "phy2log": p.phy2log,
         "log2phy": p.log2phy,
         "logcnt": p.logcnt,
+        "replica_shares": np.asarray(snapshot.replica_shares, np.float32),
     }
     for name in STATE_FIELDS:
         item[name] = np.asarray(snapshot.state[name], np.int32)
@@ -82,27 +93,29 @@ def to_item(snapshot: Snapshot) -> dict[str, np.ndarray]:
 def from_item(item, *, config: EplbConfig, num_layers: int, num_logical: int, num_physical: int) -> Snapshot:
     """Validates a restored item for a model of ``(L, E, P)`` run with ``config``; ``ValueError`` naming the field.
 
-    Checked: the set of fields, integer dtypes, the version, the saved config
-    (it must parse, and agree with ``config`` on the window size, redundant
-    experts and EP ranks), every shape, the placement (a valid one for
-    ``config.num_gpus`` ranks), non-negative loads, and counters in range
+    Checked: the version, the set of fields, integer dtypes (float
+    ``replica_shares``), the saved config (it must parse, and agree with
+    ``config`` on the window size, redundant experts and EP ranks), every
+    shape, the placement (a valid one for ``config.num_gpus`` ranks), the
+    shares (finite, non-negative, zero past each expert's replica count),
+    non-negative loads, and counters in range
     (``0 <= window_pos < W``, ``0 <= window_filled <= W`` -- equal to
     ``window_pos`` while the window is not full --, ``0 <= step <=
     total_steps``, ``num_rearrangements >= 0``).
     """
     if not isinstance(item, Mapping):
         raise ValueError(f"EPLB checkpoint item must be a mapping of arrays, got {type(item).__name__}")
-    missing, unknown = sorted(set(_FIELDS) - set(item)), sorted(str(k) for k in set(item) - set(_FIELDS))
+    version = _version(item)
+    expected = _FIELDS[version]
+    missing, unknown = sorted(set(expected) - set(item)), sorted(str(k) for k in set(item) - set(expected))
     if missing or unknown:
         raise ValueError(f"EPLB checkpoint item: missing field(s) {missing}, unknown field(s) {unknown}")
     fields = {}
-    for name in _FIELDS:
+    for name in _INTEGER_FIELDS:
         value = np.asarray(item[name])
         if value.dtype.kind not in "iu":
             raise ValueError(f"EPLB checkpoint field {name!r} must hold integers, got dtype {value.dtype}")
         fields[name] = value
-    if fields["version"].shape != () or int(fields["version"]) != ITEM_VERSION:
-        raise ValueError(f"EPLB checkpoint field 'version' is {fields['version']!r}, this library reads {ITEM_VERSION}")
     saved = _saved_config(fields["config"])
     for name in ("window_size", "num_redundant_experts", "num_gpus"):
         if getattr(saved, name) != getattr(config, name):
@@ -128,6 +141,11 @@ def from_item(item, *, config: EplbConfig, num_layers: int, num_logical: int, nu
         )
     except ValueError as e:
         raise ValueError(f"EPLB checkpoint placement (fields 'phy2log', 'log2phy', 'logcnt'): {e}") from None
+    width = num_physical - num_logical + 1
+    if version == 1:
+        shares = equal_shares(placement.logcnt, width)
+    else:
+        shares = _shares(item["replica_shares"], placement, (num_layers, num_logical, width))
     for name in ("pass_load", "window"):
         if np.any(fields[name] < 0):
             raise ValueError(f"EPLB checkpoint field {name!r} holds negative loads")
@@ -142,7 +160,29 @@ def from_item(item, *, config: EplbConfig, num_layers: int, num_logical: int, nu
         raise ValueError(f"EPLB checkpoint fields 'step' ({step}) and 'total_steps' ({total}) need 0 <= step <= total")
     if count < 0:
         raise ValueError(f"EPLB checkpoint field 'num_rearrangements' is negative ({count})")
-    return Snapshot(saved, placement, {name: fields[name].astype(np.int32) for name in STATE_FIELDS})
+    return Snapshot(saved, placement, shares, {name: fields[name].astype(np.int32) for name in STATE_FIELDS})
+
+
+def _version(item: Mapping) -> int:
+    if "version" not in item:
+        raise ValueError("EPLB checkpoint item: missing field(s) ['version']")
+    raw = np.asarray(item["version"])
+    if raw.shape != () or raw.dtype.kind not in "iu" or int(raw) not in _FIELDS:
+        raise ValueError(f"EPLB checkpoint field 'version' is {raw!r}, this library reads {sorted(_FIELDS)}")
+    return int(raw)
+
+
+def _shares(raw, placement: Placement, shape: tuple[int, int, int]) -> np.ndarray:
+    shares = np.asarray(raw)
+    if shares.dtype.kind != "f":
+        raise ValueError(f"EPLB checkpoint field 'replica_shares' must hold floats, got dtype {shares.dtype}")
+    if shares.shape != shape:
+        raise ValueError(f"EPLB checkpoint field 'replica_shares' has shape {shares.shape}, the model needs {shape}")
+    if not np.all(np.isfinite(shares)) or np.any(shares < 0):
+        raise ValueError("EPLB checkpoint field 'replica_shares' must be finite and non-negative")
+    if np.any(shares[np.arange(shape[2]) >= np.asarray(placement.logcnt)[..., None]]):
+        raise ValueError("EPLB checkpoint field 'replica_shares' gives shares to replicas the placement does not have")
+    return shares.astype(np.float32)
 
 
 def _saved_config(raw: np.ndarray) -> EplbConfig:

@@ -8,7 +8,8 @@ Record inside the jitted step, decide and move outside it::
 
     @jax.jit
     def train_step(params, opt_state, balance, batch):
-        ...                                 # layer l routes with balance.tables.log2phy[l], .logcnt[l], .lookup[l]
+        t = balance.tables                  # layer l: moe_apply(..., t.log2phy[l], t.logcnt[l], lookup=t.lookup[l],
+        ...                                 #   routing=config.routing, replica_shares=t.replica_shares[l])
         balance = balancer.record_step(balance, loads)   # loads: per layer [G, P] from moe_apply
         return params, opt_state, balance, loss
 
@@ -21,7 +22,10 @@ Record inside the jitted step, decide and move outside it::
 optimizer-state leaves whose path ends with an expert leaf's path) at one
 step boundary; with ``config.overlap`` set, ``decide`` then ``advance`` once
 per step moves a layer (or a byte budget) at a time instead, each layer
-switching tables with its bytes. Moves are atomic (``control.moves``): on
+switching tables with its bytes. ``config.routing`` is honoured: ``"lp"``
+shares are solved from the window at every rearrangement and switch with each
+layer's placement row; ``"quota"`` rearrangements are the ``"online"``
+policy's spare-slot refreshes. Moves are atomic (``control.moves``): on
 failure the inputs are untouched, and ``RearrangementError.restored`` holds
 ``(params, opt_state, balance)`` on the old placement. Extra memory: the new
 copies of the layers moved in one call, as long as the caller still holds its
@@ -44,6 +48,7 @@ from moe_eplb_jax.control import checkpoint as _checkpoint
 from moe_eplb_jax.control.moves import Mover, Rearrangement, RearrangementError
 from moe_eplb_jax.control.window import LoadWindow, close_step, host_value
 from moe_eplb_jax.placement import Placement
+from moe_eplb_jax.routing import equal_shares, stacked_routing_tables
 from moe_eplb_jax.sharding.mesh import put_host
 from moe_eplb_jax.state import EplbConfig, EplbState, compute_placement
 
@@ -119,38 +124,74 @@ class ExpertLayout:
 class RouteTables:
     """Every layer's routing tables, replicated: what layer ``l`` passes to ``moe_apply`` is row ``l``.
 
-    ``phy2log [L, P]``, ``log2phy [L, E, S]``, ``logcnt [L, E]`` int32 and
-    ``lookup [L, K]``, the ``map_and_count`` lookup table of each layer
-    (``moe_eplb_jax.pallas.lookup_table``, built once per placement).
+    ``phy2log [L, P]``, ``log2phy [L, E, S]``, ``logcnt [L, E]`` int32,
+    ``replica_shares [L, E, S]`` float32 (``moe_apply(..., routing="lp",
+    replica_shares=...)``: the LP shares solved at each rearrangement; equal
+    shares until the first one and in the other modes) and ``lookup [L, K]``,
+    the ``map_and_count`` lookup table of each layer
+    (``moe_eplb_jax.pallas.lookup_table``, built once per placement; for
+    ``"lp"`` it carries the shares' alias table).
     """
 
     phy2log: jax.Array
     log2phy: jax.Array
     logcnt: jax.Array
+    replica_shares: jax.Array
     lookup: jax.Array
 
     @classmethod
-    def build(cls, placement: Placement, mesh: jax.sharding.Mesh) -> RouteTables:
-        from moe_eplb_jax.pallas import lookup_table
-
+    def build(
+        cls, placement: Placement, mesh: jax.sharding.Mesh, *, routing: str = "hash", replica_shares=None
+    ) -> RouteTables:
+        """The tables of ``placement`` for ``routing``; ``replica_shares [L, E, S]`` (``None``: equal shares)."""
         p = placement.to_numpy()
-        lookup = np.stack([np.asarray(lookup_table(p.log2phy[i], p.logcnt[i])) for i in range(p.num_layers)])
-        return cls(*(put_host(t, mesh) for t in (p.phy2log, p.log2phy, p.logcnt, lookup)))
+        shares = _shares_or_equal(replica_shares, p)
+        lookup = np.stack([_lookup(routing, p, shares, layer) for layer in range(p.num_layers)])
+        return cls(*(put_host(t, mesh) for t in (p.phy2log, p.log2phy, p.logcnt, shares, lookup)))
 
-    def updated(self, placement: Placement, mesh: jax.sharding.Mesh) -> RouteTables:
-        """The tables of ``placement``, the lookup rebuilt only for the layers whose tables changed."""
-        from moe_eplb_jax.pallas import lookup_table
-
+    def updated(
+        self, placement: Placement, mesh: jax.sharding.Mesh, *, routing: str, replica_shares=None
+    ) -> RouteTables:
+        """The tables of ``placement`` and ``replica_shares`` (``None``: equal shares) for ``routing``, the lookup
+        rebuilt only for the layers whose tables changed."""
         p, old = placement.to_numpy(), self.placement()
+        shares = _shares_or_equal(replica_shares, p)
         lookup = np.array(host_value(self.lookup))
         changed = (p.log2phy != old.log2phy).any((1, 2)) | (p.logcnt != old.logcnt).any(1)
-        for i in np.flatnonzero(changed):
-            lookup[i] = np.asarray(lookup_table(p.log2phy[i], p.logcnt[i]))
-        return RouteTables(*(put_host(t, mesh) for t in (p.phy2log, p.log2phy, p.logcnt, lookup)))
+        if routing == "lp":  # its lookup carries the shares
+            changed |= (shares != np.asarray(host_value(self.replica_shares))).any((1, 2))
+        for layer in np.flatnonzero(changed):
+            lookup[layer] = _lookup(routing, p, shares, int(layer))
+        return RouteTables(*(put_host(t, mesh) for t in (p.phy2log, p.log2phy, p.logcnt, shares, lookup)))
+
+    def host_tables(self, routing: str) -> dict[str, np.ndarray]:
+        """The routing tables ``routing`` reads, on the host (name -> ``[L, ...]``, as a ``Rearrangement`` holds them)."""
+        return {"replica_shares": np.asarray(host_value(self.replica_shares), np.float32)} if routing == "lp" else {}
 
     def placement(self) -> Placement:
         """The host ``Placement`` these tables route with."""
         return Placement(*(np.asarray(host_value(t), np.int32) for t in (self.phy2log, self.log2phy, self.logcnt)))
+
+
+def _shares_or_equal(replica_shares, placement: Placement) -> np.ndarray:
+    if replica_shares is None:
+        return equal_shares(placement.logcnt, placement.log2phy.shape[2])
+    shares = np.asarray(replica_shares, np.float32)
+    if shares.shape != placement.log2phy.shape:
+        raise ValueError(f"replica_shares must have shape [L, E, S] = {placement.log2phy.shape}, got {shares.shape}")
+    return shares
+
+
+def _lookup(routing: str, placement: Placement, shares: np.ndarray, layer: int) -> np.ndarray:
+    """One layer's ``map_and_count`` lookup table (with the alias table of its shares for ``"lp"``)."""
+    from moe_eplb_jax.pallas import lookup_table
+
+    log2phy, logcnt = placement.log2phy[layer], placement.logcnt[layer]
+    if routing == "lp":
+        return np.asarray(
+            lookup_table(log2phy, logcnt, replica_shares=shares[layer], num_physical=placement.num_physical)
+        )
+    return np.asarray(lookup_table(log2phy, logcnt))
 
 
 @jax.tree_util.register_dataclass
@@ -206,12 +247,13 @@ def rehearsal_targets(config: EplbConfig, current: Placement, load=None) -> list
 class _PytreeStore:
     """An ``ExpertStore`` over flattened params / optimizer state and host route tables (switched row by row)."""
 
-    def __init__(self, params, opt_state, placement: Placement, positions):
+    def __init__(self, params, opt_state, placement: Placement, routing_tables, positions):
         self.params, self.params_def = jax.tree.flatten(params)
         self.opt, self.opt_def = jax.tree.flatten(opt_state)
         self.positions = positions  # per layer: (params positions, opt positions)
         p = placement.to_numpy()
         self.tables = [p.phy2log.copy(), p.log2phy.copy(), p.logcnt.copy()]
+        self.routing_tables = {name: np.array(table) for name, table in routing_tables.items()}
 
     def read(self, layer):
         params, opt = self.positions[layer]
@@ -227,6 +269,8 @@ class _PytreeStore:
     def switch(self, layer, placement, tables):
         for mine, theirs in zip(self.tables, (placement.phy2log, placement.log2phy, placement.logcnt)):
             mine[layer] = theirs[layer]
+        for name, table in tables.items():
+            self.routing_tables[name][layer] = table[layer]
 
     def placement(self) -> Placement:
         return Placement(*self.tables)
@@ -239,7 +283,13 @@ class Balancer:
     """The functional EPLB API for ``config`` on the EP axis ``axis`` of ``mesh`` (see the module docstring).
 
     Args:
-      config: ``EplbConfig``; ``num_gpus`` must be the EP size.
+      config: ``EplbConfig``; ``num_gpus`` must be the EP size. The train
+        step routes with ``moe_apply(..., routing=config.routing)``; for
+        ``"lp"`` it also passes ``replica_shares=balance.tables.replica_shares[l]``,
+        which every rearrangement solves from the window's loads and
+        installs with the layer's placement row. For ``"quota"`` the
+        rearrangements are the ``"online"`` policy's spare-slot refreshes
+        every ``config.rearrange_interval`` steps.
       mesh: the device mesh.
       layout: :class:`ExpertLayout`, which params leaves are each layer's experts.
       axis: the EP axis of ``mesh``.
@@ -311,13 +361,19 @@ class Balancer:
         return layers
 
     def init(self, params, *, placement: Placement | None = None) -> BalanceState:
-        """A fresh state for ``params``, whose experts are on ``placement`` (default: linear, slot ``p`` holds ``p mod E``)."""
+        """A fresh state for ``params``, whose experts are on ``placement`` (default: linear, slot ``p`` holds ``p mod E``).
+
+        No load is known yet: ``"lp"`` starts from equal replica shares.
+        """
         self._positions(params, ())
         if placement is None:
             placement = Placement.linear(self.num_layers, self.num_logical, self.num_physical)
         self._check_placement(placement)
         assert self.window is not None
-        return BalanceState(self.window.fresh(), RouteTables.build(placement, self.mesh))
+        return BalanceState(self.window.fresh(), self._tables(placement))
+
+    def _tables(self, placement: Placement, replica_shares=None) -> RouteTables:
+        return RouteTables.build(placement, self.mesh, routing=self.config.routing, replica_shares=replica_shares)
 
     def _check_placement(self, placement: Placement) -> None:
         want = (self.num_layers, self.num_logical, self.num_physical)
@@ -343,14 +399,22 @@ class Balancer:
         return step >= (self.config.first_rearrangement_step if count == 0 else self.config.rearrange_interval)
 
     def window_slot_load(self, balance: BalanceState) -> np.ndarray:
-        """``[L, P]`` tokens per slot summed over the load window and the EP ranks (under the current placement)."""
+        """``[L, P]`` tokens per slot summed over the load window and the EP ranks (under the current placement).
+
+        float64 on the host, summed in float32 on the device (no int32 wrap; see ``state.window_slot_load``).
+        """
         self._need_sizes()
         assert self.window is not None
-        return np.asarray(host_value(self.window.slot_load(balance.loads)))
+        return np.asarray(host_value(self.window.slot_load(balance.loads)), np.float64)
 
     # ------------------------------------------------------------- moves
     def decide(self, balance: BalanceState, *, placement: Placement | None = None) -> Rearrangement:
-        """The rearrangement from the current placement to ``placement`` or, by default, the policy's for the window."""
+        """The rearrangement from the current placement to ``placement`` or, by default, the policy's for the window.
+
+        It carries the routing tables of both sides (``"lp"``: the current
+        shares, and the shares solved for the new placement from the window's
+        logical loads), each layer switching to its new row with its bytes.
+        """
         self._need_sizes()
         assert self.window is not None
         current = balance.tables.placement()
@@ -358,7 +422,14 @@ class Balancer:
         if placement is None:
             placement = compute_placement(logical, self.config, old_phy2log=current.phy2log)
         self._check_placement(placement)
-        return Rearrangement.between(current, placement, num_ranks=self.num_ranks, load=logical)
+        return Rearrangement.between(
+            current,
+            placement,
+            num_ranks=self.num_ranks,
+            old_tables=balance.tables.host_tables(self.config.routing),
+            new_tables=stacked_routing_tables(self.config.routing, logical, placement, num_ranks=self.num_ranks),
+            load=logical,
+        )
 
     def rearrange(self, params, opt_state, balance: BalanceState, *, placement: Placement | None = None):
         """Decides and moves every layer now: ``(params, opt_state, balance, report)``.
@@ -393,17 +464,21 @@ class Balancer:
         return params, opt_state, balance, rearrangement, report
 
     def _run(self, params, opt_state, balance, rearrangement, layers, *, defer_switch=False, budget=None):
-        store = _PytreeStore(params, opt_state, rearrangement.current, self._positions(params, opt_state))
+        positions = self._positions(params, opt_state)
+        store = _PytreeStore(params, opt_state, rearrangement.current, rearrangement.current_tables, positions)
         assert self.mover is not None
         try:
             rearrangement = self.mover.run(store, rearrangement, layers, defer_switch=defer_switch, budget=budget)
         except RearrangementError as error:
-            tables = balance.tables.updated(store.placement(), self.mesh)
-            restored = (*store.pytrees(), dataclasses.replace(balance, tables=tables))
+            restored = (*store.pytrees(), dataclasses.replace(balance, tables=self._updated(balance, store)))
             raise RearrangementError(str(error), restored) from error.__cause__
         params, opt_state = store.pytrees()
-        balance = dataclasses.replace(balance, tables=balance.tables.updated(store.placement(), self.mesh))
+        balance = dataclasses.replace(balance, tables=self._updated(balance, store))
         return params, opt_state, balance, rearrangement
+
+    def _updated(self, balance: BalanceState, store: _PytreeStore) -> RouteTables:
+        shares = store.routing_tables.get("replica_shares")
+        return balance.tables.updated(store.placement(), self.mesh, routing=self.config.routing, replica_shares=shares)
 
     def _finish(self, balance: BalanceState, rearrangement: Rearrangement) -> tuple[BalanceState, dict]:
         assert self.window is not None
@@ -425,10 +500,16 @@ class Balancer:
         assert self.window is not None and self.mover is not None
         current = balance.tables.placement()
         targets = rehearsal_targets(self.config, current, load)
-        info = self.mover.rehearse(_PytreeStore(params, opt_state, current, positions), current, targets)
+        tables = balance.tables.host_tables(self.config.routing)
+        info = self.mover.rehearse(_PytreeStore(params, opt_state, current, tables, positions), current, targets)
         self.window.logical_load(balance.loads, current.phy2log, self.num_logical)
         jax.block_until_ready(self.window.mark_rearranged(balance.loads))
-        balance.tables.updated(targets[0], self.mesh)
+        # What a rearrangement runs on the host: the routing tables' solve (a skewed load, so "lp" solves) and the
+        # lookup build.
+        rehearsed = rehearsal_load(self.num_layers, self.num_logical) if load is None else np.asarray(load)
+        solved = stacked_routing_tables(self.config.routing, rehearsed, targets[0], num_ranks=self.num_ranks)
+        shares = solved.get("replica_shares")
+        balance.tables.updated(targets[0], self.mesh, routing=self.config.routing, replica_shares=shares)
         return {"seconds": time.perf_counter() - start, **info}
 
     # ------------------------------------------------------ files, checkpoints
@@ -448,10 +529,14 @@ class Balancer:
         self._need_sizes()
         assert self.window is not None
         host = self.window.host_summed(balance.loads)
-        return _checkpoint.to_item(_checkpoint.Snapshot(self.config, balance.tables.placement(), host))
+        shares = np.asarray(host_value(balance.tables.replica_shares), np.float32)
+        return _checkpoint.to_item(_checkpoint.Snapshot(self.config, balance.tables.placement(), shares, host))
 
     def restore_item(self, item) -> BalanceState:
-        """A ``BalanceState`` from a restored item, every field validated first (``ValueError`` naming it)."""
+        """A ``BalanceState`` from a restored item, every field validated first (``ValueError`` naming it).
+
+        The replica shares are the item's (the shares the saved run routed with).
+        """
         self._need_sizes()
         snapshot = _checkpoint.from_item(
             item,
@@ -461,7 +546,7 @@ class Balancer:
             num_physical=self.num_physical,
         )
         assert self.window is not None
-        return BalanceState(self.window.put(snapshot.state), RouteTables.build(snapshot.placement, self.mesh))
+        return BalanceState(self.window.put(snapshot.state), self._tables(snapshot.placement, snapshot.replica_shares))
 
     def _need_sizes(self) -> None:
         if self.window is None:

@@ -145,6 +145,17 @@ class Rearrangement:
         )
 
     @property
+    def current_tables(self) -> dict[str, np.ndarray]:
+        """The routing tables the model routes with now: ``new_tables`` rows for the moved layers, ``old_tables``'s
+        for the rest."""
+        moved = np.isin(np.arange(self.old.num_layers), self.moved)
+        out = {}
+        for name, old in self.old_tables.items():
+            old, new = np.asarray(old), np.asarray(self.new_tables[name])
+            out[name] = np.where(moved.reshape((-1,) + (1,) * (old.ndim - 1)), new, old)
+        return out
+
+    @property
     def slots_moved(self) -> int:
         """Slots whose expert changes (over every layer)."""
         return int(np.sum(self.old.phy2log != self.new.phy2log))

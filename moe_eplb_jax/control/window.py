@@ -9,6 +9,11 @@ elementwise on each rank's rows (no collective); the readers sum the rank rows
 :func:`close_step` is the pure function a jitted train step calls itself (the
 functional API); ``LoadWindow.close`` is the same, jitted with the state
 donated, for callers outside a jitted step (the NNX controller).
+
+Counts are int32 per step (one step's tokens for a slot, summed over the
+ranks, must fit, as ``state.record``'s counts do); sums over the window's
+steps run in float32 (``state.window_slot_load``), since a long window passes
+``2**31`` tokens per slot where no single step does.
 """
 
 from __future__ import annotations

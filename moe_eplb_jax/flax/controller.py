@@ -22,7 +22,10 @@ budget, per step) instead of all at one step boundary; outputs are the same
 at every step either way (placement-invariant layers). Nothing recompiles
 when tables change (they are variables), and ``warmup()`` compiles the mover
 ahead so no rearrangement compiles mid-run. Every rearrangement logs and
-reports its duration, bytes moved and GB/s.
+reports its duration, bytes moved and GB/s. ``config.routing`` reaches every
+layer (``eplb_set_routing`` at construction); for ``"lp"`` each layer's
+replica shares, solved from the window's loads, switch with its placement
+row (see ``EplbController``).
 
 Checkpoints: ``checkpoint_item()`` / ``restore_item(item)`` are the EPLB state
 as an Orbax item beside the model and optimizer (see
@@ -39,6 +42,7 @@ untouched.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import os
 from collections.abc import Mapping
@@ -59,10 +63,12 @@ from moe_eplb_jax.control import (
     check_slot_leaf,
     checkpoint,
     host_value,
+    rehearsal_load,
     rehearsal_targets,
 )
 from moe_eplb_jax.flax.discovery import MoELayerRef, find_moe_layers, variable_paths
 from moe_eplb_jax.placement import Placement
+from moe_eplb_jax.routing import equal_shares, stacked_routing_tables
 from moe_eplb_jax.sharding.mesh import put_host
 from moe_eplb_jax.state import EplbConfig, EplbState, compute_placement
 
@@ -96,6 +102,16 @@ class _ModuleStore:
         module.eplb_set_placement(placement.phy2log[layer], placement.log2phy[layer], placement.logcnt[layer], **rows)
 
 
+def _takes_keyword(method, name: str) -> bool:
+    """Whether ``method`` accepts the keyword argument ``name`` (by name or through ``**kwargs``)."""
+    try:
+        parameters = inspect.signature(method).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin): let the call decide
+        return True
+    kinds = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return any(p.kind == inspect.Parameter.VAR_KEYWORD or (p.name == name and p.kind in kinds) for p in parameters)
+
+
 class EplbController:
     """Keeps the experts of every MoE layer of ``model`` balanced over the EP axis of ``mesh``.
 
@@ -115,6 +131,21 @@ class EplbController:
       overlap: how rearrangements spread their moves over steps (``None``,
         ``"layer"`` or bytes per step, see ``EplbConfig.overlap``); default
         ``config.overlap``.
+
+    Routing (``config.routing``): every layer is switched to the mode now
+    (``eplb_set_routing``; no rebuild, its next call compiles once). With
+    ``"lp"`` the controller owns the layers' replica shares: equal shares now
+    (no load is known yet), then at every rearrangement -- and in
+    ``apply_placement`` -- the shares minimising the largest rank load of the
+    window's logical loads on the new placement
+    (``moe_eplb_jax.routing.routing_tables``), handed to each layer with its
+    placement row when its bytes have arrived; a rollback hands back the old
+    ones; checkpoint items carry them. With ``"quota"`` the layers plan
+    every batch themselves, and each rearrangement (every
+    ``config.rearrange_interval`` steps) is the ``"online"`` policy's
+    refresh of the spare slots: home experts stay in their slots (the first
+    refresh puts them there unless the model starts on the policy's
+    layout), only spare slots whose expert changes move bytes.
     """
 
     def __init__(
@@ -149,11 +180,12 @@ class EplbController:
             )
         if config.num_gpus != self.num_ranks:
             raise ValueError(f"config.num_gpus={config.num_gpus} but mesh axis {axis!r} has {self.num_ranks} ranks")
-        config.num_physical(self.num_logical)  # the expert groups divide E
+        config.num_physical(self.num_logical)  # P divides into the ranks, E into the groups where hierarchical
         if config.policy in ("online", "quota"):
             from moe_eplb_jax.policy.online import home_layout
 
             home_layout(self.num_logical, self.num_physical, self.num_ranks)
+        to_switch = self._layers_to_switch()
         opt_vars = self._optimizer_variables() if optimizer is not None else [[] for _ in self.layers]
         start = None
         if placement is not None:
@@ -169,8 +201,20 @@ class EplbController:
         self.last_report: dict[str, Any] | None = None
         self._zero_loads = [self._zeros_like(ref.module.eplb_load_variable().get_value()) for ref in self.layers]
         self._placement = self._read_placement()
-        if start is not None:
-            self.apply_placement(start)
+        self._tables = self._solve_tables(self._placement, fresh=True)
+        previous = [(ref.module, getattr(ref.module, "routing", "hash")) for ref in to_switch]
+        try:  # every check passed: now the layers change, and go back to their modes if this fails
+            for ref in to_switch:
+                ref.module.eplb_set_routing(config.routing)
+            if self._tables:
+                for layer in range(len(self.layers)):
+                    self._store.switch(layer, self._placement, self._tables)
+            if start is not None:
+                self.apply_placement(start)
+        except BaseException:
+            for module, routing in previous:
+                module.eplb_set_routing(routing)
+            raise
 
     # ------------------------------------------------------------ checks
     def _check_layers(self) -> tuple[int, int]:
@@ -205,6 +249,30 @@ class EplbController:
         if len(sizes) != 1:
             raise ValueError(f"MoE layers disagree on (E, P): {sorted(sizes)}")
         return sizes.pop()
+
+    def _layers_to_switch(self) -> list[MoELayerRef]:
+        """The layers whose routing mode differs from ``config.routing``; ``ValueError`` where a layer cannot follow.
+
+        A layer's mode is its ``routing`` attribute (``"hash"`` without one);
+        switching it needs ``eplb_set_routing``. ``"lp"`` also needs an
+        ``eplb_set_placement`` that takes ``replica_shares``.
+        """
+        routing, to_switch = self.config.routing, []
+        for ref in self.layers:
+            current = getattr(ref.module, "routing", "hash")
+            if current != routing:
+                if not callable(getattr(ref.module, "eplb_set_routing", None)):
+                    raise ValueError(
+                        f"MoE layer {ref.name} routes by {current!r} and has no eplb_set_routing(mode) to follow "
+                        f"config.routing={routing!r}"
+                    )
+                to_switch.append(ref)
+            if routing == "lp" and not _takes_keyword(ref.module.eplb_set_placement, "replica_shares"):
+                raise ValueError(
+                    f"config.routing='lp' hands every layer its replica shares, but {ref.name}.eplb_set_placement "
+                    f"takes no replica_shares keyword"
+                )
+        return to_switch
 
     def _check_placement(self, placement: Placement) -> None:
         want = (len(self.layers), self.num_logical, self.num_physical)
@@ -248,6 +316,22 @@ class EplbController:
         return self._moving.current if self._moving is not None else self._placement
 
     @property
+    def routing_tables(self) -> dict[str, np.ndarray]:
+        """The routing tables every layer routes with now, name -> ``[L, ...]`` (``"lp"``: ``replica_shares
+        [L, E, S]``; ``{}`` for the modes without tables)."""
+        return self._moving.current_tables if self._moving is not None else dict(self._tables)
+
+    def _solve_tables(self, placement: Placement, *, fresh: bool = False) -> dict[str, np.ndarray]:
+        """The routing tables of ``placement`` for the window's loads (``fresh``: for no load yet)."""
+        if self.config.routing != "lp":
+            return {}
+        if fresh:
+            logical = np.zeros((len(self.layers), self.num_logical))
+        else:
+            logical = self._window.logical_load(self.state, self._placement.phy2log, self.num_logical)
+        return stacked_routing_tables(self.config.routing, logical, placement, num_ranks=self.num_ranks)
+
+    @property
     def rearranging(self) -> bool:
         """True while an overlapped rearrangement has layers left to move."""
         return self._moving is not None
@@ -256,16 +340,23 @@ class EplbController:
         """Moves every layer's experts (and optimizer state) to ``placement`` and hands the layers its tables.
 
         Validated before any byte moves; atomic (``RearrangementError`` after a
-        rollback on failure). The load window and counters are left as they
-        are. Returns the move's summary (``slots_moved``, ``bytes_moved``,
-        ``move_seconds``, ...).
+        rollback on failure). With ``"lp"`` routing the layers get the shares
+        solved for ``placement`` from the window's loads. The load window and
+        counters are left as they are. Returns the move's summary
+        (``slots_moved``, ``bytes_moved``, ``move_seconds``, ...).
         """
         if self._moving is not None:
             raise ValueError("a rearrangement is in progress: call rearrange() to finish it first")
         self._check_placement(placement)
-        move = Rearrangement.between(self._placement, placement, num_ranks=self.num_ranks)
+        move = Rearrangement.between(
+            self._placement,
+            placement,
+            num_ranks=self.num_ranks,
+            old_tables=self._tables,
+            new_tables=self._solve_tables(placement),
+        )
         move = self._mover.run(self._store, move, move.pending, defer_switch=True)
-        self._placement = move.new
+        self._placement, self._tables = move.new, dict(move.new_tables)
         return move.summary(self.num_ranks)
 
     # --------------------------------------------------------------- steps
@@ -316,14 +407,24 @@ class EplbController:
         return self._steps_since >= due
 
     def window_slot_load(self) -> np.ndarray:
-        """``[L, P]`` tokens per slot summed over the load window and the EP ranks (under the current placement)."""
-        return np.asarray(host_value(self._window.slot_load(self.state)))
+        """``[L, P]`` tokens per slot summed over the load window and the EP ranks (under the current placement).
+
+        float64 on the host, summed in float32 on the device (no int32 wrap; see ``state.window_slot_load``).
+        """
+        return np.asarray(host_value(self._window.slot_load(self.state)), np.float64)
 
     def _decide(self) -> Rearrangement:
         current = self._placement
         logical = self._window.logical_load(self.state, current.phy2log, self.num_logical)
         new = compute_placement(logical, self.config, old_phy2log=current.phy2log)
-        return Rearrangement.between(current, new, num_ranks=self.num_ranks, load=logical)
+        return Rearrangement.between(
+            current,
+            new,
+            num_ranks=self.num_ranks,
+            old_tables=self._tables,
+            new_tables=stacked_routing_tables(self.config.routing, logical, new, num_ranks=self.num_ranks),
+            load=logical,
+        )
 
     def _begin(self) -> dict[str, Any] | None:
         move = self._decide()
@@ -362,7 +463,7 @@ class EplbController:
         return self._commit(self._mover.run(self._store, move, move.pending, defer_switch=True))
 
     def _commit(self, move: Rearrangement) -> dict[str, Any]:
-        self._placement = move.new
+        self._placement, self._tables = move.new, dict(move.new_tables)
         self._steps_since = 0
         self._num_rearrangements += 1
         self.state = self._window.mark_rearranged(self.state)
@@ -417,13 +518,16 @@ class EplbController:
         import time
 
         start = time.perf_counter()
-        current = self.placement
-        info = self._mover.rehearse(self._store, current, rehearsal_targets(self.config, current, load))
+        current, tables = self.placement, self.routing_tables
+        targets = rehearsal_targets(self.config, current, load)
+        info = self._mover.rehearse(self._store, current, targets)
         self._window.logical_load(self.state, current.phy2log, self.num_logical)
         self.window_slot_load()
         jax.block_until_ready(self._window.mark_rearranged(self.state))
+        rehearsed = rehearsal_load(len(self.layers), self.num_logical) if load is None else np.asarray(load)
+        stacked_routing_tables(self.config.routing, rehearsed, targets[0], num_ranks=self.num_ranks)  # "lp": solve
         for layer in range(len(self.layers)):
-            self._store.switch(layer, current, {})
+            self._store.switch(layer, current, tables)
         return {"seconds": time.perf_counter() - start, **info}
 
     # ----------------------------------------------------- files and state
@@ -455,7 +559,11 @@ class EplbController:
         host = self._window.host_summed(self.state)
         if self._moving is not None:
             host["window"][:, list(self._moving.moved)] = 0
-        return checkpoint.to_item(checkpoint.Snapshot(self.config, self.placement, host))
+        placement = self.placement
+        shares = self.routing_tables.get("replica_shares")
+        if shares is None:
+            shares = equal_shares(placement.logcnt, self.num_physical - self.num_logical + 1)
+        return checkpoint.to_item(checkpoint.Snapshot(self.config, placement, shares, host))
 
     def restore_item(self, item) -> None:
         """Restores :meth:`checkpoint_item` output: the state, and the tables the layers route with.
@@ -463,7 +571,9 @@ class EplbController:
         Every field is validated first (``ValueError`` naming it; nothing
         changes then). The model's expert variables must come from the
         checkpoint saved with it (they already follow that placement): nothing
-        moves here. An overlapped rearrangement in progress is dropped.
+        moves here. With ``"lp"`` routing the layers get the item's replica
+        shares (the ones the saved run routed with). An overlapped
+        rearrangement in progress is dropped.
         """
         snapshot = checkpoint.from_item(
             item,
@@ -473,16 +583,17 @@ class EplbController:
             num_physical=self.num_physical,
         )
         state = self._window.put(snapshot.state)
-        previous, switched = self.placement, []
+        tables = {"replica_shares": snapshot.replica_shares} if self.config.routing == "lp" else {}
+        previous, previous_tables, switched = self.placement, self.routing_tables, []
         try:
             for layer in range(len(self.layers)):
-                self._store.switch(layer, snapshot.placement, {})
+                self._store.switch(layer, snapshot.placement, tables)
                 switched.append(layer)
         except BaseException:
             for layer in switched:
-                self._store.switch(layer, previous, {})
+                self._store.switch(layer, previous, previous_tables)
             raise
         counters = snapshot.state
-        self.state, self._placement, self._moving = state, snapshot.placement, None
+        self.state, self._placement, self._tables, self._moving = state, snapshot.placement, tables, None
         self._total_steps, self._steps_since = int(counters["total_steps"]), int(counters["step"])
         self._num_rearrangements = int(counters["num_rearrangements"])

@@ -26,6 +26,15 @@ A module is an EPLB MoE layer when it has these five methods (checked with
   never recompiles. It may raise (before changing anything): the controller
   then rolls the whole rearrangement back.
 
+Replica routing (``EplbConfig.routing``, optional): a layer's mode is its
+``routing`` attribute (a layer without one is taken to route by
+``"hash"``), and ``eplb_set_routing(mode) -> None`` switches it (static
+configuration: the next call compiles once). The controller calls it at
+construction on every layer whose mode differs from its config's; a layer
+that differs and has no ``eplb_set_routing`` is refused with ``ValueError``,
+as is, for ``"lp"``, an ``eplb_set_placement`` without a ``replica_shares``
+keyword.
+
 ``moe_eplb_jax.flax.MoELayer`` is the reference implementation.
 """
 
@@ -47,4 +56,4 @@ class EplbMoE(Protocol):
 
     def eplb_get_placement(self) -> tuple[Any, Any, Any]: ...
 
-    def eplb_set_placement(self, phy2log, log2phy, logcnt) -> None: ...
+    def eplb_set_placement(self, phy2log, log2phy, logcnt, **routing_tables) -> None: ...

@@ -3,8 +3,9 @@
 * :func:`plan_fixed_quotas` / :func:`batch_quotas` -- per-batch token quotas
   over the replicas the placement already has: the MoE layer's
   ``routing="quota"``, consumed by ``map_and_count(mode="quota")``;
-* :func:`routing_tables` -- per layer, the tables a mode reads, solved at each
-  rearrangement (``"lp"``: replica shares), for ``eplb_set_placement``;
+* :func:`routing_tables` / :func:`stacked_routing_tables` -- per layer, the
+  tables a mode reads, solved at each rearrangement (``"lp"``: replica
+  shares), for ``eplb_set_placement``;
 * :func:`plan_quotas` -- per-batch spare-slot placement and per-replica token
   quotas (UltraEP-style, spares chosen per batch), consumed by
   ``map_and_count(mode="quota")``;
@@ -19,7 +20,13 @@
 from moe_eplb_jax.routing.fixed_quota import FixedQuotaPlan, batch_quotas, plan_fixed_quotas
 from moe_eplb_jax.routing.lp import lp_shares, lp_shares_reference, shares_rank_load
 from moe_eplb_jax.routing.quota import QuotaPlan, check_counts, default_max_replicas, plan_quotas
-from moe_eplb_jax.routing.tables import ROUTING_MODES, check_routing, equal_shares, routing_tables
+from moe_eplb_jax.routing.tables import (
+    ROUTING_MODES,
+    check_routing,
+    equal_shares,
+    routing_tables,
+    stacked_routing_tables,
+)
 from moe_eplb_jax.routing.waterfill import waterfill_assign, waterfill_reference_level, waterfill_shares
 
 __all__ = [
@@ -37,6 +44,7 @@ __all__ = [
     "plan_quotas",
     "routing_tables",
     "shares_rank_load",
+    "stacked_routing_tables",
     "waterfill_assign",
     "waterfill_reference_level",
     "waterfill_shares",

@@ -59,8 +59,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.core import Tracer
 
+from moe_eplb_jax._checks import is_concrete
 from moe_eplb_jax._kernels import pallas_default
 from moe_eplb_jax.routing._quota_fill import IMPLEMENTATIONS, candidates, fill_layout, search_pallas
 
@@ -112,13 +112,28 @@ def default_max_replicas(num_ranks: int, num_spare: int) -> int:
     return int(min(num_ranks * num_spare + 1, 16))
 
 
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
+
 def check_counts(counts, *, num_home: int) -> None:
-    """Eager validation of concrete ``counts [G, E]``; raises ``ValueError`` naming the problem."""
+    """Eager validation of concrete ``counts [G, E]``; raises ``ValueError`` naming the problem.
+
+    The planner counts in int32, so besides negative counts it refuses
+    counts whose total passes ``2**31 - 1`` (every load it sums -- an
+    expert's over the sources, a rank's over its experts -- is at most the
+    total): cast to int32 they would wrap into other counts.
+    """
     arr = np.asarray(counts)
     _check_static(arr.shape, arr.dtype, num_home, 0, 1, 1, 1, 2)
     if np.any(arr < 0):
         g, e = np.argwhere(arr < 0)[0]
         raise ValueError(f"counts must be non-negative; counts[{g}, {e}] = {arr[g, e]}")
+    if np.any(arr > _INT32_MAX):
+        g, e = np.argwhere(arr > _INT32_MAX)[0]
+        raise ValueError(f"counts[{g}, {e}] = {arr[g, e]} does not fit the planner's int32 counts (max 2**31 - 1)")
+    total = int(arr.sum(dtype=np.int64))  # every count fits int32 now: no int64 wrap
+    if total > _INT32_MAX:
+        raise ValueError(f"counts sum to {total} tokens, past the planner's int32 sums (max 2**31 - 1)")
 
 
 def _default_implementation() -> str:
@@ -177,8 +192,9 @@ def plan_quotas(
     expert (expert ``e``'s home is rank ``e // num_home``). Traceable: call it
     under ``jax.jit`` (with the keyword options static) inside the step. Shape
     and option errors raise ``ValueError``; concrete (non-traced) counts are also
-    checked for negative values, while traced negative counts are treated as 0
-    (the hot path never raises). ``with_quota=False`` skips the ``[G, E, R]``
+    checked (:func:`check_counts`: non-negative, summing to at most
+    ``2**31 - 1``), while traced counts are assumed to fit int32 and negative
+    ones are treated as 0 (the hot path never raises). ``with_quota=False`` skips the ``[G, E, R]``
     quota table (``quota`` is then ``None``) when only the placement and loads
     are needed, e.g. in the simulator. ``implementation`` picks how the search
     runs: ``"pallas"`` (orders and every round in one Triton kernel; the GPU
@@ -195,7 +211,7 @@ def plan_quotas(
     _check_static(
         np.shape(counts), dtype, num_home, num_spare, min_replica_tokens, max_replicas, search_rounds, search_width
     )
-    if not isinstance(counts, Tracer):  # concrete counts: their values are checked too
+    if is_concrete(counts):
         check_counts(counts, num_home=num_home)
     if implementation is None:
         implementation = _default_implementation()  # after validation: on GPU this may run the one-time probe

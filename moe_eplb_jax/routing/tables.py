@@ -2,11 +2,14 @@
 
 A controller calls :func:`routing_tables` at every rearrangement (after the
 new placement is decided, before it is installed) and hands each layer its
-dict: ``layer.eplb_set_placement(phy2log, log2phy, logcnt, **tables[l])``.
+dict: ``layer.eplb_set_placement(phy2log, log2phy, logcnt, **tables[l])``;
+:func:`stacked_routing_tables` is the same as ``[L, ...]`` arrays per name,
+as ``moe_eplb_jax.control.Rearrangement`` carries them.
 
 * ``"lp"``: ``{"replica_shares": [E, S] float32}`` -- the shares minimising
   the largest rank load of the window's logical loads on the new placement
   (``lp_shares``); the layer routes by them until the next rearrangement.
+  A layer with no load yet (a fresh start) gets equal shares.
 * ``"hash"``, ``"round_robin"``, ``"quota"``: ``{}`` -- nothing to solve
   (``quota`` plans every batch inside the forward pass).
 """
@@ -21,7 +24,7 @@ import numpy as np
 
 from moe_eplb_jax.routing.lp import lp_shares
 
-__all__ = ["ROUTING_MODES", "check_routing", "equal_shares", "routing_tables"]
+__all__ = ["ROUTING_MODES", "check_routing", "equal_shares", "routing_tables", "stacked_routing_tables"]
 
 # L2 modes: "hash" (stateless token hash), "round_robin", "lp" (LP replica shares), "quota" (per-batch quotas).
 ROUTING_MODES = ("hash", "round_robin", "lp", "quota")
@@ -59,8 +62,9 @@ def routing_tables(routing: str, logical_load, placement, *, num_ranks: int) -> 
       num_ranks: ``G``, the EP size.
 
     Returns:
-      ``[{"replica_shares": [E, S] float32 numpy}, ...]`` for ``"lp"``, a list
-      of ``L`` empty dicts otherwise.
+      ``[{"replica_shares": [E, S] float32 numpy}, ...]`` for ``"lp"`` (equal
+      shares, :func:`equal_shares`, for a layer whose load is all zero), a
+      list of ``L`` empty dicts otherwise.
     """
     check_routing(routing)
     log2phy, logcnt = np.asarray(placement.log2phy), np.asarray(placement.logcnt)
@@ -69,6 +73,8 @@ def routing_tables(routing: str, logical_load, placement, *, num_ranks: int) -> 
     load = np.asarray(logical_load)
     if load.shape != (num_layers, num_logical):
         raise ValueError(f"logical_load must have shape [L, E] = ({num_layers}, {num_logical}), got {load.shape}")
+    if load.dtype.kind not in "iuf":
+        raise ValueError(f"logical_load must hold numbers, got dtype {load.dtype}")
     if not np.all(np.isfinite(load)) or np.any(load < 0):
         raise ValueError("logical_load must be finite and non-negative")
     if isinstance(num_ranks, bool) or not isinstance(num_ranks, (int, np.integer)) or num_ranks < 1:
@@ -77,7 +83,18 @@ def routing_tables(routing: str, logical_load, placement, *, num_ranks: int) -> 
         raise ValueError(f"num_ranks ({num_ranks}) must divide the placement's P = {num_physical} slots")
     if routing != "lp":
         return [{} for _ in range(num_layers)]
-    shares = _solver(num_physical, int(num_ranks))(
-        jnp.asarray(load, jnp.float32), jnp.asarray(log2phy, jnp.int32), jnp.asarray(logcnt, jnp.int32)
-    )
-    return [{"replica_shares": layer} for layer in np.asarray(shares, np.float32)]
+    shares = equal_shares(logcnt, log2phy.shape[2])
+    busy = np.any(load > 0, axis=1)  # a layer with no load has nothing to balance: equal shares
+    if busy.any():
+        solved = _solver(num_physical, int(num_ranks))(
+            jnp.asarray(load, jnp.float32), jnp.asarray(log2phy, jnp.int32), jnp.asarray(logcnt, jnp.int32)
+        )
+        shares[busy] = np.asarray(solved, np.float32)[busy]
+    return [{"replica_shares": layer} for layer in shares]
+
+
+def stacked_routing_tables(routing: str, logical_load, placement, *, num_ranks: int) -> dict[str, np.ndarray]:
+    """:func:`routing_tables` stacked over the layers: table name -> ``[L, ...]`` numpy array (``{}`` when the mode
+    has no tables). An all-zero ``logical_load`` gives a fresh start's tables (equal shares for ``"lp"``)."""
+    per_layer = routing_tables(routing, logical_load, placement, num_ranks=num_ranks)
+    return {name: np.stack([tables[name] for tables in per_layer]) for name in per_layer[0]}
