@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as PS
 from moe_eplb_jax.control import Balancer, ExpertLayout, RearrangementError, moves
 from moe_eplb_jax.flax import EplbController, MoELayer, moe_apply
 from moe_eplb_jax.flax import controller as controller_module
-from moe_eplb_jax.flax import layer as layer_mod
+from moe_eplb_jax.flax import apply as apply_mod
 from moe_eplb_jax.placement import Placement
 from moe_eplb_jax.policy.online import home_layout
 from moe_eplb_jax.routing import ROUTING_MODES, equal_shares, routing_tables
@@ -116,8 +116,8 @@ def test_config_routing_changes_what_every_layer_does(monkeypatch, routing):
     ctl = EplbController(model, MESH, config(routing))
     assert [layer.routing for layer in model.layers] == [routing] * L
     modes = []  # the mode each layer's map_and_count is traced with
-    real = layer_mod._map_and_count
-    monkeypatch.setattr(layer_mod, "_map_and_count", lambda *a, **k: modes.append(k["mode"]) or real(*a, **k))
+    real = apply_mod.map_and_count
+    monkeypatch.setattr(apply_mod, "map_and_count", lambda *a, **k: modes.append(k["mode"]) or real(*a, **k))
     x = zipf_batch(seed=1)
     nnx.eval_shape(lambda model, x: model(x), model, x)  # traced now, whatever a compiled forward cached
     assert modes == [routing] * L
