@@ -187,7 +187,8 @@ def main(argv=None):
             parser.error(f"--checkpoint: {e}")
     else:
         skew_routers(model, args.skew)
-    held = args.init_placement is not None
+    # One EP rank holds every expert: no placement changes its load, so the placement is held.
+    held = args.init_placement is not None or ranks == 1
     try:
         controller = EplbController(model, mesh, eplb, placement=args.init_placement, rebalance=not held)
     except ValueError as e:
@@ -266,6 +267,8 @@ def main(argv=None):
         f"{config.num_experts} + {args.redundant} redundant, top-{config.top_k} ({config.scoring} router), "
         f"routing {eplb.routing!r}, policy {eplb.policy!r}, overlap {eplb.overlap!r}"
     )
+    if ranks == 1:
+        print("EP = 1: one rank holds every expert, so there is nothing to balance; the placement is held")
     if held:
         print(f"balancedness (measured): held placement {balancedness(last):.3f}  (1.0 = perfect)")
         print(f"throughput: {mean_tps([row[0] for row in served])} (decode, batch {args.batch})")

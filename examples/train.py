@@ -173,7 +173,8 @@ def main(argv=None):
     # optax makes its step counters on one device; put them on the mesh like everything else, so a checkpoint
     # restores them where the jitted step expects them.
     nnx.update(optimizer, jax.tree.map(lambda x: on_mesh(x, mesh), nnx.state(optimizer)))
-    controller = EplbController(model, mesh, eplb, optimizer=optimizer)
+    # One EP rank holds every expert: no placement changes its load, so the placement is held.
+    controller = EplbController(model, mesh, eplb, optimizer=optimizer, rebalance=ranks > 1)
     main_process = jax.process_index() == 0
 
     manager = None
@@ -201,7 +202,10 @@ def main(argv=None):
                 print(f"resumed from step {start} ({controller.num_rearrangements} rearrangements so far)")
         if start >= args.steps:
             parser.error(f"--steps {args.steps}: the checkpoint is already at step {start}")
-    controller.warmup()  # compiles the mover now: no rearrangement compiles mid-run
+    if controller.rebalance:
+        controller.warmup()  # compiles the mover now: no rearrangement compiles mid-run
+    elif main_process:
+        print("EP = 1: one rank holds every expert, so there is nothing to balance; the placement is held")
 
     def save(step):
         assert manager is not None

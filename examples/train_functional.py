@@ -128,7 +128,8 @@ def train(args, rt, *, log=print):
             ranks = metrics.rank_load(balancer.window_slot_load(balance), rt.ranks)
             log(f"step {step + 1}: loss {losses[-1]:.3f}, window balancedness {metrics.balancedness(ranks):.3f}")
         report = None
-        if move is None and balancer.is_due(balance):
+        # One EP rank holds every expert: no placement changes its load, so nothing is rearranged.
+        if move is None and rt.ranks > 1 and balancer.is_due(balance):
             move = balancer.decide(balance)  # the window's loads -> the policy's placement (host, ~ms)
         if move is not None:  # all layers now, or one layer / byte budget per step with config.overlap
             params, opt_state, balance, move, report = balancer.advance(params, opt_state, balance, move)
