@@ -39,7 +39,9 @@ measured on one held-out batch at the end of the phase (the placement the phase 
 exchange tokens in rounds of ``--capacity-factor`` times the balanced share, so a rank holding more tokens
 costs more rounds for everyone; serving uses the ``pallas`` grouped matmul on GPU, whose cost follows the rows
 a rank received; training uses ``dense`` (``pallas`` has no gradient), whose per-round cost does not.
-``--json PATH`` writes every figure.
+With one EP rank (``--ranks 1``) balance is moot -- every expert is on the one rank -- so the EPLB rows record
+loads (and the quota row routes by quotas) but hold the placement; the run says so. ``--rows`` picks rows, to
+split a long run; ``--json PATH`` writes every figure.
 """
 
 from __future__ import annotations

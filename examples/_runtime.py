@@ -8,7 +8,7 @@ a script calls ``prepare_devices(argv)`` first, before anything imports jax
 The EPLB configuration of a run is layered: the example's defaults, then the
 fields ``--eplb-config`` names (a JSON file or the JSON itself, vLLM's field
 names or this library's), then the flags given on the command line
-(``eplb_fields``); ``eplb_config`` builds the ``EplbConfig`` for the run's EP
+(``eplb_fields``); ``build_eplb_config`` builds the ``EplbConfig`` for the run's EP
 size. Both raise ``ValueError`` naming the flag or field, for ``parser.error``.
 """
 
@@ -196,7 +196,7 @@ def eplb_fields(text: str | None, *, defaults: dict, flags: dict) -> dict:
     return {**defaults, **named, **{name: value for name, value in flags.items() if value is not None}}
 
 
-def eplb_config(fields: dict, *, num_gpus: int | None = None):
+def build_eplb_config(fields: dict, *, num_gpus: int | None = None):
     """``EplbConfig(**fields)`` for ``num_gpus`` EP ranks (``None``: ``fields``' own); ``ValueError`` naming the field.
 
     A ``num_gpus`` named in ``--eplb-config`` must be the run's EP size.

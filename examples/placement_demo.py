@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _runtime import (
     HelpFormatter,
     add_eplb_config_arg,
-    eplb_config,
+    build_eplb_config,
     eplb_fields,
     nonnegative_float,
     nonnegative_int,
@@ -60,7 +60,7 @@ def main(argv=None):
             defaults={field: default for field, default in TOPOLOGY.values()},
             flags={field: getattr(args, flag, None) for flag, (field, _) in TOPOLOGY.items()},
         )
-        config = eplb_config(fields)
+        config = build_eplb_config(fields)
         num_physical = config.num_physical(args.experts)
     except ValueError as e:
         ap.error(str(e))

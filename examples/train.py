@@ -31,9 +31,9 @@ from _runtime import (
     Runtime,
     add_eplb_config_arg,
     add_runtime_args,
+    build_eplb_config,
     check_divides,
     check_runtime_args,
-    eplb_config,
     eplb_fields,
     nonnegative_float,
     nonnegative_int,
@@ -85,7 +85,7 @@ def parse_args(argv=None):
         args.eplb = eplb_settings(args)
         args.redundant = args.eplb["num_redundant_experts"]
         if ranks is not None:
-            eplb_config(args.eplb, num_gpus=ranks)
+            build_eplb_config(args.eplb, num_gpus=ranks)
     except ValueError as e:
         p.error(str(e))
     check_divides(p, ranks, _divided(args))
@@ -155,7 +155,7 @@ def main(argv=None):
 
     ranks, mesh = rt.ranks, rt.mesh
     try:
-        eplb = eplb_config(args.eplb, num_gpus=ranks)
+        eplb = build_eplb_config(args.eplb, num_gpus=ranks)
     except ValueError as e:
         parser.error(str(e))
     config = preset(args.preset)

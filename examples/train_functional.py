@@ -26,9 +26,9 @@ from _runtime import (
     Runtime,
     add_eplb_config_arg,
     add_runtime_args,
+    build_eplb_config,
     check_divides,
     check_runtime_args,
-    eplb_config,
     eplb_fields,
     nonnegative_int,
     positive_float,
@@ -58,27 +58,31 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     ranks = check_runtime_args(p, args)
     try:
-        args.redundant = eplb_settings(args)["num_redundant_experts"]
+        fields = eplb_settings(args.eplb_config, redundant=getattr(args, "redundant", None))
+        args.redundant = fields["num_redundant_experts"]
         if ranks is not None:
-            run_config(args, ranks)
+            eplb_config(args.eplb_config, redundant=args.redundant, ranks=ranks)
     except ValueError as e:
         p.error(str(e))
     check_divides(p, ranks, {"--batch": args.batch, "P = E + --redundant": args.experts + args.redundant})
     return p, args
 
 
-def eplb_settings(args) -> dict:
-    """The run's EplbConfig fields: this example's defaults, then ``--eplb-config``, then ``--redundant`` if given."""
+def eplb_settings(text: str | None, *, redundant: int | None) -> dict:
+    """The run's EplbConfig fields: this example's defaults, then ``text`` (``--eplb-config``), then ``redundant``."""
     return eplb_fields(
-        args.eplb_config,
+        text,
         defaults={"num_redundant_experts": 8, "window_size": 16, "step_interval": 16},
-        flags={"num_redundant_experts": getattr(args, "redundant", None)},
+        flags={"num_redundant_experts": redundant},
     )
 
 
-def run_config(args, ranks: int):
-    """The run's ``EplbConfig`` for ``ranks`` EP ranks (``ValueError`` naming the flag or field)."""
-    return eplb_config(eplb_settings(args), num_gpus=ranks)
+def eplb_config(text: str | None, *, redundant: int | None, ranks: int):
+    """The run's ``EplbConfig`` for ``ranks`` EP ranks; ``redundant`` (``--redundant``; ``None``: not given) wins.
+
+    ``ValueError`` naming the flag or field.
+    """
+    return build_eplb_config(eplb_settings(text, redundant=redundant), num_gpus=ranks)
 
 
 def train(args, rt, *, log=print):
@@ -93,7 +97,7 @@ def train(args, rt, *, log=print):
     from moe_eplb_jax.control import Balancer, ExpertLayout
 
     mesh = rt.mesh
-    config = run_config(args, rt.ranks)
+    config = eplb_config(args.eplb_config, redundant=args.redundant, ranks=rt.ranks)
     params = init_params(
         args.seed,
         mesh=mesh,
@@ -152,7 +156,7 @@ def main(argv=None):
     import jax
 
     try:
-        run_config(args, rt.ranks)  # the EP size is known now even with --devices 0
+        eplb_config(args.eplb_config, redundant=args.redundant, ranks=rt.ranks)  # the EP size is known now
     except ValueError as e:
         parser.error(str(e))
     check_divides(parser, rt.ranks, {"--batch": args.batch, "P = E + --redundant": args.experts + args.redundant})
