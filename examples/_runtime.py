@@ -1,14 +1,21 @@
-"""Start-up shared by the examples: flag types and checks, simulated devices, several processes, the EP mesh.
+"""Start-up shared by the examples: flag types and checks, ``--eplb-config``, simulated devices, the EP mesh.
 
 JAX reads its platform and device count when it is imported and started, so
 a script calls ``prepare_devices(argv)`` first, before anything imports jax
 (``moe_eplb_jax`` does), then parses and checks its flags the argparse way
 (one line naming the flag, exit status 2), then builds the ``Runtime``.
+
+The EPLB configuration of a run is layered: the example's defaults, then the
+fields ``--eplb-config`` names (a JSON file or the JSON itself, vLLM's field
+names or this library's), then the flags given on the command line
+(``eplb_fields``); ``build_eplb_config`` builds the ``EplbConfig`` for the run's EP
+size. Both raise ``ValueError`` naming the flag or field, for ``parser.error``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 
@@ -49,11 +56,25 @@ def unit_interval(text: str) -> float:
     return _number(float, text, lambda v: 0 < v <= 1, "in (0, 1]")
 
 
+def existing_file(text: str) -> str:
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"{text}: no such file")
+    return text
+
+
+def writable_path(text: str) -> str:
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} is a directory")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(text))):
+        raise argparse.ArgumentTypeError(f"{text}: its directory does not exist")
+    return text
+
+
 DEFAULT_DEVICES = 8
 
 
 def prepare_devices(argv=None) -> None:
-    """Sets JAX's platform and device count from ``--devices`` (default 8) before jax is imported.
+    """Sets JAX's platform, device count and CPU compile flags from ``--devices`` (default 8) before jax starts.
 
     A malformed value is left to the full parser to report.
     """
@@ -66,7 +87,12 @@ def prepare_devices(argv=None) -> None:
         return
     if devices > 0:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
+        flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
+        # Simulated devices run many small programs a few times each: LLVM's optimisation passes cost more
+        # compile time than they save (a third of the CPU time of serve.py's default run).
+        if "xla_backend_optimization_level" not in flags:
+            flags += " --xla_backend_optimization_level=0"
+        os.environ["XLA_FLAGS"] = flags.strip()
 
 
 def add_runtime_args(parser):
@@ -128,3 +154,60 @@ class Runtime:
         from moe_eplb_jax.sharding import put_host
 
         return put_host(host, self.mesh, PartitionSpec("ep"))
+
+
+# vLLM's names for EplbConfig fields that this library names otherwise (EplbConfig.from_dict maps them).
+_VLLM_NAMES = {"log_balancedness": "log_interval", "log_balancedness_interval": "log_interval", "use_async": "overlap"}
+
+
+def add_eplb_config_arg(parser, flags: str):
+    """Adds ``--eplb-config``; ``flags`` names the example's flags that override its fields."""
+    parser.add_argument(
+        "--eplb-config",
+        metavar="FILE",
+        help="EplbConfig as JSON: a file, or the JSON object itself; vLLM's field names (window_size, "
+        "step_interval, num_redundant_experts, log_balancedness, use_async, policy) or this library's "
+        f"(routing, overlap, ...). Fields it leaves out keep this example's defaults; {flags} override it",
+    )
+
+
+def eplb_fields(text: str | None, *, defaults: dict, flags: dict) -> dict:
+    """The run's ``EplbConfig`` fields: ``defaults``, then those ``text`` names, then ``flags`` (``None``: not given).
+
+    ``text``: the ``--eplb-config`` value, a JSON file or a JSON object. Raises
+    ``ValueError`` naming ``--eplb-config`` and the field for a missing file,
+    bad JSON, an unknown field or a bad value.
+    """
+    from moe_eplb_jax import EplbConfig
+
+    named = {}
+    if text:
+        if not text.lstrip().startswith("{"):
+            if not os.path.isfile(text):
+                raise ValueError(f"--eplb-config {text}: no such file (give a JSON file or a JSON object)")
+            with open(text) as f:
+                text = f.read()
+        try:
+            config = EplbConfig.from_json(text)
+        except ValueError as e:
+            raise ValueError(f"--eplb-config: {e}") from None
+        keys = {_VLLM_NAMES.get(key, key) for key in json.loads(text)}
+        named = {name: value for name, value in config.to_dict().items() if name in keys}
+    return {**defaults, **named, **{name: value for name, value in flags.items() if value is not None}}
+
+
+def build_eplb_config(fields: dict, *, num_gpus: int | None = None):
+    """``EplbConfig(**fields)`` for ``num_gpus`` EP ranks (``None``: ``fields``' own); ``ValueError`` naming the field.
+
+    A ``num_gpus`` named in ``--eplb-config`` must be the run's EP size.
+    """
+    from moe_eplb_jax import EplbConfig
+
+    if num_gpus is not None:
+        if fields.get("num_gpus", num_gpus) != num_gpus:
+            raise ValueError(f"--eplb-config: num_gpus={fields['num_gpus']} but the run has {num_gpus} EP ranks")
+        fields = {**fields, "num_gpus": num_gpus}
+    try:
+        return EplbConfig(**fields)
+    except ValueError as e:
+        raise ValueError(f"EPLB config (--eplb-config and flags): {e}") from None

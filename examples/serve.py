@@ -1,16 +1,23 @@
-"""Batched generation with a KV cache and EPLB: balancedness before and after rebalancing, tokens/s.
+"""Batched generation with a KV cache and EPLB: experts rearranged layer by layer between decode steps.
 
     python examples/serve.py                          # CPU, 8 simulated devices (the README demo)
     python examples/serve.py --devices 0 --ranks 8    # real GPUs: EP over 8 of them
-    python examples/serve.py --save-placement p.json  # fit a placement from the warm-up traffic
-    python examples/serve.py --init-placement p.json  # serve with a held, fitted placement
+    python examples/serve.py --dump-loads loads.npz   # record the expert loads ...
+    moe-eplb fit loads.npz --num-ranks 8 --num-physical 24 -o p.json   # ... fit a placement to them (or
+                                                      # --format sglang: SGLang's --init-expert-location file)
+    python examples/serve.py --init-placement p.json  # ... and serve with it, held
     python examples/serve.py --checkpoint ckpt/ --quantize mxfp4   # Hugging Face-style safetensors weights
     python examples/serve.py --devices 0 --ranks 1 --preset small --batch 32 --new-tokens 256 --compare-recompute
 
 Each batch holds requests of different prompt lengths, left-padded to one width (padding is never routed to
 an expert nor counted as load); prefill, then one jitted decode step per token with a preallocated KV cache.
-Every forward pass closes a controller step (the loads are recorded); midway through the last warm-up batch
-the experts are rearranged, between two decode steps, and the batches after run on the new placement.
+A first batch compiles prefill and decode (not recorded, not timed); ``controller.warmup()`` compiles the
+expert mover, so no rearrangement compiles mid-run. Every forward pass after that closes a controller step
+(the loads are recorded). Midway through the last warm-up batch the controller decides a placement from the
+loads so far and moves the experts one MoE layer per decode step (``overlap="layer"``, vLLM's
+``use_async``); each layer switches to its new placement once its weights have arrived, and the batches
+after run on the new placement. ``--eplb-config`` replaces this schedule (``step_interval``: forward passes
+between rearrangements, the first after a quarter of it; ``window_size``; ``overlap``; ``policy``; ``routing``).
 Without --checkpoint the weights are random and the routers carry a Zipf bias (--skew) so the traffic is
 skewed. --compare-recompute also times decoding without the cache (the whole sequence re-run per token).
 
@@ -29,9 +36,12 @@ import time
 from _runtime import (
     HelpFormatter,
     Runtime,
+    add_eplb_config_arg,
     add_runtime_args,
+    build_eplb_config,
     check_divides,
     check_runtime_args,
+    eplb_fields,
     nonnegative_float,
     nonnegative_int,
     positive_int,
@@ -47,7 +57,12 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model shape")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="override the preset's dtype")
-    p.add_argument("--redundant", type=nonnegative_int, default=8, help="redundant expert slots R (P = E + R)")
+    p.add_argument(
+        "--redundant",
+        type=nonnegative_int,
+        default=argparse.SUPPRESS,
+        help="redundant expert slots R (P = E + R) (default: 8)",
+    )
     p.add_argument("--batch", type=positive_int, default=64, help="requests per batch (divisible by the ranks)")
     p.add_argument("--min-prompt", type=positive_int, default=4, help="shortest prompt")
     p.add_argument("--max-prompt", type=positive_int, default=24, help="longest prompt (the padded width)")
@@ -66,15 +81,20 @@ def parse_args(argv=None):
     p.add_argument("--skew", type=nonnegative_float, default=1.5, help="Zipf skew of the routers (random weights)")
     p.add_argument("--checkpoint", help="a safetensors checkpoint (file or directory) of the preset's shape")
     p.add_argument("--quantize", choices=FORMATS, default=None, help="quantize the experts on load")
-    p.add_argument("--init-placement", help="serve with this placement file (no rebalancing)")
-    p.add_argument("--save-placement", help="write the fitted placement here")
+    p.add_argument(
+        "--init-placement", help="serve with this placement file, held (ours or SGLang's expert-location JSON)"
+    )
+    p.add_argument("--save-placement", help="write the placement served with at the end here (.json / .npz)")
+    p.add_argument(
+        "--dump-loads", help="write the load window at the end here (.npz / .json), the file `moe-eplb fit` reads"
+    )
     p.add_argument("--compare-recompute", action="store_true", help="also time decoding without the KV cache")
     p.add_argument("--seed", type=nonnegative_int, default=0, help="weights, prompts and sampling")
+    add_eplb_config_arg(p, "--redundant and --init-placement (which holds the placement)")
     add_runtime_args(p)
     args = p.parse_args(argv)
     config = PRESETS[args.preset]
     ranks = check_runtime_args(p, args)
-    check_divides(p, ranks, _divided(args))
     if args.min_prompt > args.max_prompt:
         p.error(f"--min-prompt {args.min_prompt} exceeds --max-prompt {args.max_prompt}")
     if args.max_prompt + args.new_tokens - 1 > config.max_seq_len:
@@ -88,13 +108,42 @@ def parse_args(argv=None):
         path = getattr(args, flag)
         if path is not None and not os.path.exists(path):
             p.error(f"--{flag.replace('_', '-')} {path}: no such file or directory")
-    if args.save_placement and not os.path.isdir(os.path.dirname(os.path.abspath(args.save_placement))):
-        p.error(f"--save-placement {args.save_placement}: its directory does not exist")
+    for flag in ("save_placement", "dump_loads"):
+        path = getattr(args, flag)
+        name = "--" + flag.replace("_", "-")
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            p.error(f"{name} {path}: its directory does not exist")
+        if path and not path.endswith((".json", ".npz")):
+            p.error(f"{name} {path}: the file name must end in .json or .npz")
     if args.quantize and not args.checkpoint:
         p.error("--quantize needs --checkpoint (it quantizes the loaded experts)")
     if args.capacity_factor == 0:
         args.capacity_factor = None
+    try:
+        args.eplb = eplb_settings(args)
+        args.redundant = args.eplb["num_redundant_experts"]
+        if ranks is not None:
+            build_eplb_config(args.eplb, num_gpus=ranks)
+    except ValueError as e:
+        p.error(str(e))
+    check_divides(p, ranks, _divided(args))
     return p, args
+
+
+def rearrange_at(args) -> int:
+    """The forward pass after which the default schedule rearranges: midway through the last warm-up batch."""
+    return (args.warmup_batches - 1) * args.new_tokens + max(1, args.new_tokens // 2)
+
+
+def eplb_settings(args) -> dict:
+    """The run's EplbConfig fields: the default schedule, then --eplb-config, then --redundant if given."""
+    first = rearrange_at(args)
+    return eplb_fields(
+        args.eplb_config,
+        # The first rearrangement comes after a quarter of step_interval: at pass `first`.
+        defaults={"num_redundant_experts": 8, "window_size": first, "step_interval": 4 * first, "overlap": "layer"},
+        flags={"num_redundant_experts": getattr(args, "redundant", None)},
+    )
 
 
 def _divided(args) -> dict[str, int]:
@@ -113,17 +162,22 @@ def main(argv=None):
     import numpy as np
     from flax import nnx
 
-    from moe_eplb_jax import EplbConfig, metrics
+    from moe_eplb_jax import metrics
     from moe_eplb_jax.flax import EplbController
     from moe_eplb_jax.models import MoECausalLM, Sampling, generate, load_checkpoint, preset, skew_routers, zipf_tokens
 
     ranks, mesh = rt.ranks, rt.mesh
+    try:
+        eplb = build_eplb_config(args.eplb, num_gpus=ranks)
+    except ValueError as e:
+        parser.error(str(e))
     config = preset(args.preset, **({"dtype": args.dtype} if args.dtype else {}))
     model = MoECausalLM(
         config,
         mesh=mesh,
         num_redundant_experts=args.redundant,
         capacity_factor=args.capacity_factor,
+        routing=eplb.routing,
         rngs=nnx.Rngs(args.seed),
     )
     if args.checkpoint:
@@ -133,123 +187,124 @@ def main(argv=None):
             parser.error(f"--checkpoint: {e}")
     else:
         skew_routers(model, args.skew)
-    held = args.init_placement is not None
-    eplb = EplbConfig(num_redundant_experts=args.redundant, window_size=10**6, step_interval=10**9, num_gpus=ranks)
+    # One EP rank holds every expert: no placement changes its load, so the placement is held.
+    held = args.init_placement is not None or ranks == 1
     try:
         controller = EplbController(model, mesh, eplb, placement=args.init_placement, rebalance=not held)
     except ValueError as e:
         parser.error(f"--init-placement: {e}")
     main_process = jax.process_index() == 0
+    say = print if main_process else lambda *a, **k: None
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     rng = np.random.default_rng(args.seed)
-    # Midway through the last warm-up batch: the rearrangement happens between two decode steps.
-    rearrange_at = (args.warmup_batches - 1) * args.new_tokens + max(1, args.new_tokens // 2)
-    passes, rearranged = [0], {}
-
-    def on_step(_):
-        controller.step()
-        passes[0] += 1
-        if passes[0] == rearrange_at and not held:
-            start = time.perf_counter()
-            report = controller.rearrange()
-            jax.block_until_ready(nnx.state(model))
-            rearranged.update(report, seconds=time.perf_counter() - start, after_pass=passes[0])
 
     def batch():
         lengths = rng.integers(args.min_prompt, args.max_prompt + 1, args.batch)
         return [zipf_tokens(rng, 1, int(n), config.vocab_size, repeat=False)[0] for n in lengths]
 
-    compiled = [False]
+    def run(prompts, seed, **options):
+        return generate(
+            model,
+            prompts,
+            max_new_tokens=args.new_tokens,
+            sampling=sampling,
+            seed=seed,
+            prompt_width=args.max_prompt,
+            **options,
+        )
 
-    def serve(num_batches, label):
-        """Decode tokens/s over the batches, the compiling first one left out."""
-        seconds = steps = 0.0
-        for b in range(num_batches):
-            moved_before = "seconds" in rearranged
-            out = generate(
-                model,
-                batch(),
-                max_new_tokens=args.new_tokens,
-                sampling=sampling,
-                seed=args.seed + b,
-                prompt_width=args.max_prompt,
-                on_step=on_step,
-            )
-            if main_process:
-                print(f"{label}: batch {b + 1}/{num_batches} done", flush=True)
-            if not compiled[0]:
-                compiled[0] = True
-                continue
-            moved = rearranged["seconds"] if "seconds" in rearranged and not moved_before else 0.0
-            seconds += out.decode_seconds - moved
-            steps += args.new_tokens - 1
-        return steps * args.batch / seconds if steps else float("nan")
+    start = time.perf_counter()
+    run(batch(), args.seed, record=False)  # compiles prefill and decode; counts no load
+    say(f"compiled prefill and decode in {time.perf_counter() - start:.1f} s", flush=True)
+    warmup = None
+    if not held:  # compiles the mover and the window readers: no rearrangement compiles mid-run
+        warmup = controller.warmup()
+        say(f"controller.warmup(): {warmup['moves']} moves rehearsed in {warmup['seconds']:.1f} s", flush=True)
 
-    tps_before = serve(args.warmup_batches, "serve (initial placement)" if not held else "serve (held placement)")
-    window_before = rearranged.get("balancedness_before")
-    if window_before is None:
-        window_before = float(metrics.balancedness(metrics.rank_load(controller.window_slot_load(), ranks)))
-    tps_after = serve(args.batches, "serve (EPLB placement)" if not held else "serve (held placement)")
-    bal_after = float(metrics.balancedness(metrics.rank_load(controller.window_slot_load(), ranks)))
+    passes, reports = [0], []
+
+    def on_step(_):
+        report = controller.step()
+        passes[0] += 1
+        if report and report.get("rearranged"):
+            reports.append(dict(report, after_pass=passes[0]))
+
+    served = []  # per batch: (decode tokens/s, rearrangements before it, after it, moving after it)
+    for b in range(args.warmup_batches + args.batches):
+        before = controller.num_rearrangements
+        out = run(batch(), args.seed + 1 + b, on_step=on_step)
+        tps = (args.new_tokens - 1) * args.batch / out.decode_seconds if args.new_tokens > 1 else float("nan")
+        served.append((tps, before, controller.num_rearrangements, controller.rearranging))
+        say(f"batch {b + 1}/{args.warmup_batches + args.batches}: {tps:.1f} decode tok/s", flush=True)
+    last = controller.window_slot_load()  # the traffic since the last rearrangement, on the placement served
+    if args.dump_loads:
+        controller.dump_loads(args.dump_loads)
     if args.save_placement and main_process:
         controller.save_placement(args.save_placement)
-    again = None
-    if rearranged:  # the first rearrangement compiled the transport; time one more, on the traffic since
-        start = time.perf_counter()
-        report = controller.rearrange()
-        jax.block_until_ready(nnx.state(model))
-        again = (time.perf_counter() - start, report["slots_moved"])
     compare = None
     if args.compare_recompute:  # same prompts, no recording: decode time per step with and without the cache
         prompts = batch()
         timed = {}
         for use_cache in (True, False):
             for _ in range(2):  # the second run is timed: the first compiles
-                out = generate(
-                    model,
-                    prompts,
-                    max_new_tokens=args.new_tokens,
-                    prompt_width=args.max_prompt,
-                    use_cache=use_cache,
-                    record=False,
-                )
+                out = run(prompts, args.seed, use_cache=use_cache, record=False)
             timed[use_cache] = out.decode_seconds / max(args.new_tokens - 1, 1)
         compare = (timed[True], timed[False])
-    if main_process or args.num_processes > 1:  # every process prints it: their summaries must agree
+
+    def balancedness(slot_load):
+        return float(metrics.balancedness(metrics.rank_load(np.asarray(slot_load, np.float64), ranks)))
+
+    def mean_tps(rows):
+        rows = [tps for tps in rows if np.isfinite(tps)]
+        return f"{np.mean(rows):.1f} tok/s" if rows else "n/a"
+
+    if not (main_process or args.num_processes > 1):
+        return
+    # Every process prints the summary: their figures must agree.
+    print("\n=== summary ===" if args.num_processes == 1 else f"\n=== summary (process {jax.process_index()}) ===")
+    print(
+        f"EP ranks {ranks}, preset {args.preset}: {config.num_moe_layers} MoE layers, experts "
+        f"{config.num_experts} + {args.redundant} redundant, top-{config.top_k} ({config.scoring} router), "
+        f"routing {eplb.routing!r}, policy {eplb.policy!r}, overlap {eplb.overlap!r}"
+    )
+    if ranks == 1:
+        print("EP = 1: one rank holds every expert, so there is nothing to balance; the placement is held")
+    if held:
+        print(f"balancedness (measured): held placement {balancedness(last):.3f}  (1.0 = perfect)")
+        print(f"throughput: {mean_tps([row[0] for row in served])} (decode, batch {args.batch})")
+    else:
+        # The window the first rearrangement was decided from, on the initial placement (else: all traffic so far).
+        initial = reports[0]["balancedness_before"] if reports else balancedness(last)
         print(
-            "\n=== summary ==="
-            if args.num_processes == 1
-            else f"\n=== summary (process {jax.process_index()} of {jax.process_count()}) ==="
+            f"balancedness (measured): initial placement {initial:.3f} -> EPLB placement {balancedness(last):.3f}"
+            "  (1.0 = perfect)"
         )
+        for i, report in enumerate(reports):
+            print(
+                f"rearrangement {i + 1} (done after forward pass {report['after_pass']}): {report['slots_moved']} slots in "
+                f"{report['layers_moved']} layers, {report['bytes_moved'] / 1e6:.2f} MB moved in "
+                f"{report['move_seconds'] * 1e3:.1f} ms ({report['gb_per_s']:.3g} GB/s); policy-predicted "
+                f"balancedness {report['balancedness_before']:.3f} -> {report['balancedness_after']:.3f}"
+            )
+        if warmup is not None:
+            print(f"controller.warmup() took {warmup['seconds']:.1f} s before serving (nothing compiled mid-run)")
         print(
-            f"EP ranks {ranks}, preset {args.preset}: {config.num_moe_layers} MoE layers, experts "
-            f"{config.num_experts} + {args.redundant} redundant, top-{config.top_k} ({config.scoring} router)"
+            f"throughput (decode, batch {args.batch}, rearrangement steps included): "
+            f"{mean_tps([r[0] for r in served if r[2] == 0 and not r[3]])} on the initial placement, "
+            f"{mean_tps([r[0] for r in served if r[1] >= 1])} on the EPLB placement"
         )
-        print(f"balancedness (measured) before {window_before:.3f} -> after {bal_after:.3f}  (1.0 = perfect)")
-        if rearranged:
-            print(
-                f"rearrangement: {rearranged['slots_moved']} slots moved, policy-predicted balancedness "
-                f"{rearranged['balancedness_after']:.3f}"
-            )
-            print(
-                f"rearrangement took {rearranged['seconds'] * 1e3:.1f} ms between decode steps (after forward pass "
-                f"{rearranged['after_pass']}; compiling the transport included)"
-            )
-        if again is not None:
-            print(f"rearrangement took {again[0] * 1e3:.1f} ms the second time ({again[1]} slots moved)")
-        simulated = jax.devices()[0].platform == "cpu" and args.devices
+    if jax.devices()[0].platform == "cpu" and args.devices:
+        print("(CPU simulated devices: throughput does not show the balance)")
+    if compare is not None:
+        cached, recomputed = compare
         print(
-            f"throughput: {tps_before:.1f} tok/s before, {tps_after:.1f} tok/s after (decode, batch {args.batch})"
-            + (" (CPU simulated devices: throughput does not show the balance)" if simulated else "")
+            f"decode time per generated token (batch {args.batch}, {args.new_tokens} new tokens): KV cache "
+            f"{cached * 1e3:.2f} ms vs full recompute {recomputed * 1e3:.2f} ms ({recomputed / cached:.1f}x)"
         )
-        if compare is not None:
-            cached, recomputed = compare
-            print(
-                f"decode time per generated token (batch {args.batch}, {args.new_tokens} new tokens): KV cache "
-                f"{cached * 1e3:.2f} ms vs full recompute {recomputed * 1e3:.2f} ms ({recomputed / cached:.1f}x)"
-            )
-        if args.save_placement:
-            print(f"placement saved to {args.save_placement}")
+    if args.dump_loads:
+        print(f"loads of the last {int(np.asarray(controller.state.window_filled))} steps written to {args.dump_loads}")
+    if args.save_placement:
+        print(f"placement saved to {args.save_placement}")
 
 
 if __name__ == "__main__":

@@ -10,9 +10,11 @@ the tokens follow a Zipf distribution (a few ids dominate, and each row's second
 the model learns: the loss falls), and every router carries a fixed Zipf bias (expert e: -skew * log(1 + e)),
 held out of the optimizer like DeepSeek-V3's score-correction bias, so the skew lasts through training. The
 controller rearranges every --step-interval steps (the first at a quarter of it); the optimizer state (AdamW
-moments) moves with the expert weights. A checkpoint holds the model and optimizer state (Orbax) and the
-controller's state (placement, load window, counters); batch ``n`` is drawn from seed (--seed, n), so a
-resumed run sees the same data as one that never stopped.
+moments) moves with the expert weights. ``--eplb-config`` sets the rest (``{"use_async": true}``: one layer
+moved per step). A checkpoint is one Orbax ``CheckpointManager`` step holding three items -- the model, the
+optimizer state and the controller's state (placement, load window, counters) -- saved and restored
+together; batch ``n`` is drawn from seed (--seed, n), so a resumed run repeats the steps of one that never
+stopped.
 
 Several hosts: one copy per host with --coordinator HOST:PORT --num-processes N --process-id I.
 """
@@ -27,9 +29,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _runtime import (
     HelpFormatter,
     Runtime,
+    add_eplb_config_arg,
     add_runtime_args,
+    build_eplb_config,
     check_divides,
     check_runtime_args,
+    eplb_fields,
     nonnegative_float,
     nonnegative_int,
     positive_float,
@@ -44,11 +49,21 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model shape")
     p.add_argument("--steps", type=positive_int, default=60, help="train until this step (counting resumed ones)")
-    p.add_argument("--redundant", type=nonnegative_int, default=8, help="redundant expert slots R (P = E + R)")
+    p.add_argument(
+        "--redundant",
+        type=nonnegative_int,
+        default=argparse.SUPPRESS,
+        help="redundant expert slots R (P = E + R) (default: 8)",
+    )
     p.add_argument("--batch", type=positive_int, default=16, help="sequences per step (divisible by the ranks)")
     p.add_argument("--seq", type=positive_int, default=32, help="tokens per sequence")
     p.add_argument("--lr", type=positive_float, default=3e-3, help="AdamW learning rate")
-    p.add_argument("--step-interval", type=positive_int, default=40, help="steps between rearrangements")
+    p.add_argument(
+        "--step-interval",
+        type=positive_int,
+        default=argparse.SUPPRESS,
+        help="steps between rearrangements, and the load window's length (default: 40)",
+    )
     p.add_argument(
         "--capacity-factor",
         type=nonnegative_float,
@@ -61,10 +76,19 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint-every", type=positive_int, default=20, help="steps between checkpoints")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
     p.add_argument("--seed", type=nonnegative_int, default=0, help="weights and data")
+    add_eplb_config_arg(p, "--redundant and --step-interval")
     add_runtime_args(p)
     args = p.parse_args(argv)
     config = PRESETS[args.preset]
-    check_divides(p, check_runtime_args(p, args), _divided(args))
+    ranks = check_runtime_args(p, args)
+    try:
+        args.eplb = eplb_settings(args)
+        args.redundant = args.eplb["num_redundant_experts"]
+        if ranks is not None:
+            build_eplb_config(args.eplb, num_gpus=ranks)
+    except ValueError as e:
+        p.error(str(e))
+    check_divides(p, ranks, _divided(args))
     if args.seq + 1 > config.max_seq_len:
         p.error(f"--seq {args.seq} + 1 exceeds the {args.preset} preset's max_seq_len {config.max_seq_len}")
     if args.resume and not args.checkpoint_dir:
@@ -78,6 +102,22 @@ def parse_args(argv=None):
     if args.capacity_factor == 0:
         args.capacity_factor = None
     return p, args
+
+
+def eplb_settings(args) -> dict:
+    """The run's EplbConfig fields: defaults, then --eplb-config, then --redundant / --step-interval if given."""
+    interval = getattr(args, "step_interval", None)
+    fields = eplb_fields(
+        args.eplb_config,
+        defaults={"num_redundant_experts": 8, "step_interval": 40},
+        flags={
+            "num_redundant_experts": getattr(args, "redundant", None),
+            "step_interval": interval,
+            "window_size": interval,
+        },
+    )
+    fields.setdefault("window_size", fields["step_interval"])  # a window as long as the interval unless named
+    return fields
 
 
 def _divided(args) -> dict[str, int]:
@@ -110,17 +150,21 @@ def main(argv=None):
     import orbax.checkpoint as ocp
     from flax import nnx
 
-    from moe_eplb_jax import EplbConfig
     from moe_eplb_jax.flax import EplbController
     from moe_eplb_jax.models import MoECausalLM, preset, skew_routers, zipf_tokens
 
     ranks, mesh = rt.ranks, rt.mesh
+    try:
+        eplb = build_eplb_config(args.eplb, num_gpus=ranks)
+    except ValueError as e:
+        parser.error(str(e))
     config = preset(args.preset)
     model = MoECausalLM(
         config,
         mesh=mesh,
         num_redundant_experts=args.redundant,
         capacity_factor=args.capacity_factor,
+        routing=eplb.routing,
         rngs=nnx.Rngs(args.seed),
     )
     skew_routers(model, args.skew)
@@ -129,13 +173,8 @@ def main(argv=None):
     # optax makes its step counters on one device; put them on the mesh like everything else, so a checkpoint
     # restores them where the jitted step expects them.
     nnx.update(optimizer, jax.tree.map(lambda x: on_mesh(x, mesh), nnx.state(optimizer)))
-    eplb = EplbConfig(
-        num_redundant_experts=args.redundant,
-        window_size=args.step_interval,
-        step_interval=args.step_interval,
-        num_gpus=ranks,
-    )
-    controller = EplbController(model, mesh, eplb, optimizer=optimizer)
+    # One EP rank holds every expert: no placement changes its load, so the placement is held.
+    controller = EplbController(model, mesh, eplb, optimizer=optimizer, rebalance=ranks > 1)
     main_process = jax.process_index() == 0
 
     manager = None
@@ -147,30 +186,36 @@ def main(argv=None):
             start = manager.latest_step() or 0
             if not start:
                 parser.error(f"--resume: {args.checkpoint_dir} holds no checkpoint")
-            state = {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
-            abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-            restored = manager.restore(start, args=ocp.args.StandardRestore(abstract))
+            abstract = {
+                name: ocp.args.StandardRestore(jax.tree.map(ocp.utils.to_shape_dtype_struct, state))
+                for name, state in (("model", nnx.state(model)), ("optimizer", nnx.state(optimizer)))
+            }
+            # No target for the EPLB item: it comes back as saved and restore_item checks every field.
+            try:
+                restored = manager.restore(start, args=ocp.args.Composite(**abstract, eplb=ocp.args.StandardRestore()))
+                controller.restore_item(restored["eplb"])  # nothing changes unless every field passes
+            except ValueError as e:  # a checkpoint of another model shape or EPLB config, or a damaged one
+                parser.error(f"--resume: {e}")
             nnx.update(model, restored["model"])
             nnx.update(optimizer, restored["optimizer"])
-            try:
-                controller.restore(os.path.join(folder, f"eplb-{start}.npz"))
-            except ValueError as e:
-                parser.error(f"--resume: {e}")
             if main_process:
                 print(f"resumed from step {start} ({controller.num_rearrangements} rearrangements so far)")
         if start >= args.steps:
             parser.error(f"--steps {args.steps}: the checkpoint is already at step {start}")
+    if controller.rebalance:
+        controller.warmup()  # compiles the mover now: no rearrangement compiles mid-run
+    elif main_process:
+        print("EP = 1: one rank holds every expert, so there is nothing to balance; the placement is held")
 
     def save(step):
         assert manager is not None
-        manager.save(step, args=ocp.args.StandardSave({"model": nnx.state(model), "optimizer": nnx.state(optimizer)}))
+        items = ocp.args.Composite(
+            model=ocp.args.StandardSave(nnx.state(model)),
+            optimizer=ocp.args.StandardSave(nnx.state(optimizer)),
+            eplb=ocp.args.StandardSave(controller.checkpoint_item()),
+        )
+        manager.save(step, args=items)  # one step directory, renamed into place when every item is written
         manager.wait_until_finished()
-        if main_process:
-            controller.save(os.path.join(manager.directory, f"eplb-{step}.npz"))
-            kept = {f"eplb-{s}.npz" for s in manager.all_steps()}
-            for old in os.listdir(manager.directory):  # keep the controller states of the kept checkpoints
-                if old.startswith("eplb-") and old not in kept:
-                    os.remove(os.path.join(manager.directory, old))
 
     @nnx.jit
     def train_step(model, optimizer, tokens):
@@ -192,7 +237,8 @@ def main(argv=None):
         if main_process and report and report.get("rearranged"):
             print(
                 f"step {step}: rearranged, balancedness {report['balancedness_before']:.3f} -> "
-                f"{report['balancedness_after']:.3f} (predicted), {report['slots_moved']} slots moved",
+                f"{report['balancedness_after']:.3f} (predicted), {report['slots_moved']} slots moved, "
+                f"{report['bytes_moved'] / 1e6:.2f} MB in {report['move_seconds'] * 1e3:.1f} ms",
                 flush=True,
             )
         if main_process and (step % args.log_every == 0 or step == start + 1):

@@ -2,55 +2,87 @@
 
     python examples/train_functional.py                                   # CPU, 8 simulated devices
     python examples/train_functional.py --eplb-config '{"use_async": true}'   # one layer moved per step
+    python examples/train_functional.py --eplb-config eplb.json           # or the config in a file
     python examples/train_functional.py --devices 0 --ranks 8             # real GPUs
 
 The jitted train step records each layer's load into the ``BalanceState``
 (``Balancer.record_step``); outside it the loop asks ``is_due`` and
 rearranges -- the expert weights and their Adam moments move together,
-atomically. ``--eplb-config`` takes JSON (a string or a file) with vLLM's
-field names (``window_size``, ``step_interval``, ``num_redundant_experts``,
-``log_balancedness``, ``use_async``, ``policy``) or this library's.
+atomically. ``--eplb-config`` takes JSON (a file or the object itself) with
+vLLM's field names (``window_size``, ``step_interval``,
+``num_redundant_experts``, ``log_balancedness``, ``use_async``, ``policy``)
+or this library's; ``--redundant`` overrides it.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _runtime import Runtime, add_runtime_args
+from _runtime import (
+    HelpFormatter,
+    Runtime,
+    add_eplb_config_arg,
+    add_runtime_args,
+    build_eplb_config,
+    check_divides,
+    check_runtime_args,
+    eplb_fields,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+    prepare_devices,
+)
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--experts", type=int, default=16)
-    p.add_argument("--redundant", type=int, default=8)
-    p.add_argument("--dim", type=int, default=32)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--seq", type=int, default=16)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--eplb-config", default=None, help="EplbConfig as JSON, or a JSON file (vLLM's names work)")
-    p.add_argument("--seed", type=int, default=0)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--steps", type=positive_int, default=40, help="training steps")
+    p.add_argument("--layers", type=positive_int, default=2, help="MoE layers")
+    p.add_argument("--experts", type=positive_int, default=16, help="logical experts E")
+    p.add_argument(
+        "--redundant",
+        type=nonnegative_int,
+        default=argparse.SUPPRESS,
+        help="redundant expert slots R (P = E + R) (default: 8)",
+    )
+    p.add_argument("--dim", type=positive_int, default=32, help="model width (and expert hidden width)")
+    p.add_argument("--batch", type=positive_int, default=16, help="sequences per step (divisible by the ranks)")
+    p.add_argument("--seq", type=positive_int, default=16, help="tokens per sequence")
+    p.add_argument("--lr", type=positive_float, default=3e-3, help="Adam learning rate")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="weights and data")
+    add_eplb_config_arg(p, "--redundant")
     add_runtime_args(p)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    ranks = check_runtime_args(p, args)
+    try:
+        fields = eplb_settings(args.eplb_config, redundant=getattr(args, "redundant", None))
+        args.redundant = fields["num_redundant_experts"]
+        if ranks is not None:
+            eplb_config(args.eplb_config, redundant=args.redundant, ranks=ranks)
+    except ValueError as e:
+        p.error(str(e))
+    check_divides(p, ranks, {"--batch": args.batch, "P = E + --redundant": args.experts + args.redundant})
+    return p, args
 
 
-def eplb_config(text: str | None, *, redundant: int, ranks: int):
-    """The run's ``EplbConfig``: ``--eplb-config`` (JSON text or a file) over this example's defaults."""
-    from moe_eplb_jax import EplbConfig
+def eplb_settings(text: str | None, *, redundant: int | None) -> dict:
+    """The run's EplbConfig fields: this example's defaults, then ``text`` (``--eplb-config``), then ``redundant``."""
+    return eplb_fields(
+        text,
+        defaults={"num_redundant_experts": 8, "window_size": 16, "step_interval": 16},
+        flags={"num_redundant_experts": redundant},
+    )
 
-    defaults = {"num_redundant_experts": redundant, "window_size": 16, "step_interval": 16, "num_gpus": ranks}
-    if not text:
-        return EplbConfig.from_dict(defaults)
-    if not text.lstrip().startswith("{"):
-        with open(text) as f:
-            text = f.read()
-    EplbConfig.from_json(text)  # checks what the user wrote: unknown or repeated keys, types, policy names
-    return EplbConfig.from_dict({**defaults, **json.loads(text)})
+
+def eplb_config(text: str | None, *, redundant: int | None, ranks: int):
+    """The run's ``EplbConfig`` for ``ranks`` EP ranks; ``redundant`` (``--redundant``; ``None``: not given) wins.
+
+    ``ValueError`` naming the flag or field.
+    """
+    return build_eplb_config(eplb_settings(text, redundant=redundant), num_gpus=ranks)
 
 
 def train(args, rt, *, log=print):
@@ -100,7 +132,8 @@ def train(args, rt, *, log=print):
             ranks = metrics.rank_load(balancer.window_slot_load(balance), rt.ranks)
             log(f"step {step + 1}: loss {losses[-1]:.3f}, window balancedness {metrics.balancedness(ranks):.3f}")
         report = None
-        if move is None and balancer.is_due(balance):
+        # One EP rank holds every expert: no placement changes its load, so nothing is rearranged.
+        if move is None and rt.ranks > 1 and balancer.is_due(balance):
             move = balancer.decide(balance)  # the window's loads -> the policy's placement (host, ~ms)
         if move is not None:  # all layers now, or one layer / byte budget per step with config.overlap
             params, opt_state, balance, move, report = balancer.advance(params, opt_state, balance, move)
@@ -117,9 +150,16 @@ def train(args, rt, *, log=print):
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    rt = Runtime(args)  # sets the device flags, then imports jax
+    prepare_devices(argv)  # before anything imports jax
+    parser, args = parse_args(argv)
+    rt = Runtime(args, parser)
     import jax
+
+    try:
+        eplb_config(args.eplb_config, redundant=args.redundant, ranks=rt.ranks)  # the EP size is known now
+    except ValueError as e:
+        parser.error(str(e))
+    check_divides(parser, rt.ranks, {"--batch": args.batch, "P = E + --redundant": args.experts + args.redundant})
 
     main_process = jax.process_index() == 0
     losses, reports, *_ = train(args, rt, log=print if main_process else lambda *_: None)

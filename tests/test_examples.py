@@ -1,16 +1,28 @@
 """The example scripts: flags checked up front (one argparse line, exit 2), help with defaults, full runs."""
 
+import json
 import os
 import re
 import shutil
 import sys
 
 import jax
+import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+import placement_demo
 import serve
 import train
+import train_functional
+
+from moe_eplb_jax import cli
+from moe_eplb_jax.placement import Placement
+
+
+def _parse(script, argv):
+    """``parse_args`` of any example (placement_demo parses inside ``main``)."""
+    return script.main(argv) if script is placement_demo else script.parse_args(argv)
 
 
 @pytest.mark.parametrize(
@@ -30,29 +42,86 @@ import train
         (serve, ["--min-prompt", "9", "--max-prompt", "8"], "--min-prompt 9 exceeds --max-prompt 8"),
         (serve, ["--init-placement", "/nonexistent/p.json"], "no such file or directory"),
         (serve, ["--save-placement", "/nonexistent/dir/p.json"], "its directory does not exist"),
+        (serve, ["--dump-loads", "/nonexistent/dir/loads.npz"], "--dump-loads .*: its directory does not exist"),
+        (serve, ["--dump-loads", "loads.txt"], "must end in .json or .npz"),
         (serve, ["--quantize", "mxfp4"], "--quantize needs --checkpoint"),
         (serve, ["--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
         (serve, ["--process-id", "1"], "--process-id 1 must be below --num-processes 1"),
         (train, ["--resume"], "--resume needs --checkpoint-dir"),
         (train, ["--seq", "600"], "--seq 600 \\+ 1 exceeds"),
+        (serve, ["--eplb-config", "/nonexistent/eplb.json"], "--eplb-config /nonexistent/eplb.json: no such file"),
+        (serve, ["--eplb-config", "{"], "--eplb-config: EplbConfig: not valid JSON"),
+        (train, ["--eplb-config", '{"window": 4}'], r"--eplb-config: EplbConfig: unknown field\(s\) \['window'\]"),
+        (train, ["--eplb-config", '{"policy": "nope"}'], "--eplb-config: EplbConfig.policy: "),
+        (serve, ["--eplb-config", '{"step_interval": 0}'], "EplbConfig.step_interval must be a positive integer"),
+        (serve, ["--eplb-config", '{"num_gpus": 4}'], "num_gpus=4 but the run has 8 EP ranks"),
+        (train, ["--eplb-config", '{"routing": "quota"}'], "routing='quota' .* needs policy='online'"),
+        # A file's R that the EP size does not divide is caught as the flag's would be.
+        (train, ["--eplb-config", '{"num_redundant_experts": 3}'], r"P = E \+ --redundant = 19 is not divisible"),
+        (train_functional, ["--batch", "12"], "--batch = 12 is not divisible by the 8 EP ranks"),
+        (train_functional, ["--steps", "0"], "argument --steps: '0' must be a positive integer"),
+        (train_functional, ["--eplb-config", '{"use_async": 1}'], "field 'use_async' must be true or false"),
+        (placement_demo, ["--experts", "60"], "60 experts \\+ 32 redundant = 92 slots, not divisible by num_gpus=32"),
+        (placement_demo, ["--gpus", "6", "--redundant", "0", "--experts", "24"], "num_gpus .6. is not divisible by"),
+        (placement_demo, ["--eplb-config", '{"log_balancedness": "yes"}'], "must be true or false"),
     ],
 )
 def test_bad_flags_exit_2_with_one_line(capsys, script, argv, message):
     with pytest.raises(SystemExit) as e:
-        script.parse_args(argv)
+        _parse(script, argv)
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert ": error: " in err[-1] and re.search(message, err[-1]), err
     assert not any("Traceback" in line for line in err)
 
 
-@pytest.mark.parametrize("script", [serve, train])
+@pytest.mark.parametrize("script", [serve, train, train_functional, placement_demo])
 def test_help_shows_defaults(capsys, script):
     with pytest.raises(SystemExit) as e:
-        script.parse_args(["--help"])
+        _parse(script, ["--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    assert "(default: tiny)" in out and "(default: 8)" in out and "{deepseek_v3_small,small,tiny}" in out
+    assert "--eplb-config FILE" in out and "vLLM's field names" in out
+    if script is not placement_demo:
+        assert "(default: 8)" in out
+    if script in (serve, train):
+        assert "(default: tiny)" in out and "{deepseek_v3_small,small,tiny}" in out
+
+
+def test_eplb_config_layers_defaults_file_and_flags(tmp_path):
+    """The example's defaults, then the fields the file names (vLLM's names too), then the flags given."""
+    path = tmp_path / "eplb.json"
+    path.write_text(json.dumps({"use_async": False, "window_size": 5, "num_redundant_experts": 16}))
+    _, args = serve.parse_args(["--eplb-config", str(path)])
+    assert args.redundant == 16 and args.eplb["num_redundant_experts"] == 16
+    assert args.eplb["window_size"] == 5 and args.eplb["overlap"] is None  # the file's use_async: false
+    assert args.eplb["step_interval"] == 4 * serve.rearrange_at(args)  # not in the file: the example's
+    _, args = serve.parse_args(["--eplb-config", str(path), "--redundant", "8"])
+    assert args.redundant == 8 and args.eplb["num_redundant_experts"] == 8  # the flag wins
+    _, args = serve.parse_args([])
+    assert args.eplb["overlap"] == "layer" and args.redundant == 8
+    _, args = train.parse_args(["--eplb-config", '{"step_interval": 12, "log_balancedness": true}'])
+    assert args.eplb == {"num_redundant_experts": 8, "step_interval": 12, "window_size": 12, "log_interval": 1}
+    _, args = train.parse_args(["--eplb-config", '{"step_interval": 12, "window_size": 3}', "--step-interval", "6"])
+    assert (args.eplb["step_interval"], args.eplb["window_size"]) == (6, 6)
+
+
+def test_placement_demo_runs_with_a_config_file(capsys, tmp_path):
+    """The file's topology and policy (only that policy is listed); a flag given overrides the file."""
+    path = tmp_path / "eplb.json"
+    path.write_text('{"num_redundant_experts": 8, "num_groups": 4, "policy": "deepseek"}')
+    common = ["--layers", "3", "--experts", "16", "--gpus", "8", "--eplb-config", str(path)]
+    placement_demo.main(common)
+    from_file = capsys.readouterr().out
+    placement_demo.main([*common, "--redundant", "16", "--nodes", "2"])
+    with_flags = capsys.readouterr().out
+    assert from_file.startswith("3 layers, 16 experts, 24 slots on 8 GPUs (4 nodes, 4 groups)")
+    assert with_flags.startswith("3 layers, 16 experts, 32 slots on 8 GPUs (2 nodes, 4 groups)")
+    for out in (from_file, with_flags):
+        rows = out.splitlines()[2:]
+        assert [row.split()[0] for row in rows] == ["linear", "deepseek"]
+        before, after = (float(row.split()[-3 if row.startswith("deepseek") else -2]) for row in rows)
+        assert 0 < before < after <= 1
 
 
 @pytest.fixture
@@ -65,16 +134,42 @@ def keep_environment(monkeypatch):
             monkeypatch.delenv(name, raising=False)
 
 
+SERVE_SMALL = ["--batch", "16", "--new-tokens", "4", "--max-prompt", "12", "--warmup-batches", "2", "--batches", "1"]
+
+
+def _summary_value(out: str, prefix: str) -> str:
+    return next(line for line in out.splitlines() if line.startswith(prefix))[len(prefix) :]
+
+
 @pytest.mark.slow
 @pytest.mark.usefixtures("keep_environment")
-def test_serve_runs_and_rebalances(capsys):
-    serve.main(["--batch", "8", "--new-tokens", "3", "--max-prompt", "8", "--warmup-batches", "2", "--batches", "1"])
+def test_serve_record_fit_serve_round_trip(capsys, tmp_path):
+    """serve --dump-loads -> moe-eplb fit (ours and SGLang's format) -> serve --init-placement: balanced traffic."""
+    loads = tmp_path / "loads.npz"
+    serve.main([*SERVE_SMALL, "--dump-loads", str(loads), "--save-placement", str(tmp_path / "served.json")])
     out = capsys.readouterr().out
-    assert "=== summary ===" in out
-    line = next(ln for ln in out.splitlines() if ln.startswith("balancedness (measured) before"))
-    before, after = (float(x) for x in line.split("before ")[1].split("  ")[0].split(" -> after "))
-    assert 0 < before <= 1 and 0 < after <= 1
-    assert "rearrangement: " in out and "between decode steps" in out
+    assert "=== summary ===" in out and "controller.warmup() took" in out and "overlap 'layer'" in out
+    found = re.search(r"^balancedness \(measured\): initial placement ([\d.]+) -> EPLB placement ([\d.]+) ", out, re.M)
+    assert found, out
+    initial, after = float(found[1]), float(found[2])
+    assert 0 < initial < after <= 1
+    moved = _summary_value(out, "rearrangement 1 (done after forward pass ")
+    assert int(moved.split(")")[0]) == serve.rearrange_at(serve.parse_args(SERVE_SMALL)[1]) + 1  # a layer per pass
+    assert " slots in 2 layers, " in moved and " MB moved in " in moved and "GB/s" in moved
+    assert "on the initial placement" in out and "on the EPLB placement" in out
+    assert Placement.load(tmp_path / "served.json") != Placement.linear(2, 16, 24)
+    for fmt in ("moe_eplb_jax", "sglang"):
+        fitted = tmp_path / f"{fmt}.json"
+        fit = ["fit", str(loads), "--num-ranks", "8", "--num-physical", "24", "--format", fmt, "-o", str(fitted)]
+        assert cli.main(fit) == 0
+        capsys.readouterr()
+        doc = json.loads(fitted.read_text())
+        assert ("physical_to_logical_map" in doc) == (fmt == "sglang")
+        serve.main([*SERVE_SMALL, "--init-placement", str(fitted)])
+        held = capsys.readouterr().out
+        # A few steps of traffic to fit from and to measure with: well above the linear placement, not at 1.
+        assert float(_summary_value(held, "balancedness (measured): held placement ").split()[0]) > initial + 0.15
+        assert "rearrangement 1" not in held
 
 
 @pytest.mark.slow
@@ -86,9 +181,9 @@ def test_train_checkpoints_and_resumes_exactly(capsys, tmp_path):
     with jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("allow"):  # optax's Adam mixes dtypes
         train.main([*common, "--steps", "6", "--checkpoint-every", "3"])
         straight = capsys.readouterr().out
-        assert sorted(os.listdir(ckpt)) == ["3", "6", "eplb-3.npz", "eplb-6.npz"]
+        assert sorted(os.listdir(ckpt)) == ["3", "6"]  # one Orbax step each: model, optimizer and EPLB items
+        assert {"eplb", "model", "optimizer"} <= set(os.listdir(ckpt / "3"))
         shutil.rmtree(ckpt / "6")
-        os.remove(ckpt / "eplb-6.npz")
         train.main([*common, "--steps", "6", "--resume"])
         resumed = capsys.readouterr().out
     assert "step 3: checkpoint saved" in straight and "resumed from step 3 (1 rearrangements so far)" in resumed
@@ -97,8 +192,29 @@ def test_train_checkpoints_and_resumes_exactly(capsys, tmp_path):
     def losses(text, first):
         return [ln for ln in text.splitlines() if ln.startswith("step ") and ": loss " in ln][first:]
 
+    def rearranged(text):  # the report without its timing
+        return [ln.split(" slots moved")[0] for ln in text.splitlines() if ": rearranged" in ln]
+
     assert losses(straight, 3) == losses(resumed, 0) and len(losses(resumed, 0)) == 3
+    assert rearranged(straight)[1:] == rearranged(resumed)
     final = [ln for ln in straight.splitlines() if ln.startswith("rearrangements:")]
     assert final and final == [ln for ln in resumed.splitlines() if ln.startswith("rearrangements:")]
     loss = [float(ln.split("loss ")[1]) for ln in losses(straight, 0)]
     assert loss[-1] < loss[0]
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("keep_environment")
+def test_train_resume_refuses_a_checkpoint_of_another_config(capsys, tmp_path):
+    """A checkpoint saved with another EPLB window: one error line at restore, exit 2."""
+    ckpt = tmp_path / "ckpt"
+    common = ["--batch", "8", "--seq", "8", "--checkpoint-dir", str(ckpt)]
+    with jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("allow"):
+        train.main([*common, "--steps", "1", "--step-interval", "4"])
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            train.main([*common, "--steps", "2", "--step-interval", "5", "--resume"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert re.search("--resume: EPLB checkpoint field 'config': saved with window_size=4", err[-1]), err
+    assert np.array_equal(sorted(os.listdir(ckpt)), ["1"])

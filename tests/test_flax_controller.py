@@ -1,8 +1,5 @@
 """Discovery and the controller: loads, rearrangement with optimizer state, files, bad input."""
 
-import os
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,32 +10,43 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as PS
 
 from moe_eplb_jax.flax import EplbController, MoELayer, find_moe_layers
+from moe_eplb_jax.models import MoECausalLM, preset, skew_routers, zipf_tokens
 from moe_eplb_jax.placement import Placement
 from moe_eplb_jax.state import EplbConfig
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-from _model import MoELM, VisionLanguageModel, synthetic_batch
 
 G, E, P, L = 4, 8, 12, 2
 MESH = jax.make_mesh((G,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
 CONFIG = EplbConfig(num_redundant_experts=P - E, window_size=8, step_interval=8, num_gpus=G)
+# The tiny preset, smaller still: two blocks, both MoE (no dense first block), 8 experts.
+MODEL = preset(
+    "tiny",
+    vocab_size=64,
+    dim=16,
+    num_layers=L,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=8,
+    first_dense_layers=0,
+    num_experts=E,
+    moe_hidden=16,
+    shared_hidden=16,
+)
+
+
+class VisionLanguageModel(nnx.Module):
+    """A wrapper implementing nothing: its language model holds the MoE layers (discovery must find them)."""
+
+    def __init__(self, lm: MoECausalLM, *, rngs):
+        self.vision_proj = nnx.Linear(8, 8, rngs=rngs)
+        self.language_model = lm
+
+    def __call__(self, tokens):
+        return self.language_model(tokens)
 
 
 def _model(seed=0):
-    lm = MoELM(
-        vocab=64,
-        dim=16,
-        heads=2,
-        hidden=16,
-        num_layers=L,
-        num_experts=E,
-        top_k=2,
-        num_physical=P,
-        mesh=MESH,
-        skew=1.5,
-        attention=False,
-        rngs=nnx.Rngs(seed),
-    )
+    lm = MoECausalLM(MODEL, mesh=MESH, num_redundant_experts=P - E, rngs=nnx.Rngs(seed))
+    skew_routers(lm, 1.5)
     return VisionLanguageModel(lm, rngs=nnx.Rngs(seed + 1))
 
 
@@ -46,7 +54,7 @@ _TIMING = ("move_seconds", "gb_per_s")  # report entries that measure time
 
 
 def _tokens(rng):
-    return jnp.asarray(synthetic_batch(rng, G, 8, 64))
+    return jnp.asarray(zipf_tokens(rng, G, 8, 64))
 
 
 @nnx.jit
@@ -72,7 +80,7 @@ def _train(model, optimizer, tokens):
 
 def test_discovery_finds_nested_layers_in_order():
     layers = find_moe_layers(_model())
-    assert [ref.name for ref in layers] == ["language_model/blocks/0/moe", "language_model/blocks/1/moe"]
+    assert [ref.name for ref in layers] == ["language_model/layers/0/mlp", "language_model/layers/1/mlp"]
     with pytest.raises(ValueError, match="holds no MoE layer"):
         find_moe_layers(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
     with pytest.raises(ValueError, match="nnx.Module"):
@@ -157,7 +165,7 @@ def test_fitted_placement_file_round_trip(rng, tmp_path):
 
 def test_bad_input_raises_before_anything_changes(tmp_path):
     model = _model(7)
-    w_before = np.asarray(model.language_model.blocks[0].moe.w_in.get_value())
+    w_before = np.asarray(model.language_model.layers[0].mlp.w_in.get_value())
     with pytest.raises(ValueError, match="num_gpus"):
         EplbController(model, MESH, EplbConfig(num_redundant_experts=P - E, num_gpus=2))
     with pytest.raises(ValueError, match="num_redundant_experts"):
@@ -170,9 +178,9 @@ def test_bad_input_raises_before_anything_changes(tmp_path):
     Placement.linear(L + 1, E, P).save(other)
     with pytest.raises(ValueError, match="model has"):
         EplbController(model, MESH, CONFIG, placement=str(other))
-    assert np.array_equal(np.asarray(model.language_model.blocks[0].moe.w_in.get_value()), w_before)
+    assert np.array_equal(np.asarray(model.language_model.layers[0].mlp.w_in.get_value()), w_before)
     # Expert weights without a slot axis sharded over EP.
-    layer = model.language_model.blocks[1].moe
+    layer = model.language_model.layers[1].mlp
     layer.w_out.set_value(jax.device_put(np.asarray(layer.w_out.get_value()), NamedSharding(MESH, PS())))
     with pytest.raises(ValueError, match="no slot axis"):
         EplbController(model, MESH, CONFIG)
