@@ -14,8 +14,8 @@ from jax.sharding import PartitionSpec as PS
 
 from moe_eplb_jax.control import Balancer, ExpertLayout, RearrangementError, moves
 from moe_eplb_jax.flax import EplbController, MoELayer, moe_apply
-from moe_eplb_jax.flax import controller as controller_module
 from moe_eplb_jax.flax import apply as apply_mod
+from moe_eplb_jax.flax import controller as controller_module
 from moe_eplb_jax.placement import Placement
 from moe_eplb_jax.policy.online import home_layout
 from moe_eplb_jax.routing import ROUTING_MODES, equal_shares, routing_tables
