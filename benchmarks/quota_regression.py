@@ -226,7 +226,7 @@ def main():
     parser.add_argument("--small", action="store_true", help="tiny sizes, CPU interpret mode (a smoke run)")
     parser.add_argument("--snapshots", action="store_true", help="only make the .snapshots/ folders (needs git)")
     parser.add_argument("--versions", default=",".join(VERSIONS), help="comma-separated, from " + ",".join(VERSIONS))
-    parser.add_argument("--timeout", type=float, default=200.0, help="seconds per version's subprocess")
+    parser.add_argument("--timeout", type=float, default=130.0, help="seconds per version's subprocess")
     parser.add_argument("--worker", nargs=4, metavar=("NAME", "ROOT", "RESULTS", "REFERENCE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     sizes = SMALL if args.small else LARGE
