@@ -176,9 +176,10 @@ def _map_kernel(
             slot = _alias_slot(table_ref, expert, valid_id, hashed, num_logical, alias_at, word_heads, compact)
         else:
             count, first = head_of(expert)
-            by_hash = (hashed % count.astype(jnp.uint32)).astype(jnp.int32)
+            # Built where it is used: for "quota" after the search's loops (not live across them).
+            by_hash = lambda: (hashed % count.astype(jnp.uint32)).astype(jnp.int32)
             if mode == "hash":
-                replica = by_hash
+                replica = by_hash()
             elif mode == "round_robin":
                 replica = (token % count.astype(jnp.uint32)).astype(jnp.int32)
             else:
@@ -205,7 +206,7 @@ def _map_kernel(
                     passed = upper_bound(
                         loads(table_ref, at), point, width, count, searching, dynamic=point_from == "positions"
                     )
-                replica = jnp.where(passed < count, passed, by_hash)  # past the expert's total quota: hash
+                replica = jnp.where(passed < count, passed, by_hash())  # past the expert's total quota: hash
             replica = jnp.clip(replica, 0, width - 1)
             later = plgpu.load(
                 lookup_ref.at[num_logical + replica * num_logical + expert], mask=wide | (replica > 0), other=-1
