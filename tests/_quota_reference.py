@@ -120,7 +120,7 @@ def plan_quotas_reference(
     # Spare slots in expert-id order on each rank; replicas of an expert in rank (== slot) order.
     phy2log = np.full((num_ranks, slots_per_rank), -1, np.int64)
     phy2log[:, :num_home] = np.arange(num_experts).reshape(num_ranks, num_home)
-    holders = {e: {e // num_home: None} for e in range(num_experts)}  # expert -> {rank: slot}
+    holders: dict[int, dict[int, int]] = {e: {e // num_home: -1} for e in range(num_experts)}  # expert -> {rank: slot}
     for rank in range(num_ranks):
         mine = sorted(e for (e, r) in pieces if r == rank)
         for k, e in enumerate(mine):

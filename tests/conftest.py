@@ -2,7 +2,8 @@
 
 The device count must be set before JAX initialises its backends, so this runs
 at import time, before any test module imports jax. On a GPU machine run
-``JAX_PLATFORMS=cuda pytest -m gpu`` to run the GPU-only tests.
+``JAX_PLATFORMS=cuda pytest -m gpu`` to run the GPU-only tests; modules that need several devices
+(``pytestmark = pytest.mark.devices(n)``, their module-level mesh guarded) skip on a machine with fewer.
 """
 
 import os
@@ -33,13 +34,19 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def pytest_collection_modifyitems(config, items):
-    """GPU-only tests (marked ``gpu``) skip cleanly when JAX has no GPU backend."""
-    if jax.default_backend() == "gpu":
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    """Tests skip with a reason where this machine lacks what they need: ``gpu`` ones without a GPU backend,
+    ``devices(n)`` ones with fewer than n JAX devices (the closest marker wins, so a test can need fewer devices
+    than its module)."""
+    on_gpu = jax.default_backend() == "gpu"
+    device_count = jax.device_count()
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and not on_gpu:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+        needs = item.get_closest_marker("devices")
+        if needs is not None and device_count < needs.args[0]:
+            item.add_marker(
+                pytest.mark.skip(reason=f"needs {needs.args[0]} JAX devices, this machine has {device_count}")
+            )
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
 """The moe-eplb command-line tool, run in-process."""
 
+import importlib.util
 import json
 import os
 
@@ -10,7 +11,12 @@ from moe_eplb_jax.cli import main
 from moe_eplb_jax.placement import Placement
 from moe_eplb_jax.sim import read_load
 
+needs_matplotlib = pytest.mark.skipif(
+    importlib.util.find_spec("matplotlib") is None, reason="plots need matplotlib (pip install -e '.[test]')"
+)
 
+
+@needs_matplotlib
 def test_cli_end_to_end(tmp_path, capsys):
     load = tmp_path / "load.npz"
     assert (

@@ -58,6 +58,7 @@ def test_record_false_counts_nothing(implementation, rng):
     assert not load.any() and (phys >= 0).any()
 
 
+@pytest.mark.slow  # hypothesis examples, each compiles anew
 @settings(max_examples=12)
 @given(
     num_tokens=st.integers(1, 3000),
@@ -127,6 +128,7 @@ def test_lp_follows_shares_within_two_percent(rng):
     assert load[placement.log2phy[0, 1, 1]] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("implementation", ["xla", "pallas"])
 def test_lp_zero_and_huge_rows(implementation, rng):
     """A row without a positive weight is split equally; weights near float32 max do not overflow the sums."""
@@ -394,6 +396,7 @@ def test_tables_that_disagree_are_refused(edit, message, rng):
 
 
 # ------------------------------------------- prepared lookups; vmap and shard_map of every kernel
+@pytest.mark.slow  # the Pallas kernel in interpret mode
 @pytest.mark.parametrize("mode", MODES)
 def test_prepared_lookup_gives_the_same_results(mode, rng):
     """A lookup table built once per placement (vmapped over layers, as a model keeps it) changes nothing, with
@@ -438,6 +441,7 @@ def test_prepared_lookup_gives_the_same_results(mode, rng):
                 np.testing.assert_array_equal(np.asarray(g[layer]), w)
 
 
+@pytest.mark.slow  # every kernel path in interpret mode
 @pytest.mark.parametrize(
     "mode, path", [("lp", "ranks"), ("quota", "lookback"), ("quota", "ranks"), ("quota", "positions")]
 )
@@ -551,6 +555,7 @@ def test_default_is_pallas_where_its_probe_agrees(probes, rng, recwarn):
     assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
 
 
+@pytest.mark.slow  # probes every kernel
 def test_default_falls_back_to_xla_without_the_triton_backend(probes, monkeypatch, rng):
     """Pallas' Triton backend missing (its import fails): every mode falls back to the XLA implementation -- the
     oracle's results, eager and inside jit -- with exactly one warning in the process."""
@@ -572,6 +577,7 @@ def test_default_falls_back_to_xla_without_the_triton_backend(probes, monkeypatc
     assert {("map_and_count", mode): False for mode in MODES} == probes._PROBED
 
 
+@pytest.mark.slow  # probes every kernel
 def test_default_falls_back_to_xla_when_a_kernel_fails_to_lower(probes, monkeypatch, rng):
     """A kernel that fails to lower (here: the map kernel's wrapper raises as a broken lowering rule would) or that
     disagrees with the reference: the XLA implementation serves, with one warning."""
@@ -702,7 +708,7 @@ def test_gpu_shard_map(rng):
 
 
 # ------------------------------------------------------------ mode tables
-@pytest.mark.parametrize("width", [1, 5, 33, 257, 4100])
+@pytest.mark.parametrize("width", [1, 5, 33, 257, pytest.param(4100, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("limit", [2**31 - 1, 2**21, 2**26, 100, 2**24 - 1, 3 * 2**23])
 def test_quota_thresholds_are_exact(width, limit, rng):
     """Quota thresholds are the capped int64 prefix sums exactly, whichever way the shape makes them run (the
@@ -721,7 +727,7 @@ def test_quota_thresholds_are_exact(width, limit, rng):
 
 
 @pytest.mark.parametrize("draw", ["spread", "ties", "tiny"])
-@pytest.mark.parametrize("width", [1, 5, 33, 257, 300])
+@pytest.mark.parametrize("width", [1, 5, 33, *(pytest.param(w, marks=pytest.mark.slow) for w in (257, 300))])
 def test_alias_table_is_the_sequential_sweep(width, draw, rng):
     """lp's alias table -- jnp, and the Pallas kernel in interpret mode -- is Vose's sequential sweep over the
     documented masses (modelled in exact rational arithmetic), each replica's parts add up to its mass (none for a

@@ -168,6 +168,7 @@ def test_wide_and_narrow_rows_match_reference(mode, config, wide, rng):
 
 
 # ------------------------------------------------------------ mode "lp": the alias table's forms
+@pytest.mark.slow  # thousands of slots in interpret mode
 @pytest.mark.parametrize("shape, num_physical", [((15, 4), 60), ((2200, 64), 4000), ((1500, 96), 2000)])
 def test_alias_table_forms_match_reference(shape, num_physical, rng):
     """However the alias table lies -- one word per bucket (up to 2047 slots) or a (word, slot) pair, the expert's

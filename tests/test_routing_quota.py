@@ -69,6 +69,7 @@ def check_plan(plan, counts, num_home, num_spare):
     assert int(plan.target) == int(np.asarray(plan.rank_load).max())
 
 
+@pytest.mark.slow  # hypothesis examples against the reference planner
 @given(st.integers(0, 2**32 - 1), st.sampled_from(SHAPES), st.sampled_from([1, 40]))
 def test_matches_reference(seed, shape, min_tokens):
     rng = np.random.default_rng(seed)
@@ -233,6 +234,7 @@ def _both(num_home, num_spare, min_replica_tokens, search_rounds, search_width, 
 
 
 # (4, 2, 2) x 1 round x 100: a grid split over 4 programs of 32 candidates (the one-round default's layout).
+@pytest.mark.slow  # the search kernel in interpret mode
 @pytest.mark.parametrize(
     "shape,min_tokens,rounds,width",
     [((4, 2, 2), 1, 2, 64), ((6, 3, 1), 40, 3, 16), ((5, 4, 3), 5, 1, 7), ((4, 2, 2), 1, 1, 100)],
@@ -299,6 +301,7 @@ def probes(monkeypatch):
     return _kernels
 
 
+@pytest.mark.slow  # probes the kernel in interpret mode
 def test_gpu_default_falls_back_to_xla_when_the_kernel_fails(probes, monkeypatch):
     """The GPU default is the Pallas search only if a probe plan from it equals the XLA plan; else the XLA search
     plans (the reference's plan), with exactly one warning per process."""
@@ -321,6 +324,7 @@ def test_gpu_default_falls_back_to_xla_when_the_kernel_fails(probes, monkeypatch
     assert len([w for w in caught if issubclass(w.category, RuntimeWarning)]) == 1
 
 
+@pytest.mark.slow  # plans once per config with the kernel in interpret mode
 def test_search_config_is_checked_and_keeps_the_plan(rng):
     """The search kernel's lanes per program change nothing but how programs share the grid."""
     from moe_eplb_jax.routing import _quota_fill

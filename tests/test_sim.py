@@ -1,5 +1,6 @@
 """Simulator: generators, load files, per-policy reports, the online L1 policy."""
 
+import importlib.util
 import json
 
 import numpy as np
@@ -20,6 +21,10 @@ from moe_eplb_jax.sim import (
     zipf_counts,
     zipf_popularity,
     zipf_topk,
+)
+
+needs_matplotlib = pytest.mark.skipif(
+    importlib.util.find_spec("matplotlib") is None, reason="plots need matplotlib (pip install -e '.[test]')"
 )
 
 
@@ -75,6 +80,7 @@ def test_load_file_errors(tmp_path, rng):
         read_load(tmp_path / "e.txt")
 
 
+@needs_matplotlib
 def test_simulate_reports(tmp_path):
     trace = drifting_load(8, 2, 32, 8, imbalance=2.0, tokens=65536, seed=2)
     reports = simulate(
