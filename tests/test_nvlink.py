@@ -58,7 +58,10 @@ def test_config_for_a_device_takes_one_program_per_sm():
     assert _nvlink.config_for(object()) == _nvlink.Config()  # a device that does not say: an H200's 132
 
 
-@pytest.mark.parametrize("programs, pack_programs, stages", [(2, 1, 2), (4, 1, 2), (8, 3, 3), (20, 9, 4), (3, None, 2)])
+@pytest.mark.parametrize(
+    "programs, pack_programs, stages",
+    [(2, 1, 2), (4, 1, 2), (8, 3, 3), pytest.param(20, 9, 4, marks=pytest.mark.slow), (3, None, 2)],
+)
 def test_copy_pipeline_under_the_interpreter(programs, pack_programs, stages, rng):
     """Local mode (the rank's own rows; the interpreter has no remote refs): rows, chunks, padding, and the
     next chunk packed by the other programs (from the rows as they were), race-free."""
