@@ -88,6 +88,7 @@ def test_discovery_finds_nested_layers_in_order():
         find_moe_layers({"not": "a module"})
 
 
+@pytest.mark.slow
 def test_training_rearranges_moves_optimizer_state_and_keeps_outputs(rng):
     model = _model(int(rng.integers(100)))
     optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
@@ -203,7 +204,7 @@ class _OneLayer(nnx.Module):
         return self.moe(x)
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("fmt", [pytest.param("fp8", marks=pytest.mark.slow), "mxfp4"])
 def test_quantized_experts_move_with_their_scales(rng, fmt):
     dim = 32  # MX formats need contraction sizes that are multiples of 32
     model = _OneLayer(dim, int(rng.integers(100)))

@@ -185,7 +185,9 @@ def test_a_construction_that_fails_late_hands_the_layers_back_their_mode(monkeyp
 
 
 # ------------------------------------------------- rearrangement = permuted checkpoint
-@pytest.mark.parametrize("routing", ROUTING_MODES)
+@pytest.mark.parametrize(
+    "routing", [pytest.param(m, marks=pytest.mark.slow) if m == "lp" else m for m in ROUTING_MODES]
+)
 def test_after_a_rearrangement_every_mode_equals_the_permuted_checkpoint(routing):
     model = TwoLayers()
     ctl = EplbController(model, MESH, config(routing))
@@ -210,6 +212,7 @@ def test_after_a_rearrangement_every_mode_equals_the_permuted_checkpoint(routing
 
 
 # --------------------------------------------------------------------- lp
+@pytest.mark.slow
 def test_lp_starts_equal_and_apply_placement_solves_from_the_window():
     model = TwoLayers()
     start = Placement.from_phy2log(np.stack([np.arange(P) % E, (np.arange(P) * 3) % E]), E, num_ranks=G)
@@ -230,7 +233,7 @@ def test_lp_starts_equal_and_apply_placement_solves_from_the_window():
     assert not np.array_equal(want, equal_shares(new.logcnt, S))
 
 
-@pytest.mark.parametrize("overlap", [None, "layer"])
+@pytest.mark.parametrize("overlap", [None, pytest.param("layer", marks=pytest.mark.slow)])
 def test_lp_rollback_restores_the_old_shares(monkeypatch, overlap):
     """A failure at layer 1's switch after layer 0 took its new shares: every layer routes by its old shares."""
     model = TwoLayers()
@@ -272,6 +275,7 @@ def test_lp_rollback_restores_the_old_shares(monkeypatch, overlap):
     assert not np.array_equal(shares_of(model), old_shares)
 
 
+@pytest.mark.slow
 def test_lp_shares_travel_in_the_checkpoint_item():
     """Restored into a fresh model and controller, the layers route by the saved shares, and the resumed run
     rearranges exactly as the uninterrupted one."""
@@ -384,7 +388,7 @@ def functional_step(routing):
     return step
 
 
-@pytest.mark.parametrize("routing", ["lp", "quota"])
+@pytest.mark.parametrize("routing", [pytest.param("lp", marks=pytest.mark.slow), "quota"])
 def test_functional_balancer_routes_and_rearranges_like_the_controller(monkeypatch, routing):
     model = TwoLayers()
     params = {
