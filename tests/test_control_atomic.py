@@ -163,8 +163,8 @@ class Inject:
             return real_execute(*args, **kwargs)
 
 
-# Two cases run in the fast lane (the last layer, both modes); the whole matrix is slow.
-FAST = {("transfer", 2, None), ("switch", 2, "layer")}
+# One case runs in the fast lane (the last layer, overlapped); the whole matrix is slow.
+FAST = {("switch", 2, "layer")}
 CASES = [
     pytest.param(phase, layer, overlap, marks=() if (phase, layer, overlap) in FAST else pytest.mark.slow)
     for phase in PHASES

@@ -343,6 +343,7 @@ def test_moe_apply_rejects_bad_shapes(rng):
             layer_mod.moe_apply(*args, top_k=K, mesh=MESH)
 
 
+@pytest.mark.slow
 def test_capacity_rounds_give_identical_outputs_and_gradients(rng):
     """Bounded exchange rounds (dropless under total skew) equal the single worst-case exchange, bit for bit."""
     w_in, w_out, router = _weights(rng)

@@ -38,18 +38,22 @@ def _values(extra):
 
 
 # ------------------------------------------------------------ Config
-CONFIGS = [  # (mode, config): every mode's default tiling and small tiles; every quota path
+def _slow(*values):
+    return pytest.param(*values, marks=pytest.mark.slow)
+
+
+CONFIGS = [  # (mode, config): every mode's default tiling and every quota path (fast lane); other tilings (slow)
     ("hash", Config()),
-    ("hash", Config(tile=128, sub=16)),
-    ("round_robin", Config(tile=1024, sub=1024, num_warps=8)),
+    _slow("hash", Config(tile=128, sub=16)),
+    _slow("round_robin", Config(tile=1024, sub=1024, num_warps=8)),
     ("lp", Config()),
-    ("lp", Config(tile=64, sub=32, alias_warps=1)),
+    _slow("lp", Config(tile=64, sub=32, alias_warps=1)),
     *[("quota", Config(quota_path=path)) for path in _triton.QUOTA_PATHS],
-    ("quota", Config(quota_path="lookback", rank_tile=32)),
-    ("quota", Config(quota_path="lookback", rank_tile=64, sub=16)),
-    ("quota", Config(quota_path="ranks", rank_tile=64, tile=128, sub=32)),
-    ("quota", Config(quota_path="positions", position_tile=16, position_scan=16, tile=64, sub=16)),
-    ("quota", Config(quota_path="positions", position_tile=512, position_scan=64, tile=32768, sub=32768)),
+    _slow("quota", Config(quota_path="lookback", rank_tile=32)),
+    _slow("quota", Config(quota_path="lookback", rank_tile=64, sub=16)),
+    _slow("quota", Config(quota_path="ranks", rank_tile=64, tile=128, sub=32)),
+    _slow("quota", Config(quota_path="positions", position_tile=16, position_scan=16, tile=64, sub=16)),
+    _slow("quota", Config(quota_path="positions", position_tile=512, position_scan=64, tile=32768, sub=32768)),
 ]
 
 
@@ -143,7 +147,7 @@ def test_any_shape_and_config_matches_reference(
     + [("quota", Config(quota_path=path)) for path in _triton.QUOTA_PATHS],
     ids=lambda c: c if isinstance(c, str) else c.quota_path,
 )
-@pytest.mark.parametrize("wide", [True, False], ids=["wide", "narrow"])
+@pytest.mark.parametrize("wide", [True, _slow(False)], ids=["wide", "narrow"])
 def test_wide_and_narrow_rows_match_reference(mode, config, wide, rng):
     """Experts with 1 to 20 replicas: the replica lookups, the alias words and the quota search (bisection bounded by
     each expert's replica count) give the reference's result, and late replicas are picked."""
@@ -332,7 +336,7 @@ def unruly_quotas(rng, quotas, *, huge):
 
 
 @pytest.mark.parametrize("path", _triton.QUOTA_PATHS)
-@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("seed", [0, _slow(1)])
 def test_unruly_quotas_and_counts_match_reference(path, seed):
     """Negative quotas, quotas far past the entry count (unclipped, their sums would overflow int32), replica counts
     of 0 and past the table's width, a rank limit: each quota path sums the raw quotas as the reference's

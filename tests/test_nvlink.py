@@ -60,7 +60,12 @@ def test_config_for_a_device_takes_one_program_per_sm():
 
 @pytest.mark.parametrize(
     "programs, pack_programs, stages",
-    [(2, 1, 2), (4, 1, 2), (8, 3, 3), pytest.param(20, 9, 4, marks=pytest.mark.slow), (3, None, 2)],
+    [
+        (2, 1, 2),
+        (4, 1, 2),
+        (3, None, 2),
+        *(pytest.param(*case, marks=pytest.mark.slow) for case in [(8, 3, 3), (20, 9, 4)]),
+    ],
 )
 def test_copy_pipeline_under_the_interpreter(programs, pack_programs, stages, rng):
     """Local mode (the rank's own rows; the interpreter has no remote refs): rows, chunks, padding, and the

@@ -32,7 +32,9 @@ def _placement(rng):
 
 
 @pytest.mark.skipif(rearrange_experts is None, reason=_MISSING if rearrange_experts is None else "")
-@pytest.mark.parametrize("fmt", quant.FORMATS)
+@pytest.mark.parametrize(
+    "fmt", [f if f in ("fp8", "mxfp4") else pytest.param(f, marks=pytest.mark.slow) for f in quant.FORMATS]
+)  # the fast lane: one per-tensor and one block-scaled format
 def test_rearranged_quantized_experts_equal_quantized_permuted_checkpoint(fmt, rng):
     mags = np.exp2(rng.uniform(-3, 3, (E, 1, 1))).astype(np.float32)
     checkpoint = [(rng.standard_normal(s) * mags * 0.05).astype(np.float32) for s in ((E, I, H), (E, I, H), (E, H, I))]

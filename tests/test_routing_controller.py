@@ -388,7 +388,8 @@ def functional_step(routing):
     return step
 
 
-@pytest.mark.parametrize("routing", [pytest.param("lp", marks=pytest.mark.slow), "quota"])
+@pytest.mark.slow
+@pytest.mark.parametrize("routing", ["lp", "quota"])
 def test_functional_balancer_routes_and_rearranges_like_the_controller(monkeypatch, routing):
     model = TwoLayers()
     params = {
