@@ -143,7 +143,8 @@ def test_any_shape_and_config_matches_reference(
 
 @pytest.mark.parametrize(
     "mode, config",
-    [(m, Config()) for m in ("hash", "round_robin", "lp")]
+    [_slow(m, Config()) for m in ("hash", "round_robin")]  # one replica lookup, as lp's first step
+    + [("lp", Config())]
     + [("quota", Config(quota_path=path)) for path in _triton.QUOTA_PATHS],
     ids=lambda c: c if isinstance(c, str) else c.quota_path,
 )
