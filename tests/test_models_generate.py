@@ -49,7 +49,6 @@ def test_cached_decoding_equals_full_recompute(rng):
     assert np.array_equal(cached.tokens, again.tokens)
 
 
-@pytest.mark.slow
 def test_serve_record_rearrange_equals_permuted_checkpoint(checkpoint, rng):
     """Checkpoint -> serve with EPLB recording -> rearrange between decode steps -> outputs of the permuted load."""
     model = _model(1)
