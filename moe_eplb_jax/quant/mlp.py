@@ -6,8 +6,7 @@ of each local expert slot), gate/up weights ``[E, I, H]`` and down weights
 projection is a quantized pytree of any format, or a plain float array (the
 unquantized baseline).
 
-What each ``impl`` computes, and where it runs (measured on one H200, jax 0.11.2,
-2026-11-30; figures in benchmarks/RESULTS.md):
+What each ``impl`` computes, and where it runs (figures in benchmarks/RESULTS.md):
 
 * ``"reference"`` -- the oracle, any backend: weights dequantized to float32 and
   a float32 (HIGHEST precision) einsum. For ``fp8`` the activations are first
@@ -29,8 +28,8 @@ What each ``impl`` computes, and where it runs (measured on one H200, jax 0.11.2
 * ``"scaled_matmul"`` -- ``mxfp8``/``mxfp4`` weights through
   ``jax.nn.scaled_matmul`` with activations quantized on the fly to MXFP8
   (blocks of 32 along H, the OCP floor rule). cuDNN fuses this on Blackwell
-  only; on Hopper and CPU XLA expands it to a float32 dequantize + dot (3x
-  slower than ``"auto"`` on an H200).
+  only; on Hopper and CPU XLA expands it to a float32 dequantize + dot (slower
+  than ``"auto"`` there).
 
 Activation scales of ``fp8`` are ``"static"`` (the calibrated ``input_scale``
 leaves, already EP-consistent if calibrated with ``ep_amax``) or ``"dynamic"``
@@ -223,8 +222,7 @@ def _dequantize_fast(q, dtype):
 def _fp4_values(packed):
     """Packed e2m1 pairs ``[..., K // 2]`` -> float32 ``[..., K]`` for the compute path.
 
-    XLA's own float4 conversion: on an H200 it decoded 8x2048x7168 elements in
-    0.32 ms against 0.87 ms for ``decode_e2m1``'s arithmetic (2026-11-30).
+    XLA's own float4 conversion, which decodes faster on GPU than ``decode_e2m1``'s arithmetic.
     """
     return _unpack_fp4_to_float4(packed).astype(jnp.float32)
 
