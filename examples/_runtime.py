@@ -196,6 +196,17 @@ def eplb_fields(text: str | None, *, defaults: dict, flags: dict) -> dict:
     return {**defaults, **named, **{name: value for name, value in flags.items() if value is not None}}
 
 
+def parse_eplb_fields(parser, make_fields, ranks: int | None) -> dict:
+    """``make_fields()``'s EPLB fields, checked as a config for ``ranks`` EP ranks when known; else one-line exit 2."""
+    try:
+        fields = make_fields()
+        if ranks is not None:
+            build_eplb_config(fields, num_gpus=ranks)
+    except ValueError as e:
+        parser.error(str(e))
+    return fields
+
+
 def build_eplb_config(fields: dict, *, num_gpus: int | None = None):
     """``EplbConfig(**fields)`` for ``num_gpus`` EP ranks (``None``: ``fields``' own); ``ValueError`` naming the field.
 

@@ -44,6 +44,7 @@ from _runtime import (
     eplb_fields,
     nonnegative_float,
     nonnegative_int,
+    parse_eplb_fields,
     positive_int,
     prepare_devices,
     unit_interval,
@@ -119,13 +120,8 @@ def parse_args(argv=None):
         p.error("--quantize needs --checkpoint (it quantizes the loaded experts)")
     if args.capacity_factor == 0:
         args.capacity_factor = None
-    try:
-        args.eplb = eplb_settings(args)
-        args.redundant = args.eplb["num_redundant_experts"]
-        if ranks is not None:
-            build_eplb_config(args.eplb, num_gpus=ranks)
-    except ValueError as e:
-        p.error(str(e))
+    args.eplb = parse_eplb_fields(p, lambda: eplb_settings(args), ranks)
+    args.redundant = args.eplb["num_redundant_experts"]
     check_divides(p, ranks, _divided(args))
     return p, args
 

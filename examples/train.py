@@ -37,6 +37,7 @@ from _runtime import (
     eplb_fields,
     nonnegative_float,
     nonnegative_int,
+    parse_eplb_fields,
     positive_float,
     positive_int,
     prepare_devices,
@@ -81,13 +82,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     config = PRESETS[args.preset]
     ranks = check_runtime_args(p, args)
-    try:
-        args.eplb = eplb_settings(args)
-        args.redundant = args.eplb["num_redundant_experts"]
-        if ranks is not None:
-            build_eplb_config(args.eplb, num_gpus=ranks)
-    except ValueError as e:
-        p.error(str(e))
+    args.eplb = parse_eplb_fields(p, lambda: eplb_settings(args), ranks)
+    args.redundant = args.eplb["num_redundant_experts"]
     check_divides(p, ranks, _divided(args))
     if args.seq + 1 > config.max_seq_len:
         p.error(f"--seq {args.seq} + 1 exceeds the {args.preset} preset's max_seq_len {config.max_seq_len}")

@@ -31,6 +31,7 @@ from _runtime import (
     check_runtime_args,
     eplb_fields,
     nonnegative_int,
+    parse_eplb_fields,
     positive_float,
     positive_int,
     prepare_devices,
@@ -57,13 +58,10 @@ def parse_args(argv=None):
     add_runtime_args(p)
     args = p.parse_args(argv)
     ranks = check_runtime_args(p, args)
-    try:
-        fields = eplb_settings(args.eplb_config, redundant=getattr(args, "redundant", None))
-        args.redundant = fields["num_redundant_experts"]
-        if ranks is not None:
-            eplb_config(args.eplb_config, redundant=args.redundant, ranks=ranks)
-    except ValueError as e:
-        p.error(str(e))
+    fields = parse_eplb_fields(
+        p, lambda: eplb_settings(args.eplb_config, redundant=getattr(args, "redundant", None)), ranks
+    )
+    args.redundant = fields["num_redundant_experts"]
     check_divides(p, ranks, {"--batch": args.batch, "P = E + --redundant": args.experts + args.redundant})
     return p, args
 
