@@ -1,4 +1,4 @@
-"""Benchmark: fused replica routing + load counting (``moe_eplb_jax.pallas.map_and_count``).
+"""Benchmark: fused replica routing + load counting (``moe_eplb_jax.routing._map_and_count.api``).
 
 For T in {4096, 65536, 262144} tokens x top-8, P in {288, 512} slots (E = 256)
 and every mode, prints side by side (microseconds per call):
@@ -43,9 +43,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_eplb_jax.pallas import MODES, lookup_table, map_and_count
-from moe_eplb_jax.pallas._triton import default_config
 from moe_eplb_jax.placement import Placement
+from moe_eplb_jax.routing._map_and_count import MODES, lookup_table, map_and_count
+from moe_eplb_jax.routing._map_and_count._triton import default_config
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import device_seconds

@@ -8,7 +8,7 @@
 For each grouped-matmul implementation / exchange and each Zipf skew ``s`` (``--skews``, default 1.5, 2, 3:
 token ``t``'s top-k experts drawn by Gumbel top-k from popularity ``∝ rank**-s`` over a fixed random expert
 order, imposed exactly by a one-hot router), the forward step time of one expert-parallel MoE layer through
-``moe_eplb_jax.flax.apply.moe_apply`` (route + replica routing + dispatch all_to_all + grouped expert MLP +
+``moe_eplb_jax.moe.apply.moe_apply`` (route + replica routing + dispatch all_to_all + grouped expert MLP +
 combine), one row per routing case, side by side in one run:
 
 * ``initial / hash``: experts in id order, redundant slots on the coldest experts (no EPLB: the hot experts share
@@ -142,12 +142,11 @@ def main():
 
     from moe_eplb_jax import metrics
     from moe_eplb_jax import state as eplb_state
-    from moe_eplb_jax.flax import apply as L
-    from moe_eplb_jax.pallas import lookup_table
+    from moe_eplb_jax.moe import apply as L
     from moe_eplb_jax.placement import Placement
-    from moe_eplb_jax.routing import routing_tables
-    from moe_eplb_jax.sharding import put_host
+    from moe_eplb_jax.routing import lookup_table, routing_tables
     from moe_eplb_jax.state import EplbConfig
+    from moe_eplb_jax.transport import put_host
 
     try:  # run as a script: benchmarks/ is on sys.path
         from _timing import device_seconds, median_seconds

@@ -31,9 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_eplb_jax.pallas import map_and_count
 from moe_eplb_jax.placement import build_log2phy
-from moe_eplb_jax.routing import default_max_replicas, lp_shares, lp_shares_reference, plan_quotas
+from moe_eplb_jax.routing import default_max_replicas, lp_shares, lp_shares_reference, map_and_count, plan_quotas
 from moe_eplb_jax.routing._quota_fill import search_pallas
 from moe_eplb_jax.routing.quota import _default_implementation
 from moe_eplb_jax.sim import drifting_load, format_table, simulate, zipf_counts, zipf_topk

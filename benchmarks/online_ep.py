@@ -80,9 +80,8 @@ def main():
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as PS
 
-    from moe_eplb_jax.pallas import map_and_count
     from moe_eplb_jax.policy.online import online_policy
-    from moe_eplb_jax.routing import batch_quotas, plan_fixed_quotas, plan_quotas
+    from moe_eplb_jax.routing import batch_quotas, map_and_count, plan_fixed_quotas, plan_quotas
     from moe_eplb_jax.sim import zipf_popularity, zipf_topk
 
     G = args.ranks or jax.device_count()

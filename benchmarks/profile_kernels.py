@@ -30,7 +30,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import map_and_count as bench
 
-from moe_eplb_jax.pallas import MODES, _triton, map_and_count
+from moe_eplb_jax.routing._map_and_count import MODES, _triton, map_and_count
 
 
 def pallas_copy(x, block=2048, num_warps=4):

@@ -56,8 +56,8 @@ def main(argv=None):
     from moe_eplb_jax import policy
     from moe_eplb_jax.flax import EplbController, MoELayer
     from moe_eplb_jax.placement import build_log2phy
-    from moe_eplb_jax.sharding import ep_mesh, put_host
     from moe_eplb_jax.state import EplbConfig
+    from moe_eplb_jax.transport import ep_mesh, put_host
 
     gpu = jax.default_backend() == "gpu"
     mesh = ep_mesh(args.ranks)

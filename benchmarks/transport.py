@@ -43,8 +43,8 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from moe_eplb_jax import sharding as eps
-from moe_eplb_jax.sharding.packing import byte_rows_numpy
+from moe_eplb_jax import transport as eps
+from moe_eplb_jax.transport.packing import byte_rows_numpy
 
 
 def parse_args():

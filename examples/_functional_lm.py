@@ -2,7 +2,7 @@
 
 ``params``: ``embed [V, D]`` (tied output projection) and per layer ``router [D, E]``, ``router_bias [E]`` and
 ``experts = {"w_in": [P, D, 2H], "w_out": [P, H, D]}``, the slot axis sharded over the EP mesh axis. A block is
-``x + moe(rms_norm(x))`` with ``moe_eplb_jax.flax.moe_apply``; each layer routes with its row of the
+``x + moe(rms_norm(x))`` with ``moe_eplb_jax.moe.moe_apply``; each layer routes with its row of the
 ``RouteTables`` the balancer keeps, and returns its per-rank load ``[G, P]`` for ``Balancer.record_step``.
 Routers start skewed (expert ``e`` biased by ``-skew * log(e + 1)``), the way real routers favour a few experts.
 """
@@ -15,9 +15,9 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as PS
 
-from moe_eplb_jax.flax import moe_apply, tie_replicas
+from moe_eplb_jax.moe import moe_apply, tie_replicas
 from moe_eplb_jax.placement import Placement
-from moe_eplb_jax.sharding import put_host
+from moe_eplb_jax.transport import put_host
 
 EXPERT_PATTERN = r"layers/(\d+)/experts/"  # the per-expert leaves, numbered by layer (ExpertLayout.match)
 

@@ -151,7 +151,7 @@ class Runtime:
         """Every process holds the same host batch; each device takes its rows."""
         from jax.sharding import PartitionSpec
 
-        from moe_eplb_jax.sharding import put_host
+        from moe_eplb_jax.transport import put_host
 
         return put_host(host, self.mesh, PartitionSpec("ep"))
 

@@ -128,7 +128,7 @@ def on_mesh(x, mesh):
     import numpy as np
     from jax.sharding import NamedSharding
 
-    from moe_eplb_jax.sharding import put_host
+    from moe_eplb_jax.transport import put_host
 
     if isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh:
         return x

@@ -3,14 +3,14 @@
 Subpackages (one concern each):
   placement  -- Placement tables (phy2log / log2phy / logcnt), validation, files
   policy     -- placement (L1) policies and their registry ("deepseek", ...)
-  routing    -- replica (L2) routing rules and online quota planning
+  routing    -- replica (L2) routing: modes, tables, quota planning, the fused map_and_count kernels
   metrics    -- rank loads, balancedness, rank imbalance
   state      -- EplbConfig / EplbState: load window, trigger, rearrangement
   control    -- the control loop: atomic moves, the functional API, Orbax checkpoint items
-  sharding   -- move planning and the uint8 collective transport on a Mesh
-  pallas     -- fused replica routing + load counting kernels
+  moe        -- the token path: router, dispatch/combine, grouped matmuls, expert MLP, moe_apply
+  transport  -- expert-weight moves: mesh helpers, move planning, uint8 packing, the executors
   quant      -- quantized expert formats and EP-consistent scales
-  flax       -- Flax NNX MoE layer, protocol, discovery and controller
+  flax       -- Flax NNX MoE layer, protocol, discovery and controller adapter
 """
 
 from moe_eplb_jax import metrics

@@ -1,4 +1,4 @@
-"""Helpers shared by the package's Pallas kernels (``pallas/``, ``routing/``, ``sharding/``, ``flax/``).
+"""Helpers shared by the package's Pallas kernels (``routing/_map_and_count/``, ``routing/``, ``transport/``, ``flax/``).
 
 * :func:`join_varying` -- inputs and output types of a ``pallas_call`` inside ``shard_map``;
 * :func:`pallas_default` / :func:`probed` -- whether a kernel's Pallas implementation may serve here: once a

@@ -12,7 +12,7 @@ is updated every step::
         if should_rearrange(state, config):
             logical = window_logical_load(state, phy2log, E)      # the only sum over EP ranks
             placement = compute_placement(np.asarray(logical), config, old_phy2log=phy2log)
-            ... move the experts (moe_eplb_jax.sharding) ...
+            ... move the experts (moe_eplb_jax.transport) ...
             state = mark_rearranged(state)
 
 Every rank calls ``end_step`` every step (a rank without data passes

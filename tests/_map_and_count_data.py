@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_eplb_jax.pallas import map_and_count
 from moe_eplb_jax.placement import Placement
+from moe_eplb_jax.routing import map_and_count
 
 GOLDEN = 2654435769
 
@@ -176,7 +176,8 @@ def check_against_oracle(implementation, rng, mode, num_tokens, top_k, num_logic
 # ------------------------------------------------------------ the private implementations, on the same inputs
 def reference_call(ids, log2phy, logcnt, limits, num_physical, mode, values=None):
     """The XLA implementation (the reference) on prepared inputs: ``limits [2]``, ``values`` the shares / quotas."""
-    from moe_eplb_jax.pallas import _alias, _reference, _tables
+    from moe_eplb_jax.routing._map_and_count import _alias, _tables
+    from moe_eplb_jax.routing._map_and_count import reference as _reference
 
     log2phy, logcnt = jnp.asarray(log2phy, jnp.int32), jnp.asarray(logcnt, jnp.int32)
     if mode == "lp":
@@ -193,7 +194,7 @@ def reference_call(ids, log2phy, logcnt, limits, num_physical, mode, values=None
 
 def kernel_call(ids, log2phy, logcnt, limits, num_physical, mode, values=None, *, config=None, lookup=None):
     """The Pallas implementation (interpret mode off GPU) on the inputs of :func:`reference_call`."""
-    from moe_eplb_jax.pallas import _triton
+    from moe_eplb_jax.routing._map_and_count import _triton
 
     return _triton.map_and_count_triton(
         jnp.asarray(ids, jnp.int32),

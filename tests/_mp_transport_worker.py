@@ -26,8 +26,8 @@ def main():
         process_id=process_id,
         initialization_timeout=30,
     )
-    from moe_eplb_jax import sharding as eps
-    from moe_eplb_jax.sharding.packing import byte_rows_numpy
+    from moe_eplb_jax import transport as eps
+    from moe_eplb_jax.transport.packing import byte_rows_numpy
 
     num_ranks = jax.device_count()
     assert num_ranks == 4 * num_processes and jax.local_device_count() == 4, jax.devices()

@@ -18,8 +18,8 @@ from moe_eplb_jax.control import RearrangementError, moves
 from moe_eplb_jax.flax import EplbController, MoELayer
 from moe_eplb_jax.flax import controller as controller_module
 from moe_eplb_jax.placement import Placement
-from moe_eplb_jax.sharding import _executor as executor
 from moe_eplb_jax.state import EplbConfig
+from moe_eplb_jax.transport import _executor as executor
 
 G, E, P, L, D = 4, 8, 12, 3, 16
 pytestmark = pytest.mark.devices(G)  # skipped on fewer devices, where MESH is None

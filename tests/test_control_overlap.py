@@ -12,9 +12,9 @@ from flax import nnx
 from moe_eplb_jax import cli
 from moe_eplb_jax.flax import EplbController, MoELayer
 from moe_eplb_jax.placement import Placement
-from moe_eplb_jax.sharding import executor_trace_count
 from moe_eplb_jax.sim.loadfile import read_load
 from moe_eplb_jax.state import EplbConfig
+from moe_eplb_jax.transport import executor_trace_count
 
 G, E, P, L, D = 4, 8, 12, 3, 16
 pytestmark = pytest.mark.devices(G)  # skipped on fewer devices, where MESH is None

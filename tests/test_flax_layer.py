@@ -9,11 +9,12 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as PS
 
-from moe_eplb_jax.flax import MoELayer, grouped_matmul, route, tie_replicas
-from moe_eplb_jax.flax import apply as layer_mod
+from moe_eplb_jax.flax import MoELayer
+from moe_eplb_jax.moe import apply as layer_mod
+from moe_eplb_jax.moe import dispatch as disp
+from moe_eplb_jax.moe import grouped_matmul, route, tie_replicas
 from moe_eplb_jax.placement import Placement
-from moe_eplb_jax.sharding import dispatch as disp
-from moe_eplb_jax.sharding import put_host
+from moe_eplb_jax.transport import put_host
 
 G, E, P, D, H, K = 4, 8, 12, 16, 8, 2
 pytestmark = pytest.mark.devices(G)  # skipped on fewer devices, where MESH is None
@@ -196,7 +197,7 @@ def test_layer_rejects_tokens_not_divisible_by_ep(rng):
 
 def test_pallas_grouped_matmul_in_interpret_mode(rng):
     """The Triton grouped matmul (run by the interpreter on CPU) against plain products, straddling tiles."""
-    from moe_eplb_jax.flax import _gmm_pallas
+    from moe_eplb_jax.moe import _gmm_pallas
 
     x = jnp.asarray(rng.standard_normal((150, 32)).astype(np.float32))
     w = jnp.asarray(rng.standard_normal((4, 32, 64)).astype(np.float32))
@@ -237,7 +238,7 @@ def test_pallas_path_is_placement_invariant(rng):
 def test_module_keeps_the_kernel_lookup_with_its_placement(rng):
     """The layer rebuilds ``route_lookup`` with every placement and its Pallas map_and_count reads it: the slots
     counted follow the lookup table, equal the XLA path's with the right one, and differ with a wrong one."""
-    from moe_eplb_jax.pallas import lookup_table
+    from moe_eplb_jax.routing import lookup_table
 
     layer = MoELayer(D, H, E, K, mesh=MESH, num_physical=P, map_implementation="pallas", rngs=nnx.Rngs(0))
     placement = _random_placement(rng)

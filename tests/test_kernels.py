@@ -76,15 +76,15 @@ def test_grouped_matmul_falls_back_to_dense(fresh, monkeypatch, missing, rng):
     """``matmul="pallas"`` where its kernel cannot run -- no GPU here (the probe's compiled kernel fails), or Pallas'
     Triton backend missing (its import fails) -- computes with ``dense``: equal results, eager and inside jit, one
     warning per process."""
-    from moe_eplb_jax.flax import grouped_matmul
+    from moe_eplb_jax.moe import grouped_matmul
 
     if missing:
         from jax.experimental import pallas
 
         monkeypatch.setitem(sys.modules, "jax.experimental.pallas.triton", None)
         monkeypatch.delattr(pallas, "triton", raising=False)
-        monkeypatch.delitem(sys.modules, "moe_eplb_jax.flax._gmm_pallas", raising=False)
-        monkeypatch.delattr(sys.modules["moe_eplb_jax.flax"], "_gmm_pallas", raising=False)
+        monkeypatch.delitem(sys.modules, "moe_eplb_jax.moe._gmm_pallas", raising=False)
+        monkeypatch.delattr(sys.modules["moe_eplb_jax.moe"], "_gmm_pallas", raising=False)
     x, w, sizes = _grouped_inputs(rng)
     want = np.asarray(grouped_matmul.dense(x, w, sizes))
     kernel = grouped_matmul.get("pallas")
@@ -99,7 +99,7 @@ def test_grouped_matmul_falls_back_to_dense(fresh, monkeypatch, missing, rng):
 @pytest.mark.gpu
 def test_grouped_matmul_probe_passes_on_gpu(fresh, rng, recwarn):
     """On a GPU the Triton grouped matmul runs (no fallback, no warning) at full float32 precision."""
-    from moe_eplb_jax.flax import grouped_matmul
+    from moe_eplb_jax.moe import grouped_matmul
 
     x, w, sizes = _grouped_inputs(rng)
     got = np.asarray(grouped_matmul.get("pallas")(x, w, sizes))

@@ -1,4 +1,4 @@
-"""Tests of ``moe_eplb_jax.pallas.map_and_count``.
+"""Tests of ``moe_eplb_jax.routing._map_and_count.api``.
 
 One shared body checks each implementation ("xla", and "pallas" in interpret
 mode on CPU / compiled on GPU) against an independent numpy oracle written
@@ -32,9 +32,9 @@ from _map_and_count_data import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moe_eplb_jax.pallas import MODES, _alias, _rank, _tables, lookup_table, map_and_count
-from moe_eplb_jax.pallas._triton import Config
 from moe_eplb_jax.placement import Placement
+from moe_eplb_jax.routing._map_and_count import MODES, _alias, _rank, _tables, lookup_table, map_and_count
+from moe_eplb_jax.routing._map_and_count._triton import Config
 
 # ------------------------------------------------ both implementations, vs oracle
 SHAPES = [  # (T, k, E, P): tiny, odd sizes, S = 8 with E = 512, a multi-tile case
@@ -563,12 +563,12 @@ def test_default_falls_back_to_xla_without_the_triton_backend(probes, monkeypatc
 
     from jax.experimental import pallas
 
-    import moe_eplb_jax.pallas as package
+    import moe_eplb_jax.routing._map_and_count as package
 
     monkeypatch.setitem(sys.modules, "jax.experimental.pallas.triton", None)  # `import` raises ImportError
     monkeypatch.delattr(pallas, "triton", raising=False)
     for name in ("_triton", "_alias_kernel", "_rank", "_positions", "_search", "_triton_ops"):  # re-imported on use
-        monkeypatch.delitem(sys.modules, f"moe_eplb_jax.pallas.{name}", raising=False)
+        monkeypatch.delitem(sys.modules, f"moe_eplb_jax.routing._map_and_count.{name}", raising=False)
         monkeypatch.delattr(package, name, raising=False)
     with pytest.warns(RuntimeWarning, match="map_and_count: the Pallas kernel failed .*ModuleNotFoundError") as caught:
         _default_calls(rng)
@@ -581,7 +581,7 @@ def test_default_falls_back_to_xla_without_the_triton_backend(probes, monkeypatc
 def test_default_falls_back_to_xla_when_a_kernel_fails_to_lower(probes, monkeypatch, rng):
     """A kernel that fails to lower (here: the map kernel's wrapper raises as a broken lowering rule would) or that
     disagrees with the reference: the XLA implementation serves, with one warning."""
-    from moe_eplb_jax.pallas import _triton
+    from moe_eplb_jax.routing._map_and_count import _triton
 
     def broken(*args, **kwargs):
         raise AttributeError("'tuple' object has no attribute 'type'")
@@ -667,7 +667,7 @@ def test_gpu_configs_match_reference(config, mode, shape, rng):
 def test_gpu_default_is_pallas():
     """On a GPU each mode's first-use probe passes: the default is the Pallas implementation, without a warning."""
     from moe_eplb_jax import _kernels
-    from moe_eplb_jax.pallas.map_and_count import _probe_pallas
+    from moe_eplb_jax.routing._map_and_count.api import _probe_pallas
 
     for mode in MODES:
         assert _probe_pallas(mode)
@@ -734,7 +734,7 @@ def test_alias_table_is_the_sequential_sweep(width, draw, rng):
     zero weight) and the words name the alias's slot: weights spanning 60 orders of magnitude, a few small
     integers (masses that tie running sums exactly) or subnormal ones, zeros, NaN, infinities and negatives, rows
     without a positive weight, counts past the table's width."""
-    from moe_eplb_jax.pallas._alias_kernel import alias_kernel
+    from moe_eplb_jax.routing._map_and_count._alias_kernel import alias_kernel
 
     num_logical = 24
     logcnt = rng.integers(0, width + 3, num_logical)

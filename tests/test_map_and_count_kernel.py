@@ -25,9 +25,9 @@ from _map_and_count_data import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moe_eplb_jax.pallas import MODES, _alias, _positions, _rank, _tables, _triton, lookup_table
-from moe_eplb_jax.pallas._triton import Config, default_config
 from moe_eplb_jax.placement import Placement
+from moe_eplb_jax.routing._map_and_count import MODES, _alias, _positions, _rank, _tables, _triton, lookup_table
+from moe_eplb_jax.routing._map_and_count._triton import Config, default_config
 
 INT32_MAX = np.iinfo(np.int32).max
 

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moe_eplb_jax.flax import route
 from moe_eplb_jax.models import (
     PRESETS,
     ModelConfig,
@@ -19,6 +18,7 @@ from moe_eplb_jax.models import (
     load_checkpoint,
     preset,
 )
+from moe_eplb_jax.moe import route
 from moe_eplb_jax.placement import Placement
 
 try:

@@ -10,10 +10,10 @@ import pytest
 from _bytes import random_bytes
 from jax.sharding import NamedSharding, PartitionSpec
 
-from moe_eplb_jax import sharding as eps
-from moe_eplb_jax.sharding import _executor, _nvlink
-from moe_eplb_jax.sharding.packing import byte_rows_numpy
-from moe_eplb_jax.sharding.plan import order_for_streaming
+from moe_eplb_jax import transport as eps
+from moe_eplb_jax.transport import _executor, _nvlink
+from moe_eplb_jax.transport.packing import byte_rows_numpy
+from moe_eplb_jax.transport.plan import order_for_streaming
 
 
 def numpy_put(views, staged, dst, offsets):

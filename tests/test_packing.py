@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from _bytes import random_bytes
 
-from moe_eplb_jax.sharding import packing
+from moe_eplb_jax.transport import packing
 
 DTYPES = [
     np.float32,

@@ -9,10 +9,10 @@ from jax.sharding import Mesh, PartitionSpec
 from moe_eplb_jax import quant
 
 try:
-    from moe_eplb_jax.sharding import rearrange_experts, shard_slots
+    from moe_eplb_jax.transport import rearrange_experts, shard_slots
 except ImportError as err:  # the transport issue not landed in this checkout
     rearrange_experts = None
-    _MISSING = f"moe_eplb_jax.sharding.rearrange_experts not importable: {err}"
+    _MISSING = f"moe_eplb_jax.transport.rearrange_experts not importable: {err}"
 
 G, E, P, T, H, I = 8, 8, 16, 4, 128, 128  # 8 ranks, 8 logical experts on 16 slots (8 redundant)
 

@@ -17,9 +17,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as PS
 
-from moe_eplb_jax.flax import MoELayer, route
-from moe_eplb_jax.flax import apply as layer_mod
-from moe_eplb_jax.flax.experts import shared_mlp, waterfill_shared_mlp
+from moe_eplb_jax.flax import MoELayer
+from moe_eplb_jax.moe import apply as layer_mod
+from moe_eplb_jax.moe import route
+from moe_eplb_jax.moe.experts import shared_mlp, waterfill_shared_mlp
 from moe_eplb_jax.placement import Placement, build_log2phy
 from moe_eplb_jax.policy.online import keep_spare_slots, online_policy
 from moe_eplb_jax.routing import (
@@ -31,8 +32,8 @@ from moe_eplb_jax.routing import (
     routing_tables,
     waterfill_shares,
 )
-from moe_eplb_jax.sharding import put_host, rearrange_experts
 from moe_eplb_jax.sim import zipf_popularity, zipf_topk
+from moe_eplb_jax.transport import put_host, rearrange_experts
 
 G, E, P, D, H, K = 4, 8, 12, 16, 8, 2
 S = P - E + 1

@@ -102,7 +102,7 @@ def test_routing_follows_quotas_exactly(rng):
 
 
 def test_map_and_count_quota_end_to_end(rng):
-    pallas = pytest.importorskip("moe_eplb_jax.pallas")
+    pallas = pytest.importorskip("moe_eplb_jax.routing._map_and_count")
     num_ranks, num_home, num_spare, top_k = 8, 2, 2, 4
     ids = zipf_topk(num_ranks, num_ranks * num_home, 64, top_k, 3.0, seed=int(rng.integers(1000)))
     counts = np.stack([np.bincount(ids[g].ravel(), minlength=num_ranks * num_home) for g in range(num_ranks)])

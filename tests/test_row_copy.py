@@ -1,4 +1,4 @@
-"""Tests of ``moe_eplb_jax.sharding._row_copy`` (bounded-grid row gather / scatter kernels).
+"""Tests of ``moe_eplb_jax.transport._row_copy`` (bounded-grid row gather / scatter kernels).
 
 On CPU the kernels run in Pallas interpret mode (slow: shapes stay small); the
 ``gpu``-marked tests run the compiled Triton kernels, and the last test lowers
@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_eplb_jax.sharding._row_copy import Config, gather_rows, scatter_rows
+from moe_eplb_jax.transport._row_copy import Config, gather_rows, scatter_rows
 
 P = jax.sharding.PartitionSpec
 

@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from moe_eplb_jax import Placement
-from moe_eplb_jax import sharding as eps
-from moe_eplb_jax.sharding import _executor, _nvlink, _row_copy
-from moe_eplb_jax.sharding.packing import byte_rows_numpy
-from moe_eplb_jax.sharding.plan import order_for_streaming
+from moe_eplb_jax import transport as eps
+from moe_eplb_jax.transport import _executor, _nvlink, _row_copy
+from moe_eplb_jax.transport.packing import byte_rows_numpy
+from moe_eplb_jax.transport.plan import order_for_streaming
 
 DTYPES = [
     np.float32,
@@ -273,7 +273,7 @@ def test_kernels_that_cannot_run_fall_back_with_one_warning_each(rng, monkeypatc
     ckpt, old, new, mesh, experts = layered_move(rng, 2, 2, dtypes=[ml_dtypes.bfloat16, np.float32], row=(64,))
     with pytest.warns(RuntimeWarning) as caught:
         move = eps.prepare_move(experts, eps.plan_rearrangement(old, new, 2), mesh=mesh)
-    messages = [str(w.message) for w in caught if "moe_eplb_jax.sharding" in str(w.message)]
+    messages = [str(w.message) for w in caught if "moe_eplb_jax.transport" in str(w.message)]
     assert len(messages) == 2
     assert "the put schedule cannot run here" in messages[0]
     assert "the stream_pallas_copies schedule cannot run here (ImportError" in messages[1]

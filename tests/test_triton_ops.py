@@ -1,4 +1,4 @@
-"""Tests of the Triton ops that Pallas does not expose (``moe_eplb_jax.pallas._triton_ops``).
+"""Tests of the Triton ops that Pallas does not expose (``moe_eplb_jax.routing._map_and_count._triton_ops``).
 
 Each op runs inside a small Pallas kernel -- interpret mode on CPU, compiled on
 the GPU (``gpu`` marker) -- and is checked against numpy on fresh random inputs.
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
-from moe_eplb_jax.pallas._triton_ops import atomic_add_int, histogram, take
+from moe_eplb_jax.routing._map_and_count._triton_ops import atomic_add_int, histogram, take
 
 INTERPRET = [pytest.param(True, id="interpret"), pytest.param(False, id="compiled", marks=pytest.mark.gpu)]
 

@@ -49,8 +49,8 @@ from moe_eplb_jax.control.moves import Mover, Rearrangement, RearrangementError
 from moe_eplb_jax.control.window import LoadWindow, close_step, host_value
 from moe_eplb_jax.placement import Placement
 from moe_eplb_jax.routing import equal_shares, stacked_routing_tables
-from moe_eplb_jax.sharding.mesh import put_host
 from moe_eplb_jax.state import EplbConfig, EplbState, compute_placement
+from moe_eplb_jax.transport.mesh import put_host
 
 __all__ = [
     "BalanceState",
@@ -129,7 +129,7 @@ class RouteTables:
     replica_shares=...)``: the LP shares solved at each rearrangement; equal
     shares until the first one and in the other modes) and ``lookup [L, K]``,
     the ``map_and_count`` lookup table of each layer
-    (``moe_eplb_jax.pallas.lookup_table``, built once per placement; for
+    (``moe_eplb_jax.routing._map_and_count.lookup_table``, built once per placement; for
     ``"lp"`` it carries the shares' alias table).
     """
 
@@ -184,7 +184,7 @@ def _shares_or_equal(replica_shares, placement: Placement) -> np.ndarray:
 
 def _lookup(routing: str, placement: Placement, shares: np.ndarray, layer: int) -> np.ndarray:
     """One layer's ``map_and_count`` lookup table (with the alias table of its shares for ``"lp"``)."""
-    from moe_eplb_jax.pallas import lookup_table
+    from moe_eplb_jax.routing import lookup_table
 
     log2phy, logcnt = placement.log2phy[layer], placement.logcnt[layer]
     if routing == "lp":

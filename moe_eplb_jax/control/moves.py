@@ -37,7 +37,7 @@ import numpy as np
 
 from moe_eplb_jax import metrics
 from moe_eplb_jax.placement import Placement
-from moe_eplb_jax.sharding import TransportPlan, execute_plan, plan_rearrangement
+from moe_eplb_jax.transport import TransportPlan, execute_plan, plan_rearrangement
 
 __all__ = ["ExpertStore", "Mover", "Rearrangement", "RearrangementError", "row_bytes"]
 

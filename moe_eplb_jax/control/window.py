@@ -127,7 +127,7 @@ class LoadWindow:
 
     def put(self, summed: dict[str, np.ndarray]) -> EplbState:
         """Host ``EplbState`` fields in the summed layout (a checkpoint's) placed on the mesh, per-rank layout."""
-        from moe_eplb_jax.sharding.mesh import put_host
+        from moe_eplb_jax.transport.mesh import put_host
 
         fields = {f.name: put_host(np.asarray(summed[f.name], np.int32), self.mesh) for f in _FIELDS}
         return self.split(EplbState(**fields), self.num_ranks)

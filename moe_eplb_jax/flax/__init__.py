@@ -1,9 +1,7 @@
 """The Flax NNX side of moe_eplb_jax.
 
-* ``MoELayer`` -- a reference expert-parallel MoE layer with physical slots;
-  ``moe_apply`` / ``route`` / ``expert_mlp`` / ``tie_replicas`` are its pure
-  functions (``apply``, ``router``, ``experts``); ``grouped_matmul`` holds the grouped
-  matmuls (``dense``, ``ragged_dot``, Triton ``pallas``).
+* ``MoELayer`` -- a reference expert-parallel MoE layer with physical slots; its forward pass is
+  ``moe_eplb_jax.moe.moe_apply``.
 * ``EplbMoE`` -- the protocol any Flax NNX MoE module implements to be balanced.
 * ``find_moe_layers`` -- discovery of every MoE layer, however nested.
 * ``EplbController`` -- wraps a model + mesh + ``EplbConfig``: records loads,
@@ -12,13 +10,10 @@
   saves placements; a thin layer over ``moe_eplb_jax.control``.
 """
 
-from moe_eplb_jax.flax.apply import moe_apply
 from moe_eplb_jax.flax.controller import EplbController
 from moe_eplb_jax.flax.discovery import MoELayerRef, find_moe_layers
-from moe_eplb_jax.flax.experts import QuantizedExperts, expert_mlp, tie_replicas
-from moe_eplb_jax.flax.layer import EplbTable, ExpertLoad, MoELayer
+from moe_eplb_jax.flax.layer import EplbTable, ExpertLoad, MoELayer, QuantizedExperts
 from moe_eplb_jax.flax.protocol import EplbMoE
-from moe_eplb_jax.flax.router import route
 
 __all__ = [
     "EplbController",
@@ -28,9 +23,5 @@ __all__ = [
     "MoELayer",
     "MoELayerRef",
     "QuantizedExperts",
-    "expert_mlp",
     "find_moe_layers",
-    "moe_apply",
-    "route",
-    "tie_replicas",
 ]

@@ -69,8 +69,8 @@ from moe_eplb_jax.control import (
 from moe_eplb_jax.flax.discovery import MoELayerRef, find_moe_layers, variable_paths
 from moe_eplb_jax.placement import Placement
 from moe_eplb_jax.routing import equal_shares, stacked_routing_tables
-from moe_eplb_jax.sharding.mesh import put_host
 from moe_eplb_jax.state import EplbConfig, EplbState, compute_placement
+from moe_eplb_jax.transport.mesh import put_host
 
 __all__ = ["EplbController"]
 

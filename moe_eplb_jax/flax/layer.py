@@ -11,7 +11,7 @@ kernel's lookup table of them, rebuilt whenever they change so no forward pass
 rebuilds it) are ``EplbTable`` variables -- inputs of the compiled function,
 never constants in it, so a rearrangement never recompiles -- and the tokens
 per slot of every forward pass are added to the ``ExpertLoad`` variable, which
-the controller reads. The forward pass is :func:`moe_eplb_jax.flax.apply.moe_apply`
+the controller reads. The forward pass is :func:`moe_eplb_jax.moe.apply.moe_apply`
 (routing modes, meshes with batch axes, load layouts: see its module).
 """
 
@@ -26,20 +26,23 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as PS
 
-from moe_eplb_jax.flax import grouped_matmul as _gmm
-from moe_eplb_jax.flax.apply import LOAD_REDUCTIONS, SHARED_EXPERTS, _batch_axes, _capacity, _size, moe_apply
-from moe_eplb_jax.flax.experts import QuantizedExperts, tie_replicas
-from moe_eplb_jax.flax.router import ROUTER_SCORINGS
-from moe_eplb_jax.pallas import lookup_table
+from moe_eplb_jax.moe import grouped_matmul as _gmm
+from moe_eplb_jax.moe.apply import LOAD_REDUCTIONS, SHARED_EXPERTS, _batch_axes, _capacity, _size, moe_apply
+from moe_eplb_jax.moe.experts import tie_replicas
+from moe_eplb_jax.moe.router import ROUTER_SCORINGS
 from moe_eplb_jax.placement import Placement
-from moe_eplb_jax.routing import check_routing, equal_shares
-from moe_eplb_jax.sharding.mesh import put_host
+from moe_eplb_jax.routing import check_routing, equal_shares, lookup_table
+from moe_eplb_jax.transport.mesh import put_host
 
-__all__ = ["EplbTable", "ExpertLoad", "MoELayer"]
+__all__ = ["EplbTable", "ExpertLoad", "MoELayer", "QuantizedExperts"]
 
 
 class EplbTable(nnx.Variable):
     """A placement table of one MoE layer (int32; float32 ``replica_shares``). Not a parameter: optimizers skip it."""
+
+
+class QuantizedExperts(nnx.Variable):
+    """A quantized expert projection (a ``moe_eplb_jax.quant`` pytree, every leaf ``[P, ...]``). Frozen."""
 
 
 class ExpertLoad(nnx.Variable):

@@ -32,7 +32,7 @@ from moe_eplb_jax.models.config import ModelConfig
 from moe_eplb_jax.models.layers import DenseMLP
 from moe_eplb_jax.models.model import MoECausalLM
 from moe_eplb_jax.placement import Placement
-from moe_eplb_jax.sharding.mesh import put_host
+from moe_eplb_jax.transport.mesh import put_host
 
 __all__ = ["checkpoint_shapes", "export_checkpoint", "load_checkpoint", "router_bias_name"]
 

@@ -15,7 +15,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from moe_eplb_jax.flax.router import ROUTER_SCORINGS
+from moe_eplb_jax.moe.router import ROUTER_SCORINGS
 
 __all__ = ["DTYPES", "PRESETS", "ModelConfig", "preset"]
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from moe_eplb_jax.models.model import MoECausalLM
-from moe_eplb_jax.sharding.mesh import put_host
+from moe_eplb_jax.transport.mesh import put_host
 
 __all__ = ["skew_routers", "zipf_router_bias", "zipf_tokens"]
 

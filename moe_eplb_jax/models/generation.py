@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as PS
 
 from moe_eplb_jax.models.model import MoECausalLM
-from moe_eplb_jax.sharding.mesh import put_host
+from moe_eplb_jax.transport.mesh import put_host
 
 __all__ = ["Generation", "Sampling", "generate", "left_pad", "sample"]
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from moe_eplb_jax.sharding.mesh import put_host
+from moe_eplb_jax.transport.mesh import put_host
 
 __all__ = ["Attention", "DenseMLP", "RMSNorm", "apply_rope", "attention_mask", "replicated_param"]
 

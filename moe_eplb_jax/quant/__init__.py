@@ -2,7 +2,7 @@
 
 ``quantize_experts(w, fmt)`` turns float expert weights ``[E, N, K]`` into an
 expert-major pytree (every leaf leads with the expert/slot axis, so it moves
-whole with ``sharding.rearrange_experts``); ``dequantize_experts`` decodes it to
+whole with ``transport.rearrange_experts``); ``dequantize_experts`` decodes it to
 float32. ``ep_amax`` max-reduces activation statistics over the EP axis so every
 rank uses the same activation scale. ``expert_mlp`` runs a SiLU-gated expert MLP
 on quantized (or plain) weights; ``expert_mlp_reference`` is its oracle.

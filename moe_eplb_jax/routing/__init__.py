@@ -13,10 +13,13 @@
   max rank load (LPLB-style; on device / exact HiGHS), for ``mode="lp"``;
 * :func:`waterfill_assign` / :func:`waterfill_shares` -- where a shared expert's
   work runs, by the slack the routed load leaves;
+* :func:`map_and_count` / :func:`lookup_table` -- the fused replica mapping and load
+  counting (Pallas GPU kernels, a pure-jnp reference) and its per-placement lookup table;
 * :data:`ROUTING_MODES` -- the L2 names ``EplbConfig.routing``, ``MoELayer`` and
   ``map_and_count(mode=...)`` accept; :func:`check_routing` checks one.
 """
 
+from moe_eplb_jax.routing._map_and_count import lookup_table, map_and_count
 from moe_eplb_jax.routing.fixed_quota import FixedQuotaPlan, batch_quotas, plan_fixed_quotas
 from moe_eplb_jax.routing.lp import lp_shares, lp_shares_reference, shares_rank_load
 from moe_eplb_jax.routing.quota import QuotaPlan, check_counts, default_max_replicas, plan_quotas
@@ -38,8 +41,10 @@ __all__ = [
     "check_routing",
     "default_max_replicas",
     "equal_shares",
+    "lookup_table",
     "lp_shares",
     "lp_shares_reference",
+    "map_and_count",
     "plan_fixed_quotas",
     "plan_quotas",
     "routing_tables",

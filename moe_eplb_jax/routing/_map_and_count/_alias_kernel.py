@@ -16,8 +16,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from moe_eplb_jax.pallas import _alias
-from moe_eplb_jax.pallas._triton_ops import take
+from moe_eplb_jax.routing._map_and_count import _alias
+from moe_eplb_jax.routing._map_and_count._triton_ops import take
 
 __all__ = ["alias_kernel"]
 

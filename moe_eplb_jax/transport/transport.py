@@ -25,10 +25,10 @@ import numpy as np
 from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from moe_eplb_jax.sharding import _executor
-from moe_eplb_jax.sharding.mesh import axis_size
-from moe_eplb_jax.sharding.packing import leaf_layout
-from moe_eplb_jax.sharding.plan import TransportPlan, plan_rearrangement
+from moe_eplb_jax.transport import _executor
+from moe_eplb_jax.transport.mesh import axis_size
+from moe_eplb_jax.transport.packing import leaf_layout
+from moe_eplb_jax.transport.plan import TransportPlan, plan_rearrangement
 
 __all__ = [
     "rearrange_experts",

@@ -21,11 +21,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from moe_eplb_jax._kernels import join_varying
-from moe_eplb_jax.pallas import _alias, _positions, _rank, _tables
-from moe_eplb_jax.pallas._alias_kernel import alias_kernel
-from moe_eplb_jax.pallas._reference import GOLDEN
-from moe_eplb_jax.pallas._search import loads, upper_bound
-from moe_eplb_jax.pallas._triton_ops import atomic_add_int, histogram, take
+from moe_eplb_jax.routing._map_and_count import _alias, _positions, _rank, _tables
+from moe_eplb_jax.routing._map_and_count._alias_kernel import alias_kernel
+from moe_eplb_jax.routing._map_and_count._search import loads, upper_bound
+from moe_eplb_jax.routing._map_and_count._triton_ops import atomic_add_int, histogram, take
+from moe_eplb_jax.routing._map_and_count.reference import GOLDEN
 
 __all__ = ["Config", "default_config", "map_and_count_triton", "QUOTA_PATHS"]
 

@@ -69,7 +69,7 @@ def ragged_dot(x, w, group_sizes):
 def _pallas(x, w, group_sizes):
     if not probed("grouped_matmul", _probe_pallas):
         return dense(x, w, group_sizes)
-    from moe_eplb_jax.flax import _gmm_pallas
+    from moe_eplb_jax.moe import _gmm_pallas
 
     return _gmm_pallas.grouped_matmul(x, w, group_sizes)
 
@@ -80,7 +80,7 @@ def _probe_pallas() -> bool:
     The reference is numpy's: XLA's own float32 matmul runs at TF32 on recent
     GPUs, further from the truth than the kernel's full-precision one.
     """
-    from moe_eplb_jax.flax import _gmm_pallas  # raises where Pallas' Triton backend is missing
+    from moe_eplb_jax.moe import _gmm_pallas  # raises where Pallas' Triton backend is missing
 
     rng = np.random.default_rng(0)
     sizes = np.asarray([10, 0, 30], np.int32)  # then 8 padding rows, never compared
@@ -94,7 +94,7 @@ def _probe_pallas() -> bool:
 
 
 def _pallas_interpret(x, w, group_sizes):
-    from moe_eplb_jax.flax import _gmm_pallas
+    from moe_eplb_jax.moe import _gmm_pallas
 
     return _gmm_pallas.grouped_matmul(x, w, group_sizes, interpret=True)
 

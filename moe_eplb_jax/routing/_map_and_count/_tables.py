@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_eplb_jax.pallas import _alias
+from moe_eplb_jax.routing._map_and_count import _alias
 
 __all__ = ["placement_lookup", "wide_lookup", "lookup_size", "quota_thresholds", "kernel_quotas", "NEVER", "WIDE"]
 

@@ -1,7 +1,7 @@
 """Pure-jnp reference of ``map_and_count``: the XLA implementation and the test oracle.
 
 Written for clarity, not speed: every step of the semantics documented in
-:mod:`moe_eplb_jax.pallas.map_and_count` is one array expression here. The
+:mod:`moe_eplb_jax.routing._map_and_count.api` is one array expression here. The
 inputs are validated and prepared by the public function: ``table`` is the
 per-mode ``[E, S]`` int32 table and ``limits`` the ``[2]`` int32 pair
 ``(count_limit, rank_limit)`` in flat (token, k) positions.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from moe_eplb_jax.pallas import _alias
+from moe_eplb_jax.routing._map_and_count import _alias
 
 __all__ = ["map_and_count_reference", "hash_token", "replica_rank", "GOLDEN"]
 

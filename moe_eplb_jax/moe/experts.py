@@ -15,17 +15,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
-from moe_eplb_jax.flax import grouped_matmul as _gmm
+from moe_eplb_jax.moe import dispatch as _dispatch
+from moe_eplb_jax.moe import grouped_matmul as _gmm
 from moe_eplb_jax.routing import waterfill_assign
-from moe_eplb_jax.sharding import dispatch as _dispatch
 
-__all__ = ["QuantizedExperts", "expert_mlp", "shared_mlp", "tie_replicas", "waterfill_shared_mlp"]
-
-
-class QuantizedExperts(nnx.Variable):
-    """A quantized expert projection (a ``moe_eplb_jax.quant`` pytree, every leaf ``[P, ...]``). Frozen."""
+__all__ = ["expert_mlp", "shared_mlp", "tie_replicas", "waterfill_shared_mlp"]
 
 
 # ------------------------------------------------------------------ replicas

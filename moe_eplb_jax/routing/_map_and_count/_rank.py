@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from moe_eplb_jax.pallas._search import clipped_quotas
+from moe_eplb_jax.routing._map_and_count._search import clipped_quotas
 
 __all__ = ["rank_in_chains", "tile_ranks", "lookback_bases", "MAX_TILES", "STEP"]
 

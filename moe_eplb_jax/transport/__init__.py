@@ -15,8 +15,8 @@ packed row of unsigned integers per slot. The lower-level pieces:
 * ``mesh`` -- an EP mesh, the slot sharding, placing host arrays on it.
 """
 
-from moe_eplb_jax.sharding.mesh import axis_size, ep_mesh, put_host, shard_slots, slot_sharding
-from moe_eplb_jax.sharding.packing import (
+from moe_eplb_jax.transport.mesh import axis_size, ep_mesh, put_host, shard_slots, slot_sharding
+from moe_eplb_jax.transport.packing import (
     LeafLayout,
     from_byte_rows,
     leaf_layout,
@@ -25,14 +25,14 @@ from moe_eplb_jax.sharding.packing import (
     to_byte_rows,
     unpack_rows,
 )
-from moe_eplb_jax.sharding.plan import (
+from moe_eplb_jax.transport.plan import (
     TransportPlan,
     bucket_capacity,
     plan_layer_by_layer,
     plan_rearrangement,
     validate_placements,
 )
-from moe_eplb_jax.sharding.transport import (
+from moe_eplb_jax.transport.transport import (
     PreparedMove,
     execute_plan,
     executor_trace_count,

@@ -32,10 +32,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from moe_eplb_jax.sharding import _nvlink, _row_copy
-from moe_eplb_jax.sharding.mesh import put_host
-from moe_eplb_jax.sharding.packing import from_row_view, pack_rows, row_view, unpack_leaf, wire_dtype, wire_offsets
-from moe_eplb_jax.sharding.plan import TransportPlan, order_for_streaming
+from moe_eplb_jax.transport import _nvlink, _row_copy
+from moe_eplb_jax.transport.mesh import put_host
+from moe_eplb_jax.transport.packing import from_row_view, pack_rows, row_view, unpack_leaf, wire_dtype, wire_offsets
+from moe_eplb_jax.transport.plan import TransportPlan, order_for_streaming
 
 __all__ = ["SCHEDULES", "build", "device_tables", "stream_order", "trace_count"]
 
@@ -130,7 +130,7 @@ def build(plan: TransportPlan, leaves, layouts, specs, mesh: Mesh, axis: str, do
             except Exception as err:  # any failure to lower or compile: the next candidate
                 _FAILED_KERNELS.add(name)
                 warnings.warn(
-                    f"moe_eplb_jax.sharding: the {name} schedule cannot run here ({type(err).__name__}: "
+                    f"moe_eplb_jax.transport: the {name} schedule cannot run here ({type(err).__name__}: "
                     f"{str(err)[:300]}); moving experts with the next of {SCHEDULES} instead",
                     RuntimeWarning,
                     stacklevel=3,

@@ -72,11 +72,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as PS
 
-from moe_eplb_jax.flax.experts import expert_mlp, shared_mlp, waterfill_shared_mlp
-from moe_eplb_jax.flax.router import route
-from moe_eplb_jax.pallas import map_and_count
-from moe_eplb_jax.routing import batch_quotas, check_routing
-from moe_eplb_jax.sharding import dispatch as _dispatch
+from moe_eplb_jax.moe import dispatch as _dispatch
+from moe_eplb_jax.moe.experts import expert_mlp, shared_mlp, waterfill_shared_mlp
+from moe_eplb_jax.moe.router import route
+from moe_eplb_jax.routing import batch_quotas, check_routing, map_and_count
 
 __all__ = ["LOAD_REDUCTIONS", "SHARED_EXPERTS", "moe_apply"]
 
@@ -131,7 +130,7 @@ def moe_apply(
         tokens; its EP group is the ``G`` devices sharing its batch coordinates.
       routing: the replica routing mode, one of ``moe_eplb_jax.routing.ROUTING_MODES``
         (see the module docstring for what each guarantees).
-      lookup: optional ``moe_eplb_jax.pallas.lookup_table(log2phy, logcnt[,
+      lookup: optional ``moe_eplb_jax.routing._map_and_count.lookup_table(log2phy, logcnt[,
         replica_shares=...])``, kept with the placement so the Pallas
         ``map_and_count`` does not rebuild it every pass (``map_and_count(lookup=...)``).
       replica_shares: ``[E, S]`` float32 weights of each expert's replicas, read

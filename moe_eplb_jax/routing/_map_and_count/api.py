@@ -76,7 +76,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_eplb_jax._kernels import pallas_default
-from moe_eplb_jax.pallas import _alias, _reference, _tables
+from moe_eplb_jax.routing._map_and_count import _alias, _tables
+from moe_eplb_jax.routing._map_and_count import reference as _reference
 
 __all__ = ["map_and_count", "lookup_table", "MODES", "IMPLEMENTATIONS"]
 
@@ -163,7 +164,7 @@ def map_and_count(
         return _reference.map_and_count_reference(
             topk_ids, log2phy, logcnt, table, limits, num_physical=num_physical, mode=mode
         )
-    from moe_eplb_jax.pallas import _triton  # imported lazily: needs Pallas' Triton backend
+    from moe_eplb_jax.routing._map_and_count import _triton  # imported lazily: needs Pallas' Triton backend
 
     return _triton.map_and_count_triton(
         topk_ids,
@@ -423,7 +424,9 @@ def _limits(num_valid_tokens, record, num_tokens, top_k):
 def _probe_pallas(mode: str) -> bool:
     """Compiles and runs the Pallas path of ``mode`` on small inputs (every ``"quota"`` path), ahead of time and
     outside any trace: whether it equals the XLA implementation."""
-    from moe_eplb_jax.pallas import _triton  # raises where Pallas' Triton backend or a JAX internal is missing
+    from moe_eplb_jax.routing._map_and_count import (
+        _triton,  # raises where Pallas' Triton backend or a JAX internal is missing
+    )
 
     rng = np.random.default_rng(0)
     num_tokens, top_k, num_logical, num_physical = 64, 4, 16, 24

@@ -26,8 +26,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from moe_eplb_jax.pallas._search import clipped_quotas, loads, upper_bound
-from moe_eplb_jax.pallas._triton_ops import histogram, take
+from moe_eplb_jax.routing._map_and_count._search import clipped_quotas, loads, upper_bound
+from moe_eplb_jax.routing._map_and_count._triton_ops import histogram, take
 
 __all__ = ["boundary_positions", "start_passed", "start_table_fits", "start_words"]
 

@@ -1,0 +1,25 @@
+"""The token path of an expert-parallel MoE layer, framework-free (jax and numpy only).
+
+* ``moe_apply`` -- the forward pass: route, map to replicas, dispatch, experts, combine.
+* ``route`` -- the router: top-k logical experts and their weights (Qwen3 softmax or DeepSeek-V3 sigmoid).
+* ``dispatch`` -- the token exchange over the EP axis and its combine.
+* ``expert_mlp`` / ``shared_mlp`` / ``waterfill_shared_mlp`` -- the expert MLPs; ``tie_replicas`` ties the
+  gradients of an expert's replicas.
+* ``grouped_matmul`` -- the grouped matmuls the expert MLP runs on.
+"""
+
+from moe_eplb_jax.moe import dispatch, grouped_matmul
+from moe_eplb_jax.moe.apply import moe_apply
+from moe_eplb_jax.moe.experts import expert_mlp, shared_mlp, tie_replicas, waterfill_shared_mlp
+from moe_eplb_jax.moe.router import route
+
+__all__ = [
+    "dispatch",
+    "expert_mlp",
+    "grouped_matmul",
+    "moe_apply",
+    "route",
+    "shared_mlp",
+    "tie_replicas",
+    "waterfill_shared_mlp",
+]
