@@ -4,7 +4,7 @@ For T in {4096, 65536, 262144} tokens x top-8, P in {288, 512} slots (E = 256)
 and every mode, prints side by side (microseconds per call):
 
 * ours: ``pallas`` -- the default kernels (``implementation="pallas"``,
-  ``default_config`` by size), with the lookup table (and the mode's table)
+  ``MapAndCountConfig.default`` by size), with the lookup table (and the mode's table)
   built from the traced tables on every call (the kernels of each call are
   printed under its row); ``prepared`` -- the lookup table built once per
   placement and passed in (``map_and_count(lookup=...)``, as ``MoELayer`` runs
@@ -44,8 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_eplb_jax.placement import Placement
-from moe_eplb_jax.routing._map_and_count import MODES, lookup_table, map_and_count
-from moe_eplb_jax.routing._map_and_count._triton import default_config
+from moe_eplb_jax.routing import ROUTING_MODES, MapAndCountConfig, lookup_table, map_and_count, routing_mode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import device_seconds
@@ -189,7 +188,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", default="4096,65536,262144", help="comma-separated token counts (x top-8)")
     parser.add_argument("--physical", default="288,512", help="comma-separated slot counts P (E = 256)")
-    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated modes")
+    parser.add_argument("--modes", default=",".join(ROUTING_MODES), help="comma-separated modes")
     args = parser.parse_args()
     out_dir = os.environ.get("OUT", ".")
     print(f"jax {jax.__version__}, devices {jax.devices()}", flush=True)
@@ -203,7 +202,9 @@ def main():
         for num_physical in (int(p) for p in args.physical.split(",")):
             for num_tokens in sizes:
                 for mode in modes:
-                    print(f"  {mode} T={num_tokens} P={num_physical}: {default_config(mode, num_tokens * 8)}")
+                    print(
+                        f"  {mode} T={num_tokens} P={num_physical}: {MapAndCountConfig.default(routing_mode(mode).kernel, num_tokens * 8)}"
+                    )
                     row = run_case(rng, num_tokens, 8, num_physical, mode, bandwidth, log)
                     rows.append(row)
                     print(_format(row), flush=True)

@@ -33,8 +33,7 @@ import numpy as np
 
 from moe_eplb_jax.placement import build_log2phy
 from moe_eplb_jax.routing import default_max_replicas, lp_shares, lp_shares_reference, map_and_count, plan_quotas
-from moe_eplb_jax.routing._quota_fill import search_pallas
-from moe_eplb_jax.routing.quota import _default_implementation
+from moe_eplb_jax.routing.quota import default_implementation, search_pallas
 from moe_eplb_jax.sim import drifting_load, format_table, simulate, zipf_counts, zipf_topk
 from moe_eplb_jax.sim.report import resolve_policy
 
@@ -242,7 +241,7 @@ def main():
     tokens = 1024 if args.quick else T
     reps = 5 if args.quick else 200
     print(f"backend: {jax.default_backend()}  devices: {jax.devices()}")
-    print(f"plan_quotas default implementation here: {_default_implementation()}", flush=True)
+    print(f"plan_quotas default implementation here: {default_implementation()}", flush=True)
     quota_rows, lp_rows, timings = [], [], _Timings()
     if "quota" in sections:
         quota_section(tokens, quota_rows, timings, reps)

@@ -9,7 +9,7 @@ reference first), then called ``--calls`` more times. Under Nsight Compute, on t
         python3 benchmarks/profile_kernels.py --cases "lp:262144:288;hash:262144:288"
 
 A case's ``Config`` fields follow a fourth colon as JSON (``lp:262144:288:{"num_warps": 8}``; default:
-``default_config`` by size). The kernels launch in the order of ``--cases``; ``--copy`` first runs a Pallas copy
+``MapAndCountConfig.default`` by size). The kernels launch in the order of ``--cases``; ``--copy`` first runs a Pallas copy
 of the ids (the floor's kernel). Without preallocation switched off ncu backs up the whole preallocated device
 memory on every replay. Give the command a timeout: under ncu's replay ``quota``'s ``tile_counts`` kernel can
 run for minutes, so profile ``quota`` on its own.
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -30,7 +31,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import map_and_count as bench
 
-from moe_eplb_jax.routing._map_and_count import MODES, _triton, map_and_count
+from moe_eplb_jax.routing import ROUTING_MODES, MapAndCountConfig, map_and_count, routing_mode
 
 
 def pallas_copy(x, block=2048, num_warps=4):
@@ -56,29 +57,14 @@ def pallas_copy(x, block=2048, num_warps=4):
 
 def case_call(mode, num_tokens, num_physical, fields):
     """A jitted call of the kernels, its arguments and whether it gave the reference's ids and loads."""
-    rng = np.random.default_rng([num_tokens, num_physical, MODES.index(mode)])
+    rng = np.random.default_rng([num_tokens, num_physical, ROUTING_MODES.index(mode)])
     log2phy, logcnt, kw, ids = bench.make_case(rng, num_tokens, 8, num_physical, mode)
-    config = dataclasses.replace(_triton.default_config(mode, num_tokens * 8), **fields)
-    limits = jnp.asarray([(num_tokens - 3) * 8] * 2, jnp.int32)
-    fn = jax.jit(
-        lambda x, log2phy, logcnt, kw: _triton.map_and_count_triton(
-            x,
-            log2phy,
-            logcnt,
-            limits,
-            num_physical=num_physical,
-            mode=mode,
-            quotas=kw.get("quotas"),
-            shares=kw.get("replica_shares"),
-            interpret=jax.default_backend() != "gpu",
-            config=config,
-        )
-    )
+    config = dataclasses.replace(MapAndCountConfig.default(routing_mode(mode).kernel, num_tokens * 8), **fields)
+    call = functools.partial(map_and_count, num_physical=num_physical, num_valid_tokens=num_tokens - 3, mode=mode)
+    fn = jax.jit(lambda x, log2phy, logcnt, kw: call(x, log2phy, logcnt, implementation="pallas", config=config, **kw))
     args = (ids[0], log2phy, logcnt, kw)
     got = fn(*args)
-    want = map_and_count(
-        ids[0], log2phy, logcnt, num_physical=num_physical, num_valid_tokens=num_tokens - 3, mode=mode, **kw
-    )
+    want = call(ids[0], log2phy, logcnt, implementation="xla", **kw)
     return fn, args, all(np.array_equal(a, b) for a, b in zip(got, want))
 
 

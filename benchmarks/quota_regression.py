@@ -132,7 +132,7 @@ def worker(name, root, sizes, results, reference):
     import jax
 
     import moe_eplb_jax
-    from moe_eplb_jax.routing._map_and_count import _triton, lookup_table, map_and_count
+    from moe_eplb_jax.routing._map_and_count import lookup_table, map_and_count
 
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     from _timing import device_seconds
@@ -140,14 +140,22 @@ def worker(name, root, sizes, results, reference):
     where = os.path.dirname(os.path.abspath(moe_eplb_jax.__file__))
     if where != os.path.join(root, "moe_eplb_jax"):
         raise SystemExit(f"{name}: imported moe_eplb_jax from {where}, not from {root}")
+    options = {}
     if sizes is SMALL:  # the positions path at a tiny size (the default above 65536 entries)
-        if hasattr(_triton, "default_config"):
-            import dataclasses
+        try:  # a version with a public tiling
+            from moe_eplb_jax.routing import MapAndCountConfig
 
-            sized = _triton.default_config
-            _triton.default_config = lambda mode, n: dataclasses.replace(sized(mode, n), quota_path="positions")
-        else:
-            _triton._POSITIONS_FROM = 0
+            options["config"] = MapAndCountConfig(quota_path="positions")
+        except ImportError:  # earlier versions: their kernel module's own switch
+            from moe_eplb_jax.routing._map_and_count import _triton
+
+            if hasattr(_triton, "default_config"):
+                import dataclasses
+
+                sized = _triton.default_config
+                _triton.default_config = lambda mode, n: dataclasses.replace(sized(mode, n), quota_path="positions")
+            else:
+                _triton._POSITIONS_FROM = 0
     print(f"{name}: jax {jax.__version__}, {jax.devices()[0].device_kind}, package {where}", flush=True)
     known = {}
     if name != "current":
@@ -171,6 +179,7 @@ def worker(name, root, sizes, results, reference):
                     quotas=quotas,
                     implementation=implementation,
                     lookup=lookup,
+                    **(options if implementation == "pallas" else {}),
                 )
 
             lookup = jax.jit(lookup_table)(log2phy, logcnt)

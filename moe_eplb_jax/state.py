@@ -42,7 +42,7 @@ import numpy as np
 from moe_eplb_jax import policy as _policy
 from moe_eplb_jax._checks import check_int, is_concrete
 from moe_eplb_jax.placement import Placement
-from moe_eplb_jax.routing import ROUTING_MODES
+from moe_eplb_jax.routing import MODES, routing_mode
 
 __all__ = [
     "EplbConfig",
@@ -127,17 +127,17 @@ class EplbConfig:
             chosen = _policy.get(self.policy)
         except ValueError as e:
             raise ValueError(f"EplbConfig.policy: {e}") from None
-        if not isinstance(self.routing, str) or self.routing not in ROUTING_MODES:
-            raise ValueError(f"EplbConfig.routing must be one of {ROUTING_MODES}, got {self.routing!r}")
-        if self.routing == "quota" and chosen is not _policy.get("online"):
+        mode = routing_mode(self.routing, field="EplbConfig.routing")
+        if mode.policy is not None and chosen is not _policy.get(mode.policy):
             raise ValueError(
-                f"EplbConfig: routing='quota' refreshes spare slots around fixed home experts and needs "
-                f"policy='online', got policy={self.policy!r}"
+                f"EplbConfig: routing={mode.name!r} ({mode.summary}) needs policy={mode.policy!r}, got "
+                f"policy={self.policy!r}"
             )
-        if self.refresh_interval is not None and self.routing != "quota":
+        if self.refresh_interval is not None and mode.policy is None:
             raise ValueError(
-                f"EplbConfig.refresh_interval is the spare-slot refresh period of routing='quota'; "
-                f"routing is {self.routing!r} (use step_interval)"
+                f"EplbConfig.refresh_interval is the spare-slot refresh period of a routing mode with its own "
+                f"policy ({', '.join(repr(m.name) for m in MODES.values() if m.policy)}); routing is "
+                f"{self.routing!r} (use step_interval)"
             )
         if self.overlap is not None and self.overlap != "layer":
             _check_int("overlap", self.overlap, minimum=1, none="None, 'layer' or ")

@@ -1,29 +1,25 @@
-"""Shared data and the numpy oracle of the ``map_and_count`` tests (``test_map_and_count*.py``).
+"""Shared data, the numpy oracle and the ONE parity body of the ``map_and_count`` tests (``test_map_and_count*.py``).
 
-The oracle is written entry by entry from the documented semantics, independent of both implementations.
+The oracle is written entry by entry from the documented semantics, independent of every implementation.
+:func:`check_parity` runs an implementation (with a Pallas tiling, a prepared lookup) on a :class:`Case` and
+compares it with the oracle (small cases) or the reference, after the properties every result has.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from fractions import Fraction
 
 import jax
-import jax.numpy as jnp
 import numpy as np
+from _models import random_placement
 
-from moe_eplb_jax.placement import Placement
 from moe_eplb_jax.routing import map_and_count
 
 GOLDEN = 2654435769
-
-
-def random_placement(rng, num_logical, num_physical):
-    """A random valid one-layer placement (every expert placed, extra slots to random experts)."""
-    phy2log = np.concatenate([np.arange(num_logical), rng.integers(0, num_logical, num_physical - num_logical)])
-    rng.shuffle(phy2log)
-    return Placement.from_phy2log(phy2log, num_logical)
+ORACLE_ENTRIES = 4096  # the entry-by-entry oracle up to this many entries; the reference above
 
 
 def random_mode_inputs(rng, mode, placement, num_flat):
@@ -139,10 +135,10 @@ def oracle(ids, log2phy, logcnt, num_physical, num_valid, mode, replica_shares=N
 
 
 @functools.cache
-def jitted(implementation, mode, num_physical):
-    """One jitted function per (implementation, mode, P): shared by every test and example."""
+def jitted(implementation, mode, num_physical, config=None):
+    """One jitted function per (implementation, mode, P, tiling): shared by every test and example."""
 
-    def run(ids, log2phy, logcnt, num_valid, record, extra):
+    def run(ids, log2phy, logcnt, num_valid, record, extra, lookup=None):
         return map_and_count(
             ids,
             log2phy,
@@ -152,66 +148,88 @@ def jitted(implementation, mode, num_physical):
             mode=mode,
             record=record,
             implementation=implementation,
+            lookup=lookup,
+            config=config,
             **extra,
         )
 
     return jax.jit(run)
 
 
-def check_against_oracle(implementation, rng, mode, num_tokens, top_k, num_logical, num_physical, record=True):
-    placement = random_placement(rng, num_logical, num_physical)
-    log2phy, logcnt = placement.log2phy[0], placement.logcnt[0]
-    ids = random_ids(rng, num_tokens, top_k, num_logical)
-    extra = random_mode_inputs(rng, mode, placement, ids.size)
-    num_valid = int(rng.integers(0, num_tokens + 1))
-    phys, load = jitted(implementation, mode, num_physical)(ids, log2phy, logcnt, np.int32(num_valid), record, extra)
-    assert phys.shape == (num_tokens, top_k) and phys.dtype == jnp.int32
-    assert load.shape == (num_physical,) and load.dtype == jnp.int32
-    want_phys, want_load = oracle(ids, log2phy, logcnt, num_physical, num_valid, mode, record=record, **extra)
-    np.testing.assert_array_equal(np.asarray(phys), want_phys)
-    np.testing.assert_array_equal(np.asarray(load), want_load)
-    return placement, ids, np.asarray(phys), np.asarray(load), num_valid
+@dataclasses.dataclass
+class Case:
+    """One ``map_and_count`` call's inputs: ids ``[T, k]``, one layer's tables, the mode's table, the flags."""
+
+    ids: np.ndarray
+    log2phy: np.ndarray
+    logcnt: np.ndarray
+    num_physical: int
+    mode: str
+    extra: dict  # {"replica_shares": ...} / {"quotas": ...} / {}
+    num_valid: int
+    record: bool = True
+
+    @classmethod
+    def draw(cls, rng, mode, num_tokens, top_k, num_logical, num_physical, *, num_valid=None, record=True):
+        """Fresh random ids (a few invalid), placement and mode table; ``num_valid`` random where not given."""
+        placement = random_placement(rng, num_logical, num_physical)
+        ids = random_ids(rng, num_tokens, top_k, num_logical)
+        extra = random_mode_inputs(rng, mode, placement, ids.size)
+        if num_valid is None:
+            num_valid = int(rng.integers(0, num_tokens + 1))
+        return cls(ids, placement.log2phy[0], placement.logcnt[0], num_physical, mode, extra, num_valid, record)
+
+    def oracle(self):
+        return oracle(
+            self.ids,
+            self.log2phy,
+            self.logcnt,
+            self.num_physical,
+            self.num_valid,
+            self.mode,
+            record=self.record,
+            **self.extra,
+        )
+
+    def expected(self):
+        """The oracle's ``(phys, load)``; the reference's above ``ORACLE_ENTRIES`` (the oracle is slow)."""
+        return self.oracle() if self.ids.size <= ORACLE_ENTRIES else self.run("xla")
+
+    def run(self, implementation, *, config=None, lookup=None):
+        """``map_and_count`` of this case, jitted (so tables that only concrete checks refuse still run)."""
+        fn = jitted(implementation, self.mode, self.num_physical, config)
+        args = (self.ids, self.log2phy, self.logcnt, np.int32(self.num_valid), self.record, self.extra)
+        return tuple(np.asarray(a) for a in fn(*args, lookup))
 
 
-# ------------------------------------------------------------ the private implementations, on the same inputs
-def reference_call(ids, log2phy, logcnt, limits, num_physical, mode, values=None):
-    """The XLA implementation (the reference) on prepared inputs: ``limits [2]``, ``values`` the shares / quotas."""
-    from moe_eplb_jax.routing._map_and_count import _alias, _tables
-    from moe_eplb_jax.routing._map_and_count import reference as _reference
+def check_parity(implementation, case: Case, *, config=None, lookup=None, message=""):
+    """THE shared body: ``implementation`` (tiled by ``config``, reading a prepared ``lookup``) on ``case`` gives
+    int32 ids and loads of the right shapes, every mapped entry on a slot its expert's row lists (invalid ids
+    on ``-1``; with tables that agree, every valid id mapped) and the loads the counted entries' bincount -- and the oracle's results, bit for bit
+    (the reference's above ``ORACLE_ENTRIES``, where the entry-by-entry oracle would be slow).
 
-    log2phy, logcnt = jnp.asarray(log2phy, jnp.int32), jnp.asarray(logcnt, jnp.int32)
-    if mode == "lp":
-        table = _alias.alias_words(jnp.asarray(values, jnp.float32), log2phy, logcnt)
-    elif mode == "quota":
-        table = _tables.quota_thresholds(jnp.asarray(values, jnp.int32), logcnt, cap=int(np.size(ids)))
-    else:
-        table = jnp.zeros(log2phy.shape, jnp.int32)
-    limits = jnp.asarray(limits, jnp.int32)
-    return _reference.map_and_count_reference(
-        jnp.asarray(ids, jnp.int32), log2phy, logcnt, table, limits, num_physical=num_physical, mode=mode
-    )
-
-
-def kernel_call(ids, log2phy, logcnt, limits, num_physical, mode, values=None, *, config=None, lookup=None):
-    """The Pallas implementation (interpret mode off GPU) on the inputs of :func:`reference_call`."""
-    from moe_eplb_jax.routing._map_and_count import _triton
-
-    return _triton.map_and_count_triton(
-        jnp.asarray(ids, jnp.int32),
-        jnp.asarray(log2phy, jnp.int32),
-        jnp.asarray(logcnt, jnp.int32),
-        jnp.asarray(limits, jnp.int32),
-        num_physical=num_physical,
-        mode=mode,
-        quotas=values if mode == "quota" else None,
-        shares=values if mode == "lp" else None,
-        lookup=lookup,
-        interpret=jax.default_backend() != "gpu",
-        config=config,
-    )
-
-
-def assert_same(got, want, message=""):
-    """Physical ids and loads equal, element for element."""
-    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]), err_msg=message)
-    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]), err_msg=message)
+    Returns ``(phys [T, k], load [P])``.
+    """
+    phys, load = case.run(implementation, config=config, lookup=lookup)
+    num_tokens, top_k = case.ids.shape
+    assert phys.shape == (num_tokens, top_k) and phys.dtype == np.int32, message
+    assert load.shape == (case.num_physical,) and load.dtype == np.int32, message
+    num_logical, width = case.log2phy.shape
+    valid = (case.ids >= 0) & (case.ids < num_logical)
+    mapped = phys >= 0
+    assert not mapped[~valid].any(), message
+    live = np.arange(width)[None, :] < case.logcnt[:, None]
+    if np.all((case.logcnt >= 1) & (case.logcnt <= width)) and np.all(
+        (case.log2phy[live] >= 0) & (case.log2phy[live] < case.num_physical)
+    ):
+        assert mapped[valid].all(), message  # tables that agree map every valid id
+    slots = [set(row.tolist()) for row in case.log2phy]
+    assert all(int(p) in slots[e] for p, e in zip(phys[mapped], case.ids[mapped])), message
+    counted = phys[: case.num_valid][mapped[: case.num_valid]] if case.record else np.zeros(0, np.int32)
+    np.testing.assert_array_equal(load, np.bincount(counted, minlength=case.num_physical), err_msg=message)
+    if case.ids.size > ORACLE_ENTRIES and implementation == "xla":  # the reference itself: the properties above
+        return phys, load
+    want = case.expected()
+    np.testing.assert_array_equal(phys, want[0], err_msg=message)
+    np.testing.assert_array_equal(load, want[1], err_msg=message)
+    return phys, load

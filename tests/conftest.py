@@ -56,6 +56,16 @@ def rng():
 
 
 @pytest.fixture
+def mesh(request):
+    """A 1-D EP mesh (axis ``"ep"``) over the devices the test needs: its closest ``devices(n)`` marker's ``n``,
+    else every device (``_models.ep_mesh``; modules that need a mesh at import build theirs with it too)."""
+    from _models import ep_mesh
+
+    needs = request.node.get_closest_marker("devices")
+    return ep_mesh(needs.args[0] if needs is not None else jax.device_count())
+
+
+@pytest.fixture
 def h100_lowering(monkeypatch):
     """Lets Pallas lower Triton kernels for an H100/H200 on a machine without a GPU (lowering checks only).
 

@@ -2,8 +2,9 @@
 the alias table's forms, the rank look-back and boundary positions of ``"quota"``, and the lowering of every
 kernel to Triton IR on CPU.
 
-Every configuration is checked against the reference (the XLA implementation) on fresh random inputs: in
-interpret mode on CPU, compiled on GPU. The public function's semantics are tested in ``test_map_and_count.py``.
+Every configuration runs through the shared parity body (``check_parity``: the oracle, or the reference above
+4096 entries) on fresh random inputs: in interpret mode on CPU, compiled on GPU (more tilings and sizes, marked
+``gpu``). The public function's semantics are tested in ``test_map_and_count.py``.
 """
 
 from __future__ import annotations
@@ -14,27 +15,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _map_and_count_data import (
-    assert_same,
-    kernel_call,
-    random_ids,
-    random_mode_inputs,
-    random_placement,
-    reference_call,
-)
+from _map_and_count_data import Case, check_parity, random_ids, random_mode_inputs
+from _models import random_placement
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moe_eplb_jax.placement import Placement
-from moe_eplb_jax.routing._map_and_count import MODES, _alias, _positions, _rank, _tables, _triton, lookup_table
-from moe_eplb_jax.routing._map_and_count._triton import Config, default_config
+from moe_eplb_jax.routing import ROUTING_MODES
+from moe_eplb_jax.routing._map_and_count import (
+    QUOTA_PATHS,
+    Config,
+    _alias,
+    _positions,
+    _rank,
+    _tables,
+    _triton,
+    lookup_table,
+)
 
 INT32_MAX = np.iinfo(np.int32).max
-
-
-def _values(extra):
-    """The shares / quotas of :func:`random_mode_inputs`' dict (``None`` for hash / round_robin)."""
-    return next(iter(extra.values()), None)
 
 
 # ------------------------------------------------------------ Config
@@ -42,32 +41,47 @@ def _slow(*values):
     return pytest.param(*values, marks=pytest.mark.slow)
 
 
-CONFIGS = [  # (mode, config): every mode's default tiling and every quota path (fast lane); other tilings (slow)
+def _gpu(*values):
+    return pytest.param(*values, marks=pytest.mark.gpu)
+
+
+CONFIGS = [  # (mode, config): every mode's default tiling and every quota path (fast lane); other tilings (slow);
+    # larger tilings (GPU only)
     ("hash", Config()),
     _slow("hash", Config(tile=128, sub=16)),
     _slow("round_robin", Config(tile=1024, sub=1024, num_warps=8)),
     ("lp", Config()),
     _slow("lp", Config(tile=64, sub=32, alias_warps=1)),
-    *[("quota", Config(quota_path=path)) for path in _triton.QUOTA_PATHS],
+    *[("quota", Config(quota_path=path)) for path in QUOTA_PATHS],
     _slow("quota", Config(quota_path="lookback", rank_tile=32)),
     _slow("quota", Config(quota_path="lookback", rank_tile=64, sub=16)),
     _slow("quota", Config(quota_path="ranks", rank_tile=64, tile=128, sub=32)),
     _slow("quota", Config(quota_path="positions", position_tile=16, position_scan=16, tile=64, sub=16)),
     _slow("quota", Config(quota_path="positions", position_tile=512, position_scan=64, tile=32768, sub=32768)),
+    _gpu("round_robin", Config()),
+    *[_gpu(mode, Config(tile=1024, sub=1024, num_warps=8)) for mode in ROUTING_MODES],
+    *[_gpu(mode, Config(tile=4096, sub=4096, num_warps=16)) for mode in ROUTING_MODES],
+    _gpu("quota", Config(quota_path="lookback", rank_tile=64)),
+    _gpu("quota", Config(quota_path="ranks", rank_tile=128)),
+    _gpu("quota", Config(quota_path="positions", position_tile=4096, position_scan=512, count_warps=8)),
+]
+SHAPES = [  # (T, k, E, P): padding, invalid ids; on a GPU also one entry, E = 512, 65536 entries
+    (300, 6, 16, 40),
+    _gpu((1, 1, 8, 8)),
+    _gpu((333, 6, 512, 519)),
+    _gpu((8192, 8, 256, 288)),
 ]
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}k{}E{}P{}".format(*s))
 @pytest.mark.parametrize("mode, config", CONFIGS, ids=lambda c: c if isinstance(c, str) else None)
-def test_configs_match_reference(mode, config, rng):
-    """The tiling and the quota path never change the result (padding, a record limit, invalid ids; the last case's
-    32768-entry steps are too large for the boundary start words: its entries search)."""
-    placement = random_placement(rng, 16, 40)
-    log2phy, logcnt = placement.log2phy[0], placement.logcnt[0]
-    ids = random_ids(rng, 300, 6, 16)
-    values = _values(random_mode_inputs(rng, mode, placement, ids.size))
-    limits = [250 * 6, 280 * 6]
-    want = reference_call(ids, log2phy, logcnt, limits, 40, mode, values)
-    assert_same(kernel_call(ids, log2phy, logcnt, limits, 40, mode, values, config=config), want)
+def test_configs_match_reference(mode, config, shape, rng):
+    """The tiling and the quota path never change the result (padding, invalid ids; the 32768-entry steps are too
+    large for the boundary start words: their entries search)."""
+    num_tokens, top_k = shape[:2]
+    if config.quota_path == "ranks" and mode == "quota" and num_tokens * top_k > _rank.MAX_TILES * config.rank_tile:
+        pytest.skip("too many rank tiles for one product")
+    check_parity("pallas", Case.draw(rng, mode, *shape), config=config)
 
 
 @pytest.mark.parametrize(
@@ -92,14 +106,16 @@ def test_config_rejects_bad_fields(fields, message):
 def test_default_config_follows_the_size():
     """Quota paths by size (one look-back kernel up to 32 rank tiles of 256, ranks up to 65536 entries, boundary
     positions above); larger loop steps from 2**19 entries, larger programs from 2**21 (not for quota)."""
-    paths = {n: default_config("quota", n).quota_path for n in (1, 8192, 8193, 65536, 65537, 1 << 21)}
+    paths = {n: Config.default("quota", n).quota_path for n in (1, 8192, 8193, 65536, 65537, 1 << 21)}
     assert paths == {1: "lookback", 8192: "lookback", 8193: "ranks", 65536: "ranks", 65537: "positions"} | {
         1 << 21: "positions"
     }
-    assert default_config("hash", 4096 * 8) == Config(tile=256, sub=256)
-    assert default_config("hash", 1 << 19) == Config(tile=4096, sub=4096, num_warps=16)
-    assert default_config("lp", 1 << 21) == Config(tile=8192, sub=4096, num_warps=16)
-    big = default_config("quota", 1 << 21)
+    assert Config.default("hash", 0) == Config.default("hash", 1) == Config(tile=256, sub=256)
+    assert Config.default("hash", 4096 * 8) == Config(tile=256, sub=256)
+    assert Config.default("hash", 512 * 1024) == Config(tile=4096, sub=4096, num_warps=16)
+    assert Config.default("round_robin", 512 * 300) == Config(tile=512, sub=256)
+    assert Config.default("lp", 1 << 21) == Config(tile=8192, sub=4096, num_warps=16)
+    big = Config.default("quota", 1 << 21)
     assert (big.tile, big.sub, big.position_tile, big.count_warps) == (4096, 4096, 4096, 8)
 
 
@@ -110,8 +126,8 @@ def test_default_config_follows_the_size():
     top_k=st.sampled_from([1, 3, 8]),
     num_logical=st.sampled_from([2, 9, 40]),
     extra_slots=st.integers(0, 30),
-    mode=st.sampled_from(MODES),
-    quota_path=st.sampled_from(_triton.QUOTA_PATHS),
+    mode=st.sampled_from(ROUTING_MODES),
+    quota_path=st.sampled_from(QUOTA_PATHS),
     tile=st.sampled_from([16, 64, 256]),
     rank_tile=st.sampled_from([32, 64, 256]),
     position_tile=st.sampled_from([16, 64, 256]),
@@ -120,14 +136,9 @@ def test_default_config_follows_the_size():
 def test_any_shape_and_config_matches_reference(
     num_tokens, top_k, num_logical, extra_slots, mode, quota_path, tile, rank_tile, position_tile, seed
 ):
-    """Any shape, tiling and quota path gives the reference's ids and loads."""
+    """Any shape, tiling and quota path gives the oracle's ids and loads."""
     rng = np.random.default_rng(seed)
-    placement = random_placement(rng, num_logical, num_logical + extra_slots)
-    log2phy, logcnt = placement.log2phy[0], placement.logcnt[0]
-    ids = random_ids(rng, num_tokens, top_k, num_logical)
-    values = _values(random_mode_inputs(rng, mode, placement, ids.size))
-    valid = int(rng.integers(0, num_tokens + 1)) * top_k
-    limits = [int(rng.integers(0, valid + 1)), valid]
+    case = Case.draw(rng, mode, num_tokens, top_k, num_logical, num_logical + extra_slots, record=seed % 2 == 0)
     config = Config(
         tile=tile,
         sub=min(tile, 64),
@@ -136,16 +147,14 @@ def test_any_shape_and_config_matches_reference(
         position_tile=position_tile,
         position_scan=16,
     )
-    num_physical = num_logical + extra_slots
-    want = reference_call(ids, log2phy, logcnt, limits, num_physical, mode, values)
-    assert_same(kernel_call(ids, log2phy, logcnt, limits, num_physical, mode, values, config=config), want)
+    check_parity("pallas", case, config=config)
 
 
 @pytest.mark.parametrize(
     "mode, config",
     [_slow(m, Config()) for m in ("hash", "round_robin")]  # one replica lookup, as lp's first step
     + [("lp", Config())]
-    + [("quota", Config(quota_path=path)) for path in _triton.QUOTA_PATHS],
+    + [("quota", Config(quota_path=path)) for path in QUOTA_PATHS],
     ids=lambda c: c if isinstance(c, str) else c.quota_path,
 )
 @pytest.mark.parametrize("wide", [True, _slow(False)], ids=["wide", "narrow"])
@@ -158,18 +167,15 @@ def test_wide_and_narrow_rows_match_reference(mode, config, wide, rng):
     log2phy = placement.log2phy[0, :, : replicas.max()]  # as wide as the most replicated expert
     logcnt = placement.logcnt[0]
     ids = random_ids(rng, 200, 4, replicas.size)
-    values = _values(random_mode_inputs(rng, mode, placement, ids.size))
+    extra = {
+        name: value[:, : log2phy.shape[1]] for name, value in random_mode_inputs(rng, mode, placement, 800).items()
+    }
     if mode == "quota":  # quotas below demand: entries past an expert's last threshold fall back to hash
-        values = values[:, : log2phy.shape[1]] // 32
-    elif mode == "lp":
-        values = values[:, : log2phy.shape[1]]
-    limits = [190 * 4, 195 * 4]
-    num_physical = int(replicas.sum())
-    want = reference_call(ids, log2phy, logcnt, limits, num_physical, mode, values)
-    got = kernel_call(ids, log2phy, logcnt, limits, num_physical, mode, values, config=config)
-    assert_same(got, want)
+        extra["quotas"] //= 32
+    case = Case(ids, log2phy, logcnt, int(replicas.sum()), mode, extra, num_valid=195)
+    phys, _ = check_parity("pallas", case, config=config)
     replica_of = {int(slot): j for e in range(replicas.size) for j, slot in enumerate(log2phy[e]) if slot >= 0}
-    assert max(replica_of[int(p)] for p in np.asarray(got[0]).ravel() if p >= 0) >= 3
+    assert max(replica_of[int(p)] for p in phys.ravel() if p >= 0) >= 3
 
 
 # ------------------------------------------------------------ mode "lp": the alias table's forms
@@ -187,8 +193,7 @@ def test_alias_table_forms_match_reference(shape, num_physical, rng):
     ids = rng.integers(-1, num_logical + 1, (500, 4)).astype(np.int32)
     ids[::2, 1] = 0  # the widest expert: buckets up to its last
     ids[1::2, 2] = num_logical - 1 - ids[1::2, 2] % 40  # the last experts: the largest offsets
-    limits = [480 * 4, 490 * 4]
-    want = reference_call(ids, log2phy, logcnt, limits, num_physical, "lp", shares)
+    case = Case(ids, log2phy, logcnt, num_physical, "lp", {"replica_shares": shares}, num_valid=490)
     small = shape == (15, 4)
     assert _alias.word_heads_fit(num_logical, width) == small
     assert small or np.clip(logcnt, 1, width)[:-1].sum() >= 1 << _alias.HEAD_SHIFT
@@ -200,8 +205,9 @@ def test_alias_table_forms_match_reference(shape, num_physical, rng):
     assert (one_word.size < two_words.size) == _alias.compact_fits(num_physical)
     lookups = [None, two_words] + ([one_word] if _alias.compact_fits(num_physical) else [])
     for lookup in lookups:
-        got = kernel_call(ids, log2phy, logcnt, limits, num_physical, "lp", shares, lookup=lookup)
-        assert_same(got, want, f"lookup of {None if lookup is None else lookup.size} words")
+        check_parity(
+            "pallas", case, lookup=lookup, message=f"lookup of {None if lookup is None else lookup.size} words"
+        )
 
 
 # ------------------------------------------------------------ Triton lowering on CPU
@@ -336,7 +342,7 @@ def unruly_quotas(rng, quotas, *, huge):
     ).astype(np.int32)
 
 
-@pytest.mark.parametrize("path", _triton.QUOTA_PATHS)
+@pytest.mark.parametrize("path", QUOTA_PATHS)
 @pytest.mark.parametrize("seed", [0, _slow(1)])
 def test_unruly_quotas_and_counts_match_reference(path, seed):
     """Negative quotas, quotas far past the entry count (unclipped, their sums would overflow int32), replica counts
@@ -352,10 +358,9 @@ def test_unruly_quotas_and_counts_match_reference(path, seed):
     quotas = unruly_quotas(rng, rng.integers(0, 30, (num_logical, width)), huge=0.07)
     quotas[2] = 2**31 - 1 - np.arange(width)
     logcnt[2] = width
-    limits = [130 * top_k, 140 * top_k]
     config = Config(quota_path=path, rank_tile=128, tile=128, sub=64, position_tile=64)
-    want = reference_call(ids, log2phy, logcnt, limits, num_logical + 20, "quota", quotas)
-    assert_same(kernel_call(ids, log2phy, logcnt, limits, num_logical + 20, "quota", quotas, config=config), want)
+    case = Case(ids, log2phy, logcnt, num_logical + 20, "quota", {"quotas": quotas}, num_valid=140)
+    check_parity("pallas", case, config=config)
 
 
 def test_kernel_quotas_keep_their_sums_in_int32(rng):
@@ -480,15 +485,9 @@ def test_positions_map_matches_reference(num_tokens, top_k, num_logical, extra_s
     several boundaries in one step, a boundary on a step's first or last entry, zero quotas (equal positions),
     quotas past the demand, a rank limit inside a step."""
     rng = np.random.default_rng(seed)
-    placement = random_placement(rng, num_logical, num_logical + extra_slots)
-    log2phy, logcnt = placement.log2phy[0], placement.logcnt[0]
-    width = log2phy.shape[1]
-    ids = random_ids(rng, num_tokens, top_k, num_logical)
-    demand = ids.size / num_logical
-    quotas = rng.integers(0, int(quota_scale * demand / width) + 2, (num_logical, width)).astype(np.int32)
-    valid = int(rng.integers(0, num_tokens + 1)) * top_k
-    limits = [int(rng.integers(0, valid + 1)), valid]
+    case = Case.draw(rng, "quota", num_tokens, top_k, num_logical, num_logical + extra_slots, record=seed % 2 == 0)
+    width = case.log2phy.shape[1]
+    demand = case.ids.size / num_logical
+    case.extra["quotas"] = rng.integers(0, int(quota_scale * demand / width) + 2, (num_logical, width)).astype(np.int32)
     config = Config(quota_path="positions", tile=sub, sub=sub, position_tile=16)
-    num_physical = num_logical + extra_slots
-    want = reference_call(ids, log2phy, logcnt, limits, num_physical, "quota", quotas)
-    assert_same(kernel_call(ids, log2phy, logcnt, limits, num_physical, "quota", quotas, config=config), want)
+    check_parity("pallas", case, config=config)

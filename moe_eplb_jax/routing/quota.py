@@ -64,7 +64,14 @@ from moe_eplb_jax._checks import is_concrete
 from moe_eplb_jax._kernels import pallas_default
 from moe_eplb_jax.routing._quota_fill import IMPLEMENTATIONS, candidates, fill_layout, search_pallas
 
-__all__ = ["QuotaPlan", "plan_quotas", "check_counts", "default_max_replicas"]
+__all__ = [
+    "QuotaPlan",
+    "check_counts",
+    "default_implementation",
+    "default_max_replicas",
+    "plan_quotas",
+    "search_pallas",
+]
 
 
 @jax.tree_util.register_dataclass
@@ -136,7 +143,7 @@ def check_counts(counts, *, num_home: int) -> None:
         raise ValueError(f"counts sum to {total} tokens, past the planner's int32 sums (max 2**31 - 1)")
 
 
-def _default_implementation() -> str:
+def default_implementation() -> str:
     """``"pallas"`` on a GPU once a probe plan from it equals the XLA plan (once per process), else ``"xla"``."""
     return "pallas" if pallas_default("plan_quotas", _probe_pallas) else "xla"
 
@@ -214,7 +221,7 @@ def plan_quotas(
     if is_concrete(counts):
         check_counts(counts, num_home=num_home)
     if implementation is None:
-        implementation = _default_implementation()  # after validation: on GPU this may run the one-time probe
+        implementation = default_implementation()  # after validation: on GPU this may run the one-time probe
     counts = jnp.maximum(jnp.asarray(counts).astype(jnp.int32), 0)
     return _plan(
         counts,

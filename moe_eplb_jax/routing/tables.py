@@ -6,12 +6,16 @@ dict: ``layer.eplb_set_placement(phy2log, log2phy, logcnt, **tables[l])``;
 :func:`stacked_routing_tables` is the same as ``[L, ...]`` arrays per name,
 as ``moe_eplb_jax.control.Rearrangement`` carries them.
 
-* ``"lp"``: ``{"replica_shares": [E, S] float32}`` -- the shares minimising
-  the largest rank load of the window's logical loads on the new placement
+* a mode that reads shares (``RoutingMode.shares``: ``"lp"``):
+  ``{"replica_shares": [E, S] float32}`` -- the shares minimising the largest
+  rank load of the window's logical loads on the new placement
   (``lp_shares``); the layer routes by them until the next rearrangement.
   A layer with no load yet (a fresh start) gets equal shares.
-* ``"hash"``, ``"round_robin"``, ``"quota"``: ``{}`` -- nothing to solve
-  (``quota`` plans every batch inside the forward pass).
+* the others: ``{}`` -- nothing to solve (``quota`` plans every batch inside
+  the forward pass).
+
+:func:`mode_lookup` builds a layer's ``map_and_count`` lookup table for its
+mode, once per placement.
 """
 
 from __future__ import annotations
@@ -22,19 +26,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moe_eplb_jax.routing._map_and_count import lookup_table
 from moe_eplb_jax.routing.lp import lp_shares
+from moe_eplb_jax.routing.modes import RoutingMode, routing_mode
 
-__all__ = ["ROUTING_MODES", "check_routing", "equal_shares", "routing_tables", "stacked_routing_tables"]
-
-# L2 modes: "hash" (stateless token hash), "round_robin", "lp" (LP replica shares), "quota" (per-batch quotas).
-ROUTING_MODES = ("hash", "round_robin", "lp", "quota")
-
-
-def check_routing(routing) -> str:
-    """``routing`` if it names an L2 mode, else ``ValueError`` listing them."""
-    if routing not in ROUTING_MODES:
-        raise ValueError(f"routing must be one of {ROUTING_MODES}, got {routing!r}")
-    return routing
+__all__ = ["equal_shares", "mode_lookup", "routing_tables", "stacked_routing_tables"]
 
 
 def equal_shares(logcnt, width: int) -> np.ndarray:
@@ -50,11 +46,11 @@ def _solver(num_physical: int, num_ranks: int):
     return jax.jit(jax.vmap(lambda load, log2phy, logcnt: solve(load, log2phy, logcnt)[0]))
 
 
-def routing_tables(routing: str, logical_load, placement, *, num_ranks: int) -> list[dict]:
+def routing_tables(routing: str | RoutingMode, logical_load, placement, *, num_ranks: int) -> list[dict]:
     """Per layer, the tables ``routing`` reads, for ``eplb_set_placement(..., **tables[layer])``.
 
     Args:
-      routing: an L2 mode (:data:`ROUTING_MODES`).
+      routing: a routing mode (a name of ``routing.ROUTING_MODES``).
       logical_load: ``[L, E]`` non-negative tokens per logical expert (e.g. the
         controller's window, summed over ranks and replicas).
       placement: the ``moe_eplb_jax.placement.Placement`` being installed
@@ -62,11 +58,11 @@ def routing_tables(routing: str, logical_load, placement, *, num_ranks: int) -> 
       num_ranks: ``G``, the EP size.
 
     Returns:
-      ``[{"replica_shares": [E, S] float32 numpy}, ...]`` for ``"lp"`` (equal
-      shares, :func:`equal_shares`, for a layer whose load is all zero), a
-      list of ``L`` empty dicts otherwise.
+      ``[{"replica_shares": [E, S] float32 numpy}, ...]`` for a mode that reads
+      shares (``"lp"``; equal shares, :func:`equal_shares`, for a layer whose
+      load is all zero), a list of ``L`` empty dicts otherwise.
     """
-    check_routing(routing)
+    mode = routing_mode(routing)
     log2phy, logcnt = np.asarray(placement.log2phy), np.asarray(placement.logcnt)
     num_layers, num_logical = logcnt.shape
     num_physical = int(np.asarray(placement.phy2log).shape[1])
@@ -81,7 +77,7 @@ def routing_tables(routing: str, logical_load, placement, *, num_ranks: int) -> 
         raise ValueError(f"num_ranks must be a positive integer, got {num_ranks!r}")
     if num_physical % num_ranks:
         raise ValueError(f"num_ranks ({num_ranks}) must divide the placement's P = {num_physical} slots")
-    if routing != "lp":
+    if not mode.shares:
         return [{} for _ in range(num_layers)]
     shares = equal_shares(logcnt, log2phy.shape[2])
     busy = np.any(load > 0, axis=1)  # a layer with no load has nothing to balance: equal shares
@@ -93,8 +89,23 @@ def routing_tables(routing: str, logical_load, placement, *, num_ranks: int) -> 
     return [{"replica_shares": layer} for layer in shares]
 
 
-def stacked_routing_tables(routing: str, logical_load, placement, *, num_ranks: int) -> dict[str, np.ndarray]:
+def stacked_routing_tables(
+    routing: str | RoutingMode, logical_load, placement, *, num_ranks: int
+) -> dict[str, np.ndarray]:
     """:func:`routing_tables` stacked over the layers: table name -> ``[L, ...]`` numpy array (``{}`` when the mode
     has no tables). An all-zero ``logical_load`` gives a fresh start's tables (equal shares for ``"lp"``)."""
     per_layer = routing_tables(routing, logical_load, placement, num_ranks=num_ranks)
     return {name: np.stack([tables[name] for tables in per_layer]) for name in per_layer[0]}
+
+
+def mode_lookup(routing: str | RoutingMode, log2phy, logcnt, *, replica_shares=None, num_physical: int) -> np.ndarray:
+    """One layer's ``map_and_count`` lookup table for ``routing``, built once per placement (numpy int32).
+
+    For a mode that reads shares it carries their alias table too (``replica_shares [E, S]``; ``None``: equal
+    shares), so the Pallas kernel builds none per call; for the others the placement's table alone.
+    """
+    log2phy, logcnt = np.asarray(log2phy, np.int32), np.asarray(logcnt, np.int32)
+    if not routing_mode(routing).shares:
+        return np.asarray(lookup_table(log2phy, logcnt))
+    shares = equal_shares(logcnt, log2phy.shape[1]) if replica_shares is None else np.asarray(replica_shares)
+    return np.asarray(lookup_table(log2phy, logcnt, replica_shares=shares, num_physical=num_physical))

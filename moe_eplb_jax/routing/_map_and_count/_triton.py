@@ -1,4 +1,4 @@
-"""The Pallas (Triton) implementation of ``map_and_count``: its :class:`Config`, the map kernel and the wrapper.
+"""The Pallas (Triton) implementation of ``map_and_count``: the map kernel and its wrapper (tiling: :mod:`.config`).
 
 ``map_and_count_triton(topk_ids [T, k], log2phy [E, S], logcnt [E], limits [2], ...)`` ->
 ``(physical_ids [T, k], load [P])``, equal to :func:`._reference.map_and_count_reference`. A map program
@@ -25,87 +25,13 @@ from moe_eplb_jax.routing._map_and_count import _alias, _positions, _rank, _tabl
 from moe_eplb_jax.routing._map_and_count._alias_kernel import alias_kernel
 from moe_eplb_jax.routing._map_and_count._search import loads, upper_bound
 from moe_eplb_jax.routing._map_and_count._triton_ops import atomic_add_int, histogram, take
+from moe_eplb_jax.routing._map_and_count.config import Config
 from moe_eplb_jax.routing._map_and_count.reference import GOLDEN
 
-__all__ = ["Config", "default_config", "map_and_count_triton", "QUOTA_PATHS"]
+__all__ = ["map_and_count_triton"]
 
 _INT32_MAX = np.iinfo(np.int32).max
-# How mode "quota" finds each entry's point: ranks, bases and mapping in one kernel (a look-back between its
-# programs), ranks then the map kernel, or boundary positions then the map kernel.
-QUOTA_PATHS = ("lookback", "ranks", "positions")
 _MAX_HISTOGRAM_BINS = 32768  # tt.histogram's bins live in a block's shared memory (128 KiB of an H200's 227)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Config:
-    """Tiling of one ``map_and_count`` call's Pallas kernels (sizes are powers of two).
-
-    Attributes:
-      tile: entries per map program.
-      sub: entries per loop step of a map program (``<= tile``, ``>= 16``).
-      num_warps, num_stages: the map kernel's Triton parameters.
-      quota_path: how mode ``"quota"`` finds each entry's point, one of :data:`QUOTA_PATHS`.
-      rank_tile: ``"lookback"`` / ``"ranks"``: entries per rank program (up to four warps of 32-entry steps;
-        ``"lookback"`` maps them in the same program).
-      position_tile: ``"positions"``: entries per tile of expert counts (one step).
-      position_scan: ``"positions"``: entries per step of a boundary's tile scan.
-      count_warps, boundary_warps: ``"positions"``: warps of the tile-count and boundary kernels.
-      alias_warps: mode ``"lp"``: warps of the kernel that builds the alias table per call.
-    """
-
-    tile: int = 256
-    sub: int = 256
-    num_warps: int = 4
-    num_stages: int = 3
-    quota_path: str = "ranks"
-    rank_tile: int = 256
-    position_tile: int = 256
-    position_scan: int = 1024
-    count_warps: int = 4
-    boundary_warps: int = 4
-    alias_warps: int = 4
-
-    def __post_init__(self):
-        for name, least in (("tile", 16), ("sub", 16), ("rank_tile", 32), ("position_tile", 16), ("position_scan", 16)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < least or value & (value - 1):
-                raise ValueError(f"Config.{name} must be a power of two >= {least}, got {value!r}")
-        if self.sub > self.tile:
-            raise ValueError(f"Config.sub ({self.sub}) must not exceed Config.tile ({self.tile})")
-        for name in ("num_warps", "count_warps", "boundary_warps", "alias_warps"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
-                raise ValueError(f"Config.{name} must be a power of two >= 1, got {value!r}")
-        if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or self.num_stages < 1:
-            raise ValueError(f"Config.num_stages must be a positive int, got {self.num_stages!r}")
-        if self.quota_path not in QUOTA_PATHS:
-            raise ValueError(f"Config.quota_path must be one of {QUOTA_PATHS}, got {self.quota_path!r}")
-
-
-def default_config(mode: str, num_entries: int) -> Config:
-    """The tiling measured fastest on an H200 for ``num_entries`` flat entries of ``mode`` (docs/kernels.md).
-
-    About 512 map programs of 256 to 8192 entries in 256-entry steps; from ``2**19`` entries one 4096-entry step
-    of 16 warps per program (8192-entry programs from ``2**21``, except for ``"quota"``, which does more per
-    entry). ``"quota"`` by ranks up to 65536 entries, all in one kernel up to 32 rank tiles of 256 entries, by
-    boundary positions above (tiles of 256 to 4096 entries, about 512 of them).
-    """
-    tile, sub, num_warps = int(min(max(pl.next_power_of_2(max(1, pl.cdiv(num_entries, 512))), 256), 8192)), 256, 4
-    if num_entries >= 1 << 21 and mode != "quota":
-        tile, sub, num_warps = 8192, 4096, 16
-    elif num_entries >= 1 << 19:
-        tile, sub, num_warps = 4096, 4096, 16
-    if mode != "quota":
-        return Config(tile=tile, sub=sub, num_warps=num_warps)
-    position_tile = int(min(4096, max(256, pl.next_power_of_2(pl.cdiv(num_entries, 512)))))
-    return Config(
-        tile=tile,
-        sub=sub,
-        num_warps=num_warps,
-        quota_path="lookback" if num_entries <= 32 * 256 else "ranks" if num_entries <= 1 << 16 else "positions",
-        position_tile=position_tile,
-        count_warps=8 if position_tile >= 2048 else 4,
-    )
 
 
 def _histogram_bins(count: int) -> int:
@@ -294,6 +220,31 @@ def _lookback_kernel(
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """The static sizes of one call: flat entries, ``k``, ``E``, ``S``, ``P``."""
+
+    num_flat: int
+    top_k: int
+    num_logical: int
+    width: int
+    num_physical: int
+
+    @property
+    def wide(self) -> bool:
+        """Slots past a head word's 16 bits."""
+        return self.num_physical >= _tables.WIDE
+
+    @property
+    def plain(self) -> int:
+        """Words of the placement's own lookup table."""
+        return _tables.lookup_size(self.num_logical, self.width)
+
+    @property
+    def expert_bins(self) -> int:
+        return _histogram_bins(self.num_logical)
+
+
 def map_and_count_triton(
     topk_ids,
     log2phy,
@@ -308,128 +259,141 @@ def map_and_count_triton(
     interpret: bool = False,
     config: Config | None = None,
 ):
-    """Same contract as :func:`._reference.map_and_count_reference`, with the inputs of each mode raw.
+    """Same contract as :func:`.reference.map_and_count_reference`, plus a prepared ``lookup`` and a tiling.
 
-    ``quotas`` (``"quota"``): ``[E, S]`` int32 quotas. ``shares`` (``"lp"``): ``[E, S]`` float32 weights, from
-    which a kernel builds the alias table -- unless ``lookup`` holds it (``lookup_table(..., replica_shares=)``).
-    ``lookup``: the placement's lookup table built once per placement, else built here per call.
-    ``config``: the kernels' tiling (default :func:`default_config` by size).
+    ``mode`` is the kernel rule. ``quotas`` (``"quota"``): ``[E, S]`` int32 quotas. ``shares`` (``"lp"``):
+    ``[E, S]`` float32 weights, from which a kernel builds the alias table -- unless ``lookup`` holds it
+    (``lookup_table(..., replica_shares=)``). ``lookup``: the placement's lookup table built once per placement,
+    else built here per call. ``config``: the kernels' tiling (default :meth:`.config.Config.default` by size).
     """
     num_tokens, top_k = topk_ids.shape
-    num_logical, width = log2phy.shape
-    num_flat = num_tokens * top_k
-    config = default_config(mode, num_flat) if config is None else config
-    wide = num_physical >= _tables.WIDE  # slots past a head word's 16 bits
-    plain = _tables.lookup_size(num_logical, width)
-    expert_bins = _histogram_bins(num_logical)
-    # lp: a prepared table's size says whether it holds the alias words, and in which layout.
-    lookup_shape = None if lookup is None else tuple(lookup.shape)
-    prepared_words = mode == "lp" and lookup_shape not in (None, (plain,))
-    compact = _alias.compact_fits(num_physical)
-    if prepared_words:
-        compact = lookup_shape == (plain + _alias.packed_size(num_logical, width, True),)
-    if mode == "quota":  # the raw quotas (the kernels sum them), flat
-        values = _tables.kernel_quotas(jnp.asarray(quotas, jnp.int32), logcnt, cap=num_flat).reshape(-1)
-    elif mode == "lp" and not prepared_words:  # the weights the alias kernel reads
-        values = jnp.asarray(shares, jnp.float32)
-    else:
-        values = jnp.zeros((1,), jnp.int32)  # not read
+    layout = _Layout(num_tokens * top_k, top_k, *log2phy.shape, num_physical)
+    config = Config.default(mode, layout.num_flat) if config is None else config
+    prepared_words, compact = _alias_layout(mode, lookup, layout)
+    values = _raw_values(mode, quotas, shares, logcnt, layout, prepared_words)
     (ids, log2phy, logcnt, limits, values, *rest), out_struct = join_varying(
-        topk_ids.reshape(num_flat), log2phy, logcnt, limits, values, *([] if lookup is None else [lookup])
+        topk_ids.reshape(layout.num_flat), log2phy, logcnt, limits, values, *([] if lookup is None else [lookup])
     )
-    lookup = rest[0] if rest else None
     unused = jnp.zeros_like(limits[:1])  # inputs a path does not read (sharing the others' manual axes)
-    tile, sub, num_warps = config.tile, config.sub, config.num_warps
+    build = dict(interpret=interpret, out_struct=out_struct)
+    lookup, table = _replica_tables(
+        mode, values, log2phy, logcnt, rest[0] if rest else None, layout, config, prepared_words, compact, unused, build
+    )
     base = rank = unused
-    point_from = None
-    if mode == "lp":
-        if prepared_words:
-            table = lookup
-        else:
-            table = alias_kernel(
-                values,
-                log2phy,
-                logcnt,
-                compact=compact,
-                out_struct=out_struct,
-                interpret=interpret,
-                num_warps=config.alias_warps,
-            )
-        lookup = unused  # lp reads its own table only
-    else:
-        if wide:  # head words cannot hold these slots
-            lookup = _tables.wide_lookup(log2phy, logcnt)
-        elif lookup is None:
-            lookup = _tables.placement_lookup(log2phy, logcnt)
-        table = unused
+    point_from, tiling = None, (config.tile, config.sub, config.num_warps)
     if mode == "quota":
         point_from = config.quota_path
-        rank_tile = config.rank_tile
-        if point_from == "positions":
-            table = _positions.boundary_positions(
-                ids,
-                values,
-                limits,
-                logcnt,
-                num_logical=num_logical,
-                width=width,
-                expert_bins=expert_bins,
-                tile=config.position_tile,
-                scan=config.position_scan,
-                count_warps=config.count_warps,
-                num_warps=config.boundary_warps,
-                programs=num_physical,
-                cap=num_flat,
-                interpret=interpret,
-                out_struct=out_struct,
-            )
-        elif point_from == "ranks":
-            rank, base, table = _rank.tile_ranks(
-                ids,
-                limits,
-                values,
-                logcnt,
-                num_logical=num_logical,
-                width=width,
-                tile=rank_tile,
-                expert_bins=expert_bins,
-                cap=num_flat,
-                interpret=interpret,
-                out_struct=out_struct,
-            )
-        else:  # lookback: the map programs are the rank programs
-            if num_flat >= 1 << 29:
-                raise ValueError(
-                    f"quota by look-back supports fewer than 2**29 entries (words of count << 2), got {num_flat}"
-                )
-            table = _tables.quota_thresholds(values.reshape(num_logical, width), logcnt, cap=num_flat).reshape(-1)
-            tile, sub, num_warps = rank_tile, min(sub, rank_tile), min(4, rank_tile // _rank.STEP)
-    per_entry = _histogram_bins(num_physical) > _MAX_HISTOGRAM_BINS
-    num_tiles = pl.cdiv(num_flat, tile)
+        table, base, rank, tiling = _quota_points(ids, values, limits, logcnt, layout, config, unused, build)
+    tile, sub, num_warps = tiling
     map_options = dict(
         mode=mode,
-        num_flat=num_flat,
+        num_flat=layout.num_flat,
         top_k=top_k,
-        num_logical=num_logical,
-        width=width,
+        num_logical=layout.num_logical,
+        width=layout.width,
         num_physical=num_physical,
         tile=tile,
         sub=sub,
         point_from=point_from,
-        wide=wide,
-        per_entry=per_entry,
-        start_lookup=point_from == "positions" and _positions.start_table_fits(width, sub),
-        alias_at=plain if prepared_words else 0,
-        word_heads=_alias.word_heads_fit(num_logical, width),
+        wide=layout.wide,
+        per_entry=_histogram_bins(num_physical) > _MAX_HISTOGRAM_BINS,
+        start_lookup=point_from == "positions" and _positions.start_table_fits(layout.width, sub),
+        alias_at=layout.plain if prepared_words else 0,
+        word_heads=_alias.word_heads_fit(layout.num_logical, layout.width),
         compact=compact,
         rank_tile=config.rank_tile,
-        expert_bins=expert_bins,
+        expert_bins=layout.expert_bins,
     )
+    phys, load = _launch(ids, lookup, table, base, rank, limits, map_options, (num_warps, config.num_stages), build)
+    return phys.reshape(num_tokens, top_k), load
+
+
+def _alias_layout(mode, lookup, layout: _Layout) -> tuple[bool, bool]:
+    """``(prepared, compact)``: whether ``lookup`` carries lp's alias words (its size says so, and in which
+    layout), and whether the alias table holds one word per bucket."""
+    lookup_shape = None if lookup is None else tuple(lookup.shape)
+    if mode == "lp" and lookup_shape not in (None, (layout.plain,)):
+        compact = lookup_shape == (layout.plain + _alias.packed_size(layout.num_logical, layout.width, True),)
+        return True, compact
+    return False, _alias.compact_fits(layout.num_physical)
+
+
+def _raw_values(mode, quotas, shares, logcnt, layout: _Layout, prepared_words: bool):
+    """The mode's table as the kernels read it: the raw quotas, flat (the kernels sum them); the weights the alias
+    kernel reads; a placeholder word otherwise."""
+    if mode == "quota":
+        return _tables.kernel_quotas(jnp.asarray(quotas, jnp.int32), logcnt, cap=layout.num_flat).reshape(-1)
+    if mode == "lp" and not prepared_words:
+        return jnp.asarray(shares, jnp.float32)
+    return jnp.zeros((1,), jnp.int32)  # not read
+
+
+def _replica_tables(
+    mode, values, log2phy, logcnt, lookup, layout: _Layout, config, prepared_words, compact, unused, build
+):
+    """``(lookup, table)`` for the map kernel: ``"lp"`` reads its alias table alone (prepared, else built by the alias
+    kernel now); the other modes read the placement's lookup (prepared, else built now; the wide one for slots
+    past 16 bits)."""
+    if mode == "lp":
+        if prepared_words:
+            return unused, lookup
+        return unused, alias_kernel(values, log2phy, logcnt, compact=compact, num_warps=config.alias_warps, **build)
+    if layout.wide:  # head words cannot hold these slots
+        return _tables.wide_lookup(log2phy, logcnt), unused
+    return (_tables.placement_lookup(log2phy, logcnt) if lookup is None else lookup), unused
+
+
+def _quota_points(ids, values, limits, logcnt, layout: _Layout, config: Config, unused, build):
+    """Mode ``"quota"``: what the map kernel reads to find each entry's point along ``config.quota_path`` ->
+    ``(table, base, rank, (tile, sub, num_warps))`` (the look-back path maps in its rank programs)."""
+    common = dict(
+        num_logical=layout.num_logical, width=layout.width, expert_bins=layout.expert_bins, cap=layout.num_flat
+    )
+    tiling = (config.tile, config.sub, config.num_warps)
+    if config.quota_path == "positions":
+        table = _positions.boundary_positions(
+            ids,
+            values,
+            limits,
+            logcnt,
+            tile=config.position_tile,
+            scan=config.position_scan,
+            count_warps=config.count_warps,
+            num_warps=config.boundary_warps,
+            programs=layout.num_physical,
+            **common,
+            **build,
+        )
+        return table, unused, unused, tiling
+    if config.quota_path == "ranks":
+        rank, base, table = _rank.tile_ranks(ids, limits, values, logcnt, tile=config.rank_tile, **common, **build)
+        return table, base, rank, tiling
+    if layout.num_flat >= 1 << 29:
+        raise ValueError(
+            f"quota by look-back supports fewer than 2**29 entries (words of count << 2), got {layout.num_flat}"
+        )
+    values = values.reshape(layout.num_logical, layout.width)
+    table = _tables.quota_thresholds(values, logcnt, cap=layout.num_flat).reshape(-1)
+    rank_tile = config.rank_tile
+    return table, unused, unused, (rank_tile, min(config.sub, rank_tile), min(4, rank_tile // _rank.STEP))
+
+
+def _launch(ids, lookup, table, base, rank, limits, map_options, launch, build):
+    """The map kernel's ``pallas_call`` (``launch``: its ``(num_warps, num_stages)``) -> ``(phys [N], load [P])``;
+    on the look-back path, the one kernel that ranks, looks back and maps."""
+    interpret, out_struct = build["interpret"], build["out_struct"]
+    num_warps, num_stages = launch
+    params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    num_flat, num_physical, expert_bins = (
+        map_options["num_flat"],
+        map_options["num_physical"],
+        map_options["expert_bins"],
+    )
+    num_tiles = pl.cdiv(num_flat, map_options["tile"])
     (zeros, _), _ = join_varying(jnp.zeros((num_physical,), jnp.int32), limits)  # Pallas never zeroes an output
     whole = pl.no_block_spec
     outputs = [out_struct((num_flat,), jnp.int32), out_struct((num_physical,), jnp.int32)]
-    params = plgpu.CompilerParams(num_warps=num_warps, num_stages=config.num_stages)
-    if point_from == "lookback":
+    if map_options["point_from"] == "lookback":
         # Scratch outputs: the in-tile ranks, the chains' counts, the look-back board (zeroed, aliased).
         (board_zeros, _), _ = join_varying(jnp.zeros((num_tiles * expert_bins,), jnp.int32), limits)
         phys, load, *_ = pl.pallas_call(
@@ -448,16 +412,15 @@ def map_and_count_triton(
             interpret=interpret,
             name="map_and_count",
         )(ids, lookup, table, limits, zeros, board_zeros)
-    else:
-        phys, load = pl.pallas_call(
-            functools.partial(_map_kernel, **map_options),
-            grid=(num_tiles,),
-            in_specs=[whole] * 7,
-            out_specs=[whole, whole],
-            out_shape=outputs,
-            input_output_aliases={6: 1},
-            compiler_params=params,
-            interpret=interpret,
-            name="map_and_count",
-        )(ids, lookup, table, base, rank, limits, zeros)
-    return phys.reshape(num_tokens, top_k), load
+        return phys, load
+    return pl.pallas_call(
+        functools.partial(_map_kernel, **map_options),
+        grid=(num_tiles,),
+        in_specs=[whole] * 7,
+        out_specs=[whole, whole],
+        out_shape=outputs,
+        input_output_aliases={6: 1},
+        compiler_params=params,
+        interpret=interpret,
+        name="map_and_count",
+    )(ids, lookup, table, base, rank, limits, zeros)

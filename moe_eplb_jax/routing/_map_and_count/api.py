@@ -15,7 +15,8 @@ with ``t >= num_valid_tokens`` (padding) are mapped but not counted. With
 ``num_valid_tokens`` may be traced, so changing them never recompiles.
 
 Replica choice for an entry of expert ``e`` with ``c = logcnt[e]`` replicas
-(``replica`` indexes ``log2phy[e]``; the slot is ``log2phy[e, replica]``):
+(``replica`` indexes ``log2phy[e]``; the slot is ``log2phy[e, replica]``), by
+the mode's kernel rule (``routing.MODES[mode].kernel``):
 
 * ``hash``: ``replica = h(t) mod c``. Stateless; spreads tokens uniformly.
 * ``round_robin``: ``replica = t mod c`` (consecutive tokens take consecutive
@@ -59,9 +60,9 @@ integer inputs wider than int32 saturate (an id or slot past int32 stays out
 of range and maps to ``-1``), and the tables are assumed to agree -- tables
 that do not route entries where they point (never outside ``[0, P)``).
 
-Implementations: ``"xla"`` (pure jnp, :mod:`._reference`, the test oracle)
-and ``"pallas"`` (Triton kernels, :mod:`._triton`; on CPU Pallas interpret
-mode, slowly). Both give identical results for every input. The default is
+Implementations: ``"xla"`` (pure jnp, :mod:`.reference`, the test oracle)
+and ``"pallas"`` (Triton kernels, :mod:`._triton`, tiled by a :class:`.config.Config`;
+on CPU Pallas interpret mode, slowly). Both give identical results for every input. The default is
 ``"pallas"`` on a GPU where a first-use probe of the kernels for the mode
 agrees with ``"xla"``, else ``"xla"`` (:func:`moe_eplb_jax._kernels.pallas_default`).
 """
@@ -77,11 +78,12 @@ import numpy as np
 
 from moe_eplb_jax._kernels import pallas_default
 from moe_eplb_jax.routing._map_and_count import _alias, _tables
-from moe_eplb_jax.routing._map_and_count import reference as _reference
+from moe_eplb_jax.routing._map_and_count.config import QUOTA_PATHS, Config
+from moe_eplb_jax.routing._map_and_count.reference import map_and_count_reference
+from moe_eplb_jax.routing.modes import MODES, RoutingMode, routing_mode
 
-__all__ = ["map_and_count", "lookup_table", "MODES", "IMPLEMENTATIONS"]
+__all__ = ["IMPLEMENTATIONS", "lookup_table", "map_and_count"]
 
-MODES = ("hash", "round_robin", "lp", "quota")
 IMPLEMENTATIONS = ("xla", "pallas")
 _INT32 = np.iinfo(np.int32)
 
@@ -93,12 +95,13 @@ def map_and_count(
     *,
     num_physical: int,
     num_valid_tokens=None,
-    mode: str = "hash",
+    mode: str | RoutingMode = "hash",
     replica_shares=None,
     quotas=None,
     record=True,
     implementation: str | None = None,
     lookup=None,
+    config: Config | None = None,
 ):
     """Maps logical expert ids to physical slots and counts the load per slot.
 
@@ -110,9 +113,11 @@ def map_and_count(
       num_physical: ``P``, the number of physical slots (static).
       num_valid_tokens: tokens ``t >= num_valid_tokens`` are padding (mapped, not
         counted). ``None`` means ``T``. A Python int or a traced int32 scalar.
-      mode: ``"hash"``, ``"round_robin"``, ``"lp"`` or ``"quota"``.
-      replica_shares: ``[E, S]`` float weights, only with ``mode="lp"``.
-      quotas: ``[E, S]`` integer quotas, only with ``mode="quota"``.
+      mode: a routing mode (``routing.ROUTING_MODES``: ``"hash"``,
+        ``"round_robin"``, ``"lp"``, ``"quota"``); its ``RoutingMode.kernel``
+        rule picks the replicas.
+      replica_shares: ``[E, S]`` float weights, only with a mode that reads shares (``"lp"``).
+      quotas: ``[E, S]`` integer quotas, only with a mode that reads quotas (``"quota"``).
       record: count the load; a Python bool or a traced boolean scalar.
       implementation: ``"xla"``, ``"pallas"`` or ``None`` (the module docstring).
       lookup: optional, :func:`lookup_table` of these ``log2phy`` / ``logcnt``,
@@ -121,6 +126,8 @@ def map_and_count(
         must come from the same tables -- and, built with ``replica_shares``,
         from these shares: ``lp`` then reads its alias table from it and
         builds none per call.
+      config: the Pallas kernels' tiling (:class:`.config.Config`; ``None``:
+        ``Config.default`` by size); the XLA implementation ignores it.
 
     Returns:
       ``(physical_ids, load)``: ``[T, k]`` int32 slots (``-1`` for invalid
@@ -133,36 +140,31 @@ def map_and_count(
     # Every check reads shapes, dtypes and concrete values only: nothing moves to the device before they all pass.
     (num_tokens, top_k), (num_logical, width) = _check_tables(topk_ids, log2phy, logcnt)
     num_physical = _check_num_physical(num_physical, num_logical)
-    mode_values = _check_mode(mode, replica_shares, quotas, num_logical, width, num_physical)
+    rule, mode_values = _check_mode(mode, replica_shares, quotas, num_logical, width, num_physical)
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
+    if config is not None and not isinstance(config, Config):
+        raise ValueError(f"config must be a map_and_count Config or None, got {type(config).__name__}")
     _check_flags(num_valid_tokens, record, num_tokens)
     _check_lookup(lookup, num_logical, width, num_physical)
     _check_ids(topk_ids)
     _check_agreement(log2phy, logcnt, num_physical)
 
     topk_ids, log2phy, logcnt = (_saturated_int32(a) for a in (topk_ids, log2phy, logcnt))
-    num_flat = num_tokens * top_k
-    if num_flat == 0:
+    if num_tokens * top_k == 0:
         return jnp.full((num_tokens, top_k), -1, jnp.int32), jnp.zeros((num_physical,), jnp.int32)
-    if mode == "lp":
-        mode_values = jnp.asarray(mode_values).astype(jnp.float32)
-    elif mode == "quota":
-        mode_values = _saturated_int32(mode_values)
+    tables = {}
+    if rule == "lp":
+        tables["shares"] = jnp.asarray(mode_values).astype(jnp.float32)
+    elif rule == "quota":
+        tables["quotas"] = _saturated_int32(mode_values)
     limits = _limits(num_valid_tokens, record, num_tokens, top_k)
     if implementation is None:
-        probe = functools.partial(_probe_pallas, mode)
-        implementation = "pallas" if pallas_default("map_and_count", probe, case=mode) else "xla"
-
+        probe = functools.partial(_probe_pallas, rule)
+        implementation = "pallas" if pallas_default("map_and_count", probe, case=rule) else "xla"
     if implementation == "xla":
-        if mode == "lp":
-            table = _alias.alias_words(mode_values, log2phy, logcnt)
-        elif mode == "quota":
-            table = _tables.quota_thresholds(mode_values, logcnt, cap=num_flat)
-        else:
-            table = jnp.zeros((num_logical, width), jnp.int32)  # unused by hash / round_robin
-        return _reference.map_and_count_reference(
-            topk_ids, log2phy, logcnt, table, limits, num_physical=num_physical, mode=mode
+        return map_and_count_reference(
+            topk_ids, log2phy, logcnt, limits, num_physical=num_physical, mode=rule, **tables
         )
     from moe_eplb_jax.routing._map_and_count import _triton  # imported lazily: needs Pallas' Triton backend
 
@@ -172,11 +174,11 @@ def map_and_count(
         logcnt,
         limits,
         num_physical=num_physical,
-        mode=mode,
-        quotas=mode_values if mode == "quota" else None,
-        shares=mode_values if mode == "lp" else None,
+        mode=rule,
         lookup=lookup,
         interpret=jax.default_backend() != "gpu",
+        config=config,
+        **tables,
     )
 
 
@@ -336,22 +338,22 @@ def _check_num_physical(num_physical, num_logical):
 
 
 def _check_mode(mode, replica_shares, quotas, num_logical, width, num_physical):
-    """Returns the per-mode ``[E, S]`` input (shares or quotas), or ``None`` for hash / round_robin."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if mode != "lp" and replica_shares is not None:
-        raise ValueError(f"replica_shares is only used with mode='lp', got mode={mode!r}")
-    if mode != "quota" and quotas is not None:
-        raise ValueError(f"quotas is only used with mode='quota', got mode={mode!r}")
-    if mode in ("hash", "round_robin"):
-        return None
-    if mode == "lp":
+    """``(kernel rule, [E, S] table)`` of the mode: its shares or quotas, ``None`` where it reads neither."""
+    spec = routing_mode(mode, field="mode")
+    for name, value in (("replica_shares", replica_shares), ("quotas", quotas)):
+        if value is not None and spec.table != name:
+            users = " or ".join(f"mode={m.name!r}" for m in MODES.values() if m.table == name)
+            raise ValueError(f"{name} is only used with {users}, got mode={spec.name!r}")
+    if spec.kernel == "lp":
         if num_physical > _alias.MAX_SLOTS:
             raise ValueError(
-                f"mode='lp' supports num_physical up to {_alias.MAX_SLOTS} (slots in 16 bits), got {num_physical}"
+                f"mode={spec.name!r} supports num_physical up to {_alias.MAX_SLOTS} (slots in 16 bits), got "
+                f"{num_physical}"
             )
-        return _check_shares(replica_shares, num_logical, width)
-    return _check_table_values("quotas", quotas, num_logical, width, mode, jnp.integer)
+        return spec.kernel, _check_shares(replica_shares, num_logical, width, spec.name)
+    if spec.kernel == "quota":
+        return spec.kernel, _check_table_values("quotas", quotas, num_logical, width, spec.name, jnp.integer)
+    return spec.kernel, None
 
 
 def _check_table_values(name, value, num_logical, width, mode, kind):
@@ -368,11 +370,11 @@ def _check_table_values(name, value, num_logical, width, mode, kind):
     return value
 
 
-def _check_shares(replica_shares, num_logical, width):
-    _check_table_values("replica_shares", replica_shares, num_logical, width, "lp", jnp.floating)
+def _check_shares(replica_shares, num_logical, width, mode="lp"):
+    _check_table_values("replica_shares", replica_shares, num_logical, width, mode, jnp.floating)
     if width > _alias.MAX_WIDTH:
         raise ValueError(
-            f"mode='lp' supports at most {_alias.MAX_WIDTH} replicas per expert (log2phy's S), got S = {width}"
+            f"mode={mode!r} supports at most {_alias.MAX_WIDTH} replicas per expert (log2phy's S), got S = {width}"
         )
     return replica_shares
 
@@ -421,9 +423,9 @@ def _limits(num_valid_tokens, record, num_tokens, top_k):
 
 
 # ------------------------------------------------------------ default choice
-def _probe_pallas(mode: str) -> bool:
-    """Compiles and runs the Pallas path of ``mode`` on small inputs (every ``"quota"`` path), ahead of time and
-    outside any trace: whether it equals the XLA implementation."""
+def _probe_pallas(rule: str) -> bool:
+    """Compiles and runs the Pallas path of the kernel rule on small inputs (every ``"quota"`` path), ahead of time
+    and outside any trace: whether it equals the XLA implementation."""
     from moe_eplb_jax.routing._map_and_count import (
         _triton,  # raises where Pallas' Triton backend or a JAX internal is missing
     )
@@ -437,42 +439,23 @@ def _probe_pallas(mode: str) -> bool:
         log2phy[e, : logcnt[e]] = np.flatnonzero(phy2log == e)
     ids = rng.integers(-1, num_logical, (num_tokens, top_k)).astype(np.int32)
     limits = np.asarray([200, 220], np.int32)
-    if mode == "lp":
+    if rule == "lp":
         values = rng.random(log2phy.shape).astype(np.float32)
     else:
         values = rng.integers(0, 30, log2phy.shape).astype(np.int32)
     args = (ids, log2phy, logcnt, values, limits)
 
-    def reference(ids, log2phy, logcnt, values, limits):
-        if mode == "lp":
-            table = _alias.alias_words(values, log2phy, logcnt)
-        elif mode == "quota":
-            table = _tables.quota_thresholds(values, logcnt, cap=ids.size)
-        else:
-            table = values
-        return _reference.map_and_count_reference(
-            ids, log2phy, logcnt, table, limits, num_physical=num_physical, mode=mode
-        )
+    def run(backend, **options):
+        def call(ids, log2phy, logcnt, values, limits):
+            tables = {"shares": values} if rule == "lp" else {"quotas": values} if rule == "quota" else {}
+            return backend(ids, log2phy, logcnt, limits, num_physical=num_physical, mode=rule, **tables, **options)
 
-    want = _compiled(reference, args)
-    paths = _triton.QUOTA_PATHS if mode == "quota" else ("ranks",)
-    for path in paths:
-        config = _triton.Config(quota_path=path, tile=128, sub=64, rank_tile=128, position_tile=64)
-        got = _compiled(
-            lambda ids, log2phy, logcnt, values, limits: _triton.map_and_count_triton(
-                ids,
-                log2phy,
-                logcnt,
-                limits,
-                num_physical=num_physical,
-                mode=mode,
-                quotas=values if mode == "quota" else None,
-                shares=values if mode == "lp" else None,
-                interpret=jax.default_backend() != "gpu",
-                config=config,
-            ),
-            args,
-        )
+        return _compiled(call, args)
+
+    want = run(map_and_count_reference)
+    for path in QUOTA_PATHS if rule == "quota" else ("ranks",):
+        config = Config(quota_path=path, tile=128, sub=64, rank_tile=128, position_tile=64)
+        got = run(_triton.map_and_count_triton, interpret=jax.default_backend() != "gpu", config=config)
         if not all(np.array_equal(a, b) for a, b in zip(got, want)):
             return False
     return True

@@ -2,16 +2,17 @@
 
 Written for clarity, not speed: every step of the semantics documented in
 :mod:`moe_eplb_jax.routing._map_and_count.api` is one array expression here. The
-inputs are validated and prepared by the public function: ``table`` is the
-per-mode ``[E, S]`` int32 table and ``limits`` the ``[2]`` int32 pair
-``(count_limit, rank_limit)`` in flat (token, k) positions.
+inputs are validated and prepared by the public function: ``mode`` is the kernel
+rule, ``limits`` the ``[2]`` int32 pair ``(count_limit, rank_limit)`` in flat
+(token, k) positions, and the mode's raw table (``shares`` / ``quotas``) is
+turned into the ``[E, S]`` int32 table the rule reads here.
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-from moe_eplb_jax.routing._map_and_count import _alias
+from moe_eplb_jax.routing._map_and_count import _alias, _tables
 
 __all__ = ["map_and_count_reference", "hash_token", "replica_rank", "GOLDEN"]
 
@@ -42,14 +43,27 @@ def replica_rank(expert, rank_valid, num_logical: int):
     return jnp.where(rank_valid, rank, 0)
 
 
-def map_and_count_reference(topk_ids, log2phy, logcnt, table, limits, *, num_physical: int, mode: str):
+def map_and_count_reference(
+    topk_ids, log2phy, logcnt, limits, *, num_physical: int, mode: str, shares=None, quotas=None
+):
     """Maps ``topk_ids [T, k]`` to ``(physical_ids [T, k] int32, load [num_physical] int32)``.
 
-    ``log2phy [E, S]``, ``logcnt [E]``, ``table [E, S]`` (the alias words of
-    ``"lp"`` (:func:`._alias.alias_words`), the thresholds of ``"quota"``
-    (:func:`._tables.quota_thresholds`); ignored for ``"hash"`` /
-    ``"round_robin"``) and ``limits [2]`` are int32.
+    ``log2phy [E, S]``, ``logcnt [E]`` and ``limits [2]`` are int32; ``shares``
+    (``"lp"``) ``[E, S]`` float32 weights, ``quotas`` (``"quota"``) ``[E, S]``
+    int32 quotas.
     """
+    if mode == "lp":
+        table = _alias.alias_words(jnp.asarray(shares, jnp.float32), log2phy, logcnt)
+    elif mode == "quota":
+        table = _tables.quota_thresholds(jnp.asarray(quotas, jnp.int32), logcnt, cap=topk_ids.size)
+    else:
+        table = jnp.zeros(log2phy.shape, jnp.int32)  # hash / round_robin read no table
+    return _map_with_table(topk_ids, log2phy, logcnt, table, limits, num_physical=num_physical, mode=mode)
+
+
+def _map_with_table(topk_ids, log2phy, logcnt, table, limits, *, num_physical: int, mode: str):
+    """The rule ``mode`` over its ``[E, S]`` int32 ``table`` (the alias words of ``"lp"``,
+    :func:`._alias.alias_words`; the thresholds of ``"quota"``, :func:`._tables.quota_thresholds`)."""
     num_tokens, top_k = topk_ids.shape
     num_logical, width = log2phy.shape
     ids = topk_ids.reshape(-1)
