@@ -111,6 +111,7 @@ def main(argv=None):
     from moe_eplb_jax import metrics
     from moe_eplb_jax.flax import EplbController
     from moe_eplb_jax.models import PRESETS, MoECausalLM, generate, zipf_router_bias, zipf_tokens
+    from moe_eplb_jax.moe import DispatchConfig
     from moe_eplb_jax.placement import Placement
     from moe_eplb_jax.state import EplbConfig
     from moe_eplb_jax.transport import put_host
@@ -157,8 +158,7 @@ def main(argv=None):
             mesh=mesh,
             num_redundant_experts=R,
             routing=routing,
-            matmul=matmul,
-            capacity_factor=capacity,
+            dispatch=DispatchConfig(matmul=matmul, capacity_factor=capacity),
             rngs=nnx.Rngs(args.seed),
         )
         if row != "uniform (ideal)":

@@ -8,7 +8,7 @@
 For each grouped-matmul implementation / exchange and each Zipf skew ``s`` (``--skews``, default 1.5, 2, 3:
 token ``t``'s top-k experts drawn by Gumbel top-k from popularity ``∝ rank**-s`` over a fixed random expert
 order, imposed exactly by a one-hot router), the forward step time of one expert-parallel MoE layer through
-``moe_eplb_jax.moe.apply.moe_apply`` (route + replica routing + dispatch all_to_all + grouped expert MLP +
+``moe_eplb_jax.moe.moe_apply`` (route + replica routing + dispatch all_to_all + grouped expert MLP +
 combine), one row per routing case, side by side in one run:
 
 * ``initial / hash``: experts in id order, redundant slots on the coldest experts (no EPLB: the hot experts share
@@ -140,11 +140,10 @@ def main():
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as PS
 
-    from moe_eplb_jax import metrics
+    from moe_eplb_jax import metrics, moe
     from moe_eplb_jax import state as eplb_state
-    from moe_eplb_jax.moe import apply as L
     from moe_eplb_jax.placement import Placement
-    from moe_eplb_jax.routing import lookup_table, routing_tables
+    from moe_eplb_jax.routing import mode_lookup, routing_mode, routing_tables
     from moe_eplb_jax.state import EplbConfig
     from moe_eplb_jax.transport import put_host
 
@@ -194,33 +193,35 @@ def main():
         }
         log2phy, logcnt = placement.log2phy[0], placement.logcnt[0]
         shares = None
-        if routing == "lp":  # the shares a controller installs with the placement, and the lookup carrying them
+        if routing_mode(routing).shares:  # the shares a controller installs with the placement
             if load is None:
-                raise ValueError("routing 'lp' needs the load its shares are solved from")
-            shares = routing_tables("lp", load[None], placement, num_ranks=ranks)[0]["replica_shares"]
-            lookup = lookup_table(log2phy, logcnt, replica_shares=shares, num_physical=P)
-            shares = put_host(shares, mesh, PS())
-        else:
-            lookup = lookup_table(log2phy, logcnt)
+                raise ValueError(f"routing {routing!r} needs the load its shares are solved from")
+            shares = routing_tables(routing, load[None], placement, num_ranks=ranks)[0]["replica_shares"]
+        lookup = mode_lookup(routing, log2phy, logcnt, replica_shares=shares, num_physical=P)  # carries the shares
+        shares = None if shares is None else put_host(shares, mesh, PS())
         put = functools.partial(put_host, mesh=mesh)
-        return (tokens, router, bias, experts, put(log2phy), put(logcnt), put(np.asarray(lookup)), shares)
+        return (tokens, router, bias, experts, put(log2phy), put(logcnt), put(lookup), shares)
+
+    top_k = moe.RouterConfig(top_k=K)
+
+    def dispatch_config(matmul, factor, load_reduce="none"):
+        return moe.DispatchConfig(
+            matmul=matmul, map_implementation=args.map_impl, capacity_factor=factor, load_reduce=load_reduce
+        )
 
     def stepper(routing, matmul, factor, load_reduce="none"):
         def step(x, router, bias, experts, log2phy, logcnt, lookup, shares):
-            return L.moe_apply(
+            return moe.moe_apply(
                 x,
                 router,
                 bias,
                 experts,
                 log2phy,
                 logcnt,
-                top_k=K,
+                router=top_k,
                 mesh=mesh,
                 routing=routing,
-                matmul=matmul,
-                map_implementation=args.map_impl,
-                capacity_factor=factor,
-                load_reduce=load_reduce,
+                dispatch=dispatch_config(matmul, factor, load_reduce),
                 lookup=lookup,
                 replica_shares=shares,
             )
@@ -308,20 +309,10 @@ def main():
 
         def fixed_step(x, router, bias, experts, log2phy, replica):  # (b)
             def per_rank(x, router, bias, experts, log2phy, replica):
-                ids, weights = L.route(x, router, top_k=K, bias=bias)
+                ids, weights = moe.route(x, router, top_k, bias=bias)
                 physical = log2phy[ids, replica]  # one gather, nothing counted
-                return L._routed_experts(  # moe_apply's own exchange + grouped MLP + combine
-                    x,
-                    physical,
-                    weights,
-                    experts,
-                    axis="ep",
-                    num_ranks=ranks,
-                    slots_per_rank=P // ranks,
-                    capacity=L._capacity(args.tokens * K, ranks, factor),
-                    matmul=matmul,
-                    quant_impl="auto",
-                    activation_scaling="dynamic",
+                return moe.routed_experts(  # moe_apply's own exchange + grouped MLP + combine
+                    x, physical, weights, experts, axis="ep", num_ranks=ranks, dispatch=dispatch_config(matmul, factor)
                 )
 
             return jax.shard_map(
@@ -334,17 +325,16 @@ def main():
 
         def replicas(x, router, bias, log2phy, logcnt, lookup, shares):  # the replica (a) picks per assignment
             def per_rank(x, router, bias, log2phy, logcnt, lookup, shares):
-                ids, _ = L.route(x, router, top_k=K, bias=bias)
-                physical, _ = L._map_replicas(  # exactly the layer's routing, plan included
+                ids, _ = moe.route(x, router, top_k, bias=bias)
+                physical, _ = moe.map_replicas(  # exactly the layer's routing, plan included
                     ids,
                     log2phy,
                     logcnt,
-                    jnp.bool_(True),
-                    lookup,
-                    shares,
                     routing=routing,
                     num_physical=P,
                     axis="ep",
+                    lookup=lookup,
+                    replica_shares=shares,
                     implementation=args.map_impl,
                 )
                 return jnp.argmax(log2phy[ids] == physical[..., None], axis=-1).astype(jnp.int32)

@@ -55,6 +55,7 @@ def main(argv=None):
 
     from moe_eplb_jax import policy
     from moe_eplb_jax.flax import EplbController, MoELayer
+    from moe_eplb_jax.moe import DispatchConfig
     from moe_eplb_jax.placement import build_log2phy
     from moe_eplb_jax.state import EplbConfig
     from moe_eplb_jax.transport import ep_mesh, put_host
@@ -91,7 +92,7 @@ def main(argv=None):
                         mesh=mesh,
                         num_physical=num_physical,
                         dtype=dtype,
-                        matmul=args.matmul or ("pallas" if gpu else "dense"),
+                        dispatch=DispatchConfig(matmul=args.matmul or ("pallas" if gpu else "dense")),
                         rngs=rngs,
                     )
                     for _ in range(args.layers)

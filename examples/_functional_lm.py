@@ -15,7 +15,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as PS
 
-from moe_eplb_jax.moe import moe_apply, tie_replicas
+from moe_eplb_jax.moe import RouterConfig, moe_apply, tie_replicas
 from moe_eplb_jax.placement import Placement
 from moe_eplb_jax.transport import put_host
 
@@ -65,7 +65,7 @@ def forward(params, tables, tokens, *, mesh, top_k=2):
             experts,
             tables.log2phy[layer],
             tables.logcnt[layer],
-            top_k=top_k,
+            router=RouterConfig(top_k=top_k),
             mesh=mesh,
             lookup=tables.lookup[layer],
         )

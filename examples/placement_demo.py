@@ -8,13 +8,9 @@ Runs on the CPU in a second or two; no devices needed. Every registered policy i
 """
 
 import argparse
-import os
-import sys
 import time
 
 import numpy as np
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _runtime import (
     HelpFormatter,
     add_eplb_config_arg,

@@ -28,9 +28,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import time
 
 from _runtime import (
@@ -161,6 +158,7 @@ def main(argv=None):
     from moe_eplb_jax import metrics
     from moe_eplb_jax.flax import EplbController
     from moe_eplb_jax.models import MoECausalLM, Sampling, generate, load_checkpoint, preset, skew_routers, zipf_tokens
+    from moe_eplb_jax.moe import DispatchConfig
 
     ranks, mesh = rt.ranks, rt.mesh
     try:
@@ -172,8 +170,8 @@ def main(argv=None):
         config,
         mesh=mesh,
         num_redundant_experts=args.redundant,
-        capacity_factor=args.capacity_factor,
         routing=eplb.routing,
+        dispatch=DispatchConfig(capacity_factor=args.capacity_factor),
         rngs=nnx.Rngs(args.seed),
     )
     if args.checkpoint:

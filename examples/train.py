@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _runtime import (
     HelpFormatter,
     Runtime,
@@ -148,6 +146,7 @@ def main(argv=None):
 
     from moe_eplb_jax.flax import EplbController
     from moe_eplb_jax.models import MoECausalLM, preset, skew_routers, zipf_tokens
+    from moe_eplb_jax.moe import DispatchConfig
 
     ranks, mesh = rt.ranks, rt.mesh
     try:
@@ -159,8 +158,8 @@ def main(argv=None):
         config,
         mesh=mesh,
         num_redundant_experts=args.redundant,
-        capacity_factor=args.capacity_factor,
         routing=eplb.routing,
+        dispatch=DispatchConfig(capacity_factor=args.capacity_factor),
         rngs=nnx.Rngs(args.seed),
     )
     skew_routers(model, args.skew)

@@ -17,10 +17,7 @@ or this library's; ``--redundant`` overrides it.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _runtime import (
     HelpFormatter,
     Runtime,

@@ -1,13 +1,14 @@
 """The functional API: a model written without NNX trains, rearranges with its Adam state, matches the NNX controller."""
 
 import argparse
-import os
-import sys
 
 import jax
 import numpy as np
 import optax
 import pytest
+import train_functional
+from _functional_lm import EXPERT_PATTERN, init_params, loss_and_loads, rms_norm, synthetic_batch
+from _runtime import Runtime
 from flax import nnx
 
 from moe_eplb_jax.control import Balancer, ExpertLayout, RearrangementError, moves
@@ -15,11 +16,6 @@ from moe_eplb_jax.flax import EplbController, MoELayer
 from moe_eplb_jax.placement import Placement
 from moe_eplb_jax.sim.loadfile import read_load
 from moe_eplb_jax.state import EplbConfig
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-import train_functional
-from _functional_lm import EXPERT_PATTERN, init_params, loss_and_loads, rms_norm, synthetic_batch
-from _runtime import Runtime
 
 DIM, EXPERTS, REDUNDANT, LAYERS = 16, 8, 8, 2
 

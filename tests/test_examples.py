@@ -4,14 +4,11 @@ import json
 import os
 import re
 import shutil
-import sys
 
 import jax
 import numpy as np
-import pytest
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import placement_demo
+import pytest
 import serve
 import train
 import train_functional

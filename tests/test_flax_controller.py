@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as PS
 
 from moe_eplb_jax.flax import EplbController, MoELayer, find_moe_layers
 from moe_eplb_jax.models import MoECausalLM, preset, skew_routers, zipf_tokens
+from moe_eplb_jax.moe import DispatchConfig
 from moe_eplb_jax.placement import Placement
 from moe_eplb_jax.state import EplbConfig
 
@@ -242,7 +243,8 @@ class _PaddedLayer(nnx.Module):
     """One MoE layer on 8 ranks whose forward pass takes a count of valid (non-padding) tokens, a prefix."""
 
     def __init__(self, mesh, load_reduce):
-        self.moe = MoELayer(16, 16, E, 2, mesh=mesh, num_physical=16, load_reduce=load_reduce, rngs=nnx.Rngs(11))
+        reduce = DispatchConfig(load_reduce=load_reduce)
+        self.moe = MoELayer(16, 16, E, 2, mesh=mesh, num_physical=16, dispatch=reduce, rngs=nnx.Rngs(11))
         skew = -1.5 * np.log1p(np.arange(E, dtype=np.float32))
         self.moe.router_bias.set_value(jax.device_put(skew, self.moe.router_bias.get_value().sharding))
 

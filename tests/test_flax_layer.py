@@ -1,38 +1,31 @@
 """The reference MoE layer: dispatch, numerics against a per-token oracle, placement invariance."""
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _models import ep_mesh, random_placement
 from flax import nnx
 from jax.sharding import PartitionSpec as PS
 
 from moe_eplb_jax.flax import MoELayer
-from moe_eplb_jax.moe import apply as layer_mod
+from moe_eplb_jax.moe import DispatchConfig, RouterConfig, grouped_matmul, moe_apply, route, tie_replicas
 from moe_eplb_jax.moe import dispatch as disp
-from moe_eplb_jax.moe import grouped_matmul, route, tie_replicas
 from moe_eplb_jax.placement import Placement
+from moe_eplb_jax.routing import lookup_table
 from moe_eplb_jax.transport import put_host
 
 G, E, P, D, H, K = 4, 8, 12, 16, 8, 2
 pytestmark = pytest.mark.devices(G)  # skipped on fewer devices, where MESH is None
-MESH = jax.make_mesh((G,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,)) if jax.device_count() >= G else None
+MESH = ep_mesh(G)
+ROUTER = RouterConfig(top_k=K)
 
 
-def _apply_fn(top_k=K, num_groups=1, topk_groups=None, matmul="dense", load_reduce="none"):
-    return jax.jit(
-        functools.partial(
-            layer_mod.moe_apply,
-            top_k=top_k,
-            mesh=MESH,
-            num_groups=num_groups,
-            topk_groups=topk_groups,
-            matmul=matmul,
-            load_reduce=load_reduce,
-        )
-    )
+def _apply_fn(router=ROUTER, **dispatch):
+    return jax.jit(functools.partial(moe_apply, router=router, mesh=MESH, dispatch=DispatchConfig(**dispatch)))
 
 
 APPLY = _apply_fn()
@@ -47,12 +40,12 @@ def _weights(rng, dtype=np.float32):
 
 
 def _random_placement(rng):
-    phy2log = np.concatenate([np.arange(E), rng.integers(0, E, P - E)])
-    return Placement.from_phy2log(rng.permutation(phy2log)[None], E)
+    return random_placement(rng, E, P)
 
 
 def _oracle(x, router, w_in, w_out, *, top_k=K, **route_kw):
-    ids, weights = route(jnp.asarray(x), jnp.asarray(router), top_k=top_k, bias=jnp.asarray(BIAS), **route_kw)
+    config = RouterConfig(top_k=top_k, **route_kw)
+    ids, weights = route(jnp.asarray(x), jnp.asarray(router), config, bias=jnp.asarray(BIAS))
     ids, weights = np.asarray(ids), np.asarray(weights, np.float64)
     out = np.zeros(x.shape, np.float64)
     for t in range(x.shape[0]):
@@ -92,7 +85,7 @@ def test_layer_matches_per_token_oracle(rng, groups):
     phy = placement.phy2log[0]
     x = rng.standard_normal((G * 5, D)).astype(np.float32)
     route_kw = {} if groups is None else {"num_groups": groups[0], "topk_groups": groups[1]}
-    fn = APPLY if groups is None else _apply_fn(**route_kw)
+    fn = APPLY if groups is None else _apply_fn(RouterConfig(top_k=K, **route_kw))
     out, load = fn(x, router, BIAS, {"w_in": w_in[phy], "w_out": w_out[phy]}, placement.log2phy[0], placement.logcnt[0])
     ref, ids = _oracle(x, router, w_in, w_out, **route_kw)
     np.testing.assert_allclose(np.asarray(out), ref, rtol=2e-4, atol=2e-4)
@@ -170,21 +163,27 @@ def test_grouped_matmuls_agree(rng):
 
 
 @pytest.mark.parametrize(
-    "kwargs, match",
+    "router, layer, dispatch, match",
     [
-        ({"top_k": E + 1}, "top_k"),
-        ({"num_physical": 10}, "divisible by the EP size"),
-        ({"num_physical": E - 1}, "num_physical"),
-        ({"axis": "tp"}, "no axis"),
-        ({"num_groups": 3}, "num_groups"),
-        ({"num_groups": 4, "topk_groups": 5}, "topk_groups"),
-        ({"matmul": "magic"}, "unknown grouped matmul"),
+        ({"top_k": E + 1}, {}, {}, "RouterConfig.top_k=9 is larger than num_experts=8"),
+        ({}, {"num_physical": 10}, {}, "divisible by the EP size"),
+        ({}, {"num_physical": E - 1}, {}, "num_physical"),
+        ({}, {"axis": "tp"}, {}, "no axis"),
+        ({"num_groups": 3}, {}, {}, "not divisible by RouterConfig.num_groups=3"),
+        ({"num_groups": 4, "topk_groups": 5}, {}, {}, "RouterConfig.topk_groups"),
+        ({}, {}, {"matmul": "magic"}, "DispatchConfig.matmul: unknown grouped matmul"),
+        ({}, {}, {"capacity_factor": 0.0}, "DispatchConfig.capacity_factor"),
+        ({}, {}, {"load_reduce": "sum"}, "DispatchConfig.load_reduce"),
+        ({}, {"router": 0}, {}, "RouterConfig.top_k must be an integer >= 1"),
+        ({}, {"router": True}, {}, "router must be a RouterConfig or a top_k"),
     ],
 )
-def test_layer_rejects_bad_configuration(kwargs, match):
-    args = {"top_k": K, "num_physical": P, "axis": "ep"} | kwargs
+def test_layer_rejects_bad_configuration(router, layer, dispatch, match):
+    """Every field is checked where its config object is built (or, against the mesh and ``E``, where the layer is),
+    before any weight is made."""
     with pytest.raises(ValueError, match=match):
-        MoELayer(D, H, E, mesh=MESH, rngs=nnx.Rngs(0), **args)
+        args = {"router": RouterConfig(**{"top_k": K} | router), "num_physical": P} | layer
+        MoELayer(D, H, E, mesh=MESH, dispatch=DispatchConfig(**dispatch), rngs=nnx.Rngs(0), **args)
 
 
 def test_layer_rejects_tokens_not_divisible_by_ep(rng):
@@ -238,9 +237,8 @@ def test_pallas_path_is_placement_invariant(rng):
 def test_module_keeps_the_kernel_lookup_with_its_placement(rng):
     """The layer rebuilds ``route_lookup`` with every placement and its Pallas map_and_count reads it: the slots
     counted follow the lookup table, equal the XLA path's with the right one, and differ with a wrong one."""
-    from moe_eplb_jax.routing import lookup_table
-
-    layer = MoELayer(D, H, E, K, mesh=MESH, num_physical=P, map_implementation="pallas", rngs=nnx.Rngs(0))
+    pallas = DispatchConfig(map_implementation="pallas")
+    layer = MoELayer(D, H, E, K, mesh=MESH, num_physical=P, dispatch=pallas, rngs=nnx.Rngs(0))
     placement = _random_placement(rng)
     layer.eplb_set_placement(placement.phy2log[0], placement.log2phy[0], placement.logcnt[0])
     want = np.asarray(lookup_table(placement.log2phy[0], placement.logcnt[0]))
@@ -255,11 +253,11 @@ def test_module_keeps_the_kernel_lookup_with_its_placement(rng):
         return np.asarray(module.expert_load.get_value()).sum(0)
 
     pallas_load = load_after_pass(layer)
-    layer.map_implementation = "xla"
+    layer.dispatch = dataclasses.replace(pallas, map_implementation="xla")
     np.testing.assert_array_equal(load_after_pass(layer), pallas_load)
     other = Placement.linear(1, E, P)  # a lookup of another placement: the kernel follows it
     layer.route_lookup.set_value(put_host(np.asarray(lookup_table(other.log2phy[0], other.logcnt[0])), MESH, PS()))
-    layer.map_implementation = "pallas"
+    layer.dispatch = pallas
     assert not np.array_equal(load_after_pass(layer), pallas_load)
     with pytest.raises(ValueError, match="placement table must have shape"):
         layer.eplb_set_placement(placement.phy2log[0], placement.log2phy[0][:, :1], placement.logcnt[0])
@@ -296,10 +294,8 @@ def test_padding_tokens_are_neither_computed_nor_counted(rng):
     assert np.array_equal(np.asarray(out_quiet), out) and not np.asarray(load_quiet).any()
     with pytest.raises(ValueError, match="valid must be"):
         APPLY(*args, jnp.asarray(valid[:-1]))
-    with pytest.raises(ValueError, match="load_reduce"):
-        layer_mod.moe_apply(*args, top_k=K, mesh=MESH, load_reduce="mean")
-    with pytest.raises(ValueError, match="load_reduce"):
-        MoELayer(D, H, E, K, mesh=MESH, num_physical=P, load_reduce="sum", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="DispatchConfig.load_reduce must be one of"):
+        DispatchConfig(load_reduce="mean")
 
 
 def test_per_rank_load_has_no_collective_in_the_step(rng):
@@ -341,7 +337,11 @@ def test_moe_apply_rejects_bad_shapes(rng):
         args = list(good)
         args[index] = value
         with pytest.raises(ValueError, match=match):
-            layer_mod.moe_apply(*args, top_k=K, mesh=MESH)
+            moe_apply(*args, router=ROUTER, mesh=MESH)
+    with pytest.raises(ValueError, match="RouterConfig.top_k=9 is larger than num_experts=8"):
+        moe_apply(*good, router=RouterConfig(top_k=E + 1), mesh=MESH)
+    with pytest.raises(ValueError, match="dispatch must be a DispatchConfig"):
+        moe_apply(*good, router=ROUTER, mesh=MESH, dispatch={"matmul": "dense"})
 
 
 @pytest.mark.slow
@@ -355,16 +355,16 @@ def test_capacity_rounds_give_identical_outputs_and_gradients(rng):
     experts = {"w_in": jnp.asarray(w_in[phy]), "w_out": jnp.asarray(w_out[phy])}
 
     def loss(experts, x, factor):
-        out, load = layer_mod.moe_apply(
+        out, load = moe_apply(
             x,
             router,
             skewed,
             experts,
             placement.log2phy[0],
             placement.logcnt[0],
-            top_k=K,
+            router=ROUTER,
             mesh=MESH,
-            capacity_factor=factor,
+            dispatch=DispatchConfig(capacity_factor=factor),
         )
         return jnp.sum(out * out), (out, load)
 
@@ -380,4 +380,4 @@ def test_capacity_rounds_give_identical_outputs_and_gradients(rng):
         for a, b in zip(jax.tree.leaves(grads[factor][2]), jax.tree.leaves(grads[None][2])):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="capacity_factor"):
-        MoELayer(D, H, E, K, mesh=MESH, num_physical=P, capacity_factor=0.0, rngs=nnx.Rngs(0))
+        DispatchConfig(capacity_factor=float("inf"))

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _models import ep_mesh, tiny_model
 from flax import nnx
 
 from moe_eplb_jax.models import (
@@ -18,7 +19,7 @@ from moe_eplb_jax.models import (
     load_checkpoint,
     preset,
 )
-from moe_eplb_jax.moe import route
+from moe_eplb_jax.moe import RouterConfig, route
 from moe_eplb_jax.placement import Placement
 
 try:
@@ -29,11 +30,7 @@ needs_safetensors = pytest.mark.skipif(safetensors_numpy is None, reason="needs 
 
 G, R = 4, 4
 pytestmark = pytest.mark.devices(G)  # skipped on fewer devices, where MESH is None
-MESH = (
-    jax.make_mesh((G,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:G])
-    if jax.device_count() >= G
-    else None
-)
+MESH = ep_mesh(G)
 SOFTMAX = preset("tiny")
 SIGMOID = preset(
     "tiny", scoring="sigmoid", num_groups=4, topk_groups=2, routed_scaling_factor=2.5, qk_norm=False, shared_hidden=16
@@ -45,8 +42,8 @@ def _forward(model, tokens, valid):
     return model(tokens, valid=valid)
 
 
-def _model(config, seed=0, **kw):
-    return MoECausalLM(config, mesh=MESH, num_redundant_experts=R, rngs=nnx.Rngs(seed), **kw)
+def _model(config, seed=0):
+    return tiny_model(config, MESH, redundant=R, seed=seed)
 
 
 def _write(tmp_path, tensors, name="model.safetensors"):
@@ -81,7 +78,7 @@ def test_presets_are_valid_and_shaped_as_described():
         ({"head_dim": 15}, "head_dim"),
         ({"first_dense_layers": 3}, "first_dense_layers"),
         ({"top_k": 17}, "top_k"),
-        ({"num_groups": 3}, "num_experts"),
+        ({"num_groups": 3}, "num_groups"),
         ({"num_groups": 4, "topk_groups": 5}, "topk_groups"),
         ({"num_groups": 8, "topk_groups": 1, "top_k": 3}, "topk_groups"),
         ({"scoring": "relu"}, "scoring"),
@@ -122,17 +119,7 @@ def test_route_matches_reference(rng, config):
     x = rng.standard_normal((tokens, dim)).astype(np.float32)
     w = rng.standard_normal((dim, e)).astype(np.float32)
     bias = (rng.standard_normal(e) * 0.3).astype(np.float32)
-    ids, weights = route(
-        jnp.asarray(x),
-        jnp.asarray(w),
-        top_k=config.top_k,
-        num_groups=config.num_groups,
-        topk_groups=config.topk_groups,
-        bias=jnp.asarray(bias),
-        scoring=config.scoring,
-        renormalize=config.renormalize,
-        routed_scaling_factor=config.routed_scaling_factor,
-    )
+    ids, weights = route(jnp.asarray(x), jnp.asarray(w), config.router, bias=jnp.asarray(bias))
     ids, weights = np.asarray(ids), np.asarray(weights)
     for t in range(tokens):
         want_ids, want_w = reference.route(x[t].astype(np.float64) @ w.astype(np.float64), bias, config)
@@ -151,9 +138,8 @@ def test_sigmoid_bias_chooses_but_does_not_weigh(rng):
     w = rng.standard_normal((8, 16)).astype(np.float32)
     bias = np.zeros(16, np.float32)
     bias[3] = 10.0
-    ids, weights = route(
-        jnp.asarray(x), jnp.asarray(w), top_k=2, bias=jnp.asarray(bias), scoring="sigmoid", renormalize=False
-    )
+    sigmoid = RouterConfig(top_k=2, scoring="sigmoid", renormalize=False)
+    ids, weights = route(jnp.asarray(x), jnp.asarray(w), sigmoid, bias=jnp.asarray(bias))
     ids, weights = np.asarray(ids), np.asarray(weights)
     assert np.all(ids[:, 0] == 3)
     np.testing.assert_allclose(weights[:, 0], 1 / (1 + np.exp(-(x @ w)[:, 3])), rtol=1e-5)

@@ -5,26 +5,23 @@ import _models_reference as reference
 import jax
 import numpy as np
 import pytest
+from _models import ep_mesh, tiny_model
 from flax import nnx
 
 from moe_eplb_jax.flax import EplbController
-from moe_eplb_jax.models import MoECausalLM, Sampling, generate, left_pad, load_checkpoint, preset, sample
+from moe_eplb_jax.models import Sampling, generate, left_pad, load_checkpoint, preset, sample
 from moe_eplb_jax.state import EplbConfig
 
 G, R = 4, 4
 pytestmark = pytest.mark.devices(G)  # skipped on fewer devices, where MESH is None
-MESH = (
-    jax.make_mesh((G,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:G])
-    if jax.device_count() >= G
-    else None
-)
+MESH = ep_mesh(G)
 # DeepSeek-V3 routing, with a score-correction bias from the checkpoint skewing the traffic.
 CONFIG = preset("tiny", scoring="sigmoid", num_groups=4, topk_groups=2, routed_scaling_factor=2.5)
 NEW = 6
 
 
 def _model(seed=0):
-    return MoECausalLM(CONFIG, mesh=MESH, num_redundant_experts=R, rngs=nnx.Rngs(seed))
+    return tiny_model(CONFIG, MESH, redundant=R, seed=seed)
 
 
 def _prompts(rng, lengths=(5, 11, 1, 8)):

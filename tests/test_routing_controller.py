@@ -9,14 +9,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _models import ep_mesh, identity_router
 from flax import nnx
 from jax.sharding import PartitionSpec as PS
 
 from moe_eplb_jax.control import Balancer, ExpertLayout, RearrangementError, moves
 from moe_eplb_jax.flax import EplbController, MoELayer
 from moe_eplb_jax.flax import controller as controller_module
+from moe_eplb_jax.moe import RouterConfig, moe_apply
 from moe_eplb_jax.moe import apply as apply_mod
-from moe_eplb_jax.moe import moe_apply
 from moe_eplb_jax.placement import Placement
 from moe_eplb_jax.policy.online import home_layout
 from moe_eplb_jax.routing import ROUTING_MODES, equal_shares, routing_tables
@@ -28,11 +29,7 @@ G, E, P, L, K = 4, 8, 16, 2, 2  # 2 home experts and 2 spare slots per rank
 S = P - E + 1
 D = E  # one-hot tokens: an identity router picks exactly the ids a token names
 pytestmark = pytest.mark.devices(G)  # skipped on fewer devices, where MESH is None
-MESH = (
-    jax.make_mesh((G,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:G])
-    if jax.device_count() >= G
-    else None
-)
+MESH = ep_mesh(G)
 
 
 class TwoLayers(nnx.Module):
@@ -44,7 +41,7 @@ class TwoLayers(nnx.Module):
             [layer_type(D, 4, E, K, mesh=MESH, num_physical=P, routing=routing, rngs=rngs) for _ in range(L)]
         )
         for layer in self.layers:  # identity router: token t's top-k are the coordinates where it is largest
-            layer.router.set_value(put_host(np.eye(E, dtype=np.float32), MESH, PS()))
+            identity_router(layer)
 
     def __call__(self, x):
         out = x
@@ -377,7 +374,7 @@ def functional_step(routing):
                 p["experts"],
                 t.log2phy[i],
                 t.logcnt[i],
-                top_k=K,
+                router=RouterConfig(top_k=K),
                 mesh=MESH,
                 routing=routing,
                 lookup=t.lookup[i],

@@ -12,15 +12,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _models import ep_mesh, identity_router, one_hot_tokens, random_placement
 from flax import nnx
 from hypothesis import given
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as PS
 
 from moe_eplb_jax.flax import MoELayer
-from moe_eplb_jax.moe import apply as layer_mod
-from moe_eplb_jax.moe import route
-from moe_eplb_jax.moe.experts import shared_mlp, waterfill_shared_mlp
+from moe_eplb_jax.moe import DispatchConfig, RouterConfig, moe_apply, route, shared_mlp, waterfill_shared_mlp
+from moe_eplb_jax.moe import apply as apply_module
 from moe_eplb_jax.placement import Placement, build_log2phy
 from moe_eplb_jax.policy.online import keep_spare_slots, online_policy
 from moe_eplb_jax.routing import (
@@ -38,16 +38,11 @@ from moe_eplb_jax.transport import put_host, rearrange_experts
 G, E, P, D, H, K = 4, 8, 12, 16, 8, 2
 S = P - E + 1
 pytestmark = pytest.mark.devices(G)  # skipped on fewer devices, where MESH is None
-MESH = (
-    jax.make_mesh((G,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:G])
-    if jax.device_count() >= G
-    else None
-)
+MESH = ep_mesh(G)
 
 
 def _random_placement(rng, num_logical=E, num_physical=P):
-    phy2log = np.concatenate([np.arange(num_logical), rng.integers(0, num_logical, num_physical - num_logical)])
-    return Placement.from_phy2log(rng.permutation(phy2log)[None], num_logical)
+    return random_placement(rng, num_logical, num_physical)
 
 
 # ------------------------------------------------------------- the planner
@@ -144,7 +139,7 @@ def test_routing_tables_solve_lp_shares_per_layer(rng):
 
 
 # ------------------------------------------------------------------ layer
-def _layer(routing, shared_expert="local", seed=3, mesh=MESH, **kw):
+def _layer(routing, shared_expert="local", seed=3, mesh=MESH, batch_axes=None):
     return MoELayer(
         D,
         H,
@@ -153,10 +148,9 @@ def _layer(routing, shared_expert="local", seed=3, mesh=MESH, **kw):
         mesh=mesh,
         num_physical=P,
         shared_hidden=4,
-        shared_expert=shared_expert,
         routing=routing,
+        dispatch=DispatchConfig(shared_expert=shared_expert, batch_axes=batch_axes),
         rngs=nnx.Rngs(seed),
-        **kw,
     )
 
 
@@ -190,13 +184,13 @@ def _record_served(rank, group_sizes):
 @pytest.fixture
 def served(monkeypatch):
     """Records, per EP rank, the rows each local slot computed in the layer's grouped expert MLP."""
-    original = layer_mod.expert_mlp
+    original = apply_module.expert_mlp
 
     def expert_mlp(x, experts, group_sizes, **kw):
         jax.debug.callback(_record_served, jax.lax.axis_index("ep"), group_sizes)
         return original(x, experts, group_sizes, **kw)
 
-    monkeypatch.setattr(layer_mod, "expert_mlp", expert_mlp)
+    monkeypatch.setattr(apply_module, "expert_mlp", expert_mlp)
     _SERVED.clear()
     return _SERVED
 
@@ -231,7 +225,7 @@ def test_every_mode_after_rearrangement_equals_the_permuted_checkpoint(rng, serv
     np.testing.assert_array_equal(load_moved, np.asarray(loaded.expert_load.get_value()))
     # The recorded load is what each slot computed: padding neither computed nor counted.
     np.testing.assert_array_equal(load_moved.sum(0), rows)
-    ids, _ = route(x, moved.router.get_value(), top_k=K, bias=moved.router_bias.get_value())
+    ids, _ = route(x, moved.router.get_value(), moved.router_config, bias=moved.router_bias.get_value())
     real = np.asarray(ids)[valid]
     np.testing.assert_array_equal(
         np.bincount(new.phy2log[0], weights=load_moved.sum(0), minlength=E), np.bincount(real.ravel(), minlength=E)
@@ -252,15 +246,14 @@ def test_quota_mode_balances_a_zipf_batch_better_than_hash_and_lp():
     num_ranks, num_home, num_spare, tokens, top_k = 8, 8, 2, 128, 4
     num_logical = num_ranks * num_home
     num_physical = num_ranks * (num_home + num_spare)
-    mesh = jax.make_mesh((num_ranks,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = ep_mesh(num_ranks)
     ids = zipf_topk(num_ranks, num_logical, tokens, top_k, 2.0, seed=5).reshape(-1, top_k)
     expected = zipf_popularity(num_logical, num_ranks, 2.0, seed=5)[None] * ids.size  # similar loads, not the batch
     new = Placement.from_phy2log(online_policy(expected, num_physical, 1, 1, num_ranks)[0], num_logical)
     # A one-hot router: token t's top-k are exactly ids[t].
-    x = np.full((ids.shape[0], num_logical), -4.0, np.float32)
-    np.put_along_axis(x, ids, 4.0, axis=1)
+    x = one_hot_tokens(ids, num_logical)
     layer = MoELayer(num_logical, 4, num_logical, top_k, mesh=mesh, num_physical=num_physical, rngs=nnx.Rngs(0))
-    layer.router.set_value(put_host(np.eye(num_logical, dtype=np.float32), mesh, PS()))
+    identity_router(layer)
     old = np.asarray(layer.phy2log.get_value())
     variables = layer.eplb_expert_variables()
     moved = rearrange_experts(
@@ -315,21 +308,22 @@ def test_switching_mode_and_bad_tables_leave_the_layer_unchanged(rng):
     assert np.asarray(layer.route_lookup.get_value()).size == size
     for kwargs, match in [
         ({"routing": "shares"}, "routing must be one of"),
-        ({"shared_expert": "remote"}, "shared_expert must be one of"),
+        ({"shared_expert": "remote"}, "DispatchConfig.shared_expert must be one of"),
         ({"batch_axes": ("ep",)}, "batch_axes must name"),
         ({"batch_axes": ("data",)}, "batch_axes must name"),
+        ({"batch_axes": ("data", "data")}, "batch_axes must name distinct"),
     ]:
         with pytest.raises(ValueError, match=match):
             _layer(**({"routing": "hash"} | kwargs))
     with pytest.raises(ValueError, match="routing must be one of"):
-        layer_mod.moe_apply(
+        moe_apply(
             jnp.zeros((G, D)),
             jnp.zeros((D, E)),
             jnp.zeros(E),
             {"w_in": jnp.zeros((P, D, 2 * H)), "w_out": jnp.zeros((P, H, D))},
             jnp.asarray(new.log2phy[0]),
             jnp.asarray(new.logcnt[0]),
-            top_k=K,
+            router=RouterConfig(top_k=K),
             mesh=MESH,
             routing="resolved",
         )
@@ -340,7 +334,7 @@ def test_data_and_ep_mesh_computes_each_token_once(rng):
     """(data=2, ep=4): tokens over both axes, experts over ep. Each data replica computes exactly what a 1-D EP
     group computes for its own half of the tokens (bit for bit, loads summed over the replicas); half the FLOPs of
     the 1-D mesh on all the tokens, whose outputs equal up to the rounding of a matmul of another row count."""
-    mesh = jax.make_mesh((2, G), ("data", "ep"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    mesh = ep_mesh(G, batch=("data", 2))
     new = _random_placement(rng)
     x = jnp.asarray(rng.standard_normal((2 * G * 4, D)).astype(np.float32))
     valid = jnp.asarray(rng.random(2 * G * 4) < 0.8)
@@ -368,7 +362,7 @@ def test_data_and_ep_mesh_computes_each_token_once(rng):
     args = (x, np.zeros((D, E), np.float32), np.zeros(E, np.float32), experts, placement.log2phy[0])
     flops = {}
     for name, on in (("ep", MESH), ("data_ep", mesh)):
-        step = jax.jit(functools.partial(layer_mod.moe_apply, top_k=K, mesh=on))
+        step = jax.jit(functools.partial(moe_apply, router=RouterConfig(top_k=K), mesh=on))
         cost = step.lower(*args, placement.logcnt[0]).compile().cost_analysis()
         cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # a list of one per device in older jax
         assert cost is not None
@@ -449,7 +443,7 @@ def test_pallas_map_routes_every_mode_like_the_reference_on_gpu(rng, routing):
     """On a GPU the layer maps with the Pallas kernel (its prepared lookup: with the alias table for "lp"):
     the same slots counted and the same outputs as the jnp reference, every mode, on every GPU of the host."""
     devices = jax.devices()
-    mesh = jax.make_mesh((len(devices),), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = ep_mesh(len(devices))
     num_physical = E + 8 * len(devices)
     phy2log = np.concatenate([np.arange(E), rng.integers(0, E, num_physical - E)])
     new = Placement.from_phy2log(rng.permutation(phy2log)[None], E)
@@ -467,8 +461,8 @@ def test_pallas_map_routes_every_mode_like_the_reference_on_gpu(rng, routing):
             mesh=mesh,
             num_physical=num_physical,
             routing=routing,
+            dispatch=DispatchConfig(map_implementation=implementation),
             rngs=nnx.Rngs(1),
-            map_implementation=implementation,
         )
         for var in layer.eplb_expert_variables().values():
             var.set_value(put_host(np.asarray(var.get_value())[:E][new.phy2log[0]], mesh, PS("ep")))

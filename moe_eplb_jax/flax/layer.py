@@ -11,12 +11,14 @@ kernel's lookup table of them, rebuilt whenever they change so no forward pass
 rebuilds it) are ``EplbTable`` variables -- inputs of the compiled function,
 never constants in it, so a rearrangement never recompiles -- and the tokens
 per slot of every forward pass are added to the ``ExpertLoad`` variable, which
-the controller reads. The forward pass is :func:`moe_eplb_jax.moe.apply.moe_apply`
-(routing modes, meshes with batch axes, load layouts: see its module).
+the controller reads. The forward pass is :func:`moe_eplb_jax.moe.moe_apply`
+(routing modes, meshes with batch axes, load layouts: see its module), configured
+by the layer's ``RouterConfig`` and ``DispatchConfig``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -26,12 +28,10 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as PS
 
-from moe_eplb_jax.moe import grouped_matmul as _gmm
-from moe_eplb_jax.moe.apply import LOAD_REDUCTIONS, SHARED_EXPERTS, _batch_axes, _capacity, _size, moe_apply
-from moe_eplb_jax.moe.experts import tie_replicas
-from moe_eplb_jax.moe.router import ROUTER_SCORINGS
+from moe_eplb_jax import quant
+from moe_eplb_jax.moe import DispatchConfig, RouterConfig, axes_size, moe_apply, tie_replicas
 from moe_eplb_jax.placement import Placement
-from moe_eplb_jax.routing import check_routing, equal_shares, lookup_table
+from moe_eplb_jax.routing import equal_shares, mode_lookup, routing_mode
 from moe_eplb_jax.transport.mesh import put_host
 
 __all__ = ["EplbTable", "ExpertLoad", "MoELayer", "QuantizedExperts"]
@@ -61,34 +61,27 @@ class MoELayer(nnx.Module):
       dim: model width ``D``.
       hidden: expert hidden width ``H`` (gated MLP: ``w_in [P, D, 2H]``, ``w_out [P, H, D]``).
       num_experts: logical experts ``E``.
-      top_k: experts per token.
+      router: the router's style, a ``RouterConfig`` (``top_k``, groups,
+        scoring, scaling; see ``route``), or ``k`` for the plain top-k softmax
+        router. With ``"softmax"`` ``router_bias`` is added to the logits;
+        with ``"sigmoid"`` (DeepSeek-V3) it is the score-correction bias, used
+        to choose experts only. (The router's weights are the parameter
+        ``self.router``, its config ``self.router_config``.)
       mesh: the device mesh; ``axis`` names its EP axis (``G`` ranks, ``P % G == 0``).
       num_physical: ``P`` (default ``E``: no redundant slots).
-      num_groups, topk_groups: group-limited routing (``topk_groups=None``: plain top-k).
-      scoring, renormalize, routed_scaling_factor: the router style (see
-        ``route``): ``"softmax"`` (Qwen3-MoE; ``router_bias`` is added to the
-        logits) or ``"sigmoid"`` (DeepSeek-V3; ``router_bias`` is the
-        score-correction bias, used to choose experts only).
       shared_hidden: width of a shared expert applied to every token (0: none).
-      shared_expert: where the shared expert runs: ``"local"`` (each rank its
-        own tokens) or ``"waterfill"`` (tokens of overloaded ranks computed on
-        ranks with slack; same outputs; see ``moe_apply``).
       dtype: activation and expert-weight dtype (e.g. ``jnp.bfloat16``).
-      routing: replica routing mode, one of ``moe_eplb_jax.routing.ROUTING_MODES``
-        (``"hash"``, ``"round_robin"``, ``"lp"``, ``"quota"``; see the module
-        docstring); ``eplb_set_routing`` switches it later.
-      batch_axes: mesh axes sharding tokens besides ``axis`` (``None``: every
-        other mesh axis); see ``moe_apply``.
-      matmul: grouped matmul implementation (``"dense"``, ``"pallas"``, ``"ragged_dot"``).
-      map_implementation: ``map_and_count`` implementation (None: its default).
-      capacity_factor: exchange tokens in rounds of this factor times the
-        balanced share (``None``: one worst-case exchange); see ``moe_apply``.
-      load_reduce: ``"none"`` (default): ``expert_load`` is ``[G, P]``, each
-        rank adding its own counts to its row, no collective in the step (the
-        controller sums the rows when it reads them); ``"psum"``: ``[P]``,
-        summed over the EP axis every forward pass (replicated: readable
-        directly after each pass, at one small all-reduce per pass).
-        On a mesh with batch axes the rows are also summed over them.
+      routing: replica routing mode, a name of ``moe_eplb_jax.routing.ROUTING_MODES``
+        (``"hash"``, ``"round_robin"``, ``"lp"``, ``"quota"``; see ``moe_apply``);
+        ``eplb_set_routing`` switches it later.
+      dispatch: how the forward pass runs (``DispatchConfig``: grouped matmul,
+        ``map_and_count`` implementation, exchange capacity, load layout,
+        shared-expert placement, batch axes). With ``load_reduce="none"`` (the
+        default) ``expert_load`` is ``[G, P]``, each rank adding its own counts
+        to its row, no collective in the step (the controller sums the rows
+        when it reads them); with ``"psum"`` it is ``[P]``, summed over the EP
+        axis every forward pass. On a mesh with batch axes the rows are also
+        summed over them.
       rngs: ``nnx.Rngs`` for the initial weights.
 
     Replicas start with identical weights: slot ``p`` holds expert ``p mod E``.
@@ -99,34 +92,26 @@ class MoELayer(nnx.Module):
         dim: int,
         hidden: int,
         num_experts: int,
-        top_k: int,
+        router: RouterConfig | int,
         *,
         mesh: jax.sharding.Mesh,
         axis: str = "ep",
         num_physical: int | None = None,
-        num_groups: int = 1,
-        topk_groups: int | None = None,
-        scoring: str = "softmax",
-        renormalize: bool = True,
-        routed_scaling_factor: float = 1.0,
         shared_hidden: int = 0,
-        shared_expert: str = "local",
         dtype: Any = jnp.float32,
         routing: str = "hash",
-        batch_axes: tuple[str, ...] | None = None,
-        matmul: str = "dense",
-        map_implementation: str | None = None,
-        capacity_factor: float | None = None,
-        load_reduce: str = "none",
+        dispatch: DispatchConfig = DispatchConfig(),
         rngs: nnx.Rngs,
     ):
+        router = RouterConfig(top_k=router) if isinstance(router, int) and not isinstance(router, bool) else router
+        if not isinstance(router, RouterConfig):
+            raise ValueError(f"router must be a RouterConfig or a top_k, got {router!r}")
+        if not isinstance(dispatch, DispatchConfig):
+            raise ValueError(f"dispatch must be a DispatchConfig, got {type(dispatch).__name__}")
         num_physical = num_experts if num_physical is None else num_physical
-        if min(dim, hidden, num_experts, top_k) < 1:
-            raise ValueError(
-                f"dim, hidden, num_experts, top_k must be positive, got {dim}, {hidden}, {num_experts}, {top_k}"
-            )
-        if top_k > num_experts:
-            raise ValueError(f"top_k={top_k} is larger than num_experts={num_experts}")
+        if min(dim, hidden, num_experts) < 1:
+            raise ValueError(f"dim, hidden, num_experts must be positive, got {dim}, {hidden}, {num_experts}")
+        router.check_experts(num_experts)
         if axis not in mesh.shape:
             raise ValueError(f"mesh has no axis {axis!r}; its axes are {tuple(mesh.shape)}")
         if num_physical < num_experts or num_physical % mesh.shape[axis]:
@@ -134,33 +119,12 @@ class MoELayer(nnx.Module):
                 f"num_physical={num_physical} must be >= num_experts={num_experts} and divisible by the "
                 f"EP size {mesh.shape[axis]} of mesh axis {axis!r}"
             )
-        if num_experts % num_groups:
-            raise ValueError(f"num_experts={num_experts} is not divisible by num_groups={num_groups}")
-        if topk_groups is not None and not 1 <= topk_groups <= num_groups:
-            raise ValueError(f"topk_groups={topk_groups} must be in [1, num_groups={num_groups}]")
-        if topk_groups is not None and topk_groups * (num_experts // num_groups) < top_k:
-            raise ValueError(f"topk_groups={topk_groups} groups hold fewer than top_k={top_k} experts")
-        if scoring not in ROUTER_SCORINGS:
-            raise ValueError(f"scoring must be one of {ROUTER_SCORINGS}, got {scoring!r}")
-        if not (np.isfinite(routed_scaling_factor) and routed_scaling_factor > 0):
-            raise ValueError(f"routed_scaling_factor must be positive and finite, got {routed_scaling_factor!r}")
-        _gmm.get(matmul)  # validates the name
-        _capacity(1, 1, capacity_factor)  # validates the factor
-        if load_reduce not in LOAD_REDUCTIONS:
-            raise ValueError(f"load_reduce must be one of {LOAD_REDUCTIONS}, got {load_reduce!r}")
-        check_routing(routing)
-        if shared_expert not in SHARED_EXPERTS:
-            raise ValueError(f"shared_expert must be one of {SHARED_EXPERTS}, got {shared_expert!r}")
-        self.batch_axes = _batch_axes(mesh, axis, batch_axes)
-        self.shared_expert = shared_expert
-        self.capacity_factor, self.load_reduce = capacity_factor, load_reduce
+        dispatch.token_axes(mesh, axis)  # checks the batch axes against the mesh
+        self.routing = routing_mode(routing).name
+        self.router_config, self.dispatch = router, dispatch
         self.mesh, self.axis = mesh, axis
-        self.top_k, self.num_groups, self.topk_groups = top_k, num_groups, topk_groups
-        self.scoring, self.renormalize = scoring, bool(renormalize)
-        self.routed_scaling_factor = float(routed_scaling_factor)
-        self.routing, self.matmul, self.map_implementation = routing, matmul, map_implementation
         self.num_experts, self.num_physical = num_experts, num_physical
-        self.quant_format, self.quant_impl, self.activation_scaling = None, "auto", "dynamic"
+        self.quant_format = None
 
         keys = [rngs.params() for _ in range(5)]
         placement = Placement.linear(1, num_experts, num_physical)
@@ -187,7 +151,7 @@ class MoELayer(nnx.Module):
         shares = equal_shares(placement.logcnt[0], placement.log2phy.shape[2])
         self.replica_shares = EplbTable(put_host(shares, mesh, PS()))
         self.route_lookup = EplbTable(self._lookup(routing, placement.log2phy[0], placement.logcnt[0], shares))
-        if load_reduce == "psum":
+        if dispatch.load_reduce == "psum":
             self.expert_load = ExpertLoad(put_host(np.zeros(num_physical, np.int32), mesh, PS()))
         else:  # one row per EP rank, each on its rank: the forward pass adds to it without communication
             load = np.zeros((mesh.shape[axis], num_physical), np.int32)
@@ -207,7 +171,7 @@ class MoELayer(nnx.Module):
             if tuple(valid.shape) != tuple(lead):
                 raise ValueError(f"valid must have x's leading shape {tuple(lead)}, got {tuple(valid.shape)}")
             valid = valid.reshape(-1)
-        num_devices = self.mesh.shape[self.axis] * _size(self.mesh, self.batch_axes)
+        num_devices = self.mesh.shape[self.axis] * axes_size(self.mesh, self.dispatch.token_axes(self.mesh, self.axis))
         if tokens.shape[0] % num_devices:
             raise ValueError(
                 f"{tokens.shape[0]} tokens are not divisible by the EP size {self.mesh.shape[self.axis]} "
@@ -232,26 +196,14 @@ class MoELayer(nnx.Module):
             self.logcnt.get_value(),
             valid,
             record,
-            top_k=self.top_k,
+            router=self.router_config,
             mesh=self.mesh,
             axis=self.axis,
-            batch_axes=self.batch_axes,
-            num_groups=self.num_groups,
-            topk_groups=self.topk_groups,
-            scoring=self.scoring,
-            renormalize=self.renormalize,
-            routed_scaling_factor=self.routed_scaling_factor,
             routing=self.routing,
-            matmul=self.matmul,
-            map_implementation=self.map_implementation,
-            quant_impl=self.quant_impl,
-            activation_scaling=self.activation_scaling,
-            capacity_factor=self.capacity_factor,
-            load_reduce=self.load_reduce,
+            dispatch=self.dispatch,
             lookup=self.route_lookup.get_value(),
             replica_shares=self.replica_shares.get_value(),
             shared=shared,
-            shared_expert=self.shared_expert,
         )
         self.expert_load.set_value(self.expert_load.get_value() + load)
         return out.reshape(*lead, dim)
@@ -272,13 +224,12 @@ class MoELayer(nnx.Module):
         """Replaces the float expert weights by quantized ones (serving; e.g. ``"fp8"``, ``"mxfp4"``).
 
         Every slot is quantized on its own, so replicas stay bit-identical.
-        ``impl`` and ``activation_scaling`` go to ``moe_eplb_jax.quant.expert_mlp``;
+        ``impl`` and ``activation_scaling`` go to ``moe_eplb_jax.quant.expert_mlp``
+        (the layer's ``DispatchConfig.quant_impl`` / ``activation_scaling``);
         dynamic activation scales are max-reduced over the EP axis. The
         quantized pytrees (weights and scales, all ``[P, ...]``) are what the
         controller moves.
         """
-        from moe_eplb_jax import quant
-
         w_in_var, w_out_var = self.w_in, self.w_out
         if self.quant_format is not None or w_in_var is None or w_out_var is None:
             raise ValueError(f"layer is already quantized ({self.quant_format!r})")
@@ -286,6 +237,7 @@ class MoELayer(nnx.Module):
             raise ValueError(f"unknown quantized format {fmt!r}; known: {sorted(quant.FORMATS)}")
         if impl not in quant.IMPLS:
             raise ValueError(f"unknown quant impl {impl!r}; known: {list(quant.IMPLS)}")
+        dispatch = dataclasses.replace(self.dispatch, quant_impl=impl, activation_scaling=activation_scaling)
         hidden = w_out_var.get_value().shape[1]
         w_in = np.asarray(w_in_var.get_value(), np.float32)
         w_out = np.asarray(w_out_var.get_value(), np.float32)
@@ -298,7 +250,7 @@ class MoELayer(nnx.Module):
         placed = [jax.tree.map(lambda leaf: put_host(np.asarray(leaf), self.mesh, slots), t) for t in q]
         self.q_gate, self.q_up, self.q_down = (QuantizedExperts(t) for t in placed)
         self.w_in = self.w_out = None
-        self.quant_format, self.quant_impl, self.activation_scaling = fmt, impl, activation_scaling
+        self.quant_format, self.dispatch = fmt, dispatch
 
     def eplb_load_variable(self) -> nnx.Variable:
         return self.expert_load
@@ -338,28 +290,20 @@ class MoELayer(nnx.Module):
         self.route_lookup.set_value(route_lookup)
 
     def eplb_set_routing(self, routing: str) -> None:
-        """Switches the replica routing mode (one of ``moe_eplb_jax.routing.ROUTING_MODES``).
+        """Switches the replica routing mode (a name of ``moe_eplb_jax.routing.ROUTING_MODES``).
 
         The mode is static configuration: the next jitted call compiles once
         for it; the weights, tables and loads stay as they are.
         """
-        check_routing(routing)
+        routing = routing_mode(routing).name
         if routing == self.routing:
             return
         tables = (self.log2phy, self.logcnt, self.replica_shares)
         route_lookup = self._lookup(routing, *(np.asarray(t.get_value()) for t in tables))
         self.routing = routing
-        self.route_lookup.set_value(route_lookup)  # "lp"'s carries the alias table: another shape
+        self.route_lookup.set_value(route_lookup)  # a shares mode's carries the alias table: another shape
 
     def _lookup(self, routing, log2phy, logcnt, shares):
-        """``lookup_table`` of this layer's placement for ``routing``, replicated (built once per placement).
-
-        For ``"lp"`` it carries the shares' alias table too, so the Pallas
-        kernel builds none per call.
-        """
-        log2phy, logcnt = np.asarray(log2phy, np.int32), np.asarray(logcnt, np.int32)
-        if routing == "lp":
-            table = lookup_table(log2phy, logcnt, replica_shares=np.asarray(shares), num_physical=self.num_physical)
-        else:
-            table = lookup_table(log2phy, logcnt)
-        return put_host(np.asarray(table), self.mesh, PS())
+        """``routing.mode_lookup`` of this layer's placement, replicated (built once per placement)."""
+        table = mode_lookup(routing, log2phy, logcnt, replica_shares=shares, num_physical=self.num_physical)
+        return put_host(table, self.mesh, PS())

@@ -15,7 +15,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from moe_eplb_jax.moe.router import ROUTER_SCORINGS
+from moe_eplb_jax.moe import RouterConfig
 
 __all__ = ["DTYPES", "PRESETS", "ModelConfig", "preset"]
 
@@ -42,7 +42,10 @@ class ModelConfig:
       shared_hidden: width of the shared expert every token also goes through,
         0 for none (DeepSeek-V3: ``n_shared_experts * moe_intermediate_size``).
       scoring: ``"softmax"`` (Qwen3-MoE) or ``"sigmoid"`` (DeepSeek-V3, with a
-        score-correction bias) (``scoring_func``).
+        score-correction bias) (``scoring_func``). The router's fields
+        (``top_k``, ``scoring``, ``renormalize``, ``routed_scaling_factor``,
+        ``num_groups``, ``topk_groups``) make ``router``, the ``RouterConfig``
+        every MoE layer gets.
       renormalize: renormalise the top-k weights (``norm_topk_prob``).
       routed_scaling_factor: multiplies the routed weights (``routed_scaling_factor``).
       num_groups, topk_groups: group-limited routing: experts in
@@ -92,19 +95,17 @@ class ModelConfig:
             "head_dim",
             "dense_hidden",
             "num_experts",
-            "top_k",
             "moe_hidden",
-            "num_groups",
             "max_seq_len",
         )
         for name in positive:
             _check_int(name, getattr(self, name), minimum=1)
         _check_int("first_dense_layers", self.first_dense_layers, minimum=0)
         _check_int("shared_hidden", self.shared_hidden, minimum=0)
-        for name in ("renormalize", "qk_norm", "tie_embeddings"):
+        for name in ("qk_norm", "tie_embeddings"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ModelConfig.{name} must be a bool, got {getattr(self, name)!r}")
-        for name in ("routed_scaling_factor", "rope_theta", "rms_eps"):
+        for name in ("rope_theta", "rms_eps"):
             value = getattr(self, name)
             if (
                 isinstance(value, bool)
@@ -112,8 +113,10 @@ class ModelConfig:
                 or not (math.isfinite(value) and value > 0)
             ):
                 raise ValueError(f"ModelConfig.{name} must be a positive finite number, got {value!r}")
-        if self.scoring not in ROUTER_SCORINGS:
-            raise ValueError(f"ModelConfig.scoring must be one of {ROUTER_SCORINGS}, got {self.scoring!r}")
+        try:  # the router's fields are this config's own: errors name them as written here
+            self.router.check_experts(self.num_experts)
+        except ValueError as e:
+            raise ValueError(str(e).replace("RouterConfig.", "ModelConfig.")) from None
         if self.dtype not in DTYPES:
             raise ValueError(f"ModelConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.num_heads % self.num_kv_heads:
@@ -127,20 +130,18 @@ class ModelConfig:
                 f"ModelConfig.first_dense_layers={self.first_dense_layers} leaves no MoE layer of "
                 f"num_layers={self.num_layers}"
             )
-        if self.top_k > self.num_experts:
-            raise ValueError(f"ModelConfig.top_k={self.top_k} is larger than num_experts={self.num_experts}")
-        if self.num_experts % self.num_groups:
-            raise ValueError(
-                f"ModelConfig.num_experts={self.num_experts} is not divisible by num_groups={self.num_groups}"
-            )
-        if self.topk_groups is not None:
-            _check_int("topk_groups", self.topk_groups, minimum=1)
-            if self.topk_groups > self.num_groups:
-                raise ValueError(f"ModelConfig.topk_groups={self.topk_groups} exceeds num_groups={self.num_groups}")
-            if self.topk_groups * (self.num_experts // self.num_groups) < self.top_k:
-                raise ValueError(
-                    f"ModelConfig.topk_groups={self.topk_groups} groups hold fewer than top_k={self.top_k} experts"
-                )
+
+    @property
+    def router(self) -> RouterConfig:
+        """The router of every MoE layer (``RouterConfig``)."""
+        return RouterConfig(
+            top_k=self.top_k,
+            num_groups=self.num_groups,
+            topk_groups=self.topk_groups,
+            scoring=self.scoring,
+            renormalize=self.renormalize,
+            routed_scaling_factor=self.routed_scaling_factor,
+        )
 
     @property
     def num_moe_layers(self) -> int:

@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as PS
 from moe_eplb_jax.flax import MoELayer
 from moe_eplb_jax.models.config import ModelConfig
 from moe_eplb_jax.models.layers import Attention, DenseMLP, RMSNorm, attention_mask, replicated_param
+from moe_eplb_jax.moe import DispatchConfig
 
 __all__ = ["DecoderBlock", "KVCache", "MoECausalLM"]
 
@@ -58,7 +59,18 @@ class KVCache:
 class DecoderBlock(nnx.Module):
     """``x + attn(norm(x))`` then ``+ mlp(norm(x))``; ``mlp`` is a ``DenseMLP`` or an EP ``MoELayer``."""
 
-    def __init__(self, config: ModelConfig, *, moe: bool, mesh, axis: str, num_physical: int, rngs, **moe_options):
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        moe: bool,
+        mesh,
+        axis: str,
+        num_physical: int,
+        routing: str,
+        dispatch: DispatchConfig,
+        rngs,
+    ):
         dtype = config.jnp_dtype
         self.input_layernorm = RMSNorm(config.dim, eps=config.rms_eps, dtype=dtype, mesh=mesh)
         self.self_attn = Attention(config, mesh=mesh, rngs=rngs)
@@ -68,19 +80,15 @@ class DecoderBlock(nnx.Module):
                 config.dim,
                 config.moe_hidden,
                 config.num_experts,
-                config.top_k,
+                config.router,
                 mesh=mesh,
                 axis=axis,
                 num_physical=num_physical,
-                num_groups=config.num_groups,
-                topk_groups=config.topk_groups,
-                scoring=config.scoring,
-                renormalize=config.renormalize,
-                routed_scaling_factor=config.routed_scaling_factor,
                 shared_hidden=config.shared_hidden,
                 dtype=dtype,
+                routing=routing,
+                dispatch=dispatch,
                 rngs=rngs,
-                **moe_options,
             )
         else:
             self.mlp = DenseMLP(config.dim, config.dense_hidden, dtype=dtype, mesh=mesh, rngs=rngs)
@@ -102,11 +110,13 @@ class MoECausalLM(nnx.Module):
       num_redundant_experts: ``R``, redundant slots per MoE layer
         (``P = E + R``, divisible by ``G``); ``EplbConfig.num_redundant_experts``
         must match.
+      routing: every MoE layer's replica routing mode (``MoELayer(routing=)``).
+      dispatch: how every MoE layer runs (``moe.DispatchConfig``: grouped
+        matmul, ``map_and_count`` implementation, exchange capacity, load
+        layout, shared-expert placement), so one config builds the model
+        with any kernel. The router is ``config.router``.
       rngs: ``nnx.Rngs`` for the initial weights (``models.load_checkpoint``
         replaces them).
-      **moe_options: passed to every ``MoELayer`` (``routing``, ``matmul``,
-        ``capacity_factor``, ``load_reduce``, ``map_implementation``), so one
-        config builds the model with any replica routing or kernel.
 
     Replicas start as copies of their expert (slot ``p`` holds expert ``p mod E``).
     """
@@ -118,8 +128,9 @@ class MoECausalLM(nnx.Module):
         mesh: jax.sharding.Mesh,
         axis: str = "ep",
         num_redundant_experts: int = 0,
+        routing: str = "hash",
+        dispatch: DispatchConfig = DispatchConfig(),
         rngs: nnx.Rngs,
-        **moe_options,
     ):
         if not isinstance(config, ModelConfig):
             raise ValueError(f"config must be a ModelConfig, got {type(config).__name__}")
@@ -147,8 +158,9 @@ class MoECausalLM(nnx.Module):
                     mesh=mesh,
                     axis=axis,
                     num_physical=num_physical,
+                    routing=routing,
+                    dispatch=dispatch,
                     rngs=rngs,
-                    **moe_options,
                 )
                 for i in range(config.num_layers)
             ]

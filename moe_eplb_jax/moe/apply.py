@@ -13,21 +13,19 @@ The forward pass, per device (``jax.shard_map``)::
 
 plus an optional shared expert applied to every token (on its own rank,
 ``shared_expert="local"``, or where the routed experts left slack,
-``"waterfill"``). Expert weights are
-stored per physical slot, ``w_in [P, D, 2H]`` and ``w_out [P, H, D]``, sharded
-over ``axis`` (or, after ``MoELayer.quantize(fmt)``, quantized pytrees of
-``moe_eplb_jax.quant``); replicas of an expert hold identical bytes, and in
-training ``tie_replicas`` gives every replica the expert's summed gradient so
-they stay identical. The placement tables
-(``phy2log [P]``, ``log2phy [E, S]``, ``logcnt [E]``, ``replica_shares [E, S]``
-(``"lp"``), and ``route_lookup``, the Pallas kernel's lookup table of them,
-rebuilt whenever they change so no forward pass rebuilds it) are
-``EplbTable`` variables -- inputs of the compiled function, never constants
-in it, so a rearrangement never recompiles -- and the tokens per slot of
-every forward pass are added to the ``ExpertLoad`` variable, which the
-controller reads.
+``"waterfill"``). The router's style is a ``RouterConfig``, how the pass runs
+(kernels, exchange, load layout, shared-expert placement, batch axes) a
+``DispatchConfig`` (``moe.config``). Expert weights are stored per physical
+slot, ``w_in [P, D, 2H]`` and ``w_out [P, H, D]``, sharded over ``axis`` (or
+quantized pytrees of ``moe_eplb_jax.quant``); replicas of an expert hold
+identical bytes, and in training ``tie_replicas`` gives every replica the
+expert's summed gradient so they stay identical. The placement tables
+(``log2phy [E, S]``, ``logcnt [E]``, ``replica_shares [E, S]`` of a mode that
+reads shares, and ``lookup``, the Pallas kernel's lookup table of them, built
+once per placement) are inputs of the compiled function, never constants in
+it, so a rearrangement never recompiles.
 
-Replica routing (``routing``, the L2 modes of ``moe_eplb_jax.routing``), and
+Replica routing (``routing``, a mode of ``moe_eplb_jax.routing.MODES``), and
 what each guarantees. Replicas hold the same bytes and every token's ``k``
 results are summed in router order, so in every mode a token's output is that
 of the plain expert MLP -- bit for bit under any placement and mode with a
@@ -55,17 +53,19 @@ only, so each device computes only its own tokens; dispatch, combine and the
 quota counts stay inside the device's EP group (the devices sharing its batch
 coordinates).
 
-Loads are not summed over the EP axis in the forward pass (``load_reduce=
-"none"``, the default): each rank adds its own counts to its row of a
+Loads are not summed over the EP axis in the forward pass
+(``DispatchConfig.load_reduce="none"``, the default): each rank adds its own counts to its row of a
 ``[G, P]`` load sharded over ``axis`` (summed over the batch axes first, one
 all-reduce of ``P`` ints over them where the mesh has any), so a 1-D EP step
 has no collective for them; the controller sums the rows when it reads its
-window (at rearrangement or logging). ``load_reduce="psum"`` gives the
+window (at rearrangement or logging). ``"psum"`` gives the
 replicated ``[P]`` total every pass instead, at one small all-reduce per
 layer per pass.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -73,14 +73,12 @@ import numpy as np
 from jax.sharding import PartitionSpec as PS
 
 from moe_eplb_jax.moe import dispatch as _dispatch
+from moe_eplb_jax.moe.config import DispatchConfig, RouterConfig, axes_size
 from moe_eplb_jax.moe.experts import expert_mlp, shared_mlp, waterfill_shared_mlp
 from moe_eplb_jax.moe.router import route
-from moe_eplb_jax.routing import batch_quotas, check_routing, map_and_count
+from moe_eplb_jax.routing import RoutingMode, batch_quotas, map_and_count, routing_mode
 
-__all__ = ["LOAD_REDUCTIONS", "SHARED_EXPERTS", "moe_apply"]
-
-LOAD_REDUCTIONS = ("none", "psum")
-SHARED_EXPERTS = ("local", "waterfill")
+__all__ = ["map_replicas", "moe_apply", "routed_experts"]
 
 
 def moe_apply(
@@ -93,221 +91,227 @@ def moe_apply(
     valid=None,
     record=True,
     *,
-    top_k: int,
+    router: RouterConfig,
     mesh: jax.sharding.Mesh,
     axis: str = "ep",
-    batch_axes: tuple[str, ...] | None = None,
-    num_groups: int = 1,
-    topk_groups: int | None = None,
-    scoring: str = "softmax",
-    renormalize: bool = True,
-    routed_scaling_factor: float = 1.0,
-    routing: str = "hash",
-    matmul: str = "dense",
-    map_implementation: str | None = None,
-    quant_impl: str = "auto",
-    activation_scaling: str = "dynamic",
-    capacity_factor: float | None = None,
-    load_reduce: str = "none",
+    routing: str | RoutingMode = "hash",
+    dispatch: DispatchConfig = DispatchConfig(),
     lookup=None,
     replica_shares=None,
     shared=None,
-    shared_expert: str = "local",
 ):
     """The MoE layer's forward pass as a pure function (routed experts, and the shared expert if given).
 
     Args:
       x: ``[T, D]`` tokens, ``T`` divisible by ``B * G`` (``B``: the product of
-        the batch axes' sizes); sharded (or resharded) over ``batch_axes`` and ``axis``.
+        the batch axes' sizes); sharded (or resharded) over the batch axes and ``axis``.
       router_w: ``[D, E]``; ``router_bias [E]``.
-      num_groups, topk_groups, scoring, renormalize, routed_scaling_factor:
-        the router style, see ``route``.
       experts: expert weights with leading ``[P]`` slot axes sharded over ``axis``
         (see ``expert_mlp``: float ``w_in``/``w_out`` or quantized ``gate``/``up``/``down``).
       log2phy: ``[E, S]`` int32 (-1 padded); ``logcnt [E]`` int32.
-      batch_axes: the mesh axes that shard tokens besides ``axis`` (``None``:
-        every other axis of ``mesh``). Each device computes only its own
-        tokens; its EP group is the ``G`` devices sharing its batch coordinates.
-      routing: the replica routing mode, one of ``moe_eplb_jax.routing.ROUTING_MODES``
-        (see the module docstring for what each guarantees).
-      lookup: optional ``moe_eplb_jax.routing._map_and_count.lookup_table(log2phy, logcnt[,
-        replica_shares=...])``, kept with the placement so the Pallas
-        ``map_and_count`` does not rebuild it every pass (``map_and_count(lookup=...)``).
-      replica_shares: ``[E, S]`` float32 weights of each expert's replicas, read
-        with ``routing="lp"`` only (``None``: equal shares).
       valid: optional ``[T]`` bool, sharded like ``x``: ``False`` marks padding
         (an unused cache position, a finished request), which is neither sent
         to an expert (routed or shared-by-Waterfill) nor counted, nor counted in
         the ``"quota"`` plan; its routed output is zero. ``None``: every token is real.
       record: count the load (a Python or traced bool; ``False`` gives a zero
         load, e.g. for a warm-up pass, without recompiling).
-      capacity_factor: ``None`` exchanges the worst-case buffer in one
-        ``all_to_all``; a factor ``f`` exchanges it in rounds of
-        ``ceil(f * A / G)`` rows per rank pair (``A = T_rank * k``), as many as
-        the fullest pair needs: about ``f / G`` of the bytes when balanced, still
-        dropless, same results.
-      load_reduce: ``"none"`` (default): no collective over EP for the load;
-        each rank returns its own counts (summed over the batch axes), ``load
-        [G, P]`` sharded over ``axis`` (row ``g``: the assignments of EP rank
-        ``g``'s tokens), to be summed over ``G`` when read (``load.sum(0)``;
-        ``EplbController`` does it at rearrangement). ``"psum"``: ``load [P]``,
-        summed over every axis in the step (one all-reduce of ``P`` ints), replicated.
+      router: the router's style (``RouterConfig``, see ``route``).
+      mesh: the device mesh; ``axis`` names its EP axis (``G`` ranks). Each
+        device computes only its own tokens; its EP group is the ``G`` devices
+        sharing its batch coordinates (``DispatchConfig.batch_axes``).
+      routing: the replica routing mode, a name of ``moe_eplb_jax.routing.ROUTING_MODES``
+        or its ``RoutingMode`` (see the module docstring for what each guarantees).
+      dispatch: how the pass runs (``DispatchConfig``: grouped matmul, ``map_and_count``
+        implementation, quantized MLP, exchange capacity, load layout, shared-expert
+        placement, batch axes).
+      lookup: optional ``routing.lookup_table(log2phy, logcnt[, replica_shares=...])``
+        (``routing.mode_lookup``), kept with the placement so the Pallas
+        ``map_and_count`` does not rebuild it every pass.
+      replica_shares: ``[E, S]`` float32 weights of each expert's replicas, read
+        by a mode that reads shares (``"lp"``) only (``None``: equal shares).
       shared: optional replicated shared-expert weights ``{"w_in": [D, 2H_s], "w_out": [H_s, D]}``,
         applied to every token and added to the routed output.
-      shared_expert: where the shared expert runs: ``"local"`` (each rank its own
-        tokens, padding included) or ``"waterfill"`` (valid tokens moved to the
-        ranks with slack above the routed load, ``waterfill_shared_mlp``; same
-        outputs for valid tokens, zero for padding).
 
     Returns:
       ``(out [T, D] in x.dtype, load int32)`` -- load counts every valid
-      token's ``k`` assignments per physical slot: ``[G, P]`` per rank or
-      ``[P]`` summed, as ``load_reduce`` says.
+      token's ``k`` assignments per physical slot: ``[G, P]`` per rank (row
+      ``g``: the assignments of EP rank ``g``'s tokens, summed over the batch
+      axes; sharded over ``axis``) or ``[P]`` summed and replicated, as
+      ``dispatch.load_reduce`` says.
     """
-    if load_reduce not in LOAD_REDUCTIONS:
-        raise ValueError(f"load_reduce must be one of {LOAD_REDUCTIONS}, got {load_reduce!r}")
-    check_routing(routing)
-    if shared_expert not in SHARED_EXPERTS:
-        raise ValueError(f"shared_expert must be one of {SHARED_EXPERTS}, got {shared_expert!r}")
-    batch_axes = _batch_axes(mesh, axis, batch_axes)
-    _check_apply(
-        x, router_w, router_bias, experts, log2phy, logcnt, top_k=top_k, mesh=mesh, axis=axis, batch_axes=batch_axes
-    )
-    num_ranks = mesh.shape[axis]
-    num_physical = jax.tree.leaves(experts)[0].shape[0]
-    slots_per_rank = num_physical // num_ranks
-    tokens_per_device = x.shape[0] // (num_ranks * _size(mesh, batch_axes))
-    capacity = _capacity(tokens_per_device * top_k, num_ranks, capacity_factor)
+    mode = routing_mode(routing)
+    if not isinstance(router, RouterConfig):
+        raise ValueError(f"router must be a RouterConfig, got {type(router).__name__}")
+    if not isinstance(dispatch, DispatchConfig):
+        raise ValueError(f"dispatch must be a DispatchConfig, got {type(dispatch).__name__}")
+    batch_axes = dispatch.token_axes(mesh, axis)
+    _check_apply(x, router_w, router_bias, experts, log2phy, logcnt, router=router, mesh=mesh, axis=axis)
+    num_devices = mesh.shape[axis] * axes_size(mesh, batch_axes)
+    if x.shape[0] % num_devices:
+        raise ValueError(
+            f"x must have shape [T, D] with T divisible by the EP size {mesh.shape[axis]} times the batch axes' "
+            f"size {num_devices // mesh.shape[axis]}, got {x.shape}"
+        )
     valid = _check_valid(valid, x.shape[0])
     record = jnp.asarray(record)
     if record.shape != () or record.dtype != jnp.bool_:
         raise ValueError(f"record must be a boolean scalar, got shape {record.shape} dtype {record.dtype}")
-    if routing == "lp":
-        replica_shares = _check_shares(replica_shares, logcnt, log2phy.shape)
-    else:
-        replica_shares = None  # read by "lp" only
-    routed_cost = 1.0  # a routed row's cost in shared-expert rows (their hidden widths' ratio)
+    replica_shares = _check_shares(replica_shares, logcnt, log2phy.shape) if mode.shares else None
     if shared is not None:
         _check_shared(shared, x.shape[1])
-        routed_cost = _expert_hidden(experts) / shared["w_out"].shape[0]
-
-    def per_rank(x, router_w, router_bias, experts, log2phy, logcnt, valid, record, lookup, replica_shares, shared):
-        ids, weights = route(
-            x,
-            router_w,
-            top_k=top_k,
-            num_groups=num_groups,
-            topk_groups=topk_groups,
-            bias=router_bias,
-            scoring=scoring,
-            renormalize=renormalize,
-            routed_scaling_factor=routed_scaling_factor,
-        )
-        # map_and_count neither maps nor counts an id outside [0, E): padding goes nowhere.
-        ids = jnp.where(valid[:, None], ids, jnp.int32(-1))
-        physical, load = _map_replicas(
-            ids,
-            log2phy,
-            logcnt,
-            record,
-            lookup,
-            replica_shares,
-            routing=routing,
-            num_physical=num_physical,
-            axis=axis,
-            implementation=map_implementation,
-        )
-        if load_reduce == "psum":
-            load = jax.lax.psum(load, (*batch_axes, axis))
-        else:
-            load = (jax.lax.psum(load, batch_axes) if batch_axes else load)[None]
-        out = _routed_experts(
-            x,
-            physical,
-            weights,
-            experts,
-            axis=axis,
-            num_ranks=num_ranks,
-            slots_per_rank=slots_per_rank,
-            capacity=capacity,
-            matmul=matmul,
-            quant_impl=quant_impl,
-            activation_scaling=activation_scaling,
-        )
-        if shared is not None and shared_expert == "local":
-            out = out + shared_mlp(x, shared).astype(out.dtype)
-        elif shared is not None:
-            owner = jnp.where(physical >= 0, physical // slots_per_rank, num_ranks)
-            sent = jnp.sum(owner[..., None] == jnp.arange(num_ranks)[None, None, :], axis=(0, 1), dtype=jnp.int32)
-            shared_out, _ = waterfill_shared_mlp(
-                x,
-                valid,
-                jax.lax.psum(sent, axis),
-                shared,
-                axis_name=axis,
-                num_ranks=num_ranks,
-                routed_cost=routed_cost,
-                implementation=matmul,
-                capacity=_capacity(tokens_per_device, num_ranks, capacity_factor),
-            )
-            out = out + shared_out.astype(out.dtype)
-        return out, load
-
+    per_rank = functools.partial(
+        _per_rank,
+        router=router,
+        dispatch=dispatch,
+        mode=mode,
+        axis=axis,
+        batch_axes=batch_axes,
+        num_ranks=mesh.shape[axis],
+        num_physical=jax.tree.leaves(experts)[0].shape[0],
+    )
     tokens, rep = PS((*batch_axes, axis)), PS()
     return jax.shard_map(
         per_rank,
         mesh=mesh,
         in_specs=(tokens, rep, rep, PS(axis), rep, rep, tokens, rep, rep, rep, rep),
-        out_specs=(tokens, rep if load_reduce == "psum" else PS(axis)),
+        out_specs=(tokens, rep if dispatch.load_reduce == "psum" else PS(axis)),
         # The Pallas map_and_count (GPU) declares outputs without a varying-axes type; jax 0.11
         # rejects that under check_vma=True.
         check_vma=False,
     )(x, router_w, router_bias, experts, log2phy, logcnt, valid, record, lookup, replica_shares, shared)
 
 
-def _map_replicas(ids, log2phy, logcnt, record, lookup, replica_shares, *, routing, num_physical, axis, implementation):
-    """Per rank: logical ids ``[T, k]`` (``-1``: padding) -> physical slots ``[T, k]`` and this rank's load ``[P]``.
+def _per_rank(
+    x,
+    router_w,
+    router_bias,
+    experts,
+    log2phy,
+    logcnt,
+    valid,
+    record,
+    lookup,
+    replica_shares,
+    shared,
+    *,
+    router,
+    dispatch,
+    mode,
+    axis,
+    batch_axes,
+    num_ranks,
+    num_physical,
+):
+    """``moe_apply`` on one device's tokens, inside ``shard_map``: ``(out [T, D], load)``."""
+    ids, weights = route(x, router_w, router, bias=router_bias)
+    # map_and_count neither maps nor counts an id outside [0, E): padding goes nowhere.
+    ids = jnp.where(valid[:, None], ids, jnp.int32(-1))
+    physical, load = map_replicas(
+        ids,
+        log2phy,
+        logcnt,
+        routing=mode,
+        num_physical=num_physical,
+        axis=axis,
+        record=record,
+        lookup=lookup,
+        replica_shares=replica_shares,
+        implementation=dispatch.map_implementation,
+    )
+    if dispatch.load_reduce == "psum":
+        load = jax.lax.psum(load, (*batch_axes, axis))
+    else:
+        load = (jax.lax.psum(load, batch_axes) if batch_axes else load)[None]
+    out = routed_experts(x, physical, weights, experts, axis=axis, num_ranks=num_ranks, dispatch=dispatch)
+    if shared is not None:
+        out = out + _shared_expert(x, valid, physical, experts, shared, dispatch, axis, num_ranks).astype(out.dtype)
+    return out, load
 
-    The one place a routing mode turns into ``map_and_count``'s inputs
-    (``"quota"`` plans its quotas here, with an all-gather over ``axis``);
-    ``benchmarks/moe_step.py`` calls it to route exactly as the layer does.
+
+def map_replicas(
+    ids,
+    log2phy,
+    logcnt,
+    *,
+    routing: str | RoutingMode,
+    num_physical: int,
+    axis: str,
+    record=True,
+    lookup=None,
+    replica_shares=None,
+    implementation: str | None = None,
+):
+    """Per rank, inside ``shard_map`` over ``axis``: logical ids ``[T, k]`` (``-1``: padding) -> physical slots
+    ``[T, k]`` int32 and this rank's load ``[P]`` int32, as ``moe_apply`` routes.
+
+    The one place a routing mode turns into ``map_and_count``'s inputs: a mode that reads shares gets
+    ``replica_shares``; one that reads quotas plans them here, per batch (an all-gather over ``axis``).
     """
-    per_mode = {}
-    if routing == "lp":
-        per_mode = {"replica_shares": replica_shares}
-    elif routing == "quota":
-        per_mode = {"quotas": batch_quotas(ids, log2phy, logcnt, axis_name=axis, num_physical=num_physical)}
+    mode = routing_mode(routing)
+    tables = {}
+    if mode.shares:
+        tables["replica_shares"] = replica_shares
+    if mode.quotas:
+        tables["quotas"] = batch_quotas(ids, log2phy, logcnt, axis_name=axis, num_physical=num_physical)
     physical, load = map_and_count(
         ids,
         log2phy,
         logcnt,
         num_physical=num_physical,
         record=record,
-        mode=routing,
+        mode=mode.name,
         implementation=implementation,
         lookup=lookup,
-        **per_mode,
+        **tables,
     )
     return physical, load.astype(jnp.int32)
 
 
-def _batch_axes(mesh, axis, batch_axes) -> tuple[str, ...]:
-    """The token-sharding axes besides ``axis`` (default: every other mesh axis), validated."""
-    if axis not in mesh.shape:
-        raise ValueError(f"mesh has no axis {axis!r}; its axes are {tuple(mesh.shape)}")
-    if batch_axes is None:
-        return tuple(name for name in mesh.axis_names if name != axis)
-    batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
-    for name in batch_axes:
-        if name not in mesh.shape or name == axis:
-            raise ValueError(f"batch_axes must name mesh axes other than {axis!r}; mesh axes {tuple(mesh.shape)}")
-    if len(set(batch_axes)) != len(batch_axes):
-        raise ValueError(f"batch_axes names an axis twice: {batch_axes}")
-    return batch_axes
+def routed_experts(x, physical, weights, experts, *, axis: str, num_ranks: int, dispatch: DispatchConfig):
+    """Per rank, inside ``shard_map`` over ``axis``: dispatch by physical slot -> grouped expert MLP -> combine.
+
+    ``x [T, D]``, ``physical [T, k]`` (``-1``: sent nowhere), ``weights [T, k]``, ``experts`` this rank's
+    ``P / G`` slots -> ``[T, D]`` in ``x.dtype``. ``moe_apply``'s exchange and compute without its routing (what
+    ``benchmarks/moe_step.py`` times with the EPLB mapping and counting left out).
+    """
+    slots_per_rank = jax.tree.leaves(experts)[0].shape[0]
+    capacity = dispatch.capacity(physical.size, num_ranks)
+    rows, row_slot, plan = _dispatch.dispatch(
+        x, physical, slots_per_rank=slots_per_rank, axis_name=axis, num_ranks=num_ranks, capacity=capacity
+    )
+    order, group_sizes = _dispatch.sort_by_slot(row_slot, slots_per_rank)
+    y = expert_mlp(
+        rows[order],
+        experts,
+        group_sizes,
+        implementation=dispatch.matmul,
+        quant_impl=dispatch.quant_impl,
+        activation_scaling=dispatch.activation_scaling,
+        axis_name=axis,
+    )
+    y = _dispatch.unsort(y, order)
+    return _dispatch.combine(y, plan, weights, axis_name=axis, out_dtype=x.dtype, capacity=capacity)
 
 
-def _size(mesh, axes) -> int:
-    return int(np.prod([mesh.shape[name] for name in axes], dtype=np.int64))
+def _shared_expert(x, valid, physical, experts, shared, dispatch, axis, num_ranks):
+    """Per rank: the shared expert's output for this rank's tokens, where ``dispatch.shared_expert`` says."""
+    if dispatch.shared_expert == "local":
+        return shared_mlp(x, shared)
+    slots_per_rank = jax.tree.leaves(experts)[0].shape[0]
+    owner = jnp.where(physical >= 0, physical // slots_per_rank, num_ranks)
+    sent = jnp.sum(owner[..., None] == jnp.arange(num_ranks)[None, None, :], axis=(0, 1), dtype=jnp.int32)
+    out, _ = waterfill_shared_mlp(
+        x,
+        valid,
+        jax.lax.psum(sent, axis),
+        shared,
+        axis_name=axis,
+        num_ranks=num_ranks,
+        routed_cost=_expert_hidden(experts) / shared["w_out"].shape[0],  # a routed row in shared rows
+        implementation=dispatch.matmul,
+        capacity=dispatch.capacity(x.shape[0], num_ranks),
+    )
+    return out
 
 
 def _check_shares(replica_shares, logcnt, table_shape):
@@ -351,55 +355,16 @@ def _check_valid(valid, num_tokens: int):
     return valid
 
 
-def _routed_experts(
-    x, physical, weights, experts, *, axis, num_ranks, slots_per_rank, capacity, matmul, quant_impl, activation_scaling
-):
-    """Per rank, inside ``shard_map``: dispatch by physical slot -> grouped expert MLP -> combine.
-
-    Separate from ``moe_apply``'s routing so that ``benchmarks/moe_step.py``
-    can time the same exchange and compute with the EPLB mapping and counting
-    left out.
-    """
-    rows, row_slot, plan = _dispatch.dispatch(
-        x, physical, slots_per_rank=slots_per_rank, axis_name=axis, num_ranks=num_ranks, capacity=capacity
-    )
-    order, group_sizes = _dispatch.sort_by_slot(row_slot, slots_per_rank)
-    y = expert_mlp(
-        rows[order],
-        experts,
-        group_sizes,
-        implementation=matmul,
-        quant_impl=quant_impl,
-        activation_scaling=activation_scaling,
-        axis_name=axis,
-    )
-    y = _dispatch.unsort(y, order)
-    return _dispatch.combine(y, plan, weights, axis_name=axis, out_dtype=x.dtype, capacity=capacity)
-
-
-def _capacity(num_assign: int, num_ranks: int, factor: float | None) -> int | None:
-    if factor is None:
-        return None
-    if not factor > 0:
-        raise ValueError(f"capacity_factor must be positive or None, got {factor}")
-    return int(min(num_assign, max(1, -(-int(np.ceil(factor * num_assign)) // num_ranks))))
-
-
-def _check_apply(x, router_w, router_bias, experts, log2phy, logcnt, *, top_k, mesh, axis, batch_axes):
+def _check_apply(x, router_w, router_bias, experts, log2phy, logcnt, *, router, mesh, axis):
     num_ranks = mesh.shape[axis]
-    num_devices = num_ranks * _size(mesh, batch_axes)
-    if x.ndim != 2 or x.shape[0] % num_devices:
-        raise ValueError(
-            f"x must have shape [T, D] with T divisible by the EP size {num_ranks} times the batch axes' size "
-            f"{num_devices // num_ranks}, got {x.shape}"
-        )
+    if x.ndim != 2:
+        raise ValueError(f"x must have shape [T, D], got {x.shape}")
     if router_w.ndim != 2 or router_w.shape[0] != x.shape[1]:
         raise ValueError(f"router_w must have shape [D={x.shape[1]}, E], got {router_w.shape}")
     num_logical = router_w.shape[1]
     if router_bias.shape != (num_logical,):
         raise ValueError(f"router_bias must have shape [E]=({num_logical},), got {router_bias.shape}")
-    if not 1 <= top_k <= num_logical:
-        raise ValueError(f"top_k={top_k} must be in [1, E={num_logical}]")
+    router.check_experts(num_logical)
     leaves = jax.tree.leaves(experts)
     if not leaves or len({leaf.shape[0] for leaf in leaves}) != 1:
         raise ValueError("experts must be a non-empty pytree whose leaves share a leading [P] slot axis")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from moe_eplb_jax import quant
 from moe_eplb_jax.moe import dispatch as _dispatch
 from moe_eplb_jax.moe import grouped_matmul as _gmm
 from moe_eplb_jax.routing import waterfill_assign
@@ -78,8 +79,6 @@ def expert_mlp(
       ``[N, D]`` in ``x.dtype``; padding rows hold unspecified values.
     """
     if "gate" in experts:
-        from moe_eplb_jax import quant
-
         # Each slot sees its own rows and zeros elsewhere: zero rows add nothing to the dynamic activation
         # scales (max|x|), which then cover exactly the real rows, whatever the placement.
         mine = _gmm.slot_of_row(group_sizes, x.shape[0])[None, :] == jnp.arange(group_sizes.shape[0])[:, None]
@@ -140,7 +139,7 @@ def waterfill_shared_mlp(
       num_ranks: ``G``; ``routed_cost``: a routed row's cost in shared rows (hidden widths' ratio).
       implementation: the grouped matmul of the received rows (``"pallas"``: cost follows them;
         ``"dense"`` computes the worst-case buffer, ``G * T`` rows).
-      capacity: exchange rows per rank pair and round (see ``sharding.dispatch``).
+      capacity: exchange rows per rank pair and round (see ``moe.dispatch``).
 
     The EP group's valid tokens are poured over the ranks above the routed
     load (``routing.waterfill_assign``, every rank a candidate, own rank

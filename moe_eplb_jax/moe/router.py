@@ -5,24 +5,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["ROUTER_SCORINGS", "route"]
+from moe_eplb_jax.moe.config import RouterConfig
 
-ROUTER_SCORINGS = ("softmax", "sigmoid")
+__all__ = ["route"]
 
 
-def route(
-    x,
-    router_w,
-    *,
-    top_k: int,
-    num_groups: int = 1,
-    topk_groups: int | None = None,
-    bias=None,
-    scoring: str = "softmax",
-    renormalize: bool = True,
-    routed_scaling_factor: float = 1.0,
-):
-    """Top-k routing in the two styles of released MoE models.
+def route(x, router_w, config: RouterConfig, *, bias=None):
+    """Top-k routing in the two styles of released MoE models, as ``config`` says.
 
     ``scoring="softmax"`` (Qwen3-MoE; group-limited as DeepSeek-V2): scores
     are ``softmax(logits + bias)``; a group's score is its best expert's.
@@ -34,21 +23,14 @@ def route(
     Args:
       x: ``[T, D]`` tokens.
       router_w: ``[D, E]`` router weights.
-      top_k: experts per token.
-      num_groups: expert groups (``E`` divisible by it); with ``topk_groups``
-        set, a token picks its experts only from its ``topk_groups`` groups
-        with the highest group score.
+      config: ``top_k``, the groups, the scoring and the weights' scaling
+        (``RouterConfig``; ``E`` divisible by ``num_groups``: ``config.check_experts(E)``).
       bias: optional ``[E]`` router bias (see ``scoring``).
-      renormalize: divide the ``k`` weights by their sum (Qwen3's
-        ``norm_topk_prob``; DeepSeek-V3 sets it).
-      routed_scaling_factor: multiplies the weights after renormalisation
-        (DeepSeek-V3: 2.5).
 
     Returns:
       ``(ids [T, k] int32, weights [T, k] float32)``.
     """
-    if scoring not in ROUTER_SCORINGS:
-        raise ValueError(f"scoring must be one of {ROUTER_SCORINGS}, got {scoring!r}")
+    top_k, num_groups, topk_groups, scoring = config.top_k, config.num_groups, config.topk_groups, config.scoring
     num_experts = router_w.shape[1]
     logits = jnp.dot(x.astype(jnp.float32), router_w.astype(jnp.float32))
     bias = None if bias is None else bias.astype(jnp.float32)[None, :]
@@ -70,8 +52,8 @@ def route(
         choice = jnp.where(mask, choice, -jnp.inf)  # never picked
     _, ids = jax.lax.top_k(choice, top_k)
     weights = jnp.take_along_axis(scores, ids, axis=-1)
-    if renormalize:
+    if config.renormalize:
         weights = weights / (weights.sum(-1, keepdims=True) + jnp.float32(1e-20))
-    if routed_scaling_factor != 1.0:
-        weights = weights * jnp.float32(routed_scaling_factor)
+    if config.routed_scaling_factor != 1.0:
+        weights = weights * jnp.float32(config.routed_scaling_factor)
     return ids.astype(jnp.int32), weights

@@ -11,12 +11,20 @@ on quantized (or plain) weights; ``expert_mlp_reference`` is its oracle.
 from moe_eplb_jax.quant._api import FORMATS, QuantizedExperts, dequantize_experts, quantize_experts
 from moe_eplb_jax.quant._elements import E2M1_VALUES, pack_fp4, unpack_fp4
 from moe_eplb_jax.quant.fp8 import Fp8BlockExperts, Fp8Experts
-from moe_eplb_jax.quant.mlp import IMPLS, expert_mlp, expert_mlp_reference, quantize_mlp, share_weight_scale
+from moe_eplb_jax.quant.mlp import (
+    ACTIVATION_SCALINGS,
+    IMPLS,
+    expert_mlp,
+    expert_mlp_reference,
+    quantize_mlp,
+    share_weight_scale,
+)
 from moe_eplb_jax.quant.mx import Mxfp4Experts, Mxfp8Experts
 from moe_eplb_jax.quant.nvfp4 import Nvfp4Experts
 from moe_eplb_jax.quant.scales import activation_scale, ep_amax, quantize_activation_fp8, with_input_scale
 
 __all__ = [
+    "ACTIVATION_SCALINGS",
     "E2M1_VALUES",
     "FORMATS",
     "IMPLS",

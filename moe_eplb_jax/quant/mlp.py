@@ -53,9 +53,10 @@ from moe_eplb_jax.quant.mx import MX_BLOCK, Mxfp4Experts, Mxfp8Experts, quantize
 from moe_eplb_jax.quant.nvfp4 import NVFP4_BLOCK, Nvfp4Experts
 from moe_eplb_jax.quant.scales import activation_scale, quantize_activation_fp8
 
-__all__ = ["IMPLS", "expert_mlp", "expert_mlp_reference", "quantize_mlp", "share_weight_scale"]
+__all__ = ["ACTIVATION_SCALINGS", "IMPLS", "expert_mlp", "expert_mlp_reference", "quantize_mlp", "share_weight_scale"]
 
 IMPLS = ("reference", "auto", "dequant", "scaled_matmul")
+ACTIVATION_SCALINGS = ("static", "dynamic")
 _BATCHED = (((2,), (2,)), ((0,), (0,)))  # [E, T, K] x [E, N, K] -> [E, T, N]
 
 
@@ -127,7 +128,7 @@ def _check_mlp(x, gate, up, down, impl, activation_scaling, compute_dtype, fast_
         raise ValueError(f"expert_mlp: compute_dtype must be a float dtype (e.g. bfloat16), got {compute_dtype!r}")
     if impl not in IMPLS:
         raise ValueError(f"expert_mlp: unknown impl {impl!r}; choose one of {list(IMPLS)}")
-    if activation_scaling not in ("static", "dynamic"):
+    if activation_scaling not in ACTIVATION_SCALINGS:
         raise ValueError(f"expert_mlp: activation_scaling must be 'static' or 'dynamic', got {activation_scaling!r}")
     if not hasattr(x, "shape") or len(x.shape) != 3 or not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"expert_mlp: x must be a float [E, T, H] array, got {getattr(x, 'shape', type(x))}")
