@@ -132,7 +132,7 @@ def worker(name, root, sizes, results, reference):
     import jax
 
     import moe_eplb_jax
-    from moe_eplb_jax.routing._map_and_count import lookup_table, map_and_count
+    from moe_eplb_jax.routing import lookup_table, map_and_count
 
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     from _timing import device_seconds

@@ -37,6 +37,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
 
 __all__ = ["Config", "fill_layout", "search_pallas", "candidates", "IMPLEMENTATIONS"]
 
@@ -158,7 +159,7 @@ def _prepare_in_kernel(
     E) sort last with no load; padding ranks sort last and are never walked.
     Returns the search range: ``ceil(mean)`` and the largest home load.
     """
-    from jax.experimental.pallas import triton as plgpu
+    from jax.experimental.pallas import triton as plgpu  # here: Pallas' Triton backend may be missing
 
     def sync():
         if barrier:
@@ -219,6 +220,27 @@ def _prepare_in_kernel(
     return lowest, jnp.max(jnp.where(real_g, home, 0))
 
 
+def _write_demands(d_ref, base_ref, dload_ref, cand, row, program, *, num_entries, num_spare, chunk):
+    """Demands at every candidate and their running sums, chunk by chunk along the demand order, into each lane's
+    ``d_ref`` row (its spare columns hold the total) -> ``(j0, total)``: per lane, the entries whose running sum is
+    still 0, and the total demand."""
+    lanes = cand.shape[0]
+    total = jnp.zeros((lanes,), jnp.int32)
+    j0 = jnp.zeros((lanes,), jnp.int32)
+    for start in range(0, num_entries, chunk):
+        cols = start + jnp.arange(chunk, dtype=jnp.int32)
+        base = base_ref[program * num_entries + cols]
+        cap = dload_ref[program * num_entries + cols]
+        demand = jnp.clip(base[None, :] - cand[:, None], 0, cap[None, :])
+        ends = jnp.cumsum(demand, axis=1) + total[:, None]
+        d_ref[row[:, None] + cols[None, :]] = ends
+        j0 = j0 + jnp.sum((ends <= 0).astype(jnp.int32), axis=1)
+        total = jnp.max(ends, axis=1)  # running sums never decrease
+    for o in range(num_spare):
+        d_ref[row + num_entries + o] = total
+    return j0, total
+
+
 def _search_kernel(
     load_ref,
     cand_ref,
@@ -259,8 +281,7 @@ def _search_kernel(
     ``d_ref`` rows (one per candidate, ``entry_lanes + S`` wide) are written in
     chunks and then gathered by the walk: a block barrier separates the two.
     """
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as plgpu
+    from jax.experimental.pallas import triton as plgpu  # here: Pallas' Triton backend may be missing
 
     b, chunk_index = pl.program_id(0), pl.program_id(1)
     program = b * num_chunks + chunk_index  # this program's rows of the order refs
@@ -295,20 +316,9 @@ def _search_kernel(
     cand = steps
     for round_index in range(search_rounds):
         cand = candidates(lo, hi, steps, search_width)
-        # Demands at every candidate and their running sums, chunk by chunk along the demand order.
-        total = jnp.zeros((lanes,), jnp.int32)
-        j0 = jnp.zeros((lanes,), jnp.int32)
-        for start in range(0, num_entries, chunk):
-            cols = start + jnp.arange(chunk, dtype=jnp.int32)
-            base = base_ref[program * num_entries + cols]
-            cap = dload_ref[program * num_entries + cols]
-            demand = jnp.clip(base[None, :] - cand[:, None], 0, cap[None, :])
-            ends = jnp.cumsum(demand, axis=1) + total[:, None]
-            d_ref[row[:, None] + cols[None, :]] = ends
-            j0 = j0 + jnp.sum((ends <= 0).astype(jnp.int32), axis=1)
-            total = jnp.max(ends, axis=1)  # running sums never decrease
-        for o in range(num_spare):
-            d_ref[row + num_entries + o] = total
+        j0, total = _write_demands(
+            d_ref, base_ref, dload_ref, cand, row, program, num_entries=num_entries, num_spare=num_spare, chunk=chunk
+        )
         if barrier:
             plgpu.debug_barrier()
 
@@ -357,8 +367,7 @@ def _search_batched(
     Returns ``target [B]``, ``d_hi [B, E]``, ``s_lo [B, G]``, ``x_end [B]``,
     ``demand_expert [B, E]`` and ``rank_position [B, G]``.
     """
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as plgpu
+    from jax.experimental.pallas import triton as plgpu  # here: Pallas' Triton backend may be missing
 
     batch, num_experts = load.shape
     num_ranks = num_experts // num_home

@@ -25,6 +25,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import scipy.optimize
+import scipy.sparse
 
 from moe_eplb_jax._checks import check_int, check_real, is_concrete
 
@@ -147,9 +149,6 @@ def lp_shares(
 
 def lp_shares_reference(load, log2phy, logcnt, *, num_physical: int, num_ranks: int):
     """Exact optimum with HiGHS: ``(shares [E, S] float64, max_rank_load float)`` (host, numpy)."""
-    import scipy.optimize
-    import scipy.sparse
-
     num_physical, num_ranks = _check(load, log2phy, logcnt, num_physical, num_ranks)
     load = np.asarray(load, dtype=np.float64)
     log2phy, logcnt = np.asarray(log2phy), np.asarray(logcnt)

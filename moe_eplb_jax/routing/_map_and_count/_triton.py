@@ -267,7 +267,8 @@ def map_and_count_triton(
     else built here per call. ``config``: the kernels' tiling (default :meth:`.config.Config.default` by size).
     """
     num_tokens, top_k = topk_ids.shape
-    layout = _Layout(num_tokens * top_k, top_k, *log2phy.shape, num_physical)
+    num_logical, width = log2phy.shape
+    layout = _Layout(num_tokens * top_k, top_k, num_logical, width, num_physical)
     config = Config.default(mode, layout.num_flat) if config is None else config
     prepared_words, compact = _alias_layout(mode, lookup, layout)
     values = _raw_values(mode, quotas, shares, logcnt, layout, prepared_words)
