@@ -105,6 +105,7 @@ def oracle(ids, log2phy, logcnt, num_physical, num_valid, mode, replica_shares=N
     phys = np.full(ids.size, -1, np.int64)
     load = np.zeros(num_physical, np.int64)
     consumed = np.zeros(num_logical, np.int64)
+    alias_tables = {}  # lp: each expert's (prob, alias), built on first use
     for i, expert in enumerate(ids.reshape(-1)):
         token = i // top_k
         if not 0 <= expert < num_logical:
@@ -116,8 +117,9 @@ def oracle(ids, log2phy, logcnt, num_physical, num_valid, mode, replica_shares=N
             replica = token % count
         elif mode == "lp":
             live = min(count, width)
-            masses = share_masses(replica_shares[expert, :live], width)
-            prob, alias = sweep_alias_table(masses, 1 << 10)
+            if expert not in alias_tables:
+                alias_tables[expert] = sweep_alias_table(share_masses(replica_shares[expert, :live], width), 1 << 10)
+            prob, alias = alias_tables[expert]
             scaled = hashed * live // 2**16  # exact in Python ints
             bucket, fraction = scaled >> 16, (scaled & 0xFFFF) >> 6  # 10 bits: U = 2**10 units per bucket
             replica = bucket if fraction < prob[bucket] else alias[bucket]

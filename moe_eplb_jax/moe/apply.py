@@ -146,12 +146,7 @@ def moe_apply(
         raise ValueError(f"dispatch must be a DispatchConfig, got {type(dispatch).__name__}")
     batch_axes = dispatch.token_axes(mesh, axis)
     _check_apply(x, router_w, router_bias, experts, log2phy, logcnt, router=router, mesh=mesh, axis=axis)
-    num_devices = mesh.shape[axis] * axes_size(mesh, batch_axes)
-    if x.shape[0] % num_devices:
-        raise ValueError(
-            f"x must have shape [T, D] with T divisible by the EP size {mesh.shape[axis]} times the batch axes' "
-            f"size {num_devices // mesh.shape[axis]}, got {x.shape}"
-        )
+    _check_tokens(x, mesh, axis, batch_axes)
     valid = _check_valid(valid, x.shape[0])
     record = jnp.asarray(record)
     if record.shape != () or record.dtype != jnp.bool_:
@@ -353,6 +348,15 @@ def _check_valid(valid, num_tokens: int):
             f"valid must be a [T] = ({num_tokens},) bool mask, got shape {valid.shape} dtype {valid.dtype}"
         )
     return valid
+
+
+def _check_tokens(x, mesh, axis, batch_axes) -> None:
+    num_devices = mesh.shape[axis] * axes_size(mesh, batch_axes)
+    if x.shape[0] % num_devices:
+        raise ValueError(
+            f"x must have shape [T, D] with T divisible by the EP size {mesh.shape[axis]} times the batch axes' "
+            f"size {num_devices // mesh.shape[axis]}, got {x.shape}"
+        )
 
 
 def _check_apply(x, router_w, router_bias, experts, log2phy, logcnt, *, router, mesh, axis):

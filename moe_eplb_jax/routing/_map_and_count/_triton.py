@@ -1,7 +1,7 @@
 """The Pallas (Triton) implementation of ``map_and_count``: the map kernel and its wrapper (tiling: :mod:`.config`).
 
 ``map_and_count_triton(topk_ids [T, k], log2phy [E, S], logcnt [E], limits [2], ...)`` ->
-``(physical_ids [T, k], load [P])``, equal to :func:`._reference.map_and_count_reference`. A map program
+``(physical_ids [T, k], load [P])``, equal to :func:`.reference.map_and_count_reference`. A map program
 handles ``tile`` consecutive flat (token, k) entries in loop steps of ``sub``: it loads the ids, looks each
 replica up, stores the slot and counts the step's slots with ``tt.histogram``; at its end one relaxed integer
 atomic per bin adds its counts to the loads -- one pass over the ids, one kernel. Mode ``"lp"`` reads its alias
