@@ -7,7 +7,7 @@ Subpackages (one concern each):
   metrics    -- rank loads, balancedness, rank imbalance
   state      -- EplbConfig / EplbState: load window, trigger, rearrangement
   control    -- the control loop: atomic moves, the functional API, Orbax checkpoint items
-  moe        -- the token path: router, dispatch/combine, grouped matmuls, expert MLP, moe_apply
+  moe        -- the token path: its config objects, router, dispatch/combine, grouped matmuls, expert MLP, moe_apply
   transport  -- expert-weight moves: mesh helpers, move planning, uint8 packing, the executors
   quant      -- quantized expert formats and EP-consistent scales
   flax       -- Flax NNX MoE layer, protocol, discovery and controller adapter
