@@ -14,11 +14,11 @@ import optax
 import pytest
 from flax import nnx
 
+from moe_eplb_jax.config import EplbConfig
 from moe_eplb_jax.control import RearrangementError, moves
 from moe_eplb_jax.flax import EplbController, MoELayer
 from moe_eplb_jax.flax import controller as controller_module
 from moe_eplb_jax.placement import Placement
-from moe_eplb_jax.state import EplbConfig
 from moe_eplb_jax.transport import _executor as executor
 
 G, E, P, L, D = 4, 8, 12, 3, 16

@@ -10,11 +10,11 @@ import optax
 import pytest
 from flax import nnx
 
+from moe_eplb_jax.config import EplbConfig
 from moe_eplb_jax.control import Balancer, ExpertLayout, RearrangementError, moves
 from moe_eplb_jax.flax import EplbController, MoELayer
 from moe_eplb_jax.placement import Placement
 from moe_eplb_jax.sim.loadfile import read_load
-from moe_eplb_jax.state import EplbConfig
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import train_functional

@@ -10,10 +10,10 @@ import pytest
 from flax import nnx
 
 from moe_eplb_jax import cli
+from moe_eplb_jax.config import EplbConfig
 from moe_eplb_jax.flax import EplbController, MoELayer
 from moe_eplb_jax.placement import Placement
 from moe_eplb_jax.sim.loadfile import read_load
-from moe_eplb_jax.state import EplbConfig
 from moe_eplb_jax.transport import executor_trace_count
 
 G, E, P, L, D = 4, 8, 12, 3, 16

@@ -9,10 +9,10 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as PS
 
+from moe_eplb_jax.config import EplbConfig
 from moe_eplb_jax.flax import EplbController, MoELayer, find_moe_layers
 from moe_eplb_jax.models import MoECausalLM, preset, skew_routers, zipf_tokens
 from moe_eplb_jax.placement import Placement
-from moe_eplb_jax.state import EplbConfig
 
 G, E, P, L = 4, 8, 12, 2
 pytestmark = pytest.mark.devices(G)  # skipped on fewer devices, where MESH is None

@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as PS
 
+from moe_eplb_jax.config import EplbConfig
 from moe_eplb_jax.control import Balancer, ExpertLayout, RearrangementError, moves
 from moe_eplb_jax.flax import EplbController, MoELayer
 from moe_eplb_jax.flax import controller as controller_module
@@ -21,7 +22,6 @@ from moe_eplb_jax.placement import Placement
 from moe_eplb_jax.policy.online import home_layout
 from moe_eplb_jax.routing import ROUTING_MODES, equal_shares, routing_tables
 from moe_eplb_jax.sim import zipf_popularity
-from moe_eplb_jax.state import EplbConfig
 from moe_eplb_jax.transport import put_host
 
 G, E, P, L, K = 4, 8, 16, 2, 2  # 2 home experts and 2 spare slots per rank

@@ -44,12 +44,14 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from moe_eplb_jax.config import EplbConfig
 from moe_eplb_jax.control import checkpoint as _checkpoint
 from moe_eplb_jax.control.moves import Mover, Rearrangement, RearrangementError
 from moe_eplb_jax.control.window import LoadWindow, close_step, host_value
 from moe_eplb_jax.placement import Placement
+from moe_eplb_jax.policy import compute_placement
 from moe_eplb_jax.routing import equal_shares, stacked_routing_tables
-from moe_eplb_jax.state import EplbConfig, EplbState, compute_placement
+from moe_eplb_jax.state import EplbState
 from moe_eplb_jax.transport.mesh import put_host
 
 __all__ = [

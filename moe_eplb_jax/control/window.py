@@ -28,7 +28,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as PS
 
 from moe_eplb_jax import state as eplb_state
-from moe_eplb_jax.state import EplbConfig, EplbState
+from moe_eplb_jax.config import EplbConfig
+from moe_eplb_jax.state import EplbState
 
 __all__ = ["LoadWindow", "close_step", "host_value", "sum_rank_rows", "split_rank_rows"]
 

@@ -55,6 +55,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as PS
 
 from moe_eplb_jax import metrics
+from moe_eplb_jax.config import EplbConfig
 from moe_eplb_jax.control import (
     LoadWindow,
     Mover,
@@ -68,8 +69,9 @@ from moe_eplb_jax.control import (
 )
 from moe_eplb_jax.flax.discovery import MoELayerRef, find_moe_layers, variable_paths
 from moe_eplb_jax.placement import Placement
+from moe_eplb_jax.policy import compute_placement
 from moe_eplb_jax.routing import equal_shares, stacked_routing_tables
-from moe_eplb_jax.state import EplbConfig, EplbState, compute_placement
+from moe_eplb_jax.state import EplbState
 from moe_eplb_jax.transport.mesh import put_host
 
 __all__ = ["EplbController"]
