@@ -20,7 +20,7 @@ from moe_eplb_jax.control.functional import (
     rehearsal_load,
     rehearsal_targets,
 )
-from moe_eplb_jax.control.moves import ExpertStore, Mover, Rearrangement, RearrangementError, row_bytes
+from moe_eplb_jax.control.moves import ExpertStore, Mover, Rearrangement, RearrangementError
 from moe_eplb_jax.control.window import LoadWindow, close_step, host_value
 
 __all__ = [
@@ -39,5 +39,4 @@ __all__ = [
     "host_value",
     "rehearsal_load",
     "rehearsal_targets",
-    "row_bytes",
 ]

@@ -37,9 +37,9 @@ import numpy as np
 
 from moe_eplb_jax import metrics
 from moe_eplb_jax.placement import Placement
-from moe_eplb_jax.transport import TransportPlan, execute_plan, plan_rearrangement
+from moe_eplb_jax.transport import TransportPlan, execute_plan, plan_rearrangement, row_bytes
 
-__all__ = ["ExpertStore", "Mover", "Rearrangement", "RearrangementError", "row_bytes"]
+__all__ = ["ExpertStore", "Mover", "Rearrangement", "RearrangementError"]
 
 
 class RearrangementError(RuntimeError):
@@ -184,15 +184,6 @@ class Rearrangement:
             "move_seconds": self.seconds,
             "gb_per_s": rate,
         }
-
-
-def row_bytes(tree: Any) -> int:
-    """Bytes of one slot of a per-expert pytree (the sum over its ``[P, ...]`` leaves)."""
-    bits = 0
-    for leaf in jax.tree.leaves(tree):
-        if np.ndim(leaf) >= 1:
-            bits += int(np.prod(leaf.shape[1:])) * jax.dtypes.itemsize_bits(leaf.dtype)
-    return -(-bits // 8)
 
 
 class Mover:
