@@ -170,8 +170,10 @@ def end_step(state: EplbState, *, dummy=False) -> EplbState:
     ):
         raise ValueError(f"dummy must be True, False or a boolean scalar array, got {dummy!r}")
     dummy = jnp.asarray(dummy, jnp.bool_)
-    written = state.window.at[state.window_pos].set(state.pass_load)
-    window = jnp.where(dummy, state.window, written)
+    # The row at window_pos is rewritten either way (with itself on a dummy step): an update of one row, in
+    # place where the window is donated, never a select over the whole window.
+    row = jnp.where(dummy, state.window[state.window_pos], state.pass_load)
+    window = state.window.at[state.window_pos].set(row)
     advance = jnp.where(dummy, 0, 1).astype(jnp.int32)
     return dataclasses.replace(
         state,
