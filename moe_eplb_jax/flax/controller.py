@@ -191,11 +191,7 @@ class EplbController:
         fall under a placement that is changing; the window restarts when it
         completes).
         """
-        variables = self._store.load_variables()
-        loads = [v.get_value() for v in variables]
-        report = self._loop.close(self._run, loads)
-        for v, zeros in zip(variables, self._zero_loads):
-            v.set_value(zeros)
+        report = self._loop.close(self._run, self._store.take_loads(self._zero_loads))
         report = self._loop.advance(self._run, self._store, report, rebalance=self.rebalance)
         if report is not None:
             self.last_report = report

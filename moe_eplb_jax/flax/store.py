@@ -64,6 +64,23 @@ class ModuleStore:
         """Every layer's load variable, in layer order."""
         return [ref.module.eplb_load_variable() for ref in self.layers]
 
+    def take_loads(self, zeros: list[jax.Array]) -> list[jax.Array]:
+        """Every layer's load since the last call; each load variable is reset to its ``zeros`` (placed once).
+
+        A plain variable (no value hooks, not an array ref) is read and reset
+        through its raw value: the same effect without the per-call copy and
+        hook checks, which cost more than the window update they feed.
+        """
+        loads = []
+        for var, zero in zip(self.load_variables(), zeros):
+            if var.ref or var.has_metadata("on_get_value") or var.has_metadata("on_set_value"):
+                loads.append(var.get_value())
+                var.set_value(zero)
+            else:
+                loads.append(var.get_raw_value())
+                var.set_raw_value(zero)
+        return loads
+
     def zero_loads(self, mesh: jax.sharding.Mesh) -> list[jax.Array]:
         """Zeros for every layer's load variable, each with the layer's own sharding (so the model's jitted step
         sees one input sharding and never recompiles), placed once."""
