@@ -109,11 +109,11 @@ def main(argv=None):
     from flax import nnx
 
     from moe_eplb_jax import metrics
+    from moe_eplb_jax.config import EplbConfig
     from moe_eplb_jax.flax import EplbController
     from moe_eplb_jax.models import PRESETS, MoECausalLM, generate, zipf_router_bias, zipf_tokens
     from moe_eplb_jax.moe import DispatchConfig
     from moe_eplb_jax.placement import Placement
-    from moe_eplb_jax.state import EplbConfig
     from moe_eplb_jax.transport import put_host
 
     try:  # run as a script: benchmarks/ is on sys.path

@@ -142,9 +142,10 @@ def main():
 
     from moe_eplb_jax import metrics, moe
     from moe_eplb_jax import state as eplb_state
+    from moe_eplb_jax.config import EplbConfig
     from moe_eplb_jax.placement import Placement
+    from moe_eplb_jax.policy import compute_placement
     from moe_eplb_jax.routing import mode_lookup, routing_mode, routing_tables
-    from moe_eplb_jax.state import EplbConfig
     from moe_eplb_jax.transport import put_host
 
     try:  # run as a script: benchmarks/ is on sys.path
@@ -254,7 +255,7 @@ def main():
             if name == "online" and not online_ok:
                 continue
             config = EplbConfig(num_redundant_experts=P - E, num_gpus=ranks, policy=policy)
-            placements[name] = eplb_state.compute_placement(load[None], config)
+            placements[name] = compute_placement(load[None], config)
         batches[skew] = (one_hot_tokens(ids), load, placements)
 
     rows = []

@@ -54,10 +54,10 @@ def main(argv=None):
     from flax import nnx
 
     from moe_eplb_jax import policy
+    from moe_eplb_jax.config import EplbConfig
     from moe_eplb_jax.flax import EplbController, MoELayer
     from moe_eplb_jax.moe import DispatchConfig
     from moe_eplb_jax.placement import build_log2phy
-    from moe_eplb_jax.state import EplbConfig
     from moe_eplb_jax.transport import ep_mesh, put_host
 
     gpu = jax.default_backend() == "gpu"

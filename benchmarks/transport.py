@@ -350,7 +350,7 @@ def main():
     initial = initial_placement(rng, args.layers, args.experts, args.slots)
     experts = make_experts(mesh, args.layers, args.slots, args.hidden, args.inter, args.seed)
     jax.block_until_ready(experts)
-    row = eps.row_bytes(experts, eps.plan_rearrangement(initial, initial, num_ranks), mesh=mesh)
+    row = eps.row_bytes(experts, layered=True)
     print(f"row {row} B/slot, experts {args.layers * args.slots // num_ranks * row / 2**30:.2f} GiB per rank")
     ctx = dict(mesh=mesh, row=row, rng=rng, experts=experts, phy2log=initial)
     results = []

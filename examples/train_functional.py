@@ -6,8 +6,9 @@
     python examples/train_functional.py --devices 0 --ranks 8             # real GPUs
 
 The jitted train step records each layer's load into the ``BalanceState``
-(``Balancer.record_step``); outside it the loop asks ``is_due`` and
-rearranges -- the expert weights and their Adam moments move together,
+(``Balancer.record_step``); outside it the loop ticks a ``Schedule`` (the
+step counters on the host, so asking whether a rearrangement is due reads
+no device) and rearranges -- the expert weights and their Adam moments move together,
 atomically. ``--eplb-config`` takes JSON (a file or the object itself) with
 vLLM's field names (``window_size``, ``step_interval``,
 ``num_redundant_experts``, ``log_balancedness``, ``use_async``, ``policy``)
@@ -107,6 +108,7 @@ def train(args, rt, *, log=print):
     balancer = Balancer(config, mesh, ExpertLayout.match(params, EXPERT_PATTERN))
     balance = balancer.init(params)
     balancer.warmup(params, opt_state, balance)  # compiles the mover now: no rearrangement compiles mid-run
+    schedule = balancer.schedule(balance)  # the step counters on the host: "due?" reads no device
 
     @jax.jit
     def train_step(params, opt_state, balance, tokens, moving):
@@ -122,18 +124,20 @@ def train(args, rt, *, log=print):
     for step in range(args.steps):
         tokens = rt.global_batch(synthetic_batch(rng, args.batch, args.seq + 1, 64))
         params, opt_state, balance, loss = train_step(params, opt_state, balance, tokens, jnp.bool_(move is not None))
+        schedule.tick()
         losses.append(float(loss))
         if config.log_interval and (step + 1) % config.log_interval == 0:
             ranks = metrics.rank_load(balancer.window_slot_load(balance), rt.ranks)
             log(f"step {step + 1}: loss {losses[-1]:.3f}, window balancedness {metrics.balancedness(ranks):.3f}")
         report = None
         # One EP rank holds every expert: no placement changes its load, so nothing is rearranged.
-        if move is None and rt.ranks > 1 and balancer.is_due(balance):
+        if move is None and rt.ranks > 1 and schedule.due:
             move = balancer.decide(balance)  # the window's loads -> the policy's placement (host, ~ms)
         if move is not None:  # all layers now, or one layer / byte budget per step with config.overlap
             params, opt_state, balance, move, report = balancer.advance(params, opt_state, balance, move)
             if report is not None:
                 move = None
+                schedule.rearranged()
                 reports.append((step + 1, report))
                 log(
                     f"step {step + 1}: rearranged, balancedness {report['balancedness_before']:.3f} -> "

@@ -5,7 +5,8 @@ Subpackages (one concern each):
   policy     -- placement (L1) policies and their registry ("deepseek", ...)
   routing    -- replica (L2) routing: modes, tables, quota planning, the fused map_and_count kernels
   metrics    -- rank loads, balancedness, rank imbalance
-  state      -- EplbConfig / EplbState: load window, trigger, rearrangement
+  config     -- EplbConfig: the static EPLB configuration (vLLM's JSON names too)
+  state      -- EplbState: the load window, its pure updates, the trigger
   control    -- the control loop: atomic moves, the functional API, Orbax checkpoint items
   moe        -- the token path: its config objects, router, dispatch/combine, grouped matmuls, expert MLP, moe_apply
   transport  -- expert-weight moves: mesh helpers, move planning, uint8 packing, the executors
@@ -14,9 +15,10 @@ Subpackages (one concern each):
 """
 
 from moe_eplb_jax import metrics
+from moe_eplb_jax.config import EplbConfig
 from moe_eplb_jax.metrics import balancedness, rank_imbalance, rank_load, rank_load_from_logical
 from moe_eplb_jax.placement import Placement
-from moe_eplb_jax.state import EplbConfig, EplbState
+from moe_eplb_jax.state import EplbState
 
 __version__ = "0.1.0"
 

@@ -17,8 +17,8 @@ from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as PS  # noqa: E402
 
+from moe_eplb_jax.config import EplbConfig  # noqa: E402
 from moe_eplb_jax.flax import EplbController, MoELayer  # noqa: E402
-from moe_eplb_jax.state import EplbConfig  # noqa: E402
 
 E, P, D, H = 8, 12, 16, 8
 mesh = jax.make_mesh((4,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))

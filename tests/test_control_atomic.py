@@ -14,11 +14,11 @@ import optax
 import pytest
 from flax import nnx
 
+from moe_eplb_jax.config import EplbConfig
 from moe_eplb_jax.control import RearrangementError, moves
+from moe_eplb_jax.control import loop as loop_module
 from moe_eplb_jax.flax import EplbController, MoELayer
-from moe_eplb_jax.flax import controller as controller_module
 from moe_eplb_jax.placement import Placement
-from moe_eplb_jax.state import EplbConfig
 from moe_eplb_jax.transport import _executor as executor
 
 G, E, P, L, D = 4, 8, 12, 3, 16
@@ -181,7 +181,7 @@ def test_failure_in_any_phase_at_any_layer_rolls_back(monkeypatch, phase, layer,
     linear = ctl.placement
     target = scrambled(linear, seed=10)
     assert all(not np.array_equal(a, b) for a, b in zip(linear.phy2log, target.phy2log))
-    monkeypatch.setattr(controller_module, "compute_placement", lambda *a, **k: target)
+    monkeypatch.setattr(loop_module, "compute_placement", lambda *a, **k: target)
     x = inputs()
     before = snapshot(model, optimizer, ctl, x)
     assert before["window"].sum() > 0 and before["num_rearrangements"] == 0
@@ -230,3 +230,55 @@ def test_one_layer_move_rolls_back(monkeypatch):
     summary = ctl.apply_placement(target)
     assert summary["layers_moved"] == 1 and ctl.placement == target
     assert np.array_equal(np.asarray(forward(model, x, jnp.bool_(False))), before["out"])
+
+
+class FailingWrites:
+    """Counts ``nnx.Variable.set_value`` calls; the ``fail_at``-th raises ``kind`` instead of writing."""
+
+    def __init__(self, monkeypatch):
+        self.calls, self.fail_at, self.kind = 0, None, RuntimeError
+        real = nnx.Variable.set_value
+
+        def set_value(var, *args, **kwargs):
+            self.calls += 1
+            if self.calls == self.fail_at:
+                raise self.kind(f"injected failure of write {self.calls}")
+            return real(var, *args, **kwargs)
+
+        monkeypatch.setattr(nnx.Variable, "set_value", set_value)
+
+    def arm(self, index: int, kind) -> None:
+        self.calls, self.fail_at, self.kind = 0, index, kind
+
+
+@pytest.mark.parametrize("sweep", [pytest.param(False), pytest.param(True, marks=pytest.mark.slow)])
+def test_a_write_that_stops_partway_is_rolled_back(monkeypatch, sweep):
+    """Every variable write of a rearrangement fails in turn -- an error or Ctrl-C, in the middle of a layer's
+    experts, moments or tables: every layer's bytes and tables are the old ones, as the error says."""
+    target = scrambled(Placement.linear(L, E, P), seed=12)
+    monkeypatch.setattr(loop_module, "compute_placement", lambda *a, **k: target)
+    writes = FailingWrites(monkeypatch)
+    twin, twin_optimizer = trained(seed=0)  # counts the writes of the move that goes through
+    twin_ctl = EplbController(twin, MESH, CONFIG, optimizer=twin_optimizer)
+    writes.arm(0, RuntimeError)
+    twin_ctl.rearrange()
+    count, per_layer = writes.calls, writes.calls // L
+    assert twin_ctl.placement == target and count == L * per_layer == L * (6 + 5)  # w_in, w_out, 4 moments; 5 tables
+
+    model, optimizer = trained(seed=0)
+    ctl = EplbController(model, MESH, CONFIG, optimizer=optimizer)
+    x = inputs()
+    before = snapshot(model, optimizer, ctl, x)
+    # Fast lane: Ctrl-C once the second layer's w_in is written (its w_out and moments still old: the six writes
+    # of each layer's pytree come first, then the tables), and an error in the last layer's tables.
+    cases = [(i, kind) for i in range(1, count + 1) for kind in (RuntimeError, KeyboardInterrupt)]
+    cases = cases if sweep else [(6 + 2, KeyboardInterrupt), (count - 2, RuntimeError)]
+    for index, kind in cases:
+        writes.arm(index, kind)
+        with pytest.raises(RearrangementError, match="rolled back; every layer is on its old placement") as failure:
+            ctl.rearrange()
+        assert isinstance(failure.value.__cause__, kind), (index, kind)
+        writes.arm(0, RuntimeError)
+        assert_same(before, snapshot(model, optimizer, ctl, x))
+    report = ctl.rearrange()  # and then the move goes through
+    assert report["layers_moved"] == L and ctl.placement == target

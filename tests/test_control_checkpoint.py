@@ -13,10 +13,10 @@ import pytest
 from _processes import free_port, run_workers
 from flax import nnx
 
+from moe_eplb_jax.config import EplbConfig
 from moe_eplb_jax.control import checkpoint
 from moe_eplb_jax.flax import EplbController, MoELayer
 from moe_eplb_jax.placement import Placement
-from moe_eplb_jax.state import EplbConfig
 
 G, E, P, L, D = 4, 8, 12, 2, 16
 W = 4

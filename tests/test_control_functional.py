@@ -11,11 +11,11 @@ from _functional_lm import EXPERT_PATTERN, init_params, loss_and_loads, rms_norm
 from _runtime import Runtime
 from flax import nnx
 
-from moe_eplb_jax.control import Balancer, ExpertLayout, RearrangementError, moves
+from moe_eplb_jax.config import EplbConfig
+from moe_eplb_jax.control import Balancer, ExpertLayout, PytreeStore, RearrangementError, moves
 from moe_eplb_jax.flax import EplbController, MoELayer
 from moe_eplb_jax.placement import Placement
 from moe_eplb_jax.sim.loadfile import read_load
-from moe_eplb_jax.state import EplbConfig
 
 DIM, EXPERTS, REDUNDANT, LAYERS = 16, 8, 8, 2
 
@@ -240,3 +240,28 @@ def test_functional_overlap_moves_a_layer_per_call_and_stays_consistent():
         if report is not None:
             break
     assert calls == LAYERS and balance.tables.placement() == move.new and report["rearranged"]
+
+
+@pytest.mark.parametrize("kind", [RuntimeError, KeyboardInterrupt])
+def test_a_functional_write_that_stops_partway_returns_the_old_pytrees(monkeypatch, kind):
+    """The second layer's write stops after its first leaf: the restored pytrees are the old ones, every leaf."""
+    params, opt_state, balancer = small(MESH)
+    balance = record(balancer, params, balancer.init(params))
+    host = lambda tree: [np.asarray(x) for x in jax.tree.leaves(tree)]
+    before = host((params, opt_state, balance))
+    real, calls = PytreeStore.write, []
+
+    def half_write(store, layer, tree):
+        calls.append(layer)
+        if len(calls) == 2:
+            store.params[store.positions[layer][0][0]] = tree["params"][0]
+            raise kind("injected: the write stopped after one leaf")
+        return real(store, layer, tree)
+
+    monkeypatch.setattr(PytreeStore, "write", half_write)
+    current = balance.tables.placement()
+    target = Placement.from_phy2log(np.stack([np.roll(r, 3) for r in current.phy2log]), EXPERTS)
+    with pytest.raises(RearrangementError) as failure:
+        balancer.rearrange(params, opt_state, balance, placement=target)
+    assert isinstance(failure.value.__cause__, kind)
+    assert all(np.array_equal(a, b) for a, b in zip(host(failure.value.restored), before))

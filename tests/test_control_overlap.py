@@ -10,10 +10,10 @@ import pytest
 from flax import nnx
 
 from moe_eplb_jax import cli
+from moe_eplb_jax.config import EplbConfig
 from moe_eplb_jax.flax import EplbController, MoELayer
 from moe_eplb_jax.placement import Placement
 from moe_eplb_jax.sim.loadfile import read_load
-from moe_eplb_jax.state import EplbConfig
 from moe_eplb_jax.transport import executor_trace_count
 
 G, E, P, L, D = 4, 8, 12, 3, 16
@@ -150,7 +150,7 @@ def test_rearrange_finishes_an_overlapped_move_and_checkpoints_mid_move_stay_con
     for step in range(2):
         forward(model, batch(step))
         ctl.step()
-    assert ctl.rearranging and len(ctl._moving.moved) == 1
+    assert ctl.rearranging and len(ctl._run.moving.moved) == 1
     item = ctl.checkpoint_item()  # mid-move: the tables layers route with now, moved layers' window rows dropped
     assert np.array_equal(item["phy2log"], ctl.placement.phy2log)
     assert item["window"][:, 0].sum() == 0 and item["window"][:, 1:].sum() > 0

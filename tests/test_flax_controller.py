@@ -9,11 +9,11 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as PS
 
+from moe_eplb_jax.config import EplbConfig
 from moe_eplb_jax.flax import EplbController, MoELayer, find_moe_layers
 from moe_eplb_jax.models import MoECausalLM, preset, skew_routers, zipf_tokens
 from moe_eplb_jax.moe import DispatchConfig
 from moe_eplb_jax.placement import Placement
-from moe_eplb_jax.state import EplbConfig
 
 G, E, P, L = 4, 8, 12, 2
 pytestmark = pytest.mark.devices(G)  # skipped on fewer devices, where MESH is None
@@ -287,4 +287,7 @@ def test_deferred_load_sum_equals_per_step_psum(rng):
     # The per-step bookkeeping is local to each rank: no all-reduce in the controller's compiled step update.
     ctl = ctls["none"]
     loads = [models["none"].moe.expert_load.get_value()]
-    assert "all-reduce" not in ctl._window.close.lower(ctl.state, loads, np.bool_(False)).compile().as_text()
+    assert (
+        "all-reduce"
+        not in ctl._loop.window.close.lower(ctl.state, loads, ctl._loop.window.dummy(False)).compile().as_text()
+    )

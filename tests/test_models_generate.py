@@ -8,9 +8,9 @@ import pytest
 from _models import ep_mesh, tiny_model
 from flax import nnx
 
+from moe_eplb_jax.config import EplbConfig
 from moe_eplb_jax.flax import EplbController
 from moe_eplb_jax.models import Sampling, generate, left_pad, load_checkpoint, preset, sample
-from moe_eplb_jax.state import EplbConfig
 
 G, R = 4, 4
 pytestmark = pytest.mark.devices(G)  # skipped on fewer devices, where MESH is None

@@ -13,16 +13,16 @@ from _models import ep_mesh, identity_router
 from flax import nnx
 from jax.sharding import PartitionSpec as PS
 
+from moe_eplb_jax.config import EplbConfig
 from moe_eplb_jax.control import Balancer, ExpertLayout, RearrangementError, moves
+from moe_eplb_jax.control import loop as loop_module
 from moe_eplb_jax.flax import EplbController, MoELayer
-from moe_eplb_jax.flax import controller as controller_module
 from moe_eplb_jax.moe import RouterConfig, moe_apply
 from moe_eplb_jax.moe import apply as apply_mod
 from moe_eplb_jax.placement import Placement
 from moe_eplb_jax.policy.online import home_layout
 from moe_eplb_jax.routing import ROUTING_MODES, equal_shares, routing_tables
 from moe_eplb_jax.sim import zipf_popularity
-from moe_eplb_jax.state import EplbConfig
 from moe_eplb_jax.transport import put_host
 
 G, E, P, L, K = 4, 8, 16, 2, 2  # 2 home experts and 2 spare slots per rank
@@ -242,7 +242,7 @@ def test_lp_rollback_restores_the_old_shares(monkeypatch, overlap):
     assert not np.array_equal(old_shares, equal_shares(old_placement.logcnt, S))
     rng = np.random.default_rng(4)
     target = Placement.from_phy2log(np.stack([rng.permutation(r) for r in old_placement.phy2log]), E, num_ranks=G)
-    monkeypatch.setattr(controller_module, "compute_placement", lambda *a, **k: target)
+    monkeypatch.setattr(loop_module, "compute_placement", lambda *a, **k: target)
     real, armed = MoELayer.eplb_set_placement, [True]
 
     def switch(layer, *args, **kwargs):

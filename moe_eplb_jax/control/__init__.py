@@ -1,43 +1,51 @@
 """The EPLB control loop: record loads, decide a placement, move the experts atomically, checkpoint.
 
+* ``ControlLoop`` -- the loop, written once (``loop``): record -> due -> decide
+  -> move -> commit, warmup, load files and checkpoint items; ``Schedule`` its
+  host counters. Two adapters run it: the NNX ``EplbController``
+  (``moe_eplb_jax.flax``) and ``Balancer``;
 * ``Balancer`` -- the functional API over plain pytrees (params, optax state,
   ``BalanceState``): ``record_step`` inside the jitted step, ``rearrange`` /
-  ``decide`` + ``advance`` outside it (``functional``);
+  ``decide`` + ``advance`` outside it (``functional``, ``pytrees``);
 * ``Rearrangement``, ``Mover``, ``ExpertStore``, ``RearrangementError`` --
   layer-by-layer moves that complete or roll back, with one layer's memory
-  (``moves``); the NNX ``EplbController`` runs them on its model's variables;
+  (``moves``);
 * ``LoadWindow`` -- the per-rank load window on the mesh (``window``);
 * ``checkpoint`` -- the EPLB state as a validated Orbax item.
 """
 
 from moe_eplb_jax.control import checkpoint
-from moe_eplb_jax.control.functional import (
-    Balancer,
-    BalanceState,
-    ExpertLayout,
-    RouteTables,
+from moe_eplb_jax.control.functional import Balancer
+from moe_eplb_jax.control.loop import (
+    ControlLoop,
+    Run,
+    Schedule,
     check_slot_leaf,
     rehearsal_load,
     rehearsal_targets,
 )
-from moe_eplb_jax.control.moves import ExpertStore, Mover, Rearrangement, RearrangementError, row_bytes
+from moe_eplb_jax.control.moves import ExpertStore, Mover, Rearrangement, RearrangementError
+from moe_eplb_jax.control.pytrees import BalanceState, ExpertLayout, PytreeStore, RouteTables
 from moe_eplb_jax.control.window import LoadWindow, close_step, host_value
 
 __all__ = [
     "BalanceState",
     "Balancer",
+    "ControlLoop",
     "ExpertLayout",
     "ExpertStore",
     "LoadWindow",
     "Mover",
+    "PytreeStore",
     "Rearrangement",
     "RearrangementError",
     "RouteTables",
+    "Run",
+    "Schedule",
     "check_slot_leaf",
     "checkpoint",
     "close_step",
     "host_value",
     "rehearsal_load",
     "rehearsal_targets",
-    "row_bytes",
 ]

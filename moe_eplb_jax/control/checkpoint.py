@@ -45,9 +45,10 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from moe_eplb_jax.config import EplbConfig
 from moe_eplb_jax.placement import Placement
 from moe_eplb_jax.routing import equal_shares
-from moe_eplb_jax.state import EplbConfig, EplbState
+from moe_eplb_jax.state import EplbState
 
 __all__ = ["ITEM_VERSION", "STATE_FIELDS", "Snapshot", "from_item", "to_item"]
 

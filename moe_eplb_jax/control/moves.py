@@ -12,8 +12,9 @@ a layer is handed its tables -- in phases, layer by layer:
 4. switch: the layer gets its new tables (``ExpertStore.switch``) -- right after its bytes, or after every
    layer of the call (``defer_switch``), never before its bytes have arrived.
 
-A failure in any phase at any layer rolls the whole rearrangement back: every layer moved so far (in this
-call or an earlier one) moves back by the inverse plan and gets its old tables again, then
+A failure in any phase at any layer rolls the whole rearrangement back: a layer whose write stopped partway
+(some variables new, some old) gets its old pytree written back whole, every layer moved so far (in this call
+or an earlier one) moves back by the inverse plan, and all of them get their old tables again, then
 :class:`RearrangementError` is raised with the failure as its cause. The rollback is exact because the
 replicas of an expert hold identical bytes -- the invariant the forward move relies on too.
 
@@ -37,9 +38,9 @@ import numpy as np
 
 from moe_eplb_jax import metrics
 from moe_eplb_jax.placement import Placement
-from moe_eplb_jax.transport import TransportPlan, execute_plan, plan_rearrangement
+from moe_eplb_jax.transport import TransportPlan, execute_plan, plan_rearrangement, row_bytes
 
-__all__ = ["ExpertStore", "Mover", "Rearrangement", "RearrangementError", "row_bytes"]
+__all__ = ["ExpertStore", "Mover", "Rearrangement", "RearrangementError"]
 
 
 class RearrangementError(RuntimeError):
@@ -186,15 +187,6 @@ class Rearrangement:
         }
 
 
-def row_bytes(tree: Any) -> int:
-    """Bytes of one slot of a per-expert pytree (the sum over its ``[P, ...]`` leaves)."""
-    bits = 0
-    for leaf in jax.tree.leaves(tree):
-        if np.ndim(leaf) >= 1:
-            bits += int(np.prod(leaf.shape[1:])) * jax.dtypes.itemsize_bits(leaf.dtype)
-    return -(-bits // 8)
-
-
 class Mover:
     """Runs a rearrangement's layer moves atomically on ``mesh`` (see the module docstring).
 
@@ -247,7 +239,7 @@ class Mover:
         stray = sorted(set(layers) - set(rearrangement.pending))
         if stray:
             raise ValueError(f"layers {stray} are not pending in this rearrangement (pending: {rearrangement.pending})")
-        start, spent, written, layer = time.perf_counter(), 0, [], None
+        start, spent, written, layer, writing = time.perf_counter(), 0, [], None, None
         try:
             for layer in layers:
                 plan = self.plan(rearrangement.old.phy2log[layer], rearrangement.new.phy2log[layer])
@@ -257,14 +249,19 @@ class Mover:
                     if budget is not None and written and spent + cost > budget:
                         break
                     spent += cost
-                    store.write(layer, self.transfer(tree, plan))
+                    moved = self.transfer(tree, plan)
+                    writing = (layer, tree)  # a write that stops partway leaves the layer half new: write it back
+                    store.write(layer, moved)
                 written.append(layer)
+                writing = None
                 if not defer_switch:
                     store.switch(layer, rearrangement.new, rearrangement.new_tables)
             if defer_switch:
                 for layer in written:
                     store.switch(layer, rearrangement.new, rearrangement.new_tables)
         except BaseException as error:
+            if writing is not None and writing[0] not in written:
+                self.restore(store, *writing, error)
             self.roll_back(store, rearrangement, [*rearrangement.moved, *written], error)
             raise RearrangementError(
                 f"EPLB rearrangement failed at layer {layer} and was rolled back; every layer is on its old "
@@ -277,6 +274,13 @@ class Mover:
             bytes_moved=rearrangement.bytes_moved + spent,
         )
 
+    def restore(self, store: ExpertStore, layer: int, tree: Any, cause=None) -> None:
+        """Writes ``tree``, the layer's pytree before a write that stopped partway, back whole."""
+        try:
+            store.write(layer, tree)
+        except BaseException as error:
+            raise _rollback_failed(error, cause) from error
+
     def roll_back(self, store: ExpertStore, rearrangement: Rearrangement, layers: Sequence[int], cause=None) -> None:
         """Moves ``layers`` back from ``new`` to ``old`` and hands every one its old tables again."""
         try:
@@ -287,11 +291,7 @@ class Mover:
             for layer in layers:
                 store.switch(layer, rearrangement.old, rearrangement.old_tables)
         except BaseException as error:
-            raise RuntimeError(
-                f"EPLB: rolling back a failed rearrangement failed too ({type(error).__name__}: {error}); the "
-                f"model's experts are inconsistent with its tables -- restore it from a checkpoint. The first "
-                f"failure was {type(cause).__name__}: {cause}"
-            ) from error
+            raise _rollback_failed(error, cause) from error
 
     def rehearse(self, store: ExpertStore, current: Placement, targets: Sequence[Placement]) -> dict[str, Any]:
         """Compiles the executors moves from ``current`` to ``targets`` need, moving nothing (``warmup``).
@@ -314,3 +314,11 @@ class Mover:
         for layer, target in moves:
             self.transfer(store.read(layer), self.plan(current.phy2log[layer], target.phy2log[layer]))
         return {"send_capacity": self.send_capacity, "moves": len(moves)}
+
+
+def _rollback_failed(error: BaseException, cause) -> RuntimeError:
+    return RuntimeError(
+        f"EPLB: rolling back a failed rearrangement failed too ({type(error).__name__}: {error}); the "
+        f"model's experts are inconsistent with its tables -- restore it from a checkpoint. The first "
+        f"failure was {type(cause).__name__}: {cause}"
+    )

@@ -28,7 +28,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as PS
 
 from moe_eplb_jax import state as eplb_state
-from moe_eplb_jax.state import EplbConfig, EplbState
+from moe_eplb_jax.config import EplbConfig
+from moe_eplb_jax.state import EplbState
+from moe_eplb_jax.transport.mesh import put_host
 
 __all__ = ["LoadWindow", "close_step", "host_value", "sum_rank_rows", "split_rank_rows"]
 
@@ -111,6 +113,7 @@ class LoadWindow:
         self.summed = jax.jit(sum_rank_rows, out_shardings=replicated)
         self.split = jax.jit(split_rank_rows, static_argnums=1, out_shardings=self.sharding)
         self.rows = jax.jit(_window_rows, out_shardings=replicated)
+        self._flags = {flag: put_host(np.bool_(flag), mesh) for flag in (False, True)}
 
     def logical_load(self, state: EplbState, phy2log, num_logical: int) -> np.ndarray:
         """``[L, E]`` host float64 logical loads of the window (every rank's rows summed)."""
@@ -125,10 +128,12 @@ class LoadWindow:
         onehot = np.asarray(phy2log)[:, :, None] == np.arange(int(num_logical))  # [L, P, E]
         return np.einsum("slp,lpe->sle", rows, onehot.astype(np.float64))
 
+    def dummy(self, flag: bool) -> jax.Array:
+        """``close``'s ``dummy`` argument as a replicated device scalar, placed once: no upload per step."""
+        return self._flags[bool(flag)]
+
     def put(self, summed: dict[str, np.ndarray]) -> EplbState:
         """Host ``EplbState`` fields in the summed layout (a checkpoint's) placed on the mesh, per-rank layout."""
-        from moe_eplb_jax.transport.mesh import put_host
-
         fields = {f.name: put_host(np.asarray(summed[f.name], np.int32), self.mesh) for f in _FIELDS}
         return self.split(EplbState(**fields), self.num_ranks)
 

@@ -9,12 +9,15 @@
   recommended default.
 
 Every policy takes ``old_phy2log`` to keep experts in their old slots.
-``DEFAULT_POLICY`` names the library's default (``"balanced"``).
+``DEFAULT_POLICY`` names the library's default (``"balanced"``);
+:func:`compute_placement` runs the policy an ``EplbConfig`` names and returns
+a validated ``Placement``.
 """
 
 from moe_eplb_jax.policy._preserve import moved_slots, preserve_slots
 from moe_eplb_jax.policy._registry import PlacementPolicy, available, get, register
 from moe_eplb_jax.policy.balanced import rebalance_balanced
+from moe_eplb_jax.policy.compute import compute_placement
 from moe_eplb_jax.policy.deepseek import rebalance_experts
 from moe_eplb_jax.policy.deepseek_reference import rebalance_experts_reference
 
@@ -30,6 +33,7 @@ __all__ = [
     "DEFAULT_POLICY",
     "PlacementPolicy",
     "available",
+    "compute_placement",
     "get",
     "moved_slots",
     "preserve_slots",

@@ -77,10 +77,23 @@ def rearrange_experts(
     return execute_plan(experts, plan, mesh=mesh, axis=axis, donate=donate)
 
 
-def row_bytes(experts: Any, plan: TransportPlan, *, mesh: Mesh, axis: str = "ep") -> int:
-    """Bytes of one packed slot row of ``experts`` (the sum over leaves of one slot's bytes)."""
-    _, layouts, _, _ = _check_leaves(experts, plan, mesh, axis)
-    return sum(layout.row_bytes for layout in layouts)
+def row_bytes(experts: Any, *, layered: bool = False) -> int:
+    """Bytes one slot holds in ``experts``: the sum over its leaves of one slot's row.
+
+    Leaves are ``[P, ...]`` (``layered``: ``[L, P, ...]``); 0-d leaves (an
+    optimizer's step count) hold nothing per slot. ``ValueError`` for a leaf
+    without the slot axes or of a dtype that cannot move as bytes.
+    """
+    lead = 2 if layered else 1
+    total = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(experts)[0]:
+        if np.ndim(leaf) == 0:
+            continue
+        name = "experts" + jax.tree_util.keystr(path)
+        if np.ndim(leaf) < lead:
+            raise ValueError(f"{name} has shape {np.shape(leaf)}; it needs {lead} leading slot axes")
+        total += leaf_layout(leaf.dtype, np.shape(leaf)[lead:], name=name).row_bytes
+    return total
 
 
 def execute_plan(experts: Any, plan: TransportPlan, *, mesh: Mesh, axis: str = "ep", donate: bool = True) -> Any:
