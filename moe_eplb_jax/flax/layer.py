@@ -79,7 +79,8 @@ class MoELayer(nnx.Module):
         docstring); ``eplb_set_routing`` switches it later.
       batch_axes: mesh axes sharding tokens besides ``axis`` (``None``: every
         other mesh axis); see ``moe_apply``.
-      matmul: grouped matmul implementation (``"dense"``, ``"pallas"``, ``"ragged_dot"``).
+      matmul: grouped matmul implementation, a name in ``moe.grouped_matmul.IMPLEMENTATIONS``
+        (``"auto"``: the GPU kernels with gradients on a GPU, the exact ``"dense"`` elsewhere).
       map_implementation: ``map_and_count`` implementation (None: its default).
       capacity_factor: exchange tokens in rounds of this factor times the
         balanced share (``None``: one worst-case exchange); see ``moe_apply``.
@@ -114,7 +115,7 @@ class MoELayer(nnx.Module):
         dtype: Any = jnp.float32,
         routing: str = "hash",
         batch_axes: tuple[str, ...] | None = None,
-        matmul: str = "dense",
+        matmul: str = "auto",
         map_implementation: str | None = None,
         capacity_factor: float | None = None,
         load_reduce: str = "none",

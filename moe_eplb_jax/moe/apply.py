@@ -31,7 +31,7 @@ Replica routing (``routing``, the L2 modes of ``moe_eplb_jax.routing``), and
 what each guarantees. Replicas hold the same bytes and every token's ``k``
 results are summed in router order, so in every mode a token's output is that
 of the plain expert MLP -- bit for bit under any placement and mode with a
-placement-invariant matmul (``"dense"``, ``"pallas"``); what a mode decides is
+placement-invariant matmul (``"dense"``, the Triton kernels); what a mode decides is
 only which replica computes it (the load):
 
 * ``"hash"``: replica ``h(t) mod c`` of the rank-local token index: stateless.
@@ -103,7 +103,7 @@ def moe_apply(
     renormalize: bool = True,
     routed_scaling_factor: float = 1.0,
     routing: str = "hash",
-    matmul: str = "dense",
+    matmul: str = "auto",
     map_implementation: str | None = None,
     quant_impl: str = "auto",
     activation_scaling: str = "dynamic",
