@@ -75,7 +75,9 @@ def test_values_and_gradients_match_float64(implementation, dtype, rng):
     assert _relative(y, _oracle(x, w, sizes)) < TOLERANCE[dtype]
     np.testing.assert_array_equal(y[live:], 0.0)  # padding rows come out zero
 
-    loss = lambda x, w: jnp.sum(gmm.grouped_matmul(x, w, sizes, implementation=implementation).astype(jnp.float32) * cot)
+    loss = lambda x, w: jnp.sum(
+        gmm.grouped_matmul(x, w, sizes, implementation=implementation).astype(jnp.float32) * cot
+    )
     dx, dw = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
     assert dx.dtype == x.dtype and dw.dtype == w.dtype and dw.shape == w.shape
     slot = np.repeat(np.arange(len(sizes)), sizes)
@@ -106,7 +108,9 @@ def test_nan_in_padding_rows_reaches_nothing(implementation, rng):
     cot[live:] = np.inf
 
     def run(x):
-        loss = lambda x, w: jnp.sum(gmm.grouped_matmul(x, w, sizes, implementation=implementation).astype(jnp.float32) * cot)
+        loss = lambda x, w: jnp.sum(
+            gmm.grouped_matmul(x, w, sizes, implementation=implementation).astype(jnp.float32) * cot
+        )
         y = gmm.grouped_matmul(x, w, sizes, implementation=implementation)
         return y, jax.grad(loss, argnums=(0, 1))(x, w)
 

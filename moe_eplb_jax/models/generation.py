@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import math
 import time
+import weakref
 from collections.abc import Callable, Sequence
 
 import jax
@@ -236,8 +237,21 @@ def generate(
 def _compiled(step, model: MoECausalLM, donate: tuple[str, ...]):
     """``step`` jitted with ``model`` bound: its variables are inputs, read afresh at every call (a rearrangement's
     weights and tables between steps), and only those the step changes (the expert loads) are outputs -- the
-    weights are never copied to outputs -- with ``donate`` given to the step (the KV cache is updated in place)."""
-    return nnx.jit_partial(step, model, static_argnames=("sampling",), donate_argnames=donate, graph=False)
+    weights are never copied to outputs -- with ``donate`` given to the step (the KV cache is updated in place).
+
+    One wrapper (one compilation) per model, step and set of variable objects: a model whose variables were
+    replaced (``quantize``) gets a new one.
+    """
+    leaves, structure = jax.tree.flatten(model, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    key = (step, structure, tuple(map(id, leaves)))
+    compiled = _COMPILED.setdefault(model, {})
+    if key not in compiled:
+        compiled[key] = nnx.jit_partial(step, model, static_argnames=("sampling",), donate_argnames=donate, graph=False)
+    return compiled[key]
+
+
+# The jitted steps of each live model (a cache, not a setting): built once, so generate never recompiles.
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _step_callback(on_step, n):

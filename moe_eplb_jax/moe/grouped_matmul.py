@@ -179,4 +179,3 @@ def get(name: str):
     if name not in IMPLEMENTATIONS:
         raise ValueError(f"unknown grouped matmul {name!r}; known: {available()}")
     return functools.partial(grouped_matmul, implementation=name)
-
