@@ -37,8 +37,8 @@ Every rearrangement (decision, moves, table switch) runs inside the timed loops,
 over the phase; the table gives the count and the seconds the moves reported. ``bal.`` is the balancedness
 measured on one held-out batch at the end of the phase (the placement the phase ended with). The MoE layers
 exchange tokens in rounds of ``--capacity-factor`` times the balanced share, so a rank holding more tokens
-costs more rounds for everyone; serving uses the ``pallas`` grouped matmul on GPU, whose cost follows the rows
-a rank received; training uses ``dense`` (``pallas`` has no gradient), whose per-round cost does not.
+costs more rounds for everyone; training and serving use the grouped matmul ``--matmul`` (default ``auto``: the
+GPU kernels with gradients on a GPU, ``dense`` on the CPU).
 With one EP rank (``--ranks 1``) balance is moot -- every expert is on the one rank -- so the EPLB rows record
 loads (and the quota row routes by quotas) but hold the placement; the run says so. ``--rows`` picks rows, to
 split a long run; ``--json PATH`` writes every figure.
@@ -68,7 +68,7 @@ def parse_args(argv=None):
     )
     p.add_argument("--skew", type=float, default=1.5, help="Zipf exponent of the expert popularity")
     p.add_argument("--capacity-factor", type=float, default=1.25, help="token exchange rounds (0: one worst case)")
-    p.add_argument("--serve-matmul", default=None, help="grouped matmul when serving (default: pallas on GPU)")
+    p.add_argument("--matmul", default=None, help="grouped matmul (default: auto, the GPU kernels on a GPU)")
     p.add_argument("--train-batch", type=int, default=16, help="sequences per training step")
     p.add_argument("--seq", type=int, default=512, help="tokens per training sequence")
     p.add_argument("--train-steps", type=int, default=24, help="timed training steps")
@@ -128,7 +128,6 @@ def main(argv=None):
     E, L, V = config.num_experts, config.num_moe_layers, config.vocab_size
     R = args.redundant if args.redundant is not None else max(ranks, E // 4 // ranks * ranks)
     P = E + R
-    serve_matmul = args.serve_matmul or ("pallas" if gpu else "dense")
     capacity = args.capacity_factor or None
     intervals = {  # steps (forward passes when serving) between rearrangements: two or three per phase
         "train": args.interval or max(4, args.train_steps * 2 // 3),
@@ -152,7 +151,7 @@ def main(argv=None):
     def build(row, phase):
         """(model, controller or None) of ``row`` for ``phase``: fresh weights from one seed, skew, placement."""
         routing = "quota" if row == "online quota" else "hash"
-        matmul = "dense" if phase == "train" else serve_matmul
+        matmul = args.matmul or "auto"
         model = MoECausalLM(
             config,
             mesh=mesh,

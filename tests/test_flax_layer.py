@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as PS
 
 from moe_eplb_jax.flax import MoELayer
-from moe_eplb_jax.moe import DispatchConfig, RouterConfig, grouped_matmul, moe_apply, route, tie_replicas
+from moe_eplb_jax.moe import DispatchConfig, RouterConfig, moe_apply, route, tie_replicas
 from moe_eplb_jax.moe import dispatch as disp
 from moe_eplb_jax.placement import Placement
 from moe_eplb_jax.routing import lookup_table
@@ -150,18 +150,6 @@ def test_tie_replicas_sums_gradients_over_replicas(rng):
     assert np.array_equal(np.asarray(grad)[0], np.asarray(grad)[3])
 
 
-def test_grouped_matmuls_agree(rng):
-    x = jnp.asarray(rng.standard_normal((40, D)).astype(np.float32))
-    w = jnp.asarray(rng.standard_normal((3, D, 24)).astype(np.float32))
-    sizes = jnp.asarray([7, 0, 21], jnp.int32)  # 12 padding rows at the end
-    ref = np.concatenate([np.asarray(x[:7] @ w[0]), np.asarray(x[7:28] @ w[2])])
-    for name in ("dense", "ragged_dot"):
-        out = np.asarray(grouped_matmul.get(name)(x, w, sizes))
-        np.testing.assert_allclose(out[:28], ref, rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="unknown grouped matmul"):
-        grouped_matmul.get("nope")
-
-
 @pytest.mark.parametrize(
     "router, layer, dispatch, match",
     [
@@ -192,25 +180,6 @@ def test_layer_rejects_tokens_not_divisible_by_ep(rng):
         model(jnp.asarray(rng.standard_normal((G + 1, D)).astype(np.float32)))
     with pytest.raises(ValueError, match="placement table must have shape"):
         model.eplb_set_placement(np.arange(P + 1), np.zeros((E, P - E + 1)), np.ones(E))
-
-
-def test_pallas_grouped_matmul_in_interpret_mode(rng):
-    """The Triton grouped matmul (run by the interpreter on CPU) against plain products, straddling tiles."""
-    from moe_eplb_jax.moe import _gmm_pallas
-
-    x = jnp.asarray(rng.standard_normal((150, 32)).astype(np.float32))
-    w = jnp.asarray(rng.standard_normal((4, 32, 64)).astype(np.float32))
-    sizes = np.array([10, 0, 70, 45], np.int32)  # 25 padding rows; groups straddle 64-row tiles
-    config = _gmm_pallas.Config(block_k=16, block_cols=32)
-    out = np.asarray(_gmm_pallas.grouped_matmul(x, w, jnp.asarray(sizes), config=config, interpret=True))
-    start = 0
-    for s, n in enumerate(sizes):
-        np.testing.assert_allclose(
-            out[start : start + n], np.asarray(x[start : start + n] @ w[s]), rtol=1e-5, atol=1e-5
-        )
-        start += n
-    with pytest.raises(ValueError, match="multiples"):
-        _gmm_pallas.grouped_matmul(x[:, :24], w[:, :24], jnp.asarray(sizes), interpret=True)
 
 
 def test_pallas_path_is_placement_invariant(rng):

@@ -83,8 +83,8 @@ def test_grouped_matmul_falls_back_to_dense(fresh, monkeypatch, missing, rng):
 
         monkeypatch.setitem(sys.modules, "jax.experimental.pallas.triton", None)
         monkeypatch.delattr(pallas, "triton", raising=False)
-        monkeypatch.delitem(sys.modules, "moe_eplb_jax.moe._gmm_pallas", raising=False)
-        monkeypatch.delattr(sys.modules["moe_eplb_jax.moe"], "_gmm_pallas", raising=False)
+        monkeypatch.delitem(sys.modules, "moe_eplb_jax.moe._gmm.triton", raising=False)
+        monkeypatch.delattr(sys.modules["moe_eplb_jax.moe._gmm"], "triton", raising=False)
     x, w, sizes = _grouped_inputs(rng)
     want = np.asarray(grouped_matmul.dense(x, w, sizes))
     kernel = grouped_matmul.get("pallas")

@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import math
 import time
+import weakref
 from collections.abc import Callable, Sequence
 
 import jax
@@ -186,11 +187,9 @@ def generate(
     step = functools.partial(_step_callback, on_step)
     counter = jnp.int32(0)  # the step index, carried on the device: it folds into the sampling key
     start = time.perf_counter()
-    # cached_partial walks the model's graph once, not at every step; variables set from outside between steps
-    # (a rearrangement's weights and tables) are still read at each call.
     if use_cache:
         cache = model.init_cache(tokens.shape[0], total - 1)
-        prefill, decode = nnx.cached_partial(_prefill, model), nnx.cached_partial(_decode, model)
+        prefill, decode = _compiled(_prefill, model, ("cache",)), _compiled(_decode, model, ("cache",))
         out, active, cache, counter = prefill(
             put_host(tokens, model.mesh, rows),
             put_host(valid, model.mesh, rows),
@@ -210,7 +209,7 @@ def generate(
             generated.append(out)
             step(n + 1)
     else:
-        recompute = nnx.cached_partial(_recompute, model)
+        recompute = _compiled(_recompute, model, ("buffer", "valid"))
         buffer = np.concatenate([tokens, np.full((tokens.shape[0], max_new_tokens), pad_id, np.int32)], axis=1)
         buffer_valid = np.concatenate([valid, np.zeros((tokens.shape[0], max_new_tokens), bool)], axis=1)
         buffer, buffer_valid = put_host(buffer, model.mesh, rows), put_host(buffer_valid, model.mesh, rows)
@@ -235,6 +234,26 @@ def generate(
     return Generation(result[:count], num_generated[:count], prefill_seconds, decode_seconds)
 
 
+def _compiled(step, model: MoECausalLM, donate: tuple[str, ...]):
+    """``step`` jitted with ``model`` bound: its variables are inputs, read afresh at every call (a rearrangement's
+    weights and tables between steps), and only those the step changes (the expert loads) are outputs -- the
+    weights are never copied to outputs -- with ``donate`` given to the step (the KV cache is updated in place).
+
+    One wrapper (one compilation) per model, step and set of variable objects: a model whose variables were
+    replaced (``quantize``) gets a new one.
+    """
+    leaves, structure = jax.tree.flatten(model, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    key = (step, structure, tuple(map(id, leaves)))
+    compiled = _COMPILED.setdefault(model, {})
+    if key not in compiled:
+        compiled[key] = nnx.jit_partial(step, model, static_argnames=("sampling",), donate_argnames=donate, graph=False)
+    return compiled[key]
+
+
+# The jitted steps of each live model (a cache, not a setting): built once, so generate never recompiles.
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _step_callback(on_step, n):
     if on_step is not None:
         on_step(n)
@@ -248,7 +267,6 @@ def _next(logits, active, key, counter, *, mesh, sampling, eos_id, pad_id):
     return jax.lax.with_sharding_constraint(picked, replicated), jax.lax.with_sharding_constraint(active, replicated)
 
 
-@functools.partial(nnx.jit, static_argnames=("sampling",), donate_argnames=("cache",))
 def _prefill(model, tokens, valid, active, cache, key, counter, record, *, sampling, eos_id, pad_id):
     logits, cache = model.call_cached(tokens, cache, valid=valid, record=record)
     picked, active = _next(
@@ -257,7 +275,6 @@ def _prefill(model, tokens, valid, active, cache, key, counter, record, *, sampl
     return picked, active, cache, counter + 1
 
 
-@functools.partial(nnx.jit, static_argnames=("sampling",), donate_argnames=("cache",))
 def _decode(model, token, active, cache, key, counter, record, *, sampling, eos_id, pad_id):
     rows = NamedSharding(model.mesh, PS(model.axis))
     token = jax.lax.with_sharding_constraint(token, rows)[:, None]
@@ -269,7 +286,6 @@ def _decode(model, token, active, cache, key, counter, record, *, sampling, eos_
     return picked, active, cache, counter + 1
 
 
-@functools.partial(nnx.jit, static_argnames=("sampling",), donate_argnames=("buffer", "valid"))
 def _recompute(model, buffer, valid, active, width, key, counter, record, *, sampling, eos_id, pad_id):
     """One token by running the whole buffer (no cache); writes it at position ``width + counter``."""
     position = width + counter

@@ -17,7 +17,7 @@ from flax import nnx
 
 from moe_eplb_jax.transport.mesh import put_host
 
-__all__ = ["Attention", "DenseMLP", "RMSNorm", "apply_rope", "attention_mask", "replicated_param"]
+__all__ = ["Attention", "DenseMLP", "RMSNorm", "apply_rope", "attend", "attention_mask", "replicated_param"]
 
 
 def replicated_param(rngs: nnx.Rngs, shape, *, fan_in: int, dtype, mesh) -> nnx.Param:
@@ -95,7 +95,7 @@ class Attention(nnx.Module):
         """``x [B, T, D]`` at ``positions [B, T]`` -> ``(out [B, T, D], keys, values)``.
 
         Without a cache the keys are this call's tokens (returned as
-        ``[B, T, K, Dh]``) and ``mask`` is ``[B, T, T]``. With ``cache = (k, v)``
+        ``[B, T, K, Dh]``) and ``mask`` is ``[B, T, T]`` (``None``: causal, no padding). With ``cache = (k, v)``
         (each ``[B, S, K, Dh]``) the new keys and values are written at
         ``cache_index``, the queries attend to all ``S`` positions through
         ``mask [B, T, S]``, and the updated cache arrays are returned.
@@ -112,12 +112,43 @@ class Attention(nnx.Module):
             start = (0, cache_index, 0, 0)
             k = jax.lax.dynamic_update_slice(cache[0], k.astype(cache[0].dtype), start)
             v = jax.lax.dynamic_update_slice(cache[1], v.astype(cache[1].dtype), start)
-        out = _attend(q, k, v, mask)
+        out = attend(q, k, v, mask)
         return jnp.dot(out.reshape(b, t, -1), self.o_proj.get_value()), k, v
 
 
-def _attend(q, k, v, mask):
-    """Softmax attention of ``q [B, T, H, Dh]`` over ``k``/``v [B, S, K, Dh]`` (``H/K`` queries per key head)."""
+def attend(q, k, v, mask, *, implementation: str | None = None):
+    """Softmax attention of ``q [B, T, H, Dh]`` over ``k``/``v [B, S, K, Dh]`` (``H/K`` queries per key head).
+
+    ``mask [B, T, S]`` bool, or ``None``: causal over ``S = T`` keys, no padding.
+    ``implementation``: ``"xla"`` (the reference; every backend), ``"cudnn"``
+    (cuDNN's fused flash attention through ``jax.nn.dot_product_attention``:
+    16-bit floats on a GPU) or ``None``: cuDNN where it applies, else XLA.
+    """
+    if implementation is None:
+        fused = jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[1] > 1
+        implementation = "cudnn" if fused and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256 else "xla"
+    if implementation == "cudnn":
+        return _attend_cudnn(q, k, v, mask)
+    if implementation != "xla":
+        raise ValueError(f"implementation must be 'xla', 'cudnn' or None, got {implementation!r}")
+    if mask is None:
+        mask = jnp.broadcast_to(
+            jnp.tril(jnp.ones((q.shape[1], k.shape[1]), jnp.bool_)), (q.shape[0], q.shape[1], k.shape[1])
+        )
+    return _attend_xla(q, k, v, mask)
+
+
+def _attend_cudnn(q, k, v, mask):
+    if mask is None:
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    # A query that sees no key (padding) sees key 0 instead: it averages one finite row rather than giving a NaN
+    # that a zero probability could carry into real rows. Real queries are unchanged.
+    blind = ~jnp.any(mask, axis=-1, keepdims=True)
+    mask = mask | (blind & (jnp.arange(mask.shape[-1]) == 0)[None, None, :])
+    return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation="cudnn")
+
+
+def _attend_xla(q, k, v, mask):
     b, t, h, dh = q.shape
     groups = h // k.shape[2]
     q = q.reshape(b, t, k.shape[2], groups, dh)

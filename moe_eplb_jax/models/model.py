@@ -100,6 +100,14 @@ class DecoderBlock(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x), valid=valid, record=record), keys, values
 
 
+def _run_block(block: DecoderBlock, x, positions, mask, valid, record):
+    return block(x, positions, mask, valid=valid, record=record)[0]
+
+
+# Training memory: keeps each block's input, recomputes the block (attention and MoE) in the backward pass.
+_run_block_remat = nnx.remat(_run_block)
+
+
 class MoECausalLM(nnx.Module):
     """The decoder (see the module docstring).
 
@@ -115,6 +123,9 @@ class MoECausalLM(nnx.Module):
         matmul, ``map_and_count`` implementation, exchange capacity, load
         layout, shared-expert placement), so one config builds the model
         with any kernel. The router is ``config.router``.
+      remat: recompute each decoder block (attention and MoE) in the backward
+        pass instead of keeping its activations (training memory: one block's
+        activations plus each block's input).
       rngs: ``nnx.Rngs`` for the initial weights (``models.load_checkpoint``
         replaces them).
 
@@ -130,6 +141,7 @@ class MoECausalLM(nnx.Module):
         num_redundant_experts: int = 0,
         routing: str = "hash",
         dispatch: DispatchConfig = DispatchConfig(),
+        remat: bool = False,
         rngs: nnx.Rngs,
     ):
         if not isinstance(config, ModelConfig):
@@ -145,7 +157,9 @@ class MoECausalLM(nnx.Module):
                 f"num_redundant_experts={r}: P = E + R = {config.num_experts} + {r} = {num_physical} slots are not "
                 f"divisible by the EP size {mesh.shape[axis]} of mesh axis {axis!r}"
             )
-        self.config, self.mesh, self.axis = config, mesh, axis
+        if not isinstance(remat, bool):
+            raise ValueError(f"remat must be a bool, got {remat!r}")
+        self.config, self.mesh, self.axis, self.remat = config, mesh, axis, remat
         dtype = config.jnp_dtype
         self.embed_tokens = replicated_param(
             rngs, (config.vocab_size, config.dim), fan_in=config.dim, dtype=dtype, mesh=mesh
@@ -190,12 +204,14 @@ class MoECausalLM(nnx.Module):
         ``valid [B, T]`` bool (default all ``True``) marks real tokens;
         ``record`` (a Python or traced bool) counts this pass's expert load.
         """
+        # No padding: plain causal attention (the fused GPU kernel's fast case), no mask array.
+        mask = None if valid is None else attention_mask(self._check_tokens(tokens, valid), 0, tokens.shape[1])
         valid = self._check_tokens(tokens, valid)
         positions = jnp.maximum(jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1, 0)
-        mask = attention_mask(valid, 0, tokens.shape[1])
         x = self._embed(tokens)
+        run = _run_block_remat if self.remat else _run_block
         for block in self.layers:
-            x, _, _ = block(x, positions, mask, valid=valid, record=record)
+            x = run(block, x, positions, mask, valid, jnp.asarray(record))
         return self._logits(x)
 
     def call_cached(self, tokens, cache: KVCache, *, valid=None, record=True):

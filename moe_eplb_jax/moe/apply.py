@@ -29,7 +29,7 @@ Replica routing (``routing``, a mode of ``moe_eplb_jax.routing.MODES``), and
 what each guarantees. Replicas hold the same bytes and every token's ``k``
 results are summed in router order, so in every mode a token's output is that
 of the plain expert MLP -- bit for bit under any placement and mode with a
-placement-invariant matmul (``"dense"``, ``"pallas"``); what a mode decides is
+placement-invariant matmul (``"dense"``, the Triton kernels); what a mode decides is
 only which replica computes it (the load):
 
 * ``"hash"``: replica ``h(t) mod c`` of the rank-local token index: stateless.

@@ -89,9 +89,9 @@ class DispatchConfig:
     """How a layer runs its token path (see ``moe_apply``).
 
     Attributes:
-      matmul: the grouped matmul of the float expert MLP, a name in ``moe.grouped_matmul`` (``"dense"``: exact,
-        placement-invariant, the default; ``"pallas"``: GPU, cost follows the rows a rank received;
-        ``"ragged_dot"``).
+      matmul: the grouped matmul of the float expert MLP, a name in ``moe.grouped_matmul.IMPLEMENTATIONS``
+        (``"auto"``, the default: the GPU kernels with gradients on a GPU, the exact, placement-invariant
+        ``"dense"`` elsewhere; ``"pallas"``, ``"triton"``, ``"mosaic"``, ``"ragged_dot"``).
       map_implementation: ``map_and_count``'s implementation (``"xla"``, ``"pallas"``; ``None``: its default).
       quant_impl, activation_scaling: quantized experts' ``quant.expert_mlp`` (dynamic activation scales are
         max-reduced over the EP axis, so they do not depend on the placement).
@@ -107,7 +107,7 @@ class DispatchConfig:
         a string names one).
     """
 
-    matmul: str = "dense"
+    matmul: str = "auto"
     map_implementation: str | None = None
     quant_impl: str = "auto"
     activation_scaling: str = "dynamic"

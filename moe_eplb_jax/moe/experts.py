@@ -55,7 +55,7 @@ def expert_mlp(
     experts,
     group_sizes,
     *,
-    implementation: str = "dense",
+    implementation: str = "auto",
     quant_impl: str = "auto",
     activation_scaling: str = "dynamic",
     axis_name=None,
@@ -68,10 +68,9 @@ def expert_mlp(
         ``{"gate": q [S, H, D], "up": q [S, H, D], "down": q [S, D, H]}`` quantized pytrees of
         ``moe_eplb_jax.quant`` (contraction axis last).
       group_sizes: ``[S]`` int32 rows per slot.
-      implementation: float path -- a name in ``grouped_matmul``: ``"dense"`` (exact,
-        placement-invariant; the default), ``"pallas"`` (GPU; cost follows the real row
-        count; not yet validated on a GPU) or ``"ragged_dot"``. Quantized experts always
-        run densely: every row through every local slot's ``quant.expert_mlp``.
+      implementation: float path -- a name in ``grouped_matmul.IMPLEMENTATIONS``
+        (``"auto"``: the GPU kernels on a GPU, the exact ``"dense"`` elsewhere). Quantized
+        experts run densely: every row through every local slot's ``quant.expert_mlp``.
       quant_impl, activation_scaling: passed to ``quant.expert_mlp`` (dynamic activation
         scales are max-reduced over ``axis_name``, so they do not depend on the placement).
 
@@ -96,7 +95,7 @@ def expert_mlp(
     matmul = _gmm.get(implementation)
     w_in, w_out = experts["w_in"], experts["w_out"]
     hidden = w_out.shape[1]
-    h = matmul(x, w_in, group_sizes)  # float32
+    h = matmul(x, w_in, group_sizes).astype(jnp.float32)  # the gate in float32 whatever the kernel wrote
     act = (jax.nn.silu(h[:, :hidden]) * h[:, hidden:]).astype(x.dtype)
     # No masking of the padding rows here: callers never read them (and on XLA:CPU, fusing a mask into
     # the matmul may change how real rows round).
@@ -104,7 +103,7 @@ def expert_mlp(
 
 
 # ------------------------------------------------------------ shared expert
-def shared_mlp(x, shared, group_sizes=None, *, implementation: str = "dense"):
+def shared_mlp(x, shared, group_sizes=None, *, implementation: str = "auto"):
     """The shared expert on rows ``x [N, D]`` -> ``[N, D]`` in ``x.dtype`` (an ``expert_mlp`` of one slot).
 
     ``shared``: ``{"w_in": [D, 2H], "w_out": [H, D]}``. ``group_sizes``: ``[1]``
@@ -127,7 +126,7 @@ def waterfill_shared_mlp(
     axis_name,
     num_ranks: int,
     routed_cost: float = 1.0,
-    implementation: str = "dense",
+    implementation: str = "auto",
     capacity: int | None = None,
 ):
     """The shared expert by Waterfill, per rank inside ``shard_map`` over the EP axis ``axis_name``.

@@ -1,114 +1,182 @@
-"""Grouped matmuls for the MoE layer: rows sorted by slot times per-slot weights.
+"""Grouped matmuls for the MoE layer: rows sorted by slot times per-slot weights, with gradients.
 
-``matmul(x [N, K], w [S, K, M], group_sizes [S]) -> [N, M] float32``: rows
-``[start_s, start_s + group_sizes[s])`` are multiplied by ``w[s]``; rows past
-``sum(group_sizes)`` are padding (their content is unspecified; callers mask
-them).
+``grouped_matmul(x [N, K], w [S, K, M], group_sizes [S]) -> [N, M]``:
+rows ``[start_s, start_s + group_sizes[s])`` are multiplied by ``w[s]``; rows
+past ``sum(group_sizes)`` are padding and come out zero (their inputs reach
+nothing in the kernel paths; ``dense`` needs them finite). Differentiable in
+``x`` and ``w`` on every implementation.
 
-* ``"dense"`` -- every row times every slot's weights (one batched product),
-  then each row keeps its own slot's result. ``S`` times the real work, but a
-  row's result is a plain dot product with its expert's weights, whatever its
-  position or slot index: placement-invariant, bit for bit. The CPU default.
-* ``"ragged_dot"`` -- ``jax.lax.ragged_dot``. Its portable lowering contracts
-  over ``(slot, K)`` jointly, so a row's rounding can depend on its slot index:
-  NOT placement-invariant. On GPU XLA (0.11) also expands it densely.
-* ``"pallas"`` -- a Triton grouped matmul (GPU; ``_gmm_pallas``): work items
-  of ``64`` rows inside one group, items past the real row count return at
-  once, so the cost follows the rows the rank received. Placement-invariant
-  by construction (one instruction sequence per row). Where the kernel cannot
-  run (no GPU, Pallas' Triton backend missing or failing to compile: a
-  first-use probe, :func:`moe_eplb_jax._kernels.probed`) ``"dense"`` serves
-  instead, with one warning. Checked in interpret mode on CPU
-  (``"pallas_interpret"``).
+Implementations (``implementation=``):
 
-``dense`` and ``ragged_dot`` do not skip work for rows a rank did not
-receive: per-rank compute is that of the worst case, whatever the balance.
+* ``"auto"`` (default) -- ``"pallas"`` on a GPU, ``"dense"`` elsewhere.
+* ``"dense"`` -- every row times every slot's weights, each row keeping its
+  own slot's result: exact and placement-invariant bit for bit, ``S`` times
+  the work. The CPU path and the oracle.
+* ``"ragged_dot"`` -- ``jax.lax.ragged_dot`` (not placement-invariant; dense
+  on GPU).
+* ``"pallas"`` -- the GPU kernels, the gradient by a custom VJP (the input
+  gradient is the same product with ``w`` transposed, the weight gradient a
+  per-group ``x^T dy``): JAX's Mosaic GPU kernels (wgmma) for 16-bit
+  training-size buffers, the Triton kernels -- whose cost follows the rows a
+  rank received -- for fewer rows, float32 (full precision) and other shapes.
+  Where no kernel compiles (no GPU, Pallas' Triton backend missing: a
+  first-use probe) ``"dense"`` serves, with one warning.
+* ``"triton"`` / ``"mosaic"`` -- one of those kernel families, forced.
+* ``"pallas_interpret"`` -- the Triton kernels in Pallas' interpreter (CPU tests).
+
+The result is float32 from ``dense`` and ``ragged_dot`` and in the inputs'
+dtype from the kernels (float32 accumulation): a bf16 product writes and its
+gradient reads half the bytes. The kernels' cotangent is cast to the inputs'
+dtype (bf16 in, bf16 gradients).
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_eplb_jax._kernels import probed
+from moe_eplb_jax._kernels import on_gpu, probed
+from moe_eplb_jax.moe._gmm import mosaic
+from moe_eplb_jax.moe._gmm.reference import dense, ragged_dot, select_own_slot, slot_of_row, transposed_dense
 
-__all__ = ["dense", "ragged_dot", "select_own_slot", "slot_of_row", "get", "available"]
+__all__ = [
+    "IMPLEMENTATIONS",
+    "available",
+    "dense",
+    "get",
+    "grouped_matmul",
+    "ragged_dot",
+    "select_own_slot",
+    "slot_of_row",
+    "transposed_dense",
+]
 
-
-def slot_of_row(group_sizes, num_rows: int):
-    """``[num_rows]`` int32 slot of each row of a slot-sorted buffer (``S`` for padding rows)."""
-    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
-    row = jnp.arange(num_rows, dtype=jnp.int32)
-    return jnp.sum(row[:, None] >= ends[None, :], axis=1, dtype=jnp.int32)
-
-
-def select_own_slot(every, group_sizes):
-    """From ``every [S, N, M]`` (each row's result under every slot) keeps each row's own slot -> ``[N, M]``.
-
-    Row ``n`` belongs to slot ``s`` when it lies in that slot's run of
-    ``group_sizes``; padding rows (past the last run) get zero.
-    """
-    num_slots = every.shape[0]
-    slot = slot_of_row(group_sizes, every.shape[1])
-    mine = jnp.take_along_axis(every, jnp.minimum(slot, num_slots - 1)[None, :, None], axis=0)[0]
-    return jnp.where((slot < num_slots)[:, None], mine, jnp.zeros((), every.dtype))
+IMPLEMENTATIONS = ("auto", "dense", "ragged_dot", "pallas", "triton", "mosaic", "pallas_interpret")
+_KERNELS = ("triton", "mosaic", "interpret")
 
 
-def dense(x, w, group_sizes):
-    """Exact grouped matmul: ``x @ w[s]`` for every slot ``s``, each row keeping its own slot's result."""
-    every = jnp.einsum("nk,skm->snm", x, w, preferred_element_type=jnp.float32)
-    return select_own_slot(every, group_sizes)
-
-
-def ragged_dot(x, w, group_sizes):
-    """``jax.lax.ragged_dot`` with float32 accumulation (the reference and CPU path)."""
-    return jax.lax.ragged_dot(x, w, group_sizes.astype(jnp.int32), preferred_element_type=jnp.float32)
-
-
-def _pallas(x, w, group_sizes):
-    if not probed("grouped_matmul", _probe_pallas):
+def grouped_matmul(x, w, group_sizes, *, implementation: str = "auto") -> jax.Array:
+    """See the module docstring."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown grouped matmul {implementation!r}; known: {available()}")
+    if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"need x [N, K] and w [S, K, M] with the same K, got {x.shape} and {w.shape}")
+    if group_sizes.shape != (w.shape[0],):
+        raise ValueError(f"group_sizes must have shape [S]=({w.shape[0]},), got {group_sizes.shape}")
+    backend = _backend(implementation, x.shape, w.shape, x.dtype)
+    if backend == "dense":
         return dense(x, w, group_sizes)
-    from moe_eplb_jax.moe import _gmm_pallas
+    if backend == "ragged_dot":
+        return ragged_dot(x, w, group_sizes)
+    return _kernel_matmul(x, w, group_sizes, backend)
 
-    return _gmm_pallas.grouped_matmul(x, w, group_sizes)
+
+def _backend(implementation: str, x_shape, w_shape, dtype, *, min_mosaic_rows: int = 1024) -> str:
+    """The backend for this product: a ``_KERNELS`` name, ``"dense"`` or ``"ragged_dot"``. Mosaic from
+    ``min_mosaic_rows`` rows (at or ahead of Triton from 1,024 rows of 1024 x 1024 on an H100; level at 256, where
+    reading the weights is the cost)."""
+    if implementation == "auto":
+        implementation = "pallas" if on_gpu() else "dense"
+    if implementation == "pallas_interpret":
+        return "interpret"
+    if implementation in ("dense", "ragged_dot"):
+        return implementation
+    if not probed("grouped_matmul", _probe_triton):
+        return "dense"
+    wants_mosaic = implementation == "mosaic" or (
+        implementation == "pallas" and x_shape[0] >= min_mosaic_rows and mosaic.supports(x_shape, w_shape, dtype)
+    )
+    if wants_mosaic and probed("grouped_matmul", mosaic.probe, case="mosaic"):
+        return "mosaic"
+    return "triton"
 
 
-def _probe_pallas() -> bool:
+def _product(x, w, group_sizes, backend: str, *, transpose_rhs: bool = False):
+    """One grouped product on a kernel backend, in ``x.dtype`` (float32 accumulation), padding rows zero.
+
+    The zeroing is a select the consumer's fusion absorbs: no pass of its own.
+    """
+    if backend == "mosaic":
+        y = mosaic.grouped_matmul(x, w, group_sizes, transpose_rhs=transpose_rhs)
+    else:
+        y = _triton().grouped_matmul(x, w, group_sizes, transpose_rhs=transpose_rhs, interpret=backend == "interpret")
+    live = jnp.arange(x.shape[0], dtype=jnp.int32) < jnp.sum(group_sizes.astype(jnp.int32))
+    return jnp.where(live[:, None], y.astype(x.dtype), jnp.zeros((), x.dtype))
+
+
+def _zero_tail(rows, group_sizes, window: int):
+    """``rows`` with the (at most ``window``) rows after the last group zeroed, in place: the rows a
+    weight-gradient kernel's last tile reads past its group (and masks by multiplying, which passes a NaN)."""
+    num_rows = rows.shape[0]
+    window = min(window, num_rows)
+    total = jnp.sum(group_sizes.astype(jnp.int32))
+    start = jnp.minimum(total, num_rows - window)  # the slice must fit; rows before `total` keep their values
+    tail = jax.lax.dynamic_slice_in_dim(rows, start, window)
+    keep = (start + jnp.arange(window, dtype=jnp.int32)) < total
+    tail = jnp.where(keep[:, None], tail, jnp.zeros((), rows.dtype))
+    return jax.lax.dynamic_update_slice_in_dim(rows, tail, start, axis=0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _kernel_matmul(x, w, group_sizes, backend):
+    return _product(x, w, group_sizes, backend)
+
+
+def _kernel_matmul_fwd(x, w, group_sizes, backend):
+    return _product(x, w, group_sizes, backend), (x, w, group_sizes)
+
+
+def _kernel_matmul_bwd(backend, residuals, dy):
+    x, w, group_sizes = residuals
+    dy = dy.astype(x.dtype)
+    dx = _product(dy, w, group_sizes, backend, transpose_rhs=True)
+    if backend == "mosaic":
+        window = max(mosaic.WEIGHT_GRADIENT.block_k, 1)
+        dw = mosaic.transposed_grouped_matmul(
+            _zero_tail(x, group_sizes, window), _zero_tail(dy, group_sizes, window), group_sizes
+        )
+    else:  # masked loads: rows past a group are never read
+        dw = _triton().transposed_grouped_matmul(x, dy, group_sizes, interpret=backend == "interpret")
+    return dx, dw.astype(w.dtype), None
+
+
+_kernel_matmul.defvjp(_kernel_matmul_fwd, _kernel_matmul_bwd)
+
+
+def _triton():
+    """The Triton kernels, imported on first use: Pallas' Triton backend is deprecated and may be missing."""
+    from moe_eplb_jax.moe._gmm import triton
+
+    return triton
+
+
+def _probe_triton() -> bool:
     """Whether the Triton kernel, compiled ahead of time and run outside any trace, matches a float64 product.
 
     The reference is numpy's: XLA's own float32 matmul runs at TF32 on recent
     GPUs, further from the truth than the kernel's full-precision one.
     """
-    from moe_eplb_jax.moe import _gmm_pallas  # raises where Pallas' Triton backend is missing
-
     rng = np.random.default_rng(0)
     sizes = np.asarray([10, 0, 30], np.int32)  # then 8 padding rows, never compared
     x = rng.standard_normal((48, 32)).astype(np.float32)
     w = rng.standard_normal((3, 32, 32)).astype(np.float32)
     specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, w, sizes)]
-    got = np.asarray(jax.jit(_gmm_pallas.grouped_matmul).lower(*specs).compile()(x, w, sizes))
+    got = np.asarray(jax.jit(_triton().grouped_matmul).lower(*specs).compile()(x, w, sizes))
     slot = np.repeat(np.arange(3), sizes)
     want = np.einsum("nk,nkm->nm", x[:40].astype(np.float64), w[slot].astype(np.float64))
     return np.allclose(got[:40], want, rtol=1e-4, atol=1e-4)
 
 
-def _pallas_interpret(x, w, group_sizes):
-    from moe_eplb_jax.moe import _gmm_pallas
-
-    return _gmm_pallas.grouped_matmul(x, w, group_sizes, interpret=True)
-
-
-_IMPLEMENTATIONS = {"dense": dense, "ragged_dot": ragged_dot, "pallas": _pallas, "pallas_interpret": _pallas_interpret}
-
-
 def available() -> list[str]:
-    return sorted(_IMPLEMENTATIONS)
+    return sorted(IMPLEMENTATIONS)
 
 
-def get(name: str):
-    """The grouped matmul called ``name``; ``ValueError`` listing the known names otherwise."""
-    try:
-        return _IMPLEMENTATIONS[name]
-    except KeyError:
-        raise ValueError(f"unknown grouped matmul {name!r}; known: {available()}") from None
+def get(name: str) -> Callable[..., jax.Array]:
+    """The grouped matmul called ``name`` as ``f(x, w, group_sizes)``; ``ValueError`` listing the known names."""
+    if name not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown grouped matmul {name!r}; known: {available()}")
+    return functools.partial(grouped_matmul, implementation=name)

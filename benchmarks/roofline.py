@@ -1,0 +1,274 @@
+"""Roofline of the model path: training and prefill MFU, decode against its weight-read floor, the grouped matmul.
+
+    PYTHONPATH=. python benchmarks/roofline.py                        # one GPU, the small preset, every phase
+    PYTHONPATH=. python benchmarks/roofline.py --preset deepseek_v3_small --phases prefill,decode
+    PYTHONPATH=. python benchmarks/roofline.py --preset tiny --cpu    # CPU smoke run (figures meaningless)
+
+One model (``moe_eplb_jax.models``, bf16, EP = 1), side by side in one run:
+
+* train: AdamW steps on ``--train-batch`` x ``--seq`` tokens; model FLOPs = 3 x the forward's (below) per token;
+  MFU against the card's dense bf16 peak (989 TFLOP/s on an H100 or H200 SXM).
+* prefill: ``--prefill-batch`` prompts of ``--prompt / 2`` to ``--prompt`` tokens (left-padded), one pass with the
+  KV cache; FLOPs of the real tokens only.
+* decode: ms per step at each ``--decode-batches`` size, next to the floor: the bytes of weights the step must read
+  (every non-expert weight, the experts the batch's routing touched, the KV cache) over the card's HBM
+  bandwidth (H100 3.35 TB/s, H200 4.8 TB/s); with ``EplbController.step()`` after every step (recording on,
+  nothing due) and without.
+* gmm: the grouped matmul alone at a training shape (forward, forward + backward, TFLOP/s) and a decode shape
+  (GB/s against HBM), for each implementation next to XLA's ``ragged_dot``.
+
+Forward FLOPs per token, from the config: every matmul of the active path -- q/k/v/o projections, attention
+scores and values over the causal context, the dense MLPs, the router, the top-k experts and the shared expert,
+the LM head. ``--json PATH`` writes every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12}
+HBM = {"H100": 3.35e12, "H200": 4.8e12}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="small", help="model shape (moe_eplb_jax.models.PRESETS)")
+    p.add_argument("--phases", default="gmm,train,prefill,decode", help="comma-separated: gmm, train, prefill, decode")
+    p.add_argument("--train-batch", type=int, default=16)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--steps", type=int, default=6, help="timed training steps")
+    p.add_argument("--remat", action="store_true", help="recompute blocks in the backward pass")
+    p.add_argument("--prefill-batch", type=int, default=32)
+    p.add_argument("--prompt", type=int, default=1024)
+    p.add_argument("--decode-batches", default="1,32,256")
+    p.add_argument("--new-tokens", type=int, default=33)
+    p.add_argument("--cpu", action="store_true", help="run on the CPU (smoke run)")
+    p.add_argument("--json", default=None)
+    return p.parse_args(argv)
+
+
+def forward_flops_per_token(config, context: float) -> float:
+    """Matmul FLOPs of one token's forward pass at an average attention context of ``context`` keys."""
+    c = config
+    d, q, kv = c.dim, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    attention = 2 * d * (2 * q + 2 * kv) + 2 * 2 * q * context
+    dense = 2 * 3 * d * c.dense_hidden
+    moe = 2 * d * c.num_experts + c.top_k * 2 * 3 * d * c.moe_hidden + 2 * 3 * d * c.shared_hidden
+    return c.num_layers * attention + c.first_dense_layers * dense + c.num_moe_layers * moe + 2 * d * c.vocab_size
+
+
+def card():
+    import jax
+
+    kind = jax.devices()[0].device_kind
+    name = "H200" if "H200" in kind else "H100" if "H100" in kind else None
+    return kind, PEAK_BF16.get(name), HBM.get(name)
+
+
+def timed(fn, reps: int) -> float:
+    """Median wall seconds of ``fn()`` (which blocks) over ``reps`` calls after one warm-up."""
+    import statistics
+
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def build(config, mesh, remat=False):
+    from flax import nnx
+
+    from moe_eplb_jax.models import MoECausalLM
+
+    return MoECausalLM(config, mesh=mesh, remat=remat, rngs=nnx.Rngs(0))
+
+
+def phase_train(args, config, mesh, rng, peak):
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    model = build(config, mesh, args.remat)
+    optimizer = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
+
+    @nnx.jit(donate_argnums=(0, 1))
+    def step(model, optimizer, tokens):
+        def loss_fn(model):
+            logits = model(tokens[:, :-1])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return loss
+
+    tokens = jnp.asarray(rng.integers(0, config.vocab_size, (args.train_batch, args.seq + 1)), jnp.int32)
+    start = time.perf_counter()
+    jax.block_until_ready(step(model, optimizer, tokens))
+    compile_s = time.perf_counter() - start
+    seconds = timed(lambda: jax.block_until_ready(step(model, optimizer, tokens)), args.steps)
+    n = args.train_batch * args.seq
+    flops = 3 * n * forward_flops_per_token(config, (args.seq + 1) / 2)
+    stats = jax.devices()[0].memory_stats() or {}
+    return {
+        "ms_per_step": seconds * 1e3,
+        "tokens_per_s": n / seconds,
+        "tflops": flops / seconds / 1e12,
+        "mfu": flops / seconds / peak if peak else None,
+        "first_step_s": compile_s,
+        "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30,
+    }
+
+
+def _prompts(rng, batch, longest, vocab):
+    return [list(rng.integers(0, vocab, int(rng.integers(longest // 2, longest + 1)))) for _ in range(batch)]
+
+
+def phase_prefill(args, config, mesh, rng, peak):
+    from moe_eplb_jax.models import generate
+
+    model = build(config, mesh)
+    prompts = _prompts(rng, args.prefill_batch, args.prompt, config.vocab_size)
+    real = sum(len(p) for p in prompts)
+    generate(model, prompts, max_new_tokens=1, prompt_width=args.prompt)  # compiles
+    seconds = sorted(
+        generate(model, prompts, max_new_tokens=1, prompt_width=args.prompt).prefill_seconds for _ in range(5)
+    )[2]
+    flops = sum(len(p) * forward_flops_per_token(config, (len(p) + 1) / 2) for p in prompts)
+    return {
+        "ms": seconds * 1e3,
+        "tokens_per_s": real / seconds,
+        "tflops": flops / seconds / 1e12,
+        "mfu": flops / seconds / peak if peak else None,
+    }
+
+
+def decode_floor_bytes(config, batch: int, context: int) -> float:
+    """Bytes one decode step must read: the non-expert weights, the experts ``batch`` tokens touch in expectation
+    under uniform routing, and the KV cache (bf16)."""
+    c, b = config, 2
+    expert = 3 * c.dim * c.moe_hidden * b
+    touched = c.num_experts * (1 - (1 - c.top_k / c.num_experts) ** batch)
+    attention = c.dim * (2 * c.num_heads + 2 * c.num_kv_heads) * c.head_dim * b
+    per_moe = touched * expert + c.dim * c.num_experts * b + 3 * c.dim * c.shared_hidden * b
+    weights = (
+        c.num_layers * attention
+        + c.first_dense_layers * 3 * c.dim * c.dense_hidden * b
+        + c.num_moe_layers * per_moe
+        + c.dim * c.vocab_size * b
+    )
+    cache = c.num_layers * 2 * batch * context * c.num_kv_heads * c.head_dim * b
+    return weights + cache
+
+
+def phase_decode(args, config, mesh, rng, hbm):
+    from moe_eplb_jax import EplbConfig
+    from moe_eplb_jax.flax import EplbController
+    from moe_eplb_jax.models import generate
+
+    model = build(config, mesh)
+    controller = EplbController(model, mesh, EplbConfig(num_gpus=1))
+    out = {}
+    for batch in [int(b) for b in args.decode_batches.split(",")]:
+        prompts = _prompts(rng, batch, 16, config.vocab_size)
+        steps = args.new_tokens - 1
+        row = {}
+        for name, on_step in (("plain", None), ("controller", lambda n: controller.step())):
+            generate(model, prompts, max_new_tokens=args.new_tokens, prompt_width=16, on_step=on_step)
+            runs = [
+                generate(model, prompts, max_new_tokens=args.new_tokens, prompt_width=16, on_step=on_step)
+                for _ in range(3)
+            ]
+            row[f"ms_{name}"] = sorted(r.decode_seconds for r in runs)[1] / steps * 1e3
+        floor = decode_floor_bytes(config, batch, 16 + args.new_tokens)
+        row["floor_ms"] = floor / hbm * 1e3 if hbm else None
+        row["x_floor"] = row["ms_plain"] / row["floor_ms"] if hbm else None
+        row["controller_overhead"] = row["ms_controller"] / row["ms_plain"] - 1
+        out[batch] = row
+    return out
+
+
+def phase_gmm(args, rng, peak, hbm):
+    import jax
+    import jax.numpy as jnp
+
+    from moe_eplb_jax.moe import grouped_matmul as gmm
+
+    out = {}
+    cases = {"train 65536x1024->512 G64": (65536, 1024, 512, 64), "decode 256x2048->1536 G128": (256, 2048, 1536, 128)}
+    for label, (n, k, m, g) in cases.items():
+        x = jnp.asarray(rng.standard_normal((n, k)), jnp.bfloat16)
+        w = jnp.asarray(rng.standard_normal((g, k, m)) / k**0.5, jnp.bfloat16)
+        sizes = jnp.asarray(rng.multinomial(n, [1 / g] * g), jnp.int32)
+        cot = jnp.asarray(rng.standard_normal((n, m)), jnp.float32)
+        flops, weight_bytes = 2 * n * k * m, g * k * m * 2
+        for impl in ("pallas", "triton", "mosaic", "ragged_dot", "dense"):
+            if impl == "dense" and n * g * m * 4 > 16 * 2**30:
+                continue
+            row = {}
+            try:
+                f = jax.jit(lambda x, w, s, impl=impl: gmm.grouped_matmul(x, w, s, implementation=impl))
+                row["fwd_ms"] = timed(lambda: jax.block_until_ready(f(x, w, sizes)), 10) * 1e3
+                loss = lambda x, w, impl=impl: jnp.sum(
+                    gmm.grouped_matmul(x, w, sizes, implementation=impl).astype(jnp.float32) * cot
+                )
+                gr = jax.jit(jax.grad(loss, argnums=(0, 1)))
+                row["fwd_bwd_ms"] = timed(lambda: jax.block_until_ready(gr(x, w)), 10) * 1e3
+            except Exception as e:  # an implementation that cannot take the shape (memory, backend)
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            if "fwd_ms" in row:
+                row["fwd_tflops"] = flops / row["fwd_ms"] / 1e9
+                row["fwd_gbs"] = (weight_bytes + (n * k + n * m) * 2) / row["fwd_ms"] / 1e6
+            if "fwd_bwd_ms" in row:
+                row["fwd_bwd_tflops"] = 3 * flops / row["fwd_bwd_ms"] / 1e9
+            out[f"{label} {impl}"] = row
+        out[f"{label} floor"] = {
+            "fwd_ms": max(flops / peak, (weight_bytes + (n * k + n * m) * 2) / hbm) * 1e3 if peak and hbm else None
+        }
+    return out
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.cpu:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    import numpy as np
+
+    from moe_eplb_jax import models, transport
+
+    kind, peak, hbm = card()
+    config = models.preset(args.preset, dtype="bfloat16")
+    mesh = transport.ep_mesh(1)
+    rng = np.random.default_rng(0)
+    phases = [p for p in args.phases.split(",") if p]
+    results = {"device": kind, "preset": args.preset}
+    print(f"{kind}, preset {args.preset}: {forward_flops_per_token(config, args.seq / 2) / 1e9:.3f} GFLOP/token fwd")
+    for phase in phases:
+        start = time.perf_counter()
+        if phase == "train":
+            results[phase] = phase_train(args, config, mesh, rng, peak)
+        elif phase == "prefill":
+            results[phase] = phase_prefill(args, config, mesh, rng, peak)
+        elif phase == "decode":
+            results[phase] = phase_decode(args, config, mesh, rng, hbm)
+        elif phase == "gmm":
+            results[phase] = phase_gmm(args, rng, peak, hbm)
+        else:
+            raise SystemExit(f"unknown phase {phase!r}")
+        print(f"== {phase} ({time.perf_counter() - start:.0f} s)")
+        print(json.dumps(results[phase], indent=1, default=lambda v: round(v, 4) if isinstance(v, float) else v))
+        sys.stdout.flush()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""One test body for every grouped matmul (``moe_eplb_jax.moe.grouped_matmul``): values, gradients, padding, edges.
+
+Each implementation is checked against a float64 numpy oracle on fresh random
+inputs: empty groups, groups straddling kernel tiles, padding rows (which must
+come out zero and pass nothing -- not even a NaN -- into real rows or
+gradients), float32 and bfloat16. On CPU: ``dense``, ``ragged_dot`` and the
+Triton kernels in Pallas' interpreter; on a GPU also the compiled Triton and
+Mosaic GPU kernels and ``auto``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moe_eplb_jax.moe import grouped_matmul as gmm
+from moe_eplb_jax.moe._gmm import mosaic
+
+gpu = pytest.mark.gpu
+CPU_IMPLEMENTATIONS = ["dense", "ragged_dot", "pallas_interpret"]
+GPU_IMPLEMENTATIONS = [pytest.param(name, marks=gpu) for name in ("triton", "mosaic", "pallas", "auto")]
+TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
+
+
+def _sizes(rng, num_groups: int, num_rows: int, live: int):
+    """``num_groups`` sizes summing to ``live <= num_rows``, one group empty, the rest random."""
+    cuts = np.sort(rng.integers(0, live + 1, num_groups - 1))
+    sizes = np.diff(np.concatenate([[0], cuts, [live]])).astype(np.int32)
+    empty = rng.integers(num_groups)
+    sizes[(empty + 1) % num_groups] += sizes[empty]
+    sizes[empty] = 0
+    return sizes
+
+
+def _case(rng, implementation: str, dtype):
+    """Shapes the implementation takes: Mosaic tiles are 128 wide, Triton's interpreter is slow."""
+    if implementation in ("mosaic", "pallas", "auto", "triton"):
+        num_rows, depth, width, groups = 2560, 128, 256, 5  # >= 2048 rows: "pallas" picks Mosaic for bf16
+    else:
+        num_rows, depth, width, groups = 150, 32, 64, 4
+    sizes = _sizes(rng, groups, num_rows, num_rows - 23)
+    x = rng.standard_normal((num_rows, depth)).astype(np.float32)
+    w = (rng.standard_normal((groups, depth, width)) / np.sqrt(depth)).astype(np.float32)
+    x, w = np.asarray(jnp.asarray(x, dtype)), np.asarray(jnp.asarray(w, dtype))  # the values the kernels see
+    return x, w, sizes
+
+
+def _oracle(x, w, sizes):
+    slot = np.repeat(np.arange(len(sizes)), sizes)
+    live = len(slot)
+    y = np.zeros((x.shape[0], w.shape[2]))
+    y[:live] = np.einsum("nk,nkm->nm", x[:live].astype(np.float64), w[slot].astype(np.float64))
+    return y
+
+
+def _relative(got, want):
+    return np.linalg.norm(np.asarray(got, np.float64) - want) / max(np.linalg.norm(want), 1e-30)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("implementation", CPU_IMPLEMENTATIONS + GPU_IMPLEMENTATIONS)
+def test_values_and_gradients_match_float64(implementation, dtype, rng):
+    if implementation == "mosaic" and dtype == jnp.float32:
+        pytest.skip("the Mosaic GPU kernels take 16-bit floats only (pallas routes float32 to Triton)")
+    x, w, sizes = _case(rng, implementation, dtype)
+    live = int(sizes.sum())
+    cot = rng.standard_normal((x.shape[0], w.shape[2])).astype(np.float32)
+    f = jax.jit(lambda x, w, s: gmm.grouped_matmul(x, w, s, implementation=implementation))
+    y = np.asarray(f(x, w, sizes))
+    assert y.shape == (x.shape[0], w.shape[2])
+    assert y.dtype == (np.float32 if implementation in ("dense", "ragged_dot") else x.dtype)
+    y = y.astype(np.float32)
+    assert _relative(y, _oracle(x, w, sizes)) < TOLERANCE[dtype]
+    np.testing.assert_array_equal(y[live:], 0.0)  # padding rows come out zero
+
+    loss = lambda x, w: jnp.sum(
+        gmm.grouped_matmul(x, w, sizes, implementation=implementation).astype(jnp.float32) * cot
+    )
+    dx, dw = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
+    assert dx.dtype == x.dtype and dw.dtype == w.dtype and dw.shape == w.shape
+    slot = np.repeat(np.arange(len(sizes)), sizes)
+    cot64 = cot.astype(np.float64)
+    if dtype == jnp.bfloat16:  # the kernels cast the cotangent to the inputs' dtype
+        cot64 = np.asarray(jnp.asarray(cot, dtype), np.float64)
+    want_dx = np.zeros(x.shape)
+    want_dx[:live] = np.einsum("nm,nkm->nk", cot64[:live], w[slot].astype(np.float64))
+    xs, cs = x[:live].astype(np.float64), cot64[:live]
+    want_dw = np.stack([xs[slot == s].T @ cs[slot == s] for s in range(len(sizes))])
+    assert _relative(dx, want_dx) < TOLERANCE[dtype]
+    assert _relative(dw, want_dw) < TOLERANCE[dtype]
+    np.testing.assert_array_equal(np.asarray(dx, np.float32)[live:], 0.0)
+    np.testing.assert_array_equal(np.asarray(dw, np.float32)[sizes == 0], 0.0)
+
+
+@pytest.mark.parametrize("implementation", ["pallas_interpret", *GPU_IMPLEMENTATIONS[:3]])
+def test_nan_in_padding_rows_reaches_nothing(implementation, rng):
+    """Into the kernels, padding rows may hold anything (a previous kernel's unwritten rows): no real row and no
+    gradient sees it. (``dense`` multiplies every row by every slot: its padding rows must be finite, as the MoE
+    layer's are -- zeros.)"""
+    dtype = jnp.bfloat16 if implementation == "mosaic" else jnp.float32
+    x, w, sizes = _case(rng, implementation, dtype)
+    live = int(sizes.sum())
+    dirty = x.copy()
+    dirty[live:] = np.nan
+    cot = rng.standard_normal((x.shape[0], w.shape[2])).astype(np.float32)
+    cot[live:] = np.inf
+
+    def run(x):
+        loss = lambda x, w: jnp.sum(
+            gmm.grouped_matmul(x, w, sizes, implementation=implementation).astype(jnp.float32) * cot
+        )
+        y = gmm.grouped_matmul(x, w, sizes, implementation=implementation)
+        return y, jax.grad(loss, argnums=(0, 1))(x, w)
+
+    clean_y, (clean_dx, clean_dw) = jax.jit(run)(np.where(np.isnan(dirty), 0, dirty).astype(x.dtype))
+    y, (dx, dw) = jax.jit(run)(dirty)
+    y, clean_y = np.asarray(y, np.float32), np.asarray(clean_y, np.float32)
+    np.testing.assert_array_equal(y[:live], clean_y[:live])
+    np.testing.assert_array_equal(y[live:], 0.0)
+    np.testing.assert_array_equal(np.asarray(dx, np.float32)[:live], np.asarray(clean_dx, np.float32)[:live])
+    np.testing.assert_array_equal(np.asarray(dw, np.float32), np.asarray(clean_dw, np.float32))
+
+
+def test_triton_tilings_in_interpret_mode(rng):
+    """The Triton kernels under several tilings: tiles straddling groups, one row per group, a tail tile."""
+    from moe_eplb_jax.moe._gmm import triton
+
+    x = rng.standard_normal((150, 32)).astype(np.float32)
+    w = rng.standard_normal((4, 32, 64)).astype(np.float32)
+    dy = rng.standard_normal((150, 64)).astype(np.float32)
+    for sizes in (np.array([10, 0, 70, 45], np.int32), np.array([1, 1, 1, 147], np.int32)):
+        live = int(sizes.sum())
+        for config in (triton.Config(block_k=16, block_cols=32), triton.Config(block_rows=16, block_k=32)):
+            got = np.asarray(triton.grouped_matmul(x, w, sizes, config=config, interpret=True))
+            assert _relative(got[:live], _oracle(x, w, sizes)[:live]) < 1e-5
+            wt = np.swapaxes(w, 1, 2)  # [S, M, K]: the transposed product gives x @ wt[s]^T = x @ w[s]
+            got_t = np.asarray(triton.grouped_matmul(x, wt, sizes, transpose_rhs=True, config=config, interpret=True))
+            np.testing.assert_allclose(got_t[:live], got[:live], rtol=1e-5, atol=1e-5)
+            dw = np.asarray(triton.transposed_grouped_matmul(x, dy, sizes, config=config, interpret=True))
+            np.testing.assert_allclose(dw, np.asarray(gmm.transposed_dense(x, dy, sizes)), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="multiples"):
+        triton.grouped_matmul(x[:, :24], w[:, :24], sizes, interpret=True)
+
+
+def test_bad_inputs_are_refused(rng):
+    x, w, sizes = _case(rng, "dense", jnp.float32)
+    with pytest.raises(ValueError, match="unknown grouped matmul"):
+        gmm.get("nope")
+    with pytest.raises(ValueError, match="same K"):
+        gmm.grouped_matmul(x[:, :8], w, sizes)
+    with pytest.raises(ValueError, match="group_sizes"):
+        gmm.grouped_matmul(x, w, sizes[:-1])
+
+
+def test_mosaic_supports_only_its_tiles():
+    assert mosaic.supports((4096, 1024), (64, 1024, 512), jnp.bfloat16)
+    assert not mosaic.supports((4096, 1024), (64, 1024, 512), jnp.float32)
+    assert not mosaic.supports((4096, 96), (64, 96, 512), jnp.bfloat16)
+    assert mosaic.supports((4096, 512), (64, 1024, 512), jnp.bfloat16, transpose_rhs=True)
+
+
+@gpu
+def test_kernel_paths_are_placement_invariant(rng):
+    """A row's result is bit-identical wherever its group sits (another slot index, another start row)."""
+    for implementation, dtype in (("triton", jnp.float32), ("mosaic", jnp.bfloat16)):
+        x, w, sizes = _case(rng, implementation, dtype)
+        y = np.asarray(gmm.grouped_matmul(x, w, sizes, implementation=implementation), np.float32)
+        order = np.roll(np.arange(len(sizes)), 2)
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        rows = np.concatenate([np.arange(starts[s], starts[s] + sizes[s]) for s in order])
+        live = len(rows)
+        x2 = np.concatenate([x[rows], x[live:]])
+        y2 = np.asarray(gmm.grouped_matmul(x2, w[order], sizes[order], implementation=implementation), np.float32)
+        np.testing.assert_array_equal(y2[:live], y[rows])
