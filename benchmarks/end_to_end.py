@@ -123,7 +123,6 @@ def main(argv=None):
 
     ranks = args.ranks or jax.device_count()
     mesh = jax.make_mesh((ranks,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:ranks])
-    gpu = jax.default_backend() == "gpu"
     config = PRESETS[args.preset]
     E, L, V = config.num_experts, config.num_moe_layers, config.vocab_size
     R = args.redundant if args.redundant is not None else max(ranks, E // 4 // ranks * ranks)
