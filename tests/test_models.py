@@ -63,10 +63,17 @@ def _left_padded(rng, config, lengths, width):
 
 # ------------------------------------------------------------------- config
 def test_presets_are_valid_and_shaped_as_described():
-    assert set(PRESETS) == {"tiny", "small", "deepseek_v3_small"}
+    assert set(PRESETS) == {"tiny", "small", "deepseek_v3_tiny", "deepseek_v3_small"}
+    for v3 in (PRESETS["deepseek_v3_small"], PRESETS["deepseek_v3_tiny"]):
+        assert v3.scoring == "sigmoid" and v3.top_k <= v3.num_experts and v3.topk_groups < v3.num_groups
+        assert v3.routed_scaling_factor == 2.5 and v3.shared_hidden > 0 and v3.num_moe_layers == v3.num_layers - 1
+        assert v3.attention == "mla" and v3.rope_interleave and v3.rope_scaling is not None
+        assert v3.rope_scaling.mscale == v3.rope_scaling.mscale_all_dim == 1.0
     v3 = PRESETS["deepseek_v3_small"]
-    assert (v3.num_experts, v3.top_k, v3.num_groups, v3.topk_groups, v3.scoring) == (256, 8, 8, 4, "sigmoid")
-    assert v3.routed_scaling_factor == 2.5 and v3.shared_hidden > 0 and v3.num_moe_layers == v3.num_layers - 1
+    assert (v3.num_experts, v3.top_k, v3.num_groups, v3.topk_groups) == (256, 8, 8, 4)
+    # DeepSeek-V3's head shape and cache width: 128 + 64 query/key, 128 value, a 512-wide latent.
+    assert (v3.qk_nope_head_dim, v3.qk_rope_head_dim, v3.v_head_dim, v3.kv_lora_rank) == (128, 64, 128, 512)
+    assert v3.q_lora_rank is not None and v3.rope_scaling.factor == 40
     assert PRESETS["tiny"].scoring == "softmax" and PRESETS["tiny"].num_moe_layers == 2
     with pytest.raises(ValueError, match="unknown preset 'huge'"):
         preset("huge")
@@ -194,14 +201,13 @@ def test_export_round_trips_every_tensor_byte_for_byte(tmp_path, rng):
     for p, e in enumerate(phy2log[1]):
         gate = tensors[f"model.layers.2.mlp.experts.{e}.gate_proj.weight"]
         assert np.array_equal(w_in[p, :, :32].view(np.uint16), gate.T.view(np.uint16))
+    # Routers stay float32 in the model, and remember the dtype they came in.
+    assert all(layer.router.get_value().dtype == np.float32 for layer in model.moe_layers)
     out = tmp_path / "export.safetensors"
     export_checkpoint(model, out)
     back = safetensors_numpy.load_file(str(out))
     assert set(back) == set(tensors)
     for name, value in tensors.items():
-        if name.endswith("mlp.gate.weight"):  # routers stay float32 in the model (and in its export): lossless
-            assert back[name].dtype == np.float32
-            value = value.astype(np.float32)
         assert back[name].dtype == value.dtype and back[name].shape == value.shape, name
         assert np.array_equal(back[name].view(np.uint8), value.view(np.uint8)), name
 

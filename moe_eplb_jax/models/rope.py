@@ -115,7 +115,7 @@ def apply_rope(x, positions, inv_freq, *, attention_factor: float = 1.0, interle
     """
     half = inv_freq.shape[0]
     freq = jnp.asarray(np.asarray(inv_freq, np.float32))
-    angle = positions.astype(jnp.float32)[:, :, None, None] * freq  # [B, T, 1, half]
+    angle = positions.astype(jnp.float32)[:, :, None, None] * freq[None, None, None, :]  # [B, T, 1, half]
     cos = jnp.cos(angle) * jnp.float32(attention_factor)
     sin = jnp.sin(angle) * jnp.float32(attention_factor)
     rot = x[..., : 2 * half].astype(jnp.float32)

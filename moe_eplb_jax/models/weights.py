@@ -55,5 +55,5 @@ def linear(x, value, bias=None):
     """``x @ w (+ bias)`` for ``w`` a float ``[in, out]`` array or an ``Fp8BlockWeight``, in ``x.dtype``."""
     y = jnp.dot(x, dense_weight(value, x.dtype))
     if bias is not None:
-        y = y + bias.astype(y.dtype)
+        y = y + bias.astype(y.dtype).reshape((1,) * (y.ndim - 1) + bias.shape)
     return y
