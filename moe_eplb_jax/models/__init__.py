@@ -12,6 +12,7 @@ from moe_eplb_jax.models.checkpoint import checkpoint_shapes, export_checkpoint,
 from moe_eplb_jax.models.config import ATTENTIONS, DTYPES, PRESETS, ModelConfig, preset
 from moe_eplb_jax.models.data import skew_routers, zipf_router_bias, zipf_tokens
 from moe_eplb_jax.models.generation import Generation, Sampling, generate, left_pad, sample
+from moe_eplb_jax.models.hf_config import HF_MODEL_TYPES, config_from_hf
 from moe_eplb_jax.models.model import DecoderBlock, KVCache, MoECausalLM
 from moe_eplb_jax.models.rope import YarnScaling
 
@@ -21,12 +22,14 @@ __all__ = [
     "PRESETS",
     "DecoderBlock",
     "Generation",
+    "HF_MODEL_TYPES",
     "KVCache",
     "ModelConfig",
     "MoECausalLM",
     "Sampling",
     "YarnScaling",
     "checkpoint_shapes",
+    "config_from_hf",
     "export_checkpoint",
     "generate",
     "left_pad",
