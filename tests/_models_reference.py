@@ -10,9 +10,9 @@ package may lay them out differently, which no dot product can see. Also
 writes random checkpoints for the tests.
 """
 
-import math
-
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
