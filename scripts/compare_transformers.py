@@ -26,8 +26,15 @@ CASES = {
     "deepseek_v3": dict(
         model_type="deepseek_v3",
         q_lora_rank=32,
-        rope={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "mscale": 0.707,
-              "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1},
+        rope={
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 32,
+            "mscale": 0.707,
+            "mscale_all_dim": 1.0,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
     ),  # fmt: skip
     # DeepSeek-V2-Lite-style: full-rank query, rotate-half RoPE, attention biases, plain RoPE.
     "deepseek_v3_nolora_bias": dict(model_type="deepseek_v3", q_lora_rank=None, rope_interleave=False, bias=True),
@@ -132,11 +139,13 @@ def _write_fp8(src: str, dst: str):
             meaning[name] = out[name].astype(np.float32)
     os.makedirs(dst, exist_ok=True)
     save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
-    config = json.load(open(os.path.join(src, "config.json")))
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
                                      "activation_scheme": "dynamic"}  # fmt: skip
     config["dtype"] = "bfloat16"
-    json.dump(config, open(os.path.join(dst, "config.json"), "w"), indent=2)
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
     return meaning
 
 
@@ -158,7 +167,9 @@ def hf_half(root: str):
             path = os.path.join(root, name, flavour)
             model.to(dtype).save_pretrained(path)
             # transformers runs every flavour in float32, from the file's values.
-            ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+            ref = transformers.AutoModelForCausalLM.from_pretrained(
+                path, dtype=torch.float32, attn_implementation="eager"
+            )
             results[flavour] = ref
         model.float()
         meaning = _write_fp8(os.path.join(root, name, "f32"), os.path.join(root, name, "fp8"))
@@ -169,7 +180,9 @@ def hf_half(root: str):
             with torch.no_grad():
                 logits = ref(ids).logits.float().numpy()
                 mask = torch.ones_like(ids)  # every token is real (id 0 included)
-                greedy = ref.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0)[:, PROMPT:].numpy()
+                greedy = ref.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0)[
+                    :, PROMPT:
+                ].numpy()
             np.savez(os.path.join(root, name, flavour, "reference.npz"), logits=logits, greedy=greedy)
         print(f"{name}: written", flush=True)
 
@@ -211,14 +224,20 @@ def ours_half(root: str):
             config = config_from_hf(path, dtype="float32")
             worst, greedy_ok = 0.0, True
             for ep, redundant in ((1, 0), (8, 8)):
-                mesh = jax.make_mesh((ep,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:ep])
+                mesh = jax.make_mesh(
+                    (ep,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:ep]
+                )
                 e = config.num_experts
                 phy2log = np.stack(
                     [rng.permutation(np.r_[np.arange(e), rng.integers(0, e, redundant)]) for _ in config.moe_blocks]
                 )
                 for mode in ROUTING_MODES:
-                    model = MoECausalLM(config, mesh=mesh, num_redundant_experts=redundant, rngs=nnx.Rngs(0), routing=mode)
-                    load_checkpoint(model, os.path.join(path, "model.safetensors"), placement=Placement.from_phy2log(phy2log, e))
+                    model = MoECausalLM(
+                        config, mesh=mesh, num_redundant_experts=redundant, rngs=nnx.Rngs(0), routing=mode
+                    )
+                    load_checkpoint(
+                        model, os.path.join(path, "model.safetensors"), placement=Placement.from_phy2log(phy2log, e)
+                    )
                     logits = np.asarray(nnx.jit(lambda m, t: m(t))(model, jnp.asarray(tokens)))
                     worst = max(worst, float(np.abs(logits - ref["logits"]).max() / np.abs(ref["logits"]).max()))
                     if mode in ("hash", "quota"):
