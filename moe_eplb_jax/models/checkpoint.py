@@ -38,6 +38,7 @@ import json
 import os
 import re
 import tempfile
+from typing import Any, cast
 
 import numpy as np
 from flax import nnx
@@ -68,9 +69,13 @@ def router_bias_name(config: ModelConfig, layer: int) -> str:
 
 
 # --------------------------------------------------------------------- layout
-def _attention_layout(c: ModelConfig) -> list[tuple[str, tuple[str, ...], tuple[int, ...], bool]]:
+_Row = tuple[str, tuple[str, ...], tuple[int, ...], bool]
+
+
+def _attention_layout(c: ModelConfig) -> list[_Row]:
     """``(checkpoint suffix, attribute path in the attention module, checkpoint shape, linear)`` of each tensor."""
     d, h = c.dim, c.num_heads
+    rows: list[_Row]
     if c.attention == "gqa":
         q, kv = h * c.head_dim, c.num_kv_heads * c.head_dim
         rows = [
@@ -375,8 +380,8 @@ def _dense_actions(model: MoECausalLM, tensors, dtypes):
             continue
         value = tensors[name].T if linear else tensors[name]
         out.append(_set_float(model, getattr(owner, attr), value, [dtypes[name]]))
-    for i in model.config.moe_blocks:
-        mlp, bias_name = model.layers[i].mlp, router_bias_name(model.config, i)
+    for i, mlp in zip(model.config.moe_blocks, model.moe_layers):
+        bias_name = router_bias_name(model.config, i)
         if bias_name in tensors:
             out.append(_set_float(model, mlp.router_bias, tensors[bias_name], [dtypes[bias_name]]))
         else:  # an optional softmax gate bias the checkpoint lacks: zeros, written back only if it changes
@@ -392,12 +397,10 @@ def _put_fp8(model, host: Fp8BlockWeight) -> QuantizedWeight:
 
 def _expert_actions(model: MoECausalLM, tensors, dtypes, placement: Placement, quantize, fp8_layers):
     """Actions that fill each MoE layer's slots (and its shared expert) from the checkpoint ``tensors``."""
-    from moe_eplb_jax import quant
 
     config, out = model.config, []
-    for li, i in enumerate(config.moe_blocks):
-        mlp, pre = model.layers[i].mlp, f"model.layers.{i}.mlp."
-        phy2log = placement.phy2log[li]
+    for li, (i, mlp) in enumerate(zip(config.moe_blocks, model.moe_layers)):
+        pre, phy2log = f"model.layers.{i}.mlp.", placement.phy2log[li]
         experts = [
             f"{pre}experts.{j}.{n}_proj.weight" for j in range(config.num_experts) for n in ("gate", "up", "down")
         ]
@@ -407,7 +410,7 @@ def _expert_actions(model: MoECausalLM, tensors, dtypes, placement: Placement, q
                 names = [f"{pre}experts.{j}.{n}_proj.weight" for j in range(config.num_experts)]
                 weight = np.stack([tensors[m] for m in names])[phy2log]
                 scale = np.stack([tensors[m + _SCALE] for m in names])[phy2log]
-                blocks.append(quant.Fp8BlockExperts(weight, scale))
+                blocks.append(_host_fp8_experts(weight, scale))
             out.append(lambda mlp=mlp, blocks=blocks: mlp.set_quantized_experts(*blocks))
         else:
             gate = np.stack([tensors[f"{pre}experts.{j}.gate_proj.weight"] for j in range(config.num_experts)])
@@ -425,17 +428,23 @@ def _expert_actions(model: MoECausalLM, tensors, dtypes, placement: Placement, q
     return out
 
 
-def _shared_actions(model, mlp, tensors, dtypes, pre):
+def _host_fp8_experts(weight: np.ndarray, scale: np.ndarray):
+    """``quant.Fp8BlockExperts`` of host arrays (placed on the mesh when installed)."""
     from moe_eplb_jax import quant
+
+    return quant.Fp8BlockExperts(cast(Any, weight), cast(Any, scale))
+
+
+def _shared_actions(model, mlp, tensors, dtypes, pre):
 
     names = [pre + f"{n}_proj.weight" for n in ("gate", "up", "down")]
     if dtypes[names[0]] == io.FP8:
         if {dtypes[n] for n in names} != {io.FP8}:
             raise ValueError(f"checkpoint: the shared expert {pre[:-1]!r} mixes float8_e4m3 and float tensors")
-        w_in = quant.Fp8BlockExperts(
+        w_in = _host_fp8_experts(
             np.stack([tensors[n] for n in names[:2]]), np.stack([tensors[n + _SCALE] for n in names[:2]])
         )
-        w_out = quant.Fp8BlockExperts(tensors[names[2]][None], tensors[names[2] + _SCALE][None])
+        w_out = _host_fp8_experts(tensors[names[2]][None], tensors[names[2] + _SCALE][None])
 
         def install(mlp=mlp, w_in=w_in, w_out=w_out):
             put = lambda q: QuantizedWeight(
@@ -472,7 +481,7 @@ def export_checkpoint(model: MoECausalLM, path) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise ValueError(f"{path}: directory {folder} does not exist")
-    formats = {layer.quant_format for layer in model.moe_layers} - {None, "fp8_block"}
+    formats = {str(layer.quant_format) for layer in model.moe_layers} - {"None", "fp8_block"}
     if formats:
         raise ValueError(
             f"export_checkpoint: quantized experts have no float checkpoint layout ({sorted(formats)}); export a "
@@ -520,8 +529,8 @@ def _export_tensors(model: MoECausalLM) -> dict[str, np.ndarray]:
             out.update(_fp8_tensors(name, value.weight, value.scale_inv))
         else:
             out[name] = _as_loaded(var, _host(var).T if linear else _host(var))
-    for i in config.moe_blocks:
-        mlp, pre = model.layers[i].mlp, f"model.layers.{i}.mlp."
+    for i, mlp in zip(config.moe_blocks, model.moe_layers):
+        pre = f"model.layers.{i}.mlp."
         bias = _host(mlp.router_bias)
         if config.scoring == "sigmoid" or np.any(bias != 0):
             out[router_bias_name(config, i)] = _as_loaded(mlp.router_bias, bias)

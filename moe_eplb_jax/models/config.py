@@ -313,7 +313,7 @@ PRESETS: dict[str, ModelConfig] = {
     ),
     # Two GPUs: DeepSeek-V3 (MLA with q_lora_rank, kv_lora_rank 512 and 128 + 64 / 128 head dims, interleaved RoPE
     # with V3's YaRN; 256 experts, top-8 of 4 of 8 groups, sigmoid scores with a correction bias, a shared expert,
-    # routed scaling 2.5, 3 of 61 blocks dense -> 1 of 12) at a smaller width; 18B parameters, 0.94B active per
+    # routed scaling 2.5, 3 of 61 blocks dense -> 1 of 12) at a smaller width; 18B parameters, 0.95B active per
     # token (36 GB in bf16; with AdamW moments and gradients training needs ~150 GB before activations: two H200s).
     "deepseek_v3_small": ModelConfig(
         vocab_size=32768,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 from moe_eplb_jax.models.config import ModelConfig
 from moe_eplb_jax.models.rope import YarnScaling
@@ -48,12 +49,12 @@ class _Fields:
     def __init__(self, raw: dict, where: str):
         self.raw, self.where, self.seen = raw, where, set(_BOOKKEEPING)
 
-    def get(self, key: str, default=None):
+    def get(self, key: str, default: Any = None) -> Any:
         self.seen.add(key)
         value = self.raw.get(key)
         return default if value is None else value
 
-    def require(self, *keys: str):
+    def require(self, *keys: str) -> tuple[Any, ...]:
         for key in keys:
             if self.raw.get(key) is None:
                 raise ValueError(f"{self.where}: field {key!r} is missing")
