@@ -7,6 +7,8 @@
                                                       # --format sglang: SGLang's --init-expert-location file)
     python examples/serve.py --init-placement p.json  # ... and serve with it, held
     python examples/serve.py --checkpoint ckpt/ --quantize mxfp4   # Hugging Face-style safetensors weights
+                                                      # (shaped by ckpt/config.json when there, else --preset)
+    python examples/serve.py --preset deepseek_v3_tiny  # DeepSeek-V3 (MLA, YaRN) at CPU size
     python examples/serve.py --devices 0 --ranks 1 --preset small --batch 32 --new-tokens 256 --compare-recompute
 
 Each batch holds requests of different prompt lengths, left-padded to one width (padding is never routed to
@@ -77,7 +79,11 @@ def parse_args(argv=None):
         help="token exchange in rounds of this factor times the balanced share (0: one worst-case all_to_all)",
     )
     p.add_argument("--skew", type=nonnegative_float, default=1.5, help="Zipf skew of the routers (random weights)")
-    p.add_argument("--checkpoint", help="a safetensors checkpoint (file or directory) of the preset's shape")
+    p.add_argument(
+        "--checkpoint",
+        help="a safetensors checkpoint: a directory with a Hugging Face config.json (it gives the model shape), or "
+        "a file or directory of the preset's shape",
+    )
     p.add_argument("--quantize", choices=FORMATS, default=None, help="quantize the experts on load")
     p.add_argument(
         "--init-placement", help="serve with this placement file, held (ours or SGLang's expert-location JSON)"
@@ -91,14 +97,17 @@ def parse_args(argv=None):
     add_eplb_config_arg(p, "--redundant and --init-placement (which holds the placement)")
     add_runtime_args(p)
     args = p.parse_args(argv)
-    config = PRESETS[args.preset]
     ranks = check_runtime_args(p, args)
+    if args.checkpoint is not None and not os.path.exists(args.checkpoint):
+        p.error(f"--checkpoint {args.checkpoint}: no such file or directory")
+    config = args.model_config = model_config(p, args)
+    shape = "config.json" if _hf_config_file(args) else f"{args.preset} preset"
     if args.min_prompt > args.max_prompt:
         p.error(f"--min-prompt {args.min_prompt} exceeds --max-prompt {args.max_prompt}")
     if args.max_prompt + args.new_tokens - 1 > config.max_seq_len:
         p.error(
-            f"--max-prompt {args.max_prompt} + --new-tokens {args.new_tokens} - 1 exceeds the {args.preset} "
-            f"preset's max_seq_len {config.max_seq_len}"
+            f"--max-prompt {args.max_prompt} + --new-tokens {args.new_tokens} - 1 exceeds the {shape}'s "
+            f"max_seq_len {config.max_seq_len}"
         )
     if args.top_k > config.vocab_size:
         p.error(f"--top-k {args.top_k} exceeds the vocabulary ({config.vocab_size})")
@@ -139,11 +148,28 @@ def eplb_settings(args) -> dict:
     )
 
 
+def _hf_config_file(args) -> str | None:
+    path = args.checkpoint and os.path.join(args.checkpoint, "config.json")
+    return path if path and os.path.isfile(path) else None
+
+
+def model_config(parser, args):
+    """The model shape: the checkpoint's config.json when it has one, else --preset; --dtype overrides."""
+    from moe_eplb_jax.models import config_from_hf, preset
+
+    dtype = {"dtype": args.dtype} if args.dtype else {}
+    path = _hf_config_file(args)
+    if path is None:
+        return preset(args.preset, **dtype)
+    try:
+        return config_from_hf(path, **dtype)
+    except ValueError as e:
+        parser.error(f"--checkpoint: {e}")
+
+
 def _divided(args) -> dict[str, int]:
     """The sizes the EP ranks must divide."""
-    from moe_eplb_jax.models import PRESETS
-
-    return {"--batch": args.batch, "P = E + --redundant": PRESETS[args.preset].num_experts + args.redundant}
+    return {"--batch": args.batch, "P = E + --redundant": args.model_config.num_experts + args.redundant}
 
 
 def main(argv=None):
@@ -157,7 +183,7 @@ def main(argv=None):
 
     from moe_eplb_jax import metrics
     from moe_eplb_jax.flax import EplbController
-    from moe_eplb_jax.models import MoECausalLM, Sampling, generate, load_checkpoint, preset, skew_routers, zipf_tokens
+    from moe_eplb_jax.models import MoECausalLM, Sampling, generate, load_checkpoint, skew_routers, zipf_tokens
     from moe_eplb_jax.moe import DispatchConfig
 
     ranks, mesh = rt.ranks, rt.mesh
@@ -165,7 +191,7 @@ def main(argv=None):
         eplb = build_eplb_config(args.eplb, num_gpus=ranks)
     except ValueError as e:
         parser.error(str(e))
-    config = preset(args.preset, **({"dtype": args.dtype} if args.dtype else {}))
+    config = args.model_config
     model = MoECausalLM(
         config,
         mesh=mesh,
@@ -257,7 +283,8 @@ def main(argv=None):
     # Every process prints the summary: their figures must agree.
     print("\n=== summary ===" if args.num_processes == 1 else f"\n=== summary (process {jax.process_index()}) ===")
     print(
-        f"EP ranks {ranks}, preset {args.preset}: {config.num_moe_layers} MoE layers, experts "
+        f"EP ranks {ranks}, {_hf_config_file(args) or 'preset ' + args.preset} ({config.attention.upper()} "
+        f"attention): {config.num_moe_layers} MoE layers, experts "
         f"{config.num_experts} + {args.redundant} redundant, top-{config.top_k} ({config.scoring} router), "
         f"routing {eplb.routing!r}, policy {eplb.policy!r}, overlap {eplb.overlap!r}"
     )

@@ -82,7 +82,7 @@ def test_help_shows_defaults(capsys, script):
     if script is not placement_demo:
         assert "(default: 8)" in out
     if script in (serve, train):
-        assert "(default: tiny)" in out and "{deepseek_v3_small,small,tiny}" in out
+        assert "(default: tiny)" in out and "{deepseek_v3_small,deepseek_v3_tiny,small,tiny}" in out
 
 
 def test_eplb_config_layers_defaults_file_and_flags(tmp_path):
@@ -215,3 +215,34 @@ def test_train_resume_refuses_a_checkpoint_of_another_config(capsys, tmp_path):
     err = capsys.readouterr().err.strip().splitlines()
     assert re.search("--resume: EPLB checkpoint field 'config': saved with window_size=4", err[-1]), err
     assert np.array_equal(sorted(os.listdir(ckpt)), ["1"])
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("keep_environment")
+def test_serve_and_train_run_deepseek_v3(capsys, tmp_path):
+    """serve from a Hugging Face-style DeepSeek-V3 directory (config.json + safetensors), train the preset."""
+    import _models_reference as reference
+    from safetensors.numpy import save_file
+
+    from moe_eplb_jax.models import config_from_hf
+
+    hf = {
+        "model_type": "deepseek_v3", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+        "moe_intermediate_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4, "n_routed_experts": 16,
+        "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2, "first_k_dense_replace": 1, "q_lora_rank": 32,
+        "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+        "max_position_embeddings": 256, "dtype": "float32",
+        "rope_scaling": {"type": "yarn", "factor": 4, "original_max_position_embeddings": 64, "mscale": 1.0,
+                         "mscale_all_dim": 1.0},
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    tensors = reference.random_tensors(config_from_hf(hf), np.random.default_rng(0))
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    serve.main([*SERVE_SMALL, "--checkpoint", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "config.json (MLA attention): 2 MoE layers" in out and "rearrangement 1 (done after" in out
+    with jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("allow"):  # optax's Adam mixes dtypes
+        train.main(["--preset", "deepseek_v3_tiny", "--steps", "3"])
+    out = capsys.readouterr().out
+    first, last = re.search(r"steps 1\.\.3: loss ([\d.]+) -> ([\d.]+)", out).groups()
+    assert float(last) < float(first)

@@ -61,10 +61,17 @@ def _left_padded(rng, config, lengths, width):
 
 # ------------------------------------------------------------------- config
 def test_presets_are_valid_and_shaped_as_described():
-    assert set(PRESETS) == {"tiny", "small", "deepseek_v3_small"}
+    assert set(PRESETS) == {"tiny", "small", "deepseek_v3_tiny", "deepseek_v3_small"}
+    for v3 in (PRESETS["deepseek_v3_small"], PRESETS["deepseek_v3_tiny"]):
+        assert v3.scoring == "sigmoid" and v3.top_k <= v3.num_experts and v3.topk_groups < v3.num_groups
+        assert v3.routed_scaling_factor == 2.5 and v3.shared_hidden > 0 and v3.num_moe_layers == v3.num_layers - 1
+        assert v3.attention == "mla" and v3.rope_interleave and v3.rope_scaling is not None
+        assert v3.rope_scaling.mscale == v3.rope_scaling.mscale_all_dim == 1.0
     v3 = PRESETS["deepseek_v3_small"]
-    assert (v3.num_experts, v3.top_k, v3.num_groups, v3.topk_groups, v3.scoring) == (256, 8, 8, 4, "sigmoid")
-    assert v3.routed_scaling_factor == 2.5 and v3.shared_hidden > 0 and v3.num_moe_layers == v3.num_layers - 1
+    assert (v3.num_experts, v3.top_k, v3.num_groups, v3.topk_groups) == (256, 8, 8, 4)
+    # DeepSeek-V3's head shape and cache width: 128 + 64 query/key, 128 value, a 512-wide latent.
+    assert (v3.qk_nope_head_dim, v3.qk_rope_head_dim, v3.v_head_dim, v3.kv_lora_rank) == (128, 64, 128, 512)
+    assert v3.q_lora_rank is not None and v3.rope_scaling.factor == 40
     assert PRESETS["tiny"].scoring == "softmax" and PRESETS["tiny"].num_moe_layers == 2
     with pytest.raises(ValueError, match="unknown preset 'huge'"):
         preset("huge")
@@ -181,14 +188,13 @@ def test_export_round_trips_every_tensor_byte_for_byte(tmp_path, rng):
     for p, e in enumerate(phy2log[1]):
         gate = tensors[f"model.layers.2.mlp.experts.{e}.gate_proj.weight"]
         assert np.array_equal(w_in[p, :, :32].view(np.uint16), gate.T.view(np.uint16))
+    # Routers stay float32 in the model, and remember the dtype they came in.
+    assert all(layer.router.get_value().dtype == np.float32 for layer in model.moe_layers)
     out = tmp_path / "export.safetensors"
     export_checkpoint(model, out)
     back = safetensors_numpy.load_file(str(out))
     assert set(back) == set(tensors)
     for name, value in tensors.items():
-        if name.endswith("mlp.gate.weight"):  # routers stay float32 in the model (and in its export): lossless
-            assert back[name].dtype == np.float32
-            value = value.astype(np.float32)
         assert back[name].dtype == value.dtype and back[name].shape == value.shape, name
         assert np.array_equal(back[name].view(np.uint8), value.view(np.uint8)), name
 
@@ -312,7 +318,8 @@ def test_checkpoint_shapes_cover_the_model(rng):
 def test_fused_attention_matches_the_xla_reference(padded, rng):
     """cuDNN's fused attention (the GPU default for 16-bit prefill and training) against the XLA path, GQA, within
     bf16 tolerance; with left padding, real queries agree and no query gives a NaN."""
-    from moe_eplb_jax.models.layers import attend, attention_mask
+    from moe_eplb_jax.models.attention import attend
+    from moe_eplb_jax.models.layers import attention_mask
 
     b, t, h, kh, dh = 4, 256, 8, 2, 64
     q, k, v = (jnp.asarray(rng.standard_normal((b, t, n, dh)), jnp.bfloat16) for n in (h, kh, kh))
@@ -321,8 +328,8 @@ def test_fused_attention_matches_the_xla_reference(padded, rng):
     if padded:
         real = np.arange(t)[None, :] >= rng.integers(0, t // 2, b)[:, None]
         mask = attention_mask(jnp.asarray(real), 0, t)
-    got = np.asarray(attend(q, k, v, mask, implementation="cudnn"), np.float32)
-    want = np.asarray(attend(q, k, v, mask, implementation="xla"), np.float32)
+    got = np.asarray(attend(q, k, v, mask, scale=dh**-0.5, implementation="cudnn"), np.float32)
+    want = np.asarray(attend(q, k, v, mask, scale=dh**-0.5, implementation="xla"), np.float32)
     assert np.isfinite(got).all()
     err = np.linalg.norm((got - want)[real]) / np.linalg.norm(want[real])
     assert err < 1e-2, err

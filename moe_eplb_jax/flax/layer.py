@@ -186,7 +186,10 @@ class MoELayer(nnx.Module):
             experts = {name: var.get_value() for name, var in self.eplb_expert_variables().items()}
         shared = None
         if self.shared_in is not None and self.shared_out is not None:
-            shared = {"w_in": self.shared_in.get_value(), "w_out": self.shared_out.get_value()}
+            shared = {
+                "w_in": _shared_weight(self.shared_in.get_value(), x.dtype),
+                "w_out": _shared_weight(self.shared_out.get_value(), x.dtype),
+            }
         out, load = moe_apply(
             tokens,
             self.router.get_value(),
@@ -237,7 +240,6 @@ class MoELayer(nnx.Module):
             raise ValueError(f"unknown quantized format {fmt!r}; known: {sorted(quant.FORMATS)}")
         if impl not in quant.IMPLS:
             raise ValueError(f"unknown quant impl {impl!r}; known: {list(quant.IMPLS)}")
-        dispatch = dataclasses.replace(self.dispatch, quant_impl=impl, activation_scaling=activation_scaling)
         hidden = w_out_var.get_value().shape[1]
         w_in = np.asarray(w_in_var.get_value(), np.float32)
         w_out = np.asarray(w_out_var.get_value(), np.float32)
@@ -246,11 +248,37 @@ class MoELayer(nnx.Module):
         up = np.ascontiguousarray(np.swapaxes(w_in[:, :, hidden:], 1, 2))
         down = np.ascontiguousarray(np.swapaxes(w_out, 1, 2))
         q = quant.quantize_mlp(jnp.asarray(gate), jnp.asarray(up), jnp.asarray(down), fmt)
+        self.set_quantized_experts(*q, impl=impl, activation_scaling=activation_scaling)
+
+    def set_quantized_experts(self, gate, up, down, *, impl: str = "auto", activation_scaling: str = "dynamic"):
+        """Installs quantized experts in place of the float ones (e.g. block-FP8 experts read from a checkpoint).
+
+        ``gate``/``up`` ``[P, H, D]`` and ``down`` ``[P, D, H]``: pytrees of one
+        ``moe_eplb_jax.quant`` format, slot ``p`` holding expert ``phy2log[p]``
+        (host or device arrays). Checked before anything changes.
+        """
+        w_in_var, w_out_var = self.w_in, self.w_out
+        if self.quant_format is not None or w_in_var is None or w_out_var is None:
+            raise ValueError(f"layer is already quantized ({self.quant_format!r})")
+        if impl not in quant.IMPLS:
+            raise ValueError(f"unknown quant impl {impl!r}; known: {list(quant.IMPLS)}")
+        kinds = {type(t) for t in (gate, up, down)}
+        if len(kinds) != 1 or not isinstance(gate, quant.QuantizedExperts):
+            raise ValueError(f"gate, up, down must be quantized experts of one format, got {sorted(map(str, kinds))}")
+        p, d, hidden = w_in_var.get_value().shape[0], w_in_var.get_value().shape[1], w_out_var.get_value().shape[1]
+        for name, q, want in (
+            ("gate", gate, (p, hidden, d)),
+            ("up", up, (p, hidden, d)),
+            ("down", down, (p, d, hidden)),
+        ):
+            if tuple(q.shape) != want:
+                raise ValueError(f"quantized {name} has shape {tuple(q.shape)}, expected {want}")
         slots = PS(self.axis)
-        placed = [jax.tree.map(lambda leaf: put_host(np.asarray(leaf), self.mesh, slots), t) for t in q]
+        placed = [jax.tree.map(lambda leaf: put_host(np.asarray(leaf), self.mesh, slots), t) for t in (gate, up, down)]
         self.q_gate, self.q_up, self.q_down = (QuantizedExperts(t) for t in placed)
         self.w_in = self.w_out = None
-        self.quant_format, self.dispatch = fmt, dispatch
+        self.quant_format = gate.fmt
+        self.dispatch = dataclasses.replace(self.dispatch, quant_impl=impl, activation_scaling=activation_scaling)
 
     def eplb_load_variable(self) -> nnx.Variable:
         return self.expert_load
@@ -307,3 +335,16 @@ class MoELayer(nnx.Module):
         """``routing.mode_lookup`` of this layer's placement, replicated (built once per placement)."""
         table = mode_lookup(routing, log2phy, logcnt, replica_shares=shares, num_physical=self.num_physical)
         return put_host(table, self.mesh, PS())
+
+
+def _shared_weight(value, dtype):
+    """A shared-expert weight as a float ``[in, out]`` array.
+
+    Float weights are used as stored; a block-FP8 one (``quant.Fp8BlockExperts``
+    in the checkpoint layout: ``w_in`` as two experts ``[2, H, D]``, gate then
+    up; ``w_out`` as one ``[1, D, H]``) is decoded to ``dtype``.
+    """
+    if not isinstance(value, quant.Fp8BlockExperts):
+        return value
+    w = value.dequantize()  # [n, out, in] float32
+    return jnp.concatenate(list(w), axis=0).T.astype(dtype)

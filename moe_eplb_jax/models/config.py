@@ -1,10 +1,10 @@
 """``ModelConfig``: the shape of an MoE decoder, validated; and its presets.
 
 One frozen dataclass describes the model (what a Hugging Face ``config.json``
-of Qwen3-MoE or DeepSeek-V3 describes); where the experts live (``P``, the
-mesh) is the model constructor's business, so one config serves every
-placement. Field names follow the model code, their Hugging Face names are
-given beside them.
+of Qwen3-MoE, DeepSeek-V3 or GLM-4-MoE describes; ``models.config_from_hf``
+reads one); where the experts live (``P``, the mesh) is the model
+constructor's business, so one config serves every placement. Field names
+follow the model code, their Hugging Face names are given beside them.
 """
 
 from __future__ import annotations
@@ -15,11 +15,13 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
+from moe_eplb_jax.models.rope import YarnScaling
 from moe_eplb_jax.moe import RouterConfig
 
-__all__ = ["DTYPES", "PRESETS", "ModelConfig", "preset"]
+__all__ = ["ATTENTIONS", "DTYPES", "PRESETS", "ModelConfig", "preset"]
 
 DTYPES = ("float32", "bfloat16")
+ATTENTIONS = ("gqa", "mla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,11 +33,25 @@ class ModelConfig:
       dim: model width ``D`` (``hidden_size``).
       num_layers: decoder blocks (``num_hidden_layers``).
       num_heads: query heads (``num_attention_heads``).
-      num_kv_heads: key/value heads, dividing ``num_heads`` (``num_key_value_heads``).
-      head_dim: width of one head, even (RoPE rotates pairs) (``head_dim``).
+      attention: ``"gqa"`` (grouped-query attention: Qwen3-MoE, GLM-4-MoE) or
+        ``"mla"`` (DeepSeek-V2/V3's multi-head latent attention).
+      num_kv_heads: GQA key/value heads, dividing ``num_heads`` (``num_key_value_heads``).
+      head_dim: width of one GQA head (``head_dim``).
+      q_lora_rank: MLA: rank of the low-rank query (``q_lora_rank``; ``None``: a full-rank ``q_proj``).
+      kv_lora_rank: MLA: width of the compressed key/value latent the cache holds (``kv_lora_rank``).
+      qk_nope_head_dim, qk_rope_head_dim: MLA: a query/key head is ``qk_nope_head_dim``
+        dimensions from the latent and ``qk_rope_head_dim`` rotated ones, the
+        rotated key shared by every head (``qk_nope_head_dim``, ``qk_rope_head_dim``).
+      v_head_dim: MLA: width of one value head (``v_head_dim``).
+      qkv_bias: biases on the query/key/value projections (GQA ``q/k/v_proj``; MLA
+        ``q_a_proj`` and ``kv_a_proj_with_mqa``) (``attention_bias``).
+      o_bias: a bias on ``o_proj`` (Qwen3-MoE's and DeepSeek-V3's ``attention_bias``; GLM-4-MoE has none).
       dense_hidden: MLP width of the dense layers (``intermediate_size``).
       first_dense_layers: the first ``k`` blocks have a dense MLP, the rest an
         MoE layer (``first_k_dense_replace``).
+      dense_layers: the blocks with a dense MLP, anywhere (Qwen3-MoE's
+        ``mlp_only_layers`` and ``decoder_sparse_step``); ``None``: the first
+        ``first_dense_layers`` (which must then be 0 when this is given).
       num_experts: routed experts ``E`` (``n_routed_experts`` / ``num_experts``).
       top_k: experts per token (``num_experts_per_tok``).
       moe_hidden: one expert's MLP width (``moe_intermediate_size``).
@@ -51,11 +67,20 @@ class ModelConfig:
       num_groups, topk_groups: group-limited routing: experts in
         ``num_groups`` groups, a token's experts from its best ``topk_groups``
         (``n_group``, ``topk_group``; ``topk_groups=None``: plain top-k).
-      qk_norm: RMSNorm of every query and key head before RoPE (Qwen3).
+      qk_norm: RMSNorm of every query and key head before RoPE (Qwen3; GLM-4-MoE's ``use_qk_norm``).
       rope_theta: RoPE base (``rope_theta``).
-      rms_eps: RMSNorm epsilon (``rms_norm_eps``).
+      rope_scaling: ``YarnScaling`` or ``None`` (``rope_parameters`` / ``rope_scaling`` of ``rope_type="yarn"``).
+      partial_rotary_factor: GQA: RoPE rotates the first ``int(head_dim * f)`` dimensions
+        of each head (``partial_rotary_factor``; MLA rotates ``qk_rope_head_dim``).
+      rope_interleave: the rotated dimensions pair as ``(2i, 2i + 1)`` instead of
+        ``(i, i + R/2)`` (``rope_interleave``, DeepSeek-V3).
+      rms_eps: RMSNorm epsilon (``rms_norm_eps``; MLA's ``q_a_layernorm`` and
+        ``kv_a_layernorm`` use 1e-6 whatever it is, as DeepSeek's code does).
       max_seq_len: longest sequence (prompt + generated) the model serves
         (``max_position_embeddings``).
+      mtp_layers: multi-token-prediction blocks a checkpoint carries after the
+        decoder (``num_nextn_predict_layers``); the model does not run them:
+        loading skips their tensors, export writes none.
       tie_embeddings: the output projection is the token embedding (``tie_word_embeddings``).
       dtype: weights and activations, ``"float32"`` or ``"bfloat16"``;
         norms, softmax and router run in float32 either way.
@@ -65,10 +90,19 @@ class ModelConfig:
     dim: int = 64
     num_layers: int = 3
     num_heads: int = 4
+    attention: str = "gqa"
     num_kv_heads: int = 2
     head_dim: int = 16
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 32
+    qk_nope_head_dim: int = 16
+    qk_rope_head_dim: int = 8
+    v_head_dim: int = 16
+    qkv_bias: bool = False
+    o_bias: bool = False
     dense_hidden: int = 128
     first_dense_layers: int = 1
+    dense_layers: tuple[int, ...] | None = None
     num_experts: int = 16
     top_k: int = 2
     moe_hidden: int = 32
@@ -80,8 +114,12 @@ class ModelConfig:
     topk_groups: int | None = None
     qk_norm: bool = True
     rope_theta: float = 10000.0
+    rope_scaling: YarnScaling | None = None
+    partial_rotary_factor: float = 1.0
+    rope_interleave: bool = False
     rms_eps: float = 1e-6
     max_seq_len: int = 512
+    mtp_layers: int = 0
     tie_embeddings: bool = False
     dtype: str = "float32"
 
@@ -93,6 +131,9 @@ class ModelConfig:
             "num_heads",
             "num_kv_heads",
             "head_dim",
+            "kv_lora_rank",
+            "qk_rope_head_dim",
+            "v_head_dim",
             "dense_hidden",
             "num_experts",
             "moe_hidden",
@@ -100,12 +141,14 @@ class ModelConfig:
         )
         for name in positive:
             _check_int(name, getattr(self, name), minimum=1)
-        _check_int("first_dense_layers", self.first_dense_layers, minimum=0)
-        _check_int("shared_hidden", self.shared_hidden, minimum=0)
-        for name in ("qk_norm", "tie_embeddings"):
+        for name in ("first_dense_layers", "shared_hidden", "qk_nope_head_dim", "mtp_layers"):
+            _check_int(name, getattr(self, name), minimum=0)
+        if self.q_lora_rank is not None:
+            _check_int("q_lora_rank", self.q_lora_rank, minimum=1)
+        for name in ("qk_norm", "tie_embeddings", "qkv_bias", "o_bias", "rope_interleave"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ModelConfig.{name} must be a bool, got {getattr(self, name)!r}")
-        for name in ("rope_theta", "rms_eps"):
+        for name in ("rope_theta", "rms_eps", "partial_rotary_factor"):
             value = getattr(self, name)
             if (
                 isinstance(value, bool)
@@ -119,17 +162,10 @@ class ModelConfig:
             raise ValueError(str(e).replace("RouterConfig.", "ModelConfig.")) from None
         if self.dtype not in DTYPES:
             raise ValueError(f"ModelConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"ModelConfig.num_heads={self.num_heads} is not divisible by num_kv_heads={self.num_kv_heads}"
-            )
-        if self.head_dim % 2:
-            raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even (RoPE rotates pairs)")
-        if self.first_dense_layers >= self.num_layers:
-            raise ValueError(
-                f"ModelConfig.first_dense_layers={self.first_dense_layers} leaves no MoE layer of "
-                f"num_layers={self.num_layers}"
-            )
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, YarnScaling):
+            raise ValueError(f"ModelConfig.rope_scaling must be a YarnScaling or None, got {self.rope_scaling!r}")
+        self._check_attention()
+        self._check_layers()
 
     @property
     def router(self) -> RouterConfig:
@@ -143,10 +179,84 @@ class ModelConfig:
             routed_scaling_factor=self.routed_scaling_factor,
         )
 
+    def _check_attention(self) -> None:
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"ModelConfig.attention must be one of {ATTENTIONS}, got {self.attention!r}")
+        if self.attention == "mla":
+            if self.qk_rope_head_dim % 2:
+                raise ValueError(
+                    f"ModelConfig.qk_rope_head_dim={self.qk_rope_head_dim} must be even (RoPE rotates pairs)"
+                )
+            if self.partial_rotary_factor != 1.0:
+                raise ValueError(
+                    f"ModelConfig.partial_rotary_factor={self.partial_rotary_factor}: MLA rotates its "
+                    "qk_rope_head_dim dimensions whole (1.0)"
+                )
+            if self.qk_norm:
+                raise ValueError("ModelConfig.qk_norm: MLA has no per-head query/key norm; set qk_norm=False")
+            return
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"ModelConfig.num_heads={self.num_heads} is not divisible by num_kv_heads={self.num_kv_heads}"
+            )
+        if self.partial_rotary_factor > 1:
+            raise ValueError(f"ModelConfig.partial_rotary_factor={self.partial_rotary_factor} exceeds 1")
+        rotary = self.rotary_dim
+        if rotary < 2 or rotary % 2:
+            raise ValueError(
+                f"ModelConfig.head_dim={self.head_dim} x partial_rotary_factor={self.partial_rotary_factor} "
+                f"rotates {rotary} dimensions; RoPE needs a positive even number"
+            )
+
+    def _check_layers(self) -> None:
+        if self.dense_layers is not None:
+            layers = self.dense_layers
+            if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
+                raise ValueError(f"ModelConfig.dense_layers must be a sequence of block indices, got {layers!r}")
+            layers = tuple(layers)
+            for i in layers:
+                if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < self.num_layers:
+                    raise ValueError(
+                        f"ModelConfig.dense_layers holds {i!r}; block indices are integers in [0, {self.num_layers})"
+                    )
+            if len(set(layers)) != len(layers) or list(layers) != sorted(layers):
+                raise ValueError(f"ModelConfig.dense_layers must be increasing without repeats, got {layers!r}")
+            if self.first_dense_layers:
+                raise ValueError(
+                    f"ModelConfig.first_dense_layers={self.first_dense_layers} and dense_layers={layers} both "
+                    "name dense blocks; give one (dense_layers=range(k) is first_dense_layers=k)"
+                )
+            object.__setattr__(self, "dense_layers", tuple(int(i) for i in layers))  # hashable, JSON-able
+        if self.num_moe_layers < 1:
+            field = "dense_layers" if self.dense_layers is not None else "first_dense_layers"
+            raise ValueError(
+                f"ModelConfig.{field}={getattr(self, field)} leaves no MoE layer of num_layers={self.num_layers}"
+            )
+
+    @property
+    def dense_blocks(self) -> tuple[int, ...]:
+        """The blocks with a dense MLP, in order."""
+        if self.dense_layers is not None:
+            return self.dense_layers
+        return tuple(range(min(self.first_dense_layers, self.num_layers)))
+
+    @property
+    def moe_blocks(self) -> tuple[int, ...]:
+        """The blocks with an MoE layer, in order: MoE layer ``l`` of a ``Placement`` is block ``moe_blocks[l]``."""
+        dense = set(self.dense_blocks)
+        return tuple(i for i in range(self.num_layers) if i not in dense)
+
     @property
     def num_moe_layers(self) -> int:
         """``L``: the MoE layers, the ones EPLB balances."""
-        return self.num_layers - self.first_dense_layers
+        return self.num_layers - len(self.dense_blocks)
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions RoPE rotates per head: MLA's ``qk_rope_head_dim``, else ``int(head_dim * partial_rotary_factor)``."""
+        if self.attention == "mla":
+            return self.qk_rope_head_dim
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def jnp_dtype(self):
@@ -185,17 +295,40 @@ PRESETS: dict[str, ModelConfig] = {
         tie_embeddings=True,
         dtype="bfloat16",
     ),
-    # Two GPUs: DeepSeek-V3's MoE (256 experts, top-8 of 4 of 8 groups, sigmoid scores with a correction bias,
-    # a shared expert, routed scaling 2.5, 3 of 61 blocks dense -> 1 of 12) at a smaller width, with GQA in place
-    # of MLA; 18B parameters, 0.94B active per token (36 GB in bf16; with AdamW moments and gradients training
-    # needs ~150 GB before activations: two H200s).
+    # DeepSeek-V3 as it is at CPU size: MLA (low-rank query, latent KV, interleaved decoupled RoPE with YaRN), the
+    # sigmoid group-limited router, routed scaling, a shared expert, a dense first block. Tests and CPU smoke runs.
+    "deepseek_v3_tiny": ModelConfig(
+        attention="mla",
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        rope_interleave=True,
+        rope_scaling=YarnScaling(factor=4.0, original_max_len=128, mscale=1.0, mscale_all_dim=1.0),
+        scoring="sigmoid",
+        num_groups=4,
+        topk_groups=2,
+        routed_scaling_factor=2.5,
+        qk_norm=False,
+    ),
+    # Two GPUs: DeepSeek-V3 (MLA with q_lora_rank, kv_lora_rank 512 and 128 + 64 / 128 head dims, interleaved RoPE
+    # with V3's YaRN; 256 experts, top-8 of 4 of 8 groups, sigmoid scores with a correction bias, a shared expert,
+    # routed scaling 2.5, 3 of 61 blocks dense -> 1 of 12) at a smaller width; 18B parameters, 0.95B active per
+    # token (36 GB in bf16; with AdamW moments and gradients training needs ~150 GB before activations: two H200s).
     "deepseek_v3_small": ModelConfig(
         vocab_size=32768,
         dim=2048,
         num_layers=12,
         num_heads=16,
-        num_kv_heads=4,
-        head_dim=128,
+        attention="mla",
+        q_lora_rank=768,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        rope_interleave=True,
+        rope_scaling=YarnScaling(factor=40.0, original_max_len=4096, mscale=1.0, mscale_all_dim=1.0),
         dense_hidden=8192,
         first_dense_layers=1,
         num_experts=256,
@@ -216,7 +349,7 @@ PRESETS: dict[str, ModelConfig] = {
 
 
 def preset(name: str, **changes) -> ModelConfig:
-    """The preset ``name`` (``"tiny"``, ``"small"``, ``"deepseek_v3_small"``), with ``changes`` applied."""
+    """The preset ``name`` (``"tiny"``, ``"small"``, ``"deepseek_v3_tiny"``, ``"deepseek_v3_small"``), with ``changes``."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
     return dataclasses.replace(PRESETS[name], **changes)

@@ -1,8 +1,9 @@
 """``MoECausalLM``: a decoder-only MoE language model whose MoE layers EPLB balances as they are.
 
-Token embedding -> ``num_layers`` blocks of (RMSNorm, grouped-query attention
-with RoPE, RMSNorm, MLP) -> RMSNorm -> output projection. The first
-``config.first_dense_layers`` blocks have a dense SwiGLU MLP, the rest a
+Token embedding -> ``num_layers`` blocks of (RMSNorm, attention with RoPE --
+grouped-query or DeepSeek's multi-head latent attention, ``config.attention``
+-- RMSNorm, MLP) -> RMSNorm -> output projection. The blocks
+``config.dense_blocks`` have a dense SwiGLU MLP, the rest a
 ``moe_eplb_jax.flax.MoELayer`` (routed experts in ``P`` physical slots over the
 EP mesh axis, plus the shared expert), so ``EplbController(model, ...)`` finds
 and balances every MoE layer without glue. Attribute names follow the Hugging
@@ -28,8 +29,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as PS
 
 from moe_eplb_jax.flax import MoELayer
+from moe_eplb_jax.models.attention import attention_module
 from moe_eplb_jax.models.config import ModelConfig
-from moe_eplb_jax.models.layers import Attention, DenseMLP, RMSNorm, attention_mask, replicated_param
+from moe_eplb_jax.models.layers import DenseMLP, RMSNorm, attention_mask, replicated_param
 from moe_eplb_jax.moe import DispatchConfig
 
 __all__ = ["DecoderBlock", "KVCache", "MoECausalLM"]
@@ -38,16 +40,18 @@ __all__ = ["DecoderBlock", "KVCache", "MoECausalLM"]
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """A preallocated key/value cache of every block for ``B`` sequences of up to ``S`` positions.
+    """A preallocated attention cache of every block for ``B`` sequences of up to ``S`` positions.
 
     Attributes:
-      keys, values: per block, ``[B, S, K, Dh]`` in the model dtype (batch sharded over the EP axis).
+      layers: per block, its attention's cache arrays in the model dtype, each
+        ``[B, S, ...]`` (batch sharded over the EP axis): grouped-query
+        attention ``(keys, values)``, each ``[B, S, K, Dh]``; MLA
+        ``(latent,)``, ``[B, S, kv_lora_rank + qk_rope_head_dim]``.
       valid: ``[B, S]`` bool, positions that hold a real token (padding and unwritten positions: ``False``).
       index: ``[]`` int32, the next position written (the same for every row: prompts are left-padded).
     """
 
-    keys: tuple[jax.Array, ...]
-    values: tuple[jax.Array, ...]
+    layers: tuple[tuple[jax.Array, ...], ...]
     valid: jax.Array
     index: jax.Array
 
@@ -73,7 +77,7 @@ class DecoderBlock(nnx.Module):
     ):
         dtype = config.jnp_dtype
         self.input_layernorm = RMSNorm(config.dim, eps=config.rms_eps, dtype=dtype, mesh=mesh)
-        self.self_attn = Attention(config, mesh=mesh, rngs=rngs)
+        self.self_attn = attention_module(config, mesh=mesh, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(config.dim, eps=config.rms_eps, dtype=dtype, mesh=mesh)
         if moe:
             self.mlp = MoELayer(
@@ -94,10 +98,10 @@ class DecoderBlock(nnx.Module):
             self.mlp = DenseMLP(config.dim, config.dense_hidden, dtype=dtype, mesh=mesh, rngs=rngs)
 
     def __call__(self, x, positions, mask, *, valid, record, cache=None, cache_index: jax.Array | int = 0):
-        """-> ``(x, keys, values)``; see ``Attention`` for the cache."""
-        h, keys, values = self.self_attn(self.input_layernorm(x), positions, mask, cache, cache_index)
+        """-> ``(x, cache)``; see ``models.attention`` for the cache."""
+        h, cache = self.self_attn(self.input_layernorm(x), positions, mask, cache, cache_index)
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x), valid=valid, record=record), keys, values
+        return x + self.mlp(self.post_attention_layernorm(x), valid=valid, record=record), cache
 
 
 def _run_block(block: DecoderBlock, x, positions, mask, valid, record):
@@ -168,7 +172,7 @@ class MoECausalLM(nnx.Module):
             [
                 DecoderBlock(
                     config,
-                    moe=i >= config.first_dense_layers,
+                    moe=i not in config.dense_blocks,
                     mesh=mesh,
                     axis=axis,
                     num_physical=num_physical,
@@ -228,9 +232,9 @@ class MoECausalLM(nnx.Module):
         if not isinstance(cache, KVCache):
             raise ValueError(f"cache must be a KVCache, got {type(cache).__name__}")
         valid = self._check_tokens(tokens, valid)
-        if cache.valid.shape[0] != tokens.shape[0] or len(cache.keys) != len(self.layers):
+        if cache.valid.shape[0] != tokens.shape[0] or len(cache.layers) != len(self.layers):
             raise ValueError(
-                f"cache holds {cache.valid.shape[0]} sequences of {len(cache.keys)} blocks; tokens have "
+                f"cache holds {cache.valid.shape[0]} sequences of {len(cache.layers)} blocks; tokens have "
                 f"{tokens.shape[0]} sequences and the model {len(self.layers)} blocks"
             )
         if tokens.shape[1] > cache.max_len:
@@ -240,12 +244,11 @@ class MoECausalLM(nnx.Module):
         kv_valid = jax.lax.dynamic_update_slice(cache.valid, valid, (0, cache.index))
         mask = attention_mask(kv_valid, cache.index, tokens.shape[1])
         x = self._embed(tokens)
-        keys, values = [], []
-        for block, k, v in zip(self.layers, cache.keys, cache.values):
-            x, k, v = block(x, positions, mask, valid=valid, record=record, cache=(k, v), cache_index=cache.index)
-            keys.append(k)
-            values.append(v)
-        new = KVCache(tuple(keys), tuple(values), kv_valid, cache.index + tokens.shape[1])
+        layers = []
+        for block, state in zip(self.layers, cache.layers):
+            x, state = block(x, positions, mask, valid=valid, record=record, cache=state, cache_index=cache.index)
+            layers.append(tuple(state))
+        new = KVCache(tuple(layers), kv_valid, cache.index + tokens.shape[1])
         return self._logits(x[:, -1:])[:, 0], new
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
@@ -257,16 +260,14 @@ class MoECausalLM(nnx.Module):
             raise ValueError(f"max_len must be a positive integer, got {max_len!r}")
         if max_len > self.config.max_seq_len:
             raise ValueError(f"max_len={max_len} exceeds the model's max_seq_len={self.config.max_seq_len}")
-        c = self.config
-        shape = (int(batch), int(max_len), c.num_kv_heads, c.head_dim)
+        dtype = self.config.jnp_dtype
+        shapes = [block.self_attn.cache_shapes(int(batch), int(max_len)) for block in self.layers]
         rows = NamedSharding(self.mesh, PS(self.axis))
         replicated = NamedSharding(self.mesh, PS())
-        n = c.num_layers
 
         def empty():
-            keys = tuple(jnp.zeros(shape, c.jnp_dtype) for _ in range(n))
-            values = tuple(jnp.zeros(shape, c.jnp_dtype) for _ in range(n))
-            return KVCache(keys, values, jnp.zeros(shape[:2], jnp.bool_), jnp.zeros((), jnp.int32))
+            layers = tuple(tuple(jnp.zeros(shape, dtype) for shape in block) for block in shapes)
+            return KVCache(layers, jnp.zeros((int(batch), int(max_len)), jnp.bool_), jnp.zeros((), jnp.int32))
 
         shardings = jax.tree.map(lambda x: replicated if x.ndim == 0 else rows, jax.eval_shape(empty))
         return jax.jit(empty, out_shardings=shardings)()

@@ -90,6 +90,7 @@ def expert_mlp(
             impl=quant_impl,
             activation_scaling=activation_scaling,
             axis_name=axis_name,
+            compute_dtype=x.dtype,  # weight-only formats decode to the activations' dtype: float32 stays float32
         )
         return _gmm.select_own_slot(y, group_sizes).astype(x.dtype)
     matmul = _gmm.get(implementation)
