@@ -314,15 +314,16 @@ def test_checkpoint_shapes_cover_the_model(rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("widths", [(64, 64), (96, 64)], ids=["gqa", "mla-widths"])
 @pytest.mark.parametrize("padded", [False, True], ids=["causal", "left-padded"])
-def test_fused_attention_matches_the_xla_reference(padded, rng):
+def test_fused_attention_matches_the_xla_reference(padded, widths, rng):
     """cuDNN's fused attention (the GPU default for 16-bit prefill and training) against the XLA path, GQA, within
     bf16 tolerance; with left padding, real queries agree and no query gives a NaN."""
     from moe_eplb_jax.models.attention import attend
     from moe_eplb_jax.models.layers import attention_mask
 
-    b, t, h, kh, dh = 4, 256, 8, 2, 64
-    q, k, v = (jnp.asarray(rng.standard_normal((b, t, n, dh)), jnp.bfloat16) for n in (h, kh, kh))
+    (b, t, h, kh), (dh, dv) = (4, 256, 8, 2), widths
+    q, k, v = (jnp.asarray(rng.standard_normal((b, t, n, w)), jnp.bfloat16) for n, w in ((h, dh), (kh, dh), (kh, dv)))
     mask = None
     real = np.ones((b, t), bool)
     if padded:
