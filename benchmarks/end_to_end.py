@@ -259,8 +259,10 @@ def main(argv=None):
         last = float(jax.block_until_ready(loss))
         seconds = time.perf_counter() - start
         count, move_seconds, moved_bytes = moved(reports)
+        tokens_per_s = args.train_steps * args.train_batch * args.seq / seconds
         return dict(
-            tokens_per_s=args.train_steps * args.train_batch * args.seq / seconds,
+            tokens_per_s=tokens_per_s,
+            model_tflops=3 * config.flops_per_token((args.seq + 1) / 2) * tokens_per_s / 1e12,
             seconds=seconds,
             loss=(first, last),
             balancedness=balancedness(model, row, rng),
@@ -374,6 +376,11 @@ def report(args, results, *, ranks, device, R, intervals):
         ]
         if ratios:
             print(f"{name} vs no EPLB: " + ", ".join(ratios))
+    peak = 989e12 * ranks if ("H100" in device or "H200" in device) else None  # dense bf16, SXM
+    for name, row in results.items():
+        if row.get("train"):
+            mfu = f", MFU {row['train']['model_tflops'] * 1e12 / peak:.1%}" if peak else ""
+            print(f"{name} train: {row['train']['model_tflops']:.1f} model TFLOP/s{mfu}")
     if args.cpu_devices:
         print("(CPU simulated devices: a smoke run; the figures do not show the balance)")
     if args.json:

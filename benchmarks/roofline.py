@@ -52,13 +52,7 @@ def parse_args(argv=None):
 
 
 def forward_flops_per_token(config, context: float) -> float:
-    """Matmul FLOPs of one token's forward pass at an average attention context of ``context`` keys."""
-    c = config
-    d, q, kv = c.dim, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    attention = 2 * d * (2 * q + 2 * kv) + 2 * 2 * q * context
-    dense = 2 * 3 * d * c.dense_hidden
-    moe = 2 * d * c.num_experts + c.top_k * 2 * 3 * d * c.moe_hidden + 2 * 3 * d * c.shared_hidden
-    return c.num_layers * attention + c.first_dense_layers * dense + c.num_moe_layers * moe + 2 * d * c.vocab_size
+    return config.flops_per_token(context)
 
 
 def card():

@@ -222,3 +222,11 @@ def build_eplb_config(fields: dict, *, num_gpus: int | None = None):
         return EplbConfig(**fields)
     except ValueError as e:
         raise ValueError(f"EPLB config (--eplb-config and flags): {e}") from None
+
+
+def dense_bf16_peak() -> float | None:
+    """The device's dense bf16 peak in FLOP/s for MFU (H100 / H200 SXM: 989 TFLOP/s), or ``None`` where unknown."""
+    import jax
+
+    kind = jax.devices()[0].device_kind
+    return 989e12 * jax.device_count() if ("H100" in kind or "H200" in kind) else None

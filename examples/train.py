@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 
 from _runtime import (
     HelpFormatter,
@@ -32,6 +33,7 @@ from _runtime import (
     build_eplb_config,
     check_divides,
     check_runtime_args,
+    dense_bf16_peak,
     eplb_fields,
     nonnegative_float,
     nonnegative_int,
@@ -222,11 +224,13 @@ def main(argv=None):
         optimizer.update(model, grads)
         return jax.lax.with_sharding_constraint(loss, rt.replicated)
 
-    losses = []
+    losses, step_seconds = [], []
     for step in range(start + 1, args.steps + 1):
         rng = np.random.default_rng([args.seed, step])  # batch n is the same whether or not the run resumed
         tokens = rt.global_batch(zipf_tokens(rng, args.batch, args.seq + 1, config.vocab_size))
+        began = time.perf_counter()
         loss = float(train_step(model, optimizer, tokens))
+        step_seconds.append(time.perf_counter() - began)
         losses.append((step, loss))
         report = controller.step()
         if main_process and report and report.get("rearranged"):
@@ -246,6 +250,15 @@ def main(argv=None):
         print("\n=== summary ===")
         print(f"steps {start + 1}..{args.steps}: loss {losses[0][1]:.4f} -> {losses[-1][1]:.4f}")
         print(f"rearrangements: {controller.num_rearrangements}; final loss {losses[-1][1]:.6f}")
+        if len(step_seconds) > 1:  # the first step compiles
+            seconds = float(np.median(step_seconds[1:]))
+            tokens_per_s = args.batch * args.seq / seconds
+            flops = 3 * config.flops_per_token((args.seq + 1) / 2) * tokens_per_s
+            peak = dense_bf16_peak()
+            mfu = f", MFU {flops / peak:.1%} of {peak / 1e12:.0f} TFLOP/s dense bf16" if peak else ""
+            print(
+                f"throughput: {tokens_per_s:,.0f} tokens/s, {seconds * 1e3:.1f} ms/step, {flops / 1e12:.2f} TFLOP/s{mfu}"
+            )
 
 
 if __name__ == "__main__":

@@ -198,6 +198,7 @@ def test_train_checkpoints_and_resumes_exactly(capsys, tmp_path):
     assert final and final == [ln for ln in resumed.splitlines() if ln.startswith("rearrangements:")]
     loss = [float(ln.split("loss ")[1]) for ln in losses(straight, 0)]
     assert loss[-1] < loss[0]
+    assert "tokens/s" in straight and "TFLOP/s" in straight  # the throughput line (MFU where the peak is known)
 
 
 @pytest.mark.slow

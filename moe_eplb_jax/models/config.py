@@ -258,6 +258,35 @@ class ModelConfig:
             return self.qk_rope_head_dim
         return int(self.head_dim * self.partial_rotary_factor)
 
+    def flops_per_token(self, context: float) -> float:
+        """Matmul FLOPs of one token's forward pass whose queries see ``context`` keys on average (causal
+        training or prefill over ``T`` tokens: ``(T + 1) / 2``): projections, attention scores and values, dense
+        MLPs, router, the ``top_k`` experts and the shared expert, the LM head. A training step is 3 times it."""
+        d, h = self.dim, self.num_heads
+        if self.attention == "mla":
+            qk, dv, rank, rope = (
+                self.qk_nope_head_dim + self.qk_rope_head_dim,
+                self.v_head_dim,
+                self.kv_lora_rank,
+                self.qk_rope_head_dim,
+            )
+            query = d * h * qk if self.q_lora_rank is None else d * self.q_lora_rank + self.q_lora_rank * h * qk
+            projections = query + d * (rank + rope) + rank * h * (self.qk_nope_head_dim + dv) + h * dv * d
+            scores = h * (qk + dv) * context
+        else:
+            q, kv = h * self.head_dim, self.num_kv_heads * self.head_dim
+            projections = 2 * d * q + 2 * d * kv
+            scores = 2 * q * context
+        dense = 3 * d * self.dense_hidden
+        moe = d * self.num_experts + self.top_k * 3 * d * self.moe_hidden + 3 * d * self.shared_hidden
+        per_token = (
+            self.num_layers * (projections + scores)
+            + len(self.dense_blocks) * dense
+            + self.num_moe_layers * moe
+            + d * self.vocab_size
+        )
+        return 2.0 * per_token
+
     @property
     def jnp_dtype(self):
         """``dtype`` as a numpy dtype (``jnp.bfloat16``'s for ``"bfloat16"``)."""

@@ -270,21 +270,24 @@ def routed_experts(x, physical, weights, experts, *, axis: str, num_ranks: int, 
     ``benchmarks/moe_step.py`` times with the EPLB mapping and counting left out).
     """
     slots_per_rank = jax.tree.leaves(experts)[0].shape[0]
-    capacity = dispatch.capacity(physical.size, num_ranks)
-    rows, row_slot, plan = _dispatch.dispatch(
-        x, physical, slots_per_rank=slots_per_rank, axis_name=axis, num_ranks=num_ranks, capacity=capacity
-    )
-    order, group_sizes = _dispatch.sort_by_slot(row_slot, slots_per_rank)
-    y = expert_mlp(
-        rows[order],
-        experts,
-        group_sizes,
+    mlp = functools.partial(
+        expert_mlp,
+        experts=experts,
         implementation=dispatch.matmul,
         quant_impl=dispatch.quant_impl,
         activation_scaling=dispatch.activation_scaling,
         axis_name=axis,
     )
-    y = _dispatch.unsort(y, order)
+    if num_ranks == 1:  # every slot is here: no plan, no exchange, one sort
+        rows, order, group_sizes = _dispatch.gather_local(x, physical, slots_per_rank)
+        y = mlp(rows, group_sizes=group_sizes)
+        return _dispatch.combine_local(y, order, physical, weights, out_dtype=x.dtype)
+    capacity = dispatch.capacity(physical.size, num_ranks)
+    rows, row_slot, plan = _dispatch.dispatch(
+        x, physical, slots_per_rank=slots_per_rank, axis_name=axis, num_ranks=num_ranks, capacity=capacity
+    )
+    order, group_sizes = _dispatch.sort_by_slot(row_slot, slots_per_rank)
+    y = _dispatch.unsort(mlp(rows[order], group_sizes=group_sizes), order)
     return _dispatch.combine(y, plan, weights, axis_name=axis, out_dtype=x.dtype, capacity=capacity)
 
 

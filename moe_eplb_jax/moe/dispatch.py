@@ -34,7 +34,17 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["DispatchPlan", "plan_dispatch", "dispatch", "combine", "exchange", "sort_by_slot", "unsort"]
+__all__ = [
+    "DispatchPlan",
+    "combine",
+    "combine_local",
+    "dispatch",
+    "exchange",
+    "gather_local",
+    "plan_dispatch",
+    "sort_by_slot",
+    "unsort",
+]
 
 
 class DispatchPlan(NamedTuple):
@@ -175,6 +185,40 @@ def dispatch(x, physical_ids, *, slots_per_rank: int, axis_name, num_ranks: int,
     return recv_x.reshape(-1, x.shape[1]), recv_slot.reshape(-1), plan
 
 
+def gather_local(x, physical_ids, num_slots: int):
+    """One EP rank (``G = 1``): every assignment's row, grouped by slot, with no plan and no exchange.
+
+    ``physical_ids [T, k]`` (``-1``: an assignment to no slot). Returns ``(rows [T * k, D], order [T * k],
+    group_sizes [num_slots])``: the rows of slot 0, then slot 1, ... in assignment order, the unsent ones last
+    (zero rows); ``combine_local(y, order, ...)`` takes the grouped results back.
+    """
+    flat = physical_ids.reshape(-1).astype(jnp.int32)
+    key = jnp.where(flat < 0, jnp.int32(num_slots), flat)
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    group_sizes = (key[:, None] == jnp.arange(num_slots, dtype=jnp.int32)[None, :]).sum(0, dtype=jnp.int32)
+    sent = (key[order] < num_slots)[:, None]
+    rows = jnp.where(sent, x[order // jnp.int32(physical_ids.shape[1])], jnp.zeros((), x.dtype))
+    return rows, order, group_sizes
+
+
+def combine_local(y, order, physical_ids, weights, *, out_dtype=None):
+    """``gather_local``'s inverse and the weighted sum: ``[T, D]``, ``sum_j weights[t, j] * y_j`` added in router order
+    ``j = 0..k-1`` (the same sum as :func:`combine`), unsent assignments adding zero."""
+    tokens, top_k = weights.shape
+    per_assign = unsort(y, order)
+    sent = (physical_ids.reshape(-1) >= 0)[:, None]
+    per_assign = jnp.where(sent, per_assign, 0).reshape(tokens, top_k, -1).astype(jnp.float32)
+    return _weighted_sum(per_assign, weights).astype(out_dtype or y.dtype)
+
+
+def _weighted_sum(per_assign, weights):
+    w = weights.astype(jnp.float32)
+    out = w[:, 0, None] * per_assign[:, 0]
+    for j in range(1, weights.shape[1]):  # fixed order: the sum never depends on where experts live
+        out = out + w[:, j, None] * per_assign[:, j]
+    return out
+
+
 def combine(y, plan: DispatchPlan, weights, *, axis_name, out_dtype=None, capacity: int | None = None):
     """Returns expert outputs to their tokens and sums them with the router weights.
 
@@ -196,11 +240,7 @@ def combine(y, plan: DispatchPlan, weights, *, axis_name, out_dtype=None, capaci
     back = exchange(y.reshape(num_ranks, num_assign, -1), axis_name=axis_name, rounds=plan.rounds, capacity=capacity)
     sent = (plan.dest < num_ranks)[:, None]  # an assignment to no slot (id -1) was never sent: it adds zero
     per_assign = jnp.where(sent, back[plan.dest, plan.pos], 0).reshape(tokens, top_k, -1).astype(jnp.float32)
-    w = weights.astype(jnp.float32)
-    out = w[:, 0, None] * per_assign[:, 0]
-    for j in range(1, top_k):  # fixed order: the sum never depends on where experts live
-        out = out + w[:, j, None] * per_assign[:, j]
-    return out.astype(out_dtype or y.dtype)
+    return _weighted_sum(per_assign, weights).astype(out_dtype or y.dtype)
 
 
 def sort_by_slot(recv_slot, num_slots: int):
