@@ -359,7 +359,9 @@ def test_data_and_ep_mesh_computes_each_token_once(rng):
         "w_in": rng.standard_normal((P, D, 2 * H)).astype(np.float32),
         "w_out": rng.standard_normal((P, H, D)).astype(np.float32),
     }
-    args = (x, np.zeros((D, E), np.float32), np.zeros(E, np.float32), experts, placement.log2phy[0])
+    # Enough tokens that every rank's buffers are whole 64-row tiles of the dense matmul on both meshes.
+    many = rng.standard_normal((2 * G * 64, D)).astype(np.float32)
+    args = (many, np.zeros((D, E), np.float32), np.zeros(E, np.float32), experts, placement.log2phy[0])
     flops = {}
     for name, on in (("ep", MESH), ("data_ep", mesh)):
         step = jax.jit(functools.partial(moe_apply, router=RouterConfig(top_k=K), mesh=on))

@@ -265,12 +265,10 @@ class MoECausalLM(nnx.Module):
         rows = NamedSharding(self.mesh, PS(self.axis))
         replicated = NamedSharding(self.mesh, PS())
 
-        def empty():
-            layers = tuple(tuple(jnp.zeros(shape, dtype) for shape in block) for block in shapes)
-            return KVCache(layers, jnp.zeros((int(batch), int(max_len)), jnp.bool_), jnp.zeros((), jnp.int32))
-
-        shardings = jax.tree.map(lambda x: replicated if x.ndim == 0 else rows, jax.eval_shape(empty))
-        return jax.jit(empty, out_shardings=shardings)()
+        # Each array made where it lives, by a program JAX compiles once per shape (not per call).
+        layers = tuple(tuple(jnp.zeros(shape, dtype, device=rows) for shape in block) for block in shapes)
+        valid = jnp.zeros((int(batch), int(max_len)), jnp.bool_, device=rows)
+        return KVCache(layers, valid, jnp.zeros((), jnp.int32, device=replicated))
 
     # -------------------------------------------------------------- helpers
     def _check_tokens(self, tokens, valid):

@@ -11,6 +11,8 @@ import jax.numpy as jnp
 
 __all__ = ["dense", "ragged_dot", "select_own_slot", "slot_of_row", "transposed_dense"]
 
+_ROW_TILE = 64
+
 
 def slot_of_row(group_sizes, num_rows: int):
     """``[num_rows]`` int32 slot of each row of a slot-sorted buffer (``S`` for padding rows)."""
@@ -34,7 +36,11 @@ def select_own_slot(every, group_sizes):
 def dense(x, w, group_sizes):
     """Every row times every slot's weights (``S`` times the work, an ``[S, N, M]`` intermediate), each row keeping
     its own slot's result: a plain dot product with its expert's weights wherever it sits, bit for bit."""
-    every = jnp.einsum("nk,skm->snm", x, w, preferred_element_type=jnp.float32)
+    rows = x.shape[0]
+    # XLA:CPU picks its dot kernel by the row count, and some round a row by where it sits; in whole tiles of
+    # 64 rows every row rounds alike, wherever it sits and however many rows came (jax 0.11 and 0.12).
+    tiled = jnp.pad(x, ((0, -rows % _ROW_TILE), (0, 0)))
+    every = jnp.einsum("nk,skm->snm", tiled, w, preferred_element_type=jnp.float32)[:, :rows]
     return select_own_slot(every, group_sizes)
 
 
