@@ -76,6 +76,7 @@ def parse_args(argv=None):
     p.add_argument("--decode-prompt", type=int, default=64, help="longest decode prompt (the shortest: half)")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per decode request")
     p.add_argument("--decode-batches", type=int, default=3, help="timed decode batches")
+    p.add_argument("--tokens-per-call", type=int, default=16, help="decode passes per host round trip")
     p.add_argument("--prefill-batch", type=int, default=32, help="requests per prefill batch")
     p.add_argument("--prompt", type=int, default=1024, help="longest prefill prompt (the shortest: half)")
     p.add_argument("--prefill-batches", type=int, default=12, help="timed prefill batches")
@@ -281,17 +282,21 @@ def main(argv=None):
         new_tokens = args.new_tokens if decode else 1
         reports = []
 
-        def on_step(_):
-            reports.append(controller.step())
+        def on_step(_):  # after each call: the controller stepped through its passes
+            reports.append(controller.last_report)
+            controller.last_report = None
 
         def run(requests, record=True):
+            stepping = record and controller is not None
             return generate(
                 model,
                 requests,
                 max_new_tokens=new_tokens,
                 prompt_width=longest,
-                record=record and controller is not None,
-                on_step=on_step if record and controller is not None else None,
+                record=stepping,
+                tokens_per_call=args.tokens_per_call,
+                controller=controller,  # unrecorded: counts nothing, compiles what the recording calls run
+                on_step=on_step if stepping else None,
             )
 
         run(prompts(row, rng, batch, shortest, longest), record=False)  # compiles prefill and decode; not timed

@@ -67,6 +67,12 @@ def parse_args(argv=None):
     p.add_argument("--min-prompt", type=positive_int, default=4, help="shortest prompt")
     p.add_argument("--max-prompt", type=positive_int, default=24, help="longest prompt (the padded width)")
     p.add_argument("--new-tokens", type=positive_int, default=16, help="tokens generated per request")
+    p.add_argument(
+        "--tokens-per-call",
+        type=positive_int,
+        default=8,
+        help="decode passes per host round trip (an on-device loop; every pass still a step of the EPLB window)",
+    )
     p.add_argument("--warmup-batches", type=positive_int, default=2, help="batches served before rebalancing")
     p.add_argument("--batches", type=positive_int, default=2, help="batches served after rebalancing")
     p.add_argument("--temperature", type=nonnegative_float, default=0.0, help="0: greedy decoding")
@@ -230,29 +236,30 @@ def main(argv=None):
             sampling=sampling,
             seed=seed,
             prompt_width=args.max_prompt,
+            tokens_per_call=args.tokens_per_call,
             **options,
         )
 
     start = time.perf_counter()
-    run(batch(), args.seed, record=False)  # compiles prefill and decode; counts no load
+    run(batch(), args.seed, record=False, controller=controller)  # compiles prefill and decode; counts no load
     say(f"compiled prefill and decode in {time.perf_counter() - start:.1f} s", flush=True)
     warmup = None
     if not held:  # compiles the mover and the window readers: no rearrangement compiles mid-run
         warmup = controller.warmup()
         say(f"controller.warmup(): {warmup['moves']} moves rehearsed in {warmup['seconds']:.1f} s", flush=True)
 
-    passes, reports = [0], []
+    reports, seen = [], [controller.last_report]
 
-    def on_step(_):
-        report = controller.step()
-        passes[0] += 1
-        if report and report.get("rearranged"):
-            reports.append(dict(report, after_pass=passes[0]))
+    def on_step(_):  # after each call: the controller stepped through its passes (and rearranged when due)
+        report = controller.last_report
+        if report is not seen[0] and report and report.get("rearranged"):
+            reports.append(dict(report, after_pass=controller.total_steps))
+        seen[0] = report
 
     served = []  # per batch: (decode tokens/s, rearrangements before it, after it, moving after it)
     for b in range(args.warmup_batches + args.batches):
         before = controller.num_rearrangements
-        out = run(batch(), args.seed + 1 + b, on_step=on_step)
+        out = run(batch(), args.seed + 1 + b, controller=controller, on_step=on_step)
         tps = (args.new_tokens - 1) * args.batch / out.decode_seconds if args.new_tokens > 1 else float("nan")
         served.append((tps, before, controller.num_rearrangements, controller.rearranging))
         say(f"batch {b + 1}/{args.warmup_batches + args.batches}: {tps:.1f} decode tok/s", flush=True)

@@ -130,6 +130,9 @@ def test_sample_filters(rng):
         ({"prompts": []}, "prompts is empty"),
         ({"prompts": [[1, 2], []]}, "prompt 1"),
         ({"prompts": [[1, 999]]}, r"token ids must be in \[0, 256\)"),
+        ({"tokens_per_call": 0}, "tokens_per_call must be a positive integer"),
+        ({"tokens_per_call": 2.0}, "tokens_per_call must be a positive integer"),
+        ({"controller": "step"}, "controller must be an EplbController"),
     ],
 )
 def test_generate_rejects_bad_input(kwargs, match):
@@ -138,3 +141,78 @@ def test_generate_rejects_bad_input(kwargs, match):
         generate(_model(), args.pop("prompts"), **args)
     with pytest.raises(ValueError, match="Sampling.top_p"):
         Sampling(temperature=1.0, top_p=0.0)
+
+
+def _window_fields(controller):
+    state = controller.state
+    return {name: np.asarray(getattr(state, name)) for name in ("pass_load", "window", "window_pos", "total_steps")}
+
+
+def test_decode_loops_on_the_device_with_the_same_tokens_and_loads(rng):
+    """Several passes per host call: the tokens of one pass per call, every pass a step of the controller's window
+    (the same window, bit for bit, as ``controller.step()`` after each pass), and no recompilation per call."""
+    prompts = _prompts(rng)
+    config = EplbConfig(num_redundant_experts=R, num_gpus=G, window_size=16, step_interval=10**6, log_interval=4)
+    model = _model(4)
+    one_by_one = EplbController(model, MESH, config)
+    want = generate(model, prompts, max_new_tokens=NEW + 3, prompt_width=12, on_step=lambda n: one_by_one.step())
+    expected, expected_report = _window_fields(one_by_one), one_by_one.last_report
+    assert expected_report["step"] == 8
+    for tokens_per_call in (1, 4, 16):
+        model = _model(4)
+        controller = EplbController(model, MESH, config)
+        got = generate(
+            model,
+            prompts,
+            max_new_tokens=NEW + 3,
+            prompt_width=12,
+            tokens_per_call=tokens_per_call,
+            controller=controller,
+        )
+        np.testing.assert_array_equal(got.tokens, want.tokens)
+        assert controller.total_steps == NEW + 3  # the prefill and every decode pass
+        for name, value in _window_fields(controller).items():
+            np.testing.assert_array_equal(value, expected[name], err_msg=name)
+        assert controller.state.window.sharding == one_by_one.state.window.sharding
+        assert all(not np.asarray(layer.expert_load.get_value()).any() for layer in model.moe_layers)
+        report = controller.last_report
+        assert report is not None and report["step"] == 8
+        assert report["balancedness"] == pytest.approx(expected_report["balancedness"])
+    # Without a controller the loads add up in the model, as one pass per call does.
+    plain, looped = _model(4), _model(4)
+    generate(plain, prompts, max_new_tokens=NEW, prompt_width=12)
+    generate(looped, prompts, max_new_tokens=NEW, prompt_width=12, tokens_per_call=3)
+    for a, b in zip(plain.moe_layers, looped.moe_layers):
+        np.testing.assert_array_equal(np.asarray(a.expert_load.get_value()), np.asarray(b.expert_load.get_value()))
+
+
+@pytest.mark.slow
+def test_a_rearrangement_due_inside_a_loop_happens_at_its_end(rng):
+    prompts = _prompts(rng)
+    model = _model(5)
+    want = generate(model, prompts, max_new_tokens=NEW + 4, prompt_width=12).tokens
+    config = EplbConfig(num_redundant_experts=R, num_gpus=G, window_size=16, step_interval=5)
+    controller = EplbController(model, MESH, config)
+    calls = []
+    got = generate(
+        model,
+        prompts,
+        max_new_tokens=NEW + 4,
+        prompt_width=12,
+        tokens_per_call=3,
+        controller=controller,
+        on_step=lambda n: calls.append((n, controller.num_rearrangements)),
+    )
+    np.testing.assert_array_equal(got.tokens, want)  # moving experts never changes what the model says
+    assert [n for n, _ in calls] == [1, 4, 7, 10]
+    assert controller.num_rearrangements >= 1 and controller.total_steps == NEW + 4
+    assert [r for _, r in calls] == sorted(r for _, r in calls)
+    with pytest.raises(ValueError, match="another model's"):
+        generate(_model(), prompts, max_new_tokens=2, controller=controller)
+    with pytest.raises(ValueError, match="num_steps must be an integer >= 0"):
+        controller.steps_closed(controller.state, -1)
+    # Unrecorded, the controller counts nothing and its window stays as it was.
+    before = _window_fields(controller)
+    generate(model, prompts, max_new_tokens=5, prompt_width=12, tokens_per_call=3, controller=controller, record=False)
+    for name, value in _window_fields(controller).items():
+        np.testing.assert_array_equal(value, before[name], err_msg=name)

@@ -268,9 +268,33 @@ class ControlLoop:
         run.schedule.tick()
         if not run.schedule.logs:
             return None
-        ranks = metrics.rank_load(np.asarray(host_value(self.window.step_slot_load(loads)), np.float64), self.num_ranks)
+        return self._balance_report(run, self.window.step_slot_load(loads))
+
+    def closed_on_device(self, run: Run, state: EplbState, num_steps: int) -> dict[str, Any] | None:
+        """Takes ``state``, the window after ``num_steps`` steps a caller closed on the device itself
+        (:func:`close_step` in its own jitted loop, ``dummy`` from :meth:`LoadWindow.dummy` of ``run.moving``),
+        and counts them on the host; the balance report of the last of them that logs (while its row is still in
+        the window)."""
+        # The caller's program may write an equivalent sharding another way; the window's own, without a copy,
+        # keeps its jitted updates from compiling again.
+        run.state = jax.device_put(state, self.window.sharding)
+        logged = None
+        for _ in range(num_steps):
+            run.schedule.tick()
+            if run.schedule.logs:
+                logged = run.schedule.total_steps
+        if logged is None or run.moving is not None:
+            return None
+        back = run.schedule.total_steps - logged  # steps closed after the one that logs
+        if back >= self.config.window_size:
+            return None
+        return self._balance_report(run, self.window.recent_slot_load(run.state, np.int32(back)), logged)
+
+    def _balance_report(self, run: Run, step_slot_load, step: int | None = None) -> dict[str, Any]:
+        """The balance of one step's ``[L, P]`` slot loads (of ``step``, default the last closed), logged."""
+        ranks = metrics.rank_load(np.asarray(host_value(step_slot_load), np.float64), self.num_ranks)
         report = {
-            "step": run.schedule.total_steps,
+            "step": run.schedule.total_steps if step is None else step,
             "balancedness": float(metrics.balancedness(ranks)),
             "rank_imbalance": metrics.rank_imbalance(ranks).tolist(),
         }

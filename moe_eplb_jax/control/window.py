@@ -80,6 +80,12 @@ def _window_rows(state: EplbState):
     return jnp.where(valid[:, None, None], rows, 0)
 
 
+def _recent_row(state: EplbState, back):
+    """``[L, P]`` the window row of the step closed ``back`` steps before the last one, summed over the ranks."""
+    row = (state.window_pos - 1 - back) % state.window.shape[0]
+    return jax.lax.dynamic_index_in_dim(state.window, row, axis=0, keepdims=False).sum(1, dtype=jnp.int32)
+
+
 class LoadWindow:
     """Jitted ``EplbState`` updates of ``num_layers`` layers of ``num_physical`` slots on ``mesh``.
 
@@ -113,6 +119,7 @@ class LoadWindow:
         self.summed = jax.jit(sum_rank_rows, out_shardings=replicated)
         self.split = jax.jit(split_rank_rows, static_argnums=1, out_shardings=self.sharding)
         self.rows = jax.jit(_window_rows, out_shardings=replicated)
+        self.recent_slot_load = jax.jit(_recent_row, out_shardings=replicated)
         self._flags = {flag: put_host(np.bool_(flag), mesh) for flag in (False, True)}
 
     def logical_load(self, state: EplbState, phy2log, num_logical: int) -> np.ndarray:

@@ -197,6 +197,34 @@ class EplbController:
             self.last_report = report
         return report
 
+    def device_window(self) -> tuple[EplbState, jax.Array]:
+        """``(state, dummy)`` for steps a caller closes on the device itself, several per host round trip.
+
+        Inside its jitted loop, after each forward pass, the caller applies
+        ``control.close_step(state, loads, dummy=dummy)`` to every layer's load of that pass (layer order of
+        :attr:`layers`, each load variable left at zero), then hands the new state to :meth:`steps_closed`.
+        ``state`` may be donated: the controller holds nothing else of it until then.
+        """
+        return self._run.state, self._loop.window.dummy(self._run.moving is not None)
+
+    def steps_closed(self, state: EplbState, num_steps: int) -> dict[str, Any] | None:
+        """After ``num_steps`` steps closed on the device from :meth:`device_window`: counts them, then
+        rearranges (or moves the next layers) when due, as :meth:`step` does. A rearrangement due partway
+        through happens here, at the end of the caller's loop. ``num_steps=0`` only takes the state back (a
+        caller that closed nothing, having donated it)."""
+        if isinstance(num_steps, bool) or not isinstance(num_steps, (int, np.integer)) or num_steps < 0:
+            raise ValueError(f"num_steps must be an integer >= 0, got {num_steps!r}")
+        report = self._loop.closed_on_device(self._run, state, int(num_steps))
+        # The caller left the load variables at zero; these zeros carry the layers' own shardings, so the caller's
+        # next call sees the inputs of its first and does not compile again.
+        self._store.take_loads(self._zero_loads)
+        if num_steps == 0:
+            return None
+        report = self._loop.advance(self._run, self._store, report, rebalance=self.rebalance)
+        if report is not None:
+            self.last_report = report
+        return report
+
     def rearrange(self) -> dict[str, Any]:
         """Rearranges now, all layers at once (or finishes the overlapped rearrangement in progress).
 

@@ -1,7 +1,7 @@
-"""Batched generation with a preallocated KV cache: left-padded prefill, then one jitted step per token.
+"""Batched generation with a preallocated KV cache: left-padded prefill, then on-device loops of decode passes.
 
     result = generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=32, sampling=Sampling(temperature=0.7, top_p=0.9),
-                      on_step=lambda n: controller.step())
+                      tokens_per_call=8, controller=controller)
 
 Prompts of different lengths are **left-padded** to one width, so every row
 writes the same cache position at every step (one ``dynamic_update_slice``,
@@ -10,9 +10,12 @@ Padding is marked invalid: it is never attended to, never routed to an
 expert and never counted as expert load; a request that produced ``eos_id``
 turns into padding too. The batch is padded with empty rows to a multiple of
 the EP size. Prefill and decode are jitted once per shape; the cache is
-donated, so each step updates it in place. ``on_step`` runs on the host
-between forward passes: record the loads there (``controller.step()``) and
-rearrange when due -- nothing recompiles, the tables are model variables.
+donated, so each step updates it in place. A decode call runs
+``tokens_per_call`` passes in a ``fori_loop`` on the device, so the host
+dispatches once per call. With a ``controller`` every pass still closes one
+step of its load window (on the device, in the loop) and the controller
+decides and moves between calls -- nothing recompiles, the tables are model
+variables.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as PS
 
+from moe_eplb_jax.control import close_step
+from moe_eplb_jax.flax import EplbController, ExpertLoad, find_moe_layers
 from moe_eplb_jax.models.model import MoECausalLM
 from moe_eplb_jax.transport.mesh import put_host
 
@@ -135,6 +140,8 @@ def generate(
     prompt_width: int | None = None,
     use_cache: bool = True,
     record: bool = True,
+    tokens_per_call: int = 1,
+    controller: EplbController | None = None,
     on_step: Callable[[int], object] | None = None,
 ) -> Generation:
     """Generates ``max_new_tokens`` tokens for each prompt (see the module docstring).
@@ -152,9 +159,18 @@ def generate(
         (no KV cache): the reference the cache must match, and the baseline
         of its speed-up.
       record: count the expert load of every pass.
-      on_step: called on the host after each forward pass with the number of
-        tokens generated so far (1 after the prefill), e.g.
-        ``lambda n: controller.step()``.
+      tokens_per_call: decode passes per host round trip, run in one
+        on-device loop: the host dispatches once per ``tokens_per_call``
+        tokens and the GPU does not wait for it in between. The tokens are
+        the same whatever the value.
+      controller: the model's ``EplbController``: every pass's load goes
+        into its window (on the device, inside the loop), and its step runs
+        between calls -- a rearrangement due partway through a call happens
+        at its end. Pass it here rather than calling ``controller.step()``
+        from ``on_step``. With ``record=False`` it counts nothing, and the
+        call compiles the same programs (a warm-up).
+      on_step: called on the host after the prefill and after each decode
+        call with the number of tokens generated so far.
     """
     if not isinstance(model, MoECausalLM):
         raise ValueError(f"model must be a MoECausalLM, got {type(model).__name__}")
@@ -162,6 +178,9 @@ def generate(
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     if not isinstance(sampling, Sampling):
         raise ValueError(f"sampling must be a Sampling, got {type(sampling).__name__}")
+    if isinstance(tokens_per_call, bool) or not isinstance(tokens_per_call, (int, np.integer)) or tokens_per_call < 1:
+        raise ValueError(f"tokens_per_call must be a positive integer, got {tokens_per_call!r}")
+    _check_controller(controller, model)
     vocab = model.config.vocab_size
     for name, value in (("eos_id", eos_id), ("pad_id", pad_id)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
@@ -189,8 +208,10 @@ def generate(
     start = time.perf_counter()
     if use_cache:
         cache = model.init_cache(tokens.shape[0], total - 1)
-        prefill, decode = _compiled(_prefill, model, ("cache",)), _compiled(_decode, model, ("cache",))
-        out, active, cache, counter = prefill(
+        prefill = _compiled(_prefill, model, ("cache", "window"))
+        decode = _compiled(_decode_loop, model, ("cache", "window"))
+        window, dummy = controller.device_window() if controller is not None else (None, None)
+        out, active, cache, counter, window = prefill(
             put_host(tokens, model.mesh, rows),
             put_host(valid, model.mesh, rows),
             put_host(lengths > 0, model.mesh, PS()),
@@ -198,16 +219,39 @@ def generate(
             key,
             counter,
             recording,
+            window,
+            dummy,
             sampling=sampling,
             **ids,
         )
-        generated = [jax.block_until_ready(out)]
+        generated = [jax.block_until_ready(out)[None]]
         prefill_seconds = time.perf_counter() - start
+        if controller is not None:
+            controller.steps_closed(window, 1 if record else 0)
         step(1)
-        for n in range(1, max_new_tokens):
-            out, active, cache, counter = decode(out, active, cache, key, counter, recording, sampling=sampling, **ids)
-            generated.append(out)
-            step(n + 1)
+        done = 1
+        while done < max_new_tokens:
+            count = min(int(tokens_per_call), max_new_tokens - done)
+            window, dummy = controller.device_window() if controller is not None else (None, None)
+            block, out, active, cache, counter, window = decode(
+                out,
+                active,
+                cache,
+                key,
+                counter,
+                recording,
+                jnp.int32(count),
+                window,
+                dummy,
+                sampling=sampling,
+                max_tokens=int(tokens_per_call),
+                **ids,
+            )
+            generated.append(block[:count])
+            done += count
+            if controller is not None:
+                controller.steps_closed(window, count if record else 0)
+            step(done)
     else:
         recompute = _compiled(_recompute, model, ("buffer", "valid"))
         buffer = np.concatenate([tokens, np.full((tokens.shape[0], max_new_tokens), pad_id, np.int32)], axis=1)
@@ -219,12 +263,14 @@ def generate(
             out, active, buffer, buffer_valid, counter = recompute(
                 buffer, buffer_valid, active, prompt_end, key, counter, recording, sampling=sampling, **ids
             )
-            generated.append(out)
+            generated.append(out[None])
             if n == 0:
                 jax.block_until_ready(out)
                 prefill_seconds = time.perf_counter() - start
+            if controller is not None and record:
+                controller.step()
             step(n + 1)
-    result = np.asarray(jax.device_get(jnp.stack(generated, axis=1)))
+    result = np.asarray(jax.device_get(jnp.concatenate(generated, axis=0))).T
     decode_seconds = time.perf_counter() - start - prefill_seconds
     count = len(prompts)
     num_generated = np.full(result.shape[0], max_new_tokens, np.int32)
@@ -246,7 +292,8 @@ def _compiled(step, model: MoECausalLM, donate: tuple[str, ...]):
     key = (step, structure, tuple(map(id, leaves)))
     compiled = _COMPILED.setdefault(model, {})
     if key not in compiled:
-        compiled[key] = nnx.jit_partial(step, model, static_argnames=("sampling",), donate_argnames=donate, graph=False)
+        static = ("sampling", "max_tokens") if step is _decode_loop else ("sampling",)
+        compiled[key] = nnx.jit_partial(step, model, static_argnames=static, donate_argnames=donate, graph=False)
     return compiled[key]
 
 
@@ -267,12 +314,12 @@ def _next(logits, active, key, counter, *, mesh, sampling, eos_id, pad_id):
     return jax.lax.with_sharding_constraint(picked, replicated), jax.lax.with_sharding_constraint(active, replicated)
 
 
-def _prefill(model, tokens, valid, active, cache, key, counter, record, *, sampling, eos_id, pad_id):
+def _prefill(model, tokens, valid, active, cache, key, counter, record, window, dummy, *, sampling, eos_id, pad_id):
     logits, cache = model.call_cached(tokens, cache, valid=valid, record=record)
     picked, active = _next(
         logits, active, key, counter, mesh=model.mesh, sampling=sampling, eos_id=eos_id, pad_id=pad_id
     )
-    return picked, active, cache, counter + 1
+    return picked, active, cache, counter + 1, _close_window_step(model, window, dummy, record)
 
 
 def _decode(model, token, active, cache, key, counter, record, *, sampling, eos_id, pad_id):
@@ -284,6 +331,74 @@ def _decode(model, token, active, cache, key, counter, record, *, sampling, eos_
         logits, active, key, counter, mesh=model.mesh, sampling=sampling, eos_id=eos_id, pad_id=pad_id
     )
     return picked, active, cache, counter + 1
+
+
+def _decode_loop(
+    model,
+    token,
+    active,
+    cache,
+    key,
+    counter,
+    record,
+    count,
+    window,
+    dummy,
+    *,
+    max_tokens,
+    sampling,
+    eos_id,
+    pad_id,
+):
+    """``count`` (at most ``max_tokens``) decode passes in one on-device loop -> ``([max_tokens, B] tokens, token,
+    active, cache, counter, window)``; rows of the block past ``count`` are unspecified.
+
+    Only the expert loads are carried between passes (the weights are read in place). With a ``window`` (an
+    ``EplbState``) each pass's loads close one of its steps and the load variables restart from zero; without,
+    they add up in the model as in single passes.
+    """
+    graphdef, loads, rest = nnx.split(model, ExpertLoad, ...)
+
+    def one_pass(i, carry):
+        token, active, cache, counter, loads, window, block = carry
+        stepped = nnx.merge(graphdef, loads, rest)
+        token, active, cache, counter = _decode(
+            stepped, token, active, cache, key, counter, record, sampling=sampling, eos_id=eos_id, pad_id=pad_id
+        )
+        window = _close_window_step(stepped, window, dummy, record)
+        block = jax.lax.dynamic_update_index_in_dim(block, token, i, axis=0)
+        return token, active, cache, counter, nnx.state(stepped, ExpertLoad), window, block
+
+    block = jnp.zeros((max_tokens, *token.shape), token.dtype)
+    carry = (token, active, cache, counter, loads, window, block)
+    token, active, cache, counter, loads, window, block = jax.lax.fori_loop(0, count, one_pass, carry)
+    nnx.update(model, loads)
+    replicated = NamedSharding(model.mesh, PS())
+    return jax.lax.with_sharding_constraint(block, replicated), token, active, cache, counter, window
+
+
+def _close_window_step(model, window, dummy, record):
+    """With a ``window`` (an ``EplbState``): the pass's loads close one of its steps and every load variable
+    restarts from zero. Unrecorded passes leave the window as it was -- the same program, so an unrecorded
+    warm-up call compiles what recording calls run."""
+    if window is None:
+        return None
+    variables = [ref.module.eplb_load_variable() for ref in find_moe_layers(model)]
+    loads = [variable.get_value() for variable in variables]
+    window = jax.lax.cond(record, lambda w: close_step(w, loads, dummy=dummy), lambda w: w, window)
+    for variable, load in zip(variables, loads):
+        variable.set_value(jnp.zeros_like(load))
+    return window
+
+
+def _check_controller(controller, model) -> None:
+    """``ValueError`` unless ``controller`` is ``None`` or the ``EplbController`` of ``model``'s MoE layers."""
+    if controller is None:
+        return
+    if not isinstance(controller, EplbController):
+        raise ValueError(f"controller must be an EplbController, got {type(controller).__name__}")
+    if {id(ref.module) for ref in controller.layers} != {id(ref.module) for ref in find_moe_layers(model)}:
+        raise ValueError("controller must be the EplbController of this model (its MoE layers are another model's)")
 
 
 def _recompute(model, buffer, valid, active, width, key, counter, record, *, sampling, eos_id, pad_id):
