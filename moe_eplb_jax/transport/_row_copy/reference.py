@@ -26,6 +26,6 @@ def scatter_rows_reference(row_views: Sequence[jax.Array], packed: jax.Array, ds
         width = view.shape[1]
         # .at[] wraps a negative index around: move every out-of-range destination past the end, where it drops.
         skip = jnp.where((dst >= 0) & (dst < view.shape[0]), dst, view.shape[0])
-        out.append(view.at[skip].set(packed[:, offset : offset + width], mode="drop", unique_indices=True))
+        out.append(view.at[skip].set(packed[:, offset : offset + width], mode="drop"))
         offset += width
     return out
