@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from moe_eplb_jax import transport as eps
 from moe_eplb_jax.transport import _executor, _nvlink
 from moe_eplb_jax.transport.packing import byte_rows_numpy
-from moe_eplb_jax.transport.plan import order_for_streaming
+from moe_eplb_jax.transport.streaming import order_for_streaming
 
 
 def numpy_put(views, staged, dst, offsets):

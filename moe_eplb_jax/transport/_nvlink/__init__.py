@@ -13,7 +13,7 @@ buffer), so after the first chunk the packing hides behind the transfer.
 Ordering, per chunk ``c``: the kernel starts with XLA's cross-device barrier,
 so every rank has finished its work before kernel ``c`` -- in particular
 packing chunk ``c`` -- before any peer writes chunk ``c``'s rows into it. The
-plan's streaming order (``plan.order_for_streaming``: a row is written in a
+plan's streaming order (``streaming.order_for_streaming``: a row is written in a
 chunk no earlier than every chunk that reads it) means no row packed for
 chunk ``c + 1`` is written in chunk ``c``, so packing it beside chunk ``c``'s
 writes is safe. Each program, once its stores have landed, signals a
