@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import collections
+import glob
 import statistics
+import tempfile
 import time
 
 
@@ -31,10 +34,6 @@ def device_seconds(fn, *args, calls: int = 10, warmup: int = 2, trace_dir: str |
     call, {kernel name: seconds per call})`` -- the names say which launches the
     time went to. Returns ``(None, {})`` where the trace has no GPU plane (CPU).
     """
-    import collections
-    import glob
-    import tempfile
-
     import jax
     from jax.profiler import ProfileData
 

@@ -6,7 +6,7 @@ median of ``--repeats`` runs of ``--calls`` calls each, so a busy host shows as 
 
 * ``trivial_jit``: ``x + 1`` jitted on one device (the floor of any dispatch);
 * ``trivial_jit_mesh``: the same on the EP mesh's devices (the floor of a program over ``--ranks`` devices);
-* ``window_update``: the controller's jitted window update alone (``LoadWindow.close``);
+* ``window_update``: the jitted window update alone (``LoadWindow.close`` on a window of the controller's shape);
 * ``step``: ``controller.step()`` with nothing due: the loads read and reset, the window update, the counters;
 * ``schedule_tick``: the functional API's per-step host work (``Schedule.tick()`` and ``due``).
 
@@ -59,7 +59,7 @@ def main(argv=None):
     from flax import nnx
 
     from moe_eplb_jax.config import EplbConfig
-    from moe_eplb_jax.control import Schedule
+    from moe_eplb_jax.control import LoadWindow, Schedule
     from moe_eplb_jax.flax import EplbController, MoELayer
     from moe_eplb_jax.transport import ep_mesh, put_host
 
@@ -78,16 +78,18 @@ def main(argv=None):
         step_interval=10**9,  # nothing is ever due
         num_gpus=args.ranks,
     )
-    controller = EplbController(Stack(), mesh, config)
+    model = Stack()
+    controller = EplbController(model, mesh, config)
     trivial = jax.jit(lambda x: x + 1)
     one = jnp.zeros(())
     spread = put_host(np.zeros(args.ranks, np.float32), mesh, jax.sharding.PartitionSpec("ep"))
-    loop, run = controller._loop, controller._run  # the window update alone, as the step runs it
-    loads = [var.get_value() for var in controller._store.load_variables()]
-    dummy = loop.window.dummy(False)
+    # The window update alone, as the step runs it: a window of the controller's shape, the layers' loads.
+    window = LoadWindow(config, mesh, args.layers, num_physical, "ep")
+    loads = [layer.eplb_load_variable().get_value() for layer in model.layers]
+    dummy, held = window.dummy(False), [window.fresh()]
 
     def window_update():
-        run.state = loop.window.close(run.state, loads, dummy)
+        held[0] = window.close(held[0], loads, dummy)
 
     schedule = Schedule(config)
 

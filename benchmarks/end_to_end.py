@@ -48,10 +48,13 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import sys
 import time
 import traceback
+
+import numpy as np
 
 ROWS = ("no EPLB", "EPLB (balanced/hash)", "online quota", "uniform (ideal)")
 PHASES = ("train", "decode", "prefill")
@@ -96,77 +99,84 @@ def parse_args(argv=None):
     return args
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    if args.cpu_devices:
-        os.environ["JAX_PLATFORMS"] = "cpu"
-        # Compile-bound on CPU: LLVM's optimisation passes cost more than they save on these small programs.
-        os.environ["XLA_FLAGS"] = (
-            f"--xla_force_host_platform_device_count={args.cpu_devices} --xla_backend_optimization_level=0"
+class Run:
+    """One model, token stream and skew, and the rows' phases on it (see the module docstring)."""
+
+    def __init__(self, args):
+        import jax
+        from flax import nnx
+
+        from moe_eplb_jax.models import PRESETS, zipf_router_bias
+        from moe_eplb_jax.placement import Placement
+
+        try:  # run as a script: benchmarks/ is on sys.path
+            from moe_step import even_placement
+        except ImportError:
+            from benchmarks.moe_step import even_placement
+
+        self.args = args
+        self.ranks = ranks = args.ranks or jax.device_count()
+        self.mesh = jax.make_mesh(
+            (ranks,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:ranks]
         )
-    import jax
-    import numpy as np
-    import optax
-    from flax import nnx
+        self.config = config = PRESETS[args.preset]
+        E, L = config.num_experts, config.num_moe_layers
+        self.E, self.L, self.V = E, L, config.vocab_size
+        self.R = R = args.redundant if args.redundant is not None else max(ranks, E // 4 // ranks * ranks)
+        self.P = P = E + R
+        self.capacity = args.capacity_factor or None
+        self.intervals = {  # steps (forward passes when serving) between rearrangements: two or three per phase
+            "train": args.interval or max(4, args.train_steps * 2 // 3),
+            "decode": args.interval or max(4, args.decode_batches * args.new_tokens * 2 // 3),
+            "prefill": args.interval or max(4, args.prefill_batches * 2 // 3),
+        }
+        self.rows = list(args.rows)
+        if "online quota" in self.rows and (E % ranks or R % ranks or R == 0):
+            print(f"online quota skipped: E={E} and R={R} must be positive multiples of the EP size {ranks}")
+            self.rows.remove("online quota")
+        for name, size in (("P = E + R", P), ("--train-batch", args.train_batch)):
+            if size % ranks:
+                raise SystemExit(f"{name} = {size} is not divisible by the {ranks} EP ranks")
+        if ranks == 1:
+            print(
+                "EP = 1: one rank holds every expert, so balance is moot: the EPLB rows record loads, hold the placement"
+            )
+        order = np.random.default_rng(args.seed + 1)
+        self.biases = [zipf_router_bias(E, args.skew)[order.permutation(E)] for _ in range(L)]
+        ideal = even_placement(E, P, ranks)
+        self.ideal = Placement.from_phy2log(np.repeat(ideal.phy2log, L, axis=0), E, num_ranks=ranks)
+        self.forward = nnx.jit(lambda model, x: model(x))
+        self.trainable = nnx.All(nnx.Param, nnx.Not(nnx.PathContains("router_bias")))  # the skew stays fixed
+        self.train_step = _train_step(self.trainable)
 
-    from moe_eplb_jax import metrics
-    from moe_eplb_jax.config import EplbConfig
-    from moe_eplb_jax.flax import EplbController
-    from moe_eplb_jax.models import PRESETS, MoECausalLM, generate, zipf_router_bias, zipf_tokens
-    from moe_eplb_jax.moe import DispatchConfig
-    from moe_eplb_jax.placement import Placement
-    from moe_eplb_jax.transport import put_host
-
-    try:  # run as a script: benchmarks/ is on sys.path
-        from moe_step import even_placement
-    except ImportError:
-        from benchmarks.moe_step import even_placement
-
-    ranks = args.ranks or jax.device_count()
-    mesh = jax.make_mesh((ranks,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:ranks])
-    config = PRESETS[args.preset]
-    E, L, V = config.num_experts, config.num_moe_layers, config.vocab_size
-    R = args.redundant if args.redundant is not None else max(ranks, E // 4 // ranks * ranks)
-    P = E + R
-    capacity = args.capacity_factor or None
-    intervals = {  # steps (forward passes when serving) between rearrangements: two or three per phase
-        "train": args.interval or max(4, args.train_steps * 2 // 3),
-        "decode": args.interval or max(4, args.decode_batches * args.new_tokens * 2 // 3),
-        "prefill": args.interval or max(4, args.prefill_batches * 2 // 3),
-    }
-    rows = list(args.rows)
-    if "online quota" in rows and (E % ranks or R % ranks or R == 0):
-        print(f"online quota skipped: E={E} and R={R} must be positive multiples of the EP size {ranks}")
-        rows.remove("online quota")
-    for name, size in (("P = E + R", P), ("--train-batch", args.train_batch)):
-        if size % ranks:
-            raise SystemExit(f"{name} = {size} is not divisible by the {ranks} EP ranks")
-    if ranks == 1:
-        print("EP = 1: one rank holds every expert, so balance is moot: the EPLB rows record loads, hold the placement")
-    order = np.random.default_rng(args.seed + 1)
-    biases = [zipf_router_bias(E, args.skew)[order.permutation(E)] for _ in range(L)]
-    ideal = even_placement(E, P, ranks)
-    ideal = Placement.from_phy2log(np.repeat(ideal.phy2log, L, axis=0), E, num_ranks=ranks)
-
-    def build(row, phase):
+    def build(self, row, phase):
         """(model, controller or None) of ``row`` for ``phase``: fresh weights from one seed, skew, placement."""
+        from flax import nnx
+
+        from moe_eplb_jax.config import EplbConfig
+        from moe_eplb_jax.flax import EplbController
+        from moe_eplb_jax.models import MoECausalLM
+        from moe_eplb_jax.moe import DispatchConfig
+        from moe_eplb_jax.transport import put_host
+
+        args, mesh, ranks, R = self.args, self.mesh, self.ranks, self.R
         routing = "quota" if row == "online quota" else "hash"
         matmul = args.matmul or "auto"
         model = MoECausalLM(
-            config,
+            self.config,
             mesh=mesh,
             num_redundant_experts=R,
             routing=routing,
-            dispatch=DispatchConfig(matmul=matmul, capacity_factor=capacity),
+            dispatch=DispatchConfig(matmul=matmul, capacity_factor=self.capacity),
             rngs=nnx.Rngs(args.seed),
         )
         if row != "uniform (ideal)":
-            for layer, bias in zip(model.moe_layers, biases):
+            for layer, bias in zip(model.moe_layers, self.biases):
                 layer.router_bias.set_value(put_host(bias, mesh))
-        interval = intervals[phase]
+        interval = self.intervals[phase]
         if row in ("no EPLB", "uniform (ideal)"):
             if row == "uniform (ideal)":  # moves the experts to the even placement, then holds it
-                EplbController(model, mesh, EplbConfig(num_redundant_experts=R, num_gpus=ranks), placement=ideal)
+                EplbController(model, mesh, EplbConfig(num_redundant_experts=R, num_gpus=ranks), placement=self.ideal)
             return model, None
         eplb = EplbConfig(
             num_redundant_experts=R,
@@ -182,61 +192,60 @@ def main(argv=None):
             return model, controller
         # The default rehearsal, then the move to the policy's placement for a held-out batch's load (the kind of
         # move the run's first rearrangement makes): the executors those need compile here, not mid-run.
-        slot = slot_load(model, row, np.random.default_rng(args.seed + 2))
-        logical = np.zeros((L, E))
+        slot = self.slot_load(model, row, np.random.default_rng(args.seed + 2))
+        logical = np.zeros((self.L, self.E))
         for layer, phy2log in enumerate(controller.placement.phy2log):
             np.add.at(logical[layer], phy2log, slot[layer])
         controller.warmup()
         controller.warmup(load=logical)
         return model, controller
 
-    def tokens(row, rng, batch, seq, *, repeat=True):
+    def tokens(self, row, rng, batch, seq, *, repeat=True):
+        from moe_eplb_jax.models import zipf_tokens
+
         if row == "uniform (ideal)":
-            return rng.integers(0, V, (batch, seq)).astype(np.int32)
-        return zipf_tokens(rng, batch, seq, V, repeat=repeat)
+            return rng.integers(0, self.V, (batch, seq)).astype(np.int32)
+        return zipf_tokens(rng, batch, seq, self.V, repeat=repeat)
 
-    def prompts(row, rng, batch, shortest, longest):
+    def prompts(self, row, rng, batch, shortest, longest):
         lengths = rng.integers(shortest, longest + 1, batch)
-        return [tokens(row, rng, 1, int(n), repeat=False)[0] for n in lengths]
+        return [self.tokens(row, rng, 1, int(n), repeat=False)[0] for n in lengths]
 
-    forward = nnx.jit(lambda model, x: model(x))
-
-    def slot_load(model, row, rng):
+    def slot_load(self, model, row, rng):
         """``[L, P]`` tokens per slot of one held-out batch, recorded; the layers' load variables restored after."""
-        layers = model.moe_layers
+        import jax
+
+        from moe_eplb_jax.transport import put_host
+
+        mesh, layers = self.mesh, model.moe_layers
         kept = [layer.expert_load.get_value() for layer in layers]
         for layer, value in zip(layers, kept):
             layer.expert_load.set_value(put_host(np.zeros(value.shape, np.int32), mesh, value.sharding.spec))
-        x = put_host(tokens(row, rng, args.train_batch, args.seq), mesh, jax.sharding.PartitionSpec("ep"))
-        jax.block_until_ready(forward(model, x))
-        load = np.stack([np.asarray(layer.expert_load.get_value()).reshape(-1, P).sum(0) for layer in layers])
+        x = put_host(
+            self.tokens(row, rng, self.args.train_batch, self.args.seq), mesh, jax.sharding.PartitionSpec("ep")
+        )
+        jax.block_until_ready(self.forward(model, x))
+        load = np.stack([np.asarray(layer.expert_load.get_value()).reshape(-1, self.P).sum(0) for layer in layers])
         for layer, value in zip(layers, kept):
             layer.expert_load.set_value(value)
         return load.astype(np.float64)
 
-    def balancedness(model, row, rng):
+    def balancedness(self, model, row, rng):
         """Measured on one held-out batch, on the placement the model holds now."""
-        return float(metrics.balancedness(metrics.rank_load(slot_load(model, row, rng), ranks)))
+        from moe_eplb_jax import metrics
 
-    def moved(reports):
-        done = [r for r in reports if r and r.get("rearranged")]
-        return len(done), sum(r["move_seconds"] for r in done), sum(r["bytes_moved"] for r in done)
+        return float(metrics.balancedness(metrics.rank_load(self.slot_load(model, row, rng), self.ranks)))
 
-    trainable = nnx.All(nnx.Param, nnx.Not(nnx.PathContains("router_bias")))  # the skew stays fixed
+    def train(self, row):
+        import jax
+        import optax
+        from flax import nnx
 
-    @nnx.jit  # one jitted step for every row: the rows' models share a structure, so they share compilations
-    def train_step(model, optimizer, batch, record):
-        def loss_fn(model):
-            logits = model(batch[:, :-1], record=record)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+        from moe_eplb_jax.transport import put_host
 
-        loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, trainable))(model)
-        optimizer.update(model, grads)
-        return loss
-
-    def train(row):
-        model, controller = build(row, "train")
-        optimizer = nnx.Optimizer(model, optax.adamw(1e-4), wrt=trainable)
+        args, mesh = self.args, self.mesh
+        model, controller = self.build(row, "train")
+        optimizer = nnx.Optimizer(model, optax.adamw(1e-4), wrt=self.trainable)
         # optax makes its step counter on one device: replicated on the mesh like the rest, the step's inputs
         # keep one sharding from the first call on (no recompilation inside the timed steps).
         nnx.update(
@@ -245,35 +254,38 @@ def main(argv=None):
         rng = np.random.default_rng(args.seed)
         record = np.bool_(controller is not None)
         batches = [
-            put_host(tokens(row, rng, args.train_batch, args.seq + 1), mesh, jax.sharding.PartitionSpec("ep"))
+            put_host(self.tokens(row, rng, args.train_batch, args.seq + 1), mesh, jax.sharding.PartitionSpec("ep"))
             for _ in range(args.train_steps + 1)
         ]
-        first = float(train_step(model, optimizer, batches[0], record))  # compiles; not timed
+        first = float(self.train_step(model, optimizer, batches[0], record))  # compiles; not timed
         if controller is not None:
             controller.step()
         reports, loss = [], None
         start = time.perf_counter()
         for batch in batches[1:]:
-            loss = train_step(model, optimizer, batch, record)
+            loss = self.train_step(model, optimizer, batch, record)
             if controller is not None:
                 reports.append(controller.step())
         last = float(jax.block_until_ready(loss))
         seconds = time.perf_counter() - start
-        count, move_seconds, moved_bytes = moved(reports)
+        count, move_seconds, moved_bytes = _moved(reports)
         tokens_per_s = args.train_steps * args.train_batch * args.seq / seconds
         return dict(
             tokens_per_s=tokens_per_s,
-            model_tflops=3 * config.flops_per_token((args.seq + 1) / 2) * tokens_per_s / 1e12,
+            model_tflops=3 * self.config.flops_per_token((args.seq + 1) / 2) * tokens_per_s / 1e12,
             seconds=seconds,
             loss=(first, last),
-            balancedness=balancedness(model, row, rng),
+            balancedness=self.balancedness(model, row, rng),
             rearrangements=count,
             move_seconds=move_seconds,
             bytes_moved=moved_bytes,
         )
 
-    def serve(row, phase):
-        model, controller = build(row, phase)
+    def serve(self, row, phase):
+        from moe_eplb_jax.models import generate
+
+        args = self.args
+        model, controller = self.build(row, phase)
         rng = np.random.default_rng(args.seed)
         decode = phase == "decode"
         batch = args.decode_batch if decode else args.prefill_batch
@@ -299,10 +311,10 @@ def main(argv=None):
                 on_step=on_step if stepping else None,
             )
 
-        run(prompts(row, rng, batch, shortest, longest), record=False)  # compiles prefill and decode; not timed
+        run(self.prompts(row, rng, batch, shortest, longest), record=False)  # compiles prefill and decode; not timed
         counted, seconds = 0, 0.0
         for _ in range(args.decode_batches if decode else args.prefill_batches):
-            requests = prompts(row, rng, batch, shortest, longest)
+            requests = self.prompts(row, rng, batch, shortest, longest)
             start = time.perf_counter()
             out = run(requests)
             if decode:  # the decode steps (and the controller steps between them), not the prefill
@@ -311,28 +323,64 @@ def main(argv=None):
             else:  # the whole call: prefill, the controller step after it, the token read back
                 counted += sum(len(p) for p in requests)
                 seconds += time.perf_counter() - start
-        count, move_seconds, moved_bytes = moved(reports)
+        count, move_seconds, moved_bytes = _moved(reports)
         return dict(
             tokens_per_s=counted / seconds,
             seconds=seconds,
-            balancedness=balancedness(model, row, rng),
+            balancedness=self.balancedness(model, row, rng),
             rearrangements=count,
             move_seconds=move_seconds,
             bytes_moved=moved_bytes,
         )
 
+
+def _moved(reports):
+    done = [r for r in reports if r and r.get("rearranged")]
+    return len(done), sum(r["move_seconds"] for r in done), sum(r["bytes_moved"] for r in done)
+
+
+def _train_step(trainable):
+    """One jitted step for every row: the rows' models share a structure, so they share compilations."""
+    import optax
+    from flax import nnx
+
+    @nnx.jit
+    def train_step(model, optimizer, batch, record):
+        def loss_fn(model):
+            logits = model(batch[:, :-1], record=record)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+        loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, trainable))(model)
+        optimizer.update(model, grads)
+        return loss
+
+    return train_step
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.cpu_devices:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        # Compile-bound on CPU: LLVM's optimisation passes cost more than they save on these small programs.
+        os.environ["XLA_FLAGS"] = (
+            f"--xla_force_host_platform_device_count={args.cpu_devices} --xla_backend_optimization_level=0"
+        )
+    import jax  # after the device count is set
+
+    run = Run(args)
     results = {}
-    for row in rows:
+    for row in run.rows:
         results[row] = {}
         for phase in PHASES:
             try:
-                results[row][phase] = train(row) if phase == "train" else serve(row, phase)
+                results[row][phase] = run.train(row) if phase == "train" else run.serve(row, phase)
             except Exception:  # one row failing must not hide the others' figures
                 traceback.print_exc()
                 results[row][phase] = None
             gc.collect()  # the phase's model and optimizer go before the next is built
             print(f"{row} / {phase}: {results[row][phase]}", flush=True)
-    return report(args, results, ranks=ranks, device=jax.devices()[0].device_kind, R=R, intervals=intervals)
+    device = jax.devices()[0].device_kind
+    return report(args, results, ranks=run.ranks, device=device, R=run.R, intervals=run.intervals)
 
 
 def report(args, results, *, ranks, device, R, intervals):
@@ -389,8 +437,6 @@ def report(args, results, *, ranks, device, R, intervals):
     if args.cpu_devices:
         print("(CPU simulated devices: a smoke run; the figures do not show the balance)")
     if args.json:
-        import json
-
         with open(args.json, "w") as f:
             json.dump(
                 dict(ranks=ranks, device=device, args=vars(args), redundant=R, intervals=intervals, rows=results),

@@ -1,4 +1,4 @@
-"""Benchmark: fused replica routing + load counting (``moe_eplb_jax.routing._map_and_count.api``).
+"""Benchmark: fused replica routing + load counting (``moe_eplb_jax.routing.map_and_count``).
 
 For T in {4096, 65536, 262144} tokens x top-8, P in {288, 512} slots (E = 256)
 and every mode, prints side by side (microseconds per call):

@@ -45,13 +45,16 @@ rank received (``pallas``) can show the balance in step time.
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import functools
+import json
 import os
 import sys
 import time
 import traceback
+from typing import Any
+
+import numpy as np
 
 
 def _args():
@@ -97,8 +100,6 @@ CASES = ("initial/hash", "EPLB/hash", "EPLB/round_robin", "EPLB/lp", "EPLB/quota
 
 def zipf_ids(num_tokens: int, num_experts: int, top_k: int, skew: float, seed: int):
     """``[T, k]`` distinct expert ids per token: Gumbel top-k of popularity ``∝ rank**-skew`` (random order)."""
-    import numpy as np
-
     rng = np.random.default_rng(seed)
     rank = np.empty(num_experts)
     rank[rng.permutation(num_experts)] = np.arange(1, num_experts + 1)
@@ -113,8 +114,6 @@ def even_placement(num_experts: int, num_physical: int, num_ranks: int):
     (never both replicas of one expert) and of the one-replica slots. ``Placement.linear`` where ``R`` or the
     share does not divide (then the ideal's balancedness, printed, is below 1).
     """
-    import numpy as np
-
     from moe_eplb_jax.placement import Placement
 
     redundant = num_physical - num_experts
@@ -127,90 +126,71 @@ def even_placement(num_experts: int, num_physical: int, num_ranks: int):
     return Placement.from_phy2log(phy2log[None], num_experts, num_ranks=num_ranks)
 
 
-def main():
-    args = _args()
-    if args.cpu_devices:
-        os.environ["JAX_PLATFORMS"] = "cpu"
-        os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.cpu_devices}"
-    if args.small:
-        args.tokens, args.dim, args.hidden, args.experts, args.redundant, args.iters = 256, 64, 32, 16, 8, 3
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as PS
+@dataclasses.dataclass
+class Bench:
+    """What every case shares, built once the device count is set: the mesh, the shapes, the expert weights."""
 
-    from moe_eplb_jax import metrics, moe
-    from moe_eplb_jax import state as eplb_state
-    from moe_eplb_jax.config import EplbConfig
-    from moe_eplb_jax.placement import Placement
-    from moe_eplb_jax.policy import compute_placement
-    from moe_eplb_jax.routing import mode_lookup, routing_mode, routing_tables
-    from moe_eplb_jax.transport import put_host
+    args: argparse.Namespace
+    mesh: Any
+    ranks: int
+    E: int
+    P: int
+    D: int
+    H: int
+    K: int
+    T: int
+    dtype: Any
+    rng: np.random.Generator
+    w_in: np.ndarray
+    w_out: np.ndarray
+    router: Any
+    bias: Any
+    top_k: Any
 
-    try:  # run as a script: benchmarks/ is on sys.path
-        from _timing import device_seconds, median_seconds
-    except ImportError:
-        from benchmarks._timing import device_seconds, median_seconds
+    def one_hot_tokens(self, picks):
+        """Tokens whose top-k under the identity router are exactly ``picks``."""
+        from jax.sharding import PartitionSpec as PS
 
-    ranks = args.ranks or jax.device_count()
-    mesh = jax.make_mesh((ranks,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:ranks])
-    E, P, D, H, K = args.experts, args.experts + args.redundant, args.dim, args.hidden, args.top_k
-    T = args.tokens * ranks
-    if D < E:
-        raise ValueError(f"--dim ({D}) must be at least --experts ({E}): a one-hot router imposes the routing")
-    skews = [float(s) for s in args.skews.split(",")]
-    cases = [c for c in args.cases.split(",") if c]
-    if set(cases) - set(CASES):
-        raise ValueError(f"--cases takes names out of {CASES}, got {args.cases!r}")
-    online_ok = E % ranks == 0 and (P - E) % ranks == 0 and P > E
-    if not online_ok and "online/quota" in cases:
-        print(f"online/quota skipped: E={E} and R={P - E} must be positive multiples of the EP size {ranks}")
-        cases.remove("online/quota")
-    rng = np.random.default_rng(0)
-    dtype = jnp.bfloat16
-    w_in = rng.standard_normal((E, D, 2 * H)).astype(np.float32) * D**-0.5
-    w_out = rng.standard_normal((E, H, D)).astype(np.float32) * H**-0.5
-    router = put_host(np.eye(D, E, dtype=np.float32), mesh, PS())
-    bias = put_host(np.zeros(E, np.float32), mesh, PS())
+        from moe_eplb_jax.transport import put_host
 
-    def one_hot_tokens(picks):  # tokens whose top-k under the identity router are exactly ``picks``
-        host = 0.01 * rng.standard_normal((T, D)).astype(np.float32)
+        host = 0.01 * self.rng.standard_normal((self.T, self.D)).astype(np.float32)
         np.put_along_axis(host, picks, 8.0, axis=1)
-        return put_host(host.astype(dtype), mesh, PS("ep"))
+        return put_host(host.astype(self.dtype), self.mesh, PS("ep"))
 
-    x_uni = one_hot_tokens((np.arange(T)[:, None] * K + np.arange(K)[None, :]) % E)
-    uniform = even_placement(E, P, ranks)
-    initial = Placement.from_phy2log(
-        np.concatenate([np.arange(E), np.arange(E - 1, E - 1 - (P - E), -1)])[None], E, num_ranks=ranks
-    )
-
-    def operands(placement, routing, tokens, load=None):
+    def operands(self, placement, routing, tokens, load=None):
         """(positional moe_apply operands, lookup, replica_shares) of one case."""
-        phy = placement.phy2log[0]
+        from jax.sharding import PartitionSpec as PS
+
+        from moe_eplb_jax.routing import mode_lookup, routing_mode, routing_tables
+        from moe_eplb_jax.transport import put_host
+
+        mesh, phy = self.mesh, placement.phy2log[0]
         experts = {
-            "w_in": put_host(w_in[phy].astype(dtype), mesh, PS("ep")),
-            "w_out": put_host(w_out[phy].astype(dtype), mesh, PS("ep")),
+            "w_in": put_host(self.w_in[phy].astype(self.dtype), mesh, PS("ep")),
+            "w_out": put_host(self.w_out[phy].astype(self.dtype), mesh, PS("ep")),
         }
         log2phy, logcnt = placement.log2phy[0], placement.logcnt[0]
         shares = None
         if routing_mode(routing).shares:  # the shares a controller installs with the placement
             if load is None:
                 raise ValueError(f"routing {routing!r} needs the load its shares are solved from")
-            shares = routing_tables(routing, load[None], placement, num_ranks=ranks)[0]["replica_shares"]
-        lookup = mode_lookup(routing, log2phy, logcnt, replica_shares=shares, num_physical=P)  # carries the shares
+            shares = routing_tables(routing, load[None], placement, num_ranks=self.ranks)[0]["replica_shares"]
+        # The lookup carries the shares.
+        lookup = mode_lookup(routing, log2phy, logcnt, replica_shares=shares, num_physical=self.P)
         shares = None if shares is None else put_host(shares, mesh, PS())
         put = functools.partial(put_host, mesh=mesh)
-        return (tokens, router, bias, experts, put(log2phy), put(logcnt), put(lookup), shares)
+        return (tokens, self.router, self.bias, experts, put(log2phy), put(logcnt), put(lookup), shares)
 
-    top_k = moe.RouterConfig(top_k=K)
+    def dispatch_config(self, matmul, factor, load_reduce="none"):
+        from moe_eplb_jax import moe
 
-    def dispatch_config(matmul, factor, load_reduce="none"):
         return moe.DispatchConfig(
-            matmul=matmul, map_implementation=args.map_impl, capacity_factor=factor, load_reduce=load_reduce
+            matmul=matmul, map_implementation=self.args.map_impl, capacity_factor=factor, load_reduce=load_reduce
         )
 
-    def stepper(routing, matmul, factor, load_reduce="none"):
+    def stepper(self, routing, matmul, factor, load_reduce="none"):
+        from moe_eplb_jax import moe
+
         def step(x, router, bias, experts, log2phy, logcnt, lookup, shares):
             return moe.moe_apply(
                 x,
@@ -219,245 +199,139 @@ def main():
                 experts,
                 log2phy,
                 logcnt,
-                router=top_k,
-                mesh=mesh,
+                router=self.top_k,
+                mesh=self.mesh,
                 routing=routing,
-                dispatch=dispatch_config(matmul, factor, load_reduce),
+                dispatch=self.dispatch_config(matmul, factor, load_reduce),
                 lookup=lookup,
                 replica_shares=shares,
             )
 
         return step
 
-    def bench(fn, ops):
+    def bench(self, fn, ops):
+        import jax
+
         out = jax.block_until_ready(fn(*ops))
         times = []
-        for _ in range(args.iters):
+        for _ in range(self.args.iters):
             t0 = time.perf_counter()
             jax.block_until_ready(fn(*ops))
             times.append(time.perf_counter() - t0)
         return float(np.median(times)), out
 
-    def total(load):  # moe_apply returns per-rank rows [G, P] (no psum in the step), or [P] with "psum"
-        load = np.asarray(load)
-        return load.sum(0) if load.ndim == 2 else load
+    def balancedness(self, load):
+        from moe_eplb_jax import metrics
 
-    def balancedness(load):
-        return float(metrics.balancedness(metrics.rank_load(total(load)[None], ranks)))
+        return float(metrics.balancedness(metrics.rank_load(_total(load)[None], self.ranks)))
 
-    # Per skew: the batch, its load and the placements fitted to it (the same for every matmul / exchange).
+
+def _total(load):
+    """moe_apply returns per-rank rows [G, P] (no psum in the step), or [P] with "psum"."""
+    load = np.asarray(load)
+    return load.sum(0) if load.ndim == 2 else load
+
+
+def _setup(args) -> Bench:
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as PS
+
+    from moe_eplb_jax import moe
+    from moe_eplb_jax.transport import put_host
+
+    ranks = args.ranks or jax.device_count()
+    mesh = jax.make_mesh((ranks,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:ranks])
+    E, P, D, H, K = args.experts, args.experts + args.redundant, args.dim, args.hidden, args.top_k
+    if D < E:
+        raise ValueError(f"--dim ({D}) must be at least --experts ({E}): a one-hot router imposes the routing")
+    rng = np.random.default_rng(0)
+    w_in = rng.standard_normal((E, D, 2 * H)).astype(np.float32) * D**-0.5
+    w_out = rng.standard_normal((E, H, D)).astype(np.float32) * H**-0.5
+    return Bench(
+        args=args,
+        mesh=mesh,
+        ranks=ranks,
+        E=E,
+        P=P,
+        D=D,
+        H=H,
+        K=K,
+        T=args.tokens * ranks,
+        dtype=jnp.bfloat16,
+        rng=rng,
+        w_in=w_in,
+        w_out=w_out,
+        router=put_host(np.eye(D, E, dtype=np.float32), mesh, PS()),
+        bias=put_host(np.zeros(E, np.float32), mesh, PS()),
+        top_k=moe.RouterConfig(top_k=K),
+    )
+
+
+def _batches(b: Bench, skews, online_ok: bool):
+    """Per skew: the batch, its load and the placements fitted to it (the same for every matmul / exchange)."""
+    from moe_eplb_jax.config import EplbConfig
+    from moe_eplb_jax.placement import Placement
+    from moe_eplb_jax.policy import compute_placement
+
+    E, P = b.E, b.P
+    initial = Placement.from_phy2log(
+        np.concatenate([np.arange(E), np.arange(E - 1, E - 1 - (P - E), -1)])[None], E, num_ranks=b.ranks
+    )
     batches = {}
     for skew in skews:
-        ids = zipf_ids(T, E, K, skew, seed=int(skew * 1000))
+        ids = zipf_ids(b.T, E, b.K, skew, seed=int(skew * 1000))
         load = np.bincount(ids.ravel(), minlength=E).astype(np.float64)
         placements = {"initial": initial}
         for name, policy in (("EPLB", "balanced"), ("online", "online")):
             if name == "online" and not online_ok:
                 continue
-            config = EplbConfig(num_redundant_experts=P - E, num_gpus=ranks, policy=policy)
+            config = EplbConfig(num_redundant_experts=P - E, num_gpus=b.ranks, policy=policy)
             placements[name] = compute_placement(load[None], config)
-        batches[skew] = (one_hot_tokens(ids), load, placements)
+        batches[skew] = (b.one_hot_tokens(ids), load, placements)
+    return batches
 
-    rows = []
-    factors = [None if f == "none" else float(f) for f in args.capacity_factor.split(",")]
-    for matmul, factor in [(m, f) for m in args.matmul.split(",") for f in factors]:
-        label = f"{matmul}/{'worst' if factor is None else f'cf{factor:g}'}"
-        jitted = {mode: jax.jit(stepper(mode, matmul, factor)) for mode in {c.split("/")[1] for c in cases} | {"hash"}}
-        try:
-            t_uni, (_, load_uni) = bench(jitted["hash"], operands(uniform, "hash", x_uni))
-        except Exception:  # one implementation failing must not hide the others' figures
-            traceback.print_exc()
-            rows.append((label, None))
-            continue
-        per_skew = {}
-        for skew, (tokens, load, placements) in batches.items():
-            found, reference, same, loads_ok = {}, None, True, True
-            for case in cases:
-                where, mode = case.split("/")
-                try:
-                    t, (out, case_load) = bench(jitted[mode], operands(placements[where], mode, tokens, load))
-                except Exception:  # one case failing must not hide the others
-                    traceback.print_exc()
-                    found[case] = None
-                    continue
-                out = np.asarray(out).view(np.uint16)
-                reference = out if reference is None else reference
-                same = same and bool(np.array_equal(out, reference))
-                loads_ok = loads_ok and int(total(case_load).sum()) == T * K
-                found[case] = (t, balancedness(case_load))
-            per_skew[skew] = dict(cases=found, same=same, loads_ok=loads_ok)
-            print(f"{label} skew {skew:g}: {per_skew[skew]}", flush=True)  # a run cut short still shows it
-        rows.append((label, dict(t_uni=t_uni, b_uni=balancedness(load_uni), skews=per_skew)))
 
-    # ------------------------------------------------------------ bookkeeping
-    book_config = EplbConfig(num_gpus=ranks, num_redundant_experts=P - E, window_size=args.window)
-    make_state = lambda: eplb_state.init_state(book_config, 1, P, per_rank=True)
-    state_sharding = jax.tree.map(lambda _: NamedSharding(mesh, PS()), jax.eval_shape(make_state))
-    state_sharding = dataclasses.replace(
-        state_sharding,
-        pass_load=NamedSharding(mesh, PS(None, "ep", None)),
-        window=NamedSharding(mesh, PS(None, None, "ep", None)),
-    )
+def _exchange_label(matmul, factor) -> str:
+    return f"{matmul}/{'worst' if factor is None else f'cf{factor:g}'}"
 
-    def bookkeeping(routing, ops, matmul, factor):
-        """(a) the EPLB step vs (b) the same step, fixed placement, no EPLB work (see the module docstring)."""
-        x, router, bias, experts, log2phy, logcnt, lookup, shares = ops
 
-        def eplb_step(*ops_and_state, load_reduce="none"):  # (a)
-            *step_ops, state = ops_and_state
-            out, load = stepper(routing, matmul, factor, load_reduce)(*step_ops)
-            return out, eplb_state.end_step(eplb_state.record(state, load[None]))  # load: [G, P] or psum'd [P]
+def _step_row(b: Bench, matmul, factor, cases, batches, uniform_ops):
+    """One matmul / exchange: the ideal's step, then every case at every skew (``None`` where the ideal failed)."""
+    import jax
 
-        def fixed_step(x, router, bias, experts, log2phy, replica):  # (b)
-            def per_rank(x, router, bias, experts, log2phy, replica):
-                ids, weights = moe.route(x, router, top_k, bias=bias)
-                physical = log2phy[ids, replica]  # one gather, nothing counted
-                return moe.routed_experts(  # moe_apply's own exchange + grouped MLP + combine
-                    x, physical, weights, experts, axis="ep", num_ranks=ranks, dispatch=dispatch_config(matmul, factor)
-                )
+    jitted = {mode: jax.jit(b.stepper(mode, matmul, factor)) for mode in {c.split("/")[1] for c in cases} | {"hash"}}
+    try:
+        t_uni, (_, load_uni) = b.bench(jitted["hash"], uniform_ops)
+    except Exception:  # one implementation failing must not hide the others' figures
+        traceback.print_exc()
+        return None
+    per_skew = {}
+    for skew, (tokens, load, placements) in batches.items():
+        found, reference, same, loads_ok = {}, None, True, True
+        for case in cases:
+            where, mode = case.split("/")
+            try:
+                t, (out, case_load) = b.bench(jitted[mode], b.operands(placements[where], mode, tokens, load))
+            except Exception:  # one case failing must not hide the others
+                traceback.print_exc()
+                found[case] = None
+                continue
+            out = np.asarray(out).view(np.uint16)
+            reference = out if reference is None else reference
+            same = same and bool(np.array_equal(out, reference))
+            loads_ok = loads_ok and int(_total(case_load).sum()) == b.T * b.K
+            found[case] = (t, b.balancedness(case_load))
+        per_skew[skew] = dict(cases=found, same=same, loads_ok=loads_ok)
+        print(f"{_exchange_label(matmul, factor)} skew {skew:g}: {per_skew[skew]}", flush=True)  # a cut run shows it
+    return dict(t_uni=t_uni, b_uni=b.balancedness(load_uni), skews=per_skew)
 
-            return jax.shard_map(
-                per_rank,
-                mesh=mesh,
-                in_specs=(PS("ep"), PS(), PS(), PS("ep"), PS(), PS("ep")),
-                out_specs=PS("ep"),
-                check_vma=False,
-            )(x, router, bias, experts, log2phy, replica)
 
-        def replicas(x, router, bias, log2phy, logcnt, lookup, shares):  # the replica (a) picks per assignment
-            def per_rank(x, router, bias, log2phy, logcnt, lookup, shares):
-                ids, _ = moe.route(x, router, top_k, bias=bias)
-                physical, _ = moe.map_replicas(  # exactly the layer's routing, plan included
-                    ids,
-                    log2phy,
-                    logcnt,
-                    routing=routing,
-                    num_physical=P,
-                    axis="ep",
-                    lookup=lookup,
-                    replica_shares=shares,
-                    implementation=args.map_impl,
-                )
-                return jnp.argmax(log2phy[ids] == physical[..., None], axis=-1).astype(jnp.int32)
-
-            return jax.shard_map(
-                per_rank, mesh=mesh, in_specs=(PS("ep"),) + (PS(),) * 6, out_specs=PS("ep"), check_vma=False
-            )(x, router, bias, log2phy, logcnt, lookup, shares)
-
-        def runner(state, sharding, load_reduce):
-            # The state is donated, as EplbController.step does: the window row is written in place.
-            step = jax.jit(
-                functools.partial(eplb_step, load_reduce=load_reduce),
-                donate_argnums=len(ops),
-                out_shardings=(NamedSharding(mesh, PS("ep")), sharding),
-            )
-            held = [state]
-
-            def run(*a):
-                out, held[0] = step(*a, held[0])
-                return out
-
-            return run
-
-        run_a = runner(jax.jit(make_state, out_shardings=state_sharding)(), state_sharding, "none")
-        # (a'): the load psum'd every step, recorded into a replicated [W, 1, P] window.
-        replicated = NamedSharding(mesh, PS())
-        summed_state = jax.jit(lambda: eplb_state.init_state(book_config, 1, P), out_shardings=replicated)()
-        run_psum = runner(summed_state, replicated, "psum")
-
-        run_b = jax.jit(fixed_step)
-        ops_b = (x, router, bias, experts, log2phy, jax.jit(replicas)(x, router, bias, log2phy, logcnt, lookup, shares))
-        same = bool(np.array_equal(np.asarray(run_a(*ops)).view(np.uint16), np.asarray(run_b(*ops_b)).view(np.uint16)))
-        device = {"a": [], "b": [], "psum": []}
-        compute = {"a": [], "b": [], "psum": []}  # without NCCL kernels (their time includes waiting for the peer)
-        kernels = {"a": collections.Counter(), "b": collections.Counter(), "psum": collections.Counter()}
-        for _ in range(args.book_reps):  # interleaved, so drift hits all alike
-            for name, fn, fn_ops in (("a", run_a, ops), ("b", run_b, ops_b), ("psum", run_psum, ops)):
-                seconds, per_kernel = device_seconds(fn, *fn_ops, calls=args.iters)
-                device[name].append(seconds)
-                compute[name].append(
-                    None if seconds is None else sum(t for k, t in per_kernel.items() if "nccl" not in k.lower())
-                )
-                kernels[name].update({k: t / args.book_reps for k, t in per_kernel.items()})
-        host = {
-            "a": [median_seconds(run_a, *ops, reps=args.iters)],
-            "b": [median_seconds(run_b, *ops_b, reps=args.iters)],
-            "psum": [median_seconds(run_psum, *ops, reps=args.iters)],
-        }
-
-        def column(times, step=None):  # medians -> ms of (a), (b), (a) - (b), % of the step; the same for (a')
-            if any(t is None for t in times["a"] + times["b"] + times["psum"]):
-                return None
-            a, b, p = (float(np.median(times[k])) for k in ("a", "b", "psum"))
-            step = a if step is None else step  # the (a) step time the percentages are of
-            return dict(
-                a_ms=a * 1e3,
-                b_ms=b * 1e3,
-                book_ms=(a - b) * 1e3,
-                pct=100 * (a - b) / step,
-                psum_ms=p * 1e3,
-                psum_book_ms=(p - b) * 1e3,
-                psum_pct=100 * (p - b) / step,
-            )
-
-        names = set(kernels["a"]) | set(kernels["b"])
-        table = [(k, kernels["a"][k] * 1e6, kernels["b"][k] * 1e6) for k in names]
-        return dict(
-            case=f"{matmul}/{'worst' if factor is None else f'cf{factor:g}'}",
-            window=args.window,
-            same=same,
-            device=column(device),
-            compute=column(compute, None if device["a"][0] is None else float(np.median(device["a"]))),
-            host=column(host),
-            kernels_a=sorted(table, key=lambda r: -r[1])[:10],
-            kernels_diff=sorted(table, key=lambda r: r[2] - r[1])[:10],
-        )
-
-    def print_bookkeeping(routing, where, row):
-        print(f"\nEPLB bookkeeping per step, routing {routing!r} on the {where} placement", end="")
-        if row is None:
-            print(": FAILED (traceback above)")
-            return
-        extra = " (+ all_gather + plan + reroute)" if routing == "quota" else ""
-        print(f", {row['case']}, window {row['window']} steps: mapping + counting{extra} + state update")
-        print(f"{'':44s} {'device ms':>10s} {'w/o NCCL':>10s} {'host ms':>10s}")
-        cols = (row["device"], row["compute"], row["host"])
-        for name, key, fmt in (
-            ("(a) EPLB step", "a_ms", "{:10.3f}"),
-            ("(b) fixed placement, no EPLB work", "b_ms", "{:10.3f}"),
-            ("bookkeeping (a) - (b)", "book_ms", "{:10.3f}"),
-            ("bookkeeping, % of (a) (device: all kernels)", "pct", "{:9.2f}%"),
-            ("(a') + load psum every step", "psum_ms", "{:10.3f}"),
-            ("(a') bookkeeping (a') - (b)", "psum_book_ms", "{:10.3f}"),
-            ("(a') bookkeeping, % of (a)", "psum_pct", "{:9.2f}%"),
-        ):
-            print(f"{name:44s} " + " ".join("       n/a" if c is None else fmt.format(c[key]) for c in cols))
-        print(f"(a) and (b) route the same rows (bit-identical outputs): {row['same']}")
-        if row["kernels_a"]:
-            print(
-                "device time by kernel, us per step: (a), (b) for the same name, (a) - (b); XLA may number "
-                "fusions differently in (b)"
-            )
-            for title, key in (("top 10 of (a)", "kernels_a"), ("top 10 of (a) - (b)", "kernels_diff")):
-                print(f"  {title}:")
-                for k, a, b in row[key]:
-                    print(f"  {a:10.1f} {b:10.1f} {a - b:10.1f}  {k[:90]}")
-
-    book = {}
-    middle = skews[len(skews) // 2]
-    tokens, load, placements = batches[middle]
-    for routing in [m for m in args.book_modes.split(",") if m]:
-        where = "online" if routing == "quota" and online_ok else "EPLB"
-        try:
-            ops = operands(placements[where], routing, tokens, load)
-            book[routing] = (where, bookkeeping(routing, ops, args.matmul.split(",")[0], factors[0]))
-        except Exception:  # must not hide the step-time rows
-            traceback.print_exc()
-            book[routing] = (where, None)
-
+def _print_steps(b: Bench, rows, device_kind: str):
+    args = b.args
     print(
-        f"\n=== MoE step ({ranks} x {jax.devices()[0].device_kind}; T={args.tokens}/rank, D={D}, H={H}, E={E}, "
-        f"P={P}, top-{K}, bf16, map_and_count={args.map_impl or 'default'}) ==="
+        f"\n=== MoE step ({b.ranks} x {device_kind}; T={args.tokens}/rank, D={b.D}, H={b.H}, E={b.E}, "
+        f"P={b.P}, top-{b.K}, bf16, map_and_count={args.map_impl or 'default'}) ==="
     )
     print("matmul/exchange: 'worst' = one worst-case all_to_all; 'cfX' = rounds of X times the balanced share")
     print(
@@ -472,23 +346,70 @@ def main():
                 if tb is None:
                     print(f"{label:18s} {skew:5g} {case:22s} FAILED (traceback above)")
                     continue
-                t, b = tb
-                print(f"{label:18s} {skew:5g} {case:22s} {t * 1e3:9.3f} {t / r['t_uni']:9.3f} {b:7.3f}")
+                t, bal = tb
+                print(f"{label:18s} {skew:5g} {case:22s} {t * 1e3:9.3f} {t / r['t_uni']:9.3f} {bal:7.3f}")
             print(
                 f"{label:18s} {skew:5g} outputs bit-identical across cases: {found['same']}; "
                 f"load sums exact: {found['loads_ok']}"
             )
         print(f"{label:18s} {'-':>5s} {'uniform (ideal)':22s} {r['t_uni'] * 1e3:9.3f} {1.0:9.3f} {r['b_uni']:7.3f}")
+
+
+def main():
+    args = _args()
+    if args.cpu_devices:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.cpu_devices}"
+    if args.small:
+        args.tokens, args.dim, args.hidden, args.experts, args.redundant, args.iters = 256, 64, 32, 16, 8, 3
+    import jax  # after the device count is set
+
+    try:  # run as a script: benchmarks/ is on sys.path
+        from _bookkeeping import bookkeeping, print_bookkeeping
+    except ImportError:
+        from benchmarks._bookkeeping import bookkeeping, print_bookkeeping
+
+    b = _setup(args)
+    skews = [float(s) for s in args.skews.split(",")]
+    cases = [c for c in args.cases.split(",") if c]
+    if set(cases) - set(CASES):
+        raise ValueError(f"--cases takes names out of {CASES}, got {args.cases!r}")
+    online_ok = b.E % b.ranks == 0 and (b.P - b.E) % b.ranks == 0 and b.P > b.E
+    if not online_ok and "online/quota" in cases:
+        print(f"online/quota skipped: E={b.E} and R={b.P - b.E} must be positive multiples of the EP size {b.ranks}")
+        cases.remove("online/quota")
+    x_uni = b.one_hot_tokens((np.arange(b.T)[:, None] * b.K + np.arange(b.K)[None, :]) % b.E)
+    uniform_ops = b.operands(even_placement(b.E, b.P, b.ranks), "hash", x_uni)
+    batches = _batches(b, skews, online_ok)
+
+    factors = [None if f == "none" else float(f) for f in args.capacity_factor.split(",")]
+    rows = [
+        (_exchange_label(m, f), _step_row(b, m, f, cases, batches, uniform_ops))
+        for m in args.matmul.split(",")
+        for f in factors
+    ]
+    book = {}
+    tokens, load, placements = batches[skews[len(skews) // 2]]  # the middle skew
+    for routing in [m for m in args.book_modes.split(",") if m]:
+        where = "online" if routing == "quota" and online_ok else "EPLB"
+        try:
+            ops = b.operands(placements[where], routing, tokens, load)
+            matmul, factor = args.matmul.split(",")[0], factors[0]
+            book[routing] = (where, bookkeeping(b, routing, ops, matmul, factor, _exchange_label(matmul, factor)))
+        except Exception:  # must not hide the step-time rows
+            traceback.print_exc()
+            book[routing] = (where, None)
+
+    device_kind = jax.devices()[0].device_kind
+    _print_steps(b, rows, device_kind)
     for routing, (where, row) in book.items():
         print_bookkeeping(routing, where, row)
     if args.json:
-        import json
-
         with open(args.json, "w") as f:
             json.dump(
                 dict(
-                    ranks=ranks,
-                    device=jax.devices()[0].device_kind,
+                    ranks=b.ranks,
+                    device=device_kind,
                     skews=skews,
                     rows={label: r for label, r in rows},
                     bookkeeping={routing: row for routing, (_, row) in book.items()},

@@ -46,6 +46,7 @@ import os
 import re
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -105,8 +106,6 @@ def _args(argv=None):
 # ------------------------------------------------------------------ the collectives part (runs in a subprocess)
 def collectives_main(sizes_mib, out):
     """Raw ppermute / all_to_all / all_gather of random uint8 bytes over every device; checks the bytes landed."""
-    import statistics
-
     import jax
     import jax.numpy as jnp
     import numpy as np

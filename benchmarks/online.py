@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moe_eplb_jax.metrics import rank_load_from_logical
 from moe_eplb_jax.placement import build_log2phy
 from moe_eplb_jax.routing import default_max_replicas, lp_shares, lp_shares_reference, map_and_count, plan_quotas
 from moe_eplb_jax.routing.quota import default_implementation, search_pallas
@@ -213,8 +214,6 @@ def lp_section(tokens, rows, timings, reps):
         log2phy, logcnt = build_log2phy(np.asarray(phy2log), E)
         shares, loads = lp_fn(jnp.asarray(serve, jnp.float32), jnp.asarray(log2phy[0]), jnp.asarray(logcnt[0]))
         _, optimum = lp_shares_reference(serve, log2phy[0], logcnt[0], num_physical=P, num_ranks=G)
-        from moe_eplb_jax.metrics import rank_load_from_logical
-
         even = rank_load_from_logical(serve[None], phy2log, G)[0]
         rows.append(
             dict(

@@ -16,9 +16,10 @@ Prints, side by side in one run:
 from __future__ import annotations
 
 import argparse
-import functools
+import dataclasses
 import json
 import os
+import re
 import sys
 import time
 
@@ -93,13 +94,8 @@ def quantized_layer(weights, fmt, x):
     return quant.quantize_mlp(*weights, fmt, input_scale=s_x, down_input_scale=s_x * 0.05, nonfinite="propagate")
 
 
-def diagnose(dev, cpu, log):
-    """--diag: cross-backend byte differences in detail, FP8 GEMM accumulation, fp4 decoding, ceilings."""
-    import dataclasses
-    import re
-
-    from moe_eplb_jax.quant import mlp as qmlp
-
+def _diagnose_bytes(dev, cpu, log):
+    """Cross-backend byte differences of every format's leaves, in detail (finite and NaN/Inf weights)."""
     rng = np.random.default_rng(1)
     w = (rng.standard_normal((4, 256, 512)) * np.exp2(rng.uniform(-6, 6, (4, 256, 1)))).astype(np.float32)
     w[0, 0, :64] *= 1e-39
@@ -127,108 +123,226 @@ def diagnose(dev, cpu, log):
                 )
             log(f"  {case:7s} {fmt:9s} checked")
 
-    ne, ni, nh = (2, 256, 512) if dev.platform == "cpu" else (8, 2048, 7168)
+
+def _diagnose_fp8_gemm(key, shape, ts, log):
+    """FP8 GEMM accumulation: DEFAULT vs HIGHEST precision vs bf16 operands, time, error, the custom calls."""
+    ne, ni, nh = shape
+    dims = (((2,), (2,)), ((0,), (0,)))
+    w8 = (jax.random.normal(key, (ne, ni, nh), jnp.float32) * 64).astype(jnp.float8_e4m3fn)
+    for t in ts:
+        x8 = jax.random.normal(jax.random.fold_in(key, t), (ne, t, nh), jnp.float32) * 64
+        x8 = x8.astype(jnp.float8_e4m3fn)
+        exact = np.asarray(x8[0, :32]).astype(np.float64) @ np.asarray(w8[0, :256]).astype(np.float64).T
+        for label, prec, cast in (
+            ("fp8 DEFAULT", "default", None),
+            ("fp8 HIGHEST", "highest", None),
+            ("bf16 of fp8", "default", jnp.bfloat16),
+        ):
+            fn = jax.jit(
+                lambda a, b, p=prec, c=cast: jax.lax.dot_general(
+                    a if c is None else a.astype(c),
+                    b if c is None else b.astype(c),
+                    dims,
+                    precision=p,
+                    preferred_element_type=jnp.float32,
+                )
+            )
+            out = fn(x8, w8)
+            err = np.linalg.norm(np.asarray(out[0, :32, :256]) - exact) / np.linalg.norm(exact)
+            hlo = fn.lower(x8, w8).compile().as_text()
+            calls = sorted(set(re.findall(r'custom_call_target="([^"]+)"', hlo)))
+            sec = median_seconds(fn, x8, w8)
+            log(
+                f"  T={t:5d} {label:12s} {sec * 1e3:7.3f} ms  {2 * ne * t * ni * nh / sec / 1e12:6.0f} TFLOP/s"
+                f"  rel err {err:.1e}  calls {calls}"
+            )
+
+
+def _diagnose_fp4_decode(dev, key, shape, log):
+    """Packed fp4 -> bf16: XLA's float4 conversion (the MLP's decode) vs a lookup of ``quant.E2M1_VALUES``."""
+    ne, ni, nh = shape
+    packed = jax.random.randint(key, (ne, ni, nh // 2), 0, 256, jnp.int32).astype(jnp.uint8)
+    big = jax.random.normal(key, (256 * 1024 * 1024 // (64 if dev.platform == "cpu" else 1),), jnp.float32)
+    bw = 2 * big.nbytes / median_seconds(jax.jit(lambda v: v * jnp.float32(1.5)), big)
+    log(f"  elementwise f32 r+w {bw / 1e12:.2f} TB/s")
+    del big
+    table = jnp.asarray(quant.E2M1_VALUES, jnp.bfloat16)
+    variants = {
+        "table": lambda p: table[quant.unpack_fp4(p)],
+        "float4": lambda p: (
+            jax.lax.bitcast_convert_type(p, jnp.float4_e2m1fn)
+            .reshape(*p.shape[:-1], p.shape[-1] * 2)
+            .astype(jnp.bfloat16)
+        ),
+    }
+    ref = None
+    for name, fn in variants.items():
+        try:
+            fn = jax.jit(fn)
+            out = fn(packed)
+            same = ref is None or bool(jnp.all(out == ref))
+            ref = out if ref is None else ref
+            sec = median_seconds(fn, packed)
+            floor = (packed.nbytes + out.nbytes) / bw
+            log(
+                f"  fp4 decode {name:6s} {sec * 1e3:7.3f} ms floor {floor * 1e3:.3f} ms ({floor / sec:.2f}) same {same}"
+            )
+        except Exception as err:
+            log(f"  fp4 decode {name} FAILED {type(err).__name__}: {str(err).splitlines()[0][:160]}")
+
+
+def _diagnose_mlps(key, shape, ts, log):
+    """FP8 MLP with and without fast accumulation (time, error), and the fp4 MLPs' step time."""
+    ne, ni, nh = shape
+    weights = make_layer(key, ne, nh, ni, jnp.bfloat16)
+    for t in ts:
+        x = jax.random.normal(jax.random.fold_in(key, t), (ne, t, nh), jnp.float32).astype(jnp.bfloat16)
+        layer = quantized_layer(weights, "fp8", x)
+        ref = quant.expert_mlp_reference(x[:, :8].astype(jnp.float32), *layer)
+        for fast in (False, True):
+            fn = jax.jit(lambda v, *q, f=fast: quant.expert_mlp(v, *q, fast_accumulation=f))
+            out = fn(x, *layer)[:, :8]
+            rel = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+            sec = median_seconds(fn, x, *layer)
+            log(f"  fp8 MLP T={t:5d} fast_accumulation={fast!s:5s} {sec * 1e3:7.3f} ms rel err {rel:.1e}")
+        for fmt in ("mxfp4", "nvfp4"):
+            layer = quantized_layer(weights, fmt, x)
+            try:
+                fn = jax.jit(lambda v, *q: quant.expert_mlp(v, *q))
+                log(f"  {fmt} MLP T={t:5d} {median_seconds(fn, x, *layer) * 1e3:7.3f} ms")
+            except Exception as err:
+                log(f"  {fmt} MLP FAILED {type(err).__name__}: {str(err).splitlines()[0][:120]}")
+
+
+def diagnose(dev, cpu, log):
+    """--diag: cross-backend byte differences in detail, FP8 GEMM accumulation, fp4 decoding, ceilings."""
+    _diagnose_bytes(dev, cpu, log)
+    shape = (2, 256, 512) if dev.platform == "cpu" else (8, 2048, 7168)
     ts = (16, 64) if dev.platform == "cpu" else (64, 2048)
     with jax.default_device(dev):
         key = jax.random.PRNGKey(3)
-        dims = (((2,), (2,)), ((0,), (0,)))
-        w8 = (jax.random.normal(key, (ne, ni, nh), jnp.float32) * 64).astype(jnp.float8_e4m3fn)
-        for t in ts:
-            x8 = jax.random.normal(jax.random.fold_in(key, t), (ne, t, nh), jnp.float32) * 64
-            x8 = x8.astype(jnp.float8_e4m3fn)
-            exact = np.asarray(x8[0, :32]).astype(np.float64) @ np.asarray(w8[0, :256]).astype(np.float64).T
-            for label, prec, cast in (
-                ("fp8 DEFAULT", "default", None),
-                ("fp8 HIGHEST", "highest", None),
-                ("bf16 of fp8", "default", jnp.bfloat16),
-            ):
-                fn = jax.jit(
-                    lambda a, b, p=prec, c=cast: jax.lax.dot_general(
-                        a if c is None else a.astype(c),
-                        b if c is None else b.astype(c),
-                        dims,
-                        precision=p,
-                        preferred_element_type=jnp.float32,
-                    )
-                )
-                out = fn(x8, w8)
-                err = np.linalg.norm(np.asarray(out[0, :32, :256]) - exact) / np.linalg.norm(exact)
-                hlo = fn.lower(x8, w8).compile().as_text()
-                calls = sorted(set(re.findall(r'custom_call_target="([^"]+)"', hlo)))
-                sec = median_seconds(fn, x8, w8)
-                log(
-                    f"  T={t:5d} {label:12s} {sec * 1e3:7.3f} ms  {2 * ne * t * ni * nh / sec / 1e12:6.0f} TFLOP/s"
-                    f"  rel err {err:.1e}  calls {calls}"
-                )
-        del w8
+        _diagnose_fp8_gemm(key, shape, ts, log)
+        _diagnose_fp4_decode(dev, key, shape, log)
+        _diagnose_mlps(key, shape, ts, log)
 
-        packed = jax.random.randint(key, (ne, ni, nh // 2), 0, 256, jnp.int32).astype(jnp.uint8)
-        big = jax.random.normal(key, (256 * 1024 * 1024 // (64 if dev.platform == "cpu" else 1),), jnp.float32)
-        bw = 2 * big.nbytes / median_seconds(jax.jit(lambda v: v * jnp.float32(1.5)), big)
-        log(f"  elementwise f32 r+w {bw / 1e12:.2f} TB/s")
-        del big
-        variants = {
-            "arith": lambda p: qmlp._fp4_values(p).astype(jnp.bfloat16),
-            "float4": lambda p: (
-                jax.lax.bitcast_convert_type(p, jnp.float4_e2m1fn)
-                .reshape(*p.shape[:-1], p.shape[-1] * 2)
-                .astype(jnp.bfloat16)
-            ),
-        }
-        ref = None
-        for name, fn in variants.items():
-            try:
-                fn = jax.jit(fn)
-                out = fn(packed)
-                same = ref is None or bool(jnp.all(out == ref))
-                ref = out if ref is None else ref
-                sec = median_seconds(fn, packed)
-                floor = (packed.nbytes + out.nbytes) / bw
-                log(
-                    f"  fp4 decode {name:6s} {sec * 1e3:7.3f} ms floor {floor * 1e3:.3f} ms ({floor / sec:.2f}) "
-                    f"same {same}"
-                )
-            except Exception as err:
-                log(f"  fp4 decode {name} FAILED {type(err).__name__}: {str(err).splitlines()[0][:160]}")
-        del packed
 
-        weights = make_layer(key, ne, nh, ni, jnp.bfloat16)
-        for t in ts:
-            x = jax.random.normal(jax.random.fold_in(key, t), (ne, t, nh), jnp.float32).astype(jnp.bfloat16)
-            layer = quantized_layer(weights, "fp8", x)
-            ref = quant.expert_mlp_reference(x[:, :8].astype(jnp.float32), *layer)
-            for fast in (False, True):
-                fn = jax.jit(lambda v, *q, f=fast: quant.expert_mlp(v, *q, fast_accumulation=f))
-                out = fn(x, *layer)[:, :8]
-                rel = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
-                sec = median_seconds(fn, x, *layer)
-                log(f"  fp8 MLP T={t:5d} fast_accumulation={fast!s:5s} {sec * 1e3:7.3f} ms rel err {rel:.1e}")
-            for fmt in ("mxfp4", "nvfp4"):
-                layer = quantized_layer(weights, fmt, x)
-                for name, values in (("arith", None), ("float4", variants["float4"])):
-                    saved = qmlp._fp4_values
-                    if values is not None:
-                        qmlp._fp4_values = lambda p: (
-                            jax.lax.bitcast_convert_type(p, jnp.float4_e2m1fn)
-                            .reshape(*p.shape[:-1], p.shape[-1] * 2)
-                            .astype(jnp.float32)
-                        )
-                    try:
-                        fn = jax.jit(
-                            functools.partial(
-                                qmlp._mlp.__wrapped__,
-                                impl="auto",
-                                activation_scaling="static",
-                                axis_name=None,
-                                compute_dtype=jnp.dtype(jnp.bfloat16),
-                                fast_accumulation=False,
-                            )
-                        )
-                        log(f"  {fmt} MLP T={t:5d} decode {name:6s} {median_seconds(fn, x, *layer) * 1e3:7.3f} ms")
-                    except Exception as err:
-                        log(f"  {fmt} MLP decode {name} FAILED {type(err).__name__}: {str(err).splitlines()[0][:120]}")
-                    finally:
-                        qmlp._fp4_values = saved
+def _check_mlps(xc, layers, log):
+    """Each MLP variant against the float32 reference: ``(ok, names that failed to run)``."""
+    ok, failed = True, set()
+    for name, fmt, impl in mlp_variants():
+        try:
+            ref = quant.expert_mlp_reference(xc, *layers[fmt])
+            out = quant.expert_mlp(
+                xc, *layers[fmt], impl="auto" if impl == "fast" else impl, fast_accumulation=impl == "fast"
+            )
+        except Exception as err:
+            failed.add(name)
+            ok = False
+            log(f"  mlp {name:16s} FAILED {type(err).__name__}: {str(err).splitlines()[0][:160]}")
+            continue
+        rel = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+        good = np.isfinite(rel) and rel < (1e-3 if name == "fp8" else 2e-2)
+        if "scaled_mm" in name:  # activations MX-quantized too: compare to bf16 end to end
+            ref_bf16 = quant.expert_mlp_reference(xc, *layers[None])
+            rel = float(jnp.linalg.norm(out - ref_bf16) / jnp.linalg.norm(ref_bf16))
+            good = np.isfinite(rel) and rel < 0.3
+        ok &= bool(good)
+        log(f"  mlp {name:16s} vs reference rel err {rel:.2e} {'OK' if good else 'BAD'}")
+    return ok, failed
+
+
+def _ceilings(key, small: bool, log):
+    """The measured elementwise bf16 bandwidth (read + write) and bf16 / fp8 GEMM rates."""
+    big = jax.random.normal(key, (256 * 1024 * 1024 // (64 if small else 1),), jnp.bfloat16)
+    elementwise = jax.jit(lambda v: v * jnp.bfloat16(1.5))
+    bw = 2 * big.nbytes / median_seconds(elementwise, big)
+    n = 1024 if small else 8192
+    a = jax.random.normal(key, (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.fold_in(key, 1), (n, n), jnp.bfloat16)
+    mm = jax.jit(lambda p, q: jnp.dot(p, q, preferred_element_type=jnp.float32))
+    bf16_rate = 2 * n**3 / median_seconds(mm, a, b)
+    a8, b8 = a.astype(jnp.float8_e4m3fn), b.astype(jnp.float8_e4m3fn)
+    try:
+        fp8_rate = 2 * n**3 / median_seconds(mm, a8, b8)
+    except Exception as err:
+        fp8_rate = 2 * bf16_rate
+        log(f"  fp8 GEMM ceiling FAILED ({type(err).__name__}); using 2x bf16")
+    del big, a, b, a8, b8
+    log(
+        f"ceilings: elementwise bf16 r+w {bw / 1e12:.2f} TB/s; GEMM {n}^3 bf16 {bf16_rate / 1e12:.0f} TFLOP/s, "
+        f"fp8 {fp8_rate / 1e12:.0f} TFLOP/s"
+    )
+    return bw, bf16_rate, fp8_rate
+
+
+def _quantize_throughput(weights, dev, cpu, on_gpu: bool, bw, log):
+    """quantize_experts per format on the GPU and the CPU against the floor: ``(ok, result rows)``."""
+    e, i, h = weights[0].shape
+    log("")
+    log(f"quantize_experts, bf16 w [{e}, {i}, {h}] ({weights[0].nbytes / 2**20:.0f} MiB):")
+    log(
+        f"{'format':10s} {'where':5s} {'time ms':>9s} {'in GB/s':>9s} {'floor ms':>9s} {'floor/time':>10s} "
+        f"{'@4.3TB/s':>9s}"
+    )
+    ok, rows = True, []
+    cpu_w = jax.device_put(weights[0][: max(1, e // 8)], cpu)  # a slice: a CPU pass over all takes seconds
+    for fmt in quant.FORMATS:
+        for where, device in (("gpu", dev), ("cpu", cpu)) if on_gpu else (("cpu", cpu),):
+            with jax.default_device(device):
+                w = cpu_w if where == "cpu" else weights[0]
+                fn = lambda v, f=fmt: quant.quantize_experts(v, f, nonfinite="propagate")
+                try:
+                    sec = median_seconds(fn, w, reps=3 if where == "cpu" else 10, warmup=1)
+                except Exception as err:
+                    ok = False
+                    log(f"{fmt:10s} {where:5s} FAILED {type(err).__name__}: {str(err).splitlines()[0][:160]}")
+                    continue
+                moved = w.nbytes + leaf_bytes(fn(w))
+                floor = moved / bw if where == "gpu" else float("nan")
+                log(
+                    f"{fmt:10s} {where:5s} {sec * 1e3:9.3f} {w.nbytes / sec / 1e9:9.1f} {floor * 1e3:9.3f} "
+                    f"{floor / sec:10.2f} {moved / HBM_COPY_BPS / sec:9.2f}"
+                )
+                rows.append({"fmt": fmt, "where": where, "shape": list(w.shape), "s": sec, "floor_s": floor})
+    return ok, rows
+
+
+def _mlp_step_times(xs, layers, failed, shape, ceilings, log):
+    """Expert-MLP step time per variant against bf16 and the floor, for each token count in ``xs``."""
+    e, h, i = shape
+    bw, bf16_rate, fp8_rate = ceilings
+    rows = []
+    for t, x in xs.items():
+        flops = 6 * e * t * h * i
+        log("")
+        log(f"expert MLP step, E={e} slots x T={t} tokens, H={h}, I={i} ({flops / 1e9:.0f} GFLOP):")
+        log(
+            f"{'variant':16s} {'ms':>8s} {'vs bf16':>8s} {'weight MiB':>10s} {'floor ms':>9s} {'floor/time':>10s} "
+            f"{'@4.3TB/s':>9s}"
+        )
+        base = None
+        for name, fmt, impl in mlp_variants():
+            if name in failed:
+                continue
+            layer = layers[fmt]
+            fn = jax.jit(
+                lambda v, *q, m=impl: quant.expert_mlp(
+                    v, *q, impl="auto" if m == "fast" else m, fast_accumulation=m == "fast"
+                )
+            )
+            sec = median_seconds(fn, x, *layer)
+            base = sec if base is None else base
+            rate = fp8_rate if name.startswith("fp8") and "via" not in name and "block" not in name else bf16_rate
+            wbytes = leaf_bytes(layer)
+            io = x.nbytes + e * t * h * 4  # tokens in (bf16), float32 out
+            floor = max((wbytes + io) / bw, flops / rate)  # bw counts bytes read + written
+            hbm_floor = max((wbytes + io) / HBM_COPY_BPS, flops / rate)
+            log(
+                f"{name:16s} {sec * 1e3:8.3f} {base / sec:8.2f} {wbytes / 2**20:10.0f} {floor * 1e3:9.3f} "
+                f"{floor / sec:10.2f} {hbm_floor / sec:9.2f}"
+            )
+            rows.append({"variant": name, "T": t, "s": sec, "floor_s": floor, "weight_bytes": wbytes})
+    return rows
 
 
 def main():
@@ -276,113 +390,17 @@ def main():
         for _, fmt, _ in mlp_variants():
             if fmt not in layers:
                 layers[fmt] = quantized_layer(weights, fmt, xs[t_small])
-        xc = xs[t_small][:, :8].astype(jnp.float32)
-        failed = set()
-        for name, fmt, impl in mlp_variants():
-            try:
-                ref = quant.expert_mlp_reference(xc, *layers[fmt])
-                out = quant.expert_mlp(
-                    xc, *layers[fmt], impl="auto" if impl == "fast" else impl, fast_accumulation=impl == "fast"
-                )
-            except Exception as err:
-                failed.add(name)
-                ok = False
-                log(f"  mlp {name:16s} FAILED {type(err).__name__}: {str(err).splitlines()[0][:160]}")
-                continue
-            rel = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
-            good = np.isfinite(rel) and rel < (1e-3 if name == "fp8" else 2e-2)
-            if "scaled_mm" in name:  # activations MX-quantized too: compare to bf16 end to end
-                ref_bf16 = quant.expert_mlp_reference(xc, *layers[None])
-                rel = float(jnp.linalg.norm(out - ref_bf16) / jnp.linalg.norm(ref_bf16))
-                good = np.isfinite(rel) and rel < 0.3
-            ok &= bool(good)
-            log(f"  mlp {name:16s} vs reference rel err {rel:.2e} {'OK' if good else 'BAD'}")
-
+        mlps_ok, failed = _check_mlps(xs[t_small][:, :8].astype(jnp.float32), layers, log)
+        ok &= mlps_ok
         # 2. ceilings
-        big = jax.random.normal(key, (256 * 1024 * 1024 // (64 if args.small else 1),), jnp.bfloat16)
-        elementwise = jax.jit(lambda v: v * jnp.bfloat16(1.5))
-        bw = 2 * big.nbytes / median_seconds(elementwise, big)
-        n = 1024 if args.small else 8192
-        a = jax.random.normal(key, (n, n), jnp.bfloat16)
-        b = jax.random.normal(jax.random.fold_in(key, 1), (n, n), jnp.bfloat16)
-        mm = jax.jit(lambda p, q: jnp.dot(p, q, preferred_element_type=jnp.float32))
-        bf16_rate = 2 * n**3 / median_seconds(mm, a, b)
-        a8, b8 = a.astype(jnp.float8_e4m3fn), b.astype(jnp.float8_e4m3fn)
-        try:
-            fp8_rate = 2 * n**3 / median_seconds(mm, a8, b8)
-        except Exception as err:
-            fp8_rate = 2 * bf16_rate
-            log(f"  fp8 GEMM ceiling FAILED ({type(err).__name__}); using 2x bf16")
-        del big, a, b, a8, b8
-        log(
-            f"ceilings: elementwise bf16 r+w {bw / 1e12:.2f} TB/s; GEMM {n}^3 bf16 {bf16_rate / 1e12:.0f} TFLOP/s, "
-            f"fp8 {fp8_rate / 1e12:.0f} TFLOP/s"
-        )
-        results["ceilings"] = {"bw_Bps": bw, "bf16_flops": bf16_rate, "fp8_flops": fp8_rate}
-
+        ceilings = _ceilings(key, args.small, log)
+        results["ceilings"] = dict(zip(("bw_Bps", "bf16_flops", "fp8_flops"), ceilings))
     # 3. quantization throughput
-    log("")
-    log(f"quantize_experts, bf16 w [{e}, {i}, {h}] ({weights[0].nbytes / 2**20:.0f} MiB):")
-    log(
-        f"{'format':10s} {'where':5s} {'time ms':>9s} {'in GB/s':>9s} {'floor ms':>9s} {'floor/time':>10s} "
-        f"{'@4.3TB/s':>9s}"
-    )
-    results["quantize"] = []
-    cpu_w = jax.device_put(weights[0][: max(1, e // 8)], cpu)  # a slice: a CPU pass over all takes seconds
-    for fmt in quant.FORMATS:
-        for where, device in (("gpu", dev), ("cpu", cpu)) if gpus else (("cpu", cpu),):
-            with jax.default_device(device):
-                w = cpu_w if where == "cpu" else weights[0]
-                fn = lambda v, f=fmt: quant.quantize_experts(v, f, nonfinite="propagate")
-                try:
-                    sec = median_seconds(fn, w, reps=3 if where == "cpu" else 10, warmup=1)
-                except Exception as err:
-                    ok = False
-                    log(f"{fmt:10s} {where:5s} FAILED {type(err).__name__}: {str(err).splitlines()[0][:160]}")
-                    continue
-                moved = w.nbytes + leaf_bytes(fn(w))
-                floor = moved / bw if where == "gpu" else float("nan")
-                log(
-                    f"{fmt:10s} {where:5s} {sec * 1e3:9.3f} {w.nbytes / sec / 1e9:9.1f} {floor * 1e3:9.3f} "
-                    f"{floor / sec:10.2f} {moved / HBM_COPY_BPS / sec:9.2f}"
-                )
-                results["quantize"].append(
-                    {"fmt": fmt, "where": where, "shape": list(w.shape), "s": sec, "floor_s": floor}
-                )
-
+    quantize_ok, results["quantize"] = _quantize_throughput(weights, dev, cpu, bool(gpus), ceilings[0], log)
+    ok &= quantize_ok
     # 4. MLP step time
     with jax.default_device(dev):
-        results["mlp"] = []
-        for t in (t_small, t_large):
-            flops = 6 * e * t * h * i
-            log("")
-            log(f"expert MLP step, E={e} slots x T={t} tokens, H={h}, I={i} ({flops / 1e9:.0f} GFLOP):")
-            log(
-                f"{'variant':16s} {'ms':>8s} {'vs bf16':>8s} {'weight MiB':>10s} {'floor ms':>9s} {'floor/time':>10s} "
-                f"{'@4.3TB/s':>9s}"
-            )
-            base = None
-            for name, fmt, impl in mlp_variants():
-                if name in failed:
-                    continue
-                layer = layers[fmt]
-                fn = jax.jit(
-                    lambda v, *q, m=impl: quant.expert_mlp(
-                        v, *q, impl="auto" if m == "fast" else m, fast_accumulation=m == "fast"
-                    )
-                )
-                sec = median_seconds(fn, xs[t], *layer)
-                base = sec if base is None else base
-                rate = fp8_rate if name.startswith("fp8") and "via" not in name and "block" not in name else bf16_rate
-                wbytes = leaf_bytes(layer)
-                io = xs[t].nbytes + e * t * h * 4  # tokens in (bf16), float32 out
-                floor = max((wbytes + io) / bw, flops / rate)  # bw counts bytes read + written
-                hbm_floor = max((wbytes + io) / HBM_COPY_BPS, flops / rate)
-                log(
-                    f"{name:16s} {sec * 1e3:8.3f} {base / sec:8.2f} {wbytes / 2**20:10.0f} {floor * 1e3:9.3f} "
-                    f"{floor / sec:10.2f} {hbm_floor / sec:9.2f}"
-                )
-                results["mlp"].append({"variant": name, "T": t, "s": sec, "floor_s": floor, "weight_bytes": wbytes})
+        results["mlp"] = _mlp_step_times(xs, layers, failed, (e, h, i), ceilings, log)
 
     log("")
     log(f"checks {'PASSED' if ok else 'FAILED'}")

@@ -25,6 +25,19 @@ import argparse
 import statistics
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from moe_eplb_jax import policy
+from moe_eplb_jax.config import EplbConfig
+from moe_eplb_jax.flax import EplbController, MoELayer
+from moe_eplb_jax.moe import DispatchConfig
+from moe_eplb_jax.placement import build_log2phy
+from moe_eplb_jax.transport import ep_mesh, put_host
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -45,29 +58,12 @@ def parse_args(argv=None):
     return args
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    import optax
-    from flax import nnx
-
-    from moe_eplb_jax import policy
-    from moe_eplb_jax.config import EplbConfig
-    from moe_eplb_jax.flax import EplbController, MoELayer
-    from moe_eplb_jax.moe import DispatchConfig
-    from moe_eplb_jax.placement import build_log2phy
-    from moe_eplb_jax.transport import ep_mesh, put_host
-
-    gpu = jax.default_backend() == "gpu"
-    mesh = ep_mesh(args.ranks)
-    ranks, num_physical = int(mesh.shape["ep"]), args.experts + args.redundant
-    dtype = jnp.bfloat16 if gpu else jnp.float32
+def register_shuffle():
+    """Registers policy ``"shuffle"``: every layer's slots shuffled (the same on every process), a move of about
+    (G - 1) / G of the slots at every rearrangement."""
     calls = [0]
 
     def shuffle(weight, num_replicas, num_groups, num_nodes, num_gpus, old_phy2log=None):
-        """Every layer's slots shuffled (the same on every process): a move of about (G - 1) / G of the slots."""
         calls[0] += 1
         rng = np.random.default_rng(calls[0])
         base = (
@@ -80,91 +76,76 @@ def main(argv=None):
 
     policy.register("shuffle", shuffle, overwrite=True)
 
-    class Stack(nnx.Module):
-        def __init__(self, rngs):
-            self.layers = nnx.List(
-                [
-                    MoELayer(
-                        args.dim,
-                        args.hidden,
-                        args.experts,
-                        2,
-                        mesh=mesh,
-                        num_physical=num_physical,
-                        dtype=dtype,
-                        dispatch=DispatchConfig(matmul=args.matmul or ("pallas" if gpu else "dense")),
-                        rngs=rngs,
-                    )
-                    for _ in range(args.layers)
-                ]
-            )
 
-        def __call__(self, x):
-            for layer in self.layers:
-                x = x + layer(x)
-            return x
+class Stack(nnx.Module):
+    """``args.layers`` residual ``MoELayer`` s."""
 
-    model = Stack(nnx.Rngs(0))
-    optimizer = nnx.Optimizer(model, optax.adam(1e-4), wrt=nnx.Param)
-
-    @nnx.jit
-    def train_step(model, optimizer, x):
-        loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x).astype(jnp.float32) - x.astype(jnp.float32)) ** 2))(
-            model
+    def __init__(self, args, mesh, num_physical: int, dtype, matmul: str, rngs):
+        self.layers = nnx.List(
+            [
+                MoELayer(
+                    args.dim,
+                    args.hidden,
+                    args.experts,
+                    2,
+                    mesh=mesh,
+                    num_physical=num_physical,
+                    dtype=dtype,
+                    dispatch=DispatchConfig(matmul=matmul),
+                    rngs=rngs,
+                )
+                for _ in range(args.layers)
+            ]
         )
-        optimizer.update(model, grads)
-        return loss
 
-    host = np.random.default_rng(0).standard_normal((args.tokens, args.dim)).astype(np.float32)
-    x = put_host(host.astype(dtype), mesh, jax.sharding.PartitionSpec("ep"))
-    config = EplbConfig(
-        num_redundant_experts=args.redundant, window_size=4, step_interval=8, num_gpus=ranks, policy="shuffle"
-    )
+    def __call__(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
 
-    def timed_steps(ctl, count):
-        """Per step: (seconds, report, moved) of train step + controller.step(), device synchronised."""
-        out = []
-        for _ in range(count):
-            start = time.perf_counter()
-            with jax.numpy_dtype_promotion("standard"):
-                loss = train_step(model, optimizer, x)
-            report = ctl.step()
-            jax.block_until_ready((loss, nnx.state(model)))
-            done = bool(report and report.get("rearranged"))
-            out.append((time.perf_counter() - start, report, done or ctl.rearranging))
-        return out
 
-    def rearranged(steps):
-        return [(t, r) for t, r, _ in steps if r and r.get("rearranged")]
+@nnx.jit
+def train_step(model, optimizer, x):
+    loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x).astype(jnp.float32) - x.astype(jnp.float32)) ** 2))(model)
+    optimizer.update(model, grads)
+    return loss
 
-    with jax.numpy_dtype_promotion("standard"):
-        jax.block_until_ready(train_step(model, optimizer, x))  # compile the step before any clock starts
-    ms = lambda s: f"{s * 1e3:8.2f} ms"
-    print(
-        f"{jax.device_count()} {jax.devices()[0].platform} devices, EP{ranks}, {args.layers} layers, E={args.experts}, "
-        f"P={num_physical}, D={args.dim}, H={args.hidden}, {args.tokens} tokens/step, {jnp.dtype(dtype).name}"
-    )
 
-    cold = timed_steps(EplbController(model, mesh, config, optimizer=optimizer), 3)
+def timed_steps(model, optimizer, x, ctl, count):
+    """Per step: (seconds, report, moved) of train step + controller.step(), device synchronised."""
+    out = []
+    for _ in range(count):
+        start = time.perf_counter()
+        with jax.numpy_dtype_promotion("standard"):
+            loss = train_step(model, optimizer, x)
+        report = ctl.step()
+        jax.block_until_ready((loss, nnx.state(model)))
+        done = bool(report and report.get("rearranged"))
+        out.append((time.perf_counter() - start, report, done or ctl.rearranging))
+    return out
+
+
+def rearranged(steps):
+    return [(t, r) for t, r, _ in steps if r and r.get("rearranged")]
+
+
+def _ms(seconds) -> str:
+    return f"{seconds * 1e3:8.2f} ms"
+
+
+def _rate(r) -> str:
+    return f"{r['bytes_moved'] / 1e6:9.1f} MB in {r['move_seconds'] * 1e3:8.2f} ms = {r['gb_per_s']:6.1f} GB/s"
+
+
+def _print_result(args, cold, warm, steps, overlapped):
+    ms, rate = _ms, _rate
     cold_t, cold_r = rearranged(cold)[0]
-
-    ctl = EplbController(model, mesh, config, optimizer=optimizer)
-    warm = ctl.warmup()
-    steps = timed_steps(ctl, 11)  # rearrangements at steps 2 and 10
     (first_t, first_r), (second_t, second_r) = rearranged(steps)
     plain = [t for t, _, moved in steps if not moved]
-
-    ctl = EplbController(model, mesh, config, optimizer=optimizer, overlap=args.overlap)
-    ctl.warmup()
-    overlapped = timed_steps(ctl, 2 + args.layers + 4)
     moving = [t for t, _, moved in overlapped if moved]
     calm = [t for t, _, moved in overlapped if not moved]
     ((_, over_r),) = rearranged(overlapped)
-
     median = statistics.median(plain + calm)
-    rate = lambda r: (
-        f"{r['bytes_moved'] / 1e6:9.1f} MB in {r['move_seconds'] * 1e3:8.2f} ms = {r['gb_per_s']:6.1f} GB/s"
-    )
     print(f"median step (no move)                       {ms(median)}")
     print(
         f"overlapped ({args.overlap}): worst step while moving     {ms(max(moving))} = {max(moving) / median:.3f}x median"
@@ -183,6 +164,37 @@ def main(argv=None):
         f"   {rate(cold_r)}"
     )
     print(f"moves: {first_r['slots_moved']} / {second_r['slots_moved']} slots in the first / second")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    gpu = jax.default_backend() == "gpu"
+    mesh = ep_mesh(args.ranks)
+    ranks, num_physical = int(mesh.shape["ep"]), args.experts + args.redundant
+    dtype = jnp.bfloat16 if gpu else jnp.float32
+    register_shuffle()
+    model = Stack(args, mesh, num_physical, dtype, args.matmul or ("pallas" if gpu else "dense"), nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-4), wrt=nnx.Param)
+    host = np.random.default_rng(0).standard_normal((args.tokens, args.dim)).astype(np.float32)
+    x = put_host(host.astype(dtype), mesh, jax.sharding.PartitionSpec("ep"))
+    config = EplbConfig(
+        num_redundant_experts=args.redundant, window_size=4, step_interval=8, num_gpus=ranks, policy="shuffle"
+    )
+    with jax.numpy_dtype_promotion("standard"):
+        jax.block_until_ready(train_step(model, optimizer, x))  # compile the step before any clock starts
+    print(
+        f"{jax.device_count()} {jax.devices()[0].platform} devices, EP{ranks}, {args.layers} layers, E={args.experts}, "
+        f"P={num_physical}, D={args.dim}, H={args.hidden}, {args.tokens} tokens/step, {jnp.dtype(dtype).name}"
+    )
+
+    cold = timed_steps(model, optimizer, x, EplbController(model, mesh, config, optimizer=optimizer), 3)
+    ctl = EplbController(model, mesh, config, optimizer=optimizer)
+    warm = ctl.warmup()
+    steps = timed_steps(model, optimizer, x, ctl, 11)  # rearrangements at steps 2 and 10
+    ctl = EplbController(model, mesh, config, optimizer=optimizer, overlap=args.overlap)
+    ctl.warmup()
+    overlapped = timed_steps(model, optimizer, x, ctl, 2 + args.layers + 4)
+    _print_result(args, cold, warm, steps, overlapped)
 
 
 if __name__ == "__main__":

@@ -27,8 +27,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
+
+import numpy as np
 
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12}
 HBM = {"H100": 3.35e12, "H200": 4.8e12}
@@ -66,8 +69,6 @@ def card():
 
 def timed(fn, reps: int) -> float:
     """Median wall seconds of ``fn()`` (which blocks) over ``reps`` calls after one warm-up."""
-    import statistics
-
     fn()
     times = []
     for _ in range(reps):
@@ -240,8 +241,6 @@ def main(argv=None):
     args = parse_args(argv)
     if args.cpu:
         os.environ["JAX_PLATFORMS"] = "cpu"
-    import numpy as np
-
     from moe_eplb_jax import models, transport
 
     kind, peak, hbm = card()

@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from jax.profiler import ProfileData
 from jax.sharding import NamedSharding, PartitionSpec
 
 from moe_eplb_jax import transport as eps
@@ -247,8 +248,6 @@ def median_seconds(call, iters):
 
 def device_span_seconds(call, calls=4, gap_ms=5.0):
     """Median device time of ``call()`` from its first GPU kernel to its last (profiler), or None off the GPU."""
-    from jax.profiler import ProfileData
-
     directory = tempfile.mkdtemp(prefix="transport_trace_")
     with jax.profiler.trace(directory):
         for _ in range(calls):

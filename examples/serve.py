@@ -178,18 +178,13 @@ def _divided(args) -> dict[str, int]:
     return {"--batch": args.batch, "P = E + --redundant": args.model_config.num_experts + args.redundant}
 
 
-def main(argv=None):
-    prepare_devices(argv)  # before anything imports jax
-    parser, args = parse_args(argv)
-    rt = Runtime(args, parser)  # sets the device flags, then imports jax
-    check_divides(parser, rt.ranks, _divided(args))  # the EP size is known now even with --devices 0
-    import jax
-    import numpy as np
+def build_model(parser, args, rt):
+    """``(model, controller, eplb config, held)``: the model from --checkpoint (else skewed random routers) and its
+    controller; ``parser.error`` naming the flag on bad input."""
     from flax import nnx
 
-    from moe_eplb_jax import metrics
     from moe_eplb_jax.flax import EplbController
-    from moe_eplb_jax.models import MoECausalLM, Sampling, generate, load_checkpoint, skew_routers, zipf_tokens
+    from moe_eplb_jax.models import MoECausalLM, load_checkpoint, skew_routers
     from moe_eplb_jax.moe import DispatchConfig
 
     ranks, mesh = rt.ranks, rt.mesh
@@ -197,9 +192,8 @@ def main(argv=None):
         eplb = build_eplb_config(args.eplb, num_gpus=ranks)
     except ValueError as e:
         parser.error(str(e))
-    config = args.model_config
     model = MoECausalLM(
-        config,
+        args.model_config,
         mesh=mesh,
         num_redundant_experts=args.redundant,
         routing=eplb.routing,
@@ -219,35 +213,49 @@ def main(argv=None):
         controller = EplbController(model, mesh, eplb, placement=args.init_placement, rebalance=not held)
     except ValueError as e:
         parser.error(f"--init-placement: {e}")
-    main_process = jax.process_index() == 0
-    say = print if main_process else lambda *a, **k: None
-    sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    rng = np.random.default_rng(args.seed)
+    return model, controller, eplb, held
 
-    def batch():
-        lengths = rng.integers(args.min_prompt, args.max_prompt + 1, args.batch)
-        return [zipf_tokens(rng, 1, int(n), config.vocab_size, repeat=False)[0] for n in lengths]
 
-    def run(prompts, seed, **options):
+class Requests:
+    """Batches of requests of random prompt lengths (Zipf-distributed tokens), and generation over them."""
+
+    def __init__(self, args, model):
+        import numpy as np
+
+        from moe_eplb_jax.models import Sampling
+
+        self.args, self.model = args, model
+        self.sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+        self.rng = np.random.default_rng(args.seed)
+
+    def batch(self):
+        from moe_eplb_jax.models import zipf_tokens
+
+        args = self.args
+        lengths = self.rng.integers(args.min_prompt, args.max_prompt + 1, args.batch)
+        return [zipf_tokens(self.rng, 1, int(n), args.model_config.vocab_size, repeat=False)[0] for n in lengths]
+
+    def run(self, prompts, seed, **options):
+        from moe_eplb_jax.models import generate
+
         return generate(
-            model,
+            self.model,
             prompts,
-            max_new_tokens=args.new_tokens,
-            sampling=sampling,
+            max_new_tokens=self.args.new_tokens,
+            sampling=self.sampling,
             seed=seed,
-            prompt_width=args.max_prompt,
-            tokens_per_call=args.tokens_per_call,
+            prompt_width=self.args.max_prompt,
+            tokens_per_call=self.args.tokens_per_call,
             **options,
         )
 
-    start = time.perf_counter()
-    run(batch(), args.seed, record=False, controller=controller)  # compiles prefill and decode; counts no load
-    say(f"compiled prefill and decode in {time.perf_counter() - start:.1f} s", flush=True)
-    warmup = None
-    if not held:  # compiles the mover and the window readers: no rearrangement compiles mid-run
-        warmup = controller.warmup()
-        say(f"controller.warmup(): {warmup['moves']} moves rehearsed in {warmup['seconds']:.1f} s", flush=True)
 
+def serve_batches(args, requests: Requests, controller, say):
+    """Serves the warm-up and timed batches; every forward pass is a step of the controller's window.
+
+    Returns ``(served, reports)``: per batch (decode tokens/s, rearrangements before it, after it, moving after
+    it), and each rearrangement's report with the forward pass it followed.
+    """
     reports, seen = [], [controller.last_report]
 
     def on_step(_):  # after each call: the controller stepped through its passes (and rearranged when due)
@@ -256,27 +264,35 @@ def main(argv=None):
             reports.append(dict(report, after_pass=controller.total_steps))
         seen[0] = report
 
-    served = []  # per batch: (decode tokens/s, rearrangements before it, after it, moving after it)
+    served = []
     for b in range(args.warmup_batches + args.batches):
         before = controller.num_rearrangements
-        out = run(batch(), args.seed + 1 + b, controller=controller, on_step=on_step)
+        out = requests.run(requests.batch(), args.seed + 1 + b, controller=controller, on_step=on_step)
         tps = (args.new_tokens - 1) * args.batch / out.decode_seconds if args.new_tokens > 1 else float("nan")
         served.append((tps, before, controller.num_rearrangements, controller.rearranging))
         say(f"batch {b + 1}/{args.warmup_batches + args.batches}: {tps:.1f} decode tok/s", flush=True)
-    last = controller.window_slot_load()  # the traffic since the last rearrangement, on the placement served
-    if args.dump_loads:
-        controller.dump_loads(args.dump_loads)
-    if args.save_placement and main_process:
-        controller.save_placement(args.save_placement)
-    compare = None
-    if args.compare_recompute:  # same prompts, no recording: decode time per step with and without the cache
-        prompts = batch()
-        timed = {}
-        for use_cache in (True, False):
-            for _ in range(2):  # the second run is timed: the first compiles
-                out = run(prompts, args.seed, use_cache=use_cache, record=False)
-            timed[use_cache] = out.decode_seconds / max(args.new_tokens - 1, 1)
-        compare = (timed[True], timed[False])
+    return served, reports
+
+
+def compare_recompute(args, requests: Requests):
+    """Decode seconds per step with and without the KV cache on the same prompts (nothing recorded)."""
+    prompts = requests.batch()
+    timed = {}
+    for use_cache in (True, False):
+        for _ in range(2):  # the second run is timed: the first compiles
+            out = requests.run(prompts, args.seed, use_cache=use_cache, record=False)
+        timed[use_cache] = out.decode_seconds / max(args.new_tokens - 1, 1)
+    return timed[True], timed[False]
+
+
+def print_summary(args, ranks, eplb, held, controller, served, reports, warmup, last, compare):
+    """The run's summary: balancedness before and after, the rearrangements, throughput, what was written."""
+    import jax
+    import numpy as np
+
+    from moe_eplb_jax import metrics
+
+    config = args.model_config
 
     def balancedness(slot_load):
         return float(metrics.balancedness(metrics.rank_load(np.asarray(slot_load, np.float64), ranks)))
@@ -285,9 +301,6 @@ def main(argv=None):
         rows = [tps for tps in rows if np.isfinite(tps)]
         return f"{np.mean(rows):.1f} tok/s" if rows else "n/a"
 
-    if not (main_process or args.num_processes > 1):
-        return
-    # Every process prints the summary: their figures must agree.
     print("\n=== summary ===" if args.num_processes == 1 else f"\n=== summary (process {jax.process_index()}) ===")
     print(
         f"EP ranks {ranks}, {_hf_config_file(args) or 'preset ' + args.preset} ({config.attention.upper()} "
@@ -333,6 +346,40 @@ def main(argv=None):
         print(f"loads of the last {int(np.asarray(controller.state.window_filled))} steps written to {args.dump_loads}")
     if args.save_placement:
         print(f"placement saved to {args.save_placement}")
+
+
+def main(argv=None):
+    prepare_devices(argv)  # before anything imports jax
+    parser, args = parse_args(argv)
+    rt = Runtime(args, parser)  # sets the device flags, then imports jax
+    check_divides(parser, rt.ranks, _divided(args))  # the EP size is known now even with --devices 0
+    import jax
+
+    model, controller, eplb, held = build_model(parser, args, rt)
+    main_process = jax.process_index() == 0
+    say = print if main_process else lambda *a, **k: None
+    requests = Requests(args, model)
+
+    start = time.perf_counter()
+    requests.run(requests.batch(), args.seed, record=False, controller=controller)  # compiles prefill and decode; counts no load
+    say(f"compiled prefill and decode in {time.perf_counter() - start:.1f} s", flush=True)
+    warmup = None
+    if not held:  # compiles the mover and the window readers: no rearrangement compiles mid-run
+        warmup = controller.warmup()
+        say(f"controller.warmup(): {warmup['moves']} moves rehearsed in {warmup['seconds']:.1f} s", flush=True)
+
+    served, reports = serve_batches(args, requests, controller, say)
+    last = controller.window_slot_load()  # the traffic since the last rearrangement, on the placement served
+    if args.dump_loads:
+        controller.dump_loads(args.dump_loads)
+    if args.save_placement and main_process:
+        controller.save_placement(args.save_placement)
+    # Same prompts, no recording: decode time per step with and without the cache.
+    compare = compare_recompute(args, requests) if args.compare_recompute else None
+    if not (main_process or args.num_processes > 1):
+        return
+    # Every process prints the summary: their figures must agree.
+    print_summary(args, rt.ranks, eplb, held, controller, served, reports, warmup, last, compare)
 
 
 if __name__ == "__main__":

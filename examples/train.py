@@ -135,6 +135,81 @@ def on_mesh(x, mesh):
     return put_host(np.asarray(x), mesh)
 
 
+def restore(parser, args, manager, model, optimizer, controller) -> int:
+    """Restores the latest checkpoint's model, optimizer and EPLB items in place; returns its step.
+
+    ``parser.error`` (nothing changed) when there is none, or it is of another model shape or EPLB config.
+    """
+    import jax
+    import orbax.checkpoint as ocp
+    from flax import nnx
+
+    start = manager.latest_step() or 0
+    if not start:
+        parser.error(f"--resume: {args.checkpoint_dir} holds no checkpoint")
+    abstract = {
+        name: ocp.args.StandardRestore(jax.tree.map(ocp.utils.to_shape_dtype_struct, state))
+        for name, state in (("model", nnx.state(model)), ("optimizer", nnx.state(optimizer)))
+    }
+    # No target for the EPLB item: it comes back as saved and restore_item checks every field.
+    try:
+        restored = manager.restore(start, args=ocp.args.Composite(**abstract, eplb=ocp.args.StandardRestore()))
+        controller.restore_item(restored["eplb"])  # nothing changes unless every field passes
+    except ValueError as e:  # a checkpoint of another model shape or EPLB config, or a damaged one
+        parser.error(f"--resume: {e}")
+    nnx.update(model, restored["model"])
+    nnx.update(optimizer, restored["optimizer"])
+    return start
+
+
+def save(manager, step, model, optimizer, controller):
+    """One checkpoint step holding the model, the optimizer state and the controller's state."""
+    import orbax.checkpoint as ocp
+    from flax import nnx
+
+    items = ocp.args.Composite(
+        model=ocp.args.StandardSave(nnx.state(model)),
+        optimizer=ocp.args.StandardSave(nnx.state(optimizer)),
+        eplb=ocp.args.StandardSave(controller.checkpoint_item()),
+    )
+    manager.save(step, args=items)  # one step directory, renamed into place when every item is written
+    manager.wait_until_finished()
+
+
+def make_train_step(trainable, replicated):
+    """The jitted AdamW step on ``trainable`` (the router biases held out); the loss replicated."""
+    import jax
+    import optax
+    from flax import nnx
+
+    @nnx.jit
+    def train_step(model, optimizer, tokens):
+        def loss_fn(model):
+            logits = model(tokens[:, :-1])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+        loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, trainable))(model)
+        optimizer.update(model, grads)
+        return jax.lax.with_sharding_constraint(loss, replicated)
+
+    return train_step
+
+
+def print_summary(args, config, controller, start, losses, step_seconds):
+    import numpy as np
+
+    print("\n=== summary ===")
+    print(f"steps {start + 1}..{args.steps}: loss {losses[0][1]:.4f} -> {losses[-1][1]:.4f}")
+    print(f"rearrangements: {controller.num_rearrangements}; final loss {losses[-1][1]:.6f}")
+    if len(step_seconds) > 1:  # the first step compiles
+        seconds = float(np.median(step_seconds[1:]))
+        tokens_per_s = args.batch * args.seq / seconds
+        flops = 3 * config.flops_per_token((args.seq + 1) / 2) * tokens_per_s
+        peak = dense_bf16_peak()
+        mfu = f", MFU {flops / peak:.1%} of {peak / 1e12:.0f} TFLOP/s dense bf16" if peak else ""
+        print(f"throughput: {tokens_per_s:,.0f} tokens/s, {seconds * 1e3:.1f} ms/step, {flops / 1e12:.2f} TFLOP/s{mfu}")
+
+
 def main(argv=None):
     prepare_devices(argv)  # before anything imports jax
     parser, args = parse_args(argv)
@@ -180,21 +255,7 @@ def main(argv=None):
         folder = os.path.abspath(args.checkpoint_dir)
         manager = ocp.CheckpointManager(folder, options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
         if args.resume:
-            start = manager.latest_step() or 0
-            if not start:
-                parser.error(f"--resume: {args.checkpoint_dir} holds no checkpoint")
-            abstract = {
-                name: ocp.args.StandardRestore(jax.tree.map(ocp.utils.to_shape_dtype_struct, state))
-                for name, state in (("model", nnx.state(model)), ("optimizer", nnx.state(optimizer)))
-            }
-            # No target for the EPLB item: it comes back as saved and restore_item checks every field.
-            try:
-                restored = manager.restore(start, args=ocp.args.Composite(**abstract, eplb=ocp.args.StandardRestore()))
-                controller.restore_item(restored["eplb"])  # nothing changes unless every field passes
-            except ValueError as e:  # a checkpoint of another model shape or EPLB config, or a damaged one
-                parser.error(f"--resume: {e}")
-            nnx.update(model, restored["model"])
-            nnx.update(optimizer, restored["optimizer"])
+            start = restore(parser, args, manager, model, optimizer, controller)
             if main_process:
                 print(f"resumed from step {start} ({controller.num_rearrangements} rearrangements so far)")
         if start >= args.steps:
@@ -204,25 +265,7 @@ def main(argv=None):
     elif main_process:
         print("EP = 1: one rank holds every expert, so there is nothing to balance; the placement is held")
 
-    def save(step):
-        assert manager is not None
-        items = ocp.args.Composite(
-            model=ocp.args.StandardSave(nnx.state(model)),
-            optimizer=ocp.args.StandardSave(nnx.state(optimizer)),
-            eplb=ocp.args.StandardSave(controller.checkpoint_item()),
-        )
-        manager.save(step, args=items)  # one step directory, renamed into place when every item is written
-        manager.wait_until_finished()
-
-    @nnx.jit
-    def train_step(model, optimizer, tokens):
-        def loss_fn(model):
-            logits = model(tokens[:, :-1])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-
-        loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, trainable))(model)
-        optimizer.update(model, grads)
-        return jax.lax.with_sharding_constraint(loss, rt.replicated)
+    train_step = make_train_step(trainable, rt.replicated)
 
     losses, step_seconds = [], []
     for step in range(start + 1, args.steps + 1):
@@ -243,22 +286,11 @@ def main(argv=None):
         if main_process and (step % args.log_every == 0 or step == start + 1):
             print(f"step {step}: loss {loss:.4f}", flush=True)
         if manager is not None and (step % args.checkpoint_every == 0 or step == args.steps):
-            save(step)
+            save(manager, step, model, optimizer, controller)
             if main_process:
                 print(f"step {step}: checkpoint saved to {manager.directory}", flush=True)
     if main_process:
-        print("\n=== summary ===")
-        print(f"steps {start + 1}..{args.steps}: loss {losses[0][1]:.4f} -> {losses[-1][1]:.4f}")
-        print(f"rearrangements: {controller.num_rearrangements}; final loss {losses[-1][1]:.6f}")
-        if len(step_seconds) > 1:  # the first step compiles
-            seconds = float(np.median(step_seconds[1:]))
-            tokens_per_s = args.batch * args.seq / seconds
-            flops = 3 * config.flops_per_token((args.seq + 1) / 2) * tokens_per_s
-            peak = dense_bf16_peak()
-            mfu = f", MFU {flops / peak:.1%} of {peak / 1e12:.0f} TFLOP/s dense bf16" if peak else ""
-            print(
-                f"throughput: {tokens_per_s:,.0f} tokens/s, {seconds * 1e3:.1f} ms/step, {flops / 1e12:.2f} TFLOP/s{mfu}"
-            )
+        print_summary(args, config, controller, start, losses, step_seconds)
 
 
 if __name__ == "__main__":

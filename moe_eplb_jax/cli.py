@@ -28,7 +28,11 @@ import time
 
 import numpy as np
 
+from moe_eplb_jax import __version__, policy, sim
 from moe_eplb_jax._files import check_output_path, pyplot, save_figure
+from moe_eplb_jax.metrics import balancedness, rank_imbalance, rank_load_from_logical
+from moe_eplb_jax.placement import FILE_FORMATS, Placement
+from moe_eplb_jax.sim.report import policy_names, resolve_policy
 
 __all__ = ["main", "build_parser"]
 
@@ -91,10 +95,6 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from moe_eplb_jax import __version__, policy
-    from moe_eplb_jax.placement import FILE_FORMATS
-    from moe_eplb_jax.sim.report import policy_names
-
     formatter = _HelpFormatter
     parser = argparse.ArgumentParser(
         prog="moe-eplb", description="Expert-parallel load balancing tools.", formatter_class=formatter
@@ -187,8 +187,6 @@ def _check_generator_sizes(args) -> None:
 
 
 def _generate(args):
-    from moe_eplb_jax import sim
-
     _check_generator_sizes(args)
     num_experts = args.num_ranks * args.experts_per_rank
     tokens = args.tokens * args.num_ranks * args.top_k
@@ -259,8 +257,6 @@ def _progress(what: str, *, seconds: float = _PROGRESS_SECONDS, stream=None):
 
 
 def _rank_loads(load_le: np.ndarray, phy2log: np.ndarray, num_ranks: int) -> np.ndarray:
-    from moe_eplb_jax.metrics import rank_load_from_logical
-
     return np.asarray(rank_load_from_logical(load_le, phy2log, num_ranks))
 
 
@@ -269,8 +265,6 @@ def _home_phy2log(num_layers: int, num_logical: int) -> np.ndarray:
 
 
 def _read_placement(path, trace, num_ranks):
-    from moe_eplb_jax.placement import Placement
-
     # An SGLang file does not store E: the load file's E is the one it must serve.
     placement = Placement.load(path, num_ranks=num_ranks, num_logical=trace.num_logical)
     if placement.num_layers != trace.num_layers:
@@ -286,8 +280,6 @@ def _check_ranks(trace, num_ranks):
 
 
 def _stats_table(load_le, num_ranks, phy2log=None) -> str:
-    from moe_eplb_jax.metrics import balancedness, rank_imbalance
-
     before = _rank_loads(load_le, _home_phy2log(*load_le.shape), num_ranks)
     head = f"{'layer':>5} {'tokens':>12} {'hot expert':>10} {'hot share':>9} {'imb before':>10}"
     after = None
@@ -314,9 +306,6 @@ def _stats_table(load_le, num_ranks, phy2log=None) -> str:
 
 
 def _fit(trace, num_ranks, num_physical, policy, num_groups=1, num_nodes=1):
-    from moe_eplb_jax.placement import Placement
-    from moe_eplb_jax.sim.report import resolve_policy
-
     if num_physical > _MAX_SLOTS_PER_EXPERT * trace.num_logical:
         raise ValueError(
             f"--num-physical {num_physical} is more than {_MAX_SLOTS_PER_EXPERT} slots per expert "
@@ -384,8 +373,6 @@ def _check_outputs(args) -> None:
 
 
 def _run(args) -> int:
-    from moe_eplb_jax import sim
-
     _check_outputs(args)
     if args.command == "generate":
         load = _generate(args)

@@ -36,6 +36,7 @@ import os
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from moe_eplb_jax._checks import check_int
@@ -250,8 +251,6 @@ class Placement:
 
     def to_jax(self) -> Placement:
         """The tables as jax int32 arrays (host tables checked as in :meth:`to_numpy` first)."""
-        import jax.numpy as jnp
-
         tables = (t if isinstance(t, jax.Array) else _as_int_table(n, t) for n, t in zip(_TABLES, self._tables()))
         return Placement(*(jnp.asarray(t).astype(jnp.int32) for t in tables))
 

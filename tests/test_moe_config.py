@@ -6,10 +6,10 @@ import dataclasses
 import jax
 import pytest
 
+from moe_eplb_jax.config import EplbConfig
 from moe_eplb_jax.models import ModelConfig, preset
 from moe_eplb_jax.moe import DispatchConfig, RouterConfig
 from moe_eplb_jax.routing import MODES, ROUTING_MODES, RoutingMode, check_routing, routing_mode
-from moe_eplb_jax.state import EplbConfig
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,5 @@
-"""The put schedule's NVLink kernel: copy pipeline (CPU interpreter), lowering, and real moves on 2+ GPUs."""
+"""The put schedule's NVLink kernel: copy pipeline (CPU interpreter), lowering, one parity body for the kernel
+(2+ GPUs) and its jnp reference (simulated devices), real moves on 2+ GPUs."""
 
 import re
 
@@ -13,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from moe_eplb_jax import transport as eps
 from moe_eplb_jax.transport import _executor, _nvlink
 from moe_eplb_jax.transport.packing import byte_rows_numpy
-from moe_eplb_jax.transport.plan import order_for_streaming
+from moe_eplb_jax.transport.streaming import order_for_streaming
 
 
 def numpy_put(views, staged, dst, offsets):
@@ -205,21 +206,33 @@ def test_put_schedule_moves_exact_bytes_between_gpus(num_chunks, rng):
         assert eps.executor_trace_count() == traces
 
 
-@pytest.mark.gpu
-def test_put_kernel_writes_the_peers_rows(rng):
-    """The kernel alone on 2 GPUs: rank r's packed row k lands in row dst[k] of rank 1 - r, padding skipped,
-    every other row unchanged."""
-    if jax.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
-    mesh = jax.make_mesh((2,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
-    widths, rows, per_round = [2048, 64, 4096], 40, 16
+@pytest.mark.parametrize(
+    "implementation, num_ranks",
+    [("xla", 2), ("xla", 4), pytest.param("mosaic", 2, marks=pytest.mark.gpu)],
+)
+def test_put_writes_the_peers_rows(implementation, num_ranks, rng):
+    """One body for every implementation (the kernel on 2 GPUs, the jnp reference on simulated devices): rank
+    r's packed row k of round d lands in row dst[k] of rank (r + d) % G, padding skipped, every other row
+    unchanged; the rows to pack beside come out packed."""
+    if jax.device_count() < num_ranks:
+        pytest.skip(f"needs {num_ranks} devices")
+    mesh = jax.make_mesh(
+        (num_ranks,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:num_ranks]
+    )
+    widths, rows, per_round = [2048, 64, 4096], 40, 16 // (num_ranks - 1)
     offsets = np.cumsum([0] + widths[:-1]).tolist()
-    views = [rng.integers(0, 2**32, (2, rows, w), dtype=np.uint32) for w in widths]
-    staged = rng.integers(0, 2**32, (2, per_round, sum(widths)), dtype=np.uint32)
-    dst = np.stack([rng.permutation(rows + 8)[:per_round] for _ in range(2)]).astype(np.int32)  # some padding
-
-    # rows to pack beside the writes: rows no peer writes (dst's real rows are excluded)
-    following = np.stack([rng.permutation(np.setdiff1d(np.arange(rows), dst[1 - r]))[:12] for r in range(2)])
+    views = [rng.integers(0, 2**32, (num_ranks, rows, w), dtype=np.uint32) for w in widths]
+    rounds = num_ranks - 1
+    staged = rng.integers(0, 2**32, (num_ranks, rounds * per_round, sum(widths)), dtype=np.uint32)
+    # Per receiver, distinct destinations over all its senders, some of them padding (past its rows).
+    receives = [rng.permutation(rows + 8)[: rounds * per_round] for _ in range(num_ranks)]
+    dst = np.zeros((num_ranks, rounds * per_round), np.int32)
+    for receiver in range(num_ranks):
+        for d in range(1, num_ranks):
+            sender = (receiver - d) % num_ranks
+            dst[sender, (d - 1) * per_round : d * per_round] = receives[receiver][(d - 1) * per_round : d * per_round]
+    # Rows to pack beside the writes: rows no peer writes into this rank.
+    following = np.stack([rng.permutation(np.setdiff1d(np.arange(rows), receives[r]))[:12] for r in range(num_ranks)])
 
     def move(staged, dst, following, *views):
         return _nvlink.put_rows(
@@ -228,24 +241,42 @@ def test_put_kernel_writes_the_peers_rows(rng):
             list(views),
             following,
             axis="ep",
-            num_ranks=2,
+            num_ranks=num_ranks,
             rows_per_round=per_round,
             offsets=offsets,
             config=_nvlink.Config(num_programs=24, pack_programs=5),
+            implementation=implementation,
         )
 
     spec = PartitionSpec("ep")
     fn = jax.jit(jax.shard_map(move, mesh=mesh, in_specs=(spec,) * 6, out_specs=([spec] * 3, spec), check_vma=False))
     shard = NamedSharding(mesh, spec)
     put = lambda x: jax.device_put(x.reshape((-1,) + x.shape[2:]), shard)
-    got, packed = fn(put(staged), put(dst), put(following.astype(np.int32)), *[put(v) for v in views])
-    for rank in range(2):
-        want = numpy_put([v[rank] for v in views], staged[1 - rank], dst[1 - rank], offsets)
+    got, packed = fn(put(staged), put(dst.astype(np.int32)), put(following.astype(np.int32)), *[put(v) for v in views])
+    for rank in range(num_ranks):
+        want = [v[rank] for v in views]
+        for d in range(1, num_ranks):
+            sender, part = (rank - d) % num_ranks, slice((d - 1) * per_round, d * per_round)
+            want = numpy_put(want, staged[sender, part], dst[sender, part], offsets)
         for g, w in zip(got, want):
-            np.testing.assert_array_equal(np.asarray(g).reshape((2, rows, -1))[rank], w)
+            np.testing.assert_array_equal(np.asarray(g).reshape((num_ranks, rows, -1))[rank], w)
         np.testing.assert_array_equal(
-            np.asarray(packed).reshape(2, 12, -1)[rank],
+            np.asarray(packed).reshape(num_ranks, 12, -1)[rank],
             np.concatenate([v[rank][following[rank]] for v in views], axis=1),
+        )
+
+
+def test_put_refuses_an_unknown_implementation():
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        _nvlink.put_rows(
+            jnp.zeros((1, 32), jnp.uint32),
+            jnp.zeros((1,), jnp.int32),
+            [jnp.zeros((2, 32), jnp.uint32)],
+            axis="ep",
+            num_ranks=2,
+            rows_per_round=1,
+            offsets=[0],
+            implementation="nccl",
         )
 
 

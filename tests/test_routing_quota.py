@@ -15,6 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from moe_eplb_jax.routing import check_counts, plan_quotas
+from moe_eplb_jax.routing._quota_search import IMPLEMENTATIONS as SEARCH_IMPLEMENTATIONS
 from moe_eplb_jax.sim import zipf_counts, zipf_topk
 
 FIELDS = ("phy2log", "log2phy", "logcnt", "replica_load", "quota", "rank_load", "target")
@@ -213,48 +214,57 @@ def test_deterministic_across_processes():
     assert out.stdout.strip().splitlines()[-1] == digest
 
 
-# --------------------------------------------------------------------------- the one-kernel search == the XLA search
+# --------------------------------------------------------------------------- every search == the reference
 
 
 @functools.cache
-def _both(num_home, num_spare, min_replica_tokens, search_rounds, search_width, nested=False):
-    def make(implementation):
-        fn = functools.partial(
-            plan_quotas,
-            num_home=num_home,
-            num_spare=num_spare,
-            implementation=implementation,
-            min_replica_tokens=min_replica_tokens,
-            search_rounds=search_rounds,
-            search_width=search_width,
-        )
-        return jax.jit(jax.vmap(jax.vmap(fn)) if nested else fn)
+def _planner(implementation, num_home, num_spare, min_replica_tokens, search_rounds, search_width, nested=False):
+    fn = functools.partial(
+        plan_quotas,
+        num_home=num_home,
+        num_spare=num_spare,
+        implementation=implementation,
+        min_replica_tokens=min_replica_tokens,
+        search_rounds=search_rounds,
+        search_width=search_width,
+    )
+    return jax.jit(jax.vmap(jax.vmap(fn)) if nested else fn)
 
-    return make("xla"), make("pallas")
+
+def _both(num_home, num_spare, min_replica_tokens, search_rounds, search_width, nested=False):
+    return tuple(
+        _planner(impl, num_home, num_spare, min_replica_tokens, search_rounds, search_width, nested)
+        for impl in ("xla", "pallas")
+    )
 
 
 # (4, 2, 2) x 1 round x 100: a grid split over 4 programs of 32 candidates (the one-round default's layout).
 @pytest.mark.slow  # the search kernel in interpret mode
+@pytest.mark.parametrize("implementation", SEARCH_IMPLEMENTATIONS)
 @pytest.mark.parametrize(
     "shape,min_tokens,rounds,width",
     [((4, 2, 2), 1, 2, 64), ((6, 3, 1), 40, 3, 16), ((5, 4, 3), 5, 1, 7), ((4, 2, 2), 1, 1, 100)],
 )
-def test_pallas_search_matches_xla(rng, shape, min_tokens, rounds, width):
-    """The Triton search kernel (interpret mode on CPU) gives the XLA plan, also under (nested) vmap."""
+def test_search_matches_reference(rng, implementation, shape, min_tokens, rounds, width):
+    """One body for every search implementation (the Triton kernel in interpret mode on CPU): the numpy
+    reference's plan for the same search grid, also under (nested) vmap."""
     num_ranks, num_home, num_spare = shape
-    xla, pallas = _both(num_home, num_spare, min_tokens, rounds, width)
+    options = dict(num_home=num_home, num_spare=num_spare, min_replica_tokens=min_tokens)
+    options.update(search_rounds=rounds, search_width=width)
+    flat = _planner(implementation, num_home, num_spare, min_tokens, rounds, width)
     for _ in range(2):
-        counts = jnp.asarray(_skewed_counts(rng, num_ranks, num_home))
-        for a, b in zip(jax.tree_util.tree_leaves(xla(counts)), jax.tree_util.tree_leaves(pallas(counts))):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    xla, pallas = _both(num_home, num_spare, min_tokens, rounds, width, nested=True)
-    counts = jnp.asarray(
-        np.stack([np.stack([_skewed_counts(rng, num_ranks, num_home) for _ in range(3)]) for _ in range(2)])
-    )
-    plans = xla(counts), pallas(counts)
-    assert plans[1].rank_load.shape == (2, 3, num_ranks)
-    for a, b in zip(*(jax.tree_util.tree_leaves(p) for p in plans)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        counts = _skewed_counts(rng, num_ranks, num_home)
+        plan, want = flat(jnp.asarray(counts)), plan_quotas_reference(counts, **options)
+        for field in FIELDS:
+            np.testing.assert_array_equal(np.asarray(getattr(plan, field)), want[field], err_msg=field)
+    nested = _planner(implementation, num_home, num_spare, min_tokens, rounds, width, nested=True)
+    counts = np.stack([np.stack([_skewed_counts(rng, num_ranks, num_home) for _ in range(3)]) for _ in range(2)])
+    plans = nested(jnp.asarray(counts))
+    assert plans.rank_load.shape == (2, 3, num_ranks)
+    for i, j in np.ndindex(2, 3):
+        want = plan_quotas_reference(counts[i, j], **options)
+        for field in FIELDS:
+            np.testing.assert_array_equal(np.asarray(getattr(plans, field))[i, j], want[field], err_msg=field)
 
 
 def test_bad_implementation():
@@ -305,6 +315,7 @@ def probes(monkeypatch):
 def test_gpu_default_falls_back_to_xla_when_the_kernel_fails(probes, monkeypatch):
     """The GPU default is the Pallas search only if a probe plan from it equals the XLA plan; else the XLA search
     plans (the reference's plan), with exactly one warning per process."""
+    from moe_eplb_jax.routing import _quota_search as quota_search
     from moe_eplb_jax.routing import quota
 
     assert quota.default_implementation() == "pallas"  # interpret mode here: compiles and agrees
@@ -313,7 +324,7 @@ def test_gpu_default_falls_back_to_xla_when_the_kernel_fails(probes, monkeypatch
     def broken(*args, **kwargs):
         raise RuntimeError("no kernel today")
 
-    monkeypatch.setattr(quota, "search_pallas", broken)
+    monkeypatch.setattr(quota_search.api, "search_pallas", broken)
     counts = zipf_counts(4, 8, 256, 4, 2.0, seed=3)
     with pytest.warns(RuntimeWarning, match="plan_quotas: the Pallas kernel failed .*no kernel today") as caught:
         for _ in range(2):
@@ -327,12 +338,12 @@ def test_gpu_default_falls_back_to_xla_when_the_kernel_fails(probes, monkeypatch
 @pytest.mark.slow  # plans once per config with the kernel in interpret mode
 def test_search_config_is_checked_and_keeps_the_plan(rng):
     """The search kernel's lanes per program change nothing but how programs share the grid."""
-    from moe_eplb_jax.routing import _quota_fill
+    from moe_eplb_jax.routing import _quota_search
 
     with pytest.raises(ValueError, match="Config.lanes must be a power of two >= 16"):
-        _quota_fill.Config(lanes=24)
+        _quota_search.Config(lanes=24)
     load = jnp.asarray(_skewed_counts(rng, 4, 2).sum(0))
     kw = dict(num_home=2, num_spare=2, min_replica_tokens=1, max_replicas=8, search_rounds=1, search_width=100)
-    plans = [_quota_fill.search_pallas(load, config=_quota_fill.Config(lanes=lanes), **kw) for lanes in (16, 128)]
+    plans = [_quota_search.search_pallas(load, config=_quota_search.Config(lanes=lanes), **kw) for lanes in (16, 128)]
     for a, b in zip(*plans):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -1,8 +1,9 @@
 """Tests of ``moe_eplb_jax.transport._row_copy`` (bounded-grid row gather / scatter kernels).
 
-On CPU the kernels run in Pallas interpret mode (slow: shapes stay small); the
-``gpu``-marked tests run the compiled Triton kernels, and the last test lowers
-both kernels to Triton IR for an H100/H200 on this machine.
+One test body per behaviour, run against every implementation (``IMPLEMENTATIONS``: the Pallas kernels and
+the jnp reference) and compared with numpy oracles written row by row. On CPU the kernels run in Pallas
+interpret mode (slow: shapes stay small); the ``gpu``-marked tests run the compiled Triton kernels, and the
+last test lowers both kernels to Triton IR for an H100/H200 on this machine.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_eplb_jax.transport._row_copy import Config, gather_rows, scatter_rows
+from moe_eplb_jax.transport._row_copy import IMPLEMENTATIONS, Config, gather_rows, scatter_rows
 
 P = jax.sharding.PartitionSpec
 
@@ -72,26 +73,27 @@ def case_id(case):
 
 # ------------------------------------------------------------ vs the oracles
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_gather_matches_reference(case, rng):
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_gather_matches_reference(implementation, case, rng):
     widths, num_rows, num_selected, num_programs, block = case
     views = random_views(rng, num_rows, widths)
     rows = rng.integers(0, num_rows, num_selected).astype(np.int32)
     rows[-1] = 0  # a padding entry
-    got = gather_rows(views, rows, config=Config(num_programs=num_programs, block=block))
+    got = gather_rows(views, rows, config=Config(num_programs=num_programs, block=block), implementation=implementation)
     assert got.shape == (num_selected, sum(widths)) and got.dtype == jnp.uint32
     np.testing.assert_array_equal(np.asarray(got), gather_oracle(views, rows))
     np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.concatenate([v[rows] for v in views], axis=1)))
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_scatter_matches_reference(case, rng):
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_scatter_matches_reference(implementation, case, rng):
     widths, num_rows, num_selected, num_programs, block = case
     views = random_views(rng, num_rows, widths)
     packed = rng.integers(0, 2**32, (num_selected, sum(widths)), dtype=np.uint32)
     dst = random_dst(rng, num_rows, num_selected)
-    got = scatter_rows(
-        [jnp.asarray(v) for v in views], packed, dst, config=Config(num_programs=num_programs, block=block)
-    )
+    config = Config(num_programs=num_programs, block=block)
+    got = scatter_rows([jnp.asarray(v) for v in views], packed, dst, config=config, implementation=implementation)
     assert_views_equal(got, scatter_oracle(views, packed, dst))
     untouched = np.setdiff1d(np.arange(num_rows), dst)
     for g, v in zip(got, views):  # rows not named in dst keep their bytes
@@ -106,26 +108,30 @@ def test_scatter_matches_reference(case, rng):
     assert_views_equal(got, [np.asarray(w) for w in want])
 
 
-def test_gather_then_scatter_round_trip(rng):
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_gather_then_scatter_round_trip(implementation, rng):
     """Rows gathered from one set of views and scattered into another land bit-exactly."""
     widths, num_rows = (7, 300), 12
     source, target = random_views(rng, num_rows, widths), random_views(rng, num_rows, widths)
     rows = rng.permutation(num_rows)[:5].astype(np.int32)
     dst = rng.permutation(num_rows)[:5].astype(np.int32)
-    packed = gather_rows(source, rows, config=Config(num_programs=2, block=128))
-    got = scatter_rows(target, packed, dst, config=Config(num_programs=2, block=128))
+    opts = dict(config=Config(num_programs=2, block=128), implementation=implementation)
+    packed = gather_rows(source, rows, **opts)
+    got = scatter_rows(target, packed, dst, **opts)
     for g, s in zip(got, source):
         np.testing.assert_array_equal(np.asarray(g)[dst], s[rows])
 
 
 @pytest.mark.parametrize("start, count", [(0, 3), (5, 4), (9, None), (12, 0)])
-def test_index_window_equals_slice(start, count, rng):
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_index_window_equals_slice(implementation, start, count, rng):
     """index_start / index_count read a window of a longer table: the same as passing the slice."""
     widths, num_rows = (5, 130), 9
     table = rng.integers(0, num_rows, 12).astype(np.int32)
     window = table[start:] if count is None else table[start : start + count]
     views = random_views(rng, num_rows, widths)
-    opts = dict(config=Config(num_programs=3, block=128), index_start=start, index_count=count)
+    opts = dict(config=Config(num_programs=3, block=128), implementation=implementation)
+    opts.update(index_start=start, index_count=count)
     got = gather_rows(views, table, **opts)
     np.testing.assert_array_equal(np.asarray(got), gather_oracle(views, window).reshape(len(window), sum(widths)))
     dst_table = np.concatenate([random_dst(rng, num_rows, 6), random_dst(rng, num_rows, 6)])
@@ -135,10 +141,11 @@ def test_index_window_equals_slice(start, count, rng):
     assert_views_equal(got, scatter_oracle(views, packed, dst))
 
 
-def test_empty_selection(rng):
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_empty_selection(implementation, rng):
     views = random_views(rng, 4, (3, 5))
-    assert gather_rows(views, np.zeros((0,), np.int32)).shape == (0, 8)
-    got = scatter_rows(views, np.zeros((0, 8), np.uint32), np.zeros((0,), np.int32))
+    assert gather_rows(views, np.zeros((0,), np.int32), implementation=implementation).shape == (0, 8)
+    got = scatter_rows(views, np.zeros((0, 8), np.uint32), np.zeros((0,), np.int32), implementation=implementation)
     assert_views_equal(got, views)
 
 
@@ -163,7 +170,8 @@ def test_jit_with_donated_views(rng):
     np.testing.assert_array_equal(np.asarray(gather(got, rows)), want)
 
 
-def test_shard_map_per_shard(rng):
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_shard_map_per_shard(implementation, rng):
     mesh = jax.make_mesh((8,), ("ep",))
     sharded = jax.sharding.NamedSharding(mesh, P("ep"))
     widths, local_rows, local_selected = (1, 7), 4, 3
@@ -175,7 +183,7 @@ def test_shard_map_per_shard(rng):
 
     gather = jax.jit(
         jax.shard_map(
-            lambda v, r: gather_rows(v, r, config=Config(num_programs=2, block=128)),
+            lambda v, r: gather_rows(v, r, config=Config(num_programs=2, block=128), implementation=implementation),
             mesh=mesh,
             in_specs=(P("ep"), P("ep")),
             out_specs=P("ep"),
@@ -183,7 +191,9 @@ def test_shard_map_per_shard(rng):
     )
     scatter = jax.jit(
         jax.shard_map(
-            lambda v, p, d: scatter_rows(v, p, d, config=Config(num_programs=2, block=128)),
+            lambda v, p, d: scatter_rows(
+                v, p, d, config=Config(num_programs=2, block=128), implementation=implementation
+            ),
             mesh=mesh,
             in_specs=(P("ep"), P("ep"), P("ep")),
             out_specs=P("ep"),
@@ -202,6 +212,11 @@ def test_shard_map_per_shard(rng):
 
 
 # ---------------------------------------------------------------- validation
+def test_unknown_implementation_is_refused(rng):
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        gather_rows(random_views(rng, 4, (3,)), np.array([0], np.int32), implementation="cuda")
+
+
 def _valid_args(rng):
     views = random_views(rng, 4, (3, 5))
     return {"row_views": views, "rows": np.array([0, 3], np.int32)}
@@ -225,11 +240,12 @@ def _valid_args(rng):
         (lambda a: a.update(config=dict(num_programs=4)), "config must be a _row_copy.Config"),
     ],
 )
-def test_gather_validation_errors(change, message, rng):
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_gather_validation_errors(implementation, change, message, rng):
     kwargs = _valid_args(rng)
     change(kwargs)
     with pytest.raises(ValueError, match=message):
-        gather_rows(**kwargs)
+        gather_rows(**kwargs, implementation=implementation)
 
 
 @pytest.mark.parametrize(
@@ -244,7 +260,8 @@ def test_gather_validation_errors(change, message, rng):
         (lambda a: a.update(index_start=1), "packed has 2 rows but dst has 1 entries"),
     ],
 )
-def test_scatter_validation_errors(change, message, rng):
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_scatter_validation_errors(implementation, change, message, rng):
     views = random_views(rng, 4, (3, 5))
     kwargs = {
         "row_views": views,
@@ -253,7 +270,7 @@ def test_scatter_validation_errors(change, message, rng):
     }
     change(kwargs)
     with pytest.raises(ValueError, match=message):
-        scatter_rows(**kwargs)
+        scatter_rows(**kwargs, implementation=implementation)
 
 
 @pytest.mark.parametrize(

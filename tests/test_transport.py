@@ -19,7 +19,7 @@ from moe_eplb_jax import Placement
 from moe_eplb_jax import transport as eps
 from moe_eplb_jax.transport import _executor, _nvlink, _row_copy
 from moe_eplb_jax.transport.packing import byte_rows_numpy
-from moe_eplb_jax.transport.plan import order_for_streaming
+from moe_eplb_jax.transport.streaming import order_for_streaming
 
 DTYPES = [
     np.float32,

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from moe_eplb_jax.transport import TransportPlan, bucket_capacity, plan_rearrangement
-from moe_eplb_jax.transport.plan import order_for_streaming
+from moe_eplb_jax.transport.streaming import order_for_streaming
 
 
 def apply_plan(plan: TransportPlan, content: np.ndarray) -> np.ndarray:

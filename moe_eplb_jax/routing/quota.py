@@ -25,7 +25,7 @@ demands go largest first *as measured at the lowest target* ``ceil(mean)``
 order, computed once, serves every candidate target and the search sorts
 nothing. A supply rank whose interval would hold more than ``S`` experts stops
 early at a demand boundary, leaving some slack unused: the one sequential step,
-a walk over the ``G`` ranks (:mod:`._quota_fill`) that also checks the pieces
+a walk over the ``G`` ranks (:mod:`._quota_search`) that also checks the pieces
 it lays out. A target is feasible when every demand found room, no expert needs
 more than ``max_replicas - 1`` replicas and no replica gets fewer than
 ``min_replica_tokens`` tokens. ``T = max home load`` (nothing moves) is always
@@ -62,7 +62,7 @@ import numpy as np
 
 from moe_eplb_jax._checks import is_concrete
 from moe_eplb_jax._kernels import pallas_default
-from moe_eplb_jax.routing._quota_fill import IMPLEMENTATIONS, candidates, fill_layout, search_pallas
+from moe_eplb_jax.routing._quota_search import IMPLEMENTATIONS, search, search_pallas
 
 __all__ = [
     "QuotaPlan",
@@ -236,93 +236,6 @@ def plan_quotas(
     )
 
 
-# --------------------------------------------------------------------------- the search
-
-
-def _prepare(counts, num_home):
-    """Loads and the target-independent orders the search needs (pairwise compares and one sort).
-
-    Returns ``load [E]``, ``home_load [G]``, ``rank_position [G]`` (each rank's
-    place in the supply order: most slack, i.e. least home load, first; ties:
-    lower rank first) and, in *demand order*, ``demand_rank``, ``demand_before``,
-    ``demand_load`` and ``demand_expert`` (each ``[E]``): the home rank of each
-    entry, the load of the hotter experts on that rank, the entry's own load and
-    its expert id.
-    """
-    num_ranks = counts.shape[0]
-    ranks = jnp.arange(num_ranks, dtype=jnp.int32)
-    load = jnp.sum(counts, axis=0)  # [E]
-    per_rank = load.reshape(num_ranks, num_home)
-    home_load = jnp.sum(per_rank, axis=1)  # [G]
-    # Each rank offloads its hottest experts first (ties: lower expert id first).
-    # hotter[g, i, j]: expert j of rank g goes before expert i of rank g.
-    slot = jnp.arange(num_home, dtype=jnp.int32)
-    mine, other = per_rank[:, :, None], per_rank[:, None, :]
-    hotter = (other > mine) | ((other == mine) & (slot[None, None, :] < slot[None, :, None]))
-    before = jnp.sum(jnp.where(hotter, other, 0), axis=2).reshape(-1)  # load of hotter experts on the same rank
-    hot_index = (ranks[:, None] * num_home + jnp.sum(hotter.astype(jnp.int32), axis=2)).reshape(-1)
-    rank_of = jnp.repeat(ranks, num_home)
-    less = (home_load[None, :] < home_load[:, None]) | (
-        (home_load[None, :] == home_load[:, None]) & (ranks[None, :] < ranks[:, None])
-    )
-    rank_position = jnp.sum(less.astype(jnp.int32), axis=1)
-    # Demands are laid out largest first as measured at the lowest target, ceil(mean), where every demand is
-    # at its largest (ties: hot order, rank by rank); that one order serves every target (a demand only shrinks
-    # as the target grows).
-    lowest = (jnp.sum(home_load) + num_ranks - 1) // num_ranks
-    at_lowest = _demand(lowest[None], home_load, rank_of, before, load)[0]
-    experts = jnp.arange(load.shape[0], dtype=jnp.int32)
-    _, _, order = jax.lax.sort((-at_lowest, hot_index, experts), num_keys=2)
-    return load, home_load, rank_position, rank_of[order], before[order], load[order], order
-
-
-def _demand(targets, home_load, rank, before, load):
-    """``[C, E]`` demand of every entry at each of ``targets [C]``: its rank's excess less the hotter experts' load."""
-    excess = jnp.maximum(home_load[None, :] - targets[:, None], 0)  # [C, G]
-    return jnp.clip(excess[:, rank] - before[None, :], 0, load[None, :])
-
-
-def _layouts(cand, home_load, demands, num_spare, min_replica_tokens, max_replicas):
-    """Lays demands (demand order) against supplies (most slack first) for every target in ``cand [C]``.
-
-    ``demands`` is ``(demand_rank, demand_before, demand_load)`` from
-    :func:`_prepare`. Returns ``(d_hi [C, E], s_lo [C, G], x_end [C], ok [C])``:
-    where each demand ends and each supply rank starts on the shared token axis,
-    where the last rank ends, and whether the plan at that target is feasible
-    (every demand found room, pieces and replica counts within limits; see
-    :mod:`._quota_fill`).
-    """
-    d_hi = jnp.cumsum(_demand(cand, home_load, *demands), axis=1)
-    total = d_hi[:, -1:]
-    d_pad = jnp.concatenate([d_hi, jnp.broadcast_to(total, (cand.shape[0], num_spare))], axis=1)
-    supply = jnp.maximum(cand[:, None] - jnp.sort(home_load)[None, :], 0)  # most slack first
-    j0 = jnp.sum((d_hi <= 0).astype(jnp.int32), axis=1)
-    s_lo, x_end, ok = fill_layout(
-        d_pad, supply, j0, num_spare=num_spare, min_replica_tokens=min_replica_tokens, max_replicas=max_replicas
-    )
-    return d_hi, s_lo, x_end, ok & (x_end >= total[:, 0])
-
-
-def _search(home_load, demands, num_spare, min_replica_tokens, max_replicas, search_rounds, search_width):
-    """The smallest feasible target the K-ary search finds, and its layout ``(d_hi [E], s_lo [G], x_end)``."""
-    total = jnp.sum(home_load)
-    num_ranks = home_load.shape[0]
-    lo = (total + num_ranks - 1) // num_ranks  # no plan beats the mean
-    hi = jnp.max(home_load)  # nothing moves: always feasible
-    opts = dict(num_spare=num_spare, min_replica_tokens=min_replica_tokens, max_replicas=max_replicas)
-    steps = jnp.arange(0, search_width, dtype=jnp.int32)
-    for _ in range(search_rounds):
-        # Integer grid lo + (hi - lo) * k / (K - 1), k = 0..K-1: both ends included; hi is known to be feasible.
-        cand = candidates(lo, hi, steps, search_width)
-        *layout, ok = _layouts(cand, home_load, demands, **opts)
-        first = jnp.argmax(ok | (steps == search_width - 1))
-        new_hi = cand[first]
-        new_lo = jnp.where(first > 0, cand[jnp.maximum(first - 1, 0)] + 1, new_hi)
-        lo, hi = jnp.minimum(new_lo, new_hi), new_hi
-        chosen = [a[first] for a in layout]  # the layout at hi, feasible (hi is never re-derived)
-    return hi, chosen
-
-
 def _running_sum(x, axis, pairwise):
     """Inclusive prefix sum of a 2-D ``x`` along ``axis`` (at most ``G`` or ``R`` long here).
 
@@ -363,21 +276,17 @@ def _plan(
         spare_expert = jnp.zeros((num_ranks, 0), jnp.int32)
         spare_slot = jnp.zeros((num_experts, num_ranks), jnp.int32)
     else:
-        if implementation == "pallas":  # the orders and the whole search in one kernel
-            target, d_hi, s_lo, x_end, demand_expert, rank_position = search_pallas(
-                load,
-                num_home=num_home,
-                num_spare=num_spare,
-                min_replica_tokens=min_replica_tokens,
-                max_replicas=max_replicas,
-                search_rounds=search_rounds,
-                search_width=search_width,
-            )
-        else:
-            _, home_load, rank_position, *demands, demand_expert = _prepare(counts, num_home)
-            target, (d_hi, s_lo, x_end) = _search(
-                home_load, demands, num_spare, min_replica_tokens, max_replicas, search_rounds, search_width
-            )
+        # The orders and the whole search: one kernel ("pallas") or XLA ops and a scan per round ("xla").
+        target, d_hi, s_lo, x_end, demand_expert, rank_position = search(
+            load,
+            implementation=implementation,
+            num_home=num_home,
+            num_spare=num_spare,
+            min_replica_tokens=min_replica_tokens,
+            max_replicas=max_replicas,
+            search_rounds=search_rounds,
+            search_width=search_width,
+        )
         d_lo = d_hi - jnp.concatenate([d_hi[:1], jnp.diff(d_hi)])
         s_hi = jnp.concatenate([s_lo[1:], x_end[None]])
         # pieces[e, g] = overlap of expert e's demand with rank g's supply. The target is feasible, so no piece

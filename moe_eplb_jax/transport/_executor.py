@@ -35,7 +35,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from moe_eplb_jax.transport import _nvlink, _row_copy
 from moe_eplb_jax.transport.mesh import put_host
 from moe_eplb_jax.transport.packing import from_row_view, pack_rows, row_view, unpack_leaf, wire_dtype, wire_offsets
-from moe_eplb_jax.transport.plan import TransportPlan, order_for_streaming
+from moe_eplb_jax.transport.plan import TransportPlan
+from moe_eplb_jax.transport.streaming import order_for_streaming
 
 __all__ = ["SCHEDULES", "build", "device_tables", "stream_order", "trace_count"]
 

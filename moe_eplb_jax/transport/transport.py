@@ -101,7 +101,7 @@ def execute_plan(experts: Any, plan: TransportPlan, *, mesh: Mesh, axis: str = "
 
     The same as ``prepare_move(experts, plan, ...)(experts)``: to keep the
     host work off the critical path, call :func:`prepare_move` ahead and the
-    move when due. A plan ordered by ``plan.order_for_streaming`` runs in its
+    move when due. A plan ordered by ``streaming.order_for_streaming`` runs in its
     chunks; any other is ordered here (up to 8 chunks per round).
     """
     move = prepare_move(experts, plan, mesh=mesh, axis=axis, donate=donate)

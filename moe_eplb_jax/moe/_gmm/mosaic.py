@@ -14,6 +14,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 __all__ = ["Config", "grouped_matmul", "supports", "transposed_grouped_matmul"]
 
@@ -81,8 +82,6 @@ def transposed_grouped_matmul(x, dy, group_sizes, *, config: Config = WEIGHT_GRA
 
 def probe() -> bool:
     """Whether the kernels compile here and match a float64 product (a small case, outside any trace)."""
-    import numpy as np
-
     rng = np.random.default_rng(0)
     sizes = np.asarray([100, 0, 180, 200], np.int32)  # then 32 rows of padding
     x = rng.standard_normal((512, 128)).astype(jnp.bfloat16)

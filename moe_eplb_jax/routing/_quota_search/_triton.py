@@ -1,37 +1,7 @@
-"""The sequential part of the quota search: laying demands against supplies.
-
-For a target ``T``, demands (in demand order) end at the cumulative boundaries
-``d_hi`` on one token axis; supply ranks (most slack first) follow each other
-on the same axis. A rank starting at position ``x`` inside demand ``j``
-(``j = #{boundaries <= x}``) ends at ``min(x + supply, d_pad[j + S - 1])``
-(``d_pad`` is ``d_hi`` followed by ``S`` copies of the total): it takes at most
-``S`` experts and stops at a demand boundary rather than start another. The walk
-over the ranks also checks the plan it lays out, so no ``[C, E, G]`` table is
-needed: every piece (one rank's share of one demand) must hold at least
-``min_replica_tokens`` tokens and no demand may be split over more than
-``max_replicas - 1`` ranks (the ``S``-expert limit per rank holds by
-construction).
-
-Two implementations give the same integers:
-
-* ``"xla"``: :func:`fill_layout`, a ``lax.scan`` over the ranks for ``C``
-  candidate targets at once, called once per search round (on GPU every step
-  of the scan is a few kernel launches);
-* ``"pallas"``: :func:`search_pallas`, ONE Triton kernel that takes the expert
-  loads and does everything up to the layout: the orders (hot order on each
-  rank, supply order, demand order, by pairwise compares) and every search
-  round (candidate grid, demands, their running sums, the walk), with the
-  candidates as vectors; the pick of the smallest feasible candidate of the
-  last round is one small XLA step after it. A one-round search (the default)
-  splits its candidates over programs of :attr:`Config.lanes` that walk in
-  parallel; several rounds run in one program (each round's pick feeds the
-  next). Under ``vmap`` the batch becomes the kernel's first grid axis. Off
-  GPU it runs in Pallas interpret mode (slowly; for tests).
-"""
+"""The Pallas (Triton) quota search: the orders and every search round in one kernel (see the package)."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -39,89 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-__all__ = ["Config", "fill_layout", "search_pallas", "candidates", "IMPLEMENTATIONS"]
+from moe_eplb_jax.routing._quota_search.config import Config
+from moe_eplb_jax.routing._quota_search.reference import candidates, step
 
-IMPLEMENTATIONS = ("xla", "pallas")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Config:
-    """The search kernel's tiling.
-
-    Attributes:
-      lanes: candidates per program of a one-round search (a power of two >= 16; each program's walk over the
-        ranks is the same chain of dependent steps whatever its lane count, so the lanes only set how many
-        programs share the grid). A search of several rounds runs in one program of all its candidates.
-      num_warps: warps per program.
-    """
-
-    lanes: int = 32
-    num_warps: int = 4
-
-    def __post_init__(self):
-        for name, least in (("lanes", 16), ("num_warps", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < least or value & (value - 1):
-                raise ValueError(f"Config.{name} must be a power of two >= {least}, got {value!r}")
-
-
-def candidates(lo, hi, steps, search_width):
-    """``lo + floor((hi - lo) * k / (K - 1))`` for ``k`` in ``steps``, without the int32 overflow of the product."""
-    span = jnp.maximum(hi - lo, 0)
-    quotient, remainder = span // (search_width - 1), span % (search_width - 1)
-    return lo + quotient * steps + (remainder * steps) // (search_width - 1)
-
-
-def _step(x, j, cnt, bad, supply, window, num_spare, min_replica_tokens, max_replicas):
-    """One supply rank for every candidate; ``window [S][C]`` are ``d_pad[j + o]`` for ``o < S``.
-
-    ``window[-1]`` is the cap. Returns the new ``(x, j, cnt, bad)``; ``cnt`` is the
-    number of ranks that already took a piece of demand ``j``.
-    """
-    end = jnp.minimum(x + supply, window[-1])
-    passed = jnp.zeros_like(j)
-    cnt_next = jnp.zeros_like(cnt)
-    lower = x
-    for o in range(num_spare):
-        piece = jnp.minimum(window[o], end) - lower
-        taken = piece > 0
-        held_before = cnt if o == 0 else jnp.zeros_like(cnt)
-        bad = bad | (taken & ((piece < min_replica_tokens) | (held_before + 1 > max_replicas - 1)))
-        # If the rank stops inside demand j + o, that demand continues with one more holder when it took a piece.
-        cnt_next = jnp.where(passed == o, held_before + taken.astype(cnt.dtype), cnt_next)
-        passed = passed + (window[o] <= end).astype(j.dtype)
-        lower = window[o]
-    cnt_next = jnp.where(passed == num_spare, 0, cnt_next)
-    return end, j + passed, cnt_next, bad
-
-
-def fill_layout(d_pad, supply, j0, *, num_spare: int, min_replica_tokens: int, max_replicas: int):
-    """Walks the supply ranks for ``C`` candidates at once (``lax.scan``).
-
-    ``d_pad [C, n + S]`` int32: cumulative demand boundaries in demand order
-    (non-decreasing), followed by ``S = num_spare`` copies of the total;
-    ``supply [C, G]`` int32 slack of each rank in supply order; ``j0 [C]`` int32
-    the index of the first demand with tokens. Returns ``(s_lo [C, G], x_end [C],
-    ok [C])``: where each rank's interval starts on the demand axis, where the
-    last one ends, and whether every piece is at least ``min_replica_tokens`` and
-    no demand is split over more than ``max_replicas - 1`` ranks (the caller
-    checks that ``x_end`` reached the total).
-    """
-    offsets = jnp.arange(num_spare, dtype=jnp.int32)
-
-    def body(carry, s):
-        x, j, cnt, bad = carry
-        index = jnp.minimum(j[:, None] + offsets[None, :], d_pad.shape[1] - 1)
-        win = jnp.take_along_axis(d_pad, index, axis=1)  # [C, S]
-        window = [win[:, o] for o in range(num_spare)]
-        return _step(x, j, cnt, bad, s, window, num_spare, min_replica_tokens, max_replicas), x
-
-    zeros = jnp.zeros_like(j0)
-    (x_end, _, _, bad), s_lo = jax.lax.scan(body, (zeros, j0, zeros, jnp.zeros(j0.shape, bool)), supply.T)
-    return s_lo.T, x_end, ~bad
-
-
-# --------------------------------------------------------------------------- the whole search in one kernel
+__all__ = ["search_pallas"]
 
 
 def _chunk(rows, length):
@@ -149,7 +40,7 @@ def _prepare_in_kernel(
     num_home,
     barrier,
 ):
-    """The target-independent orders (as ``quota._prepare``), from ``load [E]`` in expert-id order.
+    """The target-independent orders (as ``reference.prepare``), from ``load [E]`` in expert-id order.
 
     Writes the entries in demand order (``base_ref``, ``dload_ref``, ``expert_ref``),
     each rank's supply position (``position_ref``) and the home loads in supply
@@ -339,7 +230,7 @@ def _search_kernel(
                 window = [jnp.where(passed == shift, ahead[shift + o], window[o]) for o in range(num_spare)]
             supply = jnp.maximum(cand - home, 0)  # the r-th rank in supply order
             plgpu.store(s_lo_ref.at[pl.ds((b * num_ranks + r) * all_lanes + chunk_index * lanes, lanes)], x)
-            x_new, j_new, cnt, bad = _step(x, j, cnt, bad, supply, window, num_spare, min_replica_tokens, max_replicas)
+            x_new, j_new, cnt, bad = step(x, j, cnt, bad, supply, window, num_spare, min_replica_tokens, max_replicas)
             return x_new, j_new, cnt, bad, loaded, j_new - j, home_next
 
         zeros = jnp.zeros((lanes,), jnp.int32)
@@ -497,7 +388,7 @@ def search_pallas(
     ``(target, d_hi [E], s_lo [G], x_end, demand_expert [E], rank_position
     [G])``: the smallest feasible target found, its layout, the expert at each
     place of the demand order and each rank's place in the supply order; equal
-    to ``quota._prepare`` + the ``"xla"`` search, integer for integer.
+    to ``reference.search_reference``, integer for integer.
     """
     if interpret is None:
         interpret = jax.default_backend() != "gpu"

@@ -1,36 +1,9 @@
-"""Write packed rows straight into the peer GPUs' expert rows over NVLink (Pallas, Mosaic GPU).
-
-The ``"put"`` schedule of the executor (``transport``) moves a rearrangement
-chunk by chunk. A chunk's send rows of every round are packed into one
-``[N, B]`` uint32 buffer (``staged``); :func:`put_rows` then copies each
-packed row of round ``d`` into its *final* rows of rank ``(r + d) % G``'s row
-views -- TMA bulk copies HBM -> shared memory -> the peer's HBM
-(``plgpu.remote_ref``). No receive buffer, no unpack, one kernel per chunk
-instead of a collective per round and chunk. The same kernel packs the *next*
-chunk on a few of its programs (``next_rows``: local rows -> a new staged
-buffer), so after the first chunk the packing hides behind the transfer.
-
-Ordering, per chunk ``c``: the kernel starts with XLA's cross-device barrier,
-so every rank has finished its work before kernel ``c`` -- in particular
-packing chunk ``c`` -- before any peer writes chunk ``c``'s rows into it. The
-plan's streaming order (``plan.order_for_streaming``: a row is written in a
-chunk no earlier than every chunk that reads it) means no row packed for
-chunk ``c + 1`` is written in chunk ``c``, so packing it beside chunk ``c``'s
-writes is safe. Each program, once its stores have landed, signals a
-semaphore on every peer (a ``release`` at system scope); program 0 of each
-rank waits for all of them, so when the kernel returns every row written into
-this rank is complete.
-
-Peer addresses come from XLA's collective metadata, so the kernel needs every
-device of the mesh in this process (``jax.device_count() ==
-jax.local_device_count()``) and no NVSHMEM. Nothing multicast is used.
-"""
+"""The Pallas Mosaic GPU put kernel: TMA bulk copies HBM -> shared memory -> the peer's HBM (see the package)."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -38,112 +11,28 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-__all__ = ["Config", "config_for", "copy_words", "can_put", "put_rows"]
+from moe_eplb_jax.transport._nvlink.config import Config
 
-_SMEM_BYTES = 227 * 1024  # shared memory per block on H100 / H200 available to a kernel
-_WORD_MULTIPLE = 32  # Lane semantics: each of the warpgroup's 128 threads arrives on a TMA barrier with bytes / 128
-
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """Tiling of the put kernel.
-
-    ``num_programs`` CUDA blocks (:func:`config_for`: one per SM), of which
-    ``pack_programs`` pack the next chunk while the others write this one;
-    each program cycles ``stages`` shared-memory buffers of one TMA copy of at
-    most ``max_copy_bytes`` (the largest multiple of 128 bytes dividing a
-    leaf's row, up to this: :func:`copy_words`).
-    """
-
-    num_programs: int = 132
-    pack_programs: int = 16
-    stages: int = 4
-    max_copy_bytes: int = 40 * 1024
-
-    def __post_init__(self):
-        for name in ("num_programs", "pack_programs", "stages", "max_copy_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if self.stages < 2:
-            raise ValueError(f"stages must be at least 2 (one buffer loading while one is stored), got {self.stages}")
-        if self.stages * self.max_copy_bytes > _SMEM_BYTES:
-            raise ValueError(
-                f"stages * max_copy_bytes = {self.stages * self.max_copy_bytes} exceeds {_SMEM_BYTES} bytes of "
-                "shared memory"
-            )
-        if self.pack_programs >= self.num_programs:
-            raise ValueError(
-                f"pack_programs ({self.pack_programs}) must leave writing programs of num_programs "
-                f"({self.num_programs})"
-            )
+__all__ = ["put_rows_mosaic"]
 
 
-def config_for(device) -> Config:
-    """The default :class:`Config` for ``device``: one program per streaming multiprocessor."""
-    return Config(num_programs=int(getattr(device, "core_count", 0) or Config.num_programs))
-
-
-def copy_words(width: int, max_copy_bytes: int = Config.max_copy_bytes) -> int:
-    """Words per TMA copy for rows of ``width`` uint32 words, or 0 when no multiple of 32 words divides them."""
-    best = 0
-    for chunk in range(_WORD_MULTIPLE, min(width, max_copy_bytes // 4) + 1, _WORD_MULTIPLE):
-        if width % chunk == 0:
-            best = chunk
-    return best
-
-
-def can_put(widths: Sequence[int], devices) -> bool:
-    """Whether the put kernel can move rows of these word widths between ``devices`` (all GPUs of this process)."""
-    devices = list(devices)
-    return (
-        len(devices) > 1
-        and all(d.platform == "gpu" for d in devices)
-        and jax.device_count() == jax.local_device_count()
-        and all(copy_words(int(w)) for w in widths)
-    )
-
-
-def put_rows(
+def put_rows_mosaic(
     staged,
     dst,
     row_views,
-    next_rows=None,
+    next_rows,
     *,
     axis: str,
     num_ranks: int,
     rows_per_round: int,
-    offsets: Sequence[int],
-    config: Config = Config(),
-    local: bool = False,
-    interpret=None,
+    offsets,
+    widths: tuple[int, ...],
+    chunks: tuple[int, ...],
+    config: Config,
+    local: bool,
+    interpret,
 ):
-    """Writes ``staged`` rows into the row views of the peers; call inside ``shard_map`` over ``axis``.
-
-    ``staged`` is ``[N, B]`` uint32 with ``N = (G - 1) * rows_per_round``:
-    rows ``(d - 1) * rows_per_round ...`` go to rank ``(r + d) % G``.
-    ``dst [N]`` int32 names each row's destination row in the *receiver's*
-    row views (rows at or beyond their length: padding, not written).
-    ``row_views`` are this rank's ``[num_rows, m_i]`` uint32 leaves; packed
-    row ``k`` holds leaf ``i``'s row in words ``offsets[i] : offsets[i] +
-    m_i``. ``next_rows [N']`` (optional): local rows to pack, as
-    ``pack_rows`` would, into a new ``[N', B]`` buffer by
-    ``config.pack_programs`` of the programs (the caller guarantees no peer
-    writes them in this call). ``local`` writes this rank's own rows instead
-    of the peers' (no remote refs, no semaphores: the Mosaic GPU interpreter
-    has neither), to check the copy pipeline off the GPU.
-
-    Returns ``(row views with every row the peers sent written, the next
-    staged buffer or None)``; the row views are updated in place where the
-    caller donates them.
-    """
-    row_views = list(row_views)
-    widths = tuple(int(v.shape[1]) for v in row_views)
-    if not isinstance(config, Config):
-        raise ValueError(f"config must be a _nvlink.Config, got {type(config).__name__}")
-    chunks = tuple(copy_words(w, config.max_copy_bytes) for w in widths)
-    if not all(chunks):
-        raise ValueError(f"put_rows: every row must be a multiple of {_WORD_MULTIPLE * 4} bytes, got widths {widths}")
+    """The kernel on checked inputs (``api.put_rows``): ``(row views, next staged buffer or None)``."""
     packing = next_rows is not None
     kernel = _Kernel(
         axis=axis,
