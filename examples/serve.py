@@ -361,7 +361,9 @@ def main(argv=None):
     requests = Requests(args, model)
 
     start = time.perf_counter()
-    requests.run(requests.batch(), args.seed, record=False, controller=controller)  # compiles prefill and decode; counts no load
+    requests.run(
+        requests.batch(), args.seed, record=False, controller=controller
+    )  # compiles prefill and decode; counts no load
     say(f"compiled prefill and decode in {time.perf_counter() - start:.1f} s", flush=True)
     warmup = None
     if not held:  # compiles the mover and the window readers: no rearrangement compiles mid-run
