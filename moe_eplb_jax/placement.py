@@ -38,7 +38,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from moe_eplb_jax._checks import check_int
+from moe_eplb_jax._checks import INT32_MAX, check_fits, check_int, host_memory_bytes
 from moe_eplb_jax._files import (
     array_field,
     check_document,
@@ -55,7 +55,15 @@ FILE_FORMATS = ("moe_eplb_jax", "sglang")
 _FIELDS = ("num_layers", "num_logical", "num_physical", "phy2log", "log2phy", "logcnt")
 _TABLES = ("phy2log", "log2phy", "logcnt")
 
-__all__ = ["Placement", "build_log2phy", "check_expert_ids", "FILE_FORMAT", "FILE_FORMATS", "FILE_VERSION"]
+__all__ = [
+    "Placement",
+    "build_log2phy",
+    "check_expert_ids",
+    "check_placement_size",
+    "FILE_FORMAT",
+    "FILE_FORMATS",
+    "FILE_VERSION",
+]
 
 
 _INT32 = np.iinfo(np.int32)
@@ -88,7 +96,7 @@ def build_log2phy(phy2log: np.ndarray, num_logical: int) -> tuple[np.ndarray, np
     Replicas of an expert are listed in ascending slot order; ids outside
     ``[0, num_logical)`` raise ``ValueError``.
     """
-    num_logical = check_int("num_logical", num_logical, minimum=1)
+    num_logical = check_int("num_logical", num_logical, minimum=1, maximum=INT32_MAX)
     phy2log = _as_int_table("phy2log", phy2log, 2).astype(np.int64)
     check_expert_ids(phy2log, num_logical)
     num_layers, num_physical = phy2log.shape
@@ -147,7 +155,7 @@ class Placement:
     @classmethod
     def from_phy2log(cls, phy2log, num_logical: int, *, num_ranks: int | None = None) -> Placement:
         """Builds and validates a placement from ``phy2log [L, P]`` (or ``[P]`` for one layer)."""
-        num_logical = check_int("num_logical", num_logical, minimum=1)
+        num_logical = check_int("num_logical", num_logical, minimum=1, maximum=INT32_MAX)
         table = _as_int_table("phy2log", phy2log)
         if table.ndim == 1:
             table = table[None]
@@ -369,12 +377,32 @@ class Placement:
             raise ValueError(f"{path}: {e}") from None
 
 
-def _check_sizes(num_layers, num_logical, num_physical, num_ranks) -> tuple[int, int, int]:
-    num_layers = check_int("num_layers", num_layers, minimum=1)
-    num_logical = check_int("num_logical", num_logical, minimum=1)
-    num_physical = check_int("num_physical", num_physical, minimum=1)
+def check_placement_size(num_layers, num_logical, num_physical, *, physical_name: str = "num_physical"):
+    """``(L, E, P)`` as ints if a placement of that size can exist on this host, else ``ValueError``.
+
+    Ids and counts are int32 (each size at most ``2**31 - 1``), ``P >= E``,
+    and the three tables (``log2phy [L, E, P - E + 1]`` the largest) must fit
+    the host's memory: a size check here, not an allocator's error later.
+    """
+    num_layers = check_int("num_layers", num_layers, minimum=1, maximum=INT32_MAX)
+    num_logical = check_int("num_logical", num_logical, minimum=1, maximum=INT32_MAX)
+    num_physical = check_int(physical_name, num_physical, minimum=1, maximum=INT32_MAX)
     if num_physical < num_logical:
         raise ValueError(f"fewer physical slots ({num_physical}) than logical experts ({num_logical})")
+    entries = num_layers * (num_physical + num_logical * (num_physical - num_logical + 2))
+    check_fits(
+        f"a placement of L={num_layers} layers, E={num_logical} experts and P={num_physical} slots (int32 tables "
+        f"phy2log [L, P], log2phy [L, E, P - E + 1], logcnt [L, E])",
+        4 * entries,
+        host_memory_bytes(),
+        where="this host",
+        hint="fewer redundant slots or experts",
+    )
+    return num_layers, num_logical, num_physical
+
+
+def _check_sizes(num_layers, num_logical, num_physical, num_ranks) -> tuple[int, int, int]:
+    num_layers, num_logical, num_physical = check_placement_size(num_layers, num_logical, num_physical)
     if num_ranks is not None:
         num_ranks = check_int("num_ranks", num_ranks, minimum=1)
         if num_physical % num_ranks:

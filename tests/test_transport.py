@@ -192,7 +192,12 @@ def mixed_moves(draw, max_ranks=8, max_per_rank=3):
 def check_mixed_move(case):
     """Moves a random pytree of mixed leaves to a random placement and back; bytes equal both ways."""
     rng = np.random.default_rng(case["seed"])
-    layered, num_ranks, num_experts, num_slots = case["layered"], case["num_ranks"], case["num_experts"], case["num_slots"]
+    layered, num_ranks, num_experts, num_slots = (
+        case["layered"],
+        case["num_ranks"],
+        case["num_experts"],
+        case["num_slots"],
+    )
     layers = 2 if layered else 1
     ckpt = {
         f"{i}_{dtype.name}": random_bytes(rng, dtype, (layers, num_experts) + row)

@@ -36,7 +36,7 @@ from moe_eplb_jax.config import EplbConfig
 from moe_eplb_jax.control import checkpoint
 from moe_eplb_jax.control.moves import ExpertStore, Mover, Rearrangement
 from moe_eplb_jax.control.window import LoadWindow, host_value
-from moe_eplb_jax.placement import Placement
+from moe_eplb_jax.placement import Placement, check_placement_size
 from moe_eplb_jax.policy import compute_placement
 from moe_eplb_jax.routing import equal_shares, routing_mode, stacked_routing_tables
 from moe_eplb_jax.sim.loadfile import save_load
@@ -171,7 +171,8 @@ class ControlLoop:
     ):  # fmt: skip
         self.config, self.mesh, self.axis = config, mesh, axis
         self.num_ranks = int(mesh.shape[axis])
-        self.num_layers, self.num_logical, self.num_physical = int(num_layers), int(num_logical), int(num_physical)
+        sizes = check_placement_size(num_layers, num_logical, num_physical)
+        self.num_layers, self.num_logical, self.num_physical = sizes
         self.window = LoadWindow(config, mesh, self.num_layers, self.num_physical, axis)
         self.mover = Mover(mesh, axis, self.num_logical, self.num_physical)
 

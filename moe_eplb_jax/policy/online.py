@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_eplb_jax._checks import check_int
-from moe_eplb_jax.placement import build_log2phy
+from moe_eplb_jax._checks import INT32_MAX, check_int
+from moe_eplb_jax.placement import build_log2phy, check_placement_size
 from moe_eplb_jax.policy._registry import register
 from moe_eplb_jax.policy.deepseek import check_old_phy2log, check_weight
 from moe_eplb_jax.routing.quota import plan_quotas
@@ -141,7 +141,7 @@ def online_policy(weight, num_replicas: int, num_groups: int, num_nodes: int, nu
     (:func:`keep_spare_slots`). ``weight`` is checked like every policy's
     (numbers, finite, non-negative, at least one layer and one expert).
     """
-    num_replicas = check_int("num_replicas", num_replicas, minimum=1)
+    num_replicas = check_int("num_replicas", num_replicas, minimum=1, maximum=INT32_MAX)
     check_int("num_groups", num_groups, minimum=1)
     check_int("num_nodes", num_nodes, minimum=1)
     num_gpus = check_int("num_gpus", num_gpus, minimum=1)
@@ -149,6 +149,7 @@ def online_policy(weight, num_replicas: int, num_groups: int, num_nodes: int, nu
     weight = check_weight(weight)
     num_layers, num_logical = weight.shape
     num_home, num_spare = home_layout(num_logical, num_replicas, num_gpus)
+    check_placement_size(num_layers, num_logical, num_replicas, physical_name="num_replicas")
     check_old_phy2log(old_phy2log, num_layers, num_replicas, num_logical)
     counts = _integer_counts(weight, num_home, whole_tokens=whole_tokens)
     planned = np.asarray(_planner(num_home, num_spare)(jnp.asarray(counts)))

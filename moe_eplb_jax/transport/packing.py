@@ -94,7 +94,13 @@ _ML_DTYPES = frozenset(
     )
     + tuple(getattr(jnp, n) for n in ("float8_e3m4", "float8_e4m3") if hasattr(jnp, n))
 )
-_UNSIGNED = {2: np.dtype(jnp.uint2), 4: np.dtype(jnp.uint4), 8: np.dtype(np.uint8), 16: np.dtype(np.uint16), 32: np.dtype(np.uint32)}
+_UNSIGNED = {
+    2: np.dtype(jnp.uint2),
+    4: np.dtype(jnp.uint4),
+    8: np.dtype(np.uint8),
+    16: np.dtype(np.uint16),
+    32: np.dtype(np.uint32),
+}
 _UNSIGNED[64] = np.dtype(np.uint64)
 
 

@@ -76,6 +76,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moe_eplb_jax._checks import show
 from moe_eplb_jax._kernels import pallas_default
 from moe_eplb_jax.routing._map_and_count import _alias, _tables
 from moe_eplb_jax.routing._map_and_count.config import QUOTA_PATHS, Config
@@ -332,8 +333,10 @@ def _check_num_physical(num_physical, num_logical):
         raise ValueError(f"num_physical must be a Python int, got {type(num_physical).__name__}") from None
     if num_physical < num_logical:
         raise ValueError(
-            f"num_physical ({num_physical}) must be at least the number of logical experts ({num_logical})"
+            f"num_physical ({show(num_physical)}) must be at least the number of logical experts ({num_logical})"
         )
+    if num_physical > _INT32.max:  # slot ids and counts are int32
+        raise ValueError(f"num_physical ({show(num_physical)}) must be <= 2**31 - 1 (slot ids are int32)")
     return num_physical
 
 
