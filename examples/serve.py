@@ -43,6 +43,7 @@ from _runtime import (
     eplb_fields,
     nonnegative_float,
     nonnegative_int,
+    output_file_problem,
     parse_eplb_fields,
     positive_int,
     prepare_devices,
@@ -115,13 +116,11 @@ def parse_args(argv=None):
         path = getattr(args, flag)
         if path is not None and not os.path.exists(path):
             p.error(f"--{flag.replace('_', '-')} {path}: no such file or directory")
-    for flag in ("save_placement", "dump_loads"):
+    for flag in ("save_placement", "dump_loads"):  # before the run: a bad path must not waste it
         path = getattr(args, flag)
-        name = "--" + flag.replace("_", "-")
-        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            p.error(f"{name} {path}: its directory does not exist")
-        if path and not path.endswith((".json", ".npz")):
-            p.error(f"{name} {path}: the file name must end in .json or .npz")
+        problem = path is not None and output_file_problem(path)
+        if problem:
+            p.error(f"--{flag.replace('_', '-')} {path}: {problem}")
     if args.quantize and not args.checkpoint:
         p.error("--quantize needs --checkpoint (it quantizes the loaded experts)")
     if args.capacity_factor == 0:
@@ -167,6 +166,11 @@ def model_config(parser, args):
         parser.error(f"--checkpoint: {e}")
 
 
+def _window(args) -> tuple[int, int]:
+    """The load window's ``(L, P)``: MoE layers and slots."""
+    return args.model_config.num_moe_layers, args.model_config.num_experts + args.redundant
+
+
 def _divided(args) -> dict[str, int]:
     """The sizes the EP ranks must divide."""
     return {"--batch": args.batch, "P = E + --redundant": args.model_config.num_experts + args.redundant}
@@ -188,7 +192,7 @@ def main(argv=None):
 
     ranks, mesh = rt.ranks, rt.mesh
     try:
-        eplb = build_eplb_config(args.eplb, num_gpus=ranks)
+        eplb = build_eplb_config(args.eplb, num_gpus=ranks, window=_window(args))
     except ValueError as e:
         parser.error(str(e))
     config = args.model_config

@@ -37,6 +37,7 @@ from _runtime import (
     eplb_fields,
     nonnegative_float,
     nonnegative_int,
+    output_dir_problem,
     parse_eplb_fields,
     positive_float,
     positive_int,
@@ -91,10 +92,9 @@ def parse_args(argv=None):
         p.error("--resume needs --checkpoint-dir")
     if args.resume and not os.path.isdir(args.checkpoint_dir):
         p.error(f"--checkpoint-dir {args.checkpoint_dir}: no such directory to resume from")
-    if args.checkpoint_dir and os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
-        p.error(f"--checkpoint-dir {args.checkpoint_dir} is not a directory")
-    if args.checkpoint_dir and not os.path.isdir(os.path.dirname(os.path.abspath(args.checkpoint_dir))):
-        p.error(f"--checkpoint-dir {args.checkpoint_dir}: its parent directory does not exist")
+    problem = args.checkpoint_dir and output_dir_problem(args.checkpoint_dir)
+    if problem:
+        p.error(f"--checkpoint-dir {args.checkpoint_dir}: {problem}")
     if args.capacity_factor == 0:
         args.capacity_factor = None
     return p, args
@@ -146,16 +146,19 @@ def main(argv=None):
     import orbax.checkpoint as ocp
     from flax import nnx
 
+    from moe_eplb_jax.control.checkpoint import restore_step
     from moe_eplb_jax.flax import EplbController
     from moe_eplb_jax.models import MoECausalLM, preset, skew_routers, zipf_tokens
     from moe_eplb_jax.moe import DispatchConfig
 
     ranks, mesh = rt.ranks, rt.mesh
     try:
-        eplb = build_eplb_config(args.eplb, num_gpus=ranks)
+        config = preset(args.preset)
+        eplb = build_eplb_config(
+            args.eplb, num_gpus=ranks, window=(config.num_moe_layers, config.num_experts + args.redundant)
+        )
     except ValueError as e:
         parser.error(str(e))
-    config = preset(args.preset)
     model = MoECausalLM(
         config,
         mesh=mesh,
@@ -180,18 +183,11 @@ def main(argv=None):
         folder = os.path.abspath(args.checkpoint_dir)
         manager = ocp.CheckpointManager(folder, options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
         if args.resume:
-            start = manager.latest_step() or 0
-            if not start:
-                parser.error(f"--resume: {args.checkpoint_dir} holds no checkpoint")
-            abstract = {
-                name: ocp.args.StandardRestore(jax.tree.map(ocp.utils.to_shape_dtype_struct, state))
-                for name, state in (("model", nnx.state(model)), ("optimizer", nnx.state(optimizer)))
-            }
-            # No target for the EPLB item: it comes back as saved and restore_item checks every field.
+            # The EPLB item comes back as saved and restore_item checks every field.
             try:
-                restored = manager.restore(start, args=ocp.args.Composite(**abstract, eplb=ocp.args.StandardRestore()))
+                start, restored = restore_step(manager, {"model": nnx.state(model), "optimizer": nnx.state(optimizer)})
                 controller.restore_item(restored["eplb"])  # nothing changes unless every field passes
-            except ValueError as e:  # a checkpoint of another model shape or EPLB config, or a damaged one
+            except ValueError as e:  # none saved, a damaged step, another model shape or EPLB config
                 parser.error(f"--resume: {e}")
             nnx.update(model, restored["model"])
             nnx.update(optimizer, restored["optimizer"])

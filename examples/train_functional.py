@@ -73,12 +73,12 @@ def eplb_settings(text: str | None, *, redundant: int | None) -> dict:
     )
 
 
-def eplb_config(text: str | None, *, redundant: int | None, ranks: int):
+def eplb_config(text: str | None, *, redundant: int | None, ranks: int, window: tuple[int, int] | None = None):
     """The run's ``EplbConfig`` for ``ranks`` EP ranks; ``redundant`` (``--redundant``; ``None``: not given) wins.
 
-    ``ValueError`` naming the flag or field.
+    ``window``: ``(L, P)``, checked to fit one device. ``ValueError`` naming the flag or field.
     """
-    return build_eplb_config(eplb_settings(text, redundant=redundant), num_gpus=ranks)
+    return build_eplb_config(eplb_settings(text, redundant=redundant), num_gpus=ranks, window=window)
 
 
 def train(args, rt, *, log=print):
@@ -155,7 +155,8 @@ def main(argv=None):
     import jax
 
     try:
-        eplb_config(args.eplb_config, redundant=args.redundant, ranks=rt.ranks)  # the EP size is known now
+        window = (args.layers, args.experts + args.redundant)
+        eplb_config(args.eplb_config, redundant=args.redundant, ranks=rt.ranks, window=window)  # devices are up now
     except ValueError as e:
         parser.error(str(e))
     check_divides(parser, rt.ranks, {"--batch": args.batch, "P = E + --redundant": args.experts + args.redundant})

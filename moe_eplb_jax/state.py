@@ -41,6 +41,7 @@ from moe_eplb_jax.config import EplbConfig
 
 __all__ = [
     "EplbState",
+    "check_window_size",
     "checked_counts",
     "end_step",
     "init_state",
@@ -113,14 +114,7 @@ def init_state(config: EplbConfig, num_layers: int, num_physical: int, *, per_ra
     num_physical = check_int("num_physical", num_physical, minimum=1, maximum=INT32_MAX)
     if not isinstance(per_rank, (bool, np.bool_)):
         raise ValueError(f"per_rank must be True or False, got {show(per_rank)}")
-    check_fits(
-        f"a load window of EplbConfig.window_size={config.window_size} steps x {num_layers} layers x "
-        f"{num_physical} slots (int32)",
-        4 * config.window_size * num_layers * num_physical,
-        device_memory_bytes(),
-        where="one device",
-        hint="lower EplbConfig.window_size",
-    )
+    check_window_size(config, num_layers, num_physical)
     if num_physical % config.num_gpus:
         raise ValueError(f"{num_physical} slots are not divisible by num_gpus={config.num_gpus}")
     zero = jnp.zeros((), jnp.int32)
@@ -133,6 +127,22 @@ def init_state(config: EplbConfig, num_layers: int, num_physical: int, *, per_ra
         step=zero,
         total_steps=zero,
         num_rearrangements=zero,
+    )
+
+
+def check_window_size(config: EplbConfig, num_layers: int, num_physical: int) -> None:
+    """``ValueError`` naming ``EplbConfig.window_size`` when one device cannot hold the window's ``[W, L, P]`` rows.
+
+    Every reader of the window (and a checkpoint) builds the rows summed over
+    the ranks on one device, so that is the bound in either layout.
+    """
+    check_fits(
+        f"a load window of EplbConfig.window_size={config.window_size} steps x {num_layers} layers x "
+        f"{num_physical} slots (int32)",
+        4 * config.window_size * num_layers * num_physical,
+        device_memory_bytes(),
+        where="one device",
+        hint="lower EplbConfig.window_size",
     )
 
 

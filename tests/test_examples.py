@@ -121,6 +121,53 @@ def test_placement_demo_runs_with_a_config_file(capsys, tmp_path):
         assert 0 < before < after <= 1
 
 
+def _one_line_exit_2(capsys, call, message):
+    with pytest.raises(SystemExit) as e:
+        call()
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert ": error: " in err[-1] and re.search(message, err[-1]), err
+    assert not any("Traceback" in line for line in err)
+
+
+def test_output_paths_and_config_files_are_checked_before_the_run(capsys, tmp_path):
+    """Output paths a run could not write failed with a traceback after the run; a config file that is not UTF-8
+    text did not name the flag, a FIFO blocked."""
+    (tmp_path / "loads.npz").mkdir()
+    latin = tmp_path / "eplb.json"
+    latin.write_bytes('{"policy": "défaut"}'.encode("latin-1"))
+    os.mkfifo(tmp_path / "fifo.json")
+    for script, argv, message in (
+        (serve, ["--dump-loads", str(tmp_path / "loads.npz")], r"--dump-loads .*loads\.npz: it is a directory"),
+        (serve, ["--save-placement", "/proc/p.json"], r"--save-placement /proc/p\.json: cannot write in /proc"),
+        (serve, ["--dump-loads", "/sys/loads.npz"], r"--dump-loads /sys/loads\.npz: cannot write in /sys"),
+        (serve, ["--eplb-config", str(latin)], r"--eplb-config .*eplb\.json: not UTF-8 text"),
+        (train, ["--eplb-config", str(tmp_path / "fifo.json")], "--eplb-config .*fifo.json: not a regular file"),
+        (serve, ["--eplb-config", '{"window_size": 1e30}'], "EplbConfig.window_size must be a positive integer"),
+        (serve, ["--eplb-config", '{"window_size": ' + "9" * 30 + "}"], "window_size must be a positive integer up to"),
+        (train, ["--checkpoint-dir", "/proc/ckpt"], "--checkpoint-dir /proc/ckpt: cannot write in /proc"),
+        (train, ["--checkpoint-dir", str(latin)], "--checkpoint-dir .*: it is not a directory"),
+    ):
+        _one_line_exit_2(capsys, lambda: _parse(script, argv), message)
+
+
+@pytest.mark.usefixtures("keep_environment")
+def test_a_window_one_device_cannot_hold_exits_2_before_the_model_is_built(capsys):
+    big = '{"window_size": 2147483647}'
+    for script in (serve, train, train_functional):
+        _one_line_exit_2(capsys, lambda: script.main(["--eplb-config", big]), "EplbConfig.window_size")
+
+
+@pytest.mark.usefixtures("keep_environment")
+def test_train_resume_from_a_damaged_checkpoint_exits_2_with_one_line(capsys, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "3").mkdir(parents=True)
+    (ckpt / "3" / "_CHECKPOINT_METADATA").write_text("garbage")
+    argv = ["--batch", "8", "--seq", "8", "--checkpoint-dir", str(ckpt), "--resume"]
+    _one_line_exit_2(capsys, lambda: train.main(argv), r"--resume: .*ckpt: step 3 cannot be restored \(KeyError")
+    _one_line_exit_2(capsys, lambda: train.main([*argv[:-2], str(tmp_path), "--resume"]), "holds no checkpoint")
+
+
 @pytest.fixture
 def keep_environment(monkeypatch):
     """The scripts set JAX's device flags in os.environ (no effect once JAX runs): undo that afterwards."""

@@ -61,7 +61,7 @@ def test_crash_mid_write_keeps_the_previous_file(tmp_path, monkeypatch, suffix):
         raise OSError(5, "injected crash")
 
     monkeypatch.setattr(os, "fsync", crash)
-    with pytest.raises(OSError, match="injected crash"):
+    with pytest.raises(ValueError, match=r"p\.(json|npz): cannot write the placement file \(injected crash\)"):
         new.save(path)
     monkeypatch.undo()
     assert path.read_bytes() == before and Placement.load(path) == old
@@ -147,6 +147,28 @@ def test_unwritable_output_paths_raise_value_error(tmp_path):
             with pytest.raises(ValueError, match=match):
                 write(tmp_path / target)
     assert sorted(os.listdir(tmp_path)) == ["dir.json", "dir.npz"]
+
+
+@pytest.mark.parametrize("kind", ["placement", "sglang", "load"])
+def test_special_and_missing_output_paths_raise_value_errors_naming_them(kind):
+    """/proc and /sys take no new file even for root (raw OSError before); None raised TypeError."""
+    write = {
+        "placement": lambda path: _placement().save(path),
+        "sglang": lambda path: _placement().save(path, format="sglang"),
+        "load": lambda path: save_load(path, np.ones((2, 4))),
+    }[kind]
+    what = {"placement": "placement", "sglang": "SGLang placement", "load": "load"}[kind]
+    for path, match in (
+        ("/proc/p.json", f"/proc/p.json: cannot write the {what} file in '/proc'"),
+        ("/sys/p.json", f"/sys/p.json: cannot write the {what} file in '/sys'"),
+        (None, f"{what} file: need a path, got None"),
+        (3, f"{what} file: need a path, got 3"),
+        ("", f"{what} file: need a non-empty path"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            write(path)
+    with pytest.raises(ValueError, match="cannot write the plot file in '/proc'"):
+        files.check_output_path("/proc/plot.png", what="plot")
 
 
 def test_output_path_naming_a_device_is_refused(tmp_path):

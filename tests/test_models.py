@@ -1,6 +1,11 @@
 """The MoE decoder: config checks, the two router styles, the forward pass against a numpy oracle, checkpoints."""
 
+import contextlib
 import dataclasses
+import os
+import stat
+import subprocess
+import sys
 
 import _models_reference as reference
 import jax
@@ -16,6 +21,7 @@ from moe_eplb_jax.models import (
     ModelConfig,
     MoECausalLM,
     checkpoint_shapes,
+    config_from_hf,
     export_checkpoint,
     load_checkpoint,
     preset,
@@ -294,6 +300,69 @@ def test_bad_checkpoints_raise_naming_the_tensor_and_change_nothing(tmp_path, rn
         export_checkpoint(model, tmp_path / "model.bin")
     with pytest.raises(ValueError, match="does not exist"):
         export_checkpoint(model, tmp_path / "nowhere" / "model.safetensors")
+
+
+_RELEASE = """
+import os, sys, time
+time.sleep(float(sys.argv[1]))
+for fifo in sys.argv[2:]:
+    try:
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:  # ENXIO: nobody is reading it
+        pass
+"""
+
+
+@contextlib.contextmanager
+def _unblocked_after(seconds, fifos):
+    """A reader blocked on one of ``fifos`` gets an empty file after ``seconds`` (from another process: a reader
+    blocked in native code holds the GIL), so the test fails on the message instead of hanging the suite."""
+    watchdog = subprocess.Popen([sys.executable, "-c", _RELEASE, str(seconds), *map(str, fifos)])
+    try:
+        yield
+    finally:
+        watchdog.kill()
+        watchdog.wait()
+
+
+@needs_safetensors
+def test_checkpoint_files_and_paths_are_value_errors_that_never_hang(tmp_path, rng):
+    """A FIFO among the shards or as config.json used to block forever; an existing directory as the export path
+    raised IsADirectoryError; /proc and /sys raised raw OS errors; export wrote mode 0600."""
+    config = SOFTMAX
+    model = _model(config)
+    tensors = reference.random_tensors(config, rng)
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    safetensors_numpy.save_file(tensors, str(shards / "a.safetensors"))
+    os.mkfifo(shards / "b.safetensors")
+    os.mkfifo(tmp_path / "fifo.safetensors")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    os.mkfifo(hf / "config.json")
+    with _unblocked_after(10, [shards / "b.safetensors", tmp_path / "fifo.safetensors", hf / "config.json"]):
+        with pytest.raises(ValueError, match=r"b\.safetensors: cannot read the checkpoint file, it is not a regular"):
+            load_checkpoint(model, shards)
+        with pytest.raises(ValueError, match=r"fifo\.safetensors: cannot read the checkpoint file, it is not a"):
+            load_checkpoint(model, tmp_path / "fifo.safetensors")
+        with pytest.raises(ValueError, match=r"config\.json: cannot read the config\.json file, it is not a regular"):
+            config_from_hf(hf)
+    (tmp_path / "dir.safetensors").mkdir()
+    for path, match in (
+        (tmp_path / "dir.safetensors", "dir.safetensors: cannot write the checkpoint file, the path names a directory"),
+        ("/proc/model.safetensors", "/proc/model.safetensors: cannot write the checkpoint file in '/proc'"),
+        ("/sys/model.safetensors", "/sys/model.safetensors: cannot write the checkpoint file in '/sys'"),
+        (None, "checkpoint file: need a path, got None"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            export_checkpoint(model, path)
+    umask = os.umask(0o022)
+    try:
+        export_checkpoint(model, tmp_path / "out.safetensors")
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE(os.stat(tmp_path / "out.safetensors").st_mode) == 0o644
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary file left
 
 
 def test_checkpoint_shapes_cover_the_model(rng):

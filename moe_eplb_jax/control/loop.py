@@ -32,6 +32,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from moe_eplb_jax import metrics
+from moe_eplb_jax._files import check_output_path
 from moe_eplb_jax.config import EplbConfig
 from moe_eplb_jax.control import checkpoint
 from moe_eplb_jax.control.moves import ExpertStore, Mover, Rearrangement
@@ -354,6 +355,7 @@ class ControlLoop:
     def dump_loads(self, state: EplbState, recorded_under: Placement, path: str | os.PathLike) -> None:
         """Writes the window's per-step logical loads ``[steps, L, E]`` (through the placement they were recorded
         under) as a load file ``moe-eplb fit`` reads."""
+        check_output_path(path, what="load", suffixes=(".json", ".npz"))  # before reading the window
         rows = self.window.logical_rows(state, recorded_under.phy2log, self.num_logical)
         if not len(rows):
             raise ValueError("the load window is empty: record at least one step before dump_loads")

@@ -37,13 +37,13 @@ import dataclasses
 import json
 import os
 import re
-import tempfile
 from typing import Any, cast
 
 import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as PS
 
+from moe_eplb_jax._files import atomic_path, check_output_path
 from moe_eplb_jax.models import safetensors_io as io
 from moe_eplb_jax.models.config import ModelConfig
 from moe_eplb_jax.models.model import MoECausalLM
@@ -475,12 +475,7 @@ def export_checkpoint(model: MoECausalLM, path) -> None:
     """
     if not isinstance(model, MoECausalLM):
         raise ValueError(f"model must be a MoECausalLM, got {type(model).__name__}")
-    path = os.fspath(path)
-    if not path.endswith(".safetensors"):
-        raise ValueError(f"checkpoint path must end in .safetensors, got {path!r}")
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise ValueError(f"{path}: directory {folder} does not exist")
+    path = check_output_path(path, what="checkpoint", suffixes=(".safetensors",))
     formats = {str(layer.quant_format) for layer in model.moe_layers} - {"None", "fp8_block"}
     if formats:
         raise ValueError(
@@ -488,14 +483,8 @@ def export_checkpoint(model: MoECausalLM, path) -> None:
             "float (or fp8_block) model"
         )
     tensors = _export_tensors(model)
-    handle, temporary = tempfile.mkstemp(dir=folder, suffix=".safetensors.tmp")
-    os.close(handle)
-    try:
+    with atomic_path(path, what="checkpoint") as temporary:
         io.save(tensors, temporary, metadata={"format": "pt", "moe_eplb_jax.config": _config_json(model.config)})
-        os.replace(temporary, path)
-    finally:
-        if os.path.exists(temporary):
-            os.remove(temporary)
 
 
 def _config_json(config: ModelConfig) -> str:

@@ -24,7 +24,14 @@ import os
 
 import numpy as np
 
-from moe_eplb_jax._files import array_field, check_document, int_field, read_fields, write_document
+from moe_eplb_jax._files import (
+    array_field,
+    check_document,
+    check_output_path,
+    int_field,
+    read_fields,
+    write_document,
+)
 
 __all__ = ["LoadTrace", "save_load", "read_load", "LOAD_FORMAT", "LOAD_VERSION"]
 
@@ -108,7 +115,7 @@ def save_load(path, load, **meta) -> None:
 
     The write is atomic: a unique temporary file renamed over ``path``.
     """
-    path = os.fspath(path)
+    path = check_output_path(path, what="load", suffixes=(".json", ".npz"))
     meta = _check_meta({k: v for k, v in meta.items() if v is not None}, path)
     _check_load(load, path)
     fields = {"format": LOAD_FORMAT, "version": LOAD_VERSION, "load": np.asarray(load)}
