@@ -272,7 +272,9 @@ def _read_placement(path, trace, num_ranks):
     from moe_eplb_jax.placement import Placement
 
     # An SGLang file does not store E: the load file's E is the one it must serve.
-    placement = Placement.load(path, num_ranks=num_ranks, num_logical=trace.num_logical)
+    placement = Placement.load(
+        path, num_ranks=num_ranks, num_logical=trace.num_logical, layer_ids=trace.meta.get("layer_ids")
+    )
     if placement.num_layers != trace.num_layers:
         raise ValueError(
             f"{path}: placement is for L={placement.num_layers} layers; the load file has L={trace.num_layers}"
@@ -429,7 +431,8 @@ def _run(args) -> int:
         return 0
     if args.command == "fit":
         placement = _fit(trace, args.num_ranks, args.num_physical, args.policy, args.num_groups, args.num_nodes)
-        placement.save(args.output, format=args.format)
+        rows = {k: trace.meta[k] for k in ("layer_ids", "num_hidden_layers") if k in trace.meta}
+        placement.save(args.output, format=args.format, **(rows if args.format == "sglang" else {}))
         print(_stats_table(trace.total(), args.num_ranks, placement.phy2log))
         print(f"wrote {args.output} ({args.policy}, {args.format} format, P={args.num_physical}, EP{args.num_ranks})")
         return 0

@@ -16,7 +16,7 @@ from moe_eplb_jax import policy as _policy
 from moe_eplb_jax._checks import INT32_MAX, check_int, show
 from moe_eplb_jax.routing import MODES, routing_mode
 
-__all__ = ["EplbConfig"]
+__all__ = ["EPLB_COMMUNICATORS", "EplbConfig"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,13 +147,20 @@ class EplbConfig:
     def from_dict(cls, fields: Mapping[str, Any]) -> EplbConfig:
         """A config from a mapping of field names: this class's, or vLLM's ``EPLBConfig`` names.
 
-        vLLM's ``window_size``, ``step_interval``, ``num_redundant_experts`` and
+        Every field of vLLM's ``EPLBConfig`` is read, with vLLM's defaults:
+        ``window_size``, ``step_interval``, ``num_redundant_experts`` and
         ``policy`` are ours too (``"default"`` is this library's default
         policy, ``"balanced"``); ``log_balancedness`` (bool) with
-        ``log_balancedness_interval`` becomes ``log_interval``, ``use_async``
-        (bool) becomes ``overlap="layer"``. Unknown keys, a field given under
-        two names and values of the wrong type (``true`` for an int, ``16.7``
-        for an int, ``"no"`` for a bool) raise ``ValueError`` naming the key.
+        ``log_balancedness_interval`` becomes ``log_interval``; ``use_async``
+        (bool; vLLM's default ``true`` where neither it nor ``overlap`` is
+        given) becomes ``overlap="layer"`` (one layer moved per step, the
+        layers switching as their bytes arrive) or ``None``; ``communicator``
+        (vLLM's weight-transfer backend: one of ``EPLB_COMMUNICATORS`` or
+        ``null``) is checked and not kept: the transport picks its own (a GPU
+        kernel or ``ppermute``, ``moe_eplb_jax.transport``). Unknown keys, a
+        field given under two names and values of the wrong type (``true`` for
+        an int, ``16.7`` for an int, ``"no"`` for a bool) raise ``ValueError``
+        naming the key.
         """
         if not isinstance(fields, Mapping):
             raise ValueError(f"EplbConfig fields must be a mapping, got {type(fields).__name__}")
@@ -164,6 +171,11 @@ class EplbConfig:
         for key, kind in _VLLM_FIELDS.items():
             if key in fields and kind is bool and not isinstance(fields[key], bool):
                 raise ValueError(f"EplbConfig: field {key!r} must be true or false, got {show(fields[key])}")
+        if fields.get("communicator") is not None and fields["communicator"] not in EPLB_COMMUNICATORS:
+            raise ValueError(
+                f"EplbConfig: field 'communicator' must be null or one of vLLM's {list(EPLB_COMMUNICATORS)}, got "
+                f"{show(fields['communicator'])}"
+            )
         out = {k: v for k, v in fields.items() if k in _FIELD_NAMES}
         if "log_balancedness" in fields or "log_balancedness_interval" in fields:
             if "log_interval" in fields:
@@ -171,10 +183,10 @@ class EplbConfig:
             interval = fields.get("log_balancedness_interval", 1)
             _check_int("log_balancedness_interval", interval, minimum=1)
             out["log_interval"] = interval if fields.get("log_balancedness", False) else None
-        if "use_async" in fields:
-            if "overlap" in fields:
-                raise ValueError("EplbConfig: give overlap or vLLM's use_async, not both")
-            out["overlap"] = "layer" if fields["use_async"] else None
+        if "use_async" in fields and "overlap" in fields:
+            raise ValueError("EplbConfig: give overlap or vLLM's use_async, not both")
+        if "overlap" not in fields:
+            out["overlap"] = "layer" if fields.get("use_async", _VLLM_USE_ASYNC) else None
         if out.get("policy") == "default":
             out["policy"] = cls.policy
         return cls(**out)
@@ -204,7 +216,9 @@ class EplbConfig:
 
 _FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(EplbConfig))
 # vLLM's EPLBConfig fields without a twin here, and their types (mapped onto our fields by from_dict).
-_VLLM_FIELDS = {"log_balancedness": bool, "log_balancedness_interval": int, "use_async": bool}
+_VLLM_FIELDS = {"log_balancedness": bool, "log_balancedness_interval": int, "use_async": bool, "communicator": str}
+_VLLM_USE_ASYNC = True  # vLLM's default
+EPLB_COMMUNICATORS = ("torch_nccl", "torch_gloo", "nixl", "pynccl")  # vLLM's weight-transfer backends
 
 
 def _check_int(name: str, value, *, minimum: int, maximum: int = INT32_MAX, none: str = "") -> None:

@@ -174,6 +174,29 @@ def test_config_from_vllm_json_and_back():
     assert EplbConfig(overlap=1 << 20).overlap == 1 << 20
 
 
+def test_config_reads_every_field_of_vllms_eplb_config_with_its_defaults():
+    """vLLM's communicator was refused as unknown; a vLLM config without use_async is async in vLLM (its default)."""
+    from moe_eplb_jax.config import EPLB_COMMUNICATORS
+
+    assert EPLB_COMMUNICATORS == ("torch_nccl", "torch_gloo", "nixl", "pynccl")
+    for name in (*EPLB_COMMUNICATORS, None):
+        assert EplbConfig.from_dict({"communicator": name, "use_async": False}) == EplbConfig()
+    with pytest.raises(ValueError, match="field 'communicator' must be null or one of vLLM's"):
+        EplbConfig.from_json('{"communicator": "mpi"}')
+    with pytest.raises(ValueError, match="field 'communicator' must be null"):
+        EplbConfig.from_json('{"communicator": 3}')
+    assert EplbConfig.from_json('{"window_size": 100}').overlap == "layer"  # vLLM's use_async defaults to true
+    assert EplbConfig.from_json('{"use_async": false}').overlap is None
+    assert EplbConfig.from_json('{"overlap": null}').overlap is None and EplbConfig().overlap is None
+    vllm_defaults = EplbConfig.from_json("{}")
+    assert (vllm_defaults.window_size, vllm_defaults.step_interval, vllm_defaults.num_redundant_experts) == (
+        1000,
+        3000,
+        0,
+    )
+    assert vllm_defaults.log_interval is None and vllm_defaults.overlap == "layer"
+
+
 @pytest.mark.parametrize(
     "text, match",
     [

@@ -154,6 +154,9 @@ def from_item(item, *, config: EplbConfig, num_layers: int, num_logical: int, nu
         shares = equal_shares(placement.logcnt, width)
     else:
         shares = _shares(item["replica_shares"], placement, (num_layers, num_logical, width))
+        # The placement lists replicas in slot order; shares follow the order the item listed them in.
+        listed = np.where(fields["log2phy"] < 0, np.iinfo(np.int64).max, fields["log2phy"].astype(np.int64))
+        shares = np.take_along_axis(shares, np.argsort(listed, axis=-1, kind="stable"), axis=-1)
     for name in ("pass_load", "window"):
         if np.any(fields[name] < 0):
             raise ValueError(f"EPLB checkpoint field {name!r} holds negative loads")

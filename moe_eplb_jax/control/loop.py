@@ -352,14 +352,14 @@ class ControlLoop:
         """``[L, P]`` host float64 tokens per slot over the window and the EP ranks (summed in float32)."""
         return np.asarray(host_value(self.window.slot_load(state)), np.float64)
 
-    def dump_loads(self, state: EplbState, recorded_under: Placement, path: str | os.PathLike) -> None:
+    def dump_loads(self, state: EplbState, recorded_under: Placement, path: str | os.PathLike, **meta) -> None:
         """Writes the window's per-step logical loads ``[steps, L, E]`` (through the placement they were recorded
-        under) as a load file ``moe-eplb fit`` reads."""
+        under) as a load file ``moe-eplb fit`` reads; ``meta``: more of its metadata (``layer_ids``, ...)."""
         check_output_path(path, what="load", suffixes=(".json", ".npz"))  # before reading the window
         rows = self.window.logical_rows(state, recorded_under.phy2log, self.num_logical)
         if not len(rows):
             raise ValueError("the load window is empty: record at least one step before dump_loads")
-        save_load(path, rows, num_ranks=self.num_ranks)
+        save_load(path, rows, num_ranks=self.num_ranks, **meta)
 
     def item(self, state: EplbState, placement: Placement, shares=None, *, drop_layers=()) -> dict[str, np.ndarray]:
         """The Orbax item of the window ``state`` on ``placement`` with ``shares`` (``None``: equal shares); the

@@ -27,7 +27,10 @@ matmul), so export writes them back bit for bit.
 they are quantized on load); each variable remembers the dtype its tensors
 had (variable metadata ``checkpoint_dtype``), and export writes every tensor
 in that dtype -- a bf16 checkpoint loaded into a float32 model exports as
-the same bf16 bytes. A weight the model made itself is written as it holds it.
+the same bf16 bytes. A weight the model made itself is written in the model's
+dtype (``config.dtype``: a bf16 model's router as bf16, as Qwen3-MoE and
+DeepSeek-V3 store it), except DeepSeek's ``e_score_correction_bias``, which
+their checkpoints keep in float32.
 Multi-token-prediction blocks (``config.mtp_layers``) are skipped.
 """
 
@@ -498,10 +501,9 @@ def _host(var) -> np.ndarray:
     return np.asarray(value)
 
 
-def _as_loaded(var, value: np.ndarray) -> np.ndarray:
-    """``value`` in the dtype ``var``'s tensors had in the checkpoint it was loaded from (else as it is)."""
-    dtype = var.get_metadata().get("checkpoint_dtype")
-    return value if dtype is None else value.astype(dtype)
+def _as_loaded(var, value: np.ndarray, made_as) -> np.ndarray:
+    """``value`` in the dtype ``var``'s tensors had in the checkpoint it was loaded from, else ``made_as``."""
+    return value.astype(var.get_metadata().get("checkpoint_dtype") or made_as)
 
 
 def _fp8_tensors(name: str, weight, scale) -> dict[str, np.ndarray]:
@@ -517,15 +519,17 @@ def _export_tensors(model: MoECausalLM) -> dict[str, np.ndarray]:
             value = var.get_value()
             out.update(_fp8_tensors(name, value.weight, value.scale_inv))
         else:
-            out[name] = _as_loaded(var, _host(var).T if linear else _host(var))
+            out[name] = _as_loaded(var, _host(var).T if linear else _host(var), config.jnp_dtype)
     for i, mlp in zip(config.moe_blocks, model.moe_layers):
         pre = f"model.layers.{i}.mlp."
         bias = _host(mlp.router_bias)
         if config.scoring == "sigmoid" or np.any(bias != 0):
-            out[router_bias_name(config, i)] = _as_loaded(mlp.router_bias, bias)
+            # DeepSeek's checkpoints keep the score-correction bias in float32; a gate bias has the model's dtype.
+            made_as = np.float32 if config.scoring == "sigmoid" else config.jnp_dtype
+            out[router_bias_name(config, i)] = _as_loaded(mlp.router_bias, bias, made_as)
         out.update(_export_experts(mlp, pre, config))
         if mlp.shared_in is not None and mlp.shared_out is not None:
-            out.update(_export_shared(mlp, pre + "shared_experts.", config.shared_hidden))
+            out.update(_export_shared(mlp, pre + "shared_experts.", config.shared_hidden, config.jnp_dtype))
     return {name: np.ascontiguousarray(value) for name, value in out.items()}
 
 
@@ -540,8 +544,8 @@ def _export_experts(mlp, pre: str, config: ModelConfig) -> dict[str, np.ndarray]
                 out.update(_fp8_tensors(f"{pre}experts.{j}.{n}_proj.weight", weight[j], scale[j]))
         return out
     hidden = config.moe_hidden
-    w_in = _as_loaded(mlp.w_in, _host(mlp.w_in)[first])
-    w_out = _as_loaded(mlp.w_out, _host(mlp.w_out)[first])
+    w_in = _as_loaded(mlp.w_in, _host(mlp.w_in)[first], config.jnp_dtype)
+    w_out = _as_loaded(mlp.w_out, _host(mlp.w_out)[first], config.jnp_dtype)
     for j in range(config.num_experts):
         e = f"{pre}experts.{j}."
         out[e + "gate_proj.weight"] = w_in[j, :, :hidden].T
@@ -550,16 +554,16 @@ def _export_experts(mlp, pre: str, config: ModelConfig) -> dict[str, np.ndarray]
     return out
 
 
-def _export_shared(mlp, pre: str, hidden: int) -> dict[str, np.ndarray]:
+def _export_shared(mlp, pre: str, hidden: int, dtype) -> dict[str, np.ndarray]:
     if isinstance(mlp.shared_in, QuantizedWeight):
         q_in, q_out = mlp.shared_in.get_value(), mlp.shared_out.get_value()
         out = _fp8_tensors(pre + "gate_proj.weight", q_in.weight[0], q_in.weight_scale[0])
         out.update(_fp8_tensors(pre + "up_proj.weight", q_in.weight[1], q_in.weight_scale[1]))
         out.update(_fp8_tensors(pre + "down_proj.weight", q_out.weight[0], q_out.weight_scale[0]))
         return out
-    s_in = _as_loaded(mlp.shared_in, _host(mlp.shared_in))
+    s_in = _as_loaded(mlp.shared_in, _host(mlp.shared_in), dtype)
     return {
         pre + "gate_proj.weight": s_in[:, :hidden].T,
         pre + "up_proj.weight": s_in[:, hidden:].T,
-        pre + "down_proj.weight": _as_loaded(mlp.shared_out, _host(mlp.shared_out)).T,
+        pre + "down_proj.weight": _as_loaded(mlp.shared_out, _host(mlp.shared_out), dtype).T,
     }
