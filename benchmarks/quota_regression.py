@@ -46,11 +46,8 @@ SNAPSHOTS = os.path.join(ROOT, ".snapshots")
 SNAPSHOT_COMMITS = {"9d81a6f": "9d81a6f", "merged": "6166fd6"}
 VERSIONS = ("current", "9d81a6f", "merged", "eager_hash")  # "current" first: its reference checks the others
 # eager_hash: the line of _triton.py it replaces, and with what.
-LAZY_HASH = "            by_hash = lambda: (hashed % count.astype(jnp.uint32)).astype(jnp.int32)\n"
-EAGER_HASH = (
-    "            by_hash_value = (hashed % count.astype(jnp.uint32)).astype(jnp.int32)\n"
-    "            by_hash = lambda: by_hash_value\n"
-)
+LAZY_HASH = "            by_hash = lambda: hash_replica(hashed, count)\n"
+EAGER_HASH = "            by_hash_value = hash_replica(hashed, count)\n            by_hash = lambda: by_hash_value\n"
 TOP_K = 8
 PADDING = 3  # trailing tokens past num_valid_tokens
 LARGE = {"experts": 256, "tokens": (65536, 262144), "physical": (288, 512), "reps": 8, "calls": 10}

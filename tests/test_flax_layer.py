@@ -200,7 +200,8 @@ def test_pallas_path_is_placement_invariant(rng):
         )
         outs.append(np.asarray(out))
     assert np.array_equal(outs[0], outs[1])
-    np.testing.assert_allclose(outs[0], outs[2], rtol=1e-5, atol=1e-5)
+    # Two matmuls sum in their own orders: float32 rounding of outputs up to ~40 in magnitude.
+    np.testing.assert_allclose(outs[0], outs[2], rtol=1e-5, atol=1e-5 * np.abs(outs[2]).max())
 
 
 def test_module_keeps_the_kernel_lookup_with_its_placement(rng):

@@ -324,10 +324,11 @@ class ControlLoop:
     # ------------------------------------------------------------------ warmup
     def warmup(
         self, store: ExpertStore, state: EplbState, current: Placement, load=None,
-        switch: Callable[[Placement, Mapping[str, np.ndarray]], Any] | None = None,
+        switch: Callable[[Placement, Mapping[str, np.ndarray]], Any] | None = None, loads=None,
     ) -> dict[str, Any]:  # fmt: skip
         """Compiles what a rearrangement runs -- the mover, the window readers, the tables' solve and ``switch``
-        (the adapter's table update, called with the first target and its tables) -- moving nothing.
+        (the adapter's table update, called with the first target and its tables) -- moving nothing; with
+        ``loads`` (a step's, as :meth:`close` takes them) the step's window update too, on a fresh window.
 
         Plans the moves to the policy's placements for ``load`` (``[L, E]``;
         default: four :func:`rehearsal_load` s), pads every later plan to
@@ -345,6 +346,8 @@ class ControlLoop:
         solved = self.tables_for(targets[0], rehearsed)  # a skewed load, so "lp" solves
         if switch is not None:
             switch(targets[0], solved)
+        if loads is not None:  # a fresh window is donated, never the run's
+            jax.block_until_ready(self.window.close(self.window.fresh(), loads, self.window.dummy(False)))
         return {"seconds": time.perf_counter() - start, **info}
 
     # ------------------------------------------------------ reads, files, items

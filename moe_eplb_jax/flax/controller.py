@@ -228,13 +228,15 @@ class EplbController:
         without keeping their results (one layer's memory at a time), reads
         the window, and hands every layer its current tables again. A later
         plan that needs more capacity, or an executor variant none of these
-        needed (a longer chain of moves), still compiles once. Call it on
+        needed (a longer chain of moves), still compiles once. It compiles the
+        step's window update too, and every routing mode's table update (the
+        ``"lp"`` shares' solve and the layers' lookup tables). Call it on
         every process before the run. Returns ``seconds``, the mover's
         ``send_capacity`` and the number of ``moves`` rehearsed.
         """
         current, tables = self.placement, self.routing_tables
         switch = lambda *_: self._loop.install(self._store, current, tables)
-        return self._loop.warmup(self._store, self._run.state, current, load, switch)
+        return self._loop.warmup(self._store, self._run.state, current, load, switch, loads=self._zero_loads)
 
     # -------------------------------------------------------- files and state
     def save_placement(self, path, *, format: str = "moe_eplb_jax") -> None:

@@ -68,8 +68,8 @@ MODES: types.MappingProxyType[str, RoutingMode] = types.MappingProxyType(
     {
         mode.name: mode
         for mode in (
-            RoutingMode(name="hash", kernel="hash", summary="replica h(t) mod c of the token hash; stateless"),
-            RoutingMode(name="round_robin", kernel="round_robin", summary="replica t mod c of the token index"),
+            RoutingMode(name="hash", kernel="hash", summary="replica from the high bits of the token hash; stateless"),
+            RoutingMode(name="round_robin", kernel="round_robin", summary="replica u mod c of the token position"),
             RoutingMode(
                 name="lp",
                 kernel="lp",
