@@ -15,7 +15,7 @@ size. Both raise ``ValueError`` naming the flag or field, for ``parser.error``.
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import math
 import os
 import stat
@@ -23,7 +23,13 @@ import tempfile
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The module docstring as written, and every flag's default in its help."""
+    """The module docstring as written, and every flag's default in its help (where it has one and its help does not
+    already say it)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.required or "(default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def _number(kind, text: str, test, what: str):
@@ -200,12 +206,28 @@ def add_eplb_config_arg(parser, flags: str):
     )
 
 
+def add_routing_arg(parser):
+    """Adds ``--routing``: the replica routing mode, the ``EplbConfig.routing`` field (a flag wins over the file)."""
+    from moe_eplb_jax.routing import MODES
+
+    needs = "; ".join(f"{m.name} uses policy {m.policy}" for m in MODES.values() if m.policy)
+    parser.add_argument(
+        "--routing",
+        choices=tuple(MODES),
+        default=None,
+        help=f"replica routing mode (default: hash, or --eplb-config's routing); {needs}",
+    )
+
+
 def eplb_fields(text: str | None, *, defaults: dict, flags: dict) -> dict:
     """The run's ``EplbConfig`` fields: ``defaults``, then those ``text`` names, then ``flags`` (``None``: not given).
 
-    ``text``: the ``--eplb-config`` value, a JSON file or a JSON object. Raises
-    ``ValueError`` naming ``--eplb-config`` and the field for a missing file,
-    bad JSON, an unknown field or a bad value.
+    ``text``: the ``--eplb-config`` value, a JSON file or a JSON object. A
+    routing mode that needs its own policy (``quota``: ``online``) gets it
+    when no policy is named. Raises ``ValueError`` naming ``--eplb-config``
+    and the field for a missing file, bad JSON, an unknown field or a bad
+    value, and for a policy named that the routing mode cannot use (saying
+    what to write instead).
     """
     from moe_eplb_jax import EplbConfig
 
@@ -214,12 +236,34 @@ def eplb_fields(text: str | None, *, defaults: dict, flags: dict) -> dict:
         if not text.lstrip().startswith("{"):
             text = _read_text("--eplb-config", text)
         try:
-            config = EplbConfig.from_json(text)
+            doc = EplbConfig.parse_json(text)
+            config = EplbConfig.from_dict(_with_routing_policy(doc))
         except ValueError as e:
             raise ValueError(f"--eplb-config: {e}") from None
-        keys = {_VLLM_NAMES.get(key, key) for key in json.loads(text)}
+        keys = {_VLLM_NAMES.get(key, key) for key in doc}
         named = {name: value for name, value in config.to_dict().items() if name in keys}
-    return {**defaults, **named, **{name: value for name, value in flags.items() if value is not None}}
+    fields = {**defaults, **named, **{name: value for name, value in flags.items() if value is not None}}
+    return _with_routing_policy(fields)
+
+
+def _with_routing_policy(fields: dict) -> dict:
+    """``fields`` with the policy the routing mode needs where none is named; ``ValueError`` saying what to change
+    where another one is."""
+    from moe_eplb_jax import policy
+    from moe_eplb_jax.routing import routing_mode
+
+    mode = routing_mode(fields.get("routing", "hash"))
+    if mode.policy is None:
+        return fields
+    if "policy" not in fields:
+        return {**fields, "policy": mode.policy}
+    named = policy.DEFAULT_POLICY if fields["policy"] == "default" else fields["policy"]  # vLLM's name
+    if policy.get(named) is not policy.get(mode.policy):
+        raise ValueError(
+            f"routing {mode.name!r} needs policy {mode.policy!r} (its spare slots are refreshed by it), got policy "
+            f'{fields["policy"]!r}: write "policy": "{mode.policy}" in --eplb-config, or leave policy out'
+        )
+    return fields
 
 
 def _read_text(flag: str, path: str) -> str:
@@ -272,6 +316,25 @@ def build_eplb_config(fields: dict, *, num_gpus: int | None = None, window: tupl
     except ValueError as e:
         raise ValueError(f"EPLB config (--eplb-config and flags): {e}") from None
     return config
+
+
+@contextlib.contextmanager
+def counting_compiles():
+    """Counts the XLA programs compiled inside the block (JAX's backend-compile events): ``with ... as count``,
+    then ``count[0]``."""
+    import jax
+
+    count = [0]
+
+    def listener(event: str, duration: float, **kwargs) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            count[0] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield count
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def dense_bf16_peak() -> float | None:

@@ -29,6 +29,7 @@ from _runtime import (
     HelpFormatter,
     Runtime,
     add_eplb_config_arg,
+    add_routing_arg,
     add_runtime_args,
     build_eplb_config,
     check_divides,
@@ -78,7 +79,8 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint-every", type=positive_int, default=20, help="steps between checkpoints")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
     p.add_argument("--seed", type=nonnegative_int, default=0, help="weights and data")
-    add_eplb_config_arg(p, "--redundant and --step-interval")
+    add_routing_arg(p)
+    add_eplb_config_arg(p, "--redundant, --routing and --step-interval")
     add_runtime_args(p)
     args = p.parse_args(argv)
     config = PRESETS[args.preset]
@@ -108,6 +110,7 @@ def eplb_settings(args) -> dict:
         defaults={"num_redundant_experts": 8, "step_interval": 40},
         flags={
             "num_redundant_experts": getattr(args, "redundant", None),
+            "routing": args.routing,
             "step_interval": interval,
             "window_size": interval,
         },
@@ -159,6 +162,8 @@ def main(argv=None):
         )
     except ValueError as e:
         parser.error(str(e))
+    say = print if jax.process_index() == 0 else lambda *a, **k: None
+    say(f"building the {args.preset} model and its optimizer on {ranks} EP ranks ...", flush=True)
     model = MoECausalLM(
         config,
         mesh=mesh,
@@ -195,8 +200,10 @@ def main(argv=None):
                 print(f"resumed from step {start} ({controller.num_rearrangements} rearrangements so far)")
         if start >= args.steps:
             parser.error(f"--steps {args.steps}: the checkpoint is already at step {start}")
-    if controller.rebalance:
-        controller.warmup()  # compiles the mover now: no rearrangement compiles mid-run
+    if controller.rebalance:  # compiles the mover now: no rearrangement compiles mid-run
+        say("controller.warmup(): compiling the expert mover and the routing tables' update ...", flush=True)
+        warmup = controller.warmup()
+        say(f"controller.warmup(): {warmup['moves']} moves rehearsed in {warmup['seconds']:.1f} s", flush=True)
     elif main_process:
         print("EP = 1: one rank holds every expert, so there is nothing to balance; the placement is held")
 
@@ -221,6 +228,7 @@ def main(argv=None):
         return jax.lax.with_sharding_constraint(loss, rt.replicated)
 
     losses, step_seconds = [], []
+    say(f"step {start + 1}: compiling the train step (the first step; the others reuse it) ...", flush=True)
     for step in range(start + 1, args.steps + 1):
         rng = np.random.default_rng([args.seed, step])  # batch n is the same whether or not the run resumed
         tokens = rt.global_batch(zipf_tokens(rng, args.batch, args.seq + 1, config.vocab_size))

@@ -42,6 +42,7 @@ __all__ = [
     "atomic_path",
     "atomic_write",
     "check_document",
+    "FIGURE_SUFFIXES",
     "check_output_path",
     "int_field",
     "pyplot",
@@ -173,14 +174,13 @@ def _sync_directory(directory: str) -> None:
             os.close(dir_fd)
 
 
+FIGURE_SUFFIXES = (".png", ".pdf", ".svg")
+
+
 def save_figure(fig, path, *, what: str = "figure") -> None:
-    """Saves a matplotlib figure atomically; the image format follows the suffix (e.g. ``.png``)."""
-    path = check_output_path(path, what=what)
+    """Saves a matplotlib figure atomically; the image format follows the suffix, one of :data:`FIGURE_SUFFIXES`."""
+    path = check_output_path(path, what=what, suffixes=FIGURE_SUFFIXES)
     suffix = os.path.splitext(path)[1].lstrip(".").lower()
-    if not suffix:
-        raise ValueError(f"{path}: {what} file needs a suffix naming the image format, e.g. .png")
-    if suffix not in fig.canvas.get_supported_filetypes():
-        raise ValueError(f"{path}: unsupported image format {suffix!r}; use .png, .pdf or .svg")
     with atomic_write(path, what=what) as f:
         fig.savefig(f, format=suffix, dpi=100)
 

@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from moe_eplb_jax._files import check_output_path, pyplot, save_figure
+from moe_eplb_jax._files import FIGURE_SUFFIXES, check_output_path, pyplot, save_figure
 
 __all__ = ["main", "build_parser"]
 
@@ -169,6 +169,11 @@ def _add_generator_args(p):
 def _check_generator_sizes(args) -> None:
     """``ValueError`` naming the flags when a synthetic trace would be absurdly large, before any work."""
     num_experts = args.num_ranks * args.experts_per_rank
+    if args.top_k > num_experts:
+        raise ValueError(
+            f"--top-k {args.top_k} exceeds the {num_experts} experts (--num-ranks {args.num_ranks} x "
+            f"--experts-per-rank {args.experts_per_rank}): a token picks distinct experts"
+        )
     entries = args.num_steps * args.num_layers * num_experts
     if entries > _MAX_GENERATED_ENTRIES or args.num_steps * args.num_layers > _MAX_GENERATED_ROWS:
         raise ValueError(
@@ -232,7 +237,8 @@ def _generate(args):
 
 
 def _progress(what: str, *, seconds: float = _PROGRESS_SECONDS, stream=None):
-    """A ``progress`` wrapper for :func:`moe_eplb_jax.sim.simulate`: a line on stderr every ``seconds``."""
+    """A ``progress`` wrapper for :func:`moe_eplb_jax.sim.simulate`: a line on stderr before the first step (it
+    compiles the planners), at every tenth of the steps and at least every ``seconds``."""
     stream = sys.stderr if stream is None else stream
 
     def wrap(steps):
@@ -242,10 +248,13 @@ def _progress(what: str, *, seconds: float = _PROGRESS_SECONDS, stream=None):
         after_first = None  # the first step also compiles: the rate is measured after it
         print(f"{what}: {total} steps", file=stream, flush=True)
         for done, step in enumerate(steps, start=1):
+            if done == 1:
+                print(f"{what}: step 1/{total} compiles the policies' planners first", file=stream, flush=True)
             yield step
             now = time.monotonic()
             after_first = now if after_first is None else after_first
-            if now - last >= seconds and done < total:
+            tenth = done * 10 // total > (done - 1) * 10 // total
+            if (tenth or now - last >= seconds) and done < total:
                 last = now
                 left = f", ~{(total - done) * (now - after_first) / (done - 1):.0f} s left" if done > 1 else ""
                 print(
@@ -378,10 +387,10 @@ def _check_outputs(args) -> None:
         suffixes = (".json",) if args.format == "sglang" else (".json", ".npz")
         check_output_path(args.output, what="placement", suffixes=suffixes)
     elif args.command == "heatmap":
-        check_output_path(args.output, what="heatmap")
+        check_output_path(args.output, what="heatmap", suffixes=FIGURE_SUFFIXES)
         pyplot()
     elif args.command == "simulate" and args.plot:
-        check_output_path(args.plot, what="plot")
+        check_output_path(args.plot, what="plot", suffixes=FIGURE_SUFFIXES)
         pyplot()
 
 

@@ -194,6 +194,12 @@ class EplbConfig:
     @classmethod
     def from_json(cls, text: str) -> EplbConfig:
         """A config from a JSON object (as vLLM's ``--eplb-config`` takes); see :meth:`from_dict`."""
+        return cls.from_dict(cls.parse_json(text))
+
+    @staticmethod
+    def parse_json(text: str) -> dict[str, Any]:
+        """The fields of a JSON object, unchecked but for the JSON itself (a string holding one object, no key twice,
+        not nested without end); :meth:`from_dict` checks them."""
         if not isinstance(text, str):
             raise ValueError(f"EplbConfig.from_json takes a JSON string, got {type(text).__name__}")
         try:
@@ -204,7 +210,7 @@ class EplbConfig:
             raise ValueError("EplbConfig: not valid JSON (nested too deeply)") from None
         if not isinstance(fields, dict):
             raise ValueError(f"EplbConfig JSON must be an object, got {type(fields).__name__}")
-        return cls.from_dict(fields)
+        return fields
 
     def to_dict(self) -> dict[str, Any]:
         """Every field under this class's names (``from_dict`` reads it back)."""

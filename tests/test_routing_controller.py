@@ -5,6 +5,8 @@ The model: two MoE layers reading the same tokens (their outputs summed), so eac
 as built -- one-hot tokens with an identity router make a layer route exactly the ids a test draws.
 """
 
+import traceback
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -439,3 +441,30 @@ def test_functional_balancer_routes_and_rearranges_like_the_controller(monkeypat
     _, _, back = failure.value.restored
     for a, b in zip(jax.tree.leaves(back.tables), jax.tree.leaves(balance.tables)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("overlap", [None, pytest.param("layer", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("routing", ROUTING_MODES)
+def test_after_warmup_nothing_compiles_while_serving_and_rearranging(routing, overlap):
+    """``warmup()`` covers every mode's table update and the step's window update: steps and a rearrangement (at once
+    or a layer per step) compile no program of theirs. ``lp`` built its layers' alias lookup tables op by op at each
+    move, compiling them anew every time (seconds per move on a GPU). (The mover's executor is rehearsed on
+    synthetic loads: a move that needs more send capacity than those compiles once, as ``warmup`` says.)"""
+    model = TwoLayers(routing=routing)
+    ctl = EplbController(model, MESH, config(routing, overlap=overlap))
+    forward(model, zipf_batch(0))  # the model's own program compiles here
+    ctl.warmup()
+    compiled = []
+
+    def listener(event, duration, **kwargs):
+        stack = "".join(traceback.format_stack())
+        if event == "/jax/core/compile/backend_compile_duration" and "moe_eplb_jax/transport/" not in stack:
+            compiled.append(stack)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        run_until_rearranged(model, ctl, seed=1)
+        run_until_rearranged(model, ctl, seed=20)  # a second move: nothing new either
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert not compiled, f"{len(compiled)} programs compiled after warmup ({routing}, {overlap}):\n{compiled[0]}"
