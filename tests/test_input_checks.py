@@ -289,6 +289,12 @@ def _policy_call(name, weight, num_replicas):
         (lambda: Placement.round_robin(2, 4, 10**12, 2), "num_physical must be <= 2147483647"),
         (lambda: Placement.linear(1, 2**20, 2**31 - 1), "a placement of L=1 layers, E=1048576 experts"),
         (lambda: Placement.from_phy2log([[0, 1]], 10**12), "num_logical must be <= 2147483647"),
+        (
+            lambda: lp_shares(
+                np.ones(4), np.arange(4)[:, None], np.ones(4, np.int32), num_physical=10**12, num_ranks=1
+            ),
+            "num_physical must be <= 2147483647",
+        ),
         (_policy_call("deepseek", np.ones((1, 4)), 10**12), "num_replicas must be <= 2147483647"),
         (_policy_call("balanced", np.ones((1, 4)), 10**12), "num_replicas must be <= 2147483647"),
         (_policy_call("online", np.ones((1, 4)), 10**12), "num_replicas must be <= 2147483647"),
