@@ -15,13 +15,21 @@ size. Both raise ``ValueError`` naming the flag or field, for ``parser.error``.
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import math
 import os
+import stat
+import tempfile
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The module docstring as written, and every flag's default in its help."""
+    """The module docstring as written, and every flag's default in its help (where it has one and its help does not
+    already say it)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.required or "(default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def _number(kind, text: str, test, what: str):
@@ -56,18 +64,45 @@ def unit_interval(text: str) -> float:
     return _number(float, text, lambda v: 0 < v <= 1, "in (0, 1]")
 
 
-def existing_file(text: str) -> str:
-    if not os.path.isfile(text):
-        raise argparse.ArgumentTypeError(f"{text}: no such file")
-    return text
+def output_file_problem(path: str, suffixes: tuple[str, ...] = (".json", ".npz")) -> str | None:
+    """Why no file can be written at ``path`` (``None``: it can), checked before the run whose result goes there.
+
+    The name must end in one of ``suffixes``; the path must not name a
+    directory or a special file; its directory must exist and take a new file
+    (tried with a temporary file, so ``/proc``, ``/sys`` and read-only mounts
+    are caught even for root).
+    """
+    if not path.endswith(suffixes):
+        return f"the file name must end in {' or '.join(suffixes)}"
+    if os.path.isdir(path):
+        return "it is a directory"
+    if os.path.exists(path) and not os.path.isfile(path):
+        return "it names a device, FIFO or socket"
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        return "its directory does not exist"
+    try:
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=".probe.")
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        return f"cannot write in {directory} ({e.strerror or e})"
+    return None
 
 
-def writable_path(text: str) -> str:
-    if os.path.isdir(text):
-        raise argparse.ArgumentTypeError(f"{text} is a directory")
-    if not os.path.isdir(os.path.dirname(os.path.abspath(text))):
-        raise argparse.ArgumentTypeError(f"{text}: its directory does not exist")
-    return text
+def output_dir_problem(path: str) -> str | None:
+    """Why ``path`` cannot hold the run's files (``None``: it can): an existing directory, or a new one in an
+    existing directory; tried with a temporary entry, before the run."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        return "it is not a directory"
+    target = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(target):
+        return "its parent directory does not exist"
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=target, prefix=".probe."))
+    except OSError as e:
+        return f"cannot write in {target} ({e.strerror or e})"
+    return None
 
 
 DEFAULT_DEVICES = 8
@@ -171,29 +206,82 @@ def add_eplb_config_arg(parser, flags: str):
     )
 
 
+def add_routing_arg(parser):
+    """Adds ``--routing``: the replica routing mode, the ``EplbConfig.routing`` field (a flag wins over the file)."""
+    from moe_eplb_jax.routing import MODES
+
+    needs = "; ".join(f"{m.name} uses policy {m.policy}" for m in MODES.values() if m.policy)
+    parser.add_argument(
+        "--routing",
+        choices=tuple(MODES),
+        default=None,
+        help=f"replica routing mode (default: hash, or --eplb-config's routing); {needs}",
+    )
+
+
 def eplb_fields(text: str | None, *, defaults: dict, flags: dict) -> dict:
     """The run's ``EplbConfig`` fields: ``defaults``, then those ``text`` names, then ``flags`` (``None``: not given).
 
-    ``text``: the ``--eplb-config`` value, a JSON file or a JSON object. Raises
-    ``ValueError`` naming ``--eplb-config`` and the field for a missing file,
-    bad JSON, an unknown field or a bad value.
+    ``text``: the ``--eplb-config`` value, a JSON file or a JSON object. A
+    routing mode that needs its own policy (``quota``: ``online``) gets it
+    when no policy is named. Raises ``ValueError`` naming ``--eplb-config``
+    and the field for a missing file, bad JSON, an unknown field or a bad
+    value, and for a policy named that the routing mode cannot use (saying
+    what to write instead).
     """
     from moe_eplb_jax import EplbConfig
 
     named = {}
     if text:
         if not text.lstrip().startswith("{"):
-            if not os.path.isfile(text):
-                raise ValueError(f"--eplb-config {text}: no such file (give a JSON file or a JSON object)")
-            with open(text) as f:
-                text = f.read()
+            text = _read_text("--eplb-config", text)
         try:
-            config = EplbConfig.from_json(text)
+            doc = EplbConfig.parse_json(text)
+            config = EplbConfig.from_dict(_with_routing_policy(doc))
         except ValueError as e:
             raise ValueError(f"--eplb-config: {e}") from None
-        keys = {_VLLM_NAMES.get(key, key) for key in json.loads(text)}
+        keys = {_VLLM_NAMES.get(key, key) for key in doc}
         named = {name: value for name, value in config.to_dict().items() if name in keys}
-    return {**defaults, **named, **{name: value for name, value in flags.items() if value is not None}}
+    fields = {**defaults, **named, **{name: value for name, value in flags.items() if value is not None}}
+    return _with_routing_policy(fields)
+
+
+def _with_routing_policy(fields: dict) -> dict:
+    """``fields`` with the policy the routing mode needs where none is named; ``ValueError`` saying what to change
+    where another one is."""
+    from moe_eplb_jax import policy
+    from moe_eplb_jax.routing import routing_mode
+
+    mode = routing_mode(fields.get("routing", "hash"))
+    if mode.policy is None:
+        return fields
+    if "policy" not in fields:
+        return {**fields, "policy": mode.policy}
+    named = policy.DEFAULT_POLICY if fields["policy"] == "default" else fields["policy"]  # vLLM's name
+    if policy.get(named) is not policy.get(mode.policy):
+        raise ValueError(
+            f"routing {mode.name!r} needs policy {mode.policy!r} (its spare slots are refreshed by it), got policy "
+            f'{fields["policy"]!r}: write "policy": "{mode.policy}" in --eplb-config, or leave policy out'
+        )
+    return fields
+
+
+def _read_text(flag: str, path: str) -> str:
+    """The UTF-8 text of the regular file ``path``; ``ValueError`` naming ``flag`` otherwise (a FIFO never blocks)."""
+    if not os.path.lexists(path):
+        raise ValueError(f"{flag} {path}: no such file (give a JSON file or a JSON object)")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: cannot read it ({e.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{flag} {path}: not a regular file (a directory, device or FIFO)")
+        raw = f.read()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{flag} {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
 def parse_eplb_fields(parser, make_fields, ranks: int | None) -> dict:
@@ -207,21 +295,46 @@ def parse_eplb_fields(parser, make_fields, ranks: int | None) -> dict:
     return fields
 
 
-def build_eplb_config(fields: dict, *, num_gpus: int | None = None):
+def build_eplb_config(fields: dict, *, num_gpus: int | None = None, window: tuple[int, int] | None = None):
     """``EplbConfig(**fields)`` for ``num_gpus`` EP ranks (``None``: ``fields``' own); ``ValueError`` naming the field.
 
-    A ``num_gpus`` named in ``--eplb-config`` must be the run's EP size.
+    A ``num_gpus`` named in ``--eplb-config`` must be the run's EP size. With
+    ``window=(L, P)`` (MoE layers, slots) the load window must fit one device
+    (call it once the devices are up: it asks one its memory).
     """
     from moe_eplb_jax import EplbConfig
+    from moe_eplb_jax.state import check_window_size
 
     if num_gpus is not None:
         if fields.get("num_gpus", num_gpus) != num_gpus:
             raise ValueError(f"--eplb-config: num_gpus={fields['num_gpus']} but the run has {num_gpus} EP ranks")
         fields = {**fields, "num_gpus": num_gpus}
     try:
-        return EplbConfig(**fields)
+        config = EplbConfig(**fields)
+        if window is not None:
+            check_window_size(config, *window)
     except ValueError as e:
         raise ValueError(f"EPLB config (--eplb-config and flags): {e}") from None
+    return config
+
+
+@contextlib.contextmanager
+def counting_compiles():
+    """Counts the XLA programs compiled inside the block (JAX's backend-compile events): ``with ... as count``,
+    then ``count[0]``."""
+    import jax
+
+    count = [0]
+
+    def listener(event: str, duration: float, **kwargs) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            count[0] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield count
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def dense_bf16_peak() -> float | None:

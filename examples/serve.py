@@ -8,6 +8,7 @@
     python examples/serve.py --init-placement p.json  # ... and serve with it, held
     python examples/serve.py --checkpoint ckpt/ --quantize mxfp4   # Hugging Face-style safetensors weights
                                                       # (shaped by ckpt/config.json when there, else --preset)
+    python examples/serve.py --quantize mxfp4         # the random weights, quantized
     python examples/serve.py --preset deepseek_v3_tiny  # DeepSeek-V3 (MLA, YaRN) at CPU size
     python examples/serve.py --devices 0 --ranks 1 --preset small --batch 32 --new-tokens 256 --compare-recompute
 
@@ -36,13 +37,16 @@ from _runtime import (
     HelpFormatter,
     Runtime,
     add_eplb_config_arg,
+    add_routing_arg,
     add_runtime_args,
     build_eplb_config,
     check_divides,
     check_runtime_args,
+    counting_compiles,
     eplb_fields,
     nonnegative_float,
     nonnegative_int,
+    output_file_problem,
     parse_eplb_fields,
     positive_int,
     prepare_devices,
@@ -90,7 +94,12 @@ def parse_args(argv=None):
         help="a safetensors checkpoint: a directory with a Hugging Face config.json (it gives the model shape), or "
         "a file or directory of the preset's shape",
     )
-    p.add_argument("--quantize", choices=FORMATS, default=None, help="quantize the experts on load")
+    p.add_argument(
+        "--quantize",
+        choices=FORMATS,
+        default=None,
+        help="quantize the experts: the checkpoint's as they load, else the model's own (random) weights",
+    )
     p.add_argument(
         "--init-placement", help="serve with this placement file, held (ours or SGLang's expert-location JSON)"
     )
@@ -100,7 +109,8 @@ def parse_args(argv=None):
     )
     p.add_argument("--compare-recompute", action="store_true", help="also time decoding without the KV cache")
     p.add_argument("--seed", type=nonnegative_int, default=0, help="weights, prompts and sampling")
-    add_eplb_config_arg(p, "--redundant and --init-placement (which holds the placement)")
+    add_routing_arg(p)
+    add_eplb_config_arg(p, "--redundant, --routing and --init-placement (which holds the placement)")
     add_runtime_args(p)
     args = p.parse_args(argv)
     ranks = check_runtime_args(p, args)
@@ -121,15 +131,11 @@ def parse_args(argv=None):
         path = getattr(args, flag)
         if path is not None and not os.path.exists(path):
             p.error(f"--{flag.replace('_', '-')} {path}: no such file or directory")
-    for flag in ("save_placement", "dump_loads"):
+    for flag in ("save_placement", "dump_loads"):  # before the run: a bad path must not waste it
         path = getattr(args, flag)
-        name = "--" + flag.replace("_", "-")
-        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            p.error(f"{name} {path}: its directory does not exist")
-        if path and not path.endswith((".json", ".npz")):
-            p.error(f"{name} {path}: the file name must end in .json or .npz")
-    if args.quantize and not args.checkpoint:
-        p.error("--quantize needs --checkpoint (it quantizes the loaded experts)")
+        problem = path is not None and output_file_problem(path)
+        if problem:
+            p.error(f"--{flag.replace('_', '-')} {path}: {problem}")
     if args.capacity_factor == 0:
         args.capacity_factor = None
     args.eplb = parse_eplb_fields(p, lambda: eplb_settings(args), ranks)
@@ -150,7 +156,7 @@ def eplb_settings(args) -> dict:
         args.eplb_config,
         # The first rearrangement comes after a quarter of step_interval: at pass `first`.
         defaults={"num_redundant_experts": 8, "window_size": first, "step_interval": 4 * first, "overlap": "layer"},
-        flags={"num_redundant_experts": getattr(args, "redundant", None)},
+        flags={"num_redundant_experts": getattr(args, "redundant", None), "routing": args.routing},
     )
 
 
@@ -173,6 +179,11 @@ def model_config(parser, args):
         parser.error(f"--checkpoint: {e}")
 
 
+def _window(args) -> tuple[int, int]:
+    """The load window's ``(L, P)``: MoE layers and slots."""
+    return args.model_config.num_moe_layers, args.model_config.num_experts + args.redundant
+
+
 def _divided(args) -> dict[str, int]:
     """The sizes the EP ranks must divide."""
     return {"--batch": args.batch, "P = E + --redundant": args.model_config.num_experts + args.redundant}
@@ -189,7 +200,7 @@ def build_model(parser, args, rt):
 
     ranks, mesh = rt.ranks, rt.mesh
     try:
-        eplb = build_eplb_config(args.eplb, num_gpus=ranks)
+        eplb = build_eplb_config(args.eplb, num_gpus=ranks, window=_window(args))
     except ValueError as e:
         parser.error(str(e))
     model = MoECausalLM(
@@ -207,6 +218,12 @@ def build_model(parser, args, rt):
             parser.error(f"--checkpoint: {e}")
     else:
         skew_routers(model, args.skew)
+        if args.quantize:  # the model's own experts, each slot on its own (replicas stay identical)
+            try:
+                for layer in model.moe_layers:
+                    layer.quantize(args.quantize)
+            except ValueError as e:
+                parser.error(f"--quantize {args.quantize}: {e}")
     # One EP rank holds every expert: no placement changes its load, so the placement is held.
     held = args.init_placement is not None or ranks == 1
     try:
@@ -253,8 +270,8 @@ class Requests:
 def serve_batches(args, requests: Requests, controller, say):
     """Serves the warm-up and timed batches; every forward pass is a step of the controller's window.
 
-    Returns ``(served, reports)``: per batch (decode tokens/s, rearrangements before it, after it, moving after
-    it), and each rearrangement's report with the forward pass it followed.
+    Returns ``(served, reports, compiled)``: per batch (decode tokens/s, rearrangements before it, after it, moving
+    after it), each rearrangement's report with the forward pass it followed, and the programs compiled meanwhile.
     """
     reports, seen = [], [controller.last_report]
 
@@ -265,13 +282,14 @@ def serve_batches(args, requests: Requests, controller, say):
         seen[0] = report
 
     served = []
-    for b in range(args.warmup_batches + args.batches):
-        before = controller.num_rearrangements
-        out = requests.run(requests.batch(), args.seed + 1 + b, controller=controller, on_step=on_step)
-        tps = (args.new_tokens - 1) * args.batch / out.decode_seconds if args.new_tokens > 1 else float("nan")
-        served.append((tps, before, controller.num_rearrangements, controller.rearranging))
-        say(f"batch {b + 1}/{args.warmup_batches + args.batches}: {tps:.1f} decode tok/s", flush=True)
-    return served, reports
+    with counting_compiles() as compiled_mid_run:
+        for b in range(args.warmup_batches + args.batches):
+            before = controller.num_rearrangements
+            out = requests.run(requests.batch(), args.seed + 1 + b, controller=controller, on_step=on_step)
+            tps = (args.new_tokens - 1) * args.batch / out.decode_seconds if args.new_tokens > 1 else float("nan")
+            served.append((tps, before, controller.num_rearrangements, controller.rearranging))
+            say(f"batch {b + 1}/{args.warmup_batches + args.batches}: {tps:.1f} decode tok/s", flush=True)
+    return served, reports, compiled_mid_run[0]
 
 
 def compare_recompute(args, requests: Requests):
@@ -285,7 +303,7 @@ def compare_recompute(args, requests: Requests):
     return timed[True], timed[False]
 
 
-def print_summary(args, ranks, eplb, held, controller, served, reports, warmup, last, compare):
+def print_summary(args, ranks, eplb, held, controller, served, reports, warmup, last, compare, compiled_mid_run):
     """The run's summary: balancedness before and after, the rearrangements, throughput, what was written."""
     import jax
     import numpy as np
@@ -305,7 +323,8 @@ def print_summary(args, ranks, eplb, held, controller, served, reports, warmup, 
     print(
         f"EP ranks {ranks}, {_hf_config_file(args) or 'preset ' + args.preset} ({config.attention.upper()} "
         f"attention): {config.num_moe_layers} MoE layers, experts "
-        f"{config.num_experts} + {args.redundant} redundant, top-{config.top_k} ({config.scoring} router), "
+        f"{config.num_experts} + {args.redundant} redundant{f' ({args.quantize})' if args.quantize else ''}, "
+        f"top-{config.top_k} ({config.scoring} router), "
         f"routing {eplb.routing!r}, policy {eplb.policy!r}, overlap {eplb.overlap!r}"
     )
     if ranks == 1:
@@ -328,7 +347,8 @@ def print_summary(args, ranks, eplb, held, controller, served, reports, warmup, 
                 f"balancedness {report['balancedness_before']:.3f} -> {report['balancedness_after']:.3f}"
             )
         if warmup is not None:
-            print(f"controller.warmup() took {warmup['seconds']:.1f} s before serving (nothing compiled mid-run)")
+            mid_run = f"{compiled_mid_run} programs" if compiled_mid_run else "nothing"
+            print(f"controller.warmup() took {warmup['seconds']:.1f} s before serving ({mid_run} compiled mid-run)")
         print(
             f"throughput (decode, batch {args.batch}, rearrangement steps included): "
             f"{mean_tps([r[0] for r in served if r[2] == 0 and not r[3]])} on the initial placement, "
@@ -361,16 +381,17 @@ def main(argv=None):
     requests = Requests(args, model)
 
     start = time.perf_counter()
-    requests.run(
-        requests.batch(), args.seed, record=False, controller=controller
-    )  # compiles prefill and decode; counts no load
+    say("compiling prefill and decode (a first batch, not recorded) ...", flush=True)
+    # Unrecorded with the controller: counts no load, compiles the programs the recorded batches run.
+    requests.run(requests.batch(), args.seed, record=False, controller=controller)
     say(f"compiled prefill and decode in {time.perf_counter() - start:.1f} s", flush=True)
     warmup = None
-    if not held:  # compiles the mover and the window readers: no rearrangement compiles mid-run
+    if not held:  # compiles the mover, the window update and readers, the routing tables' update
+        say("controller.warmup(): compiling the expert mover and the routing tables' update ...", flush=True)
         warmup = controller.warmup()
         say(f"controller.warmup(): {warmup['moves']} moves rehearsed in {warmup['seconds']:.1f} s", flush=True)
 
-    served, reports = serve_batches(args, requests, controller, say)
+    served, reports, compiled_mid_run = serve_batches(args, requests, controller, say)
     last = controller.window_slot_load()  # the traffic since the last rearrangement, on the placement served
     if args.dump_loads:
         controller.dump_loads(args.dump_loads)
@@ -381,7 +402,7 @@ def main(argv=None):
     if not (main_process or args.num_processes > 1):
         return
     # Every process prints the summary: their figures must agree.
-    print_summary(args, rt.ranks, eplb, held, controller, served, reports, warmup, last, compare)
+    print_summary(args, rt.ranks, eplb, held, controller, served, reports, warmup, last, compare, compiled_mid_run)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from _runtime import (
     HelpFormatter,
     Runtime,
     add_eplb_config_arg,
+    add_routing_arg,
     add_runtime_args,
     build_eplb_config,
     check_divides,
@@ -37,6 +38,7 @@ from _runtime import (
     eplb_fields,
     nonnegative_float,
     nonnegative_int,
+    output_dir_problem,
     parse_eplb_fields,
     positive_float,
     positive_int,
@@ -77,7 +79,8 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint-every", type=positive_int, default=20, help="steps between checkpoints")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
     p.add_argument("--seed", type=nonnegative_int, default=0, help="weights and data")
-    add_eplb_config_arg(p, "--redundant and --step-interval")
+    add_routing_arg(p)
+    add_eplb_config_arg(p, "--redundant, --routing and --step-interval")
     add_runtime_args(p)
     args = p.parse_args(argv)
     config = PRESETS[args.preset]
@@ -91,10 +94,9 @@ def parse_args(argv=None):
         p.error("--resume needs --checkpoint-dir")
     if args.resume and not os.path.isdir(args.checkpoint_dir):
         p.error(f"--checkpoint-dir {args.checkpoint_dir}: no such directory to resume from")
-    if args.checkpoint_dir and os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
-        p.error(f"--checkpoint-dir {args.checkpoint_dir} is not a directory")
-    if args.checkpoint_dir and not os.path.isdir(os.path.dirname(os.path.abspath(args.checkpoint_dir))):
-        p.error(f"--checkpoint-dir {args.checkpoint_dir}: its parent directory does not exist")
+    problem = args.checkpoint_dir and output_dir_problem(args.checkpoint_dir)
+    if problem:
+        p.error(f"--checkpoint-dir {args.checkpoint_dir}: {problem}")
     if args.capacity_factor == 0:
         args.capacity_factor = None
     return p, args
@@ -108,6 +110,7 @@ def eplb_settings(args) -> dict:
         defaults={"num_redundant_experts": 8, "step_interval": 40},
         flags={
             "num_redundant_experts": getattr(args, "redundant", None),
+            "routing": args.routing,
             "step_interval": interval,
             "window_size": interval,
         },
@@ -138,24 +141,18 @@ def on_mesh(x, mesh):
 def restore(parser, args, manager, model, optimizer, controller) -> int:
     """Restores the latest checkpoint's model, optimizer and EPLB items in place; returns its step.
 
-    ``parser.error`` (nothing changed) when there is none, or it is of another model shape or EPLB config.
+    ``parser.error`` (nothing changed) when there is none, a damaged one, or one of another model shape or EPLB
+    config.
     """
-    import jax
-    import orbax.checkpoint as ocp
     from flax import nnx
 
-    start = manager.latest_step() or 0
-    if not start:
-        parser.error(f"--resume: {args.checkpoint_dir} holds no checkpoint")
-    abstract = {
-        name: ocp.args.StandardRestore(jax.tree.map(ocp.utils.to_shape_dtype_struct, state))
-        for name, state in (("model", nnx.state(model)), ("optimizer", nnx.state(optimizer)))
-    }
-    # No target for the EPLB item: it comes back as saved and restore_item checks every field.
+    from moe_eplb_jax.control.checkpoint import restore_step
+
+    # The EPLB item comes back as saved and restore_item checks every field.
     try:
-        restored = manager.restore(start, args=ocp.args.Composite(**abstract, eplb=ocp.args.StandardRestore()))
+        start, restored = restore_step(manager, {"model": nnx.state(model), "optimizer": nnx.state(optimizer)})
         controller.restore_item(restored["eplb"])  # nothing changes unless every field passes
-    except ValueError as e:  # a checkpoint of another model shape or EPLB config, or a damaged one
+    except ValueError as e:
         parser.error(f"--resume: {e}")
     nnx.update(model, restored["model"])
     nnx.update(optimizer, restored["optimizer"])
@@ -227,10 +224,14 @@ def main(argv=None):
 
     ranks, mesh = rt.ranks, rt.mesh
     try:
-        eplb = build_eplb_config(args.eplb, num_gpus=ranks)
+        config = preset(args.preset)
+        eplb = build_eplb_config(
+            args.eplb, num_gpus=ranks, window=(config.num_moe_layers, config.num_experts + args.redundant)
+        )
     except ValueError as e:
         parser.error(str(e))
-    config = preset(args.preset)
+    say = print if jax.process_index() == 0 else lambda *a, **k: None
+    say(f"building the {args.preset} model and its optimizer on {ranks} EP ranks ...", flush=True)
     model = MoECausalLM(
         config,
         mesh=mesh,
@@ -260,14 +261,17 @@ def main(argv=None):
                 print(f"resumed from step {start} ({controller.num_rearrangements} rearrangements so far)")
         if start >= args.steps:
             parser.error(f"--steps {args.steps}: the checkpoint is already at step {start}")
-    if controller.rebalance:
-        controller.warmup()  # compiles the mover now: no rearrangement compiles mid-run
+    if controller.rebalance:  # compiles the mover now: no rearrangement compiles mid-run
+        say("controller.warmup(): compiling the expert mover and the routing tables' update ...", flush=True)
+        warmup = controller.warmup()
+        say(f"controller.warmup(): {warmup['moves']} moves rehearsed in {warmup['seconds']:.1f} s", flush=True)
     elif main_process:
         print("EP = 1: one rank holds every expert, so there is nothing to balance; the placement is held")
 
     train_step = make_train_step(trainable, rt.replicated)
 
     losses, step_seconds = [], []
+    say(f"step {start + 1}: compiling the train step (the first step; the others reuse it) ...", flush=True)
     for step in range(start + 1, args.steps + 1):
         rng = np.random.default_rng([args.seed, step])  # batch n is the same whether or not the run resumed
         tokens = rt.global_batch(zipf_tokens(rng, args.batch, args.seq + 1, config.vocab_size))

@@ -73,12 +73,12 @@ def eplb_settings(text: str | None, *, redundant: int | None) -> dict:
     )
 
 
-def eplb_config(text: str | None, *, redundant: int | None, ranks: int):
+def eplb_config(text: str | None, *, redundant: int | None, ranks: int, window: tuple[int, int] | None = None):
     """The run's ``EplbConfig`` for ``ranks`` EP ranks; ``redundant`` (``--redundant``; ``None``: not given) wins.
 
-    ``ValueError`` naming the flag or field.
+    ``window``: ``(L, P)``, checked to fit one device. ``ValueError`` naming the flag or field.
     """
-    return build_eplb_config(eplb_settings(text, redundant=redundant), num_gpus=ranks)
+    return build_eplb_config(eplb_settings(text, redundant=redundant), num_gpus=ranks, window=window)
 
 
 def train(args, rt, *, log=print):
@@ -107,7 +107,9 @@ def train(args, rt, *, log=print):
     opt_state = tx.init(params)
     balancer = Balancer(config, mesh, ExpertLayout.match(params, EXPERT_PATTERN))
     balance = balancer.init(params)
-    balancer.warmup(params, opt_state, balance)  # compiles the mover now: no rearrangement compiles mid-run
+    log("balancer.warmup(): compiling the expert mover and the routing tables' update ...")
+    warmup = balancer.warmup(params, opt_state, balance)  # compiles the mover now: no rearrangement compiles mid-run
+    log(f"balancer.warmup(): {warmup['moves']} moves rehearsed in {warmup['seconds']:.1f} s")
     schedule = balancer.schedule(balance)  # the step counters on the host: "due?" reads no device
 
     @jax.jit
@@ -121,6 +123,7 @@ def train(args, rt, *, log=print):
 
     rng = np.random.default_rng(args.seed)
     losses, reports, move = [], [], None
+    log("step 1: compiling the train step (the first step; the others reuse it) ...")
     for step in range(args.steps):
         tokens = rt.global_batch(synthetic_batch(rng, args.batch, args.seq + 1, 64))
         params, opt_state, balance, loss = train_step(params, opt_state, balance, tokens, jnp.bool_(move is not None))
@@ -155,7 +158,8 @@ def main(argv=None):
     import jax
 
     try:
-        eplb_config(args.eplb_config, redundant=args.redundant, ranks=rt.ranks)  # the EP size is known now
+        window = (args.layers, args.experts + args.redundant)
+        eplb_config(args.eplb_config, redundant=args.redundant, ranks=rt.ranks, window=window)  # devices are up now
     except ValueError as e:
         parser.error(str(e))
     check_divides(parser, rt.ranks, {"--batch": args.batch, "P = E + --redundant": args.experts + args.redundant})

@@ -1,9 +1,12 @@
 """The package's one way to write and read files: atomic writes and checked ``.json`` / ``.npz`` readers.
 
-* :func:`atomic_write` -- every file the package writes goes through a unique
-  temporary file in the target directory (``tempfile.mkstemp``), flushed,
-  fsynced and renamed over the target: a crash never leaves half a file, and
-  two processes writing one path never collide (the last rename wins whole).
+* :func:`atomic_write` / :func:`atomic_path` -- every file the package writes
+  goes through a unique temporary file in the target directory
+  (``tempfile.mkstemp``, given the mode a new file gets), flushed, fsynced and
+  renamed over the target: a crash never leaves half a file, and two
+  processes writing one path never collide (the last rename wins whole).
+* :func:`check_output_path` -- whether a file can be written at a path, tried
+  before the work whose result goes there.
 * :func:`read_json` / :func:`read_npz` -- regular files only (a FIFO, a device
   or a link to one is refused before it is read); JSON with duplicate keys,
   ``NaN`` / ``Infinity`` or deep nesting is refused; ``.npz`` members are read
@@ -36,8 +39,10 @@ import numpy as np
 
 __all__ = [
     "array_field",
+    "atomic_path",
     "atomic_write",
     "check_document",
+    "FIGURE_SUFFIXES",
     "check_output_path",
     "int_field",
     "pyplot",
@@ -67,10 +72,15 @@ def _kind(path: str, what: str, suffixes=(".json", ".npz")) -> str:
 def check_output_path(path, *, what: str, suffixes: tuple[str, ...] | None = None) -> str:
     """``path`` as a string if a file can be written there; ``ValueError`` saying why not otherwise.
 
-    The directory must exist; the path must not name a directory, a device, a
-    FIFO or a socket; with ``suffixes`` the name must end in one of them. Call
-    it before long work whose result goes to ``path``.
+    The path must be a non-empty string or path object; its directory must
+    exist and take a new file (tried: a temporary file is made and removed,
+    so ``/proc``, ``/sys``, read-only mounts and unwritable directories are
+    refused here, not after the work); the path must not name a directory,
+    a device, a FIFO or a socket; with ``suffixes`` the name must end in one
+    of them. Call it before long work whose result goes to ``path``.
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"{what} file: need a path, got {path!r}")
     path = os.fspath(path)
     if not isinstance(path, str) or not path:
         raise ValueError(f"{what} file: need a non-empty path, got {path!r}")
@@ -82,13 +92,19 @@ def check_output_path(path, *, what: str, suffixes: tuple[str, ...] | None = Non
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
-        return path
+        mode = None
     except OSError as e:
         raise ValueError(f"{path}: cannot write the {what} file ({e.strerror})") from None
-    if stat.S_ISDIR(mode):
+    if mode is not None and stat.S_ISDIR(mode):
         raise ValueError(f"{path}: cannot write the {what} file, the path names a directory")
-    if not stat.S_ISREG(mode):
+    if mode is not None and not stat.S_ISREG(mode):
         raise ValueError(f"{path}: cannot write the {what} file, the path names a device, FIFO or socket")
+    try:
+        fd, probe = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".", suffix=".probe")
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        raise ValueError(f"{path}: cannot write the {what} file in {directory!r} ({e.strerror or e})") from None
     return path
 
 
@@ -102,27 +118,54 @@ def _new_file_mode(path: str) -> int:
 
 
 @contextlib.contextmanager
-def atomic_write(path, *, what: str):
-    """Context manager yielding a binary file object whose contents replace ``path`` on a clean exit.
+def atomic_path(path, *, what: str):
+    """Context manager yielding a temporary file name whose file replaces ``path`` on a clean exit.
 
-    The data goes to a unique temporary file next to ``path``; on exit it is
-    flushed, fsynced and renamed over ``path`` (then the directory is fsynced).
-    On an exception the temporary file is removed and ``path`` is untouched.
+    For writers that take a file name (``atomic_write`` hands a file object):
+    the temporary file sits next to ``path`` with the mode a new file there
+    gets (``0666`` less the umask, or the replaced file's), is fsynced and
+    renamed over ``path``; on an exception it is removed and ``path`` is
+    untouched. An ``OSError`` becomes a ``ValueError`` naming ``path``.
     """
     path = check_output_path(path, what=what)
     directory = os.path.dirname(path) or "."
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
+    tmp = None
     try:
-        os.fchmod(fd, _new_file_mode(path))
-        with os.fdopen(fd, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
+        os.close(fd)
+        yield tmp
+        os.chmod(tmp, _new_file_mode(path))  # after the writer: some (safetensors) replace the file they are given
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
+        tmp = None
+    except OSError as e:
+        raise ValueError(f"{path}: cannot write the {what} file ({e.strerror or e})") from e
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+    _sync_directory(directory)
+
+
+@contextlib.contextmanager
+def atomic_write(path, *, what: str):
+    """Context manager yielding a binary file object whose contents replace ``path`` on a clean exit.
+
+    The data goes to a unique temporary file next to ``path`` (see
+    :func:`atomic_path`); on exit it is flushed, fsynced and renamed over
+    ``path`` (then the directory is fsynced). On an exception the temporary
+    file is removed and ``path`` is untouched.
+    """
+    with atomic_path(path, what=what) as tmp, open(tmp, "wb") as f:
+        yield f
+        f.flush()
+
+
+def _sync_directory(directory: str) -> None:
     with contextlib.suppress(OSError):  # the rename is durable once the directory is; not every FS allows it
         dir_fd = os.open(directory, os.O_RDONLY)
         try:
@@ -131,21 +174,20 @@ def atomic_write(path, *, what: str):
             os.close(dir_fd)
 
 
+FIGURE_SUFFIXES = (".png", ".pdf", ".svg")
+
+
 def save_figure(fig, path, *, what: str = "figure") -> None:
-    """Saves a matplotlib figure atomically; the image format follows the suffix (e.g. ``.png``)."""
-    path = check_output_path(path, what=what)
+    """Saves a matplotlib figure atomically; the image format follows the suffix, one of :data:`FIGURE_SUFFIXES`."""
+    path = check_output_path(path, what=what, suffixes=FIGURE_SUFFIXES)
     suffix = os.path.splitext(path)[1].lstrip(".").lower()
-    if not suffix:
-        raise ValueError(f"{path}: {what} file needs a suffix naming the image format, e.g. .png")
-    if suffix not in fig.canvas.get_supported_filetypes():
-        raise ValueError(f"{path}: unsupported image format {suffix!r}; use .png, .pdf or .svg")
     with atomic_write(path, what=what) as f:
         fig.savefig(f, format=suffix, dpi=100)
 
 
 def write_document(path, fields: dict, *, what: str) -> None:
     """Writes ``fields`` (name -> scalar, string or array) as JSON or npz, chosen by the suffix, atomically."""
-    path = os.fspath(path)
+    path = check_output_path(path, what=what, suffixes=(".json", ".npz"))
     suffix = _kind(path, what)
     if suffix == ".npz":
         with atomic_write(path, what=what) as f, zipfile.ZipFile(f, "w", compression=zipfile.ZIP_DEFLATED) as archive:

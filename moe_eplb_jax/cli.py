@@ -29,7 +29,7 @@ import time
 import numpy as np
 
 from moe_eplb_jax import __version__, policy, sim
-from moe_eplb_jax._files import check_output_path, pyplot, save_figure
+from moe_eplb_jax._files import FIGURE_SUFFIXES, check_output_path, pyplot, save_figure
 from moe_eplb_jax.metrics import balancedness, rank_imbalance, rank_load_from_logical
 from moe_eplb_jax.placement import FILE_FORMATS, Placement
 from moe_eplb_jax.sim.report import policy_names, resolve_policy
@@ -169,6 +169,11 @@ def _add_generator_args(p):
 def _check_generator_sizes(args) -> None:
     """``ValueError`` naming the flags when a synthetic trace would be absurdly large, before any work."""
     num_experts = args.num_ranks * args.experts_per_rank
+    if args.top_k > num_experts:
+        raise ValueError(
+            f"--top-k {args.top_k} exceeds the {num_experts} experts (--num-ranks {args.num_ranks} x "
+            f"--experts-per-rank {args.experts_per_rank}): a token picks distinct experts"
+        )
     entries = args.num_steps * args.num_layers * num_experts
     if entries > _MAX_GENERATED_ENTRIES or args.num_steps * args.num_layers > _MAX_GENERATED_ROWS:
         raise ValueError(
@@ -230,7 +235,8 @@ def _generate(args):
 
 
 def _progress(what: str, *, seconds: float = _PROGRESS_SECONDS, stream=None):
-    """A ``progress`` wrapper for :func:`moe_eplb_jax.sim.simulate`: a line on stderr every ``seconds``."""
+    """A ``progress`` wrapper for :func:`moe_eplb_jax.sim.simulate`: a line on stderr before the first step (it
+    compiles the planners), at every tenth of the steps and at least every ``seconds``."""
     stream = sys.stderr if stream is None else stream
 
     def wrap(steps):
@@ -240,10 +246,13 @@ def _progress(what: str, *, seconds: float = _PROGRESS_SECONDS, stream=None):
         after_first = None  # the first step also compiles: the rate is measured after it
         print(f"{what}: {total} steps", file=stream, flush=True)
         for done, step in enumerate(steps, start=1):
+            if done == 1:
+                print(f"{what}: step 1/{total} compiles the policies' planners first", file=stream, flush=True)
             yield step
             now = time.monotonic()
             after_first = now if after_first is None else after_first
-            if now - last >= seconds and done < total:
+            tenth = done * 10 // total > (done - 1) * 10 // total
+            if (tenth or now - last >= seconds) and done < total:
                 last = now
                 left = f", ~{(total - done) * (now - after_first) / (done - 1):.0f} s left" if done > 1 else ""
                 print(
@@ -266,7 +275,9 @@ def _home_phy2log(num_layers: int, num_logical: int) -> np.ndarray:
 
 def _read_placement(path, trace, num_ranks):
     # An SGLang file does not store E: the load file's E is the one it must serve.
-    placement = Placement.load(path, num_ranks=num_ranks, num_logical=trace.num_logical)
+    placement = Placement.load(
+        path, num_ranks=num_ranks, num_logical=trace.num_logical, layer_ids=trace.meta.get("layer_ids")
+    )
     if placement.num_layers != trace.num_layers:
         raise ValueError(
             f"{path}: placement is for L={placement.num_layers} layers; the load file has L={trace.num_layers}"
@@ -365,10 +376,10 @@ def _check_outputs(args) -> None:
         suffixes = (".json",) if args.format == "sglang" else (".json", ".npz")
         check_output_path(args.output, what="placement", suffixes=suffixes)
     elif args.command == "heatmap":
-        check_output_path(args.output, what="heatmap")
+        check_output_path(args.output, what="heatmap", suffixes=FIGURE_SUFFIXES)
         pyplot()
     elif args.command == "simulate" and args.plot:
-        check_output_path(args.plot, what="plot")
+        check_output_path(args.plot, what="plot", suffixes=FIGURE_SUFFIXES)
         pyplot()
 
 
@@ -416,7 +427,8 @@ def _run(args) -> int:
         return 0
     if args.command == "fit":
         placement = _fit(trace, args.num_ranks, args.num_physical, args.policy, args.num_groups, args.num_nodes)
-        placement.save(args.output, format=args.format)
+        rows = {k: trace.meta[k] for k in ("layer_ids", "num_hidden_layers") if k in trace.meta}
+        placement.save(args.output, format=args.format, **(rows if args.format == "sglang" else {}))
         print(_stats_table(trace.total(), args.num_ranks, placement.phy2log))
         print(f"wrote {args.output} ({args.policy}, {args.format} format, P={args.num_physical}, EP{args.num_ranks})")
         return 0

@@ -13,10 +13,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from moe_eplb_jax import policy as _policy
-from moe_eplb_jax._checks import check_int
+from moe_eplb_jax._checks import INT32_MAX, check_int, show
 from moe_eplb_jax.routing import MODES, routing_mode
 
-__all__ = ["EplbConfig"]
+__all__ = ["EPLB_COMMUNICATORS", "EplbConfig"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +83,7 @@ class EplbConfig:
                 f"the hierarchical policy needs when num_groups ({self.num_groups}) is a multiple of num_nodes"
             )
         if not isinstance(self.policy, str) or not self.policy:
-            raise ValueError(f"EplbConfig.policy must be a policy name, got {self.policy!r}")
+            raise ValueError(f"EplbConfig.policy must be a policy name, got {show(self.policy)}")
         try:
             chosen = _policy.get(self.policy)
         except ValueError as e:
@@ -101,7 +101,7 @@ class EplbConfig:
                 f"{self.routing!r} (use step_interval)"
             )
         if self.overlap is not None and self.overlap != "layer":
-            _check_int("overlap", self.overlap, minimum=1, none="None, 'layer' or ")
+            _check_int("overlap", self.overlap, minimum=1, maximum=2**63 - 1, none="None, 'layer' or ")
 
     @property
     def hierarchical(self) -> bool:
@@ -123,8 +123,13 @@ class EplbConfig:
         ``P`` must divide into ``num_gpus``; ``E`` into ``num_groups`` only
         where the policy is hierarchical (:attr:`hierarchical`).
         """
-        num_logical = check_int("num_logical", num_logical, minimum=1)
+        num_logical = check_int("num_logical", num_logical, minimum=1, maximum=INT32_MAX)
         num_physical = num_logical + self.num_redundant_experts
+        if num_physical > INT32_MAX:  # slot ids are int32
+            raise ValueError(
+                f"{num_logical} experts + EplbConfig.num_redundant_experts={self.num_redundant_experts} = "
+                f"{num_physical} slots, more than 2**31 - 1"
+            )
         if num_physical % self.num_gpus:
             raise ValueError(
                 f"{num_logical} experts + {self.num_redundant_experts} redundant = {num_physical} slots, "
@@ -142,13 +147,20 @@ class EplbConfig:
     def from_dict(cls, fields: Mapping[str, Any]) -> EplbConfig:
         """A config from a mapping of field names: this class's, or vLLM's ``EPLBConfig`` names.
 
-        vLLM's ``window_size``, ``step_interval``, ``num_redundant_experts`` and
+        Every field of vLLM's ``EPLBConfig`` is read, with vLLM's defaults:
+        ``window_size``, ``step_interval``, ``num_redundant_experts`` and
         ``policy`` are ours too (``"default"`` is this library's default
         policy, ``"balanced"``); ``log_balancedness`` (bool) with
-        ``log_balancedness_interval`` becomes ``log_interval``, ``use_async``
-        (bool) becomes ``overlap="layer"``. Unknown keys, a field given under
-        two names and values of the wrong type (``true`` for an int, ``16.7``
-        for an int, ``"no"`` for a bool) raise ``ValueError`` naming the key.
+        ``log_balancedness_interval`` becomes ``log_interval``; ``use_async``
+        (bool; vLLM's default ``true`` where neither it nor ``overlap`` is
+        given) becomes ``overlap="layer"`` (one layer moved per step, the
+        layers switching as their bytes arrive) or ``None``; ``communicator``
+        (vLLM's weight-transfer backend: one of ``EPLB_COMMUNICATORS`` or
+        ``null``) is checked and not kept: the transport picks its own (a GPU
+        kernel or ``ppermute``, ``moe_eplb_jax.transport``). Unknown keys, a
+        field given under two names and values of the wrong type (``true`` for
+        an int, ``16.7`` for an int, ``"no"`` for a bool) raise ``ValueError``
+        naming the key.
         """
         if not isinstance(fields, Mapping):
             raise ValueError(f"EplbConfig fields must be a mapping, got {type(fields).__name__}")
@@ -158,7 +170,12 @@ class EplbConfig:
             raise ValueError(f"EplbConfig: unknown field(s) {unknown}; known: {known}")
         for key, kind in _VLLM_FIELDS.items():
             if key in fields and kind is bool and not isinstance(fields[key], bool):
-                raise ValueError(f"EplbConfig: field {key!r} must be true or false, got {fields[key]!r}")
+                raise ValueError(f"EplbConfig: field {key!r} must be true or false, got {show(fields[key])}")
+        if fields.get("communicator") is not None and fields["communicator"] not in EPLB_COMMUNICATORS:
+            raise ValueError(
+                f"EplbConfig: field 'communicator' must be null or one of vLLM's {list(EPLB_COMMUNICATORS)}, got "
+                f"{show(fields['communicator'])}"
+            )
         out = {k: v for k, v in fields.items() if k in _FIELD_NAMES}
         if "log_balancedness" in fields or "log_balancedness_interval" in fields:
             if "log_interval" in fields:
@@ -166,10 +183,10 @@ class EplbConfig:
             interval = fields.get("log_balancedness_interval", 1)
             _check_int("log_balancedness_interval", interval, minimum=1)
             out["log_interval"] = interval if fields.get("log_balancedness", False) else None
-        if "use_async" in fields:
-            if "overlap" in fields:
-                raise ValueError("EplbConfig: give overlap or vLLM's use_async, not both")
-            out["overlap"] = "layer" if fields["use_async"] else None
+        if "use_async" in fields and "overlap" in fields:
+            raise ValueError("EplbConfig: give overlap or vLLM's use_async, not both")
+        if "overlap" not in fields:
+            out["overlap"] = "layer" if fields.get("use_async", _VLLM_USE_ASYNC) else None
         if out.get("policy") == "default":
             out["policy"] = cls.policy
         return cls(**out)
@@ -177,15 +194,23 @@ class EplbConfig:
     @classmethod
     def from_json(cls, text: str) -> EplbConfig:
         """A config from a JSON object (as vLLM's ``--eplb-config`` takes); see :meth:`from_dict`."""
+        return cls.from_dict(cls.parse_json(text))
+
+    @staticmethod
+    def parse_json(text: str) -> dict[str, Any]:
+        """The fields of a JSON object, unchecked but for the JSON itself (a string holding one object, no key twice,
+        not nested without end); :meth:`from_dict` checks them."""
         if not isinstance(text, str):
             raise ValueError(f"EplbConfig.from_json takes a JSON string, got {type(text).__name__}")
         try:
-            fields = json.loads(text, object_pairs_hook=_no_duplicate_keys)
+            fields = json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_int=_parse_int)
         except json.JSONDecodeError as e:
             raise ValueError(f"EplbConfig: not valid JSON ({e})") from None
+        except RecursionError:
+            raise ValueError("EplbConfig: not valid JSON (nested too deeply)") from None
         if not isinstance(fields, dict):
             raise ValueError(f"EplbConfig JSON must be an object, got {type(fields).__name__}")
-        return cls.from_dict(fields)
+        return fields
 
     def to_dict(self) -> dict[str, Any]:
         """Every field under this class's names (``from_dict`` reads it back)."""
@@ -197,13 +222,24 @@ class EplbConfig:
 
 _FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(EplbConfig))
 # vLLM's EPLBConfig fields without a twin here, and their types (mapped onto our fields by from_dict).
-_VLLM_FIELDS = {"log_balancedness": bool, "log_balancedness_interval": int, "use_async": bool}
+_VLLM_FIELDS = {"log_balancedness": bool, "log_balancedness_interval": int, "use_async": bool, "communicator": str}
+_VLLM_USE_ASYNC = True  # vLLM's default
+EPLB_COMMUNICATORS = ("torch_nccl", "torch_gloo", "nixl", "pynccl")  # vLLM's weight-transfer backends
 
 
-def _check_int(name: str, value, *, minimum: int, none: str = "") -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+def _check_int(name: str, value, *, minimum: int, maximum: int = INT32_MAX, none: str = "") -> None:
+    """Counts and steps live in int32 on the device (a window row, the step counters): past that they would wrap."""
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
         what = "a positive integer" if minimum == 1 else "a non-negative integer"
-        raise ValueError(f"EplbConfig.{name} must be {none}{what}, got {value!r}")
+        bound = "2**31 - 1" if maximum == INT32_MAX else "2**63 - 1"
+        raise ValueError(f"EplbConfig.{name} must be {none}{what} up to {bound}, got {show(value)}")
+
+
+def _parse_int(digits: str) -> int:
+    """A JSON integer; one longer than Python converts becomes a number of as many digits (no field takes it)."""
+    sign = -1 if digits.startswith("-") else 1
+    count = len(digits.lstrip("-"))
+    return int(digits) if count <= 4000 else sign * 10 ** (count - 1)
 
 
 def _no_duplicate_keys(pairs):

@@ -21,11 +21,20 @@ File format (``save`` / ``load``), version 1. JSON::
 ``.npz`` files hold the same keys as arrays (``format`` and ``version`` as 0-d
 arrays) and are the better choice for large models.
 
+``log2phy`` lists each expert's replicas in ascending slot order, whatever
+order the tables it was built from used (``from_tables`` checks them, then
+rebuilds ``log2phy``): a placement routes the same however it was stored.
+
 SGLang's expert-location file (``save(path, format="sglang")``; ``load`` detects
-it) is the JSON object ``{"physical_to_logical_map": [[...P ints...] x L]}``
-that SGLang's ``--init-expert-location`` reads; SGLang derives each expert's
-replica list in ascending slot order, as ``log2phy`` here. It does not store
-``E``: ``load`` takes the largest expert id + 1 unless ``num_logical`` is given.
+it) is the JSON object ``{"physical_to_logical_map": [[...P ints...] x N]}``
+that SGLang's ``--init-expert-location`` reads. SGLang sizes it by the model's
+decoder blocks (``num_hidden_layers``), dense ones included, and reads row
+``layer_id`` for the MoE block ``layer_id``; it derives each expert's replica
+list in ascending slot order, as ``log2phy`` here. ``save`` writes the ``L``
+MoE rows at their blocks ``layer_ids`` of ``num_hidden_layers`` rows (the
+others hold SGLang's trivial map, slot ``p`` -> expert ``p mod E``); ``load``
+with ``layer_ids`` picks them out again. The file does not store ``E``:
+``load`` takes the largest expert id + 1 unless ``num_logical`` is given.
 Files are written atomically (a unique temporary file renamed over the target).
 """
 
@@ -39,7 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_eplb_jax._checks import check_int
+from moe_eplb_jax._checks import INT32_MAX, check_fits, check_int, host_memory_bytes
 from moe_eplb_jax._files import (
     array_field,
     check_document,
@@ -56,7 +65,16 @@ FILE_FORMATS = ("moe_eplb_jax", "sglang")
 _FIELDS = ("num_layers", "num_logical", "num_physical", "phy2log", "log2phy", "logcnt")
 _TABLES = ("phy2log", "log2phy", "logcnt")
 
-__all__ = ["Placement", "build_log2phy", "check_expert_ids", "FILE_FORMAT", "FILE_FORMATS", "FILE_VERSION"]
+__all__ = [
+    "Placement",
+    "build_log2phy",
+    "check_expert_ids",
+    "check_layer_ids",
+    "check_placement_size",
+    "FILE_FORMAT",
+    "FILE_FORMATS",
+    "FILE_VERSION",
+]
 
 
 _INT32 = np.iinfo(np.int32)
@@ -89,7 +107,7 @@ def build_log2phy(phy2log: np.ndarray, num_logical: int) -> tuple[np.ndarray, np
     Replicas of an expert are listed in ascending slot order; ids outside
     ``[0, num_logical)`` raise ``ValueError``.
     """
-    num_logical = check_int("num_logical", num_logical, minimum=1)
+    num_logical = check_int("num_logical", num_logical, minimum=1, maximum=INT32_MAX)
     phy2log = _as_int_table("phy2log", phy2log, 2).astype(np.int64)
     check_expert_ids(phy2log, num_logical)
     num_layers, num_physical = phy2log.shape
@@ -148,7 +166,7 @@ class Placement:
     @classmethod
     def from_phy2log(cls, phy2log, num_logical: int, *, num_ranks: int | None = None) -> Placement:
         """Builds and validates a placement from ``phy2log [L, P]`` (or ``[P]`` for one layer)."""
-        num_logical = check_int("num_logical", num_logical, minimum=1)
+        num_logical = check_int("num_logical", num_logical, minimum=1, maximum=INT32_MAX)
         table = _as_int_table("phy2log", phy2log)
         if table.ndim == 1:
             table = table[None]
@@ -162,14 +180,19 @@ class Placement:
 
     @classmethod
     def from_tables(cls, phy2log, log2phy, logcnt, *, num_ranks: int | None = None) -> Placement:
-        """Wraps tables computed elsewhere (e.g. by a policy) after validating them."""
+        """Wraps tables computed elsewhere (e.g. by a policy) after validating them.
+
+        ``log2phy`` may list an expert's replicas in any order; the placement
+        lists them in ascending slot order (the module docstring), so it routes
+        as the same ``phy2log`` read from any file.
+        """
         placement = cls(
             phy2log=_as_int_table("phy2log", phy2log, 2),
             log2phy=_as_int_table("log2phy", log2phy, 3),
             logcnt=_as_int_table("logcnt", logcnt, 2),
         )
         placement.validate(num_ranks=num_ranks)
-        return placement
+        return dataclasses.replace(placement, log2phy=build_log2phy(placement.phy2log, placement.num_logical)[0])
 
     @classmethod
     def linear(cls, num_layers: int, num_logical: int, num_physical: int, *, num_ranks: int | None = None) -> Placement:
@@ -273,19 +296,33 @@ class Placement:
         return (self.phy2log, self.log2phy, self.logcnt)
 
     # ------------------------------------------------------------------ I/O
-    def save(self, path: str | os.PathLike, *, format: str = "moe_eplb_jax") -> None:
+    def save(
+        self,
+        path: str | os.PathLike,
+        *,
+        format: str = "moe_eplb_jax",
+        layer_ids=None,
+        num_hidden_layers: int | None = None,
+    ) -> None:
         """Writes the placement, validated, atomically; see the module docstring for the formats.
 
         ``format="moe_eplb_jax"``: JSON (``.json``) or numpy archive (``.npz``).
         ``format="sglang"``: SGLang's expert-location JSON (``.json`` only), for
-        ``--init-expert-location``.
+        ``--init-expert-location``: ``num_hidden_layers`` rows (default ``L``),
+        layer ``l``'s at row ``layer_ids[l]`` (default ``l``; the decoder
+        block of MoE layer ``l``), the trivial map in the others.
         """
         if format not in FILE_FORMATS:
             raise ValueError(f"format must be one of {list(FILE_FORMATS)}, got {format!r}")
+        if format != "sglang" and (layer_ids is not None or num_hidden_layers is not None):
+            raise ValueError("layer_ids and num_hidden_layers place rows in an SGLang file: use format='sglang'")
         p = self.validate().to_numpy()
         if format == "sglang":
             path = check_output_path(path, what="SGLang placement", suffixes=(".json",))
-            write_json(path, {"physical_to_logical_map": p.phy2log.tolist()}, what="SGLang placement")
+            layer_ids, num_hidden_layers = check_layer_ids(layer_ids, p.num_layers, num_hidden_layers)
+            rows = np.tile(np.arange(p.num_physical) % p.num_logical, (num_hidden_layers, 1))
+            rows[layer_ids] = p.phy2log
+            write_json(path, {"physical_to_logical_map": rows.tolist()}, what="SGLang placement")
             return
         write_document(
             path,
@@ -304,14 +341,21 @@ class Placement:
 
     @classmethod
     def load(
-        cls, path: str | os.PathLike, *, num_ranks: int | None = None, num_logical: int | None = None
+        cls,
+        path: str | os.PathLike,
+        *,
+        num_ranks: int | None = None,
+        num_logical: int | None = None,
+        layer_ids=None,
     ) -> Placement:
         """Reads a placement file of either format (detected from its fields); validated like any placement.
 
         ``num_logical`` checks ``E`` against the file; an SGLang file does not
         store ``E`` (its model config does), so without ``num_logical`` it is
-        taken as the largest expert id + 1. Every malformed file raises
-        ``ValueError`` naming the file and the field.
+        taken as the largest expert id of the MoE rows + 1. ``layer_ids``: the
+        decoder blocks of the MoE layers, the rows an SGLang file of every
+        block holds them in (a file of just those rows is read whole). Every
+        malformed file raises ``ValueError`` naming the file and the field.
         """
         path = os.fspath(path)
         if num_logical is not None:
@@ -320,7 +364,7 @@ class Placement:
             num_ranks = check_int("num_ranks", num_ranks, minimum=1)
         doc = read_fields(path, what="placement")
         if "format" not in doc and "physical_to_logical_map" in doc:
-            return cls._from_sglang(doc, path, num_ranks, num_logical)
+            return cls._from_sglang(doc, path, num_ranks, num_logical, layer_ids)
         if "format" not in doc and "logical_count" in doc:
             raise ValueError(
                 f"{path}: an SGLang load file (field 'logical_count'), not a placement; "
@@ -330,7 +374,7 @@ class Placement:
         return cls._from_document(doc, path, num_ranks, num_logical)
 
     @classmethod
-    def _from_sglang(cls, doc: dict, path: str, num_ranks: int | None, num_logical: int | None) -> Placement:
+    def _from_sglang(cls, doc: dict, path: str, num_ranks, num_logical, layer_ids) -> Placement:
         unknown = sorted(set(doc) - {"physical_to_logical_map"})
         if unknown:  # SGLang passes the object's fields as keyword arguments: any other field breaks it
             raise ValueError(f"{path}: unknown field(s) {unknown} in an SGLang placement file")
@@ -338,6 +382,9 @@ class Placement:
         if table.ndim != 2 or 0 in table.shape:
             raise ValueError(f"{path}: field 'physical_to_logical_map' must have shape [L, P], got {table.shape}")
         try:
+            if layer_ids is not None and np.size(layer_ids) != table.shape[0]:  # a row per block: the MoE blocks'
+                layer_ids, _ = check_layer_ids(layer_ids, np.size(layer_ids), table.shape[0])
+                table = table[layer_ids]
             table = _as_int_table("physical_to_logical_map", table)
             num_logical = int(table.max()) + 1 if num_logical is None else num_logical
             return cls.from_phy2log(table, max(num_logical, 1), num_ranks=num_ranks)
@@ -368,12 +415,56 @@ class Placement:
             raise ValueError(f"{path}: {e}") from None
 
 
-def _check_sizes(num_layers, num_logical, num_physical, num_ranks) -> tuple[int, int, int]:
-    num_layers = check_int("num_layers", num_layers, minimum=1)
-    num_logical = check_int("num_logical", num_logical, minimum=1)
-    num_physical = check_int("num_physical", num_physical, minimum=1)
+def check_placement_size(num_layers, num_logical, num_physical, *, physical_name: str = "num_physical"):
+    """``(L, E, P)`` as ints if a placement of that size can exist on this host, else ``ValueError``.
+
+    Ids and counts are int32 (each size at most ``2**31 - 1``), ``P >= E``,
+    and the three tables (``log2phy [L, E, P - E + 1]`` the largest) must fit
+    the host's memory: a size check here, not an allocator's error later.
+    """
+    num_layers = check_int("num_layers", num_layers, minimum=1, maximum=INT32_MAX)
+    num_logical = check_int("num_logical", num_logical, minimum=1, maximum=INT32_MAX)
+    num_physical = check_int(physical_name, num_physical, minimum=1, maximum=INT32_MAX)
     if num_physical < num_logical:
         raise ValueError(f"fewer physical slots ({num_physical}) than logical experts ({num_logical})")
+    entries = num_layers * (num_physical + num_logical * (num_physical - num_logical + 2))
+    check_fits(
+        f"a placement of L={num_layers} layers, E={num_logical} experts and P={num_physical} slots (int32 tables "
+        f"phy2log [L, P], log2phy [L, E, P - E + 1], logcnt [L, E])",
+        4 * entries,
+        host_memory_bytes(),
+        where="this host",
+        hint="fewer redundant slots or experts",
+    )
+    return num_layers, num_logical, num_physical
+
+
+def check_layer_ids(layer_ids, num_layers: int, num_hidden_layers: int | None = None) -> tuple[np.ndarray, int]:
+    """``(layer_ids, num_hidden_layers)`` checked: the decoder block of each of ``num_layers`` MoE layers.
+
+    ``layer_ids`` (default ``0 .. L - 1``) increase strictly within ``[0,
+    num_hidden_layers)``; ``num_hidden_layers`` defaults to the last id + 1.
+    """
+    if layer_ids is None:
+        layer_ids = np.arange(num_layers)
+    try:
+        ids = np.asarray(layer_ids)
+    except (ValueError, TypeError, OverflowError) as e:
+        raise ValueError(f"layer_ids must be a list of block indices ({e})") from None
+    if ids.ndim != 1 or ids.dtype.kind not in "iu" or len(ids) != num_layers:
+        raise ValueError(f"layer_ids must be {num_layers} block indices (one per MoE layer), got {layer_ids!r}")
+    if num_hidden_layers is None:
+        num_hidden_layers = int(ids.max()) + 1
+    num_hidden_layers = check_int("num_hidden_layers", num_hidden_layers, minimum=1, maximum=INT32_MAX)
+    if ids.min() < 0 or ids.max() >= num_hidden_layers or np.any(np.diff(ids) <= 0):
+        raise ValueError(
+            f"layer_ids must increase strictly within [0, num_hidden_layers={num_hidden_layers}), got {ids.tolist()}"
+        )
+    return ids.astype(np.int64), num_hidden_layers
+
+
+def _check_sizes(num_layers, num_logical, num_physical, num_ranks) -> tuple[int, int, int]:
+    num_layers, num_logical, num_physical = check_placement_size(num_layers, num_logical, num_physical)
     if num_ranks is not None:
         num_ranks = check_int("num_ranks", num_ranks, minimum=1)
         if num_physical % num_ranks:

@@ -36,11 +36,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_eplb_jax._checks import check_int, is_concrete
+from moe_eplb_jax._checks import INT32_MAX, check_fits, check_int, device_memory_bytes, is_concrete, show
 from moe_eplb_jax.config import EplbConfig
 
 __all__ = [
     "EplbState",
+    "check_window_size",
+    "checked_counts",
     "end_step",
     "init_state",
     "mark_rearranged",
@@ -101,9 +103,18 @@ def init_state(config: EplbConfig, num_layers: int, num_physical: int, *, per_ra
     ``pass_load [L, G, P]`` and ``window [W, L, G, P]``; ``record`` then takes
     ``[L, G, P]`` per-rank counts, and shard the ``G`` axis over the EP mesh
     axis so that recording needs no communication (see the module docstring).
+
+    Raises ``ValueError`` for sizes that are not integers in ``[1, 2**31 -
+    1]`` and for a window that one device cannot hold (its summed ``[W, L,
+    P]`` rows are what every reader builds), naming ``EplbConfig.window_size``.
     """
-    if num_layers < 1 or num_physical < 1:
-        raise ValueError(f"need num_layers >= 1 and num_physical >= 1, got {num_layers}, {num_physical}")
+    if not isinstance(config, EplbConfig):
+        raise ValueError(f"config must be an EplbConfig, got {type(config).__name__}")
+    num_layers = check_int("num_layers", num_layers, minimum=1, maximum=INT32_MAX)
+    num_physical = check_int("num_physical", num_physical, minimum=1, maximum=INT32_MAX)
+    if not isinstance(per_rank, (bool, np.bool_)):
+        raise ValueError(f"per_rank must be True or False, got {show(per_rank)}")
+    check_window_size(config, num_layers, num_physical)
     if num_physical % config.num_gpus:
         raise ValueError(f"{num_physical} slots are not divisible by num_gpus={config.num_gpus}")
     zero = jnp.zeros((), jnp.int32)
@@ -119,7 +130,20 @@ def init_state(config: EplbConfig, num_layers: int, num_physical: int, *, per_ra
     )
 
 
-_INT32_MAX = int(np.iinfo(np.int32).max)
+def check_window_size(config: EplbConfig, num_layers: int, num_physical: int) -> None:
+    """``ValueError`` naming ``EplbConfig.window_size`` when one device cannot hold the window's ``[W, L, P]`` rows.
+
+    Every reader of the window (and a checkpoint) builds the rows summed over
+    the ranks on one device, so that is the bound in either layout.
+    """
+    check_fits(
+        f"a load window of EplbConfig.window_size={config.window_size} steps x {num_layers} layers x "
+        f"{num_physical} slots (int32)",
+        4 * config.window_size * num_layers * num_physical,
+        device_memory_bytes(),
+        where="one device",
+        hint="lower EplbConfig.window_size",
+    )
 
 
 def _check_state(state) -> None:
@@ -130,31 +154,44 @@ def _check_state(state) -> None:
 def record(state: EplbState, load) -> EplbState:
     """Adds one forward pass's per-slot load ``[L, P]`` (per-rank layout: ``[L, G, P]``; padding excluded).
 
-    ``load`` holds integer token counts (not bools, not floats). Host loads
-    (numpy, lists) and loads of a dtype wider than int32 are checked before the
-    int32 cast: a negative count or one past ``2**31 - 1`` raises instead of
-    wrapping. Device int32 loads are assumed non-negative (checking them would
-    wait for the device), as are traced loads under ``jit``; the running sums
-    are int32.
+    ``load`` holds integer token counts (not bools, not floats), checked by
+    :func:`checked_counts` before the int32 cast; the running sums are int32.
     """
     _check_state(state)
-    dtype = np.dtype(load.dtype) if hasattr(load, "dtype") else np.asarray(load).dtype
-    if dtype.kind not in "iu":
-        raise ValueError(f"load must hold integer token counts, got dtype {dtype}")
     shape = tuple(np.shape(load))
+    load = checked_counts("load", load)
     if shape != tuple(state.pass_load.shape):
         axes = "[L, G, P]" if state.per_rank else "[L, P]"
         raise ValueError(f"load must have shape {axes} = {tuple(state.pass_load.shape)}, got {shape}")
+    return dataclasses.replace(state, pass_load=state.pass_load + load)
+
+
+def checked_counts(name: str, load) -> jax.Array:
+    """Token counts ``load`` as int32, checked before the cast (``ValueError`` naming ``name`` otherwise).
+
+    The dtype must be an integer one (traced loads included). Host loads
+    (numpy, lists) and loads of a dtype wider than int32 are checked by value:
+    a negative count or one past ``2**31 - 1`` raises instead of wrapping.
+    Device int32 loads are assumed non-negative (checking them would wait for
+    the device), as are traced loads under ``jit``.
+    """
+    if not hasattr(load, "dtype"):
+        try:
+            load = np.asarray(load)
+        except (ValueError, TypeError, OverflowError) as e:
+            raise ValueError(f"{name} must be a rectangular array of token counts ({e})") from None
+    dtype = np.dtype(load.dtype)
+    if dtype.kind not in "iu":
+        raise ValueError(f"{name} must hold integer token counts, got dtype {dtype}")
     on_host = not isinstance(load, jax.Array)
-    if is_concrete(load) and (on_host or dtype.itemsize > 4 or dtype == np.uint32) and len(shape) and 0 not in shape:
+    if is_concrete(load) and (on_host or dtype.itemsize > 4 or dtype == np.uint32) and np.size(load):
         host = np.asarray(load)
-        if host.min() < 0 or host.max() > _INT32_MAX:
-            bad = (host < 0) | (host > _INT32_MAX)
+        if host.min() < 0 or host.max() > INT32_MAX:
+            bad = (host < 0) | (host > INT32_MAX)
             index = tuple(int(i) for i in np.argwhere(bad)[0])
-            raise ValueError(f"load{list(index)} = {host[index]} is not a token count in [0, 2**31 - 1]")
+            raise ValueError(f"{name}{list(index)} = {host[index]} is not a token count in [0, 2**31 - 1]")
         load = host.astype(np.int32)
-    load = jnp.asarray(load)
-    return dataclasses.replace(state, pass_load=state.pass_load + load.astype(jnp.int32))
+    return jnp.asarray(load).astype(jnp.int32)
 
 
 def end_step(state: EplbState, *, dummy=False) -> EplbState:

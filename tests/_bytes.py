@@ -5,12 +5,13 @@ import ml_dtypes
 import numpy as np
 
 E5M2_NANS = np.array([0x7D, 0x7E, 0x7F, 0xFD, 0xFE, 0xFF], dtype=np.uint8)  # rewritten by XLA:CPU float ops
+SUB_BYTE_INTS = tuple(np.dtype(d) for d in (ml_dtypes.int4, ml_dtypes.uint4, ml_dtypes.int2, ml_dtypes.uint2))
 _UNSIGNED = {8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint64}
 
 
 def _float_fields(dtype):
     """``(exponent bits, mantissa bits, has sign)`` of a float dtype, or None for integers and bools."""
-    if dtype == np.bool_ or np.issubdtype(dtype, np.integer) or dtype in (ml_dtypes.int4, ml_dtypes.uint4):
+    if dtype == np.bool_ or np.issubdtype(dtype, np.integer) or dtype in SUB_BYTE_INTS:
         return None
     info = ml_dtypes.finfo(dtype)
     bits = jax.dtypes.itemsize_bits(dtype)
@@ -24,16 +25,16 @@ def random_bytes(rng, dtype, shape):
     (subnormals), an all-ones exponent (NaNs with their payloads, infinities,
     the largest finite values of the ``fn`` types), signed zeros and all-ones
     exponents with a zero mantissa, each with a random sign; float8_e5m2 arrays always hold the
-    NaN codes XLA:CPU would rewrite; 4-bit values sit in the low nibble of a
-    byte (as ml_dtypes stores them); bools are 0 or 1.
+    NaN codes XLA:CPU would rewrite; sub-byte values sit in the lowest bits of
+    a byte (as ml_dtypes stores them); bools are 0 or 1.
     """
     dtype = np.dtype(dtype)
     bits = jax.dtypes.itemsize_bits(dtype)
     shape = tuple(shape)
     unsigned = _UNSIGNED[max(8, bits)]
     raw = rng.integers(0, 256, shape + (np.dtype(unsigned).itemsize,), dtype=np.uint8).view(unsigned)[..., 0]
-    if bits == 4:
-        raw &= np.uint8(0x0F)
+    if bits < 8:
+        raw &= np.uint8((1 << bits) - 1)
     fields = _float_fields(dtype)
     if fields is not None:
         nexp, nmant, signed = fields

@@ -98,7 +98,9 @@ def sweep_alias_table(masses, unit):
     return prob, alias
 
 
-def oracle(ids, log2phy, logcnt, num_physical, num_valid, mode, replica_shares=None, quotas=None, record=True):
+def oracle(
+    ids, log2phy, logcnt, num_physical, num_valid, mode, replica_shares=None, quotas=None, record=True, token_offset=0
+):
     """Entry-by-entry numpy model of the documented semantics."""
     num_tokens, top_k = ids.shape
     num_logical, width = log2phy.shape
@@ -111,10 +113,11 @@ def oracle(ids, log2phy, logcnt, num_physical, num_valid, mode, replica_shares=N
         if not 0 <= expert < num_logical:
             continue
         count = max(int(logcnt[expert]), 1)
-        hashed = (token * GOLDEN) % 2**32
-        replica = hashed % count
+        position = (token_offset + token) % 2**32  # the global position
+        hashed = (position * GOLDEN) % 2**32
+        replica = hashed * min(count, 2**16 - 1) // 2**32  # the high bits (exact in Python ints)
         if mode == "round_robin":
-            replica = token % count
+            replica = position % count
         elif mode == "lp":
             live = min(count, width)
             if expert not in alias_tables:
@@ -140,13 +143,14 @@ def oracle(ids, log2phy, logcnt, num_physical, num_valid, mode, replica_shares=N
 def jitted(implementation, mode, num_physical, config=None):
     """One jitted function per (implementation, mode, P, tiling): shared by every test and example."""
 
-    def run(ids, log2phy, logcnt, num_valid, record, extra, lookup=None):
+    def run(ids, log2phy, logcnt, num_valid, record, extra, lookup=None, token_offset=0):
         return map_and_count(
             ids,
             log2phy,
             logcnt,
             num_physical=num_physical,
             num_valid_tokens=num_valid,
+            token_offset=token_offset,
             mode=mode,
             record=record,
             implementation=implementation,
@@ -170,16 +174,19 @@ class Case:
     extra: dict  # {"replica_shares": ...} / {"quotas": ...} / {}
     num_valid: int
     record: bool = True
+    token_offset: int = 0
 
     @classmethod
     def draw(cls, rng, mode, num_tokens, top_k, num_logical, num_physical, *, num_valid=None, record=True):
-        """Fresh random ids (a few invalid), placement and mode table; ``num_valid`` random where not given."""
+        """Fresh random ids (a few invalid), placement, mode table and token offset (near 2**31 at times: the
+        positions wrap mod 2**32 past it); ``num_valid`` random where not given."""
         placement = random_placement(rng, num_logical, num_physical)
         ids = random_ids(rng, num_tokens, top_k, num_logical)
         extra = random_mode_inputs(rng, mode, placement, ids.size)
         if num_valid is None:
             num_valid = int(rng.integers(0, num_tokens + 1))
-        return cls(ids, placement.log2phy[0], placement.logcnt[0], num_physical, mode, extra, num_valid, record)
+        offset = int(rng.choice([0, rng.integers(0, 2**20), 2**31 - 1 - rng.integers(0, num_tokens + 1)]))
+        return cls(ids, placement.log2phy[0], placement.logcnt[0], num_physical, mode, extra, num_valid, record, offset)
 
     def oracle(self):
         return oracle(
@@ -190,6 +197,7 @@ class Case:
             self.num_valid,
             self.mode,
             record=self.record,
+            token_offset=self.token_offset,
             **self.extra,
         )
 
@@ -201,7 +209,7 @@ class Case:
         """``map_and_count`` of this case, jitted (so tables that only concrete checks refuse still run)."""
         fn = jitted(implementation, self.mode, self.num_physical, config)
         args = (self.ids, self.log2phy, self.logcnt, np.int32(self.num_valid), self.record, self.extra)
-        return tuple(np.asarray(a) for a in fn(*args, lookup))
+        return tuple(np.asarray(a) for a in fn(*args, lookup, np.int32(self.token_offset)))
 
 
 def check_parity(implementation, case: Case, *, config=None, lookup=None, message=""):

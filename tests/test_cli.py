@@ -145,14 +145,16 @@ def _fails_cleanly(capsys, argv, match=None):
 def test_bad_output_paths_fail_before_any_work(tmp_path, capsys):
     load = _small_load(tmp_path)
     (tmp_path / "dir.json").mkdir()
+    (tmp_path / "dir.png").mkdir()
     missing = str(tmp_path / "missing" / "out.json")
     _fails_cleanly(capsys, ["generate", "-o", missing], "does not exist")
     _fails_cleanly(capsys, ["fit", load, "--num-ranks", "4", "--num-physical", "20", "-o", missing], "does not exist")
     _fails_cleanly(
         capsys, ["fit", load, "--num-ranks", "4", "--num-physical", "20", "-o", str(tmp_path / "dir.json")], "directory"
     )
-    _fails_cleanly(capsys, ["heatmap", load, "--num-ranks", "4", "-o", str(tmp_path / "dir.json")], "directory")
-    _fails_cleanly(capsys, ["simulate", "--load", load, "--num-ranks", "4", "--plot", missing], "does not exist")
+    _fails_cleanly(capsys, ["heatmap", load, "--num-ranks", "4", "-o", str(tmp_path / "dir.png")], "directory")
+    missing_png = str(tmp_path / "missing" / "out.png")
+    _fails_cleanly(capsys, ["simulate", "--load", load, "--num-ranks", "4", "--plot", missing_png], "does not exist")
     _fails_cleanly(
         capsys,
         ["fit", load, "--num-ranks", "4", "--num-physical", "20", "--format", "sglang", "-o", str(tmp_path / "p.npz")],
@@ -200,7 +202,8 @@ def test_huge_sizes_are_refused_before_allocating(tmp_path, capsys):
     out = str(tmp_path / "x.npz")
     _fails_cleanly(capsys, ["generate", "-o", out, "--num-layers", "1000000000"], "too large")
     _fails_cleanly(capsys, ["generate", "-o", out, "--num-steps", "100000", "--experts-per-rank", "1000"], "too large")
-    _fails_cleanly(capsys, ["generate", "-o", out, "--tokens", "2000000000", "--top-k", "1000000"], "2**53")
+    big_k = ["--top-k", "600000", "--experts-per-rank", "80000", "--num-steps", "1", "--num-layers", "1"]
+    _fails_cleanly(capsys, ["generate", "-o", out, "--tokens", "2000000000", *big_k], "2**53")
     _fails_cleanly(capsys, ["simulate", "--num-spare", "1000000000"], "num_spare")
     load = _small_load(tmp_path)
     _fails_cleanly(capsys, ["fit", load, "--num-ranks", "4", "--num-physical", "1000000000", "-o", out], "slots")
@@ -247,3 +250,23 @@ def test_simulate_reports_progress_on_stderr(tmp_path, capsys):
     captured = capsys.readouterr()
     assert "3 steps" in captured.err and "done in" in captured.err
     assert "none" in captured.out and "3 steps" not in captured.out
+
+
+def test_cli_help_and_errors_say_the_same_things(tmp_path, capsys):
+    """heatmap -o x.jpg wrote a format its help does not list; generate --top-k above E was accepted; simulate's
+    help and its error listed different policy names."""
+    from moe_eplb_jax.sim.report import policy_names
+
+    load = _small_load(tmp_path)
+    for suffix in (".jpg", ".tiff", ".eps"):
+        out = tmp_path / f"map{suffix}"
+        _fails_cleanly(capsys, ["heatmap", load, "--num-ranks", "4", "-o", str(out)], ".png or .pdf or .svg")
+        assert not out.exists()
+        _fails_cleanly(capsys, ["simulate", "--policies", "none", "--plot", str(out)], ".png or .pdf or .svg")
+    _fails_cleanly(capsys, ["generate", "-o", str(tmp_path / "g.npz"), "--top-k", "33"], "--top-k 33 exceeds the 32")
+    _fails_cleanly(capsys, ["simulate", "--top-k", "40"], "--top-k 40 exceeds the 32 experts")
+    assert main(["simulate", "--help"]) == 0
+    helped = " ".join(capsys.readouterr().out.split())
+    listed = ", ".join(policy_names())
+    assert listed in helped
+    _fails_cleanly(capsys, ["simulate", "--policies", "none,quota+lp"], f"choose from {listed}")

@@ -185,6 +185,46 @@ def test_damaged_item_through_orbax_raises_at_restore(tmp_path):
         ctl.restore_item(restored["eplb"])
 
 
+def _damage_files(folder, name):
+    for root, _, files in os.walk(folder):
+        for file in files:
+            if file == name or name == "*":
+                with open(os.path.join(root, file), "wb") as f:
+                    f.write(b"garbage")
+
+
+def test_restore_step_gives_value_errors_for_missing_and_damaged_checkpoints(tmp_path):
+    """Orbax raises its own FileNotFoundError / JSON / TensorStore errors; restore_step one ValueError each."""
+    model, ctl, _ = run(steps=3)
+    manager = ocp.CheckpointManager(tmp_path / "ckpt")
+    for step in (1, 2):
+        manager.save(
+            step,
+            args=ocp.args.Composite(
+                model=ocp.args.StandardSave(nnx.state(model)), eplb=ocp.args.StandardSave(ctl.checkpoint_item())
+            ),
+        )
+    manager.wait_until_finished()
+    step, restored = checkpoint.restore_step(tmp_path / "ckpt", {"model": nnx.state(model)})
+    assert step == 2 and set(restored) == {"model", "eplb"}
+    assert all(np.array_equal(restored["eplb"][k], v) for k, v in ctl.checkpoint_item().items())
+    assert checkpoint.restore_step(manager, {"model": nnx.state(model)}, step=1)[0] == 1
+    (tmp_path / "empty").mkdir()
+    _damage_files(tmp_path / "ckpt" / "2" / "eplb", "_METADATA")
+    _damage_files(tmp_path / "ckpt" / "1" / "model", "*")
+    for directory, step, match in (
+        (tmp_path / "none", None, "no such checkpoint directory"),
+        (tmp_path / "empty", None, "holds no checkpoint"),
+        (tmp_path / "ckpt", 7, r"holds no checkpoint of step 7 \(steps: \[1, 2\]\)"),
+        (tmp_path / "ckpt", True, "step must be an integer"),
+        (tmp_path / "ckpt", None, "step 2 cannot be restored"),
+        (tmp_path / "ckpt", 1, "step 1 cannot be restored"),
+    ):
+        with pytest.raises(ValueError, match=match) as error:
+            checkpoint.restore_step(directory, {"model": nnx.state(model)}, step=step)
+        assert "\n" not in str(error.value) and str(directory) in str(error.value)
+
+
 def test_snapshot_item_round_trip_and_model_shape():
     _, ctl, _ = run(steps=3)
     item = ctl.checkpoint_item()

@@ -41,7 +41,6 @@ def _parse(script, argv):
         (serve, ["--save-placement", "/nonexistent/dir/p.json"], "its directory does not exist"),
         (serve, ["--dump-loads", "/nonexistent/dir/loads.npz"], "--dump-loads .*: its directory does not exist"),
         (serve, ["--dump-loads", "loads.txt"], "must end in .json or .npz"),
-        (serve, ["--quantize", "mxfp4"], "--quantize needs --checkpoint"),
         (serve, ["--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
         (serve, ["--process-id", "1"], "--process-id 1 must be below --num-processes 1"),
         (train, ["--resume"], "--resume needs --checkpoint-dir"),
@@ -52,7 +51,13 @@ def _parse(script, argv):
         (train, ["--eplb-config", '{"policy": "nope"}'], "--eplb-config: EplbConfig.policy: "),
         (serve, ["--eplb-config", '{"step_interval": 0}'], "EplbConfig.step_interval must be a positive integer"),
         (serve, ["--eplb-config", '{"num_gpus": 4}'], "num_gpus=4 but the run has 8 EP ranks"),
-        (train, ["--eplb-config", '{"routing": "quota"}'], "routing='quota' .* needs policy='online'"),
+        (
+            train,
+            ["--eplb-config", '{"routing": "quota", "policy": "balanced"}'],
+            "routing 'quota' needs policy 'online' .* write \"policy\": \"online\" in --eplb-config",
+        ),
+        (serve, ["--routing", "quota", "--eplb-config", '{"policy": "deepseek"}'], "routing 'quota' needs policy"),
+        (serve, ["--routing", "fast"], "argument --routing: invalid choice: 'fast'"),
         # A file's R that the EP size does not divide is caught as the flag's would be.
         (train, ["--eplb-config", '{"num_redundant_experts": 3}'], r"P = E \+ --redundant = 19 is not divisible"),
         (train_functional, ["--batch", "12"], "--batch = 12 is not divisible by the 8 EP ranks"),
@@ -83,6 +88,9 @@ def test_help_shows_defaults(capsys, script):
         assert "(default: 8)" in out
     if script in (serve, train):
         assert "(default: tiny)" in out and "{deepseek_v3_small,deepseek_v3_tiny,small,tiny}" in out
+        assert "--routing {hash,round_robin,lp,quota}" in out and "quota uses policy online" in out
+    flat = " ".join(out.split())
+    assert "(default: None)" not in flat and not re.search(r"\(default: [^)]*\) \(default:", flat)  # said once
 
 
 def test_eplb_config_layers_defaults_file_and_flags(tmp_path):
@@ -119,6 +127,82 @@ def test_placement_demo_runs_with_a_config_file(capsys, tmp_path):
         assert [row.split()[0] for row in rows] == ["linear", "deepseek"]
         before, after = (float(row.split()[-3 if row.startswith("deepseek") else -2]) for row in rows)
         assert 0 < before < after <= 1
+
+
+def _one_line_exit_2(capsys, call, message):
+    with pytest.raises(SystemExit) as e:
+        call()
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert ": error: " in err[-1] and re.search(message, err[-1]), err
+    assert not any("Traceback" in line for line in err)
+
+
+def test_output_paths_and_config_files_are_checked_before_the_run(capsys, tmp_path):
+    """Output paths a run could not write failed with a traceback after the run; a config file that is not UTF-8
+    text did not name the flag, a FIFO blocked."""
+    (tmp_path / "loads.npz").mkdir()
+    latin = tmp_path / "eplb.json"
+    latin.write_bytes('{"policy": "défaut"}'.encode("latin-1"))
+    os.mkfifo(tmp_path / "fifo.json")
+    for script, argv, message in (
+        (serve, ["--dump-loads", str(tmp_path / "loads.npz")], r"--dump-loads .*loads\.npz: it is a directory"),
+        (serve, ["--save-placement", "/proc/p.json"], r"--save-placement /proc/p\.json: cannot write in /proc"),
+        (serve, ["--dump-loads", "/sys/loads.npz"], r"--dump-loads /sys/loads\.npz: cannot write in /sys"),
+        (serve, ["--eplb-config", str(latin)], r"--eplb-config .*eplb\.json: not UTF-8 text"),
+        (train, ["--eplb-config", str(tmp_path / "fifo.json")], "--eplb-config .*fifo.json: not a regular file"),
+        (serve, ["--eplb-config", '{"window_size": 1e30}'], "EplbConfig.window_size must be a positive integer"),
+        (serve, ["--eplb-config", '{"window_size": ' + "9" * 30 + "}"], "window_size must be a positive integer up to"),
+        (train, ["--checkpoint-dir", "/proc/ckpt"], "--checkpoint-dir /proc/ckpt: cannot write in /proc"),
+        (train, ["--checkpoint-dir", str(latin)], "--checkpoint-dir .*: it is not a directory"),
+    ):
+        _one_line_exit_2(capsys, lambda: _parse(script, argv), message)
+
+
+@pytest.mark.usefixtures("keep_environment")
+def test_a_window_one_device_cannot_hold_exits_2_before_the_model_is_built(capsys):
+    big = '{"window_size": 2147483647}'
+    for script in (serve, train, train_functional):
+        _one_line_exit_2(capsys, lambda: script.main(["--eplb-config", big]), "EplbConfig.window_size")
+
+
+@pytest.mark.usefixtures("keep_environment")
+def test_train_resume_from_a_damaged_checkpoint_exits_2_with_one_line(capsys, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "3").mkdir(parents=True)
+    (ckpt / "3" / "_CHECKPOINT_METADATA").write_text("garbage")
+    argv = ["--batch", "8", "--seq", "8", "--checkpoint-dir", str(ckpt), "--resume"]
+    _one_line_exit_2(capsys, lambda: train.main(argv), r"--resume: .*ckpt: step 3 cannot be restored \(KeyError")
+    _one_line_exit_2(capsys, lambda: train.main([*argv[:-2], str(tmp_path), "--resume"]), "holds no checkpoint")
+
+
+def test_routing_and_quantize_flags(capsys):
+    """serve had no --routing (quota also needs the online policy: the flag brings it); --quantize needed a
+    checkpoint that nothing wrote (now the model's own experts are quantized)."""
+    _, args = serve.parse_args(["--routing", "quota"])
+    assert (args.eplb["routing"], args.eplb["policy"]) == ("quota", "online")
+    _, args = serve.parse_args(["--eplb-config", '{"routing": "quota"}'])
+    assert (args.eplb["routing"], args.eplb["policy"]) == ("quota", "online")
+    _, args = train.parse_args(["--routing", "lp", "--eplb-config", '{"routing": "hash", "policy": "deepseek"}'])
+    assert (args.eplb["routing"], args.eplb["policy"]) == ("lp", "deepseek")  # the flag wins over the file
+    _, args = serve.parse_args(["--quantize", "mxfp4"])
+    assert args.quantize == "mxfp4" and args.checkpoint is None
+
+
+def test_counting_compiles_counts_programs_compiled_in_its_block():
+    from _runtime import counting_compiles
+
+    def fresh(x):
+        return x * 3 + 1
+
+    jitted = jax.jit(fresh)
+    with counting_compiles() as compiled:
+        jitted(np.float32(2))
+        jitted(np.float32(5))  # the same program: compiled once
+    assert compiled[0] == 1
+    with counting_compiles() as compiled:
+        jitted(np.float32(7))
+    assert compiled[0] == 0
 
 
 @pytest.fixture
@@ -187,6 +271,8 @@ def test_train_checkpoints_and_resumes_exactly(capsys, tmp_path):
         train.main([*common, "--steps", "6", "--resume"])
         resumed = capsys.readouterr().out
     assert "step 3: checkpoint saved" in straight and "resumed from step 3 (1 rearrangements so far)" in resumed
+    assert straight.index("controller.warmup(): compiling") < straight.index("step 1: compiling the train step")
+    assert "step 4: compiling the train step" in resumed
     assert "step 5: rearranged" in straight and "step 5: rearranged" in resumed  # the window and counters came back
 
     def losses(text, first):
@@ -250,3 +336,17 @@ def test_serve_and_train_run_deepseek_v3(capsys, tmp_path):
     out = capsys.readouterr().out
     first, last = re.search(r"steps 1\.\.3: loss ([\d.]+) -> ([\d.]+)", out).groups()
     assert float(last) < float(first)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("keep_environment")
+def test_serve_with_routing_flag_and_quantized_random_experts(capsys):
+    """--routing lp and --quantize fp8 without a checkpoint: a move under lp took seconds (its lookup tables compiled
+    at the move) while the summary said nothing compiled mid-run; now warmup compiles them and the summary counts."""
+    serve.main([*SERVE_SMALL, "--routing", "lp", "--quantize", "fp8"])
+    out = capsys.readouterr().out
+    assert (
+        out.index("compiling prefill and decode") < out.index("controller.warmup(): compiling") < out.index("batch 1/")
+    )
+    assert "routing 'lp'" in out and "redundant (fp8)" in out and "rearrangement 1" in out
+    assert "(nothing compiled mid-run)" in out

@@ -61,7 +61,7 @@ def test_crash_mid_write_keeps_the_previous_file(tmp_path, monkeypatch, suffix):
         raise OSError(5, "injected crash")
 
     monkeypatch.setattr(os, "fsync", crash)
-    with pytest.raises(OSError, match="injected crash"):
+    with pytest.raises(ValueError, match=r"p\.(json|npz): cannot write the placement file \(injected crash\)"):
         new.save(path)
     monkeypatch.undo()
     assert path.read_bytes() == before and Placement.load(path) == old
@@ -147,6 +147,28 @@ def test_unwritable_output_paths_raise_value_error(tmp_path):
             with pytest.raises(ValueError, match=match):
                 write(tmp_path / target)
     assert sorted(os.listdir(tmp_path)) == ["dir.json", "dir.npz"]
+
+
+@pytest.mark.parametrize("kind", ["placement", "sglang", "load"])
+def test_special_and_missing_output_paths_raise_value_errors_naming_them(kind):
+    """/proc and /sys take no new file even for root (raw OSError before); None raised TypeError."""
+    write = {
+        "placement": lambda path: _placement().save(path),
+        "sglang": lambda path: _placement().save(path, format="sglang"),
+        "load": lambda path: save_load(path, np.ones((2, 4))),
+    }[kind]
+    what = {"placement": "placement", "sglang": "SGLang placement", "load": "load"}[kind]
+    for path, match in (
+        ("/proc/p.json", f"/proc/p.json: cannot write the {what} file in '/proc'"),
+        ("/sys/p.json", f"/sys/p.json: cannot write the {what} file in '/sys'"),
+        (None, f"{what} file: need a path, got None"),
+        (3, f"{what} file: need a path, got 3"),
+        ("", f"{what} file: need a non-empty path"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            write(path)
+    with pytest.raises(ValueError, match="cannot write the plot file in '/proc'"):
+        files.check_output_path("/proc/plot.png", what="plot")
 
 
 def test_output_path_naming_a_device_is_refused(tmp_path):
@@ -355,6 +377,58 @@ def test_sglang_placement_round_trip(tmp_path):
         p.save(tmp_path / "x.npz", format="sglang")
     with pytest.raises(ValueError, match="format must be one of"):
         p.save(tmp_path / "x.json", format="vllm")
+
+
+def test_sglang_files_hold_a_row_per_decoder_block(tmp_path):
+    """SGLang sizes its map by num_hidden_layers and reads row layer_id for MoE block layer_id; a model with dense
+    blocks got one row per MoE layer, so SGLang read the wrong rows (and too few)."""
+    p = _placement(2, num_layers=3, num_logical=8, num_physical=12)
+    path = tmp_path / "loc.json"
+    p.save(path, format="sglang", layer_ids=[1, 3, 4], num_hidden_layers=6)
+    rows = json.loads(path.read_text())["physical_to_logical_map"]
+    assert len(rows) == 6  # SGLang's ModelConfigForExpertLocation.num_layers: the model's num_hidden_layers
+    trivial = (np.arange(12) % 8).tolist()  # SGLang's own map for a block (init_trivial)
+    assert [rows[i] for i in (0, 2, 5)] == [trivial] * 3 and [rows[i] for i in (1, 3, 4)] == p.phy2log.tolist()
+    assert Placement.load(path, layer_ids=[1, 3, 4]) == p
+    assert Placement.load(path, layer_ids=[1, 3, 4], num_logical=8, num_ranks=4) == p
+    p.save(tmp_path / "moe_rows.json", format="sglang")  # a file of the MoE rows only is read whole
+    assert Placement.load(tmp_path / "moe_rows.json", layer_ids=[1, 3, 4]) == p
+    for ids, blocks, match in (
+        ([1, 3], 6, "layer_ids must be 3 block indices"),
+        ([1, 1, 4], 6, "layer_ids must increase strictly"),
+        ([1, 3, 6], 6, r"within \[0, num_hidden_layers=6\)"),
+        ([1, 3, 4], 0, "num_hidden_layers must be >= 1"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            p.save(path, format="sglang", layer_ids=ids, num_hidden_layers=blocks)
+    with pytest.raises(ValueError, match="use format='sglang'"):
+        p.save(tmp_path / "p.json", layer_ids=[1, 3, 4])
+    with pytest.raises(ValueError, match="loc.json: layer_ids must increase strictly"):
+        Placement.load(path, layer_ids=[4, 3, 1, 0])
+
+
+def test_one_placement_routes_the_same_from_our_file_and_sglangs(tmp_path):
+    """Our files kept the policy's replica order, SGLang's loader (and ours of its files) lists them by slot: one
+    phy2log routed differently (hash picks replica j of log2phy)."""
+    from moe_eplb_jax.policy import rebalance_experts
+    from moe_eplb_jax.routing import map_and_count
+
+    weight = np.random.default_rng(3).gamma(0.5, 10.0, size=(2, 16))
+    tables = rebalance_experts(weight, 24, 1, 1, 4)
+    ascending = np.sort(np.where(tables[1] < 0, 99, tables[1]), axis=-1)
+    assert not np.array_equal(np.where(ascending == 99, -1, ascending), tables[1])  # the policy's order differs
+    placement = Placement.from_tables(*tables, num_ranks=4)
+    loaded = []
+    for name, fmt in (("p.json", "moe_eplb_jax"), ("p.npz", "moe_eplb_jax"), ("s.json", "sglang")):
+        placement.save(tmp_path / name, format=fmt)
+        loaded.append(Placement.load(tmp_path / name, num_logical=16))
+    for q in loaded:
+        assert np.array_equal(q.log2phy, loaded[-1].log2phy) and np.array_equal(q.log2phy, placement.log2phy)
+    ids = np.random.default_rng(4).integers(0, 16, size=(64, 4)).astype(np.int32)
+    routed = [
+        np.asarray(map_and_count(ids, q.log2phy[0], q.logcnt[0], num_physical=24, mode="hash")[0]) for q in loaded
+    ]
+    assert all(np.array_equal(r, routed[0]) for r in routed)
 
 
 @pytest.mark.parametrize(

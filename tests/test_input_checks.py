@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 
-from moe_eplb_jax import EplbConfig, Placement, metrics, quant
+from moe_eplb_jax import EplbConfig, Placement, metrics, policy, quant
 from moe_eplb_jax import state as eplb_state
 from moe_eplb_jax.placement import build_log2phy
 from moe_eplb_jax.policy.online import fill_unused_spares
@@ -259,3 +259,206 @@ def test_metrics_ratios_do_not_overflow():
     near_max = jnp.asarray(loads / 1e308 * 3e38, jnp.float32)  # float32 sums of these overflow
     assert float(metrics.balancedness(near_max)) == pytest.approx(expected, rel=1e-6)
     np.testing.assert_allclose(np.asarray(metrics.rank_imbalance(near_max)), [1.0 / 0.875, 1.0], rtol=1e-6)
+
+
+# ------------------------------------------------------------------------ the edges of the runtime
+HUGE = 10**5000 - 1  # Python refuses to print it: an error message must still name the field
+
+
+def _policy_call(name, weight, num_replicas):
+    return lambda: policy.get(name)(weight, num_replicas, 1, 1, 1)
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: eplb_state.init_state(EplbConfig(), 2.0, 8), "num_layers must be an integer"),
+        (lambda: eplb_state.init_state(EplbConfig(), "2", 8), "num_layers must be an integer"),
+        (lambda: eplb_state.init_state(EplbConfig(), 2, 8.0), "num_physical must be an integer"),
+        (lambda: eplb_state.init_state(EplbConfig(), 2, 10**12), "num_physical must be <= 2147483647"),
+        (lambda: eplb_state.init_state(EplbConfig(), HUGE, 8), "num_layers must be <= .*5000 digits"),
+        (lambda: eplb_state.init_state(EplbConfig(), 2, 8, per_rank="yes"), "per_rank must be True or False"),
+        (lambda: eplb_state.init_state("config", 2, 8), "config must be an EplbConfig"),
+        # a window of petabytes: a size check naming the field, not RESOURCE_EXHAUSTED from the allocator
+        (lambda: eplb_state.init_state(EplbConfig(window_size=2**31 - 1), 2**20, 2**20), "EplbConfig.window_size"),
+        (lambda: policy.compute_placement(np.ones((2, 4)), "balanced"), "config must be an EplbConfig"),
+        (lambda: policy.compute_placement([["a", "b"]], EplbConfig()), "logical_load"),
+        (lambda: EplbConfig().num_physical(10**12), "num_logical must be <= 2147483647"),
+        (lambda: EplbConfig(num_redundant_experts=2**31 - 1).num_physical(8), "num_redundant_experts"),
+        (lambda: Placement.linear(2, 4, 10**12), "num_physical must be <= 2147483647"),
+        (lambda: Placement.round_robin(2, 4, 10**12, 2), "num_physical must be <= 2147483647"),
+        (lambda: Placement.linear(1, 2**20, 2**31 - 1), "a placement of L=1 layers, E=1048576 experts"),
+        (lambda: Placement.from_phy2log([[0, 1]], 10**12), "num_logical must be <= 2147483647"),
+        (
+            lambda: lp_shares(
+                np.ones(4), np.arange(4)[:, None], np.ones(4, np.int32), num_physical=10**12, num_ranks=1
+            ),
+            "num_physical must be <= 2147483647",
+        ),
+        (_policy_call("deepseek", np.ones((1, 4)), 10**12), "num_replicas must be <= 2147483647"),
+        (_policy_call("balanced", np.ones((1, 4)), 10**12), "num_replicas must be <= 2147483647"),
+        (_policy_call("online", np.ones((1, 4)), 10**12), "num_replicas must be <= 2147483647"),
+        (_policy_call("deepseek", np.ones((1, 2**16)), 2**31 - 1), "a placement of L=1 layers"),
+        (_policy_call("balanced", np.ones((1, 2**16)), 2**31 - 1), "a placement of L=1 layers"),
+        (_policy_call("online", np.ones((1, 2**16)), 2**31 - 2**15), "a placement of L=1 layers"),
+    ],
+)
+def test_sizes_past_int32_or_memory_are_value_errors(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_map_and_count_refuses_slot_counts_past_int32():
+    from moe_eplb_jax.routing import map_and_count
+
+    p = Placement.linear(1, 4, 4)
+    with pytest.raises(ValueError, match=r"num_physical \(1000000000000\) must be <= 2\*\*31 - 1"):
+        map_and_count(jnp.zeros((4, 2), jnp.int32), p.log2phy[0], p.logcnt[0], num_physical=10**12)
+
+
+def test_validate_placements_memory_follows_the_slots_not_the_largest_id():
+    """An id of 10**12 is refused by its range; a valid pair of placements still checks membership per layer."""
+    from moe_eplb_jax.transport import validate_placements
+
+    with pytest.raises(ValueError, match=r"old_phy2log\[0, 1\] = 1000000000000 is outside the expert id range"):
+        validate_placements(np.array([[0, 10**12]]), np.array([[0, 1]]), 2)
+    big = 2**31 - 1  # the largest int32 id: [L, id + 1] would be 2 GiB of bools
+    old, new = np.array([[big, 5, 7, 5]]), np.array([[5, big, 5, 7]])
+    assert validate_placements(old, new, 2)[0].tolist() == old.tolist()
+    with pytest.raises(ValueError, match=r"new_phy2log\[0, 3\] = 6 names an expert that no slot"):
+        validate_placements(old, np.array([[5, big, 5, 6]]), 2)
+    with pytest.raises(ValueError, match=r"new_phy2log\[1\] = 2147483646"):
+        validate_placements(np.array([big, 0]), np.array([0, big - 1]), 1)
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        ({"window_size": 10**30}, "EplbConfig.window_size must be a positive integer up to 2\\*\\*31 - 1"),
+        ({"step_interval": 2**40}, "EplbConfig.step_interval"),
+        ({"step_interval": 2**31}, "EplbConfig.step_interval"),
+        ({"routing": "quota", "policy": "online", "refresh_interval": 2**31}, "EplbConfig.refresh_interval"),
+        ({"log_interval": 2**31}, "EplbConfig.log_interval"),
+        ({"num_gpus": 2**31}, "EplbConfig.num_gpus"),
+        ({"num_redundant_experts": 2**31}, "EplbConfig.num_redundant_experts"),
+        ({"window_size": HUGE}, "EplbConfig.window_size .* got an integer of 5000 digits"),
+        ({"overlap": HUGE}, "EplbConfig.overlap .* got an integer of 5000 digits"),
+    ],
+)
+def test_config_fields_past_their_counters_are_refused_when_built(fields, match):
+    with pytest.raises(ValueError, match=match):
+        EplbConfig(**fields)
+    with pytest.raises(ValueError, match=match):
+        EplbConfig.from_dict(fields)
+
+
+def test_config_json_at_the_edges():
+    with pytest.raises(ValueError, match="EplbConfig.window_size .* an integer of 5000 digits"):
+        EplbConfig.from_json('{"window_size": ' + "9" * 5000 + "}")
+    with pytest.raises(ValueError, match="EplbConfig.log_balancedness_interval"):
+        EplbConfig.from_json('{"log_balancedness": true, "log_balancedness_interval": -' + "9" * 5000 + "}")
+    for deep in ("[" * 100_000 + "]" * 100_000, '{"a":' * 100_000 + "1" + "}" * 100_000):
+        with pytest.raises(ValueError, match="nested too deeply"):
+            EplbConfig.from_json(deep)
+    assert EplbConfig.from_json('{"window_size": 2147483647}').window_size == 2**31 - 1
+
+
+def _balance(num_layers):
+    """A functional balance state of ``num_layers`` layers of 4 slots on 2 ranks (record_step reads its loads)."""
+    from moe_eplb_jax.control import BalanceState
+    from moe_eplb_jax.control.window import LoadWindow
+    from moe_eplb_jax.transport import ep_mesh
+
+    window = LoadWindow(EplbConfig(window_size=2, num_gpus=2), ep_mesh(2), num_layers, 4, "ep")
+    return BalanceState(window.fresh(), None)
+
+
+@pytest.mark.parametrize(
+    "loads, match",
+    [
+        ([np.ones((2, 4), np.float32)], r"loads\[0\] must hold integer token counts, got dtype float32"),
+        ([np.zeros((2, 4), np.int32), -np.ones((2, 4), np.int64)], r"loads\[1\]\[0, 0\] = -1 is not a token count"),
+        ([np.full((4,), 2**33)], r"loads\[0\]\[0\] = 8589934592 is not a token count"),
+        ([jnp.ones((2, 4), jnp.float32)], "must hold integer token counts"),
+        ([[[1.5, 2, 0, 0], [3, 4, 0, 0]]], "must hold integer token counts"),
+    ],
+)
+def test_balancer_record_step_checks_loads_before_the_int32_cast(loads, match):
+    """Outside jit a float, negative or past-int32 load used to be cast to int32 first and recorded wrapped."""
+    from moe_eplb_jax.control import Balancer
+
+    balance = _balance(len(loads))
+    with pytest.raises(ValueError, match=match):
+        Balancer.record_step(balance, loads)
+    good = Balancer.record_step(balance, [np.full((2, 4), 3, np.int64)] * len(loads))
+    assert int(np.asarray(good.loads.window).sum()) == 3 * 8 * len(loads)
+    with pytest.raises(ValueError, match="integer token counts"):  # under jit the dtype is checked too
+        jax.jit(Balancer.record_step)(balance, [jnp.ones((2, 4), jnp.float32)] * len(loads))
+    with pytest.raises(ValueError, match="one array per MoE layer"):
+        Balancer.record_step(balance, 3)
+
+
+def test_load_window_sizes_are_integers():
+    from moe_eplb_jax.control.window import LoadWindow
+    from moe_eplb_jax.transport import ep_mesh
+
+    for bad, match in ((2.5, "num_layers must be an integer"), ("2", "num_layers must be an integer")):
+        with pytest.raises(ValueError, match=match):
+            LoadWindow(EplbConfig(num_gpus=2), ep_mesh(2), bad, 4, "ep")
+
+
+def test_control_loop_sizes_are_checked_before_anything_is_built():
+    from moe_eplb_jax.control import ControlLoop
+    from moe_eplb_jax.control.moves import Mover
+    from moe_eplb_jax.transport import ep_mesh
+
+    mesh = ep_mesh(2)
+    for sizes, match in (
+        ({"num_layers": 2.0, "num_logical": 4, "num_physical": 4}, "num_layers must be an integer"),
+        ({"num_layers": 2, "num_logical": "4", "num_physical": 4}, "num_logical must be an integer"),
+        ({"num_layers": 2, "num_logical": 4, "num_physical": 10**12}, "num_physical must be <= 2147483647"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            ControlLoop(EplbConfig(num_gpus=2), mesh, "ep", **sizes)
+    with pytest.raises(ValueError, match="num_physical must be an integer"):
+        Mover(mesh, "ep", 4, 4.5)
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: EplbConfig(routing=HUGE), "EplbConfig.routing must be one of .* an integer of 5000 digits"),
+        (lambda: EplbConfig(policy=HUGE), "EplbConfig.policy .* an integer of 5000 digits"),
+        (lambda: EplbConfig.from_dict({"use_async": HUGE}), "'use_async' must be true or false, got an integer"),
+        (lambda: quant_check_real(), "scale must be finite, got an integer of 5000 digits"),
+    ],
+)
+def test_huge_integers_are_named_not_printed(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def quant_check_real():
+    from moe_eplb_jax._checks import check_real
+
+    return check_real("scale", HUGE)
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        ({"num_experts": 2**40}, r"ModelConfig.num_experts must be an integer up to 2\*\*31 - 1"),
+        ({"vocab_size": HUGE}, "ModelConfig.vocab_size .* an integer of 5000 digits"),
+        ({"rope_theta": 10**400}, "ModelConfig.rope_theta must be a positive finite number"),
+        ({"rms_eps": HUGE}, "ModelConfig.rms_eps .* an integer of 5000 digits"),
+        ({"top_k": 2**31}, "ModelConfig.top_k"),
+        ({"dtype": HUGE}, "ModelConfig.dtype must be one of"),
+    ],
+)
+def test_model_config_numbers_at_the_edges(fields, match):
+    from moe_eplb_jax.models import ModelConfig, YarnScaling
+
+    with pytest.raises(ValueError, match=match):
+        ModelConfig(**fields)
+    with pytest.raises(ValueError, match="YarnScaling.factor must be a finite number"):
+        YarnScaling(factor=10**400, original_max_len=4096)

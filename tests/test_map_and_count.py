@@ -197,7 +197,7 @@ def test_quota_overflow_falls_back_to_hash(rng):
     phys = np.asarray(phys)[:, 0]
     replicas = placement.log2phy[0, 0]
     np.testing.assert_array_equal(phys[:5], replicas[[0, 0, 0, 2, 2]])
-    hashed = (np.arange(5, 20) * GOLDEN % 2**32) % 3
+    hashed = (np.arange(5, 20) * GOLDEN % 2**32) * 3 // 2**32  # the hash's high bits
     np.testing.assert_array_equal(phys[5:], replicas[hashed])
 
 
@@ -250,8 +250,8 @@ def test_vmap_over_layers_with_a_traced_record_flag(implementation, shape, rng):
 
 @pytest.mark.parametrize("shape", [(24, 2, 16, 24), _gpu((4096, 8, 256, 288))], ids=lambda s: "T{}k{}E{}P{}".format(*s))
 def test_shard_map_psum_equals_global(implementation, shape, rng, mesh):
-    """Inside ``shard_map`` over every device (``shape``: per rank), token indices local to each rank: each shard's
-    ids are its own call's, and the psum'd load their sum."""
+    """Inside ``shard_map`` over every device (``shape``: per rank), each rank's tokens at their global positions
+    (``token_offset``): each shard maps as its own call with that offset, and the psum'd load is their sum."""
     num_local, top_k, num_logical, num_physical = shape
     num_ranks = mesh.shape["ep"]
     placement = random_placement(rng, num_logical, num_physical)
@@ -266,6 +266,7 @@ def test_shard_map_psum_equals_global(implementation, shape, rng, mesh):
             logcnt,
             num_physical=num_physical,
             num_valid_tokens=num_valid,
+            token_offset=jax.lax.axis_index("ep") * num_local,
             implementation=implementation,
         )
         return phys, jax.lax.psum(load, "ep")
@@ -281,7 +282,17 @@ def test_shard_map_psum_equals_global(implementation, shape, rng, mesh):
     want_load = np.zeros(num_physical, np.int64)
     for rank in range(num_ranks):
         shard = ids[rank * num_local : (rank + 1) * num_local]
-        case = Case(shard, placement.log2phy[0], placement.logcnt[0], num_physical, "hash", {}, num_valid)
+        case = Case(
+            shard,
+            placement.log2phy[0],
+            placement.logcnt[0],
+            num_physical,
+            "hash",
+            {},
+            num_valid,
+            True,
+            rank * num_local,
+        )
         want_phys, shard_load = case.expected()
         np.testing.assert_array_equal(np.asarray(phys[rank * num_local : (rank + 1) * num_local]), want_phys)
         want_load += shard_load
@@ -804,3 +815,47 @@ def test_lp_rejects_tables_its_words_cannot_hold(rng):
             mode="lp",
             replica_shares=np.ones((1, 2), np.float32),
         )
+
+
+# ------------------------------------------------------- replica spread at any batch size
+@pytest.mark.parametrize("count", [2, 3, 4, 8])
+def test_hash_is_not_round_robin_for_any_replica_count(count):
+    """``h mod c`` with an odd multiplier repeats the position's low bits: for c = 2, 4, 8 every token took the
+    replica round robin gives it. The high bits differ from round robin and spread every window evenly."""
+    placement = Placement.from_phy2log(np.r_[np.zeros(count, np.int64), np.arange(1, 4)], 4)
+    ids = np.zeros((64, 1), np.int32)
+    replica_of = {int(s): j for j, s in enumerate(placement.log2phy[0, 0, :count])}
+    picked = {}
+    for mode in ("hash", "round_robin"):
+        phys, _ = map_and_count(ids, placement.log2phy[0], placement.logcnt[0], num_physical=count + 3, mode=mode)
+        picked[mode] = np.array([replica_of[int(s)] for s in np.asarray(phys)[:, 0]])
+    assert picked["round_robin"].tolist() == [t % count for t in range(64)]
+    assert not np.array_equal(picked["hash"], picked["round_robin"])
+    for start in range(0, 56, 7):  # any window of consecutive positions: near-uniform
+        counts = np.bincount(picked["hash"][start : start + 9], minlength=count)
+        assert counts.max() - counts.min() <= 3, (start, counts)
+
+
+@pytest.mark.devices(8)
+@pytest.mark.parametrize("tokens_per_rank", [1, 2, 4])
+@pytest.mark.parametrize("count", [2, 4, 8])
+def test_decode_spreads_replicas_over_every_ranks_tokens(tokens_per_rank, count):
+    """In decode each rank holds a token or two: hashing the rank-local index sent every rank's token 0 to the same
+    replica. ``moe_apply`` hashes global positions, so the ranks' tokens spread over the replicas."""
+    from moe_eplb_jax.moe import map_replicas
+    from moe_eplb_jax.transport import ep_mesh
+
+    mesh = ep_mesh(8)
+    placement = Placement.from_phy2log(np.r_[np.zeros(count, np.int64), np.arange(1, 17 - count)], 16 - count + 1)
+    ids = np.zeros((8 * tokens_per_rank, 1), np.int32)  # every token routed to expert 0, which has `count` replicas
+    P = jax.sharding.PartitionSpec
+
+    def local(ids, log2phy, logcnt):
+        phys, _ = map_replicas(ids, log2phy, logcnt, routing="hash", num_physical=16, axis="ep")
+        return phys
+
+    run = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("ep"), P(), P()), out_specs=P("ep")))
+    phys = np.asarray(run(ids, placement.log2phy[0], placement.logcnt[0]))[:, 0]
+    counts = np.bincount(phys, minlength=16)[placement.log2phy[0, 0, :count]]
+    assert counts.sum() == ids.size and counts.max() - counts.min() <= 3, counts
+    assert counts.max() <= max(2, 2 * ids.size // count), counts

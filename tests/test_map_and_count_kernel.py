@@ -268,7 +268,7 @@ def test_kernels_lower_to_triton_ir(h100_lowering):
             spec((num_logical, width), jnp.int32),
             spec((num_logical,), jnp.int32),
         ]
-        specs += [values, spec((2,), jnp.int32)] + ([lookup] if lookup is not None else [])
+        specs += [values, spec((3,), jnp.int32)] + ([lookup] if lookup is not None else [])
         case = (mode, num_tokens, width, num_physical, prepared)
         assert _lowered(run, *specs, h100_lowering=h100_lowering) == kernels, case
 
@@ -322,7 +322,7 @@ def test_paths_refuse_inputs_their_words_cannot_count():
             spec((num_tokens, 8), jnp.int32),
             spec((16, 25), jnp.int32),
             spec((16,), jnp.int32),
-            spec((2,), jnp.int32),
+            spec((3,), jnp.int32),
             spec((16, 25), jnp.int32),
         )
 

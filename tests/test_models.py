@@ -1,6 +1,12 @@
 """The MoE decoder: config checks, the two router styles, the forward pass against a numpy oracle, checkpoints."""
 
+import contextlib
 import dataclasses
+import json
+import os
+import stat
+import subprocess
+import sys
 
 import _models_reference as reference
 import jax
@@ -16,17 +22,20 @@ from moe_eplb_jax.models import (
     ModelConfig,
     MoECausalLM,
     checkpoint_shapes,
+    config_from_hf,
     export_checkpoint,
     load_checkpoint,
     preset,
 )
+from moe_eplb_jax.models.checkpoint import router_bias_name
 from moe_eplb_jax.moe import RouterConfig, route
 from moe_eplb_jax.placement import Placement
 
 try:
     from safetensors import numpy as safetensors_numpy
+    from safetensors import safe_open
 except ImportError:  # the optional "hf" extra; the GPU machines lack it
-    safetensors_numpy = None
+    safetensors_numpy = safe_open = None
 needs_safetensors = pytest.mark.skipif(safetensors_numpy is None, reason="needs safetensors (pip install .[hf])")
 
 G, R = 4, 4
@@ -294,6 +303,116 @@ def test_bad_checkpoints_raise_naming_the_tensor_and_change_nothing(tmp_path, rn
         export_checkpoint(model, tmp_path / "model.bin")
     with pytest.raises(ValueError, match="does not exist"):
         export_checkpoint(model, tmp_path / "nowhere" / "model.safetensors")
+
+
+_RELEASE = """
+import os, sys, time
+time.sleep(float(sys.argv[1]))
+for fifo in sys.argv[2:]:
+    try:
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:  # ENXIO: nobody is reading it
+        pass
+"""
+
+
+@contextlib.contextmanager
+def _unblocked_after(seconds, fifos):
+    """A reader blocked on one of ``fifos`` gets an empty file after ``seconds`` (from another process: a reader
+    blocked in native code holds the GIL), so the test fails on the message instead of hanging the suite."""
+    watchdog = subprocess.Popen([sys.executable, "-c", _RELEASE, str(seconds), *map(str, fifos)])
+    try:
+        yield
+    finally:
+        watchdog.kill()
+        watchdog.wait()
+
+
+@needs_safetensors
+def test_checkpoint_files_and_paths_are_value_errors_that_never_hang(tmp_path, rng):
+    """A FIFO among the shards or as config.json used to block forever; an existing directory as the export path
+    raised IsADirectoryError; /proc and /sys raised raw OS errors; export wrote mode 0600."""
+    config = SOFTMAX
+    model = _model(config)
+    tensors = reference.random_tensors(config, rng)
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    safetensors_numpy.save_file(tensors, str(shards / "a.safetensors"))
+    os.mkfifo(shards / "b.safetensors")
+    os.mkfifo(tmp_path / "fifo.safetensors")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    os.mkfifo(hf / "config.json")
+    with _unblocked_after(10, [shards / "b.safetensors", tmp_path / "fifo.safetensors", hf / "config.json"]):
+        with pytest.raises(ValueError, match=r"b\.safetensors: cannot read the checkpoint file, it is not a regular"):
+            load_checkpoint(model, shards)
+        with pytest.raises(ValueError, match=r"fifo\.safetensors: cannot read the checkpoint file, it is not a"):
+            load_checkpoint(model, tmp_path / "fifo.safetensors")
+        with pytest.raises(ValueError, match=r"config\.json: cannot read the config\.json file, it is not a regular"):
+            config_from_hf(hf)
+    (tmp_path / "dir.safetensors").mkdir()
+    for path, match in (
+        (tmp_path / "dir.safetensors", "dir.safetensors: cannot write the checkpoint file, the path names a directory"),
+        ("/proc/model.safetensors", "/proc/model.safetensors: cannot write the checkpoint file in '/proc'"),
+        ("/sys/model.safetensors", "/sys/model.safetensors: cannot write the checkpoint file in '/sys'"),
+        (None, "checkpoint file: need a path, got None"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            export_checkpoint(model, path)
+    umask = os.umask(0o022)
+    try:
+        export_checkpoint(model, tmp_path / "out.safetensors")
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE(os.stat(tmp_path / "out.safetensors").st_mode) == 0o644
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary file left
+
+
+@needs_safetensors
+def test_a_bf16_model_exports_a_bf16_checkpoint(tmp_path):
+    """The router (kept float32 inside the model) was written as float32 into an otherwise bf16 checkpoint."""
+    for config in (preset("tiny", dtype="bfloat16"), preset("deepseek_v3_tiny", dtype="bfloat16")):
+        model = _model(config)
+        export_checkpoint(model, tmp_path / "bf16.safetensors")
+        dtypes = {}
+        with safe_open(str(tmp_path / "bf16.safetensors"), "np") as f:
+            for name in f.keys():  # noqa: SIM118 -- a safetensors handle
+                dtypes[name] = str(f.get_slice(name).get_dtype())
+        # DeepSeek-V3's checkpoints keep only the score-correction bias in float32.
+        f32 = sorted(n for n, d in dtypes.items() if d != "BF16")
+        assert f32 == [router_bias_name(config, i) for i in config.moe_blocks if config.scoring == "sigmoid"], f32
+        assert {dtypes[f"model.layers.{i}.mlp.gate.weight"] for i in config.moe_blocks} == {"BF16"}
+
+
+def test_sglang_files_and_load_files_of_a_model_with_dense_blocks(tmp_path):
+    """The tiny preset has a dense block 0: SGLang reads a row per block, so the controller's files say which."""
+    from moe_eplb_jax import EplbConfig, cli
+    from moe_eplb_jax.flax import EplbController
+    from moe_eplb_jax.sim import read_load
+
+    config = SOFTMAX
+    assert config.dense_blocks == (0,) and config.moe_blocks == (1, 2)
+    model = _model(config)
+    assert model.eplb_layer_ids == ((1, 2), 3)
+    eplb = EplbConfig(num_redundant_experts=R, num_gpus=G, window_size=4)
+    ctl = EplbController(model, MESH, eplb, rebalance=False)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (G * 2, 8)), jnp.int32)
+    for _ in range(2):
+        _forward(model, tokens, jnp.ones(tokens.shape, bool))
+        ctl.step()
+    ctl.dump_loads(tmp_path / "loads.npz")
+    trace = read_load(tmp_path / "loads.npz")
+    assert trace.meta["layer_ids"] == [1, 2] and trace.meta["num_hidden_layers"] == 3 and trace.num_layers == 2
+    fitted = tmp_path / "fitted.json"
+    argv = ["fit", str(tmp_path / "loads.npz"), "--num-ranks", str(G), "--num-physical", "20", "--format", "sglang"]
+    assert cli.main([*argv, "-o", str(fitted)]) == 0
+    rows = json.loads(fitted.read_text())["physical_to_logical_map"]
+    assert len(rows) == 3 and rows[0] == (np.arange(20) % 16).tolist()
+    ctl.save_placement(tmp_path / "served.json", format="sglang")
+    served = json.loads((tmp_path / "served.json").read_text())["physical_to_logical_map"]
+    assert len(served) == 3 and served[1:] == ctl.placement.phy2log.tolist()
+    again = EplbController(model, MESH, eplb, placement=fitted, rebalance=False)  # read back by its blocks
+    assert again.placement.phy2log.tolist() == rows[1:]
 
 
 def test_checkpoint_shapes_cover_the_model(rng):

@@ -5,6 +5,8 @@ The model: two MoE layers reading the same tokens (their outputs summed), so eac
 as built -- one-hot tokens with an identity router make a layer route exactly the ids a test draws.
 """
 
+import traceback
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -130,11 +132,11 @@ def test_config_routing_changes_what_every_layer_does(monkeypatch, routing):
     np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32))
     np.testing.assert_array_equal(layer_loads(model), layer_loads(built))
     assert np.all(layer_loads(model).sum(1) == x.shape[0] * K)
-    if routing in ("lp", "quota"):  # the mode matters: under hash routing the same batch loads replicas otherwise
-        # (not so round_robin here: with two replicas per expert the token hash's parity is the token's)
-        hashed = TwoLayers(routing="hash")
-        forward(hashed, x)
-        assert not np.array_equal(layer_loads(hashed), layer_loads(model))
+    if routing in ("lp", "quota"):  # the mode matters: under round robin the same batch loads replicas otherwise
+        # (not so hash here: a fresh controller's lp shares are equal, and equal shares pick as the hash does)
+        other = TwoLayers(routing="round_robin")
+        forward(other, x)
+        assert not np.array_equal(layer_loads(other), layer_loads(model))
     ctl.step()  # the controller records what the layers served
     np.testing.assert_array_equal(ctl.window_slot_load(), layer_loads(built))
 
@@ -439,3 +441,30 @@ def test_functional_balancer_routes_and_rearranges_like_the_controller(monkeypat
     _, _, back = failure.value.restored
     for a, b in zip(jax.tree.leaves(back.tables), jax.tree.leaves(balance.tables)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("overlap", [None, pytest.param("layer", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("routing", ROUTING_MODES)
+def test_after_warmup_nothing_compiles_while_serving_and_rearranging(routing, overlap):
+    """``warmup()`` covers every mode's table update and the step's window update: steps and a rearrangement (at once
+    or a layer per step) compile no program of theirs. ``lp`` built its layers' alias lookup tables op by op at each
+    move, compiling them anew every time (seconds per move on a GPU). (The mover's executor is rehearsed on
+    synthetic loads: a move that needs more send capacity than those compiles once, as ``warmup`` says.)"""
+    model = TwoLayers(routing=routing)
+    ctl = EplbController(model, MESH, config(routing, overlap=overlap))
+    forward(model, zipf_batch(0))  # the model's own program compiles here
+    ctl.warmup()
+    compiled = []
+
+    def listener(event, duration, **kwargs):
+        stack = "".join(traceback.format_stack())
+        if event == "/jax/core/compile/backend_compile_duration" and "moe_eplb_jax/transport/" not in stack:
+            compiled.append(stack)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        run_until_rearranged(model, ctl, seed=1)
+        run_until_rearranged(model, ctl, seed=20)  # a second move: nothing new either
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert not compiled, f"{len(compiled)} programs compiled after warmup ({routing}, {overlap}):\n{compiled[0]}"

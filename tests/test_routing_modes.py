@@ -473,3 +473,35 @@ def test_pallas_map_routes_every_mode_like_the_reference_on_gpu(rng, routing):
         results[implementation] = (out, np.asarray(layer.expert_load.get_value()))
     np.testing.assert_array_equal(results["pallas"][1], results["xla"][1])
     np.testing.assert_array_equal(results["pallas"][0].view(np.uint32), results["xla"][0].view(np.uint32))
+
+
+def _bounds(weight, phy2log, num_ranks):
+    """Each layer's routing bound (HiGHS): the least largest rank load any split over its replicas reaches."""
+    num_physical = phy2log.shape[1]
+    log2phy, logcnt = build_log2phy(phy2log, weight.shape[1])
+    return np.array(
+        [
+            lp_shares_reference(w, t, c, num_physical=num_physical, num_ranks=num_ranks)[1]
+            for w, t, c in zip(weight, log2phy, logcnt)
+        ]
+    )
+
+
+@pytest.mark.parametrize("imbalance", [1.5, 2.0, 3.0])
+@pytest.mark.parametrize("num_physical", [72, 80])
+def test_online_refresh_never_routes_worse_than_the_balanced_placement(imbalance, num_physical):
+    """E = 64 on 8 ranks with one or two spares each: the planner's spares (fixed homes) could leave a layer's routing
+    bound above what the balanced placement of the same slots allows (quota then served worse than lp); a layer
+    takes the balanced placement where it routes better, and keeps its homes (only spares move) otherwise."""
+    from moe_eplb_jax.policy import rebalance_balanced
+
+    num_ranks, num_logical = 8, 64
+    weight = np.stack([zipf_popularity(num_logical, num_ranks, imbalance, seed=s) * 1e5 for s in range(3)])
+    phy2log, _, _ = online_policy(weight, num_physical, 1, 1, num_ranks)
+    balanced, _, _ = rebalance_balanced(weight, num_physical, 1, 1, num_ranks)
+    ours, theirs = _bounds(weight, phy2log, num_ranks), _bounds(weight, balanced, num_ranks)
+    assert np.all(ours <= theirs * (1 + 1e-6)), (ours, theirs)
+    per_rank = num_physical // num_ranks
+    homes = phy2log.reshape(3, num_ranks, per_rank)[:, :, : num_logical // num_ranks].reshape(3, -1)
+    kept = np.all(homes == np.arange(num_logical), axis=1)
+    assert np.all(kept | np.isclose(ours, theirs, rtol=1e-6))  # a layer left its homes only to take `balanced`

@@ -105,7 +105,7 @@ def test_simulate_reports(tmp_path):
     assert all(name in table for name in by)
     plot_reports(reports, tmp_path / "sim.png")
     assert (tmp_path / "sim.png").read_bytes()[:4] == b"\x89PNG"
-    with pytest.raises(ValueError, match="unknown placement policy"):
+    with pytest.raises(ValueError, match="unknown policy"):
         simulate(trace, num_ranks=8, num_spare=2, policies=("nope",))
     with pytest.raises(ValueError, match="divisible"):
         simulate(trace, num_ranks=5, num_spare=2)
@@ -159,7 +159,7 @@ def test_simulator_never_wraps_large_loads():
         ({"policies": ()}, "policies is empty"),
         ({"policies": ("none", "none")}, "twice"),
         ({"policies": (3,)}, "must be strings"),
-        ({"policies": ("deepseek+lp+lp",)}, "unknown placement policy"),
+        ({"policies": ("deepseek+lp+lp",)}, "unknown policy"),
         ({"progress": "yes"}, "progress must be callable"),
         ({"load": np.ones((2, 2, 16), dtype=bool)}, "must hold numbers"),
         ({"load": np.array([[["1"] * 16] * 2])}, "must hold numbers"),

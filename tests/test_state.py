@@ -152,7 +152,7 @@ def test_compute_placement_uses_the_registered_policy(rng):
     p = policy.compute_placement(load, cfg, old_phy2log=np.zeros((2, 8), np.int32))
     assert calls == [((2, 6), 8, 2, True)]
     assert p.num_physical == 8 and np.all(p.logcnt[np.arange(2), np.argmax(load, 1)] == 2)
-    with pytest.raises(ValueError, match="non-negative"):
+    with pytest.raises(ValueError, match="logical_load holds a negative load"):
         policy.compute_placement(-load, cfg)
     with pytest.raises(ValueError, match="old_phy2log must have shape"):
         policy.compute_placement(load, cfg, old_phy2log=np.zeros((2, 7), np.int32))
@@ -172,6 +172,29 @@ def test_config_from_vllm_json_and_back():
     assert quota.rearrange_interval == 40 and quota.first_rearrangement_step == 10
     assert EplbConfig.from_json(quota.to_json()) == quota
     assert EplbConfig(overlap=1 << 20).overlap == 1 << 20
+
+
+def test_config_reads_every_field_of_vllms_eplb_config_with_its_defaults():
+    """vLLM's communicator was refused as unknown; a vLLM config without use_async is async in vLLM (its default)."""
+    from moe_eplb_jax.config import EPLB_COMMUNICATORS
+
+    assert EPLB_COMMUNICATORS == ("torch_nccl", "torch_gloo", "nixl", "pynccl")
+    for name in (*EPLB_COMMUNICATORS, None):
+        assert EplbConfig.from_dict({"communicator": name, "use_async": False}) == EplbConfig()
+    with pytest.raises(ValueError, match="field 'communicator' must be null or one of vLLM's"):
+        EplbConfig.from_json('{"communicator": "mpi"}')
+    with pytest.raises(ValueError, match="field 'communicator' must be null"):
+        EplbConfig.from_json('{"communicator": 3}')
+    assert EplbConfig.from_json('{"window_size": 100}').overlap == "layer"  # vLLM's use_async defaults to true
+    assert EplbConfig.from_json('{"use_async": false}').overlap is None
+    assert EplbConfig.from_json('{"overlap": null}').overlap is None and EplbConfig().overlap is None
+    vllm_defaults = EplbConfig.from_json("{}")
+    assert (vllm_defaults.window_size, vllm_defaults.step_interval, vllm_defaults.num_redundant_experts) == (
+        1000,
+        3000,
+        0,
+    )
+    assert vllm_defaults.log_interval is None and vllm_defaults.overlap == "layer"
 
 
 @pytest.mark.parametrize(
@@ -250,7 +273,9 @@ def test_config_accepts_what_deepseek_and_vllm_accept(name):
 def test_config_defaults_to_the_library_policy():
     assert EplbConfig().policy == policy.DEFAULT_POLICY
     assert EplbConfig.from_json('{"policy": "default"}').policy == policy.DEFAULT_POLICY
-    with pytest.raises(ValueError, match="log_interval must be None or a positive integer, got True"):
+    with pytest.raises(
+        ValueError, match=r"log_interval must be None or a positive integer up to 2\*\*31 - 1, got True"
+    ):
         EplbConfig(log_interval=True)
 
 

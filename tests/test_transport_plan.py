@@ -245,7 +245,7 @@ def test_plans_are_deterministic_and_padded(rng):
         (np.array([0, 1, 2, 3]), np.array([0, 1, 2, 7]), 2, {"num_logical": 4}, r"new_phy2log\[3\] = 7"),
         (np.array([[0, 1, 2, 3]]), np.array([[0, 1, 2, 2]]), 2, {"num_logical": 3}, r"old_phy2log\[0, 3\] = 3"),
         (np.array([[0, 1, 1, 3]]), np.array([[0, 1, 2, 3]]), 2, {}, r"no slot of old_phy2log holds in layer 0"),
-        (np.arange(4), np.arange(4), 0, {}, "num_ranks must be a positive integer"),
+        (np.arange(4), np.arange(4), 0, {}, "num_ranks must be >= 1"),
         (np.arange(4)[None], np.arange(4)[None], 2, {"layer": 1}, r"layer must be an integer in \[0, 1\)"),
     ],
 )

@@ -20,14 +20,16 @@ primary one writes the host arrays)::
     ))
     manager.wait_until_finished()
 
-    restored = manager.restore(manager.latest_step(), args=ocp.args.Composite(
-        model=ocp.args.StandardRestore(nnx.state(model)),
-        optimizer=ocp.args.StandardRestore(nnx.state(optimizer)),
-        eplb=ocp.args.StandardRestore(),   # no target: the item as saved, checked by restore_item
-    ))
+    step, restored = restore_step(directory, {"model": nnx.state(model), "optimizer": nnx.state(optimizer)})
     controller.restore_item(restored["eplb"])   # ValueError naming the field; nothing changes unless all pass
     nnx.update(model, restored["model"])
     nnx.update(optimizer, restored["optimizer"])
+
+:func:`restore_step` is Orbax's restore with this library's errors: a
+missing directory, a step that is not there and a damaged step each raise one
+``ValueError`` naming the directory and the step (Orbax raises its own
+``FileNotFoundError``, JSON or TensorStore errors), and the EPLB item comes
+back as saved, for ``restore_item`` to check.
 
 The model checkpoint holds the expert weights on the placement the item names
 (the layers' tables are model variables too), so restoring moves no byte. The
@@ -41,16 +43,21 @@ shares. The functional API has the same pair (``Balancer.checkpoint_item`` /
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
+from typing import Any
 
+import jax
 import numpy as np
+import orbax.checkpoint as ocp
 
+from moe_eplb_jax._checks import check_int
 from moe_eplb_jax.config import EplbConfig
 from moe_eplb_jax.placement import Placement
 from moe_eplb_jax.routing import equal_shares
 from moe_eplb_jax.state import EplbState
 
-__all__ = ["ITEM_VERSION", "STATE_FIELDS", "Snapshot", "from_item", "to_item"]
+__all__ = ["ITEM_VERSION", "STATE_FIELDS", "Snapshot", "from_item", "restore_step", "to_item"]
 
 ITEM_VERSION = 2
 STATE_FIELDS = tuple(f.name for f in dataclasses.fields(EplbState))
@@ -147,6 +154,9 @@ def from_item(item, *, config: EplbConfig, num_layers: int, num_logical: int, nu
         shares = equal_shares(placement.logcnt, width)
     else:
         shares = _shares(item["replica_shares"], placement, (num_layers, num_logical, width))
+        # The placement lists replicas in slot order; shares follow the order the item listed them in.
+        listed = np.where(fields["log2phy"] < 0, np.iinfo(np.int64).max, fields["log2phy"].astype(np.int64))
+        shares = np.take_along_axis(shares, np.argsort(listed, axis=-1, kind="stable"), axis=-1)
     for name in ("pass_load", "window"):
         if np.any(fields[name] < 0):
             raise ValueError(f"EPLB checkpoint field {name!r} holds negative loads")
@@ -193,3 +203,50 @@ def _saved_config(raw: np.ndarray) -> EplbConfig:
         return EplbConfig.from_json(raw.tobytes().decode())
     except (UnicodeDecodeError, ValueError) as e:
         raise ValueError(f"EPLB checkpoint field 'config': {e}") from None
+
+
+def restore_step(
+    directory, targets: Mapping[str, Any], *, step: int | None = None, item: str = "eplb"
+) -> tuple[int, dict[str, Any]]:
+    """Restores ``step`` (default: the latest) of the Orbax checkpoint in ``directory``: ``(step, items)``.
+
+    Args:
+      directory: the ``CheckpointManager`` directory (or the manager itself).
+      targets: item name -> a pytree like the one saved (e.g.
+        ``nnx.state(model)``); each comes back with its shapes, dtypes and
+        shardings.
+      step: the step to restore; ``None``: the latest.
+      item: the name of the EPLB item, restored as saved (no target).
+
+    Raises ``ValueError`` naming the directory (and the step) when it is
+    missing, holds no checkpoint or that step, or the step cannot be read.
+    """
+    if isinstance(directory, ocp.CheckpointManager):
+        manager, where = directory, os.fspath(directory.directory)
+    else:
+        where = os.fspath(directory)
+        if not os.path.isdir(where):
+            raise ValueError(f"{where}: no such checkpoint directory")
+        manager = ocp.CheckpointManager(where, options=ocp.CheckpointManagerOptions(create=False))
+    steps = sorted(manager.all_steps())
+    if step is not None:
+        try:
+            step = check_int("step", step, minimum=0)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+    if step is None:
+        if not steps:
+            raise ValueError(f"{where}: holds no checkpoint")
+        step = steps[-1]
+    elif step not in steps:
+        raise ValueError(f"{where}: holds no checkpoint of step {step} (steps: {steps})")
+    abstract = {
+        name: ocp.args.StandardRestore(jax.tree.map(ocp.utils.to_shape_dtype_struct, state))
+        for name, state in targets.items()
+    }
+    try:
+        restored = manager.restore(step, args=ocp.args.Composite(**abstract, **{item: ocp.args.StandardRestore()}))
+    except Exception as e:  # Orbax and TensorStore raise many types for one damaged step
+        reason = (str(e).strip().splitlines() or [""])[0][:200]
+        raise ValueError(f"{where}: step {step} cannot be restored ({type(e).__name__}: {reason})") from e
+    return step, dict(restored)

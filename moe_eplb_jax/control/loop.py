@@ -32,11 +32,12 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from moe_eplb_jax import metrics
+from moe_eplb_jax._files import check_output_path
 from moe_eplb_jax.config import EplbConfig
 from moe_eplb_jax.control import checkpoint
 from moe_eplb_jax.control.moves import ExpertStore, Mover, Rearrangement
 from moe_eplb_jax.control.window import LoadWindow, host_value
-from moe_eplb_jax.placement import Placement
+from moe_eplb_jax.placement import Placement, check_placement_size
 from moe_eplb_jax.policy import compute_placement
 from moe_eplb_jax.routing import equal_shares, routing_mode, stacked_routing_tables
 from moe_eplb_jax.sim.loadfile import save_load
@@ -171,7 +172,8 @@ class ControlLoop:
     ):  # fmt: skip
         self.config, self.mesh, self.axis = config, mesh, axis
         self.num_ranks = int(mesh.shape[axis])
-        self.num_layers, self.num_logical, self.num_physical = int(num_layers), int(num_logical), int(num_physical)
+        sizes = check_placement_size(num_layers, num_logical, num_physical)
+        self.num_layers, self.num_logical, self.num_physical = sizes
         self.window = LoadWindow(config, mesh, self.num_layers, self.num_physical, axis)
         self.mover = Mover(mesh, axis, self.num_logical, self.num_physical)
 
@@ -346,10 +348,11 @@ class ControlLoop:
     # ------------------------------------------------------------------ warmup
     def warmup(
         self, store: ExpertStore, state: EplbState, current: Placement, load=None,
-        switch: Callable[[Placement, Mapping[str, np.ndarray]], Any] | None = None,
+        switch: Callable[[Placement, Mapping[str, np.ndarray]], Any] | None = None, loads=None,
     ) -> dict[str, Any]:  # fmt: skip
         """Compiles what a rearrangement runs -- the mover, the window readers, the tables' solve and ``switch``
-        (the adapter's table update, called with the first target and its tables) -- moving nothing.
+        (the adapter's table update, called with the first target and its tables) -- moving nothing; with
+        ``loads`` (a step's, as :meth:`close` takes them) the step's window update too, on a fresh window.
 
         Plans the moves to the policy's placements for ``load`` (``[L, E]``;
         default: four :func:`rehearsal_load` s), pads every later plan to
@@ -367,6 +370,8 @@ class ControlLoop:
         solved = self.tables_for(targets[0], rehearsed)  # a skewed load, so "lp" solves
         if switch is not None:
             switch(targets[0], solved)
+        if loads is not None:  # a fresh window is donated, never the run's
+            jax.block_until_ready(self.window.close(self.window.fresh(), loads, self.window.dummy(False)))
         return {"seconds": time.perf_counter() - start, **info}
 
     # ------------------------------------------------------ reads, files, items
@@ -374,13 +379,14 @@ class ControlLoop:
         """``[L, P]`` host float64 tokens per slot over the window and the EP ranks (summed in float32)."""
         return np.asarray(host_value(self.window.slot_load(state)), np.float64)
 
-    def dump_loads(self, state: EplbState, recorded_under: Placement, path: str | os.PathLike) -> None:
+    def dump_loads(self, state: EplbState, recorded_under: Placement, path: str | os.PathLike, **meta) -> None:
         """Writes the window's per-step logical loads ``[steps, L, E]`` (through the placement they were recorded
-        under) as a load file ``moe-eplb fit`` reads."""
+        under) as a load file ``moe-eplb fit`` reads; ``meta``: more of its metadata (``layer_ids``, ...)."""
+        check_output_path(path, what="load", suffixes=(".json", ".npz"))  # before reading the window
         rows = self.window.logical_rows(state, recorded_under.phy2log, self.num_logical)
         if not len(rows):
             raise ValueError("the load window is empty: record at least one step before dump_loads")
-        save_load(path, rows, num_ranks=self.num_ranks)
+        save_load(path, rows, num_ranks=self.num_ranks, **meta)
 
     def item(self, state: EplbState, placement: Placement, shares=None, *, drop_layers=()) -> dict[str, np.ndarray]:
         """The Orbax item of the window ``state`` on ``placement`` with ``shares`` (``None``: equal shares); the

@@ -37,7 +37,7 @@ import jax
 import numpy as np
 
 from moe_eplb_jax import metrics
-from moe_eplb_jax.placement import Placement
+from moe_eplb_jax.placement import Placement, check_placement_size
 from moe_eplb_jax.transport import TransportPlan, execute_plan, plan_rearrangement, row_bytes
 
 __all__ = ["ExpertStore", "Mover", "Rearrangement", "RearrangementError"]
@@ -199,7 +199,7 @@ class Mover:
     def __init__(self, mesh: jax.sharding.Mesh, axis: str, num_logical: int, num_physical: int):
         self.mesh, self.axis = mesh, axis
         self.num_ranks = int(mesh.shape[axis])
-        self.num_logical, self.num_physical = int(num_logical), int(num_physical)
+        _, self.num_logical, self.num_physical = check_placement_size(1, num_logical, num_physical)
         self.send_capacity = 0
 
     def plan(self, old_row, new_row) -> TransportPlan:

@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as PS
 
 from moe_eplb_jax import state as eplb_state
+from moe_eplb_jax._checks import INT32_MAX, check_int, show
 from moe_eplb_jax.config import EplbConfig
 from moe_eplb_jax.state import EplbState
 from moe_eplb_jax.transport.mesh import put_host
@@ -44,10 +45,20 @@ def close_step(state: EplbState, loads, *, dummy=False) -> EplbState:
     are unchanged). ``dummy`` (a traced bool allowed) advances the step
     counters without writing the window.
     """
-    num_ranks = state.pass_load.shape[1]
+    num_layers, num_ranks, num_physical = state.pass_load.shape
+    sequence = isinstance(loads, (list, tuple)) or getattr(loads, "ndim", 0) >= 1  # no asarray: may hold tracers
+    if not sequence or len(loads) != num_layers:
+        got = f"{len(loads)} of them" if sequence else show(loads)
+        raise ValueError(f"loads must be one array per MoE layer ({num_layers}), got {got}")
     rows = []
-    for load in loads:
-        load = jnp.asarray(load).astype(jnp.int32)
+    for layer, load in enumerate(loads):
+        shape = tuple(np.shape(load))
+        if shape not in ((num_ranks, num_physical), (num_physical,)):
+            raise ValueError(
+                f"loads[{layer}] must have shape [G, P] = {(num_ranks, num_physical)} or [P] = "
+                f"{(num_physical,)}, got {shape}"
+            )
+        load = eplb_state.checked_counts(f"loads[{layer}]", load)  # before the cast: nothing wraps
         if load.ndim == 1:
             load = jnp.where(jnp.arange(num_ranks)[:, None] == 0, load[None, :], 0)
         rows.append(load)
@@ -95,7 +106,8 @@ class LoadWindow:
 
     def __init__(self, config: EplbConfig, mesh: jax.sharding.Mesh, num_layers: int, num_physical: int, axis: str):
         self.config, self.mesh, self.axis = config, mesh, axis
-        self.num_layers, self.num_physical = int(num_layers), int(num_physical)
+        self.num_layers = check_int("num_layers", num_layers, minimum=1, maximum=INT32_MAX)
+        self.num_physical = check_int("num_physical", num_physical, minimum=1, maximum=INT32_MAX)
         self.num_ranks = int(mesh.shape[axis])
         replicated = NamedSharding(mesh, PS())
         make = functools.partial(eplb_state.init_state, config, self.num_layers, self.num_physical, per_rank=True)

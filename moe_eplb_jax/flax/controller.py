@@ -39,7 +39,7 @@ from flax import nnx
 from moe_eplb_jax.config import EplbConfig
 from moe_eplb_jax.control import ControlLoop
 from moe_eplb_jax.flax.store import ModuleStore
-from moe_eplb_jax.placement import Placement
+from moe_eplb_jax.placement import Placement, check_layer_ids
 from moe_eplb_jax.policy.online import home_layout
 from moe_eplb_jax.state import EplbState
 
@@ -118,9 +118,12 @@ class EplbController:
         if config.policy in ("online", "quota"):
             home_layout(self.num_logical, self.num_physical, self.num_ranks)
         to_switch = store.layers_to_switch(config.routing)
+        self.layer_ids, self.num_hidden_layers = _layer_ids(model, len(self.layers))
         start = None
         if placement is not None:
-            start = placement if isinstance(placement, Placement) else Placement.load(placement)
+            start = (
+                placement if isinstance(placement, Placement) else Placement.load(placement, layer_ids=self.layer_ids)
+            )
         sizes = dict(num_layers=len(self.layers), num_logical=self.num_logical, num_physical=self.num_physical)
         self._loop = loop = ControlLoop(config, mesh, axis, **sizes)
         if start is not None:
@@ -253,18 +256,25 @@ class EplbController:
         without keeping their results (one layer's memory at a time), reads
         the window, and hands every layer its current tables again. A later
         plan that needs more capacity, or an executor variant none of these
-        needed (a longer chain of moves), still compiles once. Call it on
+        needed (a longer chain of moves), still compiles once. It compiles the
+        step's window update too, and every routing mode's table update (the
+        ``"lp"`` shares' solve and the layers' lookup tables). Call it on
         every process before the run. Returns ``seconds``, the mover's
         ``send_capacity`` and the number of ``moves`` rehearsed.
         """
         current, tables = self.placement, self.routing_tables
         switch = lambda *_: self._loop.install(self._store, current, tables)
-        return self._loop.warmup(self._store, self._run.state, current, load, switch)
+        return self._loop.warmup(self._store, self._run.state, current, load, switch, loads=self._zero_loads)
 
     # -------------------------------------------------------- files and state
-    def save_placement(self, path) -> None:
-        """Writes the current placement (``.json`` / ``.npz``), e.g. to serve with it later."""
-        self.placement.save(path)
+    def save_placement(self, path, *, format: str = "moe_eplb_jax") -> None:
+        """Writes the current placement (``.json`` / ``.npz``), e.g. to serve with it later.
+
+        ``format="sglang"``: SGLang's expert-location JSON, a row per decoder
+        block when the model says which blocks are MoE (``eplb_layer_ids``).
+        """
+        rows = {"layer_ids": self.layer_ids, "num_hidden_layers": self.num_hidden_layers} if format == "sglang" else {}
+        self.placement.save(path, format=format, **rows)
 
     def dump_loads(self, path) -> None:
         """Writes the window's per-step logical loads ``[steps, L, E]`` as a load file (``moe-eplb fit`` reads it).
@@ -273,7 +283,9 @@ class EplbController:
         through the placement they were recorded under.
         """
         run = self._run
-        self._loop.dump_loads(run.state, run.moving.old if run.moving is not None else run.placement, path)
+        recorded_under = run.moving.old if run.moving is not None else run.placement
+        rows = {"layer_ids": self.layer_ids, "num_hidden_layers": self.num_hidden_layers} if self.layer_ids else {}
+        self._loop.dump_loads(run.state, recorded_under, path, **rows)
 
     def checkpoint_item(self) -> dict[str, np.ndarray]:
         """The EPLB state as an Orbax item (host numpy arrays; see ``moe_eplb_jax.control.checkpoint``).
@@ -295,3 +307,13 @@ class EplbController:
         rearrangement in progress is dropped.
         """
         self._loop.restore(self._run, self._store, item)
+
+
+def _layer_ids(model, num_layers: int) -> tuple[tuple[int, ...] | None, int | None]:
+    """The decoder block of each MoE layer and the number of blocks, where the model says (``eplb_layer_ids``)."""
+    found = getattr(model, "eplb_layer_ids", None)
+    if found is None:
+        return None, None
+    layer_ids, num_hidden_layers = found
+    check_layer_ids(layer_ids, num_layers, num_hidden_layers)
+    return tuple(int(i) for i in layer_ids), int(num_hidden_layers)

@@ -27,7 +27,10 @@ matmul), so export writes them back bit for bit.
 they are quantized on load); each variable remembers the dtype its tensors
 had (variable metadata ``checkpoint_dtype``), and export writes every tensor
 in that dtype -- a bf16 checkpoint loaded into a float32 model exports as
-the same bf16 bytes. A weight the model made itself is written as it holds it.
+the same bf16 bytes. A weight the model made itself is written in the model's
+dtype (``config.dtype``: a bf16 model's router as bf16, as Qwen3-MoE and
+DeepSeek-V3 store it), except DeepSeek's ``e_score_correction_bias``, which
+their checkpoints keep in float32.
 Multi-token-prediction blocks (``config.mtp_layers``) are skipped.
 """
 

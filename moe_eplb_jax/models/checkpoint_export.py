@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import tempfile
 
 import numpy as np
 
+from moe_eplb_jax._files import atomic_path, check_output_path
 from moe_eplb_jax.models import safetensors_io as io
 from moe_eplb_jax.models.checkpoint_layout import SCALE_SUFFIX, dense_layout, resolve, router_bias_name
 from moe_eplb_jax.models.config import ModelConfig
@@ -32,12 +31,7 @@ def export_checkpoint(model: MoECausalLM, path) -> None:
     """
     if not isinstance(model, MoECausalLM):
         raise ValueError(f"model must be a MoECausalLM, got {type(model).__name__}")
-    path = os.fspath(path)
-    if not path.endswith(".safetensors"):
-        raise ValueError(f"checkpoint path must end in .safetensors, got {path!r}")
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise ValueError(f"{path}: directory {folder} does not exist")
+    path = check_output_path(path, what="checkpoint", suffixes=(".safetensors",))
     formats = {str(layer.quant_format) for layer in model.moe_layers} - {"None", "fp8_block"}
     if formats:
         raise ValueError(
@@ -45,14 +39,8 @@ def export_checkpoint(model: MoECausalLM, path) -> None:
             "float (or fp8_block) model"
         )
     tensors = _export_tensors(model)
-    handle, temporary = tempfile.mkstemp(dir=folder, suffix=".safetensors.tmp")
-    os.close(handle)
-    try:
+    with atomic_path(path, what="checkpoint") as temporary:
         io.save(tensors, temporary, metadata={"format": "pt", "moe_eplb_jax.config": _config_json(model.config)})
-        os.replace(temporary, path)
-    finally:
-        if os.path.exists(temporary):
-            os.remove(temporary)
 
 
 def _config_json(config: ModelConfig) -> str:
@@ -66,10 +54,9 @@ def _host(var) -> np.ndarray:
     return np.asarray(value)
 
 
-def _as_loaded(var, value: np.ndarray) -> np.ndarray:
-    """``value`` in the dtype ``var``'s tensors had in the checkpoint it was loaded from (else as it is)."""
-    dtype = var.get_metadata().get("checkpoint_dtype")
-    return value if dtype is None else value.astype(dtype)
+def _as_loaded(var, value: np.ndarray, made_as) -> np.ndarray:
+    """``value`` in the dtype ``var``'s tensors had in the checkpoint it was loaded from, else ``made_as``."""
+    return value.astype(var.get_metadata().get("checkpoint_dtype") or made_as)
 
 
 def _fp8_tensors(name: str, weight, scale) -> dict[str, np.ndarray]:
@@ -85,15 +72,17 @@ def _export_tensors(model: MoECausalLM) -> dict[str, np.ndarray]:
             value = var.get_value()
             out.update(_fp8_tensors(name, value.weight, value.scale_inv))
         else:
-            out[name] = _as_loaded(var, _host(var).T if linear else _host(var))
+            out[name] = _as_loaded(var, _host(var).T if linear else _host(var), config.jnp_dtype)
     for i, mlp in zip(config.moe_blocks, model.moe_layers):
         pre = f"model.layers.{i}.mlp."
         bias = _host(mlp.router_bias)
         if config.scoring == "sigmoid" or np.any(bias != 0):
-            out[router_bias_name(config, i)] = _as_loaded(mlp.router_bias, bias)
+            # DeepSeek's checkpoints keep the score-correction bias in float32; a gate bias has the model's dtype.
+            made_as = np.float32 if config.scoring == "sigmoid" else config.jnp_dtype
+            out[router_bias_name(config, i)] = _as_loaded(mlp.router_bias, bias, made_as)
         out.update(_export_experts(mlp, pre, config))
         if mlp.shared_in is not None and mlp.shared_out is not None:
-            out.update(_export_shared(mlp, pre + "shared_experts.", config.shared_hidden))
+            out.update(_export_shared(mlp, pre + "shared_experts.", config.shared_hidden, config.jnp_dtype))
     return {name: np.ascontiguousarray(value) for name, value in out.items()}
 
 
@@ -108,8 +97,8 @@ def _export_experts(mlp, pre: str, config: ModelConfig) -> dict[str, np.ndarray]
                 out.update(_fp8_tensors(f"{pre}experts.{j}.{n}_proj.weight", weight[j], scale[j]))
         return out
     hidden = config.moe_hidden
-    w_in = _as_loaded(mlp.w_in, _host(mlp.w_in)[first])
-    w_out = _as_loaded(mlp.w_out, _host(mlp.w_out)[first])
+    w_in = _as_loaded(mlp.w_in, _host(mlp.w_in)[first], config.jnp_dtype)
+    w_out = _as_loaded(mlp.w_out, _host(mlp.w_out)[first], config.jnp_dtype)
     for j in range(config.num_experts):
         e = f"{pre}experts.{j}."
         out[e + "gate_proj.weight"] = w_in[j, :, :hidden].T
@@ -118,16 +107,16 @@ def _export_experts(mlp, pre: str, config: ModelConfig) -> dict[str, np.ndarray]
     return out
 
 
-def _export_shared(mlp, pre: str, hidden: int) -> dict[str, np.ndarray]:
+def _export_shared(mlp, pre: str, hidden: int, dtype) -> dict[str, np.ndarray]:
     if isinstance(mlp.shared_in, QuantizedWeight):
         q_in, q_out = mlp.shared_in.get_value(), mlp.shared_out.get_value()
         out = _fp8_tensors(pre + "gate_proj.weight", q_in.weight[0], q_in.weight_scale[0])
         out.update(_fp8_tensors(pre + "up_proj.weight", q_in.weight[1], q_in.weight_scale[1]))
         out.update(_fp8_tensors(pre + "down_proj.weight", q_out.weight[0], q_out.weight_scale[0]))
         return out
-    s_in = _as_loaded(mlp.shared_in, _host(mlp.shared_in))
+    s_in = _as_loaded(mlp.shared_in, _host(mlp.shared_in), dtype)
     return {
         pre + "gate_proj.weight": s_in[:, :hidden].T,
         pre + "up_proj.weight": s_in[:, hidden:].T,
-        pre + "down_proj.weight": _as_loaded(mlp.shared_out, _host(mlp.shared_out)).T,
+        pre + "down_proj.weight": _as_loaded(mlp.shared_out, _host(mlp.shared_out), dtype).T,
     }

@@ -10,11 +10,11 @@ follow the model code, their Hugging Face names are given beside them.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax.numpy as jnp
 import numpy as np
 
+from moe_eplb_jax._checks import INT32_MAX, check_real, show
 from moe_eplb_jax.models.rope import YarnScaling
 from moe_eplb_jax.moe import RouterConfig
 
@@ -147,21 +147,19 @@ class ModelConfig:
             _check_int("q_lora_rank", self.q_lora_rank, minimum=1)
         for name in ("qk_norm", "tie_embeddings", "qkv_bias", "o_bias", "rope_interleave"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"ModelConfig.{name} must be a bool, got {getattr(self, name)!r}")
+                raise ValueError(f"ModelConfig.{name} must be a bool, got {show(getattr(self, name))}")
         for name in ("rope_theta", "rms_eps", "partial_rotary_factor"):
             value = getattr(self, name)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or not (math.isfinite(value) and value > 0)
-            ):
-                raise ValueError(f"ModelConfig.{name} must be a positive finite number, got {value!r}")
+            try:
+                check_real(name, value, positive=True)
+            except ValueError:
+                raise ValueError(f"ModelConfig.{name} must be a positive finite number, got {show(value)}") from None
         try:  # the router's fields are this config's own: errors name them as written here
             self.router.check_experts(self.num_experts)
         except ValueError as e:
             raise ValueError(str(e).replace("RouterConfig.", "ModelConfig.")) from None
         if self.dtype not in DTYPES:
-            raise ValueError(f"ModelConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
+            raise ValueError(f"ModelConfig.dtype must be one of {DTYPES}, got {show(self.dtype)}")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, YarnScaling):
             raise ValueError(f"ModelConfig.rope_scaling must be a YarnScaling or None, got {self.rope_scaling!r}")
         self._check_attention()
@@ -181,7 +179,7 @@ class ModelConfig:
 
     def _check_attention(self) -> None:
         if self.attention not in ATTENTIONS:
-            raise ValueError(f"ModelConfig.attention must be one of {ATTENTIONS}, got {self.attention!r}")
+            raise ValueError(f"ModelConfig.attention must be one of {ATTENTIONS}, got {show(self.attention)}")
         if self.attention == "mla":
             if self.qk_rope_head_dim % 2:
                 raise ValueError(
@@ -212,15 +210,15 @@ class ModelConfig:
         if self.dense_layers is not None:
             layers = self.dense_layers
             if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
-                raise ValueError(f"ModelConfig.dense_layers must be a sequence of block indices, got {layers!r}")
+                raise ValueError(f"ModelConfig.dense_layers must be a sequence of block indices, got {show(layers)}")
             layers = tuple(layers)
             for i in layers:
                 if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < self.num_layers:
                     raise ValueError(
-                        f"ModelConfig.dense_layers holds {i!r}; block indices are integers in [0, {self.num_layers})"
+                        f"ModelConfig.dense_layers holds {show(i)}; block indices are integers in [0, {self.num_layers})"
                     )
             if len(set(layers)) != len(layers) or list(layers) != sorted(layers):
-                raise ValueError(f"ModelConfig.dense_layers must be increasing without repeats, got {layers!r}")
+                raise ValueError(f"ModelConfig.dense_layers must be increasing without repeats, got {show(layers)}")
             if self.first_dense_layers:
                 raise ValueError(
                     f"ModelConfig.first_dense_layers={self.first_dense_layers} and dense_layers={layers} both "
@@ -298,8 +296,10 @@ class ModelConfig:
 
 
 def _check_int(name: str, value, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"ModelConfig.{name} must be an integer >= {minimum}, got {value!r}")
+    """Sizes index int32 arrays (token ids, positions, expert ids): past ``2**31 - 1`` they would wrap."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not minimum <= value <= INT32_MAX:
+        bound = f">= {minimum}" if isinstance(value, int | np.integer) and value < minimum else "up to 2**31 - 1"
+        raise ValueError(f"ModelConfig.{name} must be an integer {bound}, got {show(value)}")
 
 
 PRESETS: dict[str, ModelConfig] = {

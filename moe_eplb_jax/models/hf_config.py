@@ -16,10 +16,10 @@ else -- a value the model cannot honour or a field it does not know -- is a
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
+from moe_eplb_jax._files import read_json
 from moe_eplb_jax.models.config import ModelConfig
 from moe_eplb_jax.models.rope import YarnScaling
 
@@ -121,15 +121,14 @@ def _load(source) -> tuple[dict, str]:
     path = os.fspath(source)
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
-    try:
-        with open(path) as f:
-            raw = json.load(f)
-    except FileNotFoundError:
-        raise ValueError(f"{path}: no such config file") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path}: a config.json holds a JSON object")
+    if not os.path.lexists(path):
+        raise ValueError(f"{path}: no such config file")
+    try:  # a regular file only (a FIFO would block), UTF-8, no duplicate keys, not nested without end
+        raw = read_json(path, what="config.json")
+    except ValueError as e:
+        raise ValueError(
+            str(e).replace("top level must be a JSON object", "a config.json holds a JSON object")
+        ) from None
     return raw, path
 
 

@@ -201,6 +201,11 @@ class MoECausalLM(nnx.Module):
     def num_physical(self) -> int:
         return self.moe_layers[0].num_physical
 
+    @property
+    def eplb_layer_ids(self) -> tuple[tuple[int, ...], int]:
+        """``(block of each MoE layer, decoder blocks)``: where files of every block (SGLang's) hold each MoE row."""
+        return tuple(self.config.moe_blocks), self.config.num_layers
+
     # -------------------------------------------------------------- forward
     def __call__(self, tokens, *, valid=None, record=True):
         """``tokens [B, T]`` -> logits ``[B, T, vocab]`` float32 (causal; no cache: training, full recompute).

@@ -21,6 +21,8 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
+from moe_eplb_jax._checks import check_real, show
+
 __all__ = ["YarnScaling", "apply_rope", "rope_frequencies", "softmax_mscale", "yarn_mscale"]
 
 
@@ -62,10 +64,13 @@ class YarnScaling:
 
 
 def _check_positive(name: str, value, *, allow_zero: bool = False) -> None:
-    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-    if not ok or value < 0 or (value == 0 and not allow_zero):
+    try:
+        ok = check_real(name, value) >= 0 and (value != 0 or allow_zero)
+    except ValueError:
+        ok = False
+    if not ok:
         bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"YarnScaling.{name} must be a finite number {bound}, got {value!r}")
+        raise ValueError(f"YarnScaling.{name} must be a finite number {bound}, got {show(value)}")
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 
 import ml_dtypes  # registers bfloat16 with numpy, which safetensors' numpy reader needs
@@ -46,16 +47,29 @@ def _library():
 
 
 def checkpoint_files(path) -> list[str]:
-    """``[path]`` for a file, the sorted ``*.safetensors`` of a directory."""
+    """``[path]`` for a file, the sorted ``*.safetensors`` of a directory; each a regular file.
+
+    A FIFO, device or socket among them is refused before anything opens it
+    (the reader would wait on a FIFO forever).
+    """
     path = os.fspath(path)
     if os.path.isdir(path):
         files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
         if not files:
             raise ValueError(f"{path}: directory holds no .safetensors file")
-        return files
-    if not os.path.isfile(path):
+    elif not os.path.lexists(path):
         raise ValueError(f"{path}: no such checkpoint file or directory")
-    return [path]
+    else:
+        files = [path]
+    for file in files:
+        try:
+            mode = os.stat(file).st_mode
+        except OSError as e:
+            raise ValueError(f"{file}: cannot read the checkpoint file ({e.strerror})") from None
+        if not stat.S_ISREG(mode):
+            kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file (a device, FIFO or socket)"
+            raise ValueError(f"{file}: cannot read the checkpoint file, it is {kind}")
+    return files
 
 
 def index(files: list[str]) -> dict[str, tuple[str, str, tuple[int, ...]]]:

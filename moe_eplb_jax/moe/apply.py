@@ -32,8 +32,11 @@ of the plain expert MLP -- bit for bit under any placement and mode with a
 placement-invariant matmul (``"dense"``, the Triton kernels); what a mode decides is
 only which replica computes it (the load):
 
-* ``"hash"``: replica ``h(t) mod c`` of the rank-local token index: stateless.
-* ``"round_robin"``: replica ``t mod c``.
+* ``"hash"``: replica ``floor(h(u) c / 2**32)`` (the hash's high bits) of
+  the token's global position ``u`` (its index among every rank's tokens of
+  the batch): stateless, and spread over the replicas however few tokens each
+  rank holds (decode).
+* ``"round_robin"``: replica ``u mod c``.
 * ``"lp"``: replicas drawn (by the token hash, Walker's alias method) with the
   layer's ``replica_shares``, solved at each rearrangement from the window's
   loads (``moe_eplb_jax.routing.routing_tables``); equal shares until then.
@@ -208,6 +211,7 @@ def _per_rank(
         routing=mode,
         num_physical=num_physical,
         axis=axis,
+        batch_axes=batch_axes,
         record=record,
         lookup=lookup,
         replica_shares=replica_shares,
@@ -231,6 +235,7 @@ def map_replicas(
     routing: str | RoutingMode,
     num_physical: int,
     axis: str,
+    batch_axes: tuple[str, ...] = (),
     record=True,
     lookup=None,
     replica_shares=None,
@@ -240,7 +245,9 @@ def map_replicas(
     ``[T, k]`` int32 and this rank's load ``[P]`` int32, as ``moe_apply`` routes.
 
     The one place a routing mode turns into ``map_and_count``'s inputs: a mode that reads shares gets
-    ``replica_shares``; one that reads quotas plans them here, per batch (an all-gather over ``axis``).
+    ``replica_shares``; one that reads quotas plans them here, per batch (an all-gather over ``axis``). The
+    tokens' positions are global (this device's index over ``(*batch_axes, axis)``, the order the tokens are
+    sharded in, times ``T``), so hashing spreads the replicas over every rank's tokens, not each rank's alone.
     """
     mode = routing_mode(routing)
     tables = {}
@@ -248,11 +255,13 @@ def map_replicas(
         tables["replica_shares"] = replica_shares
     if mode.quotas:
         tables["quotas"] = batch_quotas(ids, log2phy, logcnt, axis_name=axis, num_physical=num_physical)
+    token_offset = jax.lax.axis_index((*batch_axes, axis)) * ids.shape[0]
     physical, load = map_and_count(
         ids,
         log2phy,
         logcnt,
         num_physical=num_physical,
+        token_offset=token_offset,
         record=record,
         mode=mode.name,
         implementation=implementation,

@@ -15,6 +15,7 @@ import math
 
 import numpy as np
 
+from moe_eplb_jax._checks import INT32_MAX, show
 from moe_eplb_jax.moe import grouped_matmul
 from moe_eplb_jax.quant import ACTIVATION_SCALINGS
 from moe_eplb_jax.quant import IMPLS as QUANT_IMPLS
@@ -170,10 +171,11 @@ def axes_size(mesh, axes) -> int:
 
 
 def _check_int(name: str, value, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not minimum <= value <= INT32_MAX:
+        bound = f">= {minimum}" if isinstance(value, int | np.integer) and value < minimum else "up to 2**31 - 1"
+        raise ValueError(f"{name} must be an integer {bound}, got {show(value)}")
 
 
 def _check_choice(name: str, value, choices) -> None:
     if value not in choices:
-        raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
+        raise ValueError(f"{name} must be one of {tuple(choices)}, got {show(value)}")

@@ -8,8 +8,9 @@ import numpy as np
 
 from moe_eplb_jax.placement import Placement
 from moe_eplb_jax.policy._registry import get
+from moe_eplb_jax.policy.deepseek import check_weight
 
-if TYPE_CHECKING:  # the config validates policy names against this package: imported for the annotation only
+if TYPE_CHECKING:
     from moe_eplb_jax.config import EplbConfig
 
 __all__ = ["compute_placement"]
@@ -21,11 +22,11 @@ def compute_placement(logical_load, config: EplbConfig, *, old_phy2log=None) -> 
     With ``old_phy2log`` the policy keeps experts that stay on a rank in their
     old slot, so the rearrangement moves as few bytes as possible.
     """
-    load = np.asarray(logical_load, dtype=np.float64)
-    if load.ndim != 2:
-        raise ValueError(f"logical_load must have shape [L, E], got {load.shape}")
-    if not np.all(np.isfinite(load)) or np.any(load < 0):
-        raise ValueError("logical_load must be finite and non-negative")
+    from moe_eplb_jax.config import EplbConfig  # config.py checks policy names against this package: a cycle
+
+    if not isinstance(config, EplbConfig):
+        raise ValueError(f"config must be an EplbConfig, got {type(config).__name__}")
+    load = check_weight(logical_load, name="logical_load")
     num_logical = load.shape[1]
     num_physical = config.num_physical(num_logical)
     if old_phy2log is not None:

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from moe_eplb_jax._checks import check_int
-from moe_eplb_jax.placement import check_expert_ids
+from moe_eplb_jax._checks import INT32_MAX, check_int
+from moe_eplb_jax.placement import check_expert_ids, check_placement_size
 from moe_eplb_jax.policy import _packing
 from moe_eplb_jax.policy._preserve import preserve_slots
 
@@ -41,18 +41,21 @@ __all__ = [
 ]
 
 
-def check_weight(weight) -> np.ndarray:
-    """``weight`` as float64 ``[L, E]``: real numbers (no bools or strings), finite, non-negative, non-empty."""
+def check_weight(weight, *, name: str = "weight") -> np.ndarray:
+    """``weight`` as float64 ``[L, E]``: real numbers (no bools or strings), finite, non-negative, non-empty.
+
+    Errors call it ``name``.
+    """
     try:
         weight = np.asarray(weight)
     except (ValueError, TypeError, OverflowError) as e:  # ragged nested lists
-        raise ValueError(f"weight must be a rectangular [L, E] array ({e})") from None
+        raise ValueError(f"{name} must be a rectangular [L, E] array ({e})") from None
     if weight.ndim != 2:
-        raise ValueError(f"weight must have shape [L, E] (2-D), got shape {weight.shape}")
+        raise ValueError(f"{name} must have shape [L, E] (2-D), got shape {weight.shape}")
     if weight.shape[0] < 1 or weight.shape[1] < 1:
-        raise ValueError(f"weight must have at least one layer and one expert, got shape {weight.shape}")
+        raise ValueError(f"{name} must have at least one layer and one expert, got shape {weight.shape}")
     if weight.dtype.kind not in "iuf":
-        raise ValueError(f"weight must hold real numbers, got dtype {weight.dtype}")
+        raise ValueError(f"{name} must hold real numbers, got dtype {weight.dtype}")
     weight = weight.astype(np.float64) + 0.0  # + 0.0 turns -0.0 into 0.0 (sorts use the bit patterns)
     with np.errstate(over="ignore", invalid="ignore"):
         row_total = weight.sum(axis=1)  # NaN or inf anywhere makes a total non-finite: one cheap check
@@ -64,8 +67,8 @@ def check_weight(weight) -> np.ndarray:
         ):
             if bad.any():
                 layer, expert = (int(i) for i in np.argwhere(bad)[0])
-                raise ValueError(f"weight holds {problem} at [layer {layer}, expert {expert}]")
-        raise ValueError("weight is too large: a layer's total load overflows float64")
+                raise ValueError(f"{name} holds {problem} at [layer {layer}, expert {expert}]")
+        raise ValueError(f"{name} is too large: a layer's total load overflows float64")
     return weight
 
 
@@ -94,7 +97,7 @@ def check_inputs(weight, num_replicas, num_groups, num_nodes, num_gpus, old_phy2
     num_nodes``; ``old_phy2log`` of the wrong shape or holding ids outside
     ``[0, E)``.
     """
-    num_replicas = check_int("num_replicas", num_replicas, minimum=1)
+    num_replicas = check_int("num_replicas", num_replicas, minimum=1, maximum=INT32_MAX)
     num_groups = check_int("num_groups", num_groups, minimum=1)
     num_nodes = check_int("num_nodes", num_nodes, minimum=1)
     num_gpus = check_int("num_gpus", num_gpus, minimum=1)
@@ -102,6 +105,7 @@ def check_inputs(weight, num_replicas, num_groups, num_nodes, num_gpus, old_phy2
     num_layers, num_experts = weight.shape
     if num_replicas < num_experts:
         raise ValueError(f"num_replicas ({num_replicas}) is smaller than the number of experts ({num_experts})")
+    check_placement_size(num_layers, num_experts, num_replicas, physical_name="num_replicas")
     if num_replicas % num_gpus:
         raise ValueError(f"num_replicas ({num_replicas}) is not divisible by num_gpus ({num_gpus})")
     if num_groups % num_nodes == 0:  # hierarchical: groups stay on one node

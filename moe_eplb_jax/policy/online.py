@@ -16,6 +16,15 @@ it already held keep their slots, so only the spare slots whose expert
 changes move bytes (:func:`keep_spare_slots`); home slots never move.
 The per-batch side is the MoE layer's ``routing="quota"``: quotas over the
 replicas this placement holds (``moe_eplb_jax.routing.plan_fixed_quotas``).
+
+Never worse than ``lp``: the planner fills spares for the spare-slot model
+(any expert, per batch), not for quotas over fixed replicas, and fixed homes
+can hold a layer's hot experts together. So each layer's result is checked
+against its routing bound -- the least largest rank load any split of the
+loads over its replicas reaches (the LP ``lp`` and the per-batch quotas solve,
+:func:`moe_eplb_jax.routing.lp_shares_reference`) -- and a layer whose
+``"balanced"`` placement (what ``lp`` routes over, on the same slots) has a
+lower bound takes that placement instead: its home slots move then.
 """
 
 from __future__ import annotations
@@ -26,13 +35,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_eplb_jax._checks import check_int
-from moe_eplb_jax.placement import build_log2phy
+from moe_eplb_jax._checks import INT32_MAX, check_int
+from moe_eplb_jax.placement import build_log2phy, check_placement_size
 from moe_eplb_jax.policy._registry import register
+from moe_eplb_jax.policy.balanced import rebalance_balanced
 from moe_eplb_jax.policy.deepseek import check_old_phy2log, check_weight
+from moe_eplb_jax.routing.lp import lp_shares_reference
 from moe_eplb_jax.routing.quota import plan_quotas
 
-__all__ = ["online_policy", "home_layout", "fill_unused_spares", "keep_spare_slots", "refresh_phy2log"]
+__all__ = [
+    "fill_unused_spares",
+    "home_layout",
+    "keep_spare_slots",
+    "online_policy",
+    "refresh_phy2log",
+    "routing_bound",
+]
 
 _TOKEN_SCALE = 1 << 20  # float loads are scaled to integers summing to about this per layer
 
@@ -141,7 +159,7 @@ def online_policy(weight, num_replicas: int, num_groups: int, num_nodes: int, nu
     (:func:`keep_spare_slots`). ``weight`` is checked like every policy's
     (numbers, finite, non-negative, at least one layer and one expert).
     """
-    num_replicas = check_int("num_replicas", num_replicas, minimum=1)
+    num_replicas = check_int("num_replicas", num_replicas, minimum=1, maximum=INT32_MAX)
     check_int("num_groups", num_groups, minimum=1)
     check_int("num_nodes", num_nodes, minimum=1)
     num_gpus = check_int("num_gpus", num_gpus, minimum=1)
@@ -149,6 +167,7 @@ def online_policy(weight, num_replicas: int, num_groups: int, num_nodes: int, nu
     weight = check_weight(weight)
     num_layers, num_logical = weight.shape
     num_home, num_spare = home_layout(num_logical, num_replicas, num_gpus)
+    check_placement_size(num_layers, num_logical, num_replicas, physical_name="num_replicas")
     check_old_phy2log(old_phy2log, num_layers, num_replicas, num_logical)
     counts = _integer_counts(weight, num_home, whole_tokens=whole_tokens)
     planned = np.asarray(_planner(num_home, num_spare)(jnp.asarray(counts)))
@@ -163,9 +182,35 @@ def online_policy(weight, num_replicas: int, num_groups: int, num_nodes: int, nu
         if old.shape != phy2log.shape:
             raise ValueError(f"old_phy2log must have shape [L, P] = {phy2log.shape}, got {old.shape}")
         phy2log = np.stack([keep_spare_slots(phy2log[i], old[i], num_home, num_spare) for i in range(num_layers)])
-    phy2log = phy2log.astype(np.int32)
+    phy2log = _no_worse_than_balanced(weight, phy2log.astype(np.int32), num_gpus, old_phy2log)
     log2phy, logcnt = build_log2phy(phy2log, num_logical)
     return phy2log, log2phy, logcnt
+
+
+def routing_bound(weight, phy2log, num_gpus: int) -> np.ndarray:
+    """``[L]`` the least largest rank load each layer's replicas allow for ``weight [L, E]`` (the routing LP)."""
+    weight, phy2log = np.asarray(weight, np.float64), np.asarray(phy2log)
+    num_physical = phy2log.shape[1]
+    log2phy, logcnt = build_log2phy(phy2log, weight.shape[1])
+    return np.array(
+        [
+            lp_shares_reference(w, table, count, num_physical=num_physical, num_ranks=num_gpus)[1]
+            for w, table, count in zip(weight, log2phy, logcnt)
+        ]
+    )
+
+
+def _no_worse_than_balanced(weight, phy2log, num_gpus, old_phy2log):
+    """``phy2log``, each layer whose routing bound the ``"balanced"`` placement beats taking that one instead."""
+    num_physical = phy2log.shape[1]
+    balanced, _, _ = rebalance_balanced(weight, num_physical, 1, 1, num_gpus, old_phy2log=old_phy2log)
+    ours, theirs = routing_bound(weight, phy2log, num_gpus), routing_bound(weight, balanced, num_gpus)
+    worse = theirs < ours * (1 - _BOUND_TOLERANCE)  # ties keep the home layout: only its spares move
+    return np.where(worse[:, None], balanced, phy2log).astype(np.int32)
+
+
+# A fallback must lower the bound by more than this fraction: an LP solver's round-off never swaps layouts.
+_BOUND_TOLERANCE = 1e-6
 
 
 def refresh_phy2log(old_phy2log, planned_phy2log):

@@ -28,7 +28,7 @@ import numpy as np
 import scipy.optimize
 import scipy.sparse
 
-from moe_eplb_jax._checks import check_int, check_real, is_concrete
+from moe_eplb_jax._checks import INT32_MAX, check_int, check_real, is_concrete
 
 __all__ = ["lp_shares", "lp_shares_reference", "shares_rank_load"]
 
@@ -39,8 +39,8 @@ def _check(load, log2phy, logcnt, num_physical, num_ranks) -> tuple[int, int]:
     Shapes and dtypes always; values (loads finite and non-negative, replica
     counts in ``[1, S]``, slots in ``[0, P)``) where the inputs are concrete.
     """
-    num_physical = check_int("num_physical", num_physical, minimum=1)
-    num_ranks = check_int("num_ranks", num_ranks, minimum=1)
+    num_physical = check_int("num_physical", num_physical, minimum=1, maximum=INT32_MAX)
+    num_ranks = check_int("num_ranks", num_ranks, minimum=1, maximum=INT32_MAX)
     load_shape, table_shape, cnt_shape = np.shape(load), np.shape(log2phy), np.shape(logcnt)
     if len(table_shape) != 2 or 0 in table_shape:
         raise ValueError(f"log2phy must have shape [E, S] (both at least 1), got {table_shape}")

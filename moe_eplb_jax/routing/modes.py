@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import types
 
+from moe_eplb_jax._checks import show
+
 __all__ = ["KERNEL_RULES", "MODES", "ROUTING_MODES", "RoutingMode", "check_routing", "routing_mode"]
 
 # How map_and_count picks an entry's replica -- by the token hash, by token index, from the shares' alias table,
@@ -66,8 +68,8 @@ MODES: types.MappingProxyType[str, RoutingMode] = types.MappingProxyType(
     {
         mode.name: mode
         for mode in (
-            RoutingMode(name="hash", kernel="hash", summary="replica h(t) mod c of the token hash; stateless"),
-            RoutingMode(name="round_robin", kernel="round_robin", summary="replica t mod c of the token index"),
+            RoutingMode(name="hash", kernel="hash", summary="replica from the high bits of the token hash; stateless"),
+            RoutingMode(name="round_robin", kernel="round_robin", summary="replica u mod c of the token position"),
             RoutingMode(
                 name="lp",
                 kernel="lp",
@@ -93,7 +95,7 @@ def routing_mode(mode: str | RoutingMode, *, field: str = "routing") -> RoutingM
     name = mode.name if isinstance(mode, RoutingMode) else mode
     found = MODES.get(name) if isinstance(name, str) else None
     if found is None or (isinstance(mode, RoutingMode) and mode != found):
-        raise ValueError(f"{field} must be one of {ROUTING_MODES}, got {mode!r}")
+        raise ValueError(f"{field} must be one of {ROUTING_MODES}, got {show(mode)}")
     return found
 
 

@@ -7,7 +7,9 @@ Format ``moe_eplb_jax.load`` version 1, as ``.npz`` (preferred) or ``.json``:
   single snapshot, read as one step): tokens routed to each logical expert of
   each MoE layer in each recorded step (padding excluded);
 * optional metadata: ``num_ranks`` (EP size the load was recorded at),
-  ``top_k``, ``model`` (a name), ``note`` (free text).
+  ``top_k``, ``model`` (a name), ``note`` (free text), ``layer_ids`` (the
+  decoder block of each MoE layer) with ``num_hidden_layers`` (the model's
+  decoder blocks): where an SGLang file of every block puts each row.
 
 Counts are kept exact: integer loads must stay below ``2**53`` (float64's exact
 range) and totals must not overflow. :func:`read_load` also reads SGLang's load
@@ -24,14 +26,22 @@ import os
 
 import numpy as np
 
-from moe_eplb_jax._files import array_field, check_document, int_field, read_fields, write_document
+from moe_eplb_jax._files import (
+    array_field,
+    check_document,
+    check_output_path,
+    int_field,
+    read_fields,
+    write_document,
+)
+from moe_eplb_jax.placement import check_layer_ids
 
 __all__ = ["LoadTrace", "save_load", "read_load", "LOAD_FORMAT", "LOAD_VERSION"]
 
 LOAD_FORMAT = "moe_eplb_jax.load"
 LOAD_VERSION = 1
-_META = ("num_ranks", "top_k", "model", "note")
-_INT_META = ("num_ranks", "top_k")
+_META = ("num_ranks", "top_k", "model", "note", "layer_ids", "num_hidden_layers")
+_INT_META = ("num_ranks", "top_k", "num_hidden_layers")
 _TEXT_META = ("model", "note")
 # float64 holds every integer count up to 2**53 exactly; a larger count would be silently rounded.
 _MAX_EXACT_COUNT = 2**53
@@ -100,7 +110,16 @@ def _check_meta(meta: dict, where: str) -> dict:
     for k in _TEXT_META:
         if k in meta and not isinstance(meta[k], str):
             raise ValueError(f"{where}: field {k!r} must be text, got {meta[k]!r}")
-    return {k: (int(v) if k in _INT_META else v) for k, v in meta.items()}
+    out = {k: (int(v) if k in _INT_META else v) for k, v in meta.items()}
+    if ("layer_ids" in meta) != ("num_hidden_layers" in meta):
+        raise ValueError(f"{where}: fields 'layer_ids' and 'num_hidden_layers' come together or not at all")
+    if "layer_ids" in meta:
+        ids = array_field(meta, "layer_ids", where, kind="integer")
+        try:
+            out["layer_ids"] = check_layer_ids(ids, ids.size, out["num_hidden_layers"])[0].tolist()
+        except ValueError as e:
+            raise ValueError(f"{where}: field {e}") from None
+    return out
 
 
 def save_load(path, load, **meta) -> None:
@@ -108,9 +127,9 @@ def save_load(path, load, **meta) -> None:
 
     The write is atomic: a unique temporary file renamed over ``path``.
     """
-    path = os.fspath(path)
+    path = check_output_path(path, what="load", suffixes=(".json", ".npz"))
     meta = _check_meta({k: v for k, v in meta.items() if v is not None}, path)
-    _check_load(load, path)
+    _check_rows(_check_load(load, path), meta, path)
     fields = {"format": LOAD_FORMAT, "version": LOAD_VERSION, "load": np.asarray(load)}
     fields.update(meta)
     write_document(path, fields, what="load")
@@ -135,4 +154,10 @@ def read_load(path) -> LoadTrace:
         field = "load"
         meta = _check_meta({k: doc[k] for k in _META if k in doc}, path)
     load = _check_load(array_field(doc, field, path, kind="number"), path, field=field)
+    _check_rows(load, meta, path)
     return LoadTrace(load=load, meta=meta)
+
+
+def _check_rows(load: np.ndarray, meta: dict, where: str) -> None:
+    if "layer_ids" in meta and len(meta["layer_ids"]) != load.shape[1]:
+        raise ValueError(f"{where}: field 'layer_ids' names {len(meta['layer_ids'])} blocks for {load.shape[1]} layers")

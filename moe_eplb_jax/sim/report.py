@@ -33,7 +33,7 @@ import numpy as np
 
 from moe_eplb_jax import policy as _policy
 from moe_eplb_jax._checks import check_int, check_real
-from moe_eplb_jax._files import check_output_path, pyplot, save_figure
+from moe_eplb_jax._files import FIGURE_SUFFIXES, check_output_path, pyplot, save_figure
 from moe_eplb_jax.metrics import rank_load_from_logical
 from moe_eplb_jax.placement import build_log2phy
 from moe_eplb_jax.routing.lp import lp_shares
@@ -112,11 +112,12 @@ def check_policy_names(policies) -> tuple[str, ...]:
         raise ValueError(f"policies must be a policy name or a sequence of names, got {policies!r}") from None
     if not policies:
         raise ValueError("policies is empty; choose from " + ", ".join(policy_names()))
+    known = policy_names()
     for name in policies:
         if not isinstance(name, str):
             raise ValueError(f"policy names must be strings, got {name!r}")
-        if name not in ("none", "online"):
-            resolve_policy(name.removesuffix("+lp"))
+        if name not in known:  # the names the CLI's help lists, in the same words
+            raise ValueError(f"unknown policy {name!r}; choose from {', '.join(known)}")
     if len(set(policies)) != len(policies):
         raise ValueError(f"policies lists a name twice: {list(policies)}")
     return policies
@@ -304,7 +305,7 @@ def format_table(reports: list[PolicyReport]) -> str:
 
 def plot_reports(reports: list[PolicyReport], path) -> None:
     """Writes a PNG: rank imbalance per step (left) and per layer (right), one line per policy (atomically)."""
-    path = check_output_path(path, what="plot")
+    path = check_output_path(path, what="plot", suffixes=FIGURE_SUFFIXES)
     plt = pyplot()
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))

@@ -2,20 +2,26 @@
 
 A leaf with leading slot axes ``[N, *row_shape]`` is handled as a *row view*
 ``[N, m]`` of unsigned integers: ``uint32`` words where a row is a multiple of
-4 bytes, else the unsigned type of the element's width (``uint8`` for 8- and
-4-bit dtypes, 4-bit elements in pairs, and bools; ``uint16`` for 16-bit).
-:func:`pack_rows` gathers the rows that move of several leaves into one
-``[C, B]`` buffer: ``uint32`` words when every leaf is viewed as words, else
-``uint8`` bytes (:func:`to_byte_rows`; 4-bit element ``2i`` in the low nibble
-of byte ``i``, so a 4-bit row needs an even element count). Either way the
-buffer holds each row's bytes in order, leaf after leaf;
-:func:`pack_rows_numpy` is the host reference.
+4 bytes, else the unsigned type of the element's width (``uint8`` for 8-, 4-
+and 2-bit dtypes, sub-byte elements packed into whole bytes, and bools;
+``uint16`` for 16-bit). :func:`pack_rows` gathers the rows that move of
+several leaves into one ``[C, B]`` buffer: ``uint32`` words when every leaf is
+viewed as words, else ``uint8`` bytes (:func:`to_byte_rows`; sub-byte element
+``j`` of byte ``i`` is element ``i * 8 / bits + j``, lowest bits first, so a
+sub-byte row needs a whole number of bytes). Either way the buffer holds each
+row's bytes in order, leaf after leaf; :func:`pack_rows_numpy` is the host
+reference.
 
 Why unsigned integers: the only op that sees a leaf's own dtype is the
 bitcast into (and out of) its view, so no gather, scatter, select or
 concatenate ever handles a float. Float ops are not byte-exact on every
 backend (XLA:CPU rewrites float8_e5m2 NaN payloads and may flush bfloat16
 subnormals); integer ops are.
+
+Two bitcasts that change the element width never meet: XLA's simplifier folds
+a widening bitcast followed by a narrowing one into a single bitcast of the
+wrong shape (an HLO verifier error), which happens wherever the gather or
+scatter between them vanishes, e.g. a rank holding one slot.
 """
 
 from __future__ import annotations
@@ -83,10 +89,18 @@ _ML_DTYPES = frozenset(
         jnp.float8_e4m3b11fnuz,
         jnp.int4,
         jnp.uint4,
+        jnp.int2,
+        jnp.uint2,
     )
     + tuple(getattr(jnp, n) for n in ("float8_e3m4", "float8_e4m3") if hasattr(jnp, n))
 )
-_UNSIGNED = {4: np.dtype(jnp.uint4), 8: np.dtype(np.uint8), 16: np.dtype(np.uint16), 32: np.dtype(np.uint32)}
+_UNSIGNED = {
+    2: np.dtype(jnp.uint2),
+    4: np.dtype(jnp.uint4),
+    8: np.dtype(np.uint8),
+    16: np.dtype(np.uint16),
+    32: np.dtype(np.uint32),
+}
 _UNSIGNED[64] = np.dtype(np.uint64)
 
 
@@ -98,7 +112,7 @@ def leaf_layout(dtype, row_shape: Sequence[int], *, name: str = "leaf") -> LeafL
     """The byte layout of one row of ``row_shape`` elements of ``dtype``.
 
     Raises ``ValueError`` for dtypes that cannot be viewed as bytes and for
-    4-bit rows with an odd element count.
+    sub-byte rows that do not fill whole bytes.
     """
     dtype = np.dtype(dtype)
     row_shape = tuple(int(d) for d in row_shape)
@@ -106,12 +120,12 @@ def leaf_layout(dtype, row_shape: Sequence[int], *, name: str = "leaf") -> LeafL
     if dtype.kind not in "biuf" and dtype not in _ML_DTYPES:
         raise ValueError(f"{name}: dtype {dtype} cannot be moved as bytes (need bool, integer or float)")
     bits = _bits(dtype)
-    if bits not in (4, 8, 16, 32, 64):
+    if bits not in _UNSIGNED:
         raise ValueError(f"{name}: dtype {dtype} ({bits} bits) cannot be moved as bytes")
-    if bits == 4 and count % 2:
+    if bits < 8 and count % (8 // bits):
         raise ValueError(
-            f"{name}: a {dtype} row of shape {row_shape} has {count} elements; 4-bit rows are moved as "
-            "byte pairs and need an even element count per slot"
+            f"{name}: a {dtype} row of shape {row_shape} has {count} elements; {bits}-bit rows are moved as "
+            f"whole bytes and need an element count per slot that is a multiple of {8 // bits}"
         )
     row_bytes = count * bits // 8
     view = _UNSIGNED[32] if row_bytes % 4 == 0 else _UNSIGNED[max(8, bits)]
@@ -119,14 +133,18 @@ def leaf_layout(dtype, row_shape: Sequence[int], *, name: str = "leaf") -> LeafL
 
 
 def _regroup(x: jax.Array, dtype) -> jax.Array:
-    """Unsigned ``x [N, k]`` as ``dtype [N, k']`` over the same bytes (a bitcast; integers only)."""
+    """Unsigned ``x [N, k]`` as ``dtype [N, k']`` over the same bytes (a bitcast; integers only).
+
+    A narrowing bitcast takes its input through an optimisation barrier, so it
+    never meets a widening one (module docstring).
+    """
     src, dst = _bits(x.dtype), _bits(dtype)
     if src == dst:
         return x
     num_rows = x.shape[0]
     if src < dst:  # several elements per new element: group them on a trailing axis
         return jax.lax.bitcast_convert_type(x.reshape(num_rows, -1, dst // src), dtype)
-    return jax.lax.bitcast_convert_type(x, dtype).reshape(num_rows, -1)
+    return jax.lax.bitcast_convert_type(jax.lax.optimization_barrier(x), dtype).reshape(num_rows, -1)
 
 
 def row_view(x: jax.Array, layout: LeafLayout, num_rows: int) -> jax.Array:
@@ -159,7 +177,7 @@ def _fenced(unsigned: jax.Array, layout: LeafLayout) -> jax.Array:
 
 
 def to_byte_rows(rows: jax.Array, layout: LeafLayout) -> jax.Array:
-    """Row view ``[C, view_width]`` to ``uint8 [C, row_bytes]`` (a bitcast; 4-bit dtypes in pairs)."""
+    """Row view ``[C, view_width]`` to ``uint8 [C, row_bytes]`` (a bitcast; sub-byte dtypes packed in bytes)."""
     del layout  # the view's own dtype says how many bytes an element holds
     return _regroup(rows, np.uint8)
 
@@ -211,17 +229,21 @@ def unpack_rows(packed: jax.Array, layouts: Sequence[LeafLayout]) -> list[jax.Ar
 def byte_rows_numpy(x: np.ndarray, num_lead: int = 1) -> np.ndarray:
     """Host reference of :func:`to_byte_rows` for numpy (ml_dtypes) arrays with ``num_lead`` row axes.
 
-    ml_dtypes stores one 4-bit element per byte (low nibble); pairs are packed
-    here exactly as on device.
+    ml_dtypes stores one sub-byte element per byte (lowest bits); they are
+    packed here exactly as on device.
     """
     x = np.asarray(x)
     lead = x.shape[:num_lead]
     num_rows = math.prod(lead)
     layout = leaf_layout(x.dtype, x.shape[num_lead:])
     flat = np.ascontiguousarray(x).reshape(num_rows, -1)
-    if _bits(x.dtype) == 4:
-        nibbles = flat.view(np.uint8) & np.uint8(0x0F)
-        packed = nibbles[:, 0::2] | (nibbles[:, 1::2] << np.uint8(4))
+    bits = _bits(x.dtype)
+    if bits < 8:
+        per_byte = 8 // bits
+        codes = flat.view(np.uint8) & np.uint8((1 << bits) - 1)
+        packed = np.zeros((num_rows, layout.row_bytes), np.uint8)
+        for j in range(per_byte):
+            packed |= codes[:, j::per_byte] << np.uint8(bits * j)
         return packed.reshape(lead + (layout.row_bytes,))
     return flat.view(np.uint8).reshape(lead + (layout.row_bytes,))
 

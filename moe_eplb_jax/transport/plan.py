@@ -30,6 +30,8 @@ import dataclasses
 
 import numpy as np
 
+from moe_eplb_jax._checks import INT32_MAX, check_int
+
 __all__ = [
     "TransportPlan",
     "plan_rearrangement",
@@ -191,15 +193,16 @@ def _as_phy2log(name: str, value) -> np.ndarray:
         raise ValueError(f"{name} must have shape [P] or [L, P], got {arr.shape}")
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
         raise ValueError(f"{name} must hold integer expert ids, got dtype {arr.dtype}")
-    return arr.astype(np.int64)
+    return arr
 
 
 def validate_placements(old_phy2log, new_phy2log, num_ranks: int, *, num_logical: int | None = None):
     """Checks two placements for a move; returns them as ``int64 [L, P]`` plus ``layered``.
 
-    Raises ``ValueError`` for wrong shapes, negative (or ``>= num_logical``)
-    ids, ``P`` not divisible by ``num_ranks`` and a new placement naming an
-    expert that no old slot of that layer holds.
+    Raises ``ValueError`` for wrong shapes, ids outside ``[0, num_logical)``
+    (or, without ``num_logical``, outside int32), ``P`` not divisible by
+    ``num_ranks`` and a new placement naming an expert that no old slot of
+    that layer holds. Memory follows the slots, never the largest id.
     """
     old = _as_phy2log("old_phy2log", old_phy2log)
     new = _as_phy2log("new_phy2log", new_phy2log)
@@ -211,21 +214,23 @@ def validate_placements(old_phy2log, new_phy2log, num_ranks: int, *, num_logical
     num_layers, num_slots = old.shape
     if num_layers == 0 or num_slots == 0:
         raise ValueError(f"placements must have at least one layer and one slot, got shape {old.shape}")
-    if not isinstance(num_ranks, (int, np.integer)) or num_ranks < 1:
-        raise ValueError(f"num_ranks must be a positive integer, got {num_ranks!r}")
+    num_ranks = check_int("num_ranks", num_ranks, minimum=1)
     if num_slots % num_ranks:
         raise ValueError(f"{num_slots} physical slots are not divisible by {num_ranks} ranks")
+    bound = INT32_MAX + 1 if num_logical is None else check_int("num_logical", num_logical, minimum=1)
     for name, table in (("old_phy2log", old), ("new_phy2log", new)):
-        bad = table < 0 if num_logical is None else (table < 0) | (table >= num_logical)
+        bad = (table < 0) | (table >= bound)  # before any cast: a uint64 id must not wrap into range
         if bad.any():
             layer, slot = np.argwhere(bad)[0]
-            bound = "" if num_logical is None else f", {num_logical}"
             where = f"[{layer}, {slot}]" if layered else f"[{slot}]"
-            raise ValueError(f"{name}{where} = {table[layer, slot]} is outside the expert id range [0{bound})")
-    width = int(max(old.max(), new.max())) + 1
-    held = np.zeros((num_layers, width), dtype=bool)
-    held[np.arange(num_layers)[:, None], old] = True
-    missing = ~held[np.arange(num_layers)[:, None], new]
+            raise ValueError(f"{name}{where} = {table[layer, slot]} is outside the expert id range [0, {bound})")
+    old, new = old.astype(np.int64), new.astype(np.int64)
+    # Membership per layer by (layer, id) keys: sorted search over the slots, no [L, max id + 1] table.
+    keys = np.arange(num_layers, dtype=np.int64)[:, None] * (INT32_MAX + 1)
+    held = np.sort((old + keys).ravel())
+    wanted = new + keys
+    found = np.searchsorted(held, wanted).clip(max=held.size - 1)
+    missing = held[found] != wanted
     if missing.any():
         layer, slot = np.argwhere(missing)[0]
         where = f"[{layer}, {slot}]" if layered else f"[{slot}]"

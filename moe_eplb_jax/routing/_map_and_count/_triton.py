@@ -1,6 +1,6 @@
 """The Pallas (Triton) implementation of ``map_and_count``: the map kernel and its wrapper (tiling: :mod:`.config`).
 
-``map_and_count_triton(topk_ids [T, k], log2phy [E, S], logcnt [E], limits [2], ...)`` ->
+``map_and_count_triton(topk_ids [T, k], log2phy [E, S], logcnt [E], limits [3], ...)`` ->
 ``(physical_ids [T, k], load [P])``, equal to :func:`.reference.map_and_count_reference`. A map program
 handles ``tile`` consecutive flat (token, k) entries in loop steps of ``sub``: it loads the ids, looks each
 replica up, stores the slot and counts the step's slots with ``tt.histogram``; at its end one relaxed integer
@@ -26,7 +26,7 @@ from moe_eplb_jax.routing._map_and_count._alias_kernel import alias_kernel
 from moe_eplb_jax.routing._map_and_count._search import loads, upper_bound
 from moe_eplb_jax.routing._map_and_count._triton_ops import atomic_add_int, histogram, take
 from moe_eplb_jax.routing._map_and_count.config import Config
-from moe_eplb_jax.routing._map_and_count.reference import GOLDEN
+from moe_eplb_jax.routing._map_and_count.reference import hash_replica, hash_token
 
 __all__ = ["map_and_count_triton"]
 
@@ -79,7 +79,7 @@ def _map_kernel(
     """
     del zeros_ref  # aliased to load_ref: the loads start at zero
     program = pl.program_id(0)
-    count_limit, rank_limit = limits_ref[0], limits_ref[1]
+    count_limit, rank_limit, token_offset = limits_ref[0], limits_ref[1], limits_ref[2]
 
     def head_of(expert):
         """``(count >= 1, first slot)`` from the lookup (``wide``: the count only; log2phy holds every slot)."""
@@ -96,18 +96,18 @@ def _map_kernel(
         valid_id = (ids >= 0) & (ids < num_logical)
         expert = jnp.where(valid_id, ids, 0)
         # Unsigned division and remainder: both operands are >= 0, and the signed forms add sign fix-ups.
-        token = flat.astype(jnp.uint32) // jnp.uint32(top_k)
-        hashed = token * jnp.uint32(GOLDEN)
+        position = flat.astype(jnp.uint32) // jnp.uint32(top_k) + token_offset.astype(jnp.uint32)
+        hashed = hash_token(position)
         if mode == "lp":
             slot = _alias_slot(table_ref, expert, valid_id, hashed, num_logical, alias_at, word_heads, compact)
         else:
             count, first = head_of(expert)
             # Built where it is used: for "quota" after the search's loops (not live across them).
-            by_hash = lambda: (hashed % count.astype(jnp.uint32)).astype(jnp.int32)
+            by_hash = lambda: hash_replica(hashed, count)
             if mode == "hash":
                 replica = by_hash()
             elif mode == "round_robin":
-                replica = (token % count.astype(jnp.uint32)).astype(jnp.int32)
+                replica = (position % count.astype(jnp.uint32)).astype(jnp.int32)
             else:
                 if point_from == "positions":
                     point = jnp.where(flat < rank_limit, flat, _INT32_MAX)

@@ -5,9 +5,10 @@ physical slots (one replica per (token, k) entry) and counts how many entries
 each slot received. Semantics, identical for every implementation:
 
 Positions. Entry ``(t, j)`` has flat index ``i = t * k + j`` and token index
-``t = i // k``. ``h(t) = (t * 2654435769) mod 2**32`` (uint32 arithmetic). Token
-indices are local to the call: inside ``shard_map`` each rank hashes its own
-``0..T-1``.
+``t = i // k``; its global position is ``u = (token_offset + t) mod 2**32``
+(inside ``shard_map`` pass each rank's offset, say its index times ``T``, so
+that every rank's tokens have their own positions: ``moe_apply`` does). ``h(u)
+= (u * 2654435769) mod 2**32`` (uint32 arithmetic).
 
 Validity. An id outside ``[0, E)`` maps to ``-1`` and is never counted. Tokens
 with ``t >= num_valid_tokens`` (padding) are mapped but not counted. With
@@ -18,8 +19,11 @@ Replica choice for an entry of expert ``e`` with ``c = logcnt[e]`` replicas
 (``replica`` indexes ``log2phy[e]``; the slot is ``log2phy[e, replica]``), by
 the mode's kernel rule (``routing.MODES[mode].kernel``):
 
-* ``hash``: ``replica = h(t) mod c``. Stateless; spreads tokens uniformly.
-* ``round_robin``: ``replica = t mod c`` (consecutive tokens take consecutive
+* ``hash``: ``replica = floor(h(u) * c' / 2**32)`` with ``c' = min(c, 2**16 -
+  1)``: the hash's high bits, which spread consecutive positions evenly over
+  any replica count (its low bits repeat the position's, so ``h mod c`` would
+  be round robin for ``c`` a power of two). Stateless.
+* ``round_robin``: ``replica = u mod c`` (consecutive tokens take consecutive
   replicas; all k entries of a token use the same rule).
 * ``lp``: ``replica_shares [E, S]`` holds non-negative weights of the first
   ``c`` replicas (say from :func:`moe_eplb_jax.routing.lp_shares`; entries
@@ -37,7 +41,7 @@ the mode's kernel rule (``routing.MODES[mode].kernel``):
   in their own bucket and are topped up by the current heavy replica (``m >
   U``, in index order); a heavy one whose excess runs out becomes light,
   keeps what it has left, and the next heavy one tops it up first. Entry
-  ``(t, j)``: ``s = floor(h(t) * c / 2**16)``, bucket ``b = s >> 16``, fraction
+  ``(t, j)``: ``s = floor(h(u) * c / 2**16)``, bucket ``b = s >> 16``, fraction
   ``f = (s mod 2**16) >> 6``; the replica is ``b`` if ``f`` is below the
   bucket's own part, else the bucket's other replica. So replica loads follow
   ``m_j / (c * U)``; a zero-weight replica is never chosen. Needs ``S <=
@@ -76,6 +80,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moe_eplb_jax._checks import INT32_MAX, check_int, is_concrete, show
 from moe_eplb_jax._kernels import pallas_default
 from moe_eplb_jax.routing._map_and_count import _alias, _tables
 from moe_eplb_jax.routing._map_and_count.config import QUOTA_PATHS, Config
@@ -95,6 +100,7 @@ def map_and_count(
     *,
     num_physical: int,
     num_valid_tokens=None,
+    token_offset=0,
     mode: str | RoutingMode = "hash",
     replica_shares=None,
     quotas=None,
@@ -113,6 +119,8 @@ def map_and_count(
       num_physical: ``P``, the number of physical slots (static).
       num_valid_tokens: tokens ``t >= num_valid_tokens`` are padding (mapped, not
         counted). ``None`` means ``T``. A Python int or a traced int32 scalar.
+      token_offset: the global position of token 0 (the module docstring): a
+        Python int in ``[0, 2**31)`` or a traced integer scalar.
       mode: a routing mode (``routing.ROUTING_MODES``: ``"hash"``,
         ``"round_robin"``, ``"lp"``, ``"quota"``); its ``RoutingMode.kernel``
         rule picks the replicas.
@@ -146,6 +154,7 @@ def map_and_count(
     if config is not None and not isinstance(config, Config):
         raise ValueError(f"config must be a map_and_count Config or None, got {type(config).__name__}")
     _check_flags(num_valid_tokens, record, num_tokens)
+    _check_token_offset(token_offset)
     _check_lookup(lookup, num_logical, width, num_physical)
     _check_ids(topk_ids)
     _check_agreement(log2phy, logcnt, num_physical)
@@ -158,7 +167,7 @@ def map_and_count(
         tables["shares"] = jnp.asarray(mode_values).astype(jnp.float32)
     elif rule == "quota":
         tables["quotas"] = _saturated_int32(mode_values)
-    limits = _limits(num_valid_tokens, record, num_tokens, top_k)
+    limits = _limits(num_valid_tokens, record, num_tokens, top_k, token_offset)
     if implementation is None:
         probe = functools.partial(_probe_pallas, rule)
         implementation = "pallas" if pallas_default("map_and_count", probe, case=rule) else "xla"
@@ -220,12 +229,23 @@ def lookup_table(log2phy, logcnt, *, replica_shares=None, num_physical=None):
         num_physical = _check_num_physical(num_physical, num_logical)
     _check_agreement(log2phy, logcnt, num_physical)
     log2phy, logcnt = _saturated_int32(log2phy), _saturated_int32(logcnt)
-    table = _tables.placement_lookup(log2phy, logcnt)
     if replica_shares is None:
-        return table
-    words = _alias.alias_words(jnp.asarray(replica_shares).astype(jnp.float32), log2phy, logcnt)
+        return _placement_table(log2phy, logcnt)
     compact = num_physical is not None and _alias.compact_fits(num_physical)
-    return jnp.concatenate([table, _alias.pack_words(words, log2phy, logcnt, compact=compact)])
+    return _alias_table(log2phy, logcnt, jnp.asarray(replica_shares).astype(jnp.float32), compact=compact)
+
+
+# One compiled program per table shape: a rearrangement builds its layers' tables without compiling (their loops,
+# run op by op, would trace and compile anew at every call).
+@jax.jit
+def _placement_table(log2phy, logcnt):
+    return _tables.placement_lookup(log2phy, logcnt)
+
+
+@functools.partial(jax.jit, static_argnames="compact")
+def _alias_table(log2phy, logcnt, shares, *, compact: bool):
+    words = _alias.alias_words(shares, log2phy, logcnt)
+    return jnp.concatenate([_placement_table(log2phy, logcnt), _alias.pack_words(words, log2phy, logcnt, compact)])
 
 
 # ------------------------------------------------------------------ validation
@@ -332,8 +352,10 @@ def _check_num_physical(num_physical, num_logical):
         raise ValueError(f"num_physical must be a Python int, got {type(num_physical).__name__}") from None
     if num_physical < num_logical:
         raise ValueError(
-            f"num_physical ({num_physical}) must be at least the number of logical experts ({num_logical})"
+            f"num_physical ({show(num_physical)}) must be at least the number of logical experts ({num_logical})"
         )
+    if num_physical > _INT32.max:  # slot ids and counts are int32
+        raise ValueError(f"num_physical ({show(num_physical)}) must be <= 2**31 - 1 (slot ids are int32)")
     return num_physical
 
 
@@ -411,15 +433,28 @@ def _check_flags(num_valid_tokens, record, num_tokens):
         raise ValueError(f"record must be a boolean scalar, got shape {shape} dtype {dtype}")
 
 
-def _limits(num_valid_tokens, record, num_tokens, top_k):
-    """``[count_limit, rank_limit]``: flat positions below them are counted / consume quota."""
+def _check_token_offset(token_offset) -> None:
+    if hasattr(token_offset, "dtype"):
+        if np.ndim(token_offset) != 0 or not jnp.issubdtype(token_offset.dtype, jnp.integer):
+            raise ValueError(
+                f"token_offset must be an integer scalar, got {token_offset.dtype}{list(np.shape(token_offset))}"
+            )
+        if is_concrete(token_offset):
+            check_int("token_offset", int(token_offset), minimum=0, maximum=INT32_MAX)
+        return
+    check_int("token_offset", token_offset, minimum=0, maximum=INT32_MAX)
+
+
+def _limits(num_valid_tokens, record, num_tokens, top_k, token_offset=0):
+    """``[count_limit, rank_limit, token_offset]``: flat positions below the first two are counted / consume quota;
+    the third is the global position of token 0."""
     if num_valid_tokens is None:
         num_valid = jnp.int32(num_tokens)
     else:
         num_valid = jnp.clip(jnp.asarray(num_valid_tokens).astype(jnp.int32), 0, num_tokens)
     rank_limit = num_valid * jnp.int32(top_k)
     count_limit = jnp.where(jnp.asarray(record), rank_limit, jnp.int32(0))
-    return jnp.stack([count_limit, rank_limit])
+    return jnp.stack([count_limit, rank_limit, jnp.asarray(token_offset).astype(jnp.int32)])
 
 
 # ------------------------------------------------------------ default choice
@@ -438,7 +473,7 @@ def _probe_pallas(rule: str) -> bool:
     for e in range(num_logical):
         log2phy[e, : logcnt[e]] = np.flatnonzero(phy2log == e)
     ids = rng.integers(-1, num_logical, (num_tokens, top_k)).astype(np.int32)
-    limits = np.asarray([200, 220], np.int32)
+    limits = np.asarray([200, 220, 7], np.int32)
     if rule == "lp":
         values = rng.random(log2phy.shape).astype(np.float32)
     else:

@@ -3,9 +3,10 @@
 Written for clarity, not speed: every step of the semantics documented in
 :mod:`moe_eplb_jax.routing._map_and_count.api` is one array expression here. The
 inputs are validated and prepared by the public function: ``mode`` is the kernel
-rule, ``limits`` the ``[2]`` int32 pair ``(count_limit, rank_limit)`` in flat
-(token, k) positions, and the mode's raw table (``shares`` / ``quotas``) is
-turned into the ``[E, S]`` int32 table the rule reads here.
+rule, ``limits`` the ``[3]`` int32 ``(count_limit, rank_limit, token_offset)``:
+the first two in flat (token, k) positions, the third the global position of
+token 0; the mode's raw table (``shares`` / ``quotas``) is turned into the
+``[E, S]`` int32 table the rule reads here.
 """
 
 from __future__ import annotations
@@ -14,14 +15,28 @@ import jax.numpy as jnp
 
 from moe_eplb_jax.routing._map_and_count import _alias, _tables
 
-__all__ = ["map_and_count_reference", "hash_token", "replica_rank", "GOLDEN"]
+__all__ = ["map_and_count_reference", "hash_replica", "hash_token", "replica_rank", "GOLDEN", "MAX_HASH_COUNT"]
 
 GOLDEN = 2654435769  # 2**32 / golden ratio: Knuth's multiplicative hash constant
+MAX_HASH_COUNT = 2**16 - 1  # hash_replica's product stays in uint32
 
 
-def hash_token(token_idx):
-    """``(token_idx * 2654435769) mod 2**32`` as uint32, for int32 token indices ``[...]``."""
-    return token_idx.astype(jnp.uint32) * jnp.uint32(GOLDEN)
+def hash_token(position):
+    """``(position * 2654435769) mod 2**32`` as uint32, for global token positions ``[...]`` (uint32 or int32)."""
+    return position.astype(jnp.uint32) * jnp.uint32(GOLDEN)
+
+
+def hash_replica(hashed, count):
+    """``floor(h * min(c, 2**16 - 1) / 2**32)``: the replica of hash ``h`` among ``c``, from its high bits.
+
+    A multiplicative hash spreads its high bits; its low bits repeat the
+    position's (``h mod 2**j == t mod 2**j`` for an odd constant), so ``h mod
+    c`` would be round robin wherever ``c`` is a power of two. Exact in uint32:
+    ``h = a 2**16 + b`` gives ``floor((a c + floor(b c / 2**16)) / 2**16)``.
+    """
+    count = jnp.minimum(count, MAX_HASH_COUNT).astype(jnp.uint32)
+    high = (hashed >> 16) * count + (((hashed & jnp.uint32(0xFFFF)) * count) >> 16)
+    return (high >> 16).astype(jnp.int32)
 
 
 def replica_rank(expert, rank_valid, num_logical: int):
@@ -48,7 +63,7 @@ def map_and_count_reference(
 ):
     """Maps ``topk_ids [T, k]`` to ``(physical_ids [T, k] int32, load [num_physical] int32)``.
 
-    ``log2phy [E, S]``, ``logcnt [E]`` and ``limits [2]`` are int32; ``shares``
+    ``log2phy [E, S]``, ``logcnt [E]`` and ``limits [3]`` are int32; ``shares``
     (``"lp"``) ``[E, S]`` float32 weights, ``quotas`` (``"quota"``) ``[E, S]``
     int32 quotas.
     """
@@ -68,17 +83,17 @@ def _map_with_table(topk_ids, log2phy, logcnt, table, limits, *, num_physical: i
     num_logical, width = log2phy.shape
     ids = topk_ids.reshape(-1)
     flat = jnp.arange(ids.shape[0], dtype=jnp.int32)
-    token = flat // top_k
+    position = (flat // top_k).astype(jnp.uint32) + limits[2].astype(jnp.uint32)  # global: wraps mod 2**32
     valid_id = (ids >= 0) & (ids < num_logical)
     expert = jnp.where(valid_id, ids, 0)
     count = jnp.maximum(logcnt[expert], 1)
-    hashed = hash_token(token)
-    by_hash = (hashed % count.astype(jnp.uint32)).astype(jnp.int32)
+    hashed = hash_token(position)
+    by_hash = hash_replica(hashed, count)
 
     if mode == "hash":
         replica = by_hash
     elif mode == "round_robin":
-        replica = token % count
+        replica = (position % count.astype(jnp.uint32)).astype(jnp.int32)
     elif mode == "lp":  # the alias words: the hash picks a bucket and a point inside it
         bucket, fraction = _alias.bucket_and_fraction(hashed, _alias.live_counts(logcnt[expert], width))
         replica = bucket  # (the word names the slot itself where the point falls to the alias)
