@@ -127,7 +127,9 @@ def carry_phy2log(
 def fill_empty_slots(weight, carried, num_ranks: int) -> np.ndarray:
     """``carried [L, P']`` with every ``-1`` slot filled; carried slots stay as they are. ``int64 [L, P']``.
 
-    Experts no slot holds are placed first (heaviest first), then each free
+    Where the empty slots cannot hold every expert no slot holds, the extra
+    replicas with the least load per replica are dropped first (their slots
+    become empty). Experts no slot holds are placed first (heaviest first), then each free
     slot takes a replica of the expert with the most load per replica, as
     DeepSeek's replication does; a replica goes to the least-loaded rank with a
     free slot that does not already hold that expert (loads split evenly over
@@ -150,10 +152,11 @@ def fill_empty_slots(weight, carried, num_ranks: int) -> np.ndarray:
     for layer in range(num_layers):
         row, w = out[layer], weight[layer]
         count = np.bincount(row[row >= 0], minlength=num_logical).astype(np.float64)
-        if (row < 0).sum() < (count == 0).sum():
-            raise ValueError(
-                f"layer {layer}: {(count == 0).sum()} experts have no slot but only {(row < 0).sum()} slots are free"
-            )
+        while (row < 0).sum() < (count == 0).sum():  # room for every expert: drop the least loaded extra replica
+            spare = np.where(count > 1, w / np.maximum(count, 1), np.inf)
+            expert = int(np.argmin(spare))
+            row[np.flatnonzero(row == expert)[-1]] = -1
+            count[expert] -= 1
         missing = [int(e) for e in np.argsort(-w, kind="stable") if count[e] == 0]
         while (row < 0).any():
             held = np.zeros((num_ranks, num_logical), dtype=bool)
