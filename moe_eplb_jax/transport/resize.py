@@ -210,7 +210,7 @@ def _on_union(leaf: jax.Array, plan: ResizePlan, union: Mesh, axis: str, local) 
     shape[slot_dim] = shard_shape[slot_dim] * plan.num_members
     sharding = NamedSharding(union, _slot_spec(plan.layered, axis))
     arrays = [shards[d] if plan.members[u, 0] >= 0 else jnp.zeros(shard_shape, leaf.dtype, device=d) for u, d in local]
-    return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)
+    return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays, dtype=leaf.dtype)
 
 
 def _on_new_mesh(leaf: jax.Array, new_mesh: Mesh, plan: ResizePlan | None, axis: str) -> jax.Array:
@@ -222,14 +222,14 @@ def _on_new_mesh(leaf: jax.Array, new_mesh: Mesh, plan: ResizePlan | None, axis:
     shards = {shard.device: shard.data for shard in leaf.addressable_shards}
     sharding = NamedSharding(new_mesh, spec)
     arrays = [shards[d] for d in sharding.addressable_devices_indices_map(tuple(shape))]
-    return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)
+    return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays, dtype=leaf.dtype)
 
 
 def _scalar_on_union(leaf, value, union: Mesh, local) -> jax.Array:
     """A 0-d leaf on every union device: ``value`` on member 0 (the executor broadcasts it), zeros elsewhere."""
     dtype = leaf.dtype if isinstance(leaf, jax.Array) else np.asarray(leaf).dtype
     arrays = [jax.device_put(value, d) if u == 0 else jnp.zeros((), dtype, device=d) for u, d in local]
-    return jax.make_array_from_single_device_arrays((), NamedSharding(union, PartitionSpec()), arrays)
+    return jax.make_array_from_single_device_arrays((), NamedSharding(union, PartitionSpec()), arrays, dtype=dtype)
 
 
 def _scalar_value(leaf, plan: ResizePlan, mesh: Mesh) -> np.ndarray:
@@ -263,7 +263,9 @@ def _rows_on_union(rows: dict, k: int, layout, plan: ResizePlan, union: Mesh, ax
     """Leaf ``k``'s reloaded rows as ``[U * Q, ...]`` on the union mesh, placed from their host bytes."""
     shape = (plan.capacities[2] * plan.num_members,) + layout.row_shape
     arrays = [jax.device_put(per_leaf[k], d) for d, per_leaf in rows.items()]
-    return jax.make_array_from_single_device_arrays(shape, NamedSharding(union, PartitionSpec(axis)), arrays)
+    return jax.make_array_from_single_device_arrays(
+        shape, NamedSharding(union, PartitionSpec(axis)), arrays, dtype=layout.dtype
+    )
 
 
 def _read_reload(reload, requests, treedef, flat, moving, layouts, capacity) -> list[np.ndarray]:
