@@ -350,3 +350,52 @@ def test_bad_input_raises_before_any_device_work(rng):
         eps.execute_resize(tree, plan, mesh=mesh, new_mesh=mesh_on(devices[2:4]))
     with pytest.raises(ValueError, match="do not match the meshes' devices"):
         eps.execute_resize(tree, plan, mesh=mesh, new_mesh=mesh_on(devices[1:4]))
+
+
+@st.composite
+def sequences(draw):
+    """A few scale events in a row: each a group of the 8 devices, a policy, maybe a lost rank."""
+    steps = []
+    for _ in range(draw(st.integers(2, 4))):
+        size = draw(st.integers(1, 8))
+        devices = sorted(draw(st.permutations(range(8)))[:size])
+        lose = draw(st.booleans())
+        steps.append((devices, draw(st.sampled_from(["fill", "balanced", "deepseek"])), lose))
+    return steps, draw(st.integers(0, 2**31 - 1))
+
+
+@pytest.mark.slow
+@settings(max_examples=10)
+@given(sequences())
+def test_random_sequences_of_scale_events(case):
+    """Random sizes, device groups, policies and lost ranks in a row, with a mixed-dtype pytree: after every
+    move the experts equal the permuted checkpoint on the new mesh; experts only a lost rank held are reloaded."""
+    steps, seed = case
+    rng = np.random.default_rng(seed)
+    layers, experts = 2, 8
+    ckpt = checkpoint(rng, layers, experts, dtypes=MIXED + [np.float16], row=(2, 4))
+    weight = rng.lognormal(0, 1, (layers, experts))
+    all_devices = jax.devices()
+    mesh = mesh_on(all_devices[:4])
+    phy2log = policy.get("balanced")(weight, 12, 1, 1, 4)[0]
+    tree = eps.shard_slots(load(ckpt, phy2log), mesh, layered=True)
+    for devices, name, lose in steps:
+        old_devices = [d.id for d in mesh.devices.flat]
+        lost = [old_devices.index(d) for d in old_devices if d not in devices][:1] if lose else []
+        new_mesh = mesh_on([all_devices[d] for d in devices])
+        new_slots = len(devices) * -(-max(12, experts) // len(devices))
+        new = policy.resize_placement(
+            weight,
+            phy2log,
+            num_ranks=len(old_devices),
+            new_num_ranks=len(devices),
+            new_num_physical=new_slots,
+            policy=name,
+            new_rank_of_old=eps.new_rank_of_old(mesh, new_mesh),
+            lost_ranks=lost,
+        ).phy2log
+        tree = eps.resize_experts(
+            tree, phy2log, new, mesh=mesh, new_mesh=new_mesh, lost_ranks=lost, reload=eps.reload_from(ckpt)
+        )
+        assert_equals_checkpoint(tree, ckpt, new, new_mesh)
+        mesh, phy2log = new_mesh, new
