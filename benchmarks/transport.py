@@ -38,6 +38,7 @@ clock, one raw ``ppermute`` of the same bytes on the union of the devices, and p
 from __future__ import annotations
 
 import argparse
+import functools
 import glob
 import json
 import statistics
@@ -382,7 +383,8 @@ def run_resize(args, spec, rng):
         for p in range(new.shape[1])
     )
     del out
-    seconds = median_seconds(lambda: eps.execute_resize(experts, plan, mesh=mesh, new_mesh=new_mesh), args.iters)
+    move = functools.partial(eps.execute_resize, experts, plan, mesh=mesh, new_mesh=new_mesh)
+    seconds = median_seconds(move, args.iters)
     res = dict(
         resize=spec,
         policy=args.resize_policy,
@@ -394,7 +396,7 @@ def run_resize(args, spec, rng):
         limit_ms=moved / (args.link_gbps * 1e9) * 1e3,
         correct=correct,
     )
-    del experts
+    del experts, move
     res["raw_ms"], _ = time_raw_ppermute(union, moved, max(5, args.iters), False)
     return res
 

@@ -304,6 +304,11 @@ def _agree(problem: ValueError | None) -> None:
 
 
 # ----------------------------------------------------------------- validation
+def _devices(mesh) -> list:
+    """The devices of a mesh in order (none for an abstract mesh)."""
+    return list(np.asarray(getattr(mesh, "devices", [])).flat)
+
+
 def _check_leaves(experts: Any, plan: ResizePlan, mesh: Mesh, axis: str):
     """``(positions of moving leaves, positions of 0-d leaves, layouts)``; ``ValueError`` for a bad leaf."""
     with_path, _ = jax.tree_util.tree_flatten_with_path(experts)
@@ -325,7 +330,7 @@ def _check_leaves(experts: Any, plan: ResizePlan, mesh: Mesh, axis: str):
         if leaf.shape[: len(lead)] != lead:
             raise ValueError(f"{name} has shape {leaf.shape}; its leading axes must be the slot axes {lead}")
         sharding = leaf.sharding
-        if not isinstance(sharding, NamedSharding) or list(sharding.mesh.devices.flat) != list(mesh.devices.flat):
+        if not isinstance(sharding, NamedSharding) or _devices(sharding.mesh) != list(mesh.devices.flat):
             raise ValueError(f"{name} must be sharded with a NamedSharding on the old mesh, got {sharding}")
         if not sharding.is_equivalent_to(NamedSharding(mesh, expected), leaf.ndim):
             raise ValueError(f"{name}: only the slot axis may be sharded, over {axis!r}; spec is {sharding.spec}")
