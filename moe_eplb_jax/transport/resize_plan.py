@@ -56,7 +56,7 @@ class ResizePlan:
 
     ``moves [M, 4]``: ``(layer, expert, old slot, new rank)`` per received
     row; ``missing [K, 2]``: ``(layer, expert)`` no surviving rank holds
-    (reloaded, so ``K == reload_count.sum()`` up to duplicates across devices).
+    (each reloaded once on every device that needs it: ``reload_count.sum() >= K``).
     """
 
     num_ranks: int
