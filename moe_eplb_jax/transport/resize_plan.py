@@ -292,32 +292,6 @@ def plan_resize(
                 old_rank = int(members[h, 0])
                 moves.append((layer, expert, old_rank * per_rank + held[h] - layer * per_rank, int(members[v, 1])))
 
-    send_count = np.array([[len(s) for s in per] for per in sends], dtype=np.int64).reshape(num_members, rounds)
-    capacity = bucket_capacity(int(send_count.max()) if send_count.size else 0)
-    send_rows = np.zeros((num_members, rounds, capacity), dtype=np.int32)
-    recv_dst = np.tile(
-        new_rows + np.arange(rounds * capacity, dtype=np.int32).reshape(rounds, capacity), (num_members, 1, 1)
-    )
-    for u in range(num_members):
-        for d in range(rounds):
-            send_rows[u, d, : len(sends[u][d])] = sends[u][d]
-            recv_dst[u, d, : len(recvs[u][d])] = recvs[u][d]
-
-    def pad(lists, column, *, write):
-        cap = bucket_capacity(max((len(x) for x in lists), default=0))
-        out = (
-            np.tile(new_rows + np.arange(cap, dtype=np.int32), (num_members, 1))
-            if write
-            else np.zeros((num_members, cap), np.int32)
-        )
-        for u, items in enumerate(lists):
-            out[u, : len(items)] = [item[column] for item in items]
-        return out
-
-    reload_experts = np.full((num_members, bucket_capacity(max(len(x) for x in reloads)), 2), -1, dtype=np.int64)
-    for u, items in enumerate(reloads):
-        for k, (_, lyr, e) in enumerate(items):
-            reload_experts[u, k] = (lyr, e)
     return ResizePlan(
         num_ranks=num_ranks,
         new_num_ranks=new_num_ranks,
@@ -326,6 +300,40 @@ def plan_resize(
         new_num_slots=int(new.shape[1]),
         layered=layered,
         members=members,
+        moves=np.array(moves, dtype=np.int64).reshape(-1, 4),
+        missing=missing,
+        **_index_tables(sends, recvs, copies, reloads, dups, new_rows),
+    )
+
+
+def _index_tables(sends, recvs, copies, reloads, dups, new_rows: int) -> dict[str, np.ndarray]:
+    """The per-member lists as padded int32 tables (write padding: distinct rows ``>= new_rows``, dropped)."""
+    num_members, rounds = len(sends), len(sends) - 1
+    send_count = np.array([[len(s) for s in per] for per in sends], dtype=np.int64).reshape(num_members, rounds)
+    capacity = bucket_capacity(int(send_count.max()) if send_count.size else 0)
+    send_rows = np.zeros((num_members, rounds, capacity), dtype=np.int32)
+    padding = new_rows + np.arange(rounds * capacity, dtype=np.int32).reshape(rounds, capacity)
+    recv_dst = np.tile(padding, (num_members, 1, 1))
+    for u in range(num_members):
+        for d in range(rounds):
+            send_rows[u, d, : len(sends[u][d])] = sends[u][d]
+            recv_dst[u, d, : len(recvs[u][d])] = recvs[u][d]
+
+    def pad(lists, column, *, write):
+        cap = bucket_capacity(max((len(x) for x in lists), default=0))
+        if write:
+            out = np.tile(new_rows + np.arange(cap, dtype=np.int32), (num_members, 1))
+        else:
+            out = np.zeros((num_members, cap), np.int32)
+        for u, items in enumerate(lists):
+            out[u, : len(items)] = [item[column] for item in items]
+        return out
+
+    reload_experts = np.full((num_members, bucket_capacity(max(len(x) for x in reloads)), 2), -1, dtype=np.int64)
+    for u, items in enumerate(reloads):
+        for k, (_, layer, expert) in enumerate(items):
+            reload_experts[u, k] = (layer, expert)
+    return dict(
         send_rows=send_rows,
         send_count=send_count,
         recv_dst=recv_dst,
@@ -338,6 +346,4 @@ def plan_resize(
         dup_src=pad(dups, 0, write=False),
         dup_dst=pad(dups, 1, write=True),
         dup_count=np.array([len(x) for x in dups], dtype=np.int64),
-        moves=np.array(moves, dtype=np.int64).reshape(-1, 4),
-        missing=missing,
     )
