@@ -204,11 +204,11 @@ class PytreeStore:
 
     def read(self, layer):
         params, opt = self.positions[layer]
-        return {"params": [self.params[i] for i in params], "opt": [self.opt[i] for i in opt]}
+        return {"experts": [self.params[i] for i in params], "opt": [self.opt[i] for i in opt]}
 
     def write(self, layer, tree):
         params, opt = self.positions[layer]
-        for i, value in zip(params, tree["params"]):
+        for i, value in zip(params, tree["experts"]):
             self.params[i] = value
         for i, value in zip(opt, tree["opt"]):
             self.opt[i] = value

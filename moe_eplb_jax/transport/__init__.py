@@ -15,7 +15,8 @@ packed row of unsigned integers per slot. The lower-level pieces:
 * ``mesh`` -- an EP mesh, the slot sharding, placing host arrays on it;
 * ``resize_experts`` -- the same contract from a mesh of ``G`` devices to one
   of ``G'`` (``plan_resize`` -> ``ResizePlan``, ``execute_resize``; lost ranks'
-  experts from surviving replicas, or from the host through ``reload_from``).
+  experts from surviving replicas, or from the host through ``reload_from``);
+  ``replicate_to`` places the replicated rest of a model on the new mesh.
 """
 
 from moe_eplb_jax.transport.mesh import axis_size, ep_mesh, put_host, shard_slots, slot_sharding
@@ -35,6 +36,7 @@ from moe_eplb_jax.transport.plan import (
     plan_rearrangement,
     validate_placements,
 )
+from moe_eplb_jax.transport.replicate import replicate_to
 from moe_eplb_jax.transport.resize import (
     execute_resize,
     new_rank_of_old,
@@ -78,6 +80,7 @@ __all__ = [
     "put_host",
     "rearrange_experts",
     "reload_from",
+    "replicate_to",
     "resize_experts",
     "row_bytes",
     "shard_slots",

@@ -111,10 +111,14 @@ class ResizePlan:
     @property
     def rows_received(self) -> np.ndarray:
         """``[U]`` rows each member receives over the network (each missing (layer, expert) once)."""
-        received = np.zeros(self.num_members, dtype=np.int64)
-        for d in range(1, self.num_members):
-            received += np.roll(self.send_count[:, d - 1], d)
-        return received
+        return self.recv_count.sum(axis=1)
+
+    @property
+    def recv_count(self) -> np.ndarray:
+        """``[U, U - 1]`` rows member ``u`` receives in round ``d`` (index ``d - 1``), from member ``(u - d) % U``."""
+        rounds = np.arange(1, self.num_members)
+        senders = (np.arange(self.num_members)[:, None] - rounds[None, :]) % self.num_members
+        return self.send_count[senders, rounds[None, :] - 1]
 
     @property
     def rows_moved(self) -> int:
@@ -126,6 +130,37 @@ class ResizePlan:
         if self.num_members == 1:
             return 0
         return int(max(self.rows_sent.max(), self.rows_received.max())) * int(row_bytes)
+
+    def padded(self, send: int = 0, copy: int = 0, reload: int = 0, dup: int = 0) -> ResizePlan:
+        """The same plan with its tables padded to at least these capacities, so that plans of several layers
+        share one compiled executor (padding as :func:`plan_resize` pads: reads of row 0, dropped writes)."""
+        caps = [max(a, b) for a, b in zip((send, copy, reload, dup), self.capacities)]
+        if tuple(caps) == self.capacities:
+            return self
+        send, copy, reload, dup = caps
+        rows, num_members = self.new_local_rows, self.num_members
+
+        def grow(table, width, counts, pad):  # entries past each count are padding: rebuilt at the new width
+            out = np.broadcast_to(pad, table.shape[:-1] + (width,)).copy()
+            live = np.arange(width) < counts[..., None]
+            out[..., : table.shape[-1]] = np.where(live[..., : table.shape[-1]], table, out[..., : table.shape[-1]])
+            return out.astype(table.dtype)
+
+        writes = lambda width: rows + np.arange(width, dtype=np.int32)
+        rounds_pad = rows + np.arange((num_members - 1) * send, dtype=np.int32).reshape(num_members - 1, send)
+        experts = np.full((num_members, reload, 2), -1, np.int64)
+        experts[:, : self.reload_experts.shape[1]] = self.reload_experts
+        return dataclasses.replace(
+            self,
+            send_rows=grow(self.send_rows, send, self.send_count, np.int32(0)),
+            recv_dst=grow(self.recv_dst, send, self.recv_count, rounds_pad),
+            copy_src=grow(self.copy_src, copy, self.copy_count, np.int32(0)),
+            copy_dst=grow(self.copy_dst, copy, self.copy_count, writes(copy)),
+            reload_dst=grow(self.reload_dst, reload, self.reload_count, writes(reload)),
+            reload_experts=experts,
+            dup_src=grow(self.dup_src, dup, self.dup_count, np.int32(0)),
+            dup_dst=grow(self.dup_dst, dup, self.dup_count, writes(dup)),
+        )
 
     def device_tables(self) -> dict[str, np.ndarray]:
         """The int32 tables the executor takes, each with a leading member axis ``[U, ...]``."""
