@@ -1,0 +1,146 @@
+"""Elastic EP through the control loop: ``EplbController.resize`` and ``Balancer.resize`` on 8 simulated devices.
+
+A model whose expert state holds every dtype (fp4, e8m0, fp8, bf16, f32, int8) and Adam moments moves 8 -> 4 ->
+6 -> 8 ranks through both adapters: they decide the same placements and report the same moves, every per-expert
+leaf equals the checkpoint permuted to the new placement on the new mesh, the replicated rest of the model follows,
+the window keeps its logical loads, and the model's outputs are bit-identical before and after every move. A lost
+rank recovers from surviving replicas, or is a clear error (the model untouched) until a checkpoint is offered.
+"""
+
+import jax
+import numpy as np
+import pytest
+from _elastic import (
+    L,
+    assert_bytes,
+    assert_model_holds,
+    build,
+    checkpoint,
+    expected_layer,
+    forward,
+    functional_twin,
+    scenario_loads,
+    tokens,
+)
+from jax.sharding import PartitionSpec as PS
+
+from moe_eplb_jax import EplbConfig, transport
+from moe_eplb_jax.control import Balancer, ExpertLayout
+from moe_eplb_jax.flax import EplbController
+from moe_eplb_jax.placement import Placement
+from moe_eplb_jax.transport import ep_mesh, put_host
+
+pytestmark = pytest.mark.devices(8)
+E, P = 8, 16
+CONFIG = EplbConfig(num_redundant_experts=P - E, window_size=4, step_interval=1000, num_gpus=8)
+TIMING = ("move_seconds",)
+record = jax.jit(Balancer.record_step)
+
+
+def controller(ckpt, mesh=None, num_physical=P, config=CONFIG):
+    mesh = mesh if mesh is not None else ep_mesh(8)
+    linear = Placement.linear(L, E, num_physical)
+    model, optimizer = build(mesh, num_physical, ckpt, linear.phy2log)
+    return model, optimizer, EplbController(model, mesh, config, optimizer=optimizer)
+
+
+def feed(ctl, model, step):
+    """One step of skewed loads recorded by the controller; returns the loads for the functional twin."""
+    loads = scenario_loads(step, ctl.num_ranks, ctl.num_physical)
+    for layer, load in zip(model.layers, loads):
+        layer.expert_load.set_value(put_host(load, ctl.mesh, PS("ep")))
+    ctl.step()
+    return [put_host(load, ctl.mesh, PS("ep")) for load in loads]
+
+
+def without_timing(report):
+    return {k: v for k, v in report.items() if k not in TIMING}
+
+
+@pytest.mark.slow
+def test_8_to_4_to_6_to_8_through_the_controller_and_the_balancer():
+    ckpt = checkpoint()
+    model, optimizer, ctl = controller(ckpt)
+    params, opt_state = functional_twin(model, optimizer)
+    balancer = Balancer(CONFIG, ctl.mesh, ExpertLayout.match(params, r"layers/(\d+)/experts/"))
+    balance = balancer.init(params)
+    x = tokens()
+    reference = np.asarray(forward(model, x))
+    step = 0
+    for num_ranks, num_physical in ((4, 16), (6, 18), (8, 16)):
+        for _ in range(2):  # loads under the current placement, recorded alike by both adapters
+            balance = record(balance, feed(ctl, model, step))
+            step += 1
+        new_mesh = ep_mesh(num_ranks)
+        report = ctl.resize(new_mesh, num_physical=num_physical)
+        balancer, params, opt_state, balance, theirs = balancer.resize(
+            params, opt_state, balance, new_mesh, num_physical=num_physical
+        )
+        assert without_timing(report) == without_timing(theirs)
+        assert report["num_ranks"][1] == num_ranks and report["num_physical"][1] == num_physical
+        placement = ctl.placement
+        assert placement == balance.tables.placement() and placement.num_physical == num_physical
+        assert ctl.config.num_gpus == num_ranks == balancer.config.num_gpus
+        assert ctl.config.num_redundant_experts == num_physical - E
+        for name in ("window", "pass_load", "window_pos", "window_filled", "step", "total_steps"):
+            assert np.array_equal(np.asarray(getattr(ctl.state, name)), np.asarray(getattr(balance.loads, name)))
+        assert ctl.state.window.shape[2:] == (num_ranks, num_physical)
+        assert_model_holds(model, optimizer, ckpt, placement.phy2log, new_mesh)
+        for layer in range(L):
+            want = expected_layer(ckpt, placement.phy2log, layer)
+            assert_bytes(params["layers"][layer]["experts"], want["experts"], new_mesh, "params")
+            assert_bytes(opt_state["mu"]["layers"][layer]["experts"], want["mu"], new_mesh, "mu")
+            module = model.layers[layer]
+            assert module.mesh == new_mesh and module.num_physical == num_physical
+            assert module.expert_load.get_value().shape == (num_ranks, num_physical)
+            router = params["layers"][layer]["router"]
+            assert router.sharding.mesh == new_mesh and np.array_equal(router, module.router.get_value())
+        assert opt_state["count"].sharding.mesh == new_mesh
+        np.testing.assert_array_equal(np.asarray(forward(model, x)), reference)
+    # The loop goes on on the new mesh: both adapters rearrange alike.
+    balance = record(balance, feed(ctl, model, step))
+    ctl.rearrange()
+    params, opt_state, balance, _ = balancer.rearrange(params, opt_state, balance)
+    assert ctl.placement == balance.tables.placement()
+    assert_model_holds(model, optimizer, ckpt, ctl.placement.phy2log, ctl.mesh)
+    np.testing.assert_array_equal(np.asarray(forward(model, x)), reference)
+
+
+def test_8_to_4_keeps_outputs_the_window_and_every_byte():
+    ckpt = checkpoint()
+    model, optimizer, ctl = controller(ckpt)
+    x = tokens()
+    reference = np.asarray(forward(model, x))
+    feed(ctl, model, 0)
+    logical = ctl._loop.window.logical_load(ctl.state, ctl.placement.phy2log, E)
+    report = ctl.resize(ep_mesh(4))
+    assert report["slots_kept"] > 0 and report["rows_reloaded"] == 0
+    np.testing.assert_array_equal(np.asarray(forward(model, x)), reference)
+    assert_model_holds(model, optimizer, ckpt, ctl.placement.phy2log, ctl.mesh)
+    # each step's logical load survives the move (split over the new replicas)
+    np.testing.assert_array_equal(ctl._loop.window.logical_load(ctl.state, ctl.placement.phy2log, E), logical)
+    assert ctl.total_steps == 1 and int(np.asarray(ctl.state.window_filled)) == 1
+
+
+def test_8_to_7_moves_no_more_than_the_slots_that_must_change():
+    """Rank 7 leaves, holding the only replicas of experts 6 and 7; "fill" keeps every slot a staying device holds:
+    only those experts move, one row each per layer, and the bytes are no more than those rows."""
+    ckpt = checkpoint()
+    model, optimizer, ctl = controller(ckpt)
+    row = [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 0, 1, 6, 7]
+    ctl.apply_placement(Placement.from_phy2log(np.array([row] * L), E, num_ranks=8))
+    old = ctl.placement.phy2log
+    feed(ctl, model, 0)
+    report = ctl.resize(ep_mesh(7), num_physical=14, policy="fill")
+    new = ctl.placement.phy2log
+    must = 0  # new slots whose device did not hold that expert before
+    for layer in range(L):
+        for rank in range(7):
+            before = set(old[layer, rank * 2 : rank * 2 + 2].tolist())
+            must += len(set(new[layer, rank * 2 : rank * 2 + 2].tolist()) - before)
+    changed = int((new != old[:, :14]).sum())
+    assert report["rows_moved"] == must == 2 * L <= changed
+    assert report["slots_kept"] == 14 * L - must
+    row_bytes = transport.row_bytes(ctl._store.read(0))
+    assert 0 < report["bytes_moved"] <= must * row_bytes
+    assert_model_holds(model, optimizer, ckpt, new, ctl.mesh)
