@@ -179,3 +179,35 @@ def scenario_loads(step: int, num_ranks: int, num_physical: int) -> np.ndarray:
 
 def tokens(count=48, seed=3):
     return jnp.asarray(np.random.default_rng(seed).standard_normal((count, D)).astype(np.float32))
+
+
+def everything(model, optimizer, ctl, x) -> dict:
+    """What a failed resize must leave as it was: every variable's bytes and placement, the layers' meshes and
+    sizes, the controller's placement, tables, config and window, and the outputs."""
+    out = {"forward": np.asarray(forward(model, x))}
+    for root, name in ((model, "model"), (optimizer, "opt")):
+        for path, var in nnx.iter_graph(root):
+            if isinstance(var, nnx.Variable):
+                for leaf_path, leaf in jax.tree_util.tree_leaves_with_path(var.get_value()):
+                    key = f"{name}/{path}{jax.tree_util.keystr(leaf_path)}"
+                    devices = [d.id for d in leaf.sharding.device_set] if hasattr(leaf, "sharding") else None
+                    out[key] = (byte_rows_numpy(np.asarray(leaf)[None], 1), sorted(devices or []))
+    out["layers"] = [(m.mesh, m.num_physical) for m in model.layers]
+    p = ctl.placement
+    out["placement"] = (p.phy2log, p.log2phy, p.logcnt)
+    out["tables"] = ctl.routing_tables
+    out["controller"] = (ctl.config, ctl.mesh, ctl.num_ranks, ctl.num_physical, ctl.total_steps)
+    out["window"] = ctl._loop.window.host_summed(ctl.state)
+    return out
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        flat_a, flat_b = jax.tree.leaves(a[key]), jax.tree.leaves(b[key])
+        assert len(flat_a) == len(flat_b), key
+        for x, y in zip(flat_a, flat_b):
+            if isinstance(x, np.ndarray):
+                assert np.array_equal(x, y), key
+            else:
+                assert x == y, key
