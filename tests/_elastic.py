@@ -91,7 +91,8 @@ def build(mesh, num_physical, ckpt, phy2log):
     """The NNX model and its Adam optimizer on ``mesh``, the expert state loaded from ``ckpt`` for ``phy2log``."""
     model = Stack(mesh, num_physical)
     optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
-    nnx.update(optimizer, jax.tree.map(lambda x: put_host(np.asarray(x), mesh), nnx.state(optimizer, nnx.OptState)))
+    fresh = nnx.state(optimizer, nnx.OptState)  # Adam starts at zeros: placed on the mesh, replicated
+    nnx.update(optimizer, jax.tree.map(lambda x: put_host(np.zeros(x.shape, x.dtype), mesh), fresh))
     state = slots(ckpt, phy2log)
     put = lambda x: put_host(x, mesh, PS("ep"))
     for layer, module in enumerate(model.layers):
