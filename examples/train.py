@@ -4,6 +4,7 @@
     python examples/train.py --devices 0 --ranks 8              # real GPUs
     python examples/train.py --checkpoint-dir ckpt --steps 40   # Orbax checkpoints every --checkpoint-every steps
     python examples/train.py --checkpoint-dir ckpt --steps 80 --resume   # continue from the latest one
+    python examples/train.py --scale-to 4 --scale-at 30         # the EP group shrinks to 4 ranks at step 30
 
 The model is ``moe_eplb_jax.models`` at a preset's shape (default ``tiny``). The routing is skewed two ways:
 the tokens follow a Zipf distribution (a few ids dominate, and each row's second half repeats its first, which
@@ -14,7 +15,11 @@ moments) moves with the expert weights. ``--eplb-config`` sets the rest (``{"use
 moved per step). A checkpoint is one Orbax ``CheckpointManager`` step holding three items -- the model, the
 optimizer state and the controller's state (placement, load window, counters) -- saved and restored
 together; batch ``n`` is drawn from seed (--seed, n), so a resumed run repeats the steps of one that never
-stopped.
+stopped. ``--scale-to G`` moves the run to the first ``G`` devices after step ``--scale-at`` (elastic EP:
+``controller.resize``): the placement is solved for ``G`` ranks from the load window, keeping what each staying
+device holds, and the experts, AdamW moments, the rest of the model, the routing tables and the window follow; the
+loss of a held-out batch is printed before and after the move (the same up to XLA's rounding of the other batch
+split), and training goes on on the new mesh.
 
 Several hosts: one copy per host with --coordinator HOST:PORT --num-processes N --process-id I.
 """
@@ -77,6 +82,8 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint-every", type=positive_int, default=20, help="steps between checkpoints")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
     p.add_argument("--seed", type=nonnegative_int, default=0, help="weights and data")
+    p.add_argument("--scale-to", type=positive_int, help="move the run to this many EP ranks at --scale-at")
+    p.add_argument("--scale-at", type=positive_int, help="the step after which --scale-to moves (default: half-way)")
     add_eplb_config_arg(p, "--redundant and --step-interval")
     add_runtime_args(p)
     args = p.parse_args(argv)
@@ -97,6 +104,13 @@ def parse_args(argv=None):
         p.error(f"--checkpoint-dir {args.checkpoint_dir}: its parent directory does not exist")
     if args.capacity_factor == 0:
         args.capacity_factor = None
+    if args.scale_at is not None and args.scale_to is None:
+        p.error("--scale-at needs --scale-to")
+    if args.scale_to is not None:
+        check_divides(p, args.scale_to, {"--batch": args.batch})
+        if args.devices and args.scale_to > args.devices * args.num_processes:
+            p.error(f"--scale-to {args.scale_to} exceeds the {args.devices * args.num_processes} simulated devices")
+        args.scale_at = args.scale_at if args.scale_at is not None else max(1, args.steps // 2)
     return p, args
 
 
@@ -224,6 +238,27 @@ def main(argv=None):
         optimizer.update(model, grads)
         return jax.lax.with_sharding_constraint(loss, rt.replicated)
 
+    @nnx.jit
+    def held_out_loss(model, tokens):
+        logits = model(tokens[:, :-1], record=False)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+        return jax.lax.with_sharding_constraint(loss, rt.replicated)
+
+    def scale(step):
+        """Elastic EP: the run moves to the first --scale-to devices; the held-out loss before and after."""
+        held_out = zipf_tokens(np.random.default_rng([args.seed, 0]), args.batch, args.seq + 1, config.vocab_size)
+        before = float(held_out_loss(model, rt.global_batch(held_out)))
+        report = controller.resize(rt.resize(args.scale_to))
+        after = float(held_out_loss(model, rt.global_batch(held_out)))
+        if main_process:
+            print(
+                f"step {step}: resized {report['num_ranks'][0]} -> {report['num_ranks'][1]} EP ranks "
+                f"(P = {report['num_physical'][0]} -> {report['num_physical'][1]}): {report['slots_kept']} slots "
+                f"kept, {report['rows_moved']} rows moved in {report['move_seconds']:.2f} s; held-out loss "
+                f"{before:.6f} -> {after:.6f}",
+                flush=True,
+            )
+
     losses, step_seconds = [], []
     for step in range(start + 1, args.steps + 1):
         rng = np.random.default_rng([args.seed, step])  # batch n is the same whether or not the run resumed
@@ -242,6 +277,8 @@ def main(argv=None):
             )
         if main_process and (step % args.log_every == 0 or step == start + 1):
             print(f"step {step}: loss {loss:.4f}", flush=True)
+        if args.scale_to is not None and step == args.scale_at:
+            scale(step)
         if manager is not None and (step % args.checkpoint_every == 0 or step == args.steps):
             save(step)
             if main_process:

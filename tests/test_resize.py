@@ -83,7 +83,7 @@ def resizes(draw):
     return old_devices, new_devices, lost_ranks, layered, experts, slots, new_slots, seed, row
 
 
-def check_resize(case, dtypes=MIXED, with_scalar=True):
+def check_resize(case, dtypes=MIXED, with_scalar=True, padding=0):
     old_devices, new_devices, lost, layered, experts, slots, new_slots, seed, row = case
     rng = np.random.default_rng(seed)
     layers = 2 if layered else 1
@@ -99,7 +99,12 @@ def check_resize(case, dtypes=MIXED, with_scalar=True):
     missing = eps.missing_experts(old, len(old_devices), new, lost_ranks=lost)
     rows = ckpt if layered else {k: v[0] for k, v in ckpt.items()}  # [L, E, ...] / one layer's [E, ...]
     reload = eps.reload_from(dict(rows, count=0) if with_scalar else rows, layered=layered) if missing.size else None
-    moved = eps.resize_experts(tree, old, new, mesh=mesh, new_mesh=new_mesh, lost_ranks=lost, reload=reload)
+    options = dict(mesh=mesh, new_mesh=new_mesh, lost_ranks=lost)
+    plan = eps.plan_for_meshes(old, new, reload=reload is not None, **options)
+    if padding:  # wider tables (a resize pads every layer's plan to the widest): the same move
+        plan = plan.padded(*(c + padding for c in plan.capacities))
+    del options["lost_ranks"]
+    moved = eps.execute_resize(tree, plan, reload=reload, **options)
     assert_equals_checkpoint({k: v for k, v in moved.items() if k != "count"}, ckpt, new, new_mesh)
     if with_scalar:
         assert int(moved["count"]) == seed % 1000
@@ -113,6 +118,12 @@ def check_resize(case, dtypes=MIXED, with_scalar=True):
 def test_resize_equals_the_permuted_checkpoint_on_the_new_mesh(case):
     """Any old and new group (overlapping, disjoint, a subset), lost ranks, every dtype's special values."""
     check_resize(case)
+
+
+@settings(max_examples=3)
+@given(resizes(), st.integers(1, 5))
+def test_a_padded_plan_moves_the_same(case, padding):
+    check_resize(case, padding=padding)
 
 
 @pytest.mark.slow
