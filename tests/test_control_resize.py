@@ -144,3 +144,83 @@ def test_8_to_7_moves_no_more_than_the_slots_that_must_change():
     row_bytes = transport.row_bytes(ctl._store.read(0))
     assert 0 < report["bytes_moved"] <= must * row_bytes
     assert_model_holds(model, optimizer, ckpt, new, ctl.mesh)
+
+
+@pytest.mark.parametrize("routing", ["lp", pytest.param("quota", marks=pytest.mark.slow)])
+def test_routing_state_follows(routing):
+    """``lp`` shares are solved for the new placement from the carried window; ``quota`` keeps its home experts
+    per rank (E divides into G'); every layer routes by the new tables, with the same outputs."""
+    fields = {"routing": routing, "policy": "online"} if routing == "quota" else {"routing": routing}
+    config = EplbConfig(**{**CONFIG.to_dict(), **fields})
+    ckpt = checkpoint()
+    model, optimizer, ctl = controller(ckpt, config=config)
+    x = tokens()
+    feed(ctl, model, 0)
+    reference = np.asarray(forward(model, x))
+    ctl.resize(ep_mesh(4), num_physical=12)
+    tables = ctl.routing_tables
+    if routing == "lp":
+        shares = tables["replica_shares"]
+        assert shares.shape == (L, E, 12 - E + 1)
+        assert not np.array_equal(
+            shares, np.where(ctl.placement.log2phy >= 0, 1.0 / ctl.placement.logcnt[..., None], 0)
+        )
+        for layer, module in enumerate(model.layers):
+            np.testing.assert_array_equal(np.asarray(module.replica_shares.get_value()), shares[layer])
+    else:
+        assert tables == {}
+    for layer, module in enumerate(model.layers):
+        assert module.routing == routing
+        np.testing.assert_array_equal(np.asarray(module.log2phy.get_value()), ctl.placement.log2phy[layer])
+    np.testing.assert_array_equal(np.asarray(forward(model, x)), reference)
+
+
+def random_events(rng, count):
+    """``count`` scale events from 8 ranks: (devices of the new group, P', lost ranks of the current group)."""
+    current, events = list(range(8)), []
+    for _ in range(count):
+        lost = [int(rng.integers(len(current)))] if len(current) > 1 and rng.random() < 0.4 else []
+        pool = [d for i, d in enumerate(current) if i not in lost] + [d for d in range(8) if d not in current]
+        size = int(rng.choice([g for g in (1, 2, 3, 4, 6, 8) if g <= len(pool)]))
+        devices = [int(d) for d in rng.permutation(pool)[:size]]
+        num_physical = size * int(rng.integers(-(-E // size), -(-24 // size) + 1))
+        events.append((devices, num_physical, lost))
+        current = devices
+    return events
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_sequences_of_scale_events_through_both_adapters(seed):
+    """Random groups (any devices, any order), sizes and lost ranks; experts no survivor holds come from a
+    checkpoint through expert_source. Both adapters agree; every byte and every output is as before."""
+    ckpt = checkpoint()
+    model, optimizer, ctl = controller(ckpt)
+    params, opt_state = functional_twin(model, optimizer)
+    balancer = Balancer(CONFIG, ctl.mesh, ExpertLayout.match(params, r"layers/(\d+)/experts/"))
+    balance = balancer.init(params)
+    linear = Placement.linear(L, E, P)
+    saved_model, saved_optimizer = build(ep_mesh(8), P, ckpt, linear.phy2log)
+    saved_params, saved_opt = functional_twin(saved_model, saved_optimizer)
+    x = tokens()
+    reference = np.asarray(forward(model, x))
+    devices = jax.devices()
+    for step, (group, num_physical, lost) in enumerate(random_events(np.random.default_rng(seed), 4)):
+        balance = record(balance, feed(ctl, model, step))
+        new_mesh = ep_mesh(len(group), devices=[devices[d] for d in group])
+        options = dict(num_physical=num_physical, lost_ranks=lost)
+        missing = transport.missing_experts(ctl.placement.phy2log, ctl.num_ranks, lost_ranks=lost).size
+        source = EplbController.expert_source(saved_model, linear, optimizer=saved_optimizer) if missing else None
+        report = ctl.resize(new_mesh, reload=source, **options)
+        source = balancer.expert_source(saved_params, saved_opt, linear) if missing else None
+        balancer, params, opt_state, balance, theirs = balancer.resize(
+            params, opt_state, balance, new_mesh, reload=source, **options
+        )
+        assert without_timing(report) == without_timing(theirs), (group, num_physical, lost)
+        assert ctl.placement == balance.tables.placement()
+        assert_model_holds(model, optimizer, ckpt, ctl.placement.phy2log, new_mesh)
+        for layer in range(L):
+            want = expected_layer(ckpt, ctl.placement.phy2log, layer)
+            assert_bytes(params["layers"][layer]["experts"], want["experts"], new_mesh, "params")
+            assert_bytes(opt_state["nu"]["layers"][layer]["experts"], want["nu"], new_mesh, "nu")
+        np.testing.assert_array_equal(np.asarray(forward(model, x)), reference)
