@@ -1,11 +1,25 @@
 """Elastic EP with lost ranks: experts come from surviving replicas, else a clear error names them (nothing changes)
 until a checkpoint is offered through ``expert_source``."""
 
+import jax
 import numpy as np
 import pytest
-from _elastic import L, assert_model_holds, assert_same, build, checkpoint, everything, forward, tokens
+from _elastic import (
+    L,
+    assert_bytes,
+    assert_model_holds,
+    assert_same,
+    build,
+    checkpoint,
+    everything,
+    expected_layer,
+    forward,
+    functional_twin,
+    tokens,
+)
 
 from moe_eplb_jax import EplbConfig
+from moe_eplb_jax.control import Balancer, ExpertLayout
 from moe_eplb_jax.flax import EplbController
 from moe_eplb_jax.placement import Placement
 from moe_eplb_jax.transport import ep_mesh
@@ -72,3 +86,31 @@ def test_bad_resize_arguments_change_nothing():
     with pytest.raises(ValueError, match="EP axis"):
         ctl.resize(ep_mesh(4, axis="x"))
     assert_same(before, everything(model, optimizer, ctl, x))
+
+
+def test_the_balancer_reloads_from_a_host_checkpoint():
+    """The functional twin: 8 -> 4 ranks with P' = E (one replica each), then rank 1 of 4 lost: a ValueError names
+    its experts (the inputs untouched), and host arrays of a checkpoint bring them back."""
+    ckpt = checkpoint()
+    mesh = ep_mesh(8)
+    linear = Placement.linear(L, E, P)
+    model, optimizer = build(mesh, P, ckpt, linear.phy2log)
+    params, opt_state = functional_twin(model, optimizer)
+    balancer = Balancer(CONFIG, mesh, ExpertLayout.match(params, r"layers/(\d+)/experts/"))
+    balance = balancer.init(params)
+    balancer, params, opt_state, balance, _ = balancer.resize(params, opt_state, balance, ep_mesh(4), num_physical=8)
+    devices = list(mesh.devices.flat)
+    smaller = ep_mesh(2, devices=[devices[0], devices[2]])
+    with pytest.raises(ValueError, match="no replica outside the lost ranks"):
+        balancer.resize(params, opt_state, balance, smaller, num_physical=8, lost_ranks=[1])
+    host = jax.tree.map(np.asarray, functional_twin(*build(mesh, P, ckpt, linear.phy2log)))
+    source = balancer.expert_source(*host, linear)
+    balancer, params, opt_state, balance, report = balancer.resize(
+        params, opt_state, balance, smaller, num_physical=8, lost_ranks=[1], reload=source
+    )
+    assert report["rows_reloaded"] == 2 * L
+    phy2log = balance.tables.placement().phy2log
+    for layer in range(L):
+        want = expected_layer(ckpt, phy2log, layer)
+        assert_bytes(params["layers"][layer]["experts"], want["experts"], smaller, "params")
+        assert_bytes(opt_state["mu"]["layers"][layer]["experts"], want["mu"], smaller, "mu")

@@ -220,11 +220,12 @@ def surviving_window(state: EplbState, mesh: Mesh, axis: str, lost: Sequence[int
 
 def _restricted(x: jax.Array, survivors: list, sub: Mesh, axis: str) -> jax.Array:
     """``x`` (rank rows sharded over ``axis``, or replicated) as the same shards on the survivors' mesh."""
-    spec = x.sharding.spec if isinstance(x.sharding, NamedSharding) else PartitionSpec()
+    old = x.sharding
+    spec = old.spec if isinstance(old, NamedSharding) else PartitionSpec()
     shape = list(x.shape)
     for dim, name in enumerate(spec):
-        if name == axis:
-            shape[dim] = shape[dim] // len(x.sharding.mesh.devices.flat) * len(survivors)
+        if name == axis and isinstance(old, NamedSharding):
+            shape[dim] = shape[dim] // int(old.mesh.shape[axis]) * len(survivors)
     sharding = NamedSharding(sub, spec)
     shards = {shard.device: shard.data for shard in x.addressable_shards}
     arrays = [shards[d] for d in sharding.addressable_devices_indices_map(tuple(shape))]

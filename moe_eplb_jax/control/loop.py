@@ -125,13 +125,14 @@ def check_slot_leaf(name: str, value, *, num_physical: int | None, mesh, axis: s
     Returns its ``P`` (which must equal ``num_physical`` when given). ``mesh=None``: any array ``[P, ...]``
     (host or device, e.g. a checkpoint's experts to reload from).
     """
-    kinds = jax.Array if mesh is not None else (jax.Array, np.ndarray)
-    if not isinstance(value, kinds) or value.ndim < 1:
+    host = mesh is None and isinstance(value, np.ndarray)
+    if not (host or isinstance(value, jax.Array)) or np.ndim(value) < 1:
         raise ValueError(f"expert leaf {name} must be a jax.Array with a leading slot axis [P, ...]")
-    if num_physical is not None and value.shape[0] != num_physical:
-        raise ValueError(f"expert leaf {name} has {value.shape[0]} slots, its layers have P={num_physical}")
-    if mesh is None:
-        return int(value.shape[0])
+    slots = int(np.shape(value)[0])
+    if num_physical is not None and slots != num_physical:
+        raise ValueError(f"expert leaf {name} has {slots} slots, its layers have P={num_physical}")
+    if mesh is None or not isinstance(value, jax.Array):
+        return slots
     spec = value.sharding.spec if isinstance(value.sharding, NamedSharding) else None
     first = spec[0] if spec is not None and len(spec) else None
     names = first if isinstance(first, tuple) else (first,)

@@ -231,14 +231,14 @@ class PytreeStore:
         ``ValueError`` naming a non-expert leaf sharded over the mesh (it cannot follow a resize)."""
         experts = {("params", i) for ps, _ in self.positions for i in ps}
         experts |= {("opt", i) for _, os in self.positions for i in os}
-        devices = list(self.mesh.devices.flat)
+        assert self.mesh is not None, "a store for a resize knows its mesh"
         self._replicated, arrays = [], []
         for kind, leaves in (("params", self.params), ("opt", self.opt)):
             for i, leaf in enumerate(leaves):
                 sharding = getattr(leaf, "sharding", None)
                 if (kind, i) in experts or not isinstance(sharding, NamedSharding):
                     continue
-                if list(sharding.mesh.devices.flat) != devices:
+                if sharding.mesh != self.mesh:
                     continue
                 if not sharding.is_fully_replicated:
                     raise ValueError(

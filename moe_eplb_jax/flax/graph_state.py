@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 from flax import nnx
@@ -70,7 +71,7 @@ class ReplicatedTarget:
 
 def _on_mesh(leaf, mesh: Mesh) -> bool:
     sharding = getattr(leaf, "sharding", None)
-    return isinstance(sharding, NamedSharding) and list(sharding.mesh.devices.flat) == list(mesh.devices.flat)
+    return isinstance(sharding, NamedSharding) and sharding.mesh == mesh
 
 
 def replicated_arrays(roots, mesh: Mesh, skip: set[int]) -> tuple[list[ReplicatedTarget], list[jax.Array]]:
@@ -103,16 +104,17 @@ def replicated_arrays(roots, mesh: Mesh, skip: set[int]) -> tuple[list[Replicate
 
 def place_arrays(targets: Sequence[ReplicatedTarget], arrays: Sequence[jax.Array]) -> None:
     """Writes ``arrays`` (in :func:`replicated_arrays`' order) into their variables."""
-    arrays = iter(arrays)
+    values = iter(arrays)
     for target in targets:
         leaves = jax.tree.leaves(target.variable.get_raw_value())
         for i in target.positions:
-            leaves[i] = next(arrays)
+            leaves[i] = next(values)
         target.variable.set_raw_value(jax.tree.unflatten(target.treedef, leaves))
 
 
 def repoint_meshes(roots, mesh: Mesh, new_mesh: Mesh) -> None:
     """Every module whose ``mesh`` attribute is ``mesh`` gets ``new_mesh``."""
-    for obj in _nodes(roots)[1]:
+    modules: list[Any] = _nodes(roots)[1]  # any module may name the mesh
+    for obj in modules:
         if getattr(obj, "mesh", None) == mesh:
             obj.mesh = new_mesh

@@ -62,7 +62,7 @@ def _check(name: str, leaf, mesh: Mesh) -> None:
     if not isinstance(leaf, jax.Array):
         raise ValueError(f"{name} must be a jax.Array, got {type(leaf).__name__}")
     sharding = leaf.sharding
-    if not isinstance(sharding, NamedSharding) or list(sharding.mesh.devices.flat) != list(mesh.devices.flat):
+    if not isinstance(sharding, NamedSharding) or sharding.mesh != mesh:
         raise ValueError(f"{name} must be placed on the old mesh with a NamedSharding, got {sharding}")
     if not sharding.is_fully_replicated:
         raise ValueError(f"{name} is sharded ({sharding.spec}); only replicated arrays follow a resize this way")
