@@ -8,6 +8,7 @@ rank recovers from surviving replicas, or is a clear error (the model untouched)
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from _elastic import (
@@ -22,11 +23,14 @@ from _elastic import (
     scenario_loads,
     tokens,
 )
+from _models import tiny_model
+from flax import nnx
 from jax.sharding import PartitionSpec as PS
 
 from moe_eplb_jax import EplbConfig, transport
 from moe_eplb_jax.control import Balancer, ExpertLayout
 from moe_eplb_jax.flax import EplbController
+from moe_eplb_jax.models import generate, preset
 from moe_eplb_jax.placement import Placement
 from moe_eplb_jax.transport import ep_mesh, put_host
 
@@ -224,3 +228,26 @@ def test_random_sequences_of_scale_events_through_both_adapters(seed):
             assert_bytes(params["layers"][layer]["experts"], want["experts"], new_mesh, "params")
             assert_bytes(opt_state["nu"]["layers"][layer]["experts"], want["nu"], new_mesh, "nu")
         np.testing.assert_array_equal(np.asarray(forward(model, x)), reference)
+
+
+@pytest.mark.slow
+def test_a_served_model_generates_the_same_tokens_after_scaling_in_and_out():
+    """MoECausalLM (attention, dense and MoE blocks, a shared expert) served with a KV cache: greedy tokens are
+    the same on 8, 4 and again 8 ranks, and the logits agree to float32 rounding (attention and dense matmuls run
+    on other per-rank batch sizes)."""
+    mesh = ep_mesh(8)
+    model = tiny_model(preset("tiny"), mesh, redundant=8, routing="lp")
+    ctl = EplbController(model, mesh, EplbConfig(num_redundant_experts=8, num_gpus=8, routing="lp"))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, model.config.vocab_size, n) for n in (5, 11, 1, 8, 3, 7, 2, 9)]
+    tokens = lambda: generate(model, prompts, max_new_tokens=6, prompt_width=12, on_step=lambda n: ctl.step()).tokens
+    logits = lambda: np.asarray(nnx.jit(lambda m, t: m(t, record=False))(model, jnp.asarray(np.stack(
+        [np.resize(p, 12) for p in prompts]).astype(np.int32))))  # fmt: skip
+    first, first_logits = tokens(), logits()
+    report = ctl.resize(ep_mesh(4))
+    assert report["num_ranks"] == (8, 4) and model.mesh == ep_mesh(4)
+    np.testing.assert_array_equal(tokens(), first)
+    np.testing.assert_allclose(logits(), first_logits, rtol=1e-5, atol=1e-5)
+    ctl.resize(ep_mesh(8), num_physical=24)
+    np.testing.assert_array_equal(tokens(), first)
+    np.testing.assert_allclose(logits(), first_logits, rtol=1e-5, atol=1e-5)
