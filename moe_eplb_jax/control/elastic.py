@@ -48,7 +48,7 @@ from moe_eplb_jax.transport import (
 __all__ = ["ExpertSource", "ResizeDecision", "ResizeStore", "carry_window", "decide", "move_experts", "summary"]
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(EplbState))
-WAY_OUT = (
+_WAY_OUT = (
     "Nothing was changed. Reload them from a checkpoint: resize(..., reload=source) with "
     "source = EplbController.expert_source(model, placement, optimizer=...) or "
     "Balancer.expert_source(params, opt_state, placement) over the checkpoint's experts"
@@ -173,7 +173,7 @@ def decide(
         more = f" and {len(missing) - 16} more" if len(missing) > 16 else ""
         raise ValueError(
             f"{len(missing)} experts of the new placement have no replica outside the lost ranks {list(lost)}: "
-            f"{shown}{more}. {WAY_OUT}"
+            f"{shown}{more}. {_WAY_OUT}"
         )
     if reload is not None:
         reload.check(missing)
@@ -187,7 +187,7 @@ def decide(
             lost_ranks=lost,
             reload=reload is not None,
             num_logical=num_logical,
-        )  # fmt: skip
+        )
         for layer in range(num_layers)
     )
     widest = np.max([plan.capacities for plan in plans], axis=0)
