@@ -149,6 +149,35 @@ def on_mesh(x, mesh):
     return put_host(np.asarray(x), mesh)
 
 
+def scale(args, rt, model, controller, vocab_size: int, step: int) -> None:
+    """Elastic EP: the run moves to the first --scale-to devices; prints the held-out loss before and after."""
+    import jax
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    from moe_eplb_jax.models import zipf_tokens
+
+    @nnx.jit
+    def held_out_loss(model, tokens):
+        logits = model(tokens[:, :-1], record=False)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+        return jax.lax.with_sharding_constraint(loss, rt.replicated)
+
+    held_out = zipf_tokens(np.random.default_rng([args.seed, 0]), args.batch, args.seq + 1, vocab_size)
+    before = float(held_out_loss(model, rt.global_batch(held_out)))
+    report = controller.resize(rt.resize(args.scale_to))
+    after = float(held_out_loss(model, rt.global_batch(held_out)))
+    if jax.process_index() == 0:
+        print(
+            f"step {step}: resized {report['num_ranks'][0]} -> {report['num_ranks'][1]} EP ranks "
+            f"(P = {report['num_physical'][0]} -> {report['num_physical'][1]}): {report['slots_kept']} slots "
+            f"kept, {report['rows_moved']} rows moved in {report['move_seconds']:.2f} s; held-out loss "
+            f"{before:.6f} -> {after:.6f}",
+            flush=True,
+        )
+
+
 def main(argv=None):
     prepare_devices(argv)  # before anything imports jax
     parser, args = parse_args(argv)
@@ -238,27 +267,6 @@ def main(argv=None):
         optimizer.update(model, grads)
         return jax.lax.with_sharding_constraint(loss, rt.replicated)
 
-    @nnx.jit
-    def held_out_loss(model, tokens):
-        logits = model(tokens[:, :-1], record=False)
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-        return jax.lax.with_sharding_constraint(loss, rt.replicated)
-
-    def scale(step):
-        """Elastic EP: the run moves to the first --scale-to devices; the held-out loss before and after."""
-        held_out = zipf_tokens(np.random.default_rng([args.seed, 0]), args.batch, args.seq + 1, config.vocab_size)
-        before = float(held_out_loss(model, rt.global_batch(held_out)))
-        report = controller.resize(rt.resize(args.scale_to))
-        after = float(held_out_loss(model, rt.global_batch(held_out)))
-        if main_process:
-            print(
-                f"step {step}: resized {report['num_ranks'][0]} -> {report['num_ranks'][1]} EP ranks "
-                f"(P = {report['num_physical'][0]} -> {report['num_physical'][1]}): {report['slots_kept']} slots "
-                f"kept, {report['rows_moved']} rows moved in {report['move_seconds']:.2f} s; held-out loss "
-                f"{before:.6f} -> {after:.6f}",
-                flush=True,
-            )
-
     losses, step_seconds = [], []
     for step in range(start + 1, args.steps + 1):
         rng = np.random.default_rng([args.seed, step])  # batch n is the same whether or not the run resumed
@@ -278,7 +286,7 @@ def main(argv=None):
         if main_process and (step % args.log_every == 0 or step == start + 1):
             print(f"step {step}: loss {loss:.4f}", flush=True)
         if args.scale_to is not None and step == args.scale_at:
-            scale(step)
+            scale(args, rt, model, controller, config.vocab_size, step)
         if manager is not None and (step % args.checkpoint_every == 0 or step == args.steps):
             save(step)
             if main_process:
