@@ -26,11 +26,19 @@ default schedule for word rows and for odd-byte rows.
   PYTHONPATH=. python3 benchmarks/transport.py --fractions 0.5 --iters 6 --timeline
   JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=2 \\
       PYTHONPATH=. python3 benchmarks/transport.py --layers 4 --hidden 256 --inter 32 --iters 2   # smoke
+
+``--resize G:G'`` (e.g. ``2:1``) also times a move between EP sizes (``resize_experts``) from the first ``G``
+devices to the first ``G'``, the placement for ``G'`` solved from log-normal loads by ``--resize-policy`` and the
+old one by ``balanced``: the busiest device's bytes, the move with its host work (union arrays, tables) on the
+clock, one raw ``ppermute`` of the same bytes on the union of the devices, and per-slot hashes checked (every new slot holds the bytes of an old slot of its expert):
+
+  PYTHONPATH=. python3 benchmarks/transport.py --fractions --resize 2:1 --iters 6
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import glob
 import json
 import statistics
@@ -56,7 +64,9 @@ def parse_args():
     p.add_argument("--slots", type=int, default=288)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--inter", type=int, default=128)
-    p.add_argument("--fractions", type=float, nargs="+", default=[0.1, 0.5])
+    p.add_argument("--fractions", type=float, nargs="*", default=[0.1, 0.5])
+    p.add_argument("--resize", nargs="*", default=[], metavar="G:G'", help="moves between EP sizes, e.g. 2:1")
+    p.add_argument("--resize-policy", default="balanced", help="the policy of the placement for G' (or fill)")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--link-gbps", type=float, default=450.0, help="per-direction link bandwidth, the limit")
     p.add_argument("--timeline", action="store_true", help="also device time from the profiler (GPU)")
@@ -337,6 +347,59 @@ def run_fraction(args, ctx, fraction):
     return res
 
 
+def run_resize(args, spec, rng):
+    """Times ``resize_experts`` from the first ``G`` devices to the first ``G'`` (``spec`` is ``"G:G'"``)."""
+    from moe_eplb_jax import policy
+
+    num_ranks, new_num_ranks = (int(x) for x in spec.split(":"))
+    devices = jax.devices()
+    if max(num_ranks, new_num_ranks) > len(devices) or args.slots % num_ranks or args.slots % new_num_ranks:
+        raise SystemExit(f"--resize {spec}: needs {max(num_ranks, new_num_ranks)} devices and P divisible by both")
+    mesh, new_mesh = eps.ep_mesh(num_ranks), eps.ep_mesh(new_num_ranks)
+    union = eps.ep_mesh(max(num_ranks, new_num_ranks))
+    weight = rng.lognormal(0, 1, (args.layers, args.experts))
+    old = policy.get("balanced")(weight, args.slots, 1, 1, num_ranks)[0]
+    new = policy.resize_placement(
+        weight,
+        old,
+        num_ranks=num_ranks,
+        new_num_ranks=new_num_ranks,
+        new_num_physical=args.slots,
+        policy=args.resize_policy,
+    ).phy2log
+    experts = make_experts(mesh, args.layers, args.slots, args.hidden, args.inter, args.seed)
+    row = eps.row_bytes(experts, eps.plan_rearrangement(old, old, num_ranks), mesh=mesh)
+    t = time.perf_counter()
+    plan = eps.plan_for_meshes(old, new, mesh=mesh, new_mesh=new_mesh)
+    plan_ms = (time.perf_counter() - t) * 1e3
+    moved = plan.bytes_moved(row)
+    before = slot_hashes(experts)
+    out = eps.execute_resize(experts, plan, mesh=mesh, new_mesh=new_mesh)
+    after = slot_hashes(out)
+    correct = all(
+        after[lyr, p] in set(before[lyr, old[lyr] == new[lyr, p]].tolist())
+        for lyr in range(old.shape[0])
+        for p in range(new.shape[1])
+    )
+    del out
+    move = functools.partial(eps.execute_resize, experts, plan, mesh=mesh, new_mesh=new_mesh)
+    seconds = median_seconds(move, args.iters)
+    res = dict(
+        resize=spec,
+        policy=args.resize_policy,
+        rows_moved=plan.rows_moved,
+        moved=moved,
+        time_ms=seconds * 1e3,
+        gbps=moved / seconds / 1e9,
+        plan_ms=plan_ms,
+        limit_ms=moved / (args.link_gbps * 1e9) * 1e3,
+        correct=correct,
+    )
+    del experts, move
+    res["raw_ms"], _ = time_raw_ppermute(union, moved, max(5, args.iters), False)
+    return res
+
+
 def main():
     args = parse_args()
     mesh = eps.ep_mesh(args.ranks)
@@ -357,6 +420,10 @@ def main():
         results.append(run_fraction(args, ctx, fraction))
         print(json.dumps(results[-1]), flush=True)  # every row at once: a later hang loses none
     del ctx, experts
+    resizes = []
+    for spec in args.resize:
+        resizes.append(run_resize(args, spec, rng))
+        print(json.dumps(resizes[-1]), flush=True)
     for r in results:  # raw ppermute last: its buffers would otherwise raise the memory seen by the moves
         r["raw_ms"], r["raw_device_ms"] = time_raw_ppermute(mesh, r["moved"], max(5, args.iters), args.timeline)
         r["ratio"] = r["raw_ms"] / r["time_ms"]
@@ -364,6 +431,27 @@ def main():
     if not args.no_dtype_check:
         checks = [(elements, *dtype_check(mesh, rng, elements)) for elements in (256, 6)]
     report(args, num_ranks, devices, row, results, checks)
+    report_resizes(args, devices, row, resizes)
+
+
+def report_resizes(args, devices, row, resizes):
+    if not resizes:
+        return
+    print(
+        f"\n## resize: {devices[0].device_kind}, {args.layers} layers x {args.slots} slots, row {row} B, "
+        f"iters {args.iters}, jax {jax.__version__}"
+    )
+    print(
+        "| G -> G' | policy | rows moved | MiB busiest | ms (host work on the clock) | GB/s | raw ppermute ms | "
+        f"raw / ours | limit ms ({args.link_gbps:.0f} GB/s) | host planning ms | correct |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in resizes:
+        print(
+            f"| {r['resize'].replace(':', ' -> ')} | {r['policy']} | {r['rows_moved']} | {r['moved'] / 2**20:.0f} | "
+            f"{r['time_ms']:.2f} | {r['gbps']:.0f} | {r['raw_ms']:.2f} | {r['raw_ms'] / r['time_ms']:.2f} | "
+            f"{r['limit_ms']:.2f} | {r['plan_ms']:.0f} | {r['correct']} |"
+        )
 
 
 def report(args, num_ranks, devices, row, results, checks):

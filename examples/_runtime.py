@@ -182,6 +182,17 @@ class Runtime:
         )
         self.replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
 
+    def resize(self, ranks: int):
+        """The mesh over the first ``ranks`` devices, which becomes this runtime's (elastic EP)."""
+        import jax
+
+        self.ranks = ranks
+        self.mesh = jax.make_mesh(
+            (ranks,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:ranks]
+        )
+        self.replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        return self.mesh
+
     def global_batch(self, host):
         """Every process holds the same host batch; each device takes its rows."""
         from jax.sharding import PartitionSpec

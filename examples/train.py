@@ -4,6 +4,7 @@
     python examples/train.py --devices 0 --ranks 8              # real GPUs
     python examples/train.py --checkpoint-dir ckpt --steps 40   # Orbax checkpoints every --checkpoint-every steps
     python examples/train.py --checkpoint-dir ckpt --steps 80 --resume   # continue from the latest one
+    python examples/train.py --scale-to 4 --scale-at 30         # the EP group shrinks to 4 ranks at step 30
 
 The model is ``moe_eplb_jax.models`` at a preset's shape (default ``tiny``). The routing is skewed two ways:
 the tokens follow a Zipf distribution (a few ids dominate, and each row's second half repeats its first, which
@@ -14,7 +15,11 @@ moments) moves with the expert weights. ``--eplb-config`` sets the rest (``{"use
 moved per step). A checkpoint is one Orbax ``CheckpointManager`` step holding three items -- the model, the
 optimizer state and the controller's state (placement, load window, counters) -- saved and restored
 together; batch ``n`` is drawn from seed (--seed, n), so a resumed run repeats the steps of one that never
-stopped.
+stopped. ``--scale-to G`` moves the run to the first ``G`` devices after step ``--scale-at`` (elastic EP:
+``controller.resize``): the placement is solved for ``G`` ranks from the load window, keeping what each staying
+device holds, and the experts, AdamW moments, the rest of the model, the routing tables and the window follow; the
+loss of a held-out batch is printed before and after the move (the same up to XLA's rounding of the other batch
+split), and training goes on on the new mesh.
 
 Several hosts: one copy per host with --coordinator HOST:PORT --num-processes N --process-id I.
 """
@@ -79,6 +84,8 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint-every", type=positive_int, default=20, help="steps between checkpoints")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
     p.add_argument("--seed", type=nonnegative_int, default=0, help="weights and data")
+    p.add_argument("--scale-to", type=positive_int, help="move the run to this many EP ranks at --scale-at")
+    p.add_argument("--scale-at", type=positive_int, help="the step after which --scale-to moves (default: half-way)")
     add_routing_arg(p)
     add_eplb_config_arg(p, "--redundant, --routing and --step-interval")
     add_runtime_args(p)
@@ -99,6 +106,13 @@ def parse_args(argv=None):
         p.error(f"--checkpoint-dir {args.checkpoint_dir}: {problem}")
     if args.capacity_factor == 0:
         args.capacity_factor = None
+    if args.scale_at is not None and args.scale_to is None:
+        p.error("--scale-at needs --scale-to")
+    if args.scale_to is not None:
+        check_divides(p, args.scale_to, {"--batch": args.batch})
+        if args.devices and args.scale_to > args.devices * args.num_processes:
+            p.error(f"--scale-to {args.scale_to} exceeds the {args.devices * args.num_processes} simulated devices")
+        args.scale_at = args.scale_at if args.scale_at is not None else max(1, args.steps // 2)
     return p, args
 
 
@@ -207,6 +221,35 @@ def print_summary(args, config, controller, start, losses, step_seconds):
         print(f"throughput: {tokens_per_s:,.0f} tokens/s, {seconds * 1e3:.1f} ms/step, {flops / 1e12:.2f} TFLOP/s{mfu}")
 
 
+def scale(args, rt, model, controller, vocab_size: int, step: int) -> None:
+    """Elastic EP: the run moves to the first --scale-to devices; prints the held-out loss before and after."""
+    import jax
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    from moe_eplb_jax.models import zipf_tokens
+
+    @nnx.jit
+    def held_out_loss(model, tokens):
+        logits = model(tokens[:, :-1], record=False)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+        return jax.lax.with_sharding_constraint(loss, rt.replicated)
+
+    held_out = zipf_tokens(np.random.default_rng([args.seed, 0]), args.batch, args.seq + 1, vocab_size)
+    before = float(held_out_loss(model, rt.global_batch(held_out)))
+    report = controller.resize(rt.resize(args.scale_to))
+    after = float(held_out_loss(model, rt.global_batch(held_out)))
+    if jax.process_index() == 0:
+        print(
+            f"step {step}: resized {report['num_ranks'][0]} -> {report['num_ranks'][1]} EP ranks "
+            f"(P = {report['num_physical'][0]} -> {report['num_physical'][1]}): {report['slots_kept']} slots "
+            f"kept, {report['rows_moved']} rows moved in {report['move_seconds']:.2f} s; held-out loss "
+            f"{before:.6f} -> {after:.6f}",
+            flush=True,
+        )
+
+
 def main(argv=None):
     prepare_devices(argv)  # before anything imports jax
     parser, args = parse_args(argv)
@@ -289,6 +332,8 @@ def main(argv=None):
             )
         if main_process and (step % args.log_every == 0 or step == start + 1):
             print(f"step {step}: loss {loss:.4f}", flush=True)
+        if args.scale_to is not None and step == args.scale_at:
+            scale(args, rt, model, controller, config.vocab_size, step)
         if manager is not None and (step % args.checkpoint_every == 0 or step == args.steps):
             save(manager, step, model, optimizer, controller)
             if main_process:

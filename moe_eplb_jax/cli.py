@@ -5,6 +5,7 @@ Subcommands::
     moe-eplb generate  -o load.npz [--generator drift|zipf|lognormal] [sizes]  write a synthetic load file
     moe-eplb stats     load.npz --num-ranks G [--placement p.json]      per-layer statistics
     moe-eplb fit       load.npz --num-ranks G --num-physical P -o p.json [--policy balanced] [--format sglang]
+                       [--from-placement old.json --from-num-ranks G0 [--lost-ranks 3,5]]   plan a scale event
     moe-eplb heatmap   load.npz --num-ranks G [--placement p.json] -o map.png   load before / after
     moe-eplb simulate  [--load load.npz | --generator ...] --num-ranks G --num-spare S [--plot sim.png]
     moe-eplb --version
@@ -13,7 +14,12 @@ Load files are described in :mod:`moe_eplb_jax.sim.loadfile`; placement files
 (ours and SGLang's expert-location JSON) in :mod:`moe_eplb_jax.placement`.
 "Before" is the home layout (expert ``e`` on rank ``e // (E / G)``, no
 replicas); "after" is the given or fitted placement with each expert's tokens
-split evenly over its replicas. Every bad input -- a flag out of range, a
+split evenly over its replicas. ``fit --from-placement`` plans a scale event
+instead: the placement on ``--from-num-ranks`` ranks is "before", the one
+fitted for ``--num-ranks`` keeps what each device holds (``--policy fill``:
+every slot it can, filling only the empty ones), and the report gives the rows
+moved over the network, the rows reloaded from a checkpoint (experts only
+``--lost-ranks`` held) and the modelled time. Every bad input -- a flag out of range, a
 damaged file, an output path that cannot be written -- prints one line on
 stderr and exits with status 2, before any long work; ``simulate`` reports
 its progress on stderr.
@@ -85,6 +91,14 @@ _positive = _integer(1, 2**31 - 1)
 _non_negative = _integer(0, 2**31 - 1)
 
 
+def _rank_list(text: str) -> tuple[int, ...]:
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    return tuple(_non_negative(p) for p in parts)
+
+
+_rank_list.__name__ = "rank list"
+
+
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows each option's default, except where there is none (required options, optional files)."""
 
@@ -116,9 +130,19 @@ def build_parser() -> argparse.ArgumentParser:
     fit.add_argument("load", help="load file (.npz or .json, ours or SGLang's logical_count)")
     fit.add_argument("--num-ranks", type=_positive, required=True, help="EP ranks G")
     fit.add_argument("--num-physical", type=_positive, required=True, help="physical slots P = E + redundant")
-    fit.add_argument("--policy", default=policy.DEFAULT_POLICY, choices=policies, help="placement policy")
+    fit.add_argument(
+        "--policy",
+        default=policy.DEFAULT_POLICY,
+        choices=[*policies, policy.FILL],
+        help=f"placement policy ({policy.FILL!r}: with --from-placement, keep every slot a device holds)",
+    )
     fit.add_argument("--num-groups", type=_positive, default=1, help="expert groups (DeepSeek's hierarchical policy)")
     fit.add_argument("--num-nodes", type=_positive, default=1, help="nodes (hosts) the ranks are spread over")
+    fit.add_argument("--from-placement", help="the placement now (ours or SGLang's): plan a move to --num-ranks")
+    fit.add_argument("--from-num-ranks", type=_positive, help="EP ranks of --from-placement")
+    fit.add_argument("--lost-ranks", type=_rank_list, default=(), help="comma-separated old ranks that are gone")
+    fit.add_argument("--expert-mb", type=_real(positive=True), default=44.0, help="bytes of one expert, in MB")
+    fit.add_argument("--link-gbps", type=_real(positive=True), default=400.0, help="a device's link speed, GB/s")
     fit.add_argument(
         "--format",
         default="moe_eplb_jax",
@@ -328,6 +352,49 @@ def _fit(trace, num_ranks, num_physical, policy, num_groups=1, num_nodes=1):
     return Placement.from_tables(*tables, num_ranks=num_ranks)
 
 
+def _fit_resize(args, trace) -> int:
+    """``fit --from-placement``: a placement for ``--num-ranks`` from one on ``--from-num-ranks``, and the move."""
+    from moe_eplb_jax import sim
+
+    if args.from_num_ranks is None:
+        raise ValueError("--from-placement needs --from-num-ranks (the EP ranks it was made for)")
+    for rank in args.lost_ranks:
+        if rank >= args.from_num_ranks:
+            raise ValueError(f"--lost-ranks {rank} is not a rank of --from-num-ranks {args.from_num_ranks}")
+    if args.num_physical > _MAX_SLOTS_PER_EXPERT * trace.num_logical:
+        raise ValueError(
+            f"--num-physical {args.num_physical} is more than {_MAX_SLOTS_PER_EXPERT} slots per expert "
+            f"(E = {trace.num_logical})"
+        )
+    old = _read_placement(args.from_placement, trace, args.from_num_ranks)
+    (report,) = sim.simulate_resize(
+        trace.load,
+        old.phy2log,
+        num_ranks=args.from_num_ranks,
+        new_num_ranks=args.num_ranks,
+        new_num_physical=args.num_physical,
+        policies=(args.policy,),
+        num_groups=args.num_groups,
+        num_nodes=args.num_nodes,
+        lost_ranks=args.lost_ranks,
+        expert_bytes=args.expert_mb * 1e6,
+        link_gbps=args.link_gbps,
+    )
+    report.placement.save(args.output, format=args.format)
+    head = f"{'layer':>5} {f'imb EP{args.from_num_ranks}':>10} {f'imb EP{args.num_ranks}':>10}"
+    rows = [head, "-" * len(head)]
+    for layer, (before, after) in enumerate(zip(report.imbalance_before, report.imbalance_after)):
+        rows.append(f"{layer:5d} {before:10.4f} {after:10.4f}")
+    print("\n".join(rows))
+    print(sim.format_resize_table([report]))
+    lost = f", ranks {list(args.lost_ranks)} lost" if args.lost_ranks else ""
+    print(
+        f"wrote {args.output} ({args.policy}, {args.format} format, P={args.num_physical}, "
+        f"EP{args.from_num_ranks} -> EP{args.num_ranks}{lost})"
+    )
+    return 0
+
+
 def _heatmap(trace, before, after, path, title_after):
     plt = pyplot()
 
@@ -419,13 +486,20 @@ def _run(args) -> int:
         return 0
 
     trace = sim.read_load(args.load)
-    _check_ranks(trace, args.num_ranks)
+    if not (args.command == "fit" and args.from_placement):
+        _check_ranks(trace, args.num_ranks)
     if args.command == "stats":
         phy2log = _read_placement(args.placement, trace, args.num_ranks).phy2log if args.placement else None
         print(f"{args.load}: steps={trace.num_steps}, L={trace.num_layers}, E={trace.num_logical}, EP{args.num_ranks}")
         print(_stats_table(trace.total(), args.num_ranks, phy2log))
         return 0
+    if args.command == "fit" and args.from_placement:
+        return _fit_resize(args, trace)
     if args.command == "fit":
+        if args.policy == "fill":
+            raise ValueError("--policy fill keeps the slots of --from-placement: give --from-placement")
+        if args.from_num_ranks or args.lost_ranks:
+            raise ValueError("--from-num-ranks and --lost-ranks describe --from-placement: give it too")
         placement = _fit(trace, args.num_ranks, args.num_physical, args.policy, args.num_groups, args.num_nodes)
         rows = {k: trace.meta[k] for k in ("layer_ids", "num_hidden_layers") if k in trace.meta}
         placement.save(args.output, format=args.format, **(rows if args.format == "sglang" else {}))

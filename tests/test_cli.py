@@ -218,7 +218,7 @@ def test_version_help_defaults_and_choices(capsys):
     assert main(["fit", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())
     assert f"(default: {policy.DEFAULT_POLICY})" in text
-    assert "{" + ",".join(policy.available()) + "}" in text
+    assert "{" + ",".join([*policy.available(), policy.FILL]) + "}" in text
     assert "{moe_eplb_jax,sglang}" in text and "(default: moe_eplb_jax)" in text
     assert main(["simulate", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())
@@ -270,3 +270,32 @@ def test_cli_help_and_errors_say_the_same_things(tmp_path, capsys):
     listed = ", ".join(policy_names())
     assert listed in helped
     _fails_cleanly(capsys, ["simulate", "--policies", "none,quota+lp"], f"choose from {listed}")
+
+
+def test_fit_plans_a_scale_event_from_a_placement_on_other_ranks(tmp_path, capsys):
+    """8 ranks -> 7 (and with rank 3 lost): the placement for 7 ranks is written, the move reported; bad flags
+    fail with one line."""
+    load = str(tmp_path / "load.npz")
+    assert main(["generate", "-o", load, "--num-ranks", "8", "--experts-per-rank", "6", "--num-steps", "2"]) == 0
+    old = str(tmp_path / "p8.json")
+    assert main(["fit", load, "--num-ranks", "8", "--num-physical", "56", "-o", old]) == 0
+    capsys.readouterr()
+    new = tmp_path / "p7.json"
+    argv = ["fit", load, "--num-ranks", "7", "--num-physical", "56", "--from-placement", old, "--from-num-ranks", "8"]
+    assert main([*argv, "--policy", "fill", "-o", str(new)]) == 0
+    out = capsys.readouterr().out
+    assert "imb EP8" in out and "imb EP7" in out and "fill" in out and "8->7" in out
+    fitted, before = Placement.load(new, num_ranks=7), Placement.load(old, num_ranks=8)
+    row = next(line for line in out.splitlines() if line.startswith("fill"))
+    rows_moved, reloaded = int(row.split()[4]), int(row.split()[5])
+    assert reloaded == 0 and 0 < rows_moved <= 4 * 7  # the leaving rank's slots
+    kept = fitted.phy2log.reshape(4, 7, 8)[..., :7]  # ranks 0-6 keep their 7 old slots, rank 7 leaves
+    np.testing.assert_array_equal(kept, before.phy2log.reshape(4, 8, 7)[:, :7])
+    assert main([*argv, "--lost-ranks", "3", "-o", str(new)]) == 0
+    assert "ranks [3] lost" in capsys.readouterr().out
+    out7 = str(tmp_path / "x.json")
+    _fails_cleanly(capsys, [*argv[:-2], "-o", out7], "--from-num-ranks")
+    _fails_cleanly(capsys, [*argv, "--lost-ranks", "9", "-o", out7], "--lost-ranks 9")
+    _fails_cleanly(capsys, ["fit", load, "--num-ranks", "8", "--num-physical", "56", "--policy", "fill", "-o", out7])
+    _fails_cleanly(capsys, ["fit", load, "--num-ranks", "8", "--num-physical", "56", "--lost-ranks", "1", "-o", out7])
+    _fails_cleanly(capsys, [*argv[:-1], "3", "-o", out7], "not divisible by 3 ranks")

@@ -254,7 +254,7 @@ def test_a_functional_write_that_stops_partway_returns_the_old_pytrees(monkeypat
     def half_write(store, layer, tree):
         calls.append(layer)
         if len(calls) == 2:
-            store.params[store.positions[layer][0][0]] = tree["params"][0]
+            store.params[store.positions[layer][0][0]] = tree["experts"][0]
             raise kind("injected: the write stopped after one leaf")
         return real(store, layer, tree)
 

@@ -45,6 +45,9 @@ def _parse(script, argv):
         (serve, ["--process-id", "1"], "--process-id 1 must be below --num-processes 1"),
         (train, ["--resume"], "--resume needs --checkpoint-dir"),
         (train, ["--seq", "600"], "--seq 600 \\+ 1 exceeds"),
+        (train, ["--scale-to", "3"], "--batch = 16 is not divisible by the 3 EP ranks"),
+        (train, ["--scale-to", "16"], "--scale-to 16 exceeds the 8 simulated devices"),
+        (train, ["--scale-at", "4"], "--scale-at needs --scale-to"),
         (serve, ["--eplb-config", "/nonexistent/eplb.json"], "--eplb-config /nonexistent/eplb.json: no such file"),
         (serve, ["--eplb-config", "{"], "--eplb-config: EplbConfig: not valid JSON"),
         (train, ["--eplb-config", '{"window": 4}'], r"--eplb-config: EplbConfig: unknown field\(s\) \['window'\]"),
@@ -288,6 +291,24 @@ def test_train_checkpoints_and_resumes_exactly(capsys, tmp_path):
     loss = [float(ln.split("loss ")[1]) for ln in losses(straight, 0)]
     assert loss[-1] < loss[0]
     assert "tokens/s" in straight and "TFLOP/s" in straight  # the throughput line (MFU where the peak is known)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("keep_environment")
+def test_train_scales_in_and_goes_on(capsys):
+    """--scale-to 4: after step 3 the run moves from 8 EP ranks to 4, the held-out loss barely moves (another batch
+    split rounds differently), training goes on and the loss keeps falling."""
+    with jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("allow"):  # optax's Adam mixes dtypes
+        train.main(
+            ["--batch", "8", "--seq", "8", "--steps", "5", "--log-every", "1", "--scale-to", "4", "--scale-at", "3"]
+        )
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if "resized" in ln)
+    assert line.startswith("step 3: resized 8 -> 4 EP ranks (P = 24 -> 24)")
+    before, after = (float(v) for v in line.split("held-out loss ")[1].split(" -> "))
+    assert abs(before - after) <= 1e-5 * before
+    loss = [float(ln.split("loss ")[1]) for ln in out.splitlines() if ln.startswith("step ") and ": loss " in ln]
+    assert len(loss) == 5 and loss[-1] < loss[0]
 
 
 @pytest.mark.slow

@@ -269,7 +269,7 @@ def test_preserve_slots_and_moved_slots_reject_bad_input():
     with pytest.raises(ValueError, match="old_phy2log must both have shape"):
         policy.preserve_slots(table, table, np.zeros((2, 9), np.int64), num_gpus=4)
     with pytest.raises(ValueError, match="non-negative integers"):
-        policy.preserve_slots(table, table, table - 1, num_gpus=4)
+        policy.preserve_slots(table, table, table - 2, num_gpus=4)  # -1 is an empty slot
     with pytest.raises(ValueError, match="slots must divide"):
         policy.preserve_slots(table, table, table, num_gpus=3)
     with pytest.raises(ValueError, match="different shapes"):
@@ -319,7 +319,7 @@ def _bad_weight(value, where=(0, 3)):
         (np.ones((2, 12)), {"num_groups": 2.0}, "num_groups must be an integer"),
         (np.ones((2, 12)), {"old_phy2log": np.zeros((2, 15), np.int32)}, "old_phy2log must have shape"),
         (np.ones((2, 12)), {"old_phy2log": np.full((2, 16), 12)}, "outside the logical expert range"),
-        (np.ones((2, 12)), {"old_phy2log": np.full((2, 16), -1)}, "outside the logical expert range"),
+        (np.ones((2, 12)), {"old_phy2log": np.full((2, 16), -2)}, "outside the logical expert range"),
         (np.ones((2, 12)), {"old_phy2log": np.zeros((2, 16))}, "integer expert ids"),
     ],
 )

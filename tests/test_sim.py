@@ -189,3 +189,30 @@ def test_generators_reject_bools_floats_and_counts_that_would_wrap():
         home_rank_imbalance(np.ones(7), 2)
     with pytest.raises(ValueError, match="num_ranks must be an integer"):
         home_rank_imbalance(np.ones(8), 2.0)
+
+
+def test_simulate_resize_reports_balance_bytes_and_time():
+    """8 -> 7 ranks on a log-normal window: "fill" moves at most the leaving rank's experts, "balanced" balances
+    better and moves more; the bytes are the plan's rows; with rank 3 lost its unreplicated experts are reloaded."""
+    from moe_eplb_jax import sim
+
+    load = np.stack([sim.lognormal_load(3, 48, sigma=1.0, tokens=10_000, seed=s) for s in range(4)])
+    old = policy.get("balanced")(load.mean(0), 56, 1, 1, 8)[0]
+    fill, balanced = sim.simulate_resize(
+        load, old, num_ranks=8, new_num_ranks=7, policies=("fill", "balanced"), expert_bytes=1e6, link_gbps=100.0
+    )
+    assert fill.placement.phy2log.shape == balanced.placement.phy2log.shape == (3, 56)
+    assert 0 < fill.rows_moved <= 3 * 7 and fill.rows_moved < balanced.rows_moved
+    assert balanced.balancedness_after > fill.balancedness_after and balanced.balancedness_after > 0.98
+    assert fill.balancedness_before == balanced.balancedness_before > 0.98
+    for r in (fill, balanced):
+        assert r.bytes_moved == r.rows_moved * 1e6 and r.rows_reloaded == 0
+        assert r.time_ms == pytest.approx(r.busiest_rows * 1e6 / 100e9 * 1e3)
+        assert r.imbalance_before.shape == r.imbalance_after.shape == (3,)
+    (lost,) = sim.simulate_resize(load, old, num_ranks=8, new_num_ranks=7, policies="fill", lost_ranks=[3])
+    held_elsewhere = {(lyr, e) for lyr in range(3) for e in np.delete(old[lyr], np.s_[21:28]).tolist()}
+    only_on_3 = {(lyr, e) for lyr in range(3) for e in old[lyr, 21:28].tolist()} - held_elsewhere
+    assert lost.rows_reloaded == len(only_on_3) > 0
+    assert "fill" in sim.format_resize_table([fill, balanced, lost]) and "8->7" in sim.format_resize_table([fill])
+    with pytest.raises(ValueError, match="old_phy2log must be expert ids"):
+        sim.simulate_resize(load, old[:2], num_ranks=8, new_num_ranks=7)

@@ -10,11 +10,14 @@
 * ``Rearrangement``, ``Mover``, ``ExpertStore``, ``RearrangementError`` --
   layer-by-layer moves that complete or roll back, with one layer's memory
   (``moves``);
+* ``ExpertSource``, ``ResizeStore`` -- moves to a mesh of another EP size
+  (``ControlLoop.resized``; ``elastic``);
 * ``LoadWindow`` -- the per-rank load window on the mesh (``window``);
 * ``checkpoint`` -- the EPLB state as a validated Orbax item.
 """
 
 from moe_eplb_jax.control import checkpoint
+from moe_eplb_jax.control.elastic import ExpertSource, ResizeStore
 from moe_eplb_jax.control.functional import Balancer
 from moe_eplb_jax.control.loop import (
     ControlLoop,
@@ -33,12 +36,14 @@ __all__ = [
     "Balancer",
     "ControlLoop",
     "ExpertLayout",
+    "ExpertSource",
     "ExpertStore",
     "LoadWindow",
     "Mover",
     "PytreeStore",
     "Rearrangement",
     "RearrangementError",
+    "ResizeStore",
     "RouteTables",
     "Run",
     "Schedule",

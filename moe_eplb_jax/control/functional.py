@@ -34,7 +34,10 @@ Moves are atomic (``control.moves``): on failure the inputs are untouched, and
 ``RearrangementError.restored`` holds ``(params, opt_state, balance)`` on the
 old placement. Extra memory: the new copies of the layers moved in one call,
 as long as the caller still holds its inputs (``advance`` keeps that to one
-layer or the byte budget).
+layer or the byte budget). ``resize`` moves everything to a mesh of another
+EP size and returns a balancer for it::
+
+    balancer, params, opt_state, balance, report = balancer.resize(params, opt_state, balance, new_mesh)
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ import jax
 import numpy as np
 
 from moe_eplb_jax.config import EplbConfig
+from moe_eplb_jax.control.elastic import ExpertSource
 from moe_eplb_jax.control.loop import ControlLoop, Schedule
 from moe_eplb_jax.control.moves import Mover, Rearrangement, RearrangementError
 from moe_eplb_jax.control.pytrees import BalanceState, ExpertLayout, PytreeStore, RouteTables
@@ -121,7 +125,7 @@ class Balancer:
         return positions
 
     def _store(self, params, opt_state, placement: Placement, tables) -> PytreeStore:
-        return PytreeStore(params, opt_state, placement, tables, self._positions(params, opt_state))
+        return PytreeStore(params, opt_state, placement, tables, self._positions(params, opt_state), self.mesh)
 
     def _ready(self) -> ControlLoop:
         if self._loop is None:
@@ -222,6 +226,56 @@ class Balancer:
     def _commit(self, balance: BalanceState, move: Rearrangement) -> tuple[BalanceState, dict]:
         loads, report = self._ready().commit(balance.loads, move)
         return dataclasses.replace(balance, loads=loads), report
+
+    # ----------------------------------------------------------------- resize
+    def resize(
+        self, params, opt_state, balance: BalanceState, new_mesh: jax.sharding.Mesh, *,
+        placement: Placement | None = None, num_physical: int | None = None, policy: str | None = None,
+        lost_ranks=(), reload: ExpertSource | None = None,
+    ):  # fmt: skip
+        """Moves everything to ``new_mesh``, an EP group of another size: ``(balancer, params, opt_state, balance,
+        report)``, the balancer the one for ``new_mesh`` (this one stays valid for the inputs).
+
+        As ``EplbController.resize``: the placement for ``G'`` ranks (default:
+        the policy's for the window's load, keeping what each staying device
+        holds), every layer's expert leaves and their optimizer mirrors moved
+        byte for byte, every other leaf on the mesh (replicated) placed on
+        ``new_mesh``, the window carried over, the route tables rebuilt;
+        ``lost_ranks`` never read (experts only they held come from
+        ``reload``, :meth:`expert_source`, else ``ValueError`` naming them).
+        The inputs are never changed: on ``RearrangementError`` its
+        ``restored`` holds them. The train step must route on ``new_mesh``
+        (``moe_apply(mesh=...)``) and compiles once for it.
+        """
+        loop = self._ready()
+        current = balance.tables.placement()
+        store = self._store(params, opt_state, current, balance.tables.host_tables(self.config.routing))
+        options = dict(placement=placement, num_physical=num_physical, policy=policy, lost_ranks=lost_ranks)
+        try:
+            new_loop, loads, new, tables, report = loop.resized(store, balance.loads, current, new_mesh, **options,
+                                                                reload=reload)  # fmt: skip
+            shares = tables.get("replica_shares")
+            routes = RouteTables.build(new, new_mesh, routing=self.config.routing, replica_shares=shares)
+        except RearrangementError as error:
+            raise RearrangementError(str(error), (params, opt_state, balance)) from error.__cause__
+        balancer = Balancer(new_loop.config, new_mesh, self.layout, axis=self.axis)
+        balancer._loop, balancer.num_logical, balancer.num_physical = new_loop, self.num_logical, new.num_physical
+        return balancer, *store.pytrees(), BalanceState(loads, routes), report
+
+    def expert_source(self, params, opt_state, placement: Placement) -> ExpertSource:
+        """Experts to reload in :meth:`resize` from a checkpoint's ``params`` / ``opt_state`` (host arrays or this
+        process's devices, the same structure as the live ones) whose slots follow ``placement``."""
+        if not isinstance(placement, Placement):
+            raise ValueError(f"placement must be a Placement, got {type(placement).__name__}")
+        placement = placement.to_numpy()
+        positions, num_physical = PytreeStore.positions_of(params, opt_state, self.layout, mesh=None, axis=self.axis)
+        if num_physical != placement.num_physical or len(positions) != placement.num_layers:
+            raise ValueError(
+                f"the checkpoint has {len(positions)} layers of P={num_physical} slots, its placement "
+                f"{placement.num_layers} layers of P={placement.num_physical}"
+            )
+        store = PytreeStore(params, opt_state, placement, {}, positions)
+        return ExpertSource(store.read, placement)
 
     def warmup(self, params, opt_state, balance: BalanceState, *, load=None) -> dict[str, Any]:
         """Compiles the mover and the readers a rearrangement uses, moving nothing.

@@ -14,6 +14,10 @@ loads (the NNX layers' load variables, handed to :meth:`ControlLoop.close`; the 
    ``RearrangementError``), all layers at one step boundary or ``config.overlap`` per step;
 5. commit: the window restarts (``mark_rearranged``), the counters reset, the report is logged.
 
+:meth:`ControlLoop.resized` moves the whole model to a mesh of another EP size (``control.elastic``): a new
+placement from the current one and the window, every layer's experts and optimizer moments, the model's
+replicated arrays, the window and the routing tables follow; the result is a loop on the new mesh.
+
 A stateful adapter keeps a :class:`Run` (where the loop stands) and calls :meth:`ControlLoop.close` and
 :meth:`ControlLoop.advance` per step; a pure one calls the phases with its own pytrees.
 """
@@ -34,14 +38,15 @@ from jax.sharding import NamedSharding
 from moe_eplb_jax import metrics
 from moe_eplb_jax._files import check_output_path
 from moe_eplb_jax.config import EplbConfig
-from moe_eplb_jax.control import checkpoint
-from moe_eplb_jax.control.moves import ExpertStore, Mover, Rearrangement
+from moe_eplb_jax.control import checkpoint, elastic
+from moe_eplb_jax.control.moves import ExpertStore, Mover, Rearrangement, RearrangementError, rollback_failed
 from moe_eplb_jax.control.window import LoadWindow, host_value
 from moe_eplb_jax.placement import Placement, check_placement_size
 from moe_eplb_jax.policy import compute_placement
 from moe_eplb_jax.routing import equal_shares, routing_mode, stacked_routing_tables
 from moe_eplb_jax.sim.loadfile import save_load
 from moe_eplb_jax.state import EplbState
+from moe_eplb_jax.transport import replicate_to
 
 __all__ = ["ControlLoop", "Run", "Schedule", "check_slot_leaf", "rehearsal_load", "rehearsal_targets"]
 
@@ -118,12 +123,17 @@ class Run:
 def check_slot_leaf(name: str, value, *, num_physical: int | None, mesh, axis: str) -> int:
     """``ValueError`` unless ``value`` is a ``jax.Array`` ``[P, ...]`` whose slot axis is sharded over ``axis``.
 
-    Returns its ``P`` (which must equal ``num_physical`` when given).
+    Returns its ``P`` (which must equal ``num_physical`` when given). ``mesh=None``: any array ``[P, ...]``
+    (host or device, e.g. a checkpoint's experts to reload from).
     """
-    if not isinstance(value, jax.Array) or value.ndim < 1:
+    host = mesh is None and isinstance(value, np.ndarray)
+    if not (host or isinstance(value, jax.Array)) or np.ndim(value) < 1:
         raise ValueError(f"expert leaf {name} must be a jax.Array with a leading slot axis [P, ...]")
-    if num_physical is not None and value.shape[0] != num_physical:
-        raise ValueError(f"expert leaf {name} has {value.shape[0]} slots, its layers have P={num_physical}")
+    slots = int(np.shape(value)[0])
+    if num_physical is not None and slots != num_physical:
+        raise ValueError(f"expert leaf {name} has {slots} slots, its layers have P={num_physical}")
+    if mesh is None or not isinstance(value, jax.Array):
+        return slots
     spec = value.sharding.spec if isinstance(value.sharding, NamedSharding) else None
     first = spec[0] if spec is not None and len(spec) else None
     names = first if isinstance(first, tuple) else (first,)
@@ -344,6 +354,71 @@ class ControlLoop:
         move = self.move(store, move, at_once=True)
         run.placement, run.tables = move.new, dict(move.new_tables)
         return move.summary(self.num_ranks)
+
+    # ------------------------------------------------------------------ resize
+    def resized(
+        self, store: elastic.ResizeStore, state: EplbState, current: Placement, new_mesh: jax.sharding.Mesh,
+        **options,
+    ) -> tuple[ControlLoop, EplbState, Placement, dict[str, np.ndarray], dict[str, Any]]:  # fmt: skip
+        """Moves the model in ``store`` from this loop's mesh to ``new_mesh`` (``control.elastic``).
+
+        ``options``: ``placement`` (default: ``policy.resize_placement`` of the
+        window's load from ``current``, keeping what each staying device
+        holds), ``num_physical`` (``P'``), ``policy`` (default
+        ``config.policy``; ``"fill"`` keeps every carried slot), ``lost_ranks``
+        (ranks whose devices are gone: nothing is read from them) and
+        ``reload`` (an ``elastic.ExpertSource`` for experts no survivor holds).
+        ``ValueError`` before anything changes; a later failure leaves the
+        store as it was and raises ``RearrangementError``. Returns the loop on
+        ``new_mesh``, the window carried over (each step's logical load kept),
+        the new placement, its routing tables and the report.
+        """
+        start = time.perf_counter()
+        decision = elastic.decide(self.config, self.mesh, new_mesh, self.axis, state, current, **options)
+        sizes = dict(num_layers=self.num_layers, num_logical=self.num_logical, num_physical=decision.new.num_physical)
+        loop = ControlLoop(decision.config, new_mesh, self.axis, **sizes)
+        tables = loop.tables_for(decision.new, decision.load)
+        replicated = store.replicated()
+        try:
+            trees, spent = elastic.move_experts(store, decision, self.mesh, new_mesh, self.axis)
+            replicated = replicate_to(replicated, self.mesh, new_mesh, axis=self.axis, lost_ranks=decision.lost_ranks)
+            new_state = loop.window.put(elastic.carry_window(decision.window, current.phy2log, decision.new))
+        except ValueError:
+            raise
+        except Exception as error:
+            raise RearrangementError(
+                f"EPLB resize failed before any variable changed; the model is on its old mesh "
+                f"({type(error).__name__}: {error})"
+            ) from error
+        saved = store.save()
+        try:
+            store.install(new_mesh, trees, replicated, decision.new, tables)
+        except BaseException as error:
+            try:
+                store.restore(saved)
+            except BaseException as second:
+                raise rollback_failed(second, error) from second
+            raise RearrangementError(
+                f"EPLB resize failed while installing and was rolled back; the model is on its old mesh "
+                f"({type(error).__name__}: {error})"
+            ) from error
+        report = elastic.summary(decision, self.num_ranks, loop.num_ranks, spent, time.perf_counter() - start)
+        _log.info(
+            "EPLB resize %d -> %d ranks: balancedness %.4f -> %.4f, %d slots kept, %d rows moved, %d reloaded",
+            self.num_ranks, loop.num_ranks, report["balancedness_before"], report["balancedness_after"],
+            report["slots_kept"], report["rows_moved"], report["rows_reloaded"],
+        )  # fmt: skip
+        return loop, new_state, decision.new, tables, report
+
+    def resize(self, run: Run, store: elastic.ResizeStore, new_mesh: jax.sharding.Mesh, **options):
+        """:meth:`resized` for a stateful adapter: ``run`` follows; returns ``(loop on new_mesh, report)``."""
+        if run.moving is not None:
+            raise ValueError("a rearrangement is in progress: call rearrange() to finish it before a resize")
+        loop, run.state, run.placement, run.tables, report = self.resized(
+            store, run.state, run.placement, new_mesh, **options
+        )
+        run.schedule.config = loop.config
+        return loop, report
 
     # ------------------------------------------------------------------ warmup
     def warmup(

@@ -40,7 +40,7 @@ from moe_eplb_jax import metrics
 from moe_eplb_jax.placement import Placement, check_placement_size
 from moe_eplb_jax.transport import TransportPlan, execute_plan, plan_rearrangement, row_bytes
 
-__all__ = ["ExpertStore", "Mover", "Rearrangement", "RearrangementError"]
+__all__ = ["ExpertStore", "Mover", "Rearrangement", "RearrangementError", "rollback_failed"]
 
 
 class RearrangementError(RuntimeError):
@@ -279,7 +279,7 @@ class Mover:
         try:
             store.write(layer, tree)
         except BaseException as error:
-            raise _rollback_failed(error, cause) from error
+            raise rollback_failed(error, cause) from error
 
     def roll_back(self, store: ExpertStore, rearrangement: Rearrangement, layers: Sequence[int], cause=None) -> None:
         """Moves ``layers`` back from ``new`` to ``old`` and hands every one its old tables again."""
@@ -291,7 +291,7 @@ class Mover:
             for layer in layers:
                 store.switch(layer, rearrangement.old, rearrangement.old_tables)
         except BaseException as error:
-            raise _rollback_failed(error, cause) from error
+            raise rollback_failed(error, cause) from error
 
     def rehearse(self, store: ExpertStore, current: Placement, targets: Sequence[Placement]) -> dict[str, Any]:
         """Compiles the executors moves from ``current`` to ``targets`` need, moving nothing (``warmup``).
@@ -316,7 +316,8 @@ class Mover:
         return {"send_capacity": self.send_capacity, "moves": len(moves)}
 
 
-def _rollback_failed(error: BaseException, cause) -> RuntimeError:
+def rollback_failed(error: BaseException, cause) -> RuntimeError:
+    """The error raised when undoing a failed move fails too (the model needs its checkpoint)."""
     return RuntimeError(
         f"EPLB: rolling back a failed rearrangement failed too ({type(error).__name__}: {error}); the "
         f"model's experts are inconsistent with its tables -- restore it from a checkpoint. The first "

@@ -13,6 +13,7 @@ import re
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
 
 from moe_eplb_jax.control.loop import check_slot_leaf
 from moe_eplb_jax.control.window import host_value
@@ -166,13 +167,15 @@ class BalanceState:
 class PytreeStore:
     """An ``ExpertStore`` over flattened params / optimizer state and host route tables (switched row by row)."""
 
-    def __init__(self, params, opt_state, placement: Placement, routing_tables, positions):
+    def __init__(self, params, opt_state, placement: Placement, routing_tables, positions, mesh=None):
         self.params, self.params_def = jax.tree.flatten(params)
         self.opt, self.opt_def = jax.tree.flatten(opt_state)
         self.positions = positions  # per layer: (params positions, opt positions)
         p = placement.to_numpy()
         self.tables = [p.phy2log.copy(), p.log2phy.copy(), p.logcnt.copy()]
         self.routing_tables = {name: np.array(table) for name, table in routing_tables.items()}
+        self.mesh = mesh  # where the pytrees live (a resize moves them whole)
+        self._replicated: list[tuple[str, int]] = []
 
     @staticmethod
     def positions_of(params, opt_state, layout: ExpertLayout, *, mesh, axis: str) -> tuple[list, int]:
@@ -204,11 +207,11 @@ class PytreeStore:
 
     def read(self, layer):
         params, opt = self.positions[layer]
-        return {"params": [self.params[i] for i in params], "opt": [self.opt[i] for i in opt]}
+        return {"experts": [self.params[i] for i in params], "opt": [self.opt[i] for i in opt]}
 
     def write(self, layer, tree):
         params, opt = self.positions[layer]
-        for i, value in zip(params, tree["params"]):
+        for i, value in zip(params, tree["experts"]):
             self.params[i] = value
         for i, value in zip(opt, tree["opt"]):
             self.opt[i] = value
@@ -221,6 +224,46 @@ class PytreeStore:
 
     def placement(self) -> Placement:
         return Placement(*self.tables)
+
+    # ------------------------------------------------------------ resize
+    def replicated(self) -> list[jax.Array]:
+        """Every params / optimizer leaf on the mesh but the expert leaves and their mirrors (all replicated);
+        ``ValueError`` naming a non-expert leaf sharded over the mesh (it cannot follow a resize)."""
+        experts = {("params", i) for ps, _ in self.positions for i in ps}
+        experts |= {("opt", i) for _, os in self.positions for i in os}
+        assert self.mesh is not None, "a store for a resize knows its mesh"
+        self._replicated, arrays = [], []
+        for kind, leaves in (("params", self.params), ("opt", self.opt)):
+            for i, leaf in enumerate(leaves):
+                sharding = getattr(leaf, "sharding", None)
+                if (kind, i) in experts or not isinstance(sharding, NamedSharding):
+                    continue
+                if sharding.mesh != self.mesh:
+                    continue
+                if not sharding.is_fully_replicated:
+                    raise ValueError(
+                        f"{kind} leaf {i} (shape {leaf.shape}) is sharded over the mesh ({sharding.spec}) and is no "
+                        "expert leaf: it cannot follow a resize"
+                    )
+                self._replicated.append((kind, i))
+                arrays.append(leaf)
+        return arrays
+
+    def save(self):
+        return list(self.params), list(self.opt), [t.copy() for t in self.tables], dict(self.routing_tables), self.mesh
+
+    def install(self, mesh, trees, replicated, placement: Placement, tables) -> None:
+        for layer, tree in enumerate(trees):
+            self.write(layer, tree)
+        for (kind, i), value in zip(self._replicated, replicated):
+            (self.params if kind == "params" else self.opt)[i] = value
+        p = placement.to_numpy()
+        self.tables = [p.phy2log.copy(), p.log2phy.copy(), p.logcnt.copy()]
+        self.routing_tables = {name: np.array(table) for name, table in tables.items()}
+        self.mesh = mesh
+
+    def restore(self, saved) -> None:
+        self.params, self.opt, self.tables, self.routing_tables, self.mesh = saved
 
     def pytrees(self):
         return jax.tree.unflatten(self.params_def, self.params), jax.tree.unflatten(self.opt_def, self.opt)

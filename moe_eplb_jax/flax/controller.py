@@ -17,7 +17,8 @@ one step boundary or ``overlap`` per step; nothing recompiles when tables change
 (``eplb_set_routing`` at construction). ``checkpoint_item()`` /
 ``restore_item(item)`` are the EPLB state as an Orbax item
 (``moe_eplb_jax.control.checkpoint``); ``dump_loads(path)`` writes the window
-as a load file for ``moe-eplb fit``.
+as a load file for ``moe-eplb fit``. ``resize(new_mesh)`` moves the whole
+model to a mesh of another EP size (scale out, scale in, a lost rank).
 
 Everything is validated when the controller is built and before any byte
 moves: a model with no MoE layer, expert variables without a ``[P]`` slot axis
@@ -37,7 +38,7 @@ import numpy as np
 from flax import nnx
 
 from moe_eplb_jax.config import EplbConfig
-from moe_eplb_jax.control import ControlLoop
+from moe_eplb_jax.control import ControlLoop, ExpertSource
 from moe_eplb_jax.flax.store import ModuleStore
 from moe_eplb_jax.placement import Placement, check_layer_ids
 from moe_eplb_jax.policy.online import home_layout
@@ -246,6 +247,55 @@ class EplbController:
         (``slots_moved``, ``bytes_moved``, ``move_seconds``, ...).
         """
         return self._loop.apply(self._run, self._store, placement)
+
+    def resize(
+        self, new_mesh: jax.sharding.Mesh, *, placement: Placement | None = None, num_physical: int | None = None,
+        policy: str | None = None, lost_ranks=(), reload: ExpertSource | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """Moves the model to ``new_mesh``, an EP group of another size: scale out, scale in, or go on without
+        lost ranks. Call it on every process, at a step boundary.
+
+        The placement for ``G'`` ranks is ``placement`` or, by default, the
+        policy's (``policy``, default ``config.policy``; ``"fill"`` keeps every
+        slot a staying device holds and fills only the rest) for the window's
+        load from the current placement, with ``num_physical`` slots (default:
+        the fewest that divide into ``G'`` and hold every slot now). Then every
+        layer's experts and optimizer moments move there byte for byte, the
+        rest of the model and optimizer (replicated) is placed on ``new_mesh``,
+        every layer gets its mesh and tables (``eplb_resize``), the load
+        window keeps each step's logical load, and ``config`` becomes
+        ``num_gpus = G'``, ``num_redundant_experts = P' - E``. ``lost_ranks``
+        (ranks of the current mesh whose devices are gone) are never read: their
+        experts come from surviving replicas, or from ``reload``
+        (:meth:`expert_source` of a checkpoint), else a ``ValueError`` names
+        them. Every check runs before anything changes; a failure later leaves
+        the model exactly as it was (``RearrangementError``). The layers'
+        loads since the last ``step()`` are dropped. The model's next call
+        compiles once for the new mesh. Returns the report (``slots_kept``,
+        ``rows_moved``, ``rows_reloaded``, ``bytes_moved``, balancedness).
+        """
+        options = dict(placement=placement, num_physical=num_physical, policy=policy, lost_ranks=lost_ranks)
+        loop, report = self._loop.resize(self._run, self._store, new_mesh, reload=reload, **options)
+        self._loop, self.mesh, self.config = loop, new_mesh, loop.config
+        self.num_ranks, self.num_physical = loop.num_ranks, loop.num_physical
+        self._zero_loads = self._store.zero_loads(new_mesh)
+        self.last_report = report
+        return report
+
+    @staticmethod
+    def expert_source(model, placement: Placement, *, optimizer=None) -> ExpertSource:
+        """Experts to reload in :meth:`resize` from ``model`` (and ``optimizer``): a model of the same architecture
+        holding a checkpoint (host arrays or this process's devices) whose slots follow ``placement``."""
+        if not isinstance(placement, Placement):
+            raise ValueError(f"placement must be a Placement, got {type(placement).__name__}")
+        store = ModuleStore.of(model, None, "ep", optimizer)
+        sizes = (len(store.layers), store.num_logical, store.num_physical)
+        if sizes != (placement.num_layers, placement.num_logical, placement.num_physical):
+            raise ValueError(
+                f"the checkpoint model has (L, E, P) = {sizes}, its placement "
+                f"{(placement.num_layers, placement.num_logical, placement.num_physical)}"
+            )
+        return ExpertSource(store.read, placement.to_numpy())
 
     def warmup(self, load=None) -> dict[str, Any]:
         """Compiles what a rearrangement runs -- the mover, the window readers, the tables' switch -- moving nothing.

@@ -293,11 +293,42 @@ class MoELayer(nnx.Module):
         expert's replicas (``moe_eplb_jax.routing.routing_tables``); ``None``:
         equal shares. Kept whatever the mode, read by ``"lp"``.
         """
-        for var, value in ((self.phy2log, phy2log), (self.log2phy, log2phy), (self.logcnt, logcnt)):
-            if tuple(np.shape(value)) != tuple(var.get_value().shape):
-                raise ValueError(
-                    f"placement table must have shape {tuple(var.get_value().shape)}, got {np.shape(value)}"
-                )
+        tables = self._checked_tables(self.num_physical, phy2log, log2phy, logcnt, replica_shares)
+        self._set_tables(self.mesh, *tables)
+
+    def eplb_resize(self, mesh: jax.sharding.Mesh, phy2log, log2phy, logcnt, *, replica_shares=None) -> None:
+        """Moves the layer to ``mesh`` with ``P' = len(phy2log)`` slots: its EP size, tables and (zero) load.
+
+        The controller calls it during a resize, once the expert variables hold
+        their ``[P', ...]`` arrays on ``mesh`` (and the router and shared expert
+        their replicated ones); checked before anything changes.
+        """
+        if self.axis not in mesh.shape:
+            raise ValueError(f"mesh has no axis {self.axis!r}; its axes are {tuple(mesh.shape)}")
+        num_physical, num_ranks = int(np.shape(phy2log)[0]), int(mesh.shape[self.axis])
+        if num_physical < self.num_experts or num_physical % num_ranks:
+            raise ValueError(
+                f"{num_physical} slots must be >= num_experts={self.num_experts} and divisible by the EP size {num_ranks}"
+            )
+        self.dispatch.token_axes(mesh, self.axis)
+        tables = self._checked_tables(num_physical, phy2log, log2phy, logcnt, replica_shares)
+        load = self.expert_load.get_value()
+        rows, spec = ((num_physical,), PS()) if load.ndim == 1 else ((num_ranks, num_physical), PS(self.axis))
+        zeros = put_host(np.zeros(rows, np.int32), mesh, spec)
+        self.mesh, self.num_physical = mesh, num_physical
+        self._set_tables(mesh, *tables)
+        self.expert_load.set_value(zeros)
+
+    def _checked_tables(self, num_physical: int, phy2log, log2phy, logcnt, replica_shares):
+        """The tables as host arrays with this layer's lookup, for ``num_physical`` slots (``ValueError`` first)."""
+        width = num_physical - self.num_experts + 1
+        for name, value, shape in (
+            ("phy2log", phy2log, (num_physical,)),
+            ("log2phy", log2phy, (self.num_experts, width)),
+            ("logcnt", logcnt, (self.num_experts,)),
+        ):
+            if tuple(np.shape(value)) != shape:
+                raise ValueError(f"placement table must have shape {shape} ({name}), got {np.shape(value)}")
         log2phy, logcnt = np.asarray(log2phy, np.int32), np.asarray(logcnt, np.int32)
         if replica_shares is None:
             shares = equal_shares(logcnt, log2phy.shape[1])
@@ -310,12 +341,18 @@ class MoELayer(nnx.Module):
             if not np.all(np.isfinite(shares)) or np.any(shares < 0):
                 raise ValueError("replica_shares must be finite and non-negative")
             shares = shares.astype(np.float32)
-        route_lookup = self._lookup(self.routing, log2phy, logcnt, shares)  # before any table changes
-        self.phy2log.set_value(put_host(np.asarray(phy2log, np.int32), self.mesh, PS()))
-        self.log2phy.set_value(put_host(log2phy, self.mesh, PS()))
-        self.logcnt.set_value(put_host(logcnt, self.mesh, PS()))
-        self.replica_shares.set_value(put_host(shares, self.mesh, PS()))
-        self.route_lookup.set_value(route_lookup)
+        lookup = mode_lookup(self.routing, log2phy, logcnt, replica_shares=shares, num_physical=num_physical)
+        return np.asarray(phy2log, np.int32), log2phy, logcnt, shares, lookup
+
+    def _set_tables(self, mesh, phy2log, log2phy, logcnt, shares, lookup) -> None:
+        for var, value in (
+            (self.phy2log, phy2log),
+            (self.log2phy, log2phy),
+            (self.logcnt, logcnt),
+            (self.replica_shares, shares),
+            (self.route_lookup, lookup),
+        ):
+            var.set_value(put_host(value, mesh, PS()))
 
     def eplb_set_routing(self, routing: str) -> None:
         """Switches the replica routing mode (a name of ``moe_eplb_jax.routing.ROUTING_MODES``).

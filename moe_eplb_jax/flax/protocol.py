@@ -35,6 +35,13 @@ that differs and has no ``eplb_set_routing`` is refused with ``ValueError``,
 as is, for ``"lp"``, an ``eplb_set_placement`` without a ``replica_shares``
 keyword.
 
+Elastic EP (``EplbController.resize``, optional): ``eplb_resize(mesh, phy2log, log2phy, logcnt,
+**routing_tables) -> None`` moves the layer to ``mesh`` with ``P' = len(phy2log)`` slots -- its tables, its
+load variable (zeros of the new shape) and whatever the layer keeps of the EP size. The controller calls it once
+the expert variables hold their ``[P', ...]`` arrays on ``mesh`` and every other array of the model its
+replicated one; it may raise (before changing anything), and the controller then puts every variable and
+attribute back. A layer without it cannot be resized (``ValueError`` before anything changes).
+
 ``moe_eplb_jax.flax.MoELayer`` is the reference implementation.
 """
 

@@ -3,7 +3,9 @@
 :meth:`ModuleStore.of` finds the layers (``find_moe_layers``) and checks them before anything changes: expert
 variables holding ``[P, ...]`` arrays sharded over the EP axis, one ``(E, P)`` for every layer, ``P`` divisible
 by the EP size, a load variable of ``[P]`` or ``[G, P]``; with an optimizer, its per-expert state (the variables
-whose path ends with an expert variable's path) moves with the parameters.
+whose path ends with an expert variable's path) moves with the parameters. For a resize the store also places
+the model's (and optimizer's) replicated arrays on the new mesh, hands each layer its new mesh and tables
+(``eplb_resize``) and can put the whole graph back (``flax.graph_state``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as PS
 
 from moe_eplb_jax.control import check_slot_leaf
+from moe_eplb_jax.flax import graph_state
 from moe_eplb_jax.flax.discovery import MoELayerRef, find_moe_layers, variable_paths
 from moe_eplb_jax.placement import Placement
 from moe_eplb_jax.routing import routing_mode
@@ -29,19 +32,29 @@ __all__ = ["ModuleStore"]
 class ModuleStore:
     """The layers' expert variables (``read`` / ``write`` a layer's pytree) and their tables (``switch``)."""
 
-    def __init__(self, layers: list[MoELayerRef], opt_vars: list[list[nnx.Variable]], num_logical, num_physical):
+    def __init__(
+        self, layers: list[MoELayerRef], opt_vars: list[list[nnx.Variable]], num_logical, num_physical, *,
+        roots=(), mesh: jax.sharding.Mesh | None = None,
+    ):  # fmt: skip
         self.layers, self.opt_vars = layers, opt_vars
         self.num_logical, self.num_physical = int(num_logical), int(num_physical)
+        self.roots, self.mesh = tuple(roots), mesh  # the model (and optimizer) a resize moves whole
+        self._targets: list[graph_state.ReplicatedTarget] = []
 
     @classmethod
-    def of(cls, model, mesh: jax.sharding.Mesh, axis: str, optimizer=None) -> ModuleStore:
-        """The store of every MoE layer of ``model`` (and ``optimizer``'s state); ``ValueError`` naming the layer."""
+    def of(cls, model, mesh: jax.sharding.Mesh | None, axis: str, optimizer=None) -> ModuleStore:
+        """The store of every MoE layer of ``model`` (and ``optimizer``'s state); ``ValueError`` naming the layer.
+
+        ``mesh=None``: the expert variables' shardings are not checked (a
+        checkpoint's experts to reload from, on any devices or the host).
+        """
         layers = find_moe_layers(model)
         num_logical, num_physical = _check_layers(layers, mesh, axis)
         opt_vars = [[] for _ in layers]
         if optimizer is not None:
             opt_vars = _optimizer_variables(model, optimizer, layers, num_physical)
-        return cls(layers, opt_vars, num_logical, num_physical)
+        roots = (model,) if optimizer is None else (model, optimizer)
+        return cls(layers, opt_vars, num_logical, num_physical, roots=roots, mesh=mesh)
 
     def read(self, layer: int):
         variables = self.layers[layer].module.eplb_expert_variables()
@@ -61,6 +74,42 @@ class ModuleStore:
         module = self.layers[layer].module
         module.eplb_set_placement(placement.phy2log[layer], placement.log2phy[layer], placement.logcnt[layer], **rows)
 
+    # ------------------------------------------------------------ resize
+    def replicated(self) -> list[jax.Array]:
+        """Every array of the model and optimizer on the mesh but the expert state and loads (all replicated);
+        ``ValueError`` first for a layer without ``eplb_resize`` or a non-expert variable sharded over the mesh."""
+        for ref in self.layers:
+            if not callable(getattr(ref.module, "eplb_resize", None)):
+                raise ValueError(
+                    f"MoE layer {ref.name} has no eplb_resize(mesh, phy2log, log2phy, logcnt): it cannot resize"
+                )
+        assert self.mesh is not None
+        skip = {id(var) for layer in self.opt_vars for var in layer} | {id(v) for v in self.load_variables()}
+        skip |= {id(var) for ref in self.layers for var in ref.module.eplb_expert_variables().values()}
+        self._targets, arrays = graph_state.replicated_arrays(self.roots, self.mesh, skip)
+        return arrays
+
+    def save(self) -> graph_state.Snapshot:
+        return graph_state.snapshot(self.roots)
+
+    def install(self, mesh: jax.sharding.Mesh, trees, replicated, placement: Placement, tables) -> None:
+        """Writes the moved experts and replicated arrays, hands each layer ``mesh`` and its tables
+        (``eplb_resize``) and points every module's ``mesh`` at ``mesh``."""
+        for layer, tree in enumerate(trees):
+            self.write(layer, tree)
+        graph_state.place_arrays(self._targets, replicated)
+        for layer, ref in enumerate(self.layers):
+            rows = {name: table[layer] for name, table in tables.items()}
+            p = placement
+            ref.module.eplb_resize(mesh, p.phy2log[layer], p.log2phy[layer], p.logcnt[layer], **rows)
+        assert self.mesh is not None
+        graph_state.repoint_meshes(self.roots, self.mesh, mesh)
+        self.mesh, self.num_physical = mesh, placement.num_physical
+
+    def restore(self, saved: graph_state.Snapshot) -> None:
+        graph_state.restore(saved)
+
+    # ------------------------------------------------------------- loads
     def load_variables(self) -> list[nnx.Variable]:
         """Every layer's load variable, in layer order."""
         return [ref.module.eplb_load_variable() for ref in self.layers]
@@ -123,8 +172,8 @@ class ModuleStore:
 
 
 def _check_layers(layers: list[MoELayerRef], mesh, axis: str) -> tuple[int, int]:
-    """``(E, P)`` of the layers, every expert variable and load variable checked."""
-    num_ranks, sizes = int(mesh.shape[axis]), set()
+    """``(E, P)`` of the layers, every expert variable and load variable checked (shardings: where ``mesh``)."""
+    num_ranks, sizes = (int(mesh.shape[axis]) if mesh is not None else None), set()
     for ref in layers:
         num_logical = int(ref.module.eplb_num_logical_experts())
         variables = dict(ref.module.eplb_expert_variables())
@@ -142,6 +191,9 @@ def _check_layers(layers: list[MoELayerRef], mesh, axis: str) -> tuple[int, int]
         num_physical = leading.pop()
         if num_physical < num_logical:
             raise ValueError(f"{ref.name}: {num_physical} slots for {num_logical} logical experts")
+        sizes.add((num_logical, num_physical))
+        if num_ranks is None:
+            continue
         if num_physical % num_ranks:
             raise ValueError(f"{ref.name}: P={num_physical} slots are not divisible by EP size {num_ranks}")
         load = ref.module.eplb_load_variable().get_value()
@@ -150,7 +202,6 @@ def _check_layers(layers: list[MoELayerRef], mesh, axis: str) -> tuple[int, int]
                 f"{ref.name}: load variable must have shape [P]=({num_physical},) or "
                 f"[G, P]=({num_ranks}, {num_physical}), got {load.shape}"
             )
-        sizes.add((num_logical, num_physical))
     if len(sizes) != 1:
         raise ValueError(f"MoE layers disagree on (E, P): {sorted(sizes)}")
     return sizes.pop()

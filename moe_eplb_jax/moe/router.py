@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from moe_eplb_jax.moe._gmm.reference import row_invariant_dot
 from moe_eplb_jax.moe.config import RouterConfig
 
 __all__ = ["route"]
@@ -32,7 +33,8 @@ def route(x, router_w, config: RouterConfig, *, bias=None):
     """
     top_k, num_groups, topk_groups, scoring = config.top_k, config.num_groups, config.topk_groups, config.scoring
     num_experts = router_w.shape[1]
-    logits = jnp.dot(x.astype(jnp.float32), router_w.astype(jnp.float32))
+    # Row-invariant: a token's logits do not depend on how many tokens its rank holds (the EP size).
+    logits = row_invariant_dot(x.astype(jnp.float32), router_w.astype(jnp.float32))
     bias = None if bias is None else bias.astype(jnp.float32)[None, :]
     if scoring == "softmax":
         scores = jax.nn.softmax(logits if bias is None else logits + bias, axis=-1)

@@ -151,7 +151,8 @@ def preserve_slots(
     node are permuted, then slots within each GPU are reordered; the multiset
     of experts on every GPU of every node is unchanged, so are all loads.
     ``old_phy2log`` may come from any policy (ids must be in ``[0, E)``, where
-    ``E`` bounds the ids of ``phy2log``).
+    ``E`` bounds the ids of ``phy2log``, or ``-1`` for a slot that holds
+    nothing: a placement carried to another EP size keeps nothing there).
     """
     num_gpus = check_int("num_gpus", num_gpus, minimum=1)
     num_nodes = check_int("num_nodes", num_nodes, minimum=1)
@@ -160,8 +161,9 @@ def preserve_slots(
         if table.shape != phy2log.shape or phy2log.ndim != 2:
             raise ValueError(f"phy2log and {name} must both have shape [L, P], got {phy2log.shape} and {table.shape}")
     for name, table in (("phy2log", phy2log), ("phyrank", phyrank), ("old_phy2log", old_phy2log)):
-        if table.dtype.kind not in "iu" or (table.size and table.min() < 0):
-            raise ValueError(f"{name} must hold non-negative integers")
+        lowest = -1 if name == "old_phy2log" else 0
+        if table.dtype.kind not in "iu" or (table.size and table.min() < lowest):
+            raise ValueError(f"{name} must hold non-negative integers" + (" (or -1: an empty slot)" if lowest else ""))
         if table.size and table.max() > np.iinfo(np.int32).max:
             raise ValueError(f"{name} holds {table.max()}, beyond the int32 range of expert ids and replica ranks")
     num_layers, num_physical = phy2log.shape
@@ -171,7 +173,10 @@ def preserve_slots(
             "slots must divide over GPUs and GPUs over nodes"
         )
     phy2log, phyrank, old_phy2log = (t.astype(np.int64) for t in (phy2log, phyrank, old_phy2log))
-    num_logical = int(max(phy2log.max(), old_phy2log.max())) + 1
+    # An empty old slot (-1) becomes an id no new slot holds: it matches nothing, so its slot is free.
+    empty = int(max(phy2log.max(), old_phy2log.max())) + 1
+    old_phy2log = np.where(old_phy2log < 0, empty, old_phy2log)
+    num_logical = empty + 1
     gpus_per_node = num_gpus // num_nodes
     slots_per_gpu = num_physical // num_gpus
     tables = [phy2log, phyrank]

@@ -29,15 +29,19 @@ __all__ = ["old_based_layout"]
 
 
 def _old_group_nodes(old: np.ndarray, num_experts: int, num_groups: int, num_nodes: int):
-    """``(group_node [L, groups], usable [L])``: each group's node in ``old``, and whether that is a partition."""
+    """``(group_node [L, groups], usable [L])``: each group's node in ``old``, and whether that is a partition.
+
+    Empty slots (``-1``) belong to no group.
+    """
     num_layers, num_physical = old.shape
     group_size = num_experts // num_groups
     node_of_slot = np.broadcast_to(np.arange(num_physical) // (num_physical // num_nodes), old.shape)
-    group_of_slot = old // group_size
+    group_of_slot = np.where(old >= 0, old // group_size, num_groups)  # empty slots: a column dropped below
     rows = np.arange(num_layers)[:, None]
-    group_node = np.full((num_layers, num_groups), -1, dtype=np.int64)
+    group_node = np.full((num_layers, num_groups + 1), -1, dtype=np.int64)
     group_node[rows, group_of_slot] = node_of_slot  # any slot of the group; consistency checked next
-    consistent = (group_node[rows, group_of_slot] == node_of_slot).all(axis=1)
+    consistent = ((group_node[rows, group_of_slot] == node_of_slot) | (old < 0)).all(axis=1)
+    group_node = group_node[:, :num_groups]
     present = (group_node >= 0).all(axis=1)
     cell = rows * num_nodes + np.maximum(group_node, 0)
     groups_on_node = np.bincount(cell.ravel(), minlength=num_layers * num_nodes).reshape(num_layers, num_nodes)
@@ -59,7 +63,8 @@ def old_based_layout(
 ):
     """The old-placement-based candidate (see the module docstring).
 
-    ``weight [L, E]`` float64 and ``old [L, P]`` int64 are validated;
+    ``weight [L, E]`` float64 and ``old [L, P]`` int64 are validated
+    (``-1`` in ``old``: an empty slot, always given to a newcomer);
     ``target [L]`` is the busiest-GPU load to reach per layer; ``refine`` is
     the swap search (``refine_packing``). Returns ``(phy2log, phyrank, logcnt,
     usable [L])``; layers where ``usable`` is False must not be used.
@@ -78,11 +83,13 @@ def old_based_layout(
     _, _, count = _packing.replicate(local_weight, slots_per_node)
     logcnt = _packing.gather_rows(count.reshape(num_layers, num_experts), expert_to_local)
 
-    # 2. Keep old slots while their expert has replicas left; freed slots go to experts that gained.
-    keep = _occurrence(old) < _packing.gather_rows(logcnt, old)
+    # 2. Keep old slots while their expert has replicas left; freed (and empty) slots go to experts that gained.
+    held = old >= 0
+    known = np.where(held, old, num_experts)  # empty slots as an id past every expert: counted apart
+    keep = held & (_occurrence(known) < _packing.gather_rows(np.pad(logcnt, ((0, 0), (0, 1))), known))
     old_count = np.bincount(
-        (old + np.arange(num_layers)[:, None] * num_experts).ravel(), minlength=num_layers * num_experts
-    ).reshape(num_layers, num_experts)
+        (known + np.arange(num_layers)[:, None] * (num_experts + 1)).ravel(), minlength=num_layers * (num_experts + 1)
+    ).reshape(num_layers, num_experts + 1)[:, :num_experts]
     gained = np.maximum(logcnt - old_count, 0)
     # Both lists run layer by layer and node by node (local order is node-major), so each freed slot
     # is paired with an expert of its own node (per node the two counts agree when usable).

@@ -73,7 +73,12 @@ def check_weight(weight, *, name: str = "weight") -> np.ndarray:
 
 
 def check_old_phy2log(old_phy2log, num_layers: int, num_replicas: int, num_experts: int) -> np.ndarray | None:
-    """``old_phy2log`` as int64 ``[L, P]`` with ids in ``[0, E)`` (``None`` passes through)."""
+    """``old_phy2log`` as int64 ``[L, P]`` with ids in ``[0, E)`` or ``-1`` (``None`` passes through).
+
+    ``-1`` marks a slot that holds no expert: the old placement carried to
+    another EP size (:func:`moe_eplb_jax.policy.carry_phy2log`), where a
+    device is new or has more slots than before.
+    """
     if old_phy2log is None:
         return None
     old = np.asarray(old_phy2log)
@@ -81,7 +86,7 @@ def check_old_phy2log(old_phy2log, num_layers: int, num_replicas: int, num_exper
         raise ValueError(f"old_phy2log must have shape [L, P] = {(num_layers, num_replicas)}, got {old.shape}")
     if old.dtype.kind not in "iu":
         raise ValueError(f"old_phy2log must hold integer expert ids, got dtype {old.dtype}")
-    check_expert_ids(old, num_experts, name="old_phy2log")
+    check_expert_ids(np.where(old == -1, 0, old), num_experts, name="old_phy2log")
     return old.astype(np.int64)
 
 

@@ -3,7 +3,9 @@
 * generators: :func:`zipf_counts`, :func:`zipf_topk`, :func:`zipf_popularity`,
   :func:`lognormal_load`, :func:`drifting_load`;
 * recorded loads: :func:`read_load` / :func:`save_load` (format ``moe_eplb_jax.load``);
-* :func:`simulate` -> :class:`PolicyReport` list, :func:`format_table`, :func:`plot_reports`.
+* :func:`simulate` -> :class:`PolicyReport` list, :func:`format_table`, :func:`plot_reports`;
+* a scale event (``G`` to ``G'`` ranks): :func:`simulate_resize` -> :class:`ResizeReport` list,
+  :func:`format_resize_table`.
 """
 
 from moe_eplb_jax.sim.generators import (
@@ -24,14 +26,17 @@ from moe_eplb_jax.sim.report import (
     resolve_policy,
     simulate,
 )
+from moe_eplb_jax.sim.resize import ResizeReport, format_resize_table, simulate_resize
 
 __all__ = [
     "LOAD_FORMAT",
     "LOAD_VERSION",
     "LoadTrace",
     "PolicyReport",
+    "ResizeReport",
     "check_policy_names",
     "drifting_load",
+    "format_resize_table",
     "format_table",
     "home_rank_imbalance",
     "lognormal_load",
@@ -41,6 +46,7 @@ __all__ = [
     "resolve_policy",
     "save_load",
     "simulate",
+    "simulate_resize",
     "zipf_counts",
     "zipf_popularity",
     "zipf_topk",

@@ -12,7 +12,11 @@ packed row of unsigned integers per slot. The lower-level pieces:
   ``plan_layer_by_layer`` -> one same-shaped plan per changed layer, to
   interleave the move with forward steps;
 * ``packing`` -- unsigned-integer views of any dtype (fp4 in pairs) and row packing;
-* ``mesh`` -- an EP mesh, the slot sharding, placing host arrays on it.
+* ``mesh`` -- an EP mesh, the slot sharding, placing host arrays on it;
+* ``resize_experts`` -- the same contract from a mesh of ``G`` devices to one
+  of ``G'`` (``plan_resize`` -> ``ResizePlan``, ``execute_resize``; lost ranks'
+  experts from surviving replicas, or from the host through ``reload_from``);
+  ``replicate_to`` places the replicated rest of a model on the new mesh.
 """
 
 from moe_eplb_jax.transport.mesh import axis_size, ep_mesh, put_host, shard_slots, slot_sharding
@@ -32,6 +36,16 @@ from moe_eplb_jax.transport.plan import (
     plan_rearrangement,
     validate_placements,
 )
+from moe_eplb_jax.transport.replicate import replicate_to
+from moe_eplb_jax.transport.resize import (
+    execute_resize,
+    new_rank_of_old,
+    plan_for_meshes,
+    reload_from,
+    resize_experts,
+    union_mesh,
+)
+from moe_eplb_jax.transport.resize_plan import ResizePlan, missing_experts, plan_resize
 from moe_eplb_jax.transport.transport import (
     PreparedMove,
     execute_plan,
@@ -44,25 +58,35 @@ from moe_eplb_jax.transport.transport import (
 __all__ = [
     "LeafLayout",
     "PreparedMove",
+    "ResizePlan",
     "TransportPlan",
     "axis_size",
     "bucket_capacity",
     "ep_mesh",
     "execute_plan",
+    "execute_resize",
     "executor_trace_count",
     "from_byte_rows",
     "leaf_layout",
+    "missing_experts",
+    "new_rank_of_old",
     "pack_rows",
     "pack_rows_numpy",
     "plan_layer_by_layer",
+    "plan_for_meshes",
     "plan_rearrangement",
+    "plan_resize",
     "prepare_move",
     "put_host",
     "rearrange_experts",
+    "reload_from",
+    "replicate_to",
+    "resize_experts",
     "row_bytes",
     "shard_slots",
     "slot_sharding",
     "to_byte_rows",
+    "union_mesh",
     "unpack_rows",
     "validate_placements",
 ]

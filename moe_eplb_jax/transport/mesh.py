@@ -58,7 +58,8 @@ def put_host(value, mesh: Mesh, spec: PartitionSpec = PartitionSpec()) -> jax.Ar
     float8_e5m2 NaN payloads arrive unchanged). Works with several processes.
     """
     value = np.asarray(value)
-    return jax.make_array_from_callback(value.shape, NamedSharding(mesh, spec), lambda index: value[index])
+    sharding = NamedSharding(mesh, spec)  # dtype given: a process with no device in ``mesh`` makes no shard
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index], dtype=value.dtype)
 
 
 def shard_slots(tree, mesh: Mesh, *, axis: str = "ep", layered: bool = False):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["dense", "ragged_dot", "select_own_slot", "slot_of_row", "transposed_dense"]
+__all__ = ["dense", "ragged_dot", "row_invariant_dot", "select_own_slot", "slot_of_row", "transposed_dense"]
 
 _ROW_TILE = 64
 
@@ -33,15 +33,29 @@ def select_own_slot(every, group_sizes):
     return jnp.where((slot < num_slots)[:, None], mine, jnp.zeros((), every.dtype))
 
 
+def _every_slot(x, w):
+    """``x [N, K]`` times each of ``w [S, K, M]`` -> ``[S, N, M]`` float32, each row rounded alike wherever it sits.
+
+    XLA:CPU picks its dot kernel by the row count, and some round a row by
+    where it sits; as one batched dot over whole tiles of 64 rows every row
+    rounds alike, wherever it sits and however many rows came (jax 0.11 and
+    0.12; a plain ``[N, K] @ [K, M]`` dot does not on 0.12).
+    """
+    rows = x.shape[0]
+    tiled = jnp.pad(x, ((0, -rows % _ROW_TILE), (0, 0)))
+    return jnp.einsum("nk,skm->snm", tiled, w, preferred_element_type=jnp.float32)[:, :rows]
+
+
 def dense(x, w, group_sizes):
     """Every row times every slot's weights (``S`` times the work, an ``[S, N, M]`` intermediate), each row keeping
     its own slot's result: a plain dot product with its expert's weights wherever it sits, bit for bit."""
-    rows = x.shape[0]
-    # XLA:CPU picks its dot kernel by the row count, and some round a row by where it sits; in whole tiles of
-    # 64 rows every row rounds alike, wherever it sits and however many rows came (jax 0.11 and 0.12).
-    tiled = jnp.pad(x, ((0, -rows % _ROW_TILE), (0, 0)))
-    every = jnp.einsum("nk,skm->snm", tiled, w, preferred_element_type=jnp.float32)[:, :rows]
-    return select_own_slot(every, group_sizes)
+    return select_own_slot(_every_slot(x, w), group_sizes)
+
+
+def row_invariant_dot(x, w):
+    """``x [N, K] @ w [K, M]`` in float32, each row's result the same however many rows come and wherever it
+    sits (the router's logits: the same on any EP size)."""
+    return _every_slot(x, w[None])[0]
 
 
 def ragged_dot(x, w, group_sizes):
