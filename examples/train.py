@@ -187,8 +187,9 @@ def save(manager, step, model, optimizer, controller):
     manager.wait_until_finished()
 
 
-def make_train_step(trainable, replicated):
-    """The jitted AdamW step on ``trainable`` (the router biases held out); the loss replicated."""
+def make_train_step(trainable, rt):
+    """The jitted AdamW step on ``trainable`` (the router biases held out); the loss replicated on ``rt``'s mesh
+    (read when the step traces, so a resize's retrace follows the new mesh)."""
     import jax
     import optax
     from flax import nnx
@@ -201,7 +202,7 @@ def make_train_step(trainable, replicated):
 
         loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, trainable))(model)
         optimizer.update(model, grads)
-        return jax.lax.with_sharding_constraint(loss, replicated)
+        return jax.lax.with_sharding_constraint(loss, rt.replicated)
 
     return train_step
 
@@ -311,7 +312,7 @@ def main(argv=None):
     elif main_process:
         print("EP = 1: one rank holds every expert, so there is nothing to balance; the placement is held")
 
-    train_step = make_train_step(trainable, rt.replicated)
+    train_step = make_train_step(trainable, rt)
 
     losses, step_seconds = [], []
     say(f"step {start + 1}: compiling the train step (the first step; the others reuse it) ...", flush=True)
