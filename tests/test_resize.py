@@ -127,7 +127,7 @@ def test_a_padded_plan_moves_the_same(case, padding):
 
 
 @pytest.mark.slow
-@settings(max_examples=30)
+@settings(max_examples=12)
 @given(resizes())
 def test_resize_equals_the_permuted_checkpoint_many_draws(case):
     check_resize(case, dtypes=MIXED + [np.float16, np.bool_, np.int32, np.uint8])
@@ -376,7 +376,7 @@ def sequences(draw):
 
 
 @pytest.mark.slow
-@settings(max_examples=10)
+@settings(max_examples=5)
 @given(sequences())
 def test_random_sequences_of_scale_events(case):
     """Random sizes, device groups, policies and lost ranks in a row, with a mixed-dtype pytree: after every
