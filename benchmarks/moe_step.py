@@ -298,7 +298,7 @@ def _exchange_label(matmul, factor) -> str:
     return f"{matmul}/{'worst' if factor is None else f'cf{factor:g}'}"
 
 
-def _step_row(b: Bench, matmul, factor, cases, batches, uniform_ops):
+def _step_row(b: Bench, matmul, factor, cases, batches, uniform_ops) -> dict[str, Any] | None:
     """One matmul / exchange: the ideal's step, then every case at every skew (``None`` where the ideal failed)."""
     import jax
 

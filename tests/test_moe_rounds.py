@@ -143,13 +143,14 @@ def _compiled_buffers(path, mesh, tokens, dim):
     largest, exchanged, temp = 0, 0, None
     for fn in (f, jax.grad(lambda x, e: jnp.sum(f(x, e)), argnums=(0, 1))):
         compiled = jax.jit(fn).lower(x, experts).compile()
-        text = compiled.as_text()
+        text, memory = compiled.as_text(), compiled.memory_analysis()
+        assert text is not None and memory is not None
         largest = max([largest] + [elements(s) for s in re.findall(r"\bf32\[([\d,]+)\]", text)])
         for line in text.splitlines():  # an all-to-all's result: one array, or (on CPU) a tuple of G parts
             if " all-to-all(" in line:
                 result = line.split(" all-to-all(")[0]
                 exchanged = max(exchanged, sum(elements(s) for s in re.findall(r"\bf32\[([\d,]+)\]", result)))
-        temp = compiled.memory_analysis().temp_size_in_bytes if temp is None else temp
+        temp = memory.temp_size_in_bytes if temp is None else temp
     return largest, exchanged, temp
 
 
@@ -160,6 +161,7 @@ def test_rounds_buffers_are_sized_by_the_capacity():
     mesh, tokens, dim = _mesh(8), 32, 64
     worst = 8 * tokens * TOP_K * dim  # G * A * D
     capacity = DispatchConfig(capacity_factor=1.0).capacity(tokens * TOP_K, 8)
+    assert capacity is not None
     largest, exchanged, temp = _compiled_buffers(_rounds(1.0), mesh, tokens, dim)
     ref_largest, ref_exchanged, ref_temp = _compiled_buffers(_worst_case, mesh, tokens, dim)
     assert ref_largest >= worst and ref_exchanged == worst  # the check sees worst-case buffers where they exist

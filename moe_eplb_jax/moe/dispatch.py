@@ -438,7 +438,7 @@ def exchange_apply(
     back = _round(fn, params, x, plan, src, top_k=top_k, axis_name=axis_name)
     results = _write(jnp.zeros((num_assign, back.shape[-1]), back.dtype), src, back)
     if capacity < num_assign:  # rounds past the first happen only under skew beyond the capacity
-        results = _overflow_rounds(fn, capacity, top_k, axis_name, params, x, plan, results)
+        results = jnp.asarray(_overflow_rounds(fn, capacity, top_k, axis_name, params, x, plan, results))
     per_assign = results.reshape(*weights.shape, -1).astype(jnp.float32)  # unsent rows stayed zero
     return _weighted_sum(per_assign, weights).astype(out_dtype or back.dtype)
 
