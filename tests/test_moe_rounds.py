@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as PS
 
+from moe_eplb_jax import quant
 from moe_eplb_jax.moe import DispatchConfig, dispatch, expert_mlp, routed_experts
 
 pytestmark = pytest.mark.devices(8)
@@ -168,3 +170,37 @@ def test_rounds_buffers_are_sized_by_the_capacity():
     assert largest < worst // 2, (largest, worst)
     assert exchanged == 8 * capacity * dim, (exchanged, capacity)
     assert temp < ref_temp / 2, (temp, ref_temp)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scaling", ["static", "dynamic"])
+def test_quantized_experts_in_rounds_equal_the_worst_case(scaling, rng):
+    """fp8 experts through the rounds at EP 4 under total skew: outputs equal the single worst-case exchange's
+    (dynamic scales: one worst-case round, so the EP-wide scale covers every row) and so do the input gradients
+    through the integer-leaved pytree."""
+    num_ranks, dim, hidden = 4, 32, 32
+    mesh, slots = _mesh(num_ranks), num_ranks * SLOTS_PER_RANK
+    weights_f32 = [rng.standard_normal(s).astype(np.float32) * 0.1 for s in [(slots, hidden, dim)] * 2]
+    gate, up, down = quant.quantize_mlp(
+        *weights_f32, rng.standard_normal((slots, dim, hidden)).astype(np.float32) * 0.1, "fp8", input_scale=0.02
+    )
+    experts = {"gate": gate, "up": up, "down": down}
+    x = jnp.asarray(rng.standard_normal((num_ranks * TOKENS, dim)), jnp.float32)
+    physical = jnp.asarray(_skewed_ids(rng, num_ranks, 1))
+    weights = jnp.asarray(rng.random((num_ranks * TOKENS, TOP_K)), jnp.float32)
+
+    def run(factor):
+        config = DispatchConfig(capacity_factor=factor, activation_scaling=scaling)
+
+        def f(x):
+            body = functools.partial(routed_experts, axis="ep", num_ranks=num_ranks, dispatch=config)
+            specs = (PS("ep"), PS("ep"), PS("ep"), PS("ep"))
+            return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=PS("ep"), check_vma=False)(
+                x, physical, weights, experts
+            )
+
+        return jax.jit(f)(x), jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(f(x)))))(x)
+
+    (out, grad), (ref_out, ref_grad) = run(0.5), run(None)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref_out))
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(ref_grad), rtol=2e-6, atol=2e-6)
