@@ -282,7 +282,7 @@ def plan_rounds(physical_ids, *, slots_per_rank: int, num_ranks: int, capacity: 
     order = jnp.argsort(dest, stable=True).astype(jnp.int32)
     counts = (dest[:, None] == jnp.arange(num_ranks, dtype=jnp.int32)[None, :]).sum(0, dtype=jnp.int32)
     starts = (jnp.cumsum(counts) - counts).astype(jnp.int32)
-    # Each assignment's place in its destination's run (unsent ones: past every run, never sent).
+    # Each assignment's place in its destination's run (unsent ones: meaningless, masked below).
     place = jnp.zeros((num_assign,), jnp.int32).at[order].set(jnp.arange(num_assign, dtype=jnp.int32))
     place = place - jnp.concatenate([starts, jnp.zeros((1,), jnp.int32)])[dest]
     if capacity >= num_assign:  # one round holds the worst case: no collective to agree on the count
