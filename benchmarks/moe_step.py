@@ -23,7 +23,9 @@ combine), one row per routing case, side by side in one run:
   holds as many single-replica slots and as many halves of two-replica experts (hash routing).
 
 Printed: ms, ratio to the ideal, the balancedness of the load each case recorded, and whether every case's
-outputs are bit-identical (they compute the same tokens) and its load sums exact.
+outputs are bit-identical (they compute the same tokens) and its load sums exact; per matmul / exchange, the
+compiled step's temporary buffers on one device (XLA's ``memory_analysis``): the worst case holds ``[G, A, D]``
+exchange buffers and ``G * A`` MLP rows, a capacity factor ``[A, D]`` and ``G * C`` rows.
 
 Then the EPLB bookkeeping of one step per mode in ``--book-modes`` (first matmul / exchange listed, middle
 skew; ``hash`` on the EPLB placement, ``quota`` on the online one): (a) the EPLB step -- ``moe_apply`` mapping
@@ -296,7 +298,7 @@ def _exchange_label(matmul, factor) -> str:
     return f"{matmul}/{'worst' if factor is None else f'cf{factor:g}'}"
 
 
-def _step_row(b: Bench, matmul, factor, cases, batches, uniform_ops):
+def _step_row(b: Bench, matmul, factor, cases, batches, uniform_ops) -> dict[str, Any] | None:
     """One matmul / exchange: the ideal's step, then every case at every skew (``None`` where the ideal failed)."""
     import jax
 
@@ -306,6 +308,8 @@ def _step_row(b: Bench, matmul, factor, cases, batches, uniform_ops):
     except Exception:  # one implementation failing must not hide the others' figures
         traceback.print_exc()
         return None
+    temp = _temp_bytes(jitted["hash"], uniform_ops)
+    print(f"{_exchange_label(matmul, factor)}: per-rank temporary buffers {_mib(temp)}", flush=True)
     per_skew = {}
     for skew, (tokens, load, placements) in batches.items():
         found, reference, same, loads_ok = {}, None, True, True
@@ -324,7 +328,20 @@ def _step_row(b: Bench, matmul, factor, cases, batches, uniform_ops):
             found[case] = (t, b.balancedness(case_load))
         per_skew[skew] = dict(cases=found, same=same, loads_ok=loads_ok)
         print(f"{_exchange_label(matmul, factor)} skew {skew:g}: {per_skew[skew]}", flush=True)  # a cut run shows it
-    return dict(t_uni=t_uni, b_uni=b.balancedness(load_uni), skews=per_skew)
+    return dict(t_uni=t_uni, b_uni=b.balancedness(load_uni), temp_bytes=temp, skews=per_skew)
+
+
+def _temp_bytes(jitted, ops) -> int | None:
+    """The compiled step's temporary buffers on one device (XLA's ``memory_analysis``; ``None`` if unreported):
+    the exchange buffers and the expert MLP's rows, which a capacity factor sizes by the capacity."""
+    try:
+        return int(jitted.lower(*ops).compile().memory_analysis().temp_size_in_bytes)
+    except Exception:  # a backend without the analysis must not hide the step times
+        return None
+
+
+def _mib(nbytes) -> str:
+    return "n/a" if nbytes is None else f"{nbytes / 2**20:.2f} MiB"
 
 
 def _print_steps(b: Bench, rows, device_kind: str):
@@ -353,6 +370,7 @@ def _print_steps(b: Bench, rows, device_kind: str):
                 f"load sums exact: {found['loads_ok']}"
             )
         print(f"{label:18s} {'-':>5s} {'uniform (ideal)':22s} {r['t_uni'] * 1e3:9.3f} {1.0:9.3f} {r['b_uni']:7.3f}")
+        print(f"{label:18s} per-rank temporary buffers of the compiled step: {_mib(r['temp_bytes'])}")
 
 
 def main():

@@ -276,12 +276,13 @@ def routed_experts(x, physical, weights, experts, *, axis: str, num_ranks: int, 
 
     ``x [T, D]``, ``physical [T, k]`` (``-1``: sent nowhere), ``weights [T, k]``, ``experts`` this rank's
     ``P / G`` slots -> ``[T, D]`` in ``x.dtype``. ``moe_apply``'s exchange and compute without its routing (what
-    ``benchmarks/moe_step.py`` times with the EPLB mapping and counting left out).
+    ``benchmarks/moe_step.py`` times with the EPLB mapping and counting left out). Over several ranks the rows
+    move in rounds of ``dispatch.capacity`` rows per rank pair (``dispatch.exchange_apply``), each round's rows
+    through the grouped MLP on their own.
     """
     slots_per_rank = jax.tree.leaves(experts)[0].shape[0]
     mlp = functools.partial(
         expert_mlp,
-        experts=experts,
         implementation=dispatch.matmul,
         quant_impl=dispatch.quant_impl,
         activation_scaling=dispatch.activation_scaling,
@@ -289,15 +290,30 @@ def routed_experts(x, physical, weights, experts, *, axis: str, num_ranks: int, 
     )
     if num_ranks == 1:  # every slot is here: no plan, no exchange, one sort
         rows, order, group_sizes = _dispatch.gather_local(x, physical, slots_per_rank)
-        y = mlp(rows, group_sizes=group_sizes)
+        y = mlp(rows, experts, group_sizes=group_sizes)
         return _dispatch.combine_local(y, order, physical, weights, out_dtype=x.dtype)
+
+    def grouped(experts, rows, row_slot):
+        order, group_sizes = _dispatch.sort_by_slot(row_slot, slots_per_rank)
+        return _dispatch.unsort(mlp(rows[order], experts, group_sizes=group_sizes), order)
+
     capacity = dispatch.capacity(physical.size, num_ranks)
-    rows, row_slot, plan = _dispatch.dispatch(
-        x, physical, slots_per_rank=slots_per_rank, axis_name=axis, num_ranks=num_ranks, capacity=capacity
+    if "gate" in experts and dispatch.activation_scaling == "dynamic":
+        # A dynamic activation scale is a max over every row the MLP sees: one round holds them all, so it
+        # stays independent of how rows would split into rounds (that is, of the placement).
+        capacity = None
+    return _dispatch.exchange_apply(
+        grouped,
+        experts,
+        x,
+        physical,
+        weights,
+        slots_per_rank=slots_per_rank,
+        axis_name=axis,
+        num_ranks=num_ranks,
+        capacity=capacity,
+        out_dtype=x.dtype,
     )
-    order, group_sizes = _dispatch.sort_by_slot(row_slot, slots_per_rank)
-    y = _dispatch.unsort(mlp(rows[order], group_sizes=group_sizes), order)
-    return _dispatch.combine(y, plan, weights, axis_name=axis, out_dtype=x.dtype, capacity=capacity)
 
 
 def _shared_expert(x, valid, physical, experts, shared, dispatch, axis, num_ranks):

@@ -96,9 +96,10 @@ class DispatchConfig:
       map_implementation: ``map_and_count``'s implementation (``"xla"``, ``"pallas"``; ``None``: its default).
       quant_impl, activation_scaling: quantized experts' ``quant.expert_mlp`` (dynamic activation scales are
         max-reduced over the EP axis, so they do not depend on the placement).
-      capacity_factor: ``None`` exchanges the worst-case buffer in one ``all_to_all``; a factor ``f`` exchanges it
-        in rounds of ``ceil(f * A / G)`` rows per rank pair (``A``: a rank's assignments), as many as the fullest
-        pair needs: about ``f / G`` of the bytes when balanced, still dropless, same results.
+      capacity_factor: ``None`` exchanges the worst-case buffer in one ``all_to_all`` (``[G, A, D]`` per rank,
+        ``A``: a rank's assignments); a factor ``f`` exchanges and computes the rows in rounds of
+        ``C = ceil(f * A / G)`` rows per rank pair, as many as the fullest pair needs (one when balanced and
+        ``f >= 1``): buffers of ``[A, D]`` and ``[G, C, D]``, still dropless, same results.
       load_reduce: ``"none"``: each rank returns its own counts, ``load [G, P]`` sharded over EP (no collective
         over EP in the step; summed when read); ``"psum"``: ``load [P]`` summed every pass, replicated.
       shared_expert: where the shared expert runs: ``"local"`` (each rank its own tokens, padding included) or

@@ -2,23 +2,27 @@
 
 Every function here runs per rank, inside ``jax.shard_map`` over the EP axis
 ``axis_name`` with ``G`` ranks. A rank holds ``T`` tokens, each routed to ``k``
-physical slots (``physical_ids [T, k]``); slot ``p`` lives on rank
-``p // slots_per_rank``. The ``A = T * k`` assignments are sent to the ranks that
-own their slots with one dense ``all_to_all``; results come back the same way
-and each token sums its ``k`` results in router order.
+physical slots (``physical_ids [T, k]``; ``-1``: sent nowhere); slot ``p``
+lives on rank ``p // slots_per_rank``. Shapes depend only on ``T, k, G`` and the
+capacity -- never on the routing or the placement, so nothing recompiles when
+either changes.
 
-Dropless by construction: the buffer for each destination rank has room for
-all ``A`` assignments (the worst case, every assignment to one rank), so no
-token is ever dropped, whatever the skew. Shapes depend only on ``T, k, G`` --
-never on the routing or the placement, so nothing recompiles when either
-changes.
+:func:`exchange_apply` is the layer's path: the ``A = T * k`` assignments are
+sorted by destination once (``[A]``), then sent in rounds of ``C`` rows per
+(source, destination) pair -- round ``r`` sends rows ``[r C, (r + 1) C)`` of each
+destination's run (``[G, C, D]``), the receiver computes its ``G C`` rows and
+sends the results back, and the source writes them into its ``[A, D]``
+results. Every rank runs as many rounds as the fullest pair needs (a
+``pmax``): one when the routing fits the capacity, more under skew, never a
+dropped token. Memory is ``O(A D + G C D)`` per rank. Without a capacity
+``C = A``: one round of the worst case (every assignment to one rank).
+Round 0 is ordinary autodiff; the overflow rounds sit in a ``custom_vjp``
+whose backward recomputes each round's forward before applying its VJP, so
+training memory stays linear too (an overflow round costs one more forward).
 
-Moving the whole worst-case buffer costs ``G`` times the bytes of a balanced
-exchange. With ``capacity`` set, the buffer moves in rounds of ``capacity``
-rows per (source, destination) pair, as many rounds as the fullest pair needs
-(the same count on every rank: a ``pmax``) -- one round when the routing is
-balanced and ``capacity >= A / G``, more under skew, never a dropped token.
-Rows land where the single exchange would put them, so results are identical.
+:func:`dispatch` / :func:`combine` are the one-shot form (a ``[G, A, D]``
+buffer, optionally moved in rounds by :func:`exchange`), kept for callers that
+compute between the two themselves.
 
 Placement-invariant numerics: an assignment's row is the token's unchanged
 activation, it meets the same expert bytes wherever the expert lives, and the
@@ -33,15 +37,19 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 __all__ = [
     "DispatchPlan",
+    "RoundPlan",
     "combine",
     "combine_local",
     "dispatch",
     "exchange",
+    "exchange_apply",
     "gather_local",
     "plan_dispatch",
+    "plan_rounds",
     "sort_by_slot",
     "unsort",
 ]
@@ -241,6 +249,198 @@ def combine(y, plan: DispatchPlan, weights, *, axis_name, out_dtype=None, capaci
     sent = (plan.dest < num_ranks)[:, None]  # an assignment to no slot (id -1) was never sent: it adds zero
     per_assign = jnp.where(sent, back[plan.dest, plan.pos], 0).reshape(tokens, top_k, -1).astype(jnp.float32)
     return _weighted_sum(per_assign, weights).astype(out_dtype or y.dtype)
+
+
+class RoundPlan(NamedTuple):
+    """This rank's assignments sorted by destination, and the rounds every rank runs.
+
+    Attributes:
+      order: ``[A]`` int32, the assignments by destination rank (stable: assignment order within a
+        destination), those to no slot (id ``-1``) last.
+      starts: ``[G]`` int32, where each destination's run starts in ``order``.
+      counts: ``[G]`` int32, its length (the assignments this rank sends there).
+      local: ``[A]`` int32, each assignment's destination-local slot.
+      overflow: ``[A]`` bool, assignments sent after round 0 (``capacity`` or more ahead of them in their run).
+      rounds: int32 scalar, rounds of ``capacity`` rows per pair that the fullest pair of the EP group needs
+        (at least 1; the same on every rank).
+    """
+
+    order: jax.Array
+    starts: jax.Array
+    counts: jax.Array
+    local: jax.Array
+    overflow: jax.Array
+    rounds: jax.Array
+
+
+def plan_rounds(physical_ids, *, slots_per_rank: int, num_ranks: int, capacity: int, axis_name) -> RoundPlan:
+    """Plans :func:`exchange_apply`'s rounds of ``capacity`` rows per (source, destination) pair."""
+    _check(physical_ids, slots_per_rank, num_ranks)
+    flat = physical_ids.reshape(-1).astype(jnp.int32)
+    num_assign = flat.shape[0]
+    dest = jnp.where(flat >= 0, flat // jnp.int32(slots_per_rank), jnp.int32(num_ranks))  # unsent: sorted last
+    order = jnp.argsort(dest, stable=True).astype(jnp.int32)
+    counts = (dest[:, None] == jnp.arange(num_ranks, dtype=jnp.int32)[None, :]).sum(0, dtype=jnp.int32)
+    starts = (jnp.cumsum(counts) - counts).astype(jnp.int32)
+    # Each assignment's place in its destination's run (unsent ones: meaningless, masked below).
+    place = jnp.zeros((num_assign,), jnp.int32).at[order].set(jnp.arange(num_assign, dtype=jnp.int32))
+    place = place - jnp.concatenate([starts, jnp.zeros((1,), jnp.int32)])[dest]
+    if capacity >= num_assign:  # one round holds the worst case: no collective to agree on the count
+        rounds = jnp.ones((), jnp.int32)
+    else:
+        fullest = jax.lax.pmax(jnp.max(counts), axis_name)
+        rounds = jnp.maximum((fullest + capacity - 1) // capacity, 1).astype(jnp.int32)
+    return RoundPlan(
+        order=order,
+        starts=starts,
+        counts=counts,
+        local=flat % jnp.int32(slots_per_rank),
+        overflow=(dest < num_ranks) & (place >= capacity),
+        rounds=rounds,
+    )
+
+
+def _round_sources(plan: RoundPlan, r, capacity: int):
+    """``[G, C]`` int32: the assignment sent in each row of round ``r`` (``-1``: an empty row)."""
+    within = r * capacity + jnp.arange(capacity, dtype=jnp.int32)[None, :]
+    index = jnp.clip(plan.starts[:, None] + within, 0, plan.order.shape[0] - 1)
+    return jnp.where(within < plan.counts[:, None], plan.order[index], -1)
+
+
+def _round(fn, params, x, plan: RoundPlan, src, *, top_k: int, axis_name):
+    """One round: send the rows of ``src [G, C]``, ``fn`` on the ``G * C`` rows received, results back ``[G, C, D']``."""
+    num_ranks, capacity = src.shape
+    live = src >= 0
+    safe = jnp.maximum(src, 0)
+    send_x = jnp.where(live[..., None], x[safe // jnp.int32(top_k)], jnp.zeros((), x.dtype))
+    send_slot = jnp.where(live, plan.local[safe], -1)
+    recv_x = jax.lax.all_to_all(send_x, axis_name, 0, 0)
+    recv_slot = jax.lax.all_to_all(send_slot + 1, axis_name, 0, 0) - 1  # empty rows: 0 on the wire, -1 here
+    y = fn(params, recv_x.reshape(num_ranks * capacity, -1), recv_slot.reshape(-1))
+    return jax.lax.all_to_all(y.reshape(num_ranks, capacity, -1), axis_name, 0, 0)
+
+
+def _write(results, src, back):
+    """``results [A, D']`` with row ``src[g, c]`` set to ``back[g, c]`` (empty rows: distinct indices past ``A``, dropped)."""
+    num_assign = results.shape[0]
+    spare = num_assign + jnp.arange(src.size, dtype=jnp.int32).reshape(src.shape)
+    index = jnp.where(src >= 0, src, spare).reshape(-1)
+    return results.at[index].set(back.reshape(src.size, -1), mode="drop", unique_indices=True)
+
+
+def _split_float(params):
+    """``(float leaves, rebuild, treedef, is_float)``: the leaves a gradient flows to, ``rebuild(float leaves)
+    -> params``, and which of the flattened leaves are float."""
+    leaves, treedef = jax.tree.flatten(params)
+    is_float = [jnp.issubdtype(leaf.dtype, jnp.inexact) for leaf in leaves]
+
+    def rebuild(floats):
+        it = iter(floats)
+        return treedef.unflatten([next(it) if f else leaf for leaf, f in zip(leaves, is_float)])
+
+    return [leaf for leaf, f in zip(leaves, is_float) if f], rebuild, treedef, is_float
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _overflow_rounds(fn, capacity, top_k, axis_name, params, x, plan, results):
+    """``results`` with the rows of rounds ``1 .. plan.rounds - 1`` written in (a loop of dynamic length)."""
+
+    def body(r, results):
+        src = _round_sources(plan, r, capacity)
+        return _write(results, src, _round(fn, params, x, plan, src, top_k=top_k, axis_name=axis_name))
+
+    return jax.lax.fori_loop(1, plan.rounds, body, results)
+
+
+def _overflow_fwd(fn, capacity, top_k, axis_name, params, x, plan, results):
+    return _overflow_rounds(fn, capacity, top_k, axis_name, params, x, plan, results), (params, x, plan)
+
+
+def _overflow_bwd(fn, capacity, top_k, axis_name, saved, grad):
+    # Rematerialised: each round's forward runs again (nothing of it was kept) and its VJP is applied; the
+    # gradients accumulate in float32 over the rounds.
+    params, x, plan = saved
+    floats, rebuild, treedef, is_float = _split_float(params)
+
+    def body(r, acc):
+        d_floats, d_x = acc
+        src = _round_sources(plan, r, capacity)
+
+        def forward(floats, x):
+            return _round(fn, rebuild(floats), x, plan, src, top_k=top_k, axis_name=axis_name)
+
+        back, vjp = jax.vjp(forward, floats, x)
+        cotangent = jnp.where((src >= 0)[..., None], grad[jnp.maximum(src, 0)], 0).astype(back.dtype)
+        g_floats, g_x = vjp(cotangent)
+        d_floats = [a + g.astype(jnp.float32) for a, g in zip(d_floats, g_floats)]
+        return d_floats, d_x + g_x.astype(jnp.float32)
+
+    zeros = ([jnp.zeros(f.shape, jnp.float32) for f in floats], jnp.zeros(x.shape, jnp.float32))
+    d_floats, d_x = jax.lax.fori_loop(1, plan.rounds, body, zeros)
+    it = iter(f.astype(leaf.dtype) for f, leaf in zip(d_floats, floats))
+    leaves = jax.tree.leaves(params)
+    d_params = treedef.unflatten(
+        [next(it) if f else np.zeros(leaf.shape, jax.dtypes.float0) for leaf, f in zip(leaves, is_float)]
+    )
+    d_plan = jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0), plan)
+    d_results = jnp.where(plan.overflow[:, None], jnp.zeros((), grad.dtype), grad)  # overwritten rows: no gradient
+    return d_params, d_x.astype(x.dtype), d_plan, d_results
+
+
+_overflow_rounds.defvjp(_overflow_fwd, _overflow_bwd)
+
+
+def exchange_apply(
+    fn,
+    params,
+    x,
+    physical_ids,
+    weights,
+    *,
+    slots_per_rank: int,
+    axis_name,
+    num_ranks: int,
+    capacity: int | None = None,
+    out_dtype=None,
+):
+    """Computes ``fn`` on every assignment's row at the rank owning its slot, in rounds; sums in router order.
+
+    Args:
+      fn: ``fn(params, rows [N, D], row_slot [N]) -> [N, D']``, per row (``row_slot``: the local slot,
+        ``-1`` for an empty row, whose content is zero and whose result is never read); ``N = G * C``.
+      params: ``fn``'s pytree (its float leaves get gradients).
+      x: ``[T, D]`` tokens of this rank.
+      physical_ids: ``[T, k]`` physical slot of each assignment (``-1``: sent nowhere, adds zero).
+      weights: ``[T, k]`` router weight of each assignment (summed in float32).
+      slots_per_rank: ``P / G``.
+      axis_name: the EP mesh axis (``G`` ranks); num_ranks: ``G``.
+      capacity: ``C``, rows per (source, destination) pair and round, in ``[1, A]`` (``None``: ``A``, one round
+        of the worst case). See the module docstring.
+      out_dtype: dtype of the result (default: ``fn``'s).
+
+    Returns:
+      ``[T, D']``: ``sum_j weights[t, j] * fn(row of assignment (t, j))`` added in router order ``j = 0..k-1``.
+    """
+    if x.ndim != 2 or x.shape[0] != physical_ids.shape[0] or weights.shape != physical_ids.shape:
+        raise ValueError(
+            f"x must be [T, D] and weights [T, k] with physical_ids {physical_ids.shape}, got {x.shape}, "
+            f"{weights.shape}"
+        )
+    num_assign = physical_ids.size
+    capacity = num_assign if capacity is None else capacity
+    if not 1 <= capacity <= num_assign:
+        raise ValueError(f"capacity must be in [1, A={num_assign}], got {capacity}")
+    top_k = physical_ids.shape[1]
+    plan = plan_rounds(
+        physical_ids, slots_per_rank=slots_per_rank, num_ranks=num_ranks, capacity=capacity, axis_name=axis_name
+    )
+    src = _round_sources(plan, 0, capacity)
+    back = _round(fn, params, x, plan, src, top_k=top_k, axis_name=axis_name)
+    results = _write(jnp.zeros((num_assign, back.shape[-1]), back.dtype), src, back)
+    if capacity < num_assign:  # rounds past the first happen only under skew beyond the capacity
+        results = jnp.asarray(_overflow_rounds(fn, capacity, top_k, axis_name, params, x, plan, results))
+    per_assign = results.reshape(*weights.shape, -1).astype(jnp.float32)  # unsent rows stayed zero
+    return _weighted_sum(per_assign, weights).astype(out_dtype or back.dtype)
 
 
 def sort_by_slot(recv_slot, num_slots: int):
