@@ -44,7 +44,7 @@ from moe_eplb_jax.moe._qgmm.config import Config
 __all__ = ["IMPLEMENTATIONS", "Config", "kernel_available", "quantized_grouped_matmul"]
 
 IMPLEMENTATIONS = ("auto", "reference", "triton", "pallas_interpret")
-_FLOATS = (jnp.float32, jnp.bfloat16)
+_FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
 def _check(x, q, group_sizes, implementation, activation_scaling, compute_dtype) -> None:
@@ -64,7 +64,7 @@ def _check(x, q, group_sizes, implementation, activation_scaling, compute_dtype)
     if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise ValueError(f"{name}: group_sizes must be integers, got dtype {group_sizes.dtype}")
     if compute_dtype is not None and not any(jnp.dtype(compute_dtype) == d for d in _FLOATS):
-        raise ValueError(f"{name}: compute_dtype must be bfloat16 or float32, got {compute_dtype!r}")
+        raise ValueError(f"{name}: compute_dtype must be bfloat16, float16 or float32, got {compute_dtype!r}")
 
 
 def prepare(x, q, group_sizes, live, *, compute_dtype, activation_scaling: str, axis_name):
@@ -108,7 +108,7 @@ def quantized_grouped_matmul(
       q: a ``moe_eplb_jax.quant`` pytree ``[S, M, K]`` (the ``S`` local slots).
       group_sizes: ``[S]`` int rows per slot.
       implementation: one of ``IMPLEMENTATIONS``.
-      compute_dtype: the activations' dtype in the MMA, bfloat16 or float32 (``None``: ``x.dtype``; fp8 always
+      compute_dtype: the activations' dtype in the MMA, bfloat16, float16 or float32 (``None``: ``x.dtype``; fp8 always
         multiplies e4m3 values, exact in bfloat16).
       activation_scaling, axis_name: fp8's activation scale (``quant.expert_mlp``'s meaning).
       config: the kernel's tiling (``None``: ``moe._qgmm.config.default_config``).

@@ -146,7 +146,7 @@ def _blocks(config: Config, fmt: str, width: int, depth: int, tile) -> tuple[int
     block_k, block_cols = min(config.block_k, depth), min(config.block_cols, width)
     if tile is not None:
         block_k, block_cols = min(block_k, tile[1]), min(block_cols, tile[0])
-    least_k = max(16, 2 * _SCALE_BLOCK.get(fmt, 8))
+    least_k = max(16, _SCALE_BLOCK.get(fmt, 16))
     for name, block, size, least in (("K", block_k, depth, least_k), ("M", block_cols, width, 16)):
         if block < least or block & (block - 1) or size % block:
             raise ValueError(
