@@ -216,9 +216,7 @@ def test_ragged_mlp_matches_quant_reference(fmt, implementation, rng):
     for scaling in ("static", "dynamic") if fmt == "fp8" else ("dynamic",):
         for dtype, tol in ((jnp.float32, 1e-4), (jnp.bfloat16, 1e-2)):
             xd = jnp.asarray(x, dtype)
-            got = expert_mlp(
-                xd, experts, jnp.asarray(sizes), implementation=implementation, activation_scaling=scaling
-            )
+            got = expert_mlp(xd, experts, jnp.asarray(sizes), implementation=implementation, activation_scaling=scaling)
             assert got.dtype == dtype and got.shape == x.shape
             want = _mlp_oracle(np.asarray(xd.astype(jnp.float32)), experts, sizes, scaling)
             got = np.asarray(got.astype(jnp.float32))
@@ -259,3 +257,45 @@ def test_bad_inputs_raise_naming_the_argument():
         qmm.Config(block_k=48)
     with pytest.raises(ValueError, match="K=64 needs a power-of-two block >= 32"):
         qmm.quantized_grouped_matmul(x, q, sizes, implementation="pallas_interpret", config=qmm.Config(block_k=16))
+
+
+@slow
+def test_probe_agrees_in_the_interpreter():
+    """The first-use probe (its shapes, tolerance and every format) passes where the kernel is right."""
+    assert qmm._probe(interpret=True)
+
+
+def _spec_experts(fmt, slots, width, depth):
+    """A ``quant`` pytree of ``ShapeDtypeStruct`` leaves (lowering needs shapes only)."""
+    spec = jax.ShapeDtypeStruct
+    f8, u8, f32 = jnp.float8_e4m3fn, jnp.uint8, jnp.float32
+    if fmt == "fp8":
+        return quant.Fp8Experts(spec((slots, width, depth), f8), *(spec((slots,), f32),) * 3)
+    if fmt == "fp8_block":
+        return quant.Fp8BlockExperts(spec((slots, width, depth), f8), spec((slots, width // 128, depth // 128), f32))
+    if fmt == "mxfp8":
+        return quant.Mxfp8Experts(
+            spec((slots, width, depth), f8), spec((slots, width, depth // 32), jnp.float8_e8m0fnu)
+        )
+    if fmt == "mxfp4":
+        return quant.Mxfp4Experts(
+            spec((slots, width, depth // 2), u8), spec((slots, width, depth // 32), jnp.float8_e8m0fnu)
+        )
+    return quant.Nvfp4Experts(
+        spec((slots, width, depth // 2), u8), spec((slots, width, depth // 16), f8), spec((slots,), f32)
+    )
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_kernel_lowers_to_triton_ir(fmt, h100_lowering):
+    """The kernel lowers to (verified) Triton IR for an H100/H200 without a GPU, at DeepSeek-V3's expert shapes
+    with the decode and prefill tilings, bfloat16 and float32 activations: catches a construct only the
+    interpreter takes."""
+    spec = jax.ShapeDtypeStruct
+    for rows, dtype in ((512, jnp.bfloat16), (16384, jnp.bfloat16), (64, jnp.float32)):
+        for width, depth in ((2048, 7168), (7168, 2048)):
+            q = _spec_experts(fmt, 8, width, depth)
+            fn = jax.jit(lambda x, q, s, f: qtriton.grouped_matmul(x, q, s, f))
+            args = (spec((rows, depth), dtype), q, spec((8,), jnp.int32), spec((8,), jnp.float32))
+            exported = jax.export.export(fn, platforms=["cuda"], disabled_checks=h100_lowering)(*args)
+            assert exported.mlir_module().count("xla.gpu.triton") == 1, (rows, dtype, width)

@@ -138,9 +138,7 @@ def _backend(implementation: str) -> str:
     return implementation
 
 
-@functools.partial(
-    jax.jit, static_argnames=("backend", "compute_dtype", "activation_scaling", "axis_name", "config")
-)
+@functools.partial(jax.jit, static_argnames=("backend", "compute_dtype", "activation_scaling", "axis_name", "config"))
 def _matmul(x, q, group_sizes, *, backend, compute_dtype, activation_scaling, axis_name, config):
     live = jnp.arange(x.shape[0], dtype=jnp.int32) < jnp.sum(group_sizes.astype(jnp.int32))
     lhs, factor = prepare(
@@ -165,19 +163,24 @@ def kernel_available() -> bool:
     return probed("quantized_grouped_matmul", _probe)
 
 
-def _probe() -> bool:
-    """Each format's kernel, compiled ahead of time outside any trace, against the reference on a small case."""
+def _probe(*, interpret: bool = False) -> bool:
+    """Each format's kernel, compiled ahead of time outside any trace, against the reference on a small case
+    (``interpret``: in Pallas' interpreter, to test the probe itself on a CPU)."""
     rng = np.random.default_rng(0)
     sizes = jnp.asarray([20, 0, 28], jnp.int32)  # then 16 padding rows
     x = jnp.asarray(rng.standard_normal((64, 128)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((3, 64, 128)) * 0.1, jnp.float32)
     for fmt in quant.FORMATS:
-        opts = {"block_size": (32, 64)} if fmt == "fp8_block" else {}
-        q = quant.quantize_experts(w, fmt, **opts)
+        q = (
+            quant.quantize_experts(w, fmt, block_size=(32, 64))
+            if fmt == "fp8_block"
+            else quant.quantize_experts(w, fmt)
+        )
         lhs, factor = prepare(
             x, q, sizes, jnp.arange(64) < 48, compute_dtype=None, activation_scaling="static", axis_name=None
         )
-        kernel = jax.jit(functools.partial(_triton().grouped_matmul, config=Config(block_rows=16, block_k=64)))
+        config = Config(block_rows=16, block_k=64)
+        kernel = jax.jit(functools.partial(_triton().grouped_matmul, config=config, interpret=interpret))
         got = np.asarray(kernel.lower(lhs, q, sizes, factor).compile()(lhs, q, sizes, factor))[:48]
         want = np.asarray(reference.grouped_matmul(lhs, q, sizes, factor))[:48]
         if not np.allclose(got, want, rtol=2e-3, atol=2e-3 * float(np.abs(want).max())):
