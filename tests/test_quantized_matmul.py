@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _models import ep_mesh
+from jax.sharding import PartitionSpec
 
 from moe_eplb_jax import quant
 from moe_eplb_jax.moe import expert_mlp
@@ -306,3 +308,42 @@ def test_kernel_lowers_to_triton_ir(fmt, h100_lowering):
             args = (spec((rows, depth), dtype), q, spec((8,), jnp.int32), spec((8,), jnp.float32))
             exported = jax.export.export(fn, platforms=["cuda"], disabled_checks=h100_lowering)(*args)
             assert exported.mlir_module().count("xla.gpu.triton") == 1, (rows, dtype, width)
+
+
+@pytest.mark.parametrize("implementation", ["dense", pytest.param("pallas_interpret", marks=slow)])
+def test_dynamic_scales_inside_shard_map_follow_the_rows_not_the_placement(implementation, rng):
+    """Per rank inside ``shard_map``, with padding rows: the dynamic fp8 scales cover the EP group's real rows, so
+    each row's output equals that of one rank holding every slot (and differs without the EP max)."""
+    ranks, slots_per_rank, rows_per_rank = 4, 2, 16
+    mesh = ep_mesh(ranks)
+    sizes = rng.integers(0, 7, (ranks, slots_per_rank)).astype(np.int32)  # at most 12 real rows, then padding
+    _, experts = _mlp_case(rng, "fp8", np.zeros(ranks * slots_per_rank, np.int32))
+    x = rng.standard_normal((ranks * rows_per_rank, 64)) * np.repeat(np.exp2(np.arange(ranks)), rows_per_rank)[:, None]
+    x = x.astype(np.float32)
+    spec = PartitionSpec("ep")
+
+    def run(axis):
+        fn = jax.shard_map(
+            lambda v, s, e: expert_mlp(
+                v, e, s, implementation=implementation, activation_scaling="dynamic", axis_name=axis
+            ),
+            mesh=mesh,
+            in_specs=spec,
+            out_specs=spec,
+            check_vma=False,
+        )
+        return np.asarray(jax.jit(fn)(jnp.asarray(x), jnp.asarray(sizes.reshape(-1)), experts))
+
+    per_rank = run("ep")
+    real = np.concatenate([np.arange(r * rows_per_rank, r * rows_per_rank + sizes[r].sum()) for r in range(ranks)])
+    whole = np.asarray(
+        expert_mlp(
+            jnp.asarray(x[real]),
+            experts,
+            jnp.asarray(sizes.reshape(-1)),
+            implementation=implementation,
+            activation_scaling="dynamic",
+        )
+    )
+    np.testing.assert_allclose(per_rank[real], whole, rtol=1e-6, atol=1e-6 * np.abs(whole).max())
+    assert not np.allclose(run(None)[real], whole, rtol=1e-3)
