@@ -3,9 +3,9 @@
 ``grouped_matmul(lhs [N, K], q [S, M, K], group_sizes [S], factor [S]) -> [N, M] float32``: rows
 ``[start_s, end_s)`` times slot ``s``'s weights, times ``factor[s]``. Weight-only: each program loads a
 ``[block_cols, block_k]`` tile of the packed weights (e4m3 bytes, or e2m1 pairs: even element in the low
-nibble) and its scales, decodes them in registers with integer bit operations to ``lhs.dtype`` and runs a
-16-bit (or float32) MMA with float32 accumulation. Decode is memory bound: the weights are read once per
-work item, in their packed size, never written back dequantized.
+nibble) and its scales, decodes them in registers (e4m3 by Triton's conversion, e2m1 and e8m0 by integer bit
+operations) to ``lhs.dtype`` and runs a 16-bit (or float32) MMA with float32 accumulation. Decode is memory
+bound: the weights are read once per work item, in their packed size, never written back dequantized.
 
 What a tile decodes to, exactly (``lhs`` bfloat16 or float32):
 
@@ -40,15 +40,9 @@ _SCALE_BLOCK = {"mxfp8": 32, "mxfp4": 32, "nvfp4": 16}
 
 
 def _e4m3(code):
-    """int32 e4m3fn codes -> float32 (NaN for 0x7F / 0xFF), by placing the fields in a float32's."""
-    magnitude = code & 0x7F
-    exponent = magnitude >> 3
-    mantissa = magnitude & 7
-    normal = jax.lax.bitcast_convert_type(((exponent + 120) << 23) | (mantissa << 20), jnp.float32)
-    subnormal = mantissa.astype(jnp.float32) * jnp.float32(2.0**-9)  # a normal float32: no flush anywhere
-    value = jnp.where(exponent == 0, subnormal, normal)
-    value = jnp.where(magnitude == 0x7F, jnp.float32(jnp.nan), value)
-    return jnp.where((code & 0x80) != 0, -value, value)
+    """uint8 e4m3fn codes -> float32 (NaN for 0x7F / 0xFF): Triton's ``fp_to_fp``, the hardware conversion on
+    Hopper (subnormals exact, no flush)."""
+    return jax.lax.bitcast_convert_type(code, jnp.float8_e4m3fn).astype(jnp.float32)
 
 
 def _e2m1(code):
@@ -79,12 +73,12 @@ def _decode_tile(w_ref, s_ref, first, k, *, fmt, block_k, block_cols):
         pairs = jax.lax.stack([_e2m1(packed & 0xF), _e2m1(packed >> 4)], axis=2)  # even element low
         values = pairs.reshape(block_cols, block_k)
     else:
-        values = _e4m3(w_ref[pl.ds(first, block_cols), pl.ds(k * block_k, block_k)].astype(jnp.int32))
+        values = _e4m3(w_ref[pl.ds(first, block_cols), pl.ds(k * block_k, block_k)])
     if fmt not in _SCALE_BLOCK:
         return values
     block = _SCALE_BLOCK[fmt]
-    codes = s_ref[pl.ds(first, block_cols), pl.ds(k * (block_k // block), block_k // block)].astype(jnp.int32)
-    scale = _e4m3(codes) if fmt == "nvfp4" else _e8m0(codes)
+    codes = s_ref[pl.ds(first, block_cols), pl.ds(k * (block_k // block), block_k // block)]
+    scale = _e4m3(codes) if fmt == "nvfp4" else _e8m0(codes.astype(jnp.int32))
     return values * _spread(scale, block)
 
 
