@@ -155,8 +155,10 @@ def test_decoders_match_the_formats_tables():
     got = np.asarray(qtriton._e4m3(codes.astype(jnp.uint8)))
     np.testing.assert_array_equal(got.view(np.uint32)[~np.isnan(e4m3)], e4m3.view(np.uint32)[~np.isnan(e4m3)])
     np.testing.assert_array_equal(np.isnan(got), np.isnan(e4m3))  # 0x7F and 0xFF
-    fp4 = np.asarray(qtriton._e2m1(codes[:16]))
-    np.testing.assert_array_equal(fp4.view(np.uint32), quant.E2M1_VALUES.view(np.uint32))  # -0.0 included
+    even, odd = (np.asarray(v) for v in qtriton._e2m1_pair(codes.astype(jnp.uint8)))
+    table = quant.E2M1_VALUES.view(np.uint32)  # -0.0 included
+    np.testing.assert_array_equal(even.view(np.uint32), table[np.arange(256) & 15])
+    np.testing.assert_array_equal(odd.view(np.uint32), table[np.arange(256) >> 4])
     e8m0 = np.asarray(qtriton._e8m0(codes))
     assert e8m0[0] == 0 and np.isnan(e8m0[255])
     np.testing.assert_array_equal(e8m0[1:255], np.exp2(np.arange(1, 255) - 127.0).astype(np.float32))

@@ -3,8 +3,8 @@
 ``grouped_matmul(lhs [N, K], q [S, M, K], group_sizes [S], factor [S]) -> [N, M] float32``: rows
 ``[start_s, end_s)`` times slot ``s``'s weights, times ``factor[s]``. Weight-only: each program loads a
 ``[block_cols, block_k]`` tile of the packed weights (e4m3 bytes, or e2m1 pairs: even element in the low
-nibble) and its scales, decodes them in registers (e4m3 by Triton's conversion, e2m1 and e8m0 by integer bit
-operations) to ``lhs.dtype`` and runs a 16-bit (or float32) MMA with float32 accumulation. Decode is memory
+nibble) and its scales, decodes them in registers (e4m3 by Triton's conversion, e2m1 through it too,
+e8m0 as a float32 exponent) to ``lhs.dtype`` and runs a 16-bit (or float32) MMA with float32 accumulation. Decode is memory
 bound: the weights are read once per work item, in their packed size, never written back dequantized.
 
 What a tile decodes to, exactly (``lhs`` bfloat16 or float32):
@@ -45,13 +45,16 @@ def _e4m3(code):
     return jax.lax.bitcast_convert_type(code, jnp.float8_e4m3fn).astype(jnp.float32)
 
 
-def _e2m1(code):
-    """int32 e2m1 codes (0..15, sign in bit 3) -> float32: ``0.5 m`` for exponent 0, else ``2**(e-1) (1 + m/2)``."""
-    exponent = (code >> 1) & 3
-    half = (code & 1).astype(jnp.float32) * jnp.float32(0.5)
-    power = jax.lax.bitcast_convert_type((exponent + 126) << 23, jnp.float32)
-    value = jnp.where(exponent == 0, half, power * (1 + half))
-    return jnp.where((code & 8) != 0, -value, value)
+def _e2m1_pair(packed):
+    """uint8 bytes of two e2m1 codes -> float32 ``(even, odd)`` elements (the even one in the low nibble).
+
+    Each code's fields moved into an e4m3 byte (sign to bit 7, exponent and mantissa two bits up) make an
+    e4m3 value of exactly ``e2m1 * 2**-6`` -- the subnormal codes too, as both formats' subnormals line up --
+    so Triton's conversion does the decode and one exact multiply by 64 undoes the shift.
+    """
+    low = ((packed & 0x08) << 4) | ((packed & 0x07) << 2)
+    high = (packed & 0x80) | ((packed & 0x70) >> 2)
+    return _e4m3(low) * jnp.float32(64), _e4m3(high) * jnp.float32(64)
 
 
 def _e8m0(code):
@@ -69,9 +72,8 @@ def _spread(scale, block: int):
 def _decode_tile(w_ref, s_ref, first, k, *, fmt, block_k, block_cols):
     """The weight tile ``[block_cols, block_k]`` (weight rows from ``first``, contraction step ``k``) as float32."""
     if fmt in ("mxfp4", "nvfp4"):
-        packed = w_ref[pl.ds(first, block_cols), pl.ds(k * (block_k // 2), block_k // 2)].astype(jnp.int32)
-        pairs = jax.lax.stack([_e2m1(packed & 0xF), _e2m1(packed >> 4)], axis=2)  # even element low
-        values = pairs.reshape(block_cols, block_k)
+        packed = w_ref[pl.ds(first, block_cols), pl.ds(k * (block_k // 2), block_k // 2)]
+        values = jax.lax.stack(_e2m1_pair(packed), axis=2).reshape(block_cols, block_k)
     else:
         values = _e4m3(w_ref[pl.ds(first, block_cols), pl.ds(k * block_k, block_k)])
     if fmt not in _SCALE_BLOCK:
