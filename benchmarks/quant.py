@@ -2,6 +2,7 @@
 
 Run:  PYTHONPATH=. python3 benchmarks/quant.py            (GPU if present, plus the host CPU)
       PYTHONPATH=. python3 benchmarks/quant.py --small    (tiny shapes, a quick CPU smoke run)
+      PYTHONPATH=. python3 benchmarks/quant.py --ragged [--small]   (only section 5)
 
 Prints, side by side in one run:
 1. checks: GPU bytes == CPU bytes of every leaf for every format; each fast MLP path vs the float32
@@ -10,7 +11,13 @@ Prints, side by side in one run:
 3. quantization throughput per format (bf16 weights in) on the GPU and the CPU, against the floor
    (bytes read + written at the measured elementwise rate);
 4. expert-MLP step time per format and implementation against bf16 on the same shapes, with the
-   floor max(weight bytes / bandwidth, FLOPs / GEMM rate) for a decode-sized and a prefill-sized T.
+   floor max(weight bytes / bandwidth, FLOPs / GEMM rate) for a decode-sized and a prefill-sized T;
+5. the MoE layer's expert MLP on slot-sorted rows (``moe.expert_mlp``) per format: the ragged quantized
+   grouped matmul (the kernel reading packed weights), the dense path it replaced (every row through every
+   slot's ``quant.expert_mlp``), the bf16 grouped matmul, and the weight-read floor (the slots' packed
+   weights and scales over the card's HBM bandwidth: H100 3.35 TB/s, H200 4.8 TB/s), at DeepSeek-V3's expert
+   shape (D=7168, H=2048) for decode (64 rows per slot, 8 and 32 slots) and prefill (8 slots of 2048 rows).
+   Device time of the kernels (CUPTI); on a CPU the rows are only checked ("needs a GPU").
 """
 
 from __future__ import annotations
@@ -28,9 +35,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_eplb_jax import quant
+from moe_eplb_jax.moe import expert_mlp
+from moe_eplb_jax.moe import grouped_matmul as gmm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import median_seconds
+from _timing import device_seconds, median_seconds
 
 
 def leaf_bytes(tree) -> int:
@@ -345,11 +354,132 @@ def _mlp_step_times(xs, layers, failed, shape, ceilings, log):
     return rows
 
 
+# HBM bandwidth by card (the weight-read floor of section 5): the vendors' figures.
+CARD_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}
+RAGGED_TARGETS = {"fp8": 1.6, "mxfp4": 2.5}  # speed-up over bf16 the ragged kernel should reach at decode
+
+
+def card_bandwidth(device) -> float | None:
+    kind = device.device_kind
+    return next((bw for name, bw in CARD_BANDWIDTH.items() if name in kind), None)
+
+
+def dense_quantized_mlp(x, experts, sizes):
+    """The dense path the ragged one replaced: every row through every local slot's ``quant.expert_mlp``."""
+    mine = gmm.slot_of_row(sizes, x.shape[0])[None, :] == jnp.arange(sizes.shape[0])[:, None]
+    every = jnp.where(mine[..., None], x[None], jnp.zeros((), x.dtype))
+    y = quant.expert_mlp(
+        every, *(experts[k] for k in ("gate", "up", "down")), activation_scaling="dynamic", compute_dtype=x.dtype
+    )
+    return gmm.select_own_slot(y, sizes).astype(x.dtype)
+
+
+def _ragged_case(key, slots, rows_per_slot, dim, hidden):
+    """bf16 rows ``[S * T, D]`` (every slot ``T`` rows), float experts for ``moe.expert_mlp`` and their
+    ``(gate [S, H, D], up, down [S, D, H])`` in quant's layout."""
+    kx, kg, ku, kd = jax.random.split(key, 4)
+    x = (jax.random.normal(kx, (slots * rows_per_slot, dim), jnp.float32)).astype(jnp.bfloat16)
+    gate, up = (jax.random.normal(k, (slots, hidden, dim), jnp.float32) * 0.02 for k in (kg, ku))
+    down = jax.random.normal(kd, (slots, dim, hidden), jnp.float32) * 0.02
+    float_experts = {
+        "w_in": jnp.concatenate([jnp.swapaxes(gate, 1, 2), jnp.swapaxes(up, 1, 2)], axis=2).astype(jnp.bfloat16),
+        "w_out": jnp.swapaxes(down, 1, 2).astype(jnp.bfloat16),
+    }
+    return x, float_experts, (gate, up, down)
+
+
+def _ragged_time(fn, args, on_gpu):
+    if not on_gpu:
+        return None
+    sec, _ = device_seconds(fn, *args)
+    return sec if sec is not None else median_seconds(fn, *args)
+
+
+def ragged_mlp(dev, small: bool, log):
+    """Section 5: ``(ok, rows)`` -- per format the ragged kernel, the dense path, bf16 and the weight-read floor."""
+    on_gpu = dev.platform == "gpu"
+    bandwidth = card_bandwidth(dev)
+    dim, hidden = (256, 128) if small else (7168, 2048)
+    shapes = [("decode", 4, 8)] if small else [("decode", 8, 64), ("decode", 32, 64), ("prefill", 8, 2048)]
+    kernel = "auto" if on_gpu else "pallas_interpret"
+    ok, rows = True, []
+    for phase, slots, per_slot in shapes:
+        key = jax.random.PRNGKey(slots * 7919 + per_slot)
+        with jax.default_device(dev):
+            x, float_experts, weights = _ragged_case(key, slots, per_slot, dim, hidden)
+            sizes = jnp.full((slots,), per_slot, jnp.int32)
+            bf16 = jax.jit(lambda v, e, s: expert_mlp(v, e, s))
+            base = _ragged_time(bf16, (x, float_experts, sizes), on_gpu)
+        log("")
+        log(f"moe expert MLP, {phase}: S={slots} slots x {per_slot} rows, D={dim}, H={hidden} ({dev.device_kind})")
+        log(f"{'variant':18s} {'ms':>9s} {'vs bf16':>8s} {'weight MiB':>10s} {'floor ms':>9s} {'floor/time':>10s}")
+        bf16_bytes = leaf_bytes(float_experts)
+        _ragged_row(log, "bf16 grouped_mm", base, base, bf16_bytes, bandwidth)
+        rows.append(
+            {"phase": phase, "S": slots, "T": per_slot, "variant": "bf16", "s": base, "weight_bytes": bf16_bytes}
+        )
+        for fmt in quant.FORMATS:
+            with jax.default_device(dev):
+                q = quant.quantize_mlp(*weights, fmt, input_scale=0.02, down_input_scale=0.001, nonfinite="propagate")
+                experts = dict(zip(("gate", "up", "down"), q))
+                ragged = jax.jit(lambda v, e, s: expert_mlp(v, e, s, implementation=kernel))
+                dense = jax.jit(dense_quantized_mlp)
+                try:
+                    got, want = ragged(x, experts, sizes), dense(x, experts, sizes)
+                except Exception as err:
+                    ok = False
+                    log(f"{fmt:18s} FAILED {type(err).__name__}: {str(err).splitlines()[0][:160]}")
+                    continue
+                got, want = got.astype(jnp.float32), want.astype(jnp.float32)
+                rel = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+                good = bool(np.isfinite(rel) and rel < 2e-2)
+                ok &= good
+                times = {
+                    "ragged": _ragged_time(ragged, (x, experts, sizes), on_gpu),
+                    "dense": _ragged_time(dense, (x, experts, sizes), on_gpu)
+                    if slots * per_slot * slots * dim * 2 < 8 * 2**30
+                    else None,
+                }
+            wbytes = leaf_bytes(q)
+            for variant, sec in times.items():
+                _ragged_row(log, f"{fmt} {variant}", sec, base, wbytes, bandwidth)
+                rows.append(
+                    {
+                        "phase": phase,
+                        "S": slots,
+                        "T": per_slot,
+                        "variant": f"{fmt} {variant}",
+                        "s": sec,
+                        "weight_bytes": wbytes,
+                        "rel_vs_dense": rel,
+                    }
+                )
+            target = RAGGED_TARGETS.get(fmt) if phase == "decode" else None
+            met = (
+                ""
+                if target is None or times["ragged"] is None
+                else f"; target {target}x over bf16 " + ("met" if base / times["ragged"] >= target else "NOT met")
+            )
+            log(f"{'':18s} ragged vs dense rel err {rel:.1e} {'OK' if good else 'BAD'}{met}")
+    return ok, rows
+
+
+def _ragged_row(log, name, sec, base, wbytes, bandwidth):
+    floor = wbytes / bandwidth if bandwidth else None
+    if sec is None:
+        log(f"{name:18s} {'needs a GPU':>9s} {'':8s} {wbytes / 2**20:10.1f}")
+        return
+    vs = f"{base / sec:8.2f}" if base else f"{'':8s}"
+    floor_txt = f"{floor * 1e3:9.3f} {floor / sec:10.2f}" if floor else f"{'?':>9s} {'':10s}"
+    log(f"{name:18s} {sec * 1e3:9.3f} {vs} {wbytes / 2**20:10.1f} {floor_txt}")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--diag", action="store_true", help="only the diagnostics (see diagnose)")
+    parser.add_argument("--ragged", action="store_true", help="only section 5 (the MoE layer's expert MLP)")
     args = parser.parse_args()
     lines: list[str] = []
 
@@ -371,6 +501,13 @@ def main():
         with open(os.path.join(args.out, "quant_diag.txt"), "w") as f:
             f.write("\n".join(lines) + "\n")
         return 0
+    if args.ragged:
+        ok, results["ragged"] = ragged_mlp(dev, args.small, log)
+        log(f"checks {'PASSED' if ok else 'FAILED'}")
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "quant_ragged.json"), "w") as f:
+            json.dump(results, f, indent=1)
+        return 0 if ok else 1
 
     # 1. checks
     ok = True
@@ -401,6 +538,9 @@ def main():
     # 4. MLP step time
     with jax.default_device(dev):
         results["mlp"] = _mlp_step_times(xs, layers, failed, (e, h, i), ceilings, log)
+    # 5. the MoE layer's expert MLP: ragged kernel vs the dense path vs bf16
+    ragged_ok, results["ragged"] = ragged_mlp(dev, args.small, log)
+    ok &= ragged_ok
 
     log("")
     log(f"checks {'PASSED' if ok else 'FAILED'}")

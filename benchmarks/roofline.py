@@ -15,7 +15,9 @@ One model (``moe_eplb_jax.models``, bf16, EP = 1), side by side in one run:
   bandwidth (H100 3.35 TB/s, H200 4.8 TB/s); with ``EplbController.step()`` after every step (recording on,
   nothing due) and without.
 * gmm: the grouped matmul alone at a training shape (forward, forward + backward, TFLOP/s) and a decode shape
-  (GB/s against HBM), for each implementation next to XLA's ``ragged_dot``.
+  (GB/s against HBM), for each implementation next to XLA's ``ragged_dot``; at the decode shape also the
+  quantized grouped matmul per format (``moe.quantized_matmul``, the kernel reading packed weights) against
+  its weight-read floor (packed weights and scales over HBM bandwidth).
 
 Forward FLOPs per token, from the config: every matmul of the active path -- q/k/v/o projections, attention
 scores and values over the causal context, the dense MLPs, the router, the top-k experts and the shared expert,
@@ -234,7 +236,33 @@ def phase_gmm(args, rng, peak, hbm):
         out[f"{label} floor"] = {
             "fwd_ms": max(flops / peak, (weight_bytes + (n * k + n * m) * 2) / hbm) * 1e3 if peak and hbm else None
         }
+        if label.startswith("decode"):
+            out.update(_quantized_gmm_rows(label, x, w, sizes, hbm))
     return out
+
+
+def _quantized_gmm_rows(label, x, w, sizes, hbm):
+    """The quantized grouped matmul per format on the decode case's weights: ms and the weight-read floor."""
+    import jax
+    import jax.numpy as jnp
+
+    from moe_eplb_jax import quant
+    from moe_eplb_jax.moe import quantized_matmul as qmm
+
+    rows = {}
+    impl = "auto" if jax.default_backend() == "gpu" else "reference"  # the interpreter is far too slow here
+    for fmt in quant.FORMATS:
+        q = quant.quantize_experts(jnp.swapaxes(w, 1, 2).astype(jnp.float32), fmt)  # [G, M, K]
+        packed = sum(leaf.size * jax.dtypes.itemsize_bits(leaf.dtype) // 8 for leaf in jax.tree.leaves(q))
+        f = jax.jit(lambda x, q, s: qmm.quantized_grouped_matmul(x, q, s, implementation=impl))
+        row = {"weight_mib": packed / 2**20}
+        try:
+            row["fwd_ms"] = timed(lambda: jax.block_until_ready(f(x, q, sizes)), 5) * 1e3
+            row["floor_ms"] = packed / hbm * 1e3 if hbm else None
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        rows[f"{label} quantized {fmt}"] = row
+    return rows
 
 
 def main(argv=None):

@@ -227,8 +227,8 @@ class MoELayer(nnx.Module):
         """Replaces the float expert weights by quantized ones (serving; e.g. ``"fp8"``, ``"mxfp4"``).
 
         Every slot is quantized on its own, so replicas stay bit-identical.
-        ``impl`` and ``activation_scaling`` go to ``moe_eplb_jax.quant.expert_mlp``
-        (the layer's ``DispatchConfig.quant_impl`` / ``activation_scaling``);
+        ``impl`` and ``activation_scaling`` become the layer's ``DispatchConfig.quant_impl`` /
+        ``activation_scaling`` (``"auto"``: the ragged quantized grouped matmul);
         dynamic activation scales are max-reduced over the EP axis. The
         quantized pytrees (weights and scales, all ``[P, ...]``) are what the
         controller moves.

@@ -9,10 +9,11 @@
 * ``dispatch`` -- the token exchange over the EP axis and its combine.
 * ``expert_mlp`` / ``shared_mlp`` / ``waterfill_shared_mlp`` -- the expert MLPs; ``tie_replicas`` ties the
   gradients of an expert's replicas.
-* ``grouped_matmul`` -- the grouped matmuls the expert MLP runs on.
+* ``grouped_matmul`` / ``quantized_matmul`` -- the grouped matmuls the expert MLP runs on (float / quantized
+  experts).
 """
 
-from moe_eplb_jax.moe import dispatch, grouped_matmul
+from moe_eplb_jax.moe import dispatch, grouped_matmul, quantized_matmul
 from moe_eplb_jax.moe.apply import map_replicas, moe_apply, routed_experts
 from moe_eplb_jax.moe.config import (
     LOAD_REDUCTIONS,
@@ -37,6 +38,7 @@ __all__ = [
     "grouped_matmul",
     "map_replicas",
     "moe_apply",
+    "quantized_matmul",
     "route",
     "routed_experts",
     "shared_mlp",

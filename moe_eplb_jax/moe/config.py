@@ -94,8 +94,10 @@ class DispatchConfig:
         (``"auto"``, the default: the GPU kernels with gradients on a GPU, the exact, placement-invariant
         ``"dense"`` elsewhere; ``"pallas"``, ``"triton"``, ``"mosaic"``, ``"ragged_dot"``).
       map_implementation: ``map_and_count``'s implementation (``"xla"``, ``"pallas"``; ``None``: its default).
-      quant_impl, activation_scaling: quantized experts' ``quant.expert_mlp`` (dynamic activation scales are
-        max-reduced over the EP axis, so they do not depend on the placement).
+      quant_impl, activation_scaling: quantized experts: ``"auto"`` runs them ragged through
+        ``moe.quantized_matmul`` (the kernel reading packed weights on a GPU), another ``quant.IMPLS`` name runs
+        ``quant.expert_mlp`` with it densely; dynamic activation scales cover the real rows, max-reduced over the
+        EP axis, so they do not depend on the placement.
       capacity_factor: ``None`` exchanges the worst-case buffer in one ``all_to_all`` (``[G, A, D]`` per rank,
         ``A``: a rank's assignments); a factor ``f`` exchanges and computes the rows in rounds of
         ``C = ceil(f * A / G)`` rows per rank pair, as many as the fullest pair needs (one when balanced and

@@ -2,7 +2,8 @@
 
 * ``expert_mlp`` -- a SwiGLU MLP over rows sorted by local slot, float
   (``w_in [S, D, 2H]``, ``w_out [S, H, D]``, through a ``grouped_matmul``) or
-  quantized (``moe_eplb_jax.quant`` pytrees, through ``quant.expert_mlp``).
+  quantized (``moe_eplb_jax.quant`` pytrees, through a ``quantized_grouped_matmul``
+  that reads the packed weights; other ``quant_impl`` values through ``quant.expert_mlp``).
 * ``tie_replicas`` -- identity whose gradient sums over an expert's replicas,
   so replicas stay bit-identical through training.
 * ``shared_mlp`` / ``waterfill_shared_mlp`` -- the shared expert (weights
@@ -13,12 +14,15 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from moe_eplb_jax import quant
 from moe_eplb_jax.moe import dispatch as _dispatch
 from moe_eplb_jax.moe import grouped_matmul as _gmm
+from moe_eplb_jax.moe import quantized_matmul as _qmm
 from moe_eplb_jax.routing import waterfill_assign
 
 __all__ = ["expert_mlp", "shared_mlp", "tie_replicas", "waterfill_shared_mlp"]
@@ -68,15 +72,22 @@ def expert_mlp(
         ``{"gate": q [S, H, D], "up": q [S, H, D], "down": q [S, D, H]}`` quantized pytrees of
         ``moe_eplb_jax.quant`` (contraction axis last).
       group_sizes: ``[S]`` int32 rows per slot.
-      implementation: float path -- a name in ``grouped_matmul.IMPLEMENTATIONS``
-        (``"auto"``: the GPU kernels on a GPU, the exact ``"dense"`` elsewhere). Quantized
-        experts run densely: every row through every local slot's ``quant.expert_mlp``.
-      quant_impl, activation_scaling: passed to ``quant.expert_mlp`` (dynamic activation
-        scales are max-reduced over ``axis_name``, so they do not depend on the placement).
+      implementation: a name in ``grouped_matmul.IMPLEMENTATIONS``. Float experts: the grouped matmul
+        (``"auto"``: the GPU kernels on a GPU, the exact ``"dense"`` elsewhere). Quantized experts with
+        ``quant_impl="auto"``: a ``quantized_grouped_matmul`` per projection, ragged (each row through its own
+        slot only) -- the Triton kernel on a GPU (``"auto"``, ``"pallas"``, ``"triton"``, ``"mosaic"``), its
+        interpreter for ``"pallas_interpret"``, the exact jnp reference for ``"dense"``, ``"ragged_dot"`` and
+        ``"auto"`` off a GPU.
+      quant_impl, activation_scaling: quantized experts. ``quant_impl`` other than ``"auto"`` runs
+        ``quant.expert_mlp`` with that impl densely (every row through every local slot). Dynamic
+        activation scales cover exactly the real rows, max-reduced over ``axis_name``, so they do not
+        depend on the placement.
 
     Returns:
       ``[N, D]`` in ``x.dtype``; padding rows hold unspecified values.
     """
+    if "gate" in experts and quant_impl == "auto":
+        return _quantized_mlp(x, experts, group_sizes, implementation, activation_scaling, axis_name)
     if "gate" in experts:
         # Each slot sees its own rows and zeros elsewhere: zero rows add nothing to the dynamic activation
         # scales (max|x|), which then cover exactly the real rows, whatever the placement.
@@ -101,6 +112,26 @@ def expert_mlp(
     # No masking of the padding rows here: callers never read them (and on XLA:CPU, fusing a mask into
     # the matmul may change how real rows round).
     return matmul(act, w_out, group_sizes).astype(x.dtype)
+
+
+_QUANTIZED_BACKEND = {"pallas_interpret": "pallas_interpret", "dense": "reference", "ragged_dot": "reference"}
+
+
+def _quantized_mlp(x, experts, group_sizes, implementation, activation_scaling, axis_name):
+    """``down(silu(gate(x)) * up(x))`` ragged: one quantized grouped matmul per projection, float32 between them
+    (the down projection's activations quantized or cast from it, as ``quant.expert_mlp`` does)."""
+    if implementation not in _gmm.IMPLEMENTATIONS:
+        raise ValueError(f"unknown grouped matmul {implementation!r}; known: {_gmm.available()}")
+    matmul = functools.partial(
+        _qmm.quantized_grouped_matmul,
+        group_sizes=group_sizes,
+        implementation=_QUANTIZED_BACKEND.get(implementation, "auto"),
+        compute_dtype=x.dtype,  # weight-only formats decode to the activations' dtype: float32 stays float32
+        activation_scaling=activation_scaling,
+        axis_name=axis_name,
+    )
+    hidden = jax.nn.silu(matmul(x, experts["gate"])) * matmul(x, experts["up"])
+    return matmul(hidden, experts["down"]).astype(x.dtype)
 
 
 # ------------------------------------------------------------ shared expert

@@ -1,0 +1,1 @@
+"""The quantized grouped matmul's implementations: ``reference`` (jnp), ``triton`` (Pallas), ``config`` (tiling)."""

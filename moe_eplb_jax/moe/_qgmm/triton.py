@@ -1,0 +1,190 @@
+"""A grouped matmul in Pallas (Triton backend) that decodes quantized expert weights from their packed bytes.
+
+``grouped_matmul(lhs [N, K], q [S, M, K], group_sizes [S], factor [S]) -> [N, M] float32``: rows
+``[start_s, end_s)`` times slot ``s``'s weights, times ``factor[s]``. Weight-only: each program loads a
+``[block_cols, block_k]`` tile of the packed weights (e4m3 bytes, or e2m1 pairs: even element in the low
+nibble) and its scales, decodes them in registers (e4m3 by Triton's conversion, e2m1 through it too,
+e8m0 as a float32 exponent) to ``lhs.dtype`` and runs a 16-bit (or float32) MMA with float32 accumulation. Decode is memory
+bound: the weights are read once per work item, in their packed size, never written back dequantized.
+
+What a tile decodes to, exactly (``lhs`` bfloat16 or float32):
+
+* ``fp8``: the e4m3 values; the slot's ``alpha`` multiplies the float32 result (``factor``).
+* ``fp8_block``: the e4m3 values; the tile's float32 scale multiplies each step's partial product (the
+  tiling is clipped so a step lies in one scale tile).
+* ``mxfp8`` / ``mxfp4``: element times ``2**(code - 127)`` of its 32-element block (code 0 decodes to 0,
+  255 to NaN), exact in bfloat16 but for float32-subnormal products.
+* ``nvfp4``: e2m1 times the block's e4m3 scale (exact in bfloat16); the global scale is ``factor``.
+
+Work items follow ``sum(group_sizes)`` as in ``moe._gmm.triton`` (``work_items``): a rank that received
+few rows does little work, and each row runs the same instruction sequence wherever it sits. Rows outside
+every group are never written.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from moe_eplb_jax import quant
+from moe_eplb_jax.moe._gmm.triton import work_items
+from moe_eplb_jax.moe._qgmm.config import Config, default_config
+
+__all__ = ["grouped_matmul", "operands"]
+
+_SCALE_BLOCK = {"mxfp8": 32, "mxfp4": 32, "nvfp4": 16}
+
+
+def _e4m3(code):
+    """uint8 e4m3fn codes -> float32 (NaN for 0x7F / 0xFF): Triton's ``fp_to_fp``, the hardware conversion on
+    Hopper (subnormals exact, no flush)."""
+    return jax.lax.bitcast_convert_type(code, jnp.float8_e4m3fn).astype(jnp.float32)
+
+
+def _e2m1_pair(packed):
+    """uint8 bytes of two e2m1 codes -> float32 ``(even, odd)`` elements (the even one in the low nibble).
+
+    Each code's fields moved into an e4m3 byte (sign to bit 7, exponent and mantissa two bits up) make an
+    e4m3 value of exactly ``e2m1 * 2**-6`` -- the subnormal codes too, as both formats' subnormals line up --
+    so Triton's conversion does the decode and one exact multiply by 64 undoes the shift.
+    """
+    low = ((packed & 0x08) << 4) | ((packed & 0x07) << 2)
+    high = (packed & 0x80) | ((packed & 0x70) >> 2)
+    return _e4m3(low) * jnp.float32(64), _e4m3(high) * jnp.float32(64)
+
+
+def _e8m0(code):
+    """int32 e8m0 codes -> float32 ``2**(code - 127)``; code 0 gives 0 (float32 subnormal), 255 NaN."""
+    value = jax.lax.bitcast_convert_type(code << 23, jnp.float32)
+    return jnp.where(code == 255, jnp.float32(jnp.nan), value)
+
+
+def _spread(scale, block: int):
+    """``[C, nb]`` block scales -> ``[C, nb * block]``, each repeated over its block's elements."""
+    cols, blocks = scale.shape
+    return jnp.broadcast_to(scale[:, :, None], (cols, blocks, block)).reshape(cols, blocks * block)
+
+
+def _decode_tile(w_ref, s_ref, first, k, *, fmt, block_k, block_cols):
+    """The weight tile ``[block_cols, block_k]`` (weight rows from ``first``, contraction step ``k``) as float32."""
+    if fmt in ("mxfp4", "nvfp4"):
+        packed = w_ref[pl.ds(first, block_cols), pl.ds(k * (block_k // 2), block_k // 2)]
+        values = jax.lax.stack(_e2m1_pair(packed), axis=2).reshape(block_cols, block_k)
+    else:
+        values = _e4m3(w_ref[pl.ds(first, block_cols), pl.ds(k * block_k, block_k)])
+    if fmt not in _SCALE_BLOCK:
+        return values
+    block = _SCALE_BLOCK[fmt]
+    codes = s_ref[pl.ds(first, block_cols), pl.ds(k * (block_k // block), block_k // block)]
+    scale = _e4m3(codes) if fmt == "nvfp4" else _e8m0(codes.astype(jnp.int32))
+    return values * _spread(scale, block)
+
+
+def _kernel(lhs_ref, w_ref, s_ref, factor_ref, group_ref, tile_ref, count_ref, starts_ref, ends_ref, out_ref, **st):
+    block_rows, block_k, block_cols = st["block_rows"], st["block_k"], st["block_cols"]
+    fmt, width, depth = st["fmt"], st["width"], st["depth"]
+    item = pl.program_id(0)
+    col = pl.program_id(1)
+
+    @pl.when(item < count_ref[0])
+    def _():
+        group = group_ref[item]
+        first_row = tile_ref[item] * block_rows
+        rows = first_row + jnp.arange(block_rows, dtype=jnp.int32)
+        mine = (rows >= starts_ref[group]) & (rows < ends_ref[group])
+        first = group * width + col * block_cols  # the tile's first weight row in w [S * M, ...]
+
+        def step(k, acc):
+            a = plgpu.load(
+                lhs_ref.at[pl.ds(first_row, block_rows), pl.ds(k * block_k, block_k)],
+                mask=jnp.broadcast_to(mine[:, None], (block_rows, block_k)),
+                other=0,
+            )
+            b = _decode_tile(w_ref, s_ref, first, k, fmt=fmt, block_k=block_k, block_cols=block_cols)
+            part = jnp.dot(a, b.astype(a.dtype).T, preferred_element_type=jnp.float32, precision=st["precision"])
+            if fmt == "fp8_block":  # one float32 scale per (tile row block, contraction block)
+                bn, bk = st["tile"]
+                part = part * s_ref[(group * width + col * block_cols) // bn, (k * block_k) // bk]
+            return acc + part
+
+        acc = jax.lax.fori_loop(0, depth // block_k, step, jnp.zeros((block_rows, block_cols), jnp.float32))
+        plgpu.store(
+            out_ref.at[pl.ds(first_row, block_rows), pl.ds(col * block_cols, block_cols)],
+            acc * factor_ref[group],
+            mask=jnp.broadcast_to(mine[:, None], (block_rows, block_cols)),
+        )
+
+
+def operands(q):
+    """``(fmt, weight bytes [S * M, K or K // 2], scales [S * M', K'], fp8_block tile or None)`` of ``q``."""
+    s, m, k = q.shape
+    as_bytes = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint8)
+    if isinstance(q, quant.Fp8Experts):
+        return "fp8", as_bytes(q.weight).reshape(s * m, k), jnp.zeros((1, 1), jnp.uint8), None
+    if isinstance(q, quant.Fp8BlockExperts):
+        scales = q.weight_scale.reshape(-1, q.weight_scale.shape[2])
+        return "fp8_block", as_bytes(q.weight).reshape(s * m, k), scales, q.block_size
+    if isinstance(q, quant.Mxfp8Experts):
+        return "mxfp8", as_bytes(q.elements).reshape(s * m, k), as_bytes(q.scales).reshape(s * m, -1), None
+    if isinstance(q, quant.Mxfp4Experts):
+        return "mxfp4", q.elements.reshape(s * m, k // 2), as_bytes(q.scales).reshape(s * m, -1), None
+    if isinstance(q, quant.Nvfp4Experts):
+        return "nvfp4", q.elements.reshape(s * m, k // 2), as_bytes(q.block_scales).reshape(s * m, -1), None
+    raise ValueError(f"q must be a moe_eplb_jax.quant pytree, got {type(q).__name__}")
+
+
+def _blocks(config: Config, fmt: str, width: int, depth: int, tile) -> tuple[int, int]:
+    """``(block_k, block_cols)`` clipped to the matrix (and to one scale tile for fp8_block), checked."""
+    block_k, block_cols = min(config.block_k, depth), min(config.block_cols, width)
+    if tile is not None:
+        block_k, block_cols = min(block_k, tile[1]), min(block_cols, tile[0])
+    least_k = max(16, _SCALE_BLOCK.get(fmt, 16))
+    for name, block, size, least in (("K", block_k, depth, least_k), ("M", block_cols, width, 16)):
+        if block < least or block & (block - 1) or size % block:
+            raise ValueError(
+                f"quantized_grouped_matmul: {name}={size} needs a power-of-two block >= {least} dividing it "
+                f"(got {block}; fmt {fmt!r})"
+            )
+    if tile is not None and (tile[0] % block_cols or tile[1] % block_k):
+        raise ValueError(f"quantized_grouped_matmul: fp8_block tile {tile} is not a multiple of the blocks")
+    return block_k, block_cols
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def grouped_matmul(lhs, q, group_sizes, factor, *, config: Config | None = None, interpret: bool = False):
+    """See the module docstring. ``lhs`` bfloat16 or float32; ``K`` and ``M`` multiples of the clipped blocks;
+    ``factor [S]`` multiplies each slot's float32 result."""
+    num_rows, depth = lhs.shape
+    num_slots, width, _ = q.shape
+    fmt, w, scales, tile = operands(q)
+    config = config or default_config(num_rows, num_slots)
+    block_k, block_cols = _blocks(config, fmt, width, depth, tile)
+    group, row_tile, count = work_items(group_sizes, num_rows, config.block_rows)
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
+    starts = ends - group_sizes.astype(jnp.int32)
+    kernel = functools.partial(
+        _kernel,
+        block_rows=config.block_rows,
+        block_k=block_k,
+        block_cols=block_cols,
+        fmt=fmt,
+        width=width,
+        depth=depth,
+        tile=tile,
+        precision=jax.lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else None,
+    )
+    whole = pl.no_block_spec
+    return pl.pallas_call(
+        kernel,
+        grid=(group.shape[0], width // block_cols),
+        in_specs=[whole] * 9,
+        out_specs=whole,
+        out_shape=jax.ShapeDtypeStruct((num_rows, width), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret,
+        name=f"quantized_grouped_matmul_{fmt}",
+    )(lhs, w, scales, factor.astype(jnp.float32), group, row_tile, count, starts, ends)
