@@ -75,6 +75,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as PS
 
+from moe_eplb_jax import quant
 from moe_eplb_jax.moe import dispatch as _dispatch
 from moe_eplb_jax.moe.config import DispatchConfig, RouterConfig, axes_size
 from moe_eplb_jax.moe.experts import expert_mlp, shared_mlp, waterfill_shared_mlp
@@ -298,9 +299,10 @@ def routed_experts(x, physical, weights, experts, *, axis: str, num_ranks: int, 
         return _dispatch.unsort(mlp(rows[order], experts, group_sizes=group_sizes), order)
 
     capacity = dispatch.capacity(physical.size, num_ranks)
-    if "gate" in experts and dispatch.activation_scaling == "dynamic":
-        # A dynamic activation scale is a max over every row the MLP sees: one round holds them all, so it
-        # stays independent of how rows would split into rounds (that is, of the placement).
+    if isinstance(experts.get("gate"), quant.Fp8Experts) and dispatch.activation_scaling == "dynamic":
+        # A dynamic activation scale (fp8 W8A8) is a max over every row the MLP sees: one round holds them all,
+        # so it stays independent of how rows would split into rounds (that is, of the placement). The other
+        # formats are weight-only and go in rounds.
         capacity = None
     return _dispatch.exchange_apply(
         grouped,
