@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import warnings
 from collections.abc import Callable
@@ -67,7 +68,11 @@ def probed(kernel: str, probe: Callable[[], bool], *, case: str = "") -> bool:
     key = (kernel, case)
     if key not in _PROBED:
         try:
-            problem = None if probe() else "disagrees with its XLA implementation on this device"
+            # On a thread of its own: JAX's trace state is per thread, so a probe first reached while the caller
+            # traces still runs its set-up and its compiled call on concrete values.
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                agrees = pool.submit(probe).result()
+            problem = None if agrees else "disagrees with its XLA implementation on this device"
         except Exception as err:  # any failure of the Pallas path: the XLA one still serves
             problem = f"failed on this device ({type(err).__name__}: {err})"
         _PROBED[key] = problem is None

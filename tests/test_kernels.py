@@ -55,6 +55,28 @@ def test_probe_runs_once_per_case_and_warns_once_per_kernel(fresh):
     }
 
 
+def test_a_probe_first_reached_while_tracing_runs_on_concrete_values(fresh):
+    """A kernel's default is often first asked for inside ``jit``: its probe (jnp set-up, an ahead-of-time
+    compiled call, a comparison on the host) still runs eagerly and returns its verdict."""
+
+    def probe():
+        x = jnp.arange(8, dtype=jnp.float32) * 2  # a tracer without the compile-time scope
+        compiled = jax.jit(lambda v: v + 1).lower(x).compile()
+        return bool(np.allclose(np.asarray(compiled(x)), np.arange(8) * 2 + 1))
+
+    verdicts = []
+
+    def traced(v):
+        verdicts.append(fresh.probed("traced_kernel", probe))
+        return v + 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        jax.jit(traced)(jnp.float32(3))
+    assert verdicts == [True]
+    assert fresh._PROBED == {("traced_kernel", ""): True}
+
+
 def test_pallas_default_needs_a_gpu(fresh, monkeypatch):
     """Off a GPU the XLA implementation is the default without probing; on one, the probe decides."""
     ran = []
