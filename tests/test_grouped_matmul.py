@@ -142,6 +142,9 @@ def test_triton_tilings_in_interpret_mode(rng):
             np.testing.assert_allclose(dw, np.asarray(gmm.transposed_dense(x, dy, sizes)), rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="multiples"):
         triton.grouped_matmul(x[:, :24], w[:, :24], sizes, interpret=True)
+    # What the kernels tile, both ways (the input gradient swaps K and M); "pallas" takes "dense" elsewhere.
+    assert triton.supports(32, 64) and triton.supports(1024, 512) and triton.supports(16, 16)
+    assert not triton.supports(24, 64) and not triton.supports(64, 8) and not triton.supports(96, 64)
 
 
 def test_bad_inputs_are_refused(rng):

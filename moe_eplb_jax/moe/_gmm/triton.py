@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-__all__ = ["Config", "default_config", "grouped_matmul", "transposed_grouped_matmul", "work_items"]
+__all__ = ["Config", "default_config", "grouped_matmul", "supports", "transposed_grouped_matmul", "work_items"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -82,6 +82,17 @@ def work_items(group_sizes, num_rows: int, block_rows: int):
 
 def _precision(dtype):
     return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+
+
+def _fits(block: int, size: int) -> bool:
+    block = min(block, size)
+    return block >= 16 and not block & (block - 1) and size % block == 0
+
+
+def supports(depth: int, width: int, config: Config = Config()) -> bool:
+    """Whether the product ``[N, depth] x [depth, width]``, its input gradient and its weight gradient tile with
+    ``config``'s blocks (clipped to the matrix): sizes below 16 or off the power-of-two blocks do not."""
+    return all(_fits(config.block_k, k) and _fits(config.block_cols, m) for k, m in ((depth, width), (width, depth)))
 
 
 def _check_blocks(**blocks_and_sizes) -> None:
