@@ -54,3 +54,46 @@ def test_one_rank_path_equals_the_exchange(dtype, rng):
     unsent = (physical < 0).all(axis=1)
     if unsent.any():
         np.testing.assert_array_equal(np.asarray(local[0], np.float32)[unsent], 0.0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_permutations_are_gathers_both_ways(dtype, rng):
+    """``permute_rows`` / ``unsort``: autodiff's values and gradients bit for bit, and no scatter-add of rows in the
+    gradient (a permutation's transpose is its inverse gather; only the int inverse is scattered)."""
+    n, dim = 37, 5
+    x = jnp.asarray(rng.standard_normal((n, dim)), dtype)
+    cot = jnp.asarray(rng.standard_normal((n, dim)), dtype)
+    order = jnp.asarray(rng.permutation(n), jnp.int32)
+    inverse = np.asarray(dispatch.inverse_permutation(order))
+    np.testing.assert_array_equal(inverse[np.asarray(order)], np.arange(n))
+    for ours, autodiff in (
+        (lambda x: dispatch.permute_rows(x, order), lambda x: x[order]),
+        (lambda x: dispatch.unsort(x, order), lambda x: jnp.zeros_like(x).at[order].set(x)),
+    ):
+        np.testing.assert_array_equal(np.asarray(ours(x), np.float32), np.asarray(autodiff(x), np.float32))
+        grad = lambda f: jax.grad(lambda x: jnp.sum((f(x) * cot).astype(jnp.float32)))
+        np.testing.assert_array_equal(np.asarray(grad(ours)(x), np.float32), np.asarray(grad(autodiff)(x), np.float32))
+        jaxpr = str(jax.make_jaxpr(grad(ours))(x))
+        assert "scatter-add" not in jaxpr and "scatter_add" not in jaxpr
+
+
+def test_one_rank_gather_sums_each_tokens_gradient_over_its_assignments(rng):
+    """``gather_local``'s input gradient: each token's ``k`` row gradients summed (sent rows only), with no
+    scatter-add of rows."""
+    tokens, top_k, dim, slots = 19, 3, 4, 5
+    x = jnp.asarray(rng.standard_normal((tokens, dim)), jnp.float32)
+    physical = rng.integers(0, slots, (tokens, top_k)).astype(np.int32)
+    physical[rng.random((tokens, top_k)) < 0.25] = -1
+    cot = jnp.asarray(rng.standard_normal((tokens * top_k, dim)), jnp.float32)
+    rows_of = lambda x: dispatch.gather_local(x, jnp.asarray(physical), slots)[0]
+    _, order, sizes = dispatch.gather_local(x, jnp.asarray(physical), slots)
+    assert int(sizes.sum()) == int((physical >= 0).sum())
+    got = np.asarray(jax.grad(lambda x: jnp.sum(rows_of(x) * cot))(x))
+    sent = np.asarray(order) < tokens * top_k  # every row of the permutation
+    want = np.zeros((tokens, dim), np.float32)
+    flat = physical.reshape(-1)
+    for position, assignment in enumerate(np.asarray(order)):
+        if sent[position] and flat[assignment] >= 0:
+            want[assignment // top_k] += np.asarray(cot)[position]
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert "scatter-add" not in str(jax.make_jaxpr(jax.grad(lambda x: jnp.sum(rows_of(x) * cot)))(x))

@@ -402,7 +402,8 @@ def test_online_refresh_keeps_spares_a_rank_already_holds(rng):
 
 
 # ------------------------------------------------------------- waterfill
-def test_waterfill_moves_shared_work_to_the_ranks_with_slack(rng):
+@pytest.mark.parametrize("capacity", [None, 32, 5])  # one worst-case round; rounds of 32 / 5 rows per rank pair
+def test_waterfill_moves_shared_work_to_the_ranks_with_slack(rng, capacity):
     tokens = 32
     shared = {
         "w_in": jnp.asarray(rng.standard_normal((D, 8)).astype(np.float32)),
@@ -413,7 +414,9 @@ def test_waterfill_moves_shared_work_to_the_ranks_with_slack(rng):
     routed = np.array([90, 20, 0, 50], np.int32)  # routed rows per rank: rank 2 has the most slack
 
     def per_rank(x, valid, shared):
-        out, work = waterfill_shared_mlp(x, valid, jnp.asarray(routed), shared, axis_name="ep", num_ranks=G)
+        out, work = waterfill_shared_mlp(
+            x, valid, jnp.asarray(routed), shared, axis_name="ep", num_ranks=G, capacity=capacity
+        )
         return out, work[None]
 
     f = jax.jit(
@@ -435,6 +438,45 @@ def test_waterfill_moves_shared_work_to_the_ranks_with_slack(rng):
     np.testing.assert_allclose(work, expected, atol=3 * np.sqrt(expected.max()) + 1)
     own = valid.reshape(G, tokens).sum(1)  # the local shared expert's rows per rank
     assert (routed + work).max() < (routed + own).max()
+
+
+def test_waterfill_gradients_do_not_depend_on_the_capacity(rng):
+    """Training through Waterfill: the shared weights' gradients in rounds of 5 rows equal one worst-case round's
+    (float32 sums over rounds: to rounding)."""
+    tokens = 32
+    shared = {
+        "w_in": jnp.asarray(rng.standard_normal((D, 8)).astype(np.float32)),
+        "w_out": jnp.asarray(rng.standard_normal((4, D)).astype(np.float32)),
+    }
+    x = rng.standard_normal((G * tokens, D)).astype(np.float32)
+    cot = rng.standard_normal((G * tokens, D)).astype(np.float32)
+    valid = rng.random(G * tokens) < 0.9
+    routed = jnp.asarray([90, 20, 0, 50], jnp.int32)
+
+    def grads(capacity):
+        def per_rank(x, valid, cot, shared):
+            def loss(shared, x):
+                out, _ = waterfill_shared_mlp(x, valid, routed, shared, axis_name="ep", num_ranks=G, capacity=capacity)
+                return jnp.sum(out * cot)
+
+            d_shared, d_x = jax.grad(loss, argnums=(0, 1))(shared, x)
+            return jax.tree.map(lambda g: jax.lax.psum(g, "ep"), d_shared), d_x  # the replicated weights' sum
+
+        f = jax.shard_map(
+            per_rank,
+            mesh=MESH,
+            in_specs=(PS("ep"), PS("ep"), PS("ep"), PS()),
+            out_specs=(PS(), PS("ep")),
+            check_vma=False,
+        )
+        return jax.jit(f)(x, valid, cot, shared)
+
+    (w_once, x_once), (w_rounds, x_rounds) = grads(None), grads(5)
+    for name in ("w_in", "w_out"):
+        np.testing.assert_allclose(w_rounds[name], w_once[name], rtol=1e-5, atol=1e-5)
+        assert np.abs(np.asarray(w_once[name])).max() > 0
+    np.testing.assert_allclose(x_rounds, x_once, rtol=1e-5, atol=1e-5)
+    assert not np.asarray(x_once)[~valid].any()  # padding gets no gradient
 
 
 # -------------------------------------------------------------------- GPU

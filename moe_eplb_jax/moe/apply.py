@@ -296,7 +296,7 @@ def routed_experts(x, physical, weights, experts, *, axis: str, num_ranks: int, 
 
     def grouped(experts, rows, row_slot):
         order, group_sizes = _dispatch.sort_by_slot(row_slot, slots_per_rank)
-        return _dispatch.unsort(mlp(rows[order], experts, group_sizes=group_sizes), order)
+        return _dispatch.unsort(mlp(_dispatch.permute_rows(rows, order), experts, group_sizes=group_sizes), order)
 
     capacity = dispatch.capacity(physical.size, num_ranks)
     if isinstance(experts.get("gate"), quant.Fp8Experts) and dispatch.activation_scaling == "dynamic":

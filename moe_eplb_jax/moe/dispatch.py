@@ -48,6 +48,8 @@ __all__ = [
     "exchange",
     "exchange_apply",
     "gather_local",
+    "inverse_permutation",
+    "permute_rows",
     "plan_dispatch",
     "plan_rounds",
     "sort_by_slot",
@@ -205,7 +207,9 @@ def gather_local(x, physical_ids, num_slots: int):
     order = jnp.argsort(key, stable=True).astype(jnp.int32)
     group_sizes = (key[:, None] == jnp.arange(num_slots, dtype=jnp.int32)[None, :]).sum(0, dtype=jnp.int32)
     sent = (key[order] < num_slots)[:, None]
-    rows = jnp.where(sent, x[order // jnp.int32(physical_ids.shape[1])], jnp.zeros((), x.dtype))
+    tokens, top_k = physical_ids.shape
+    per_assign = jnp.broadcast_to(x[:, None, :], (tokens, top_k, x.shape[-1])).reshape(tokens * top_k, -1)
+    rows = jnp.where(sent, permute_rows(per_assign, order), jnp.zeros((), x.dtype))
     return rows, order, group_sizes
 
 
@@ -457,5 +461,37 @@ def sort_by_slot(recv_slot, num_slots: int):
 
 
 def unsort(sorted_rows, order):
-    """Inverse of ``rows[order]``: puts sorted rows back in arrival order."""
-    return jnp.zeros_like(sorted_rows).at[order].set(sorted_rows, unique_indices=True)
+    """Inverse of ``rows[order]``: puts sorted rows back in arrival order (a gather; so is its gradient)."""
+    return _permute(sorted_rows, inverse_permutation(order), order)
+
+
+def inverse_permutation(order):
+    """``inverse`` with ``inverse[order[i]] = i`` for ``order`` a permutation ``[N]`` (a scatter of ``N`` ints)."""
+    positions = jnp.arange(order.shape[0], dtype=order.dtype)
+    return jnp.zeros_like(order).at[order].set(positions, unique_indices=True)
+
+
+def permute_rows(x, order):
+    """``x[order]`` for ``order`` a permutation of ``x``'s rows, differentiated by the gather with its inverse.
+
+    Autodiff would transpose the gather into a scatter-add, atomic on a GPU and several times slower than a gather
+    of the same rows; a permutation's transpose is the inverse permutation.
+    """
+    return _permute(x, order, inverse_permutation(order))
+
+
+@jax.custom_vjp
+def _permute(x, order, inverse):
+    return x[order]
+
+
+def _permute_fwd(x, order, inverse):
+    return x[order], (order, inverse)
+
+
+def _permute_bwd(residuals, grad):
+    order, inverse = residuals
+    return grad[inverse], None, None
+
+
+_permute.defvjp(_permute_fwd, _permute_bwd)

@@ -169,8 +169,9 @@ def waterfill_shared_mlp(
       shared: the replicated ``{"w_in": [D, 2H], "w_out": [H, D]}``.
       num_ranks: ``G``; ``routed_cost``: a routed row's cost in shared rows (hidden widths' ratio).
       implementation: the grouped matmul of the received rows (``"pallas"``: cost follows them;
-        ``"dense"`` computes the worst-case buffer, ``G * T`` rows).
-      capacity: exchange rows per rank pair and round (see ``moe.dispatch``).
+        ``"dense"`` computes every row of the round's buffer, ``G * C``).
+      capacity: exchange rows per rank pair and round (``moe.dispatch.exchange_apply``: memory linear in
+        tokens, never a dropped token; ``None``: one round of the worst case).
 
     The EP group's valid tokens are poured over the ranks above the routed
     load (``routing.waterfill_assign``, every rank a candidate, own rank
@@ -190,11 +191,23 @@ def waterfill_shared_mlp(
         total=total,
         valid=valid,
     )
-    rows, row_slot, plan = _dispatch.dispatch(
-        x, dest[:, None], slots_per_rank=1, axis_name=axis_name, num_ranks=num_ranks, capacity=capacity
+
+    def rows_mlp(shared, rows, row_slot):
+        order, group_sizes = _dispatch.sort_by_slot(row_slot, 1)
+        return _dispatch.unsort(
+            shared_mlp(_dispatch.permute_rows(rows, order), shared, group_sizes, implementation=implementation), order
+        )
+
+    out = _dispatch.exchange_apply(
+        rows_mlp,
+        shared,
+        x,
+        dest[:, None],  # one slot per rank: the destination rank is the slot
+        jnp.ones((num_tokens, 1), jnp.float32),  # a weight of 1 adds the row unchanged
+        slots_per_rank=1,
+        axis_name=axis_name,
+        num_ranks=num_ranks,
+        capacity=capacity,
+        out_dtype=x.dtype,
     )
-    order, group_sizes = _dispatch.sort_by_slot(row_slot, 1)
-    y = _dispatch.unsort(shared_mlp(rows[order], shared, group_sizes, implementation=implementation), order)
-    ones = jnp.ones((num_tokens, 1), jnp.float32)  # a weight of 1 adds the row unchanged
-    out = _dispatch.combine(y, plan, ones, axis_name=axis_name, out_dtype=x.dtype, capacity=capacity)
     return out, jax.lax.psum(work, axis_name)
