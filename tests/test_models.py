@@ -479,3 +479,19 @@ def test_remat_gives_the_same_loss_gradients_and_loads():
         np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError, match="remat"):
         MoECausalLM(config, mesh=transport.ep_mesh(1), remat="yes", rngs=nnx.Rngs(0))
+
+
+def test_decode_read_bytes_counts_weights_experts_touched_and_cache():
+    """A decode step's floor: one token touches top_k experts per MoE layer, a large batch all of them; the KV
+    cache grows with batch x context; MLA caches its latent."""
+    from moe_eplb_jax.models import preset
+
+    c = preset("small", dtype="bfloat16")
+    expert = 3 * c.dim * c.moe_hidden * 2
+    one, many = c.decode_read_bytes(1, 0), c.decode_read_bytes(10_000, 0)
+    assert many - one == pytest.approx(c.num_moe_layers * (c.num_experts - c.top_k) * expert, rel=1e-9)
+    cache = c.decode_read_bytes(32, 100) - c.decode_read_bytes(32, 0)
+    assert cache == pytest.approx(c.num_layers * 32 * 100 * 2 * c.num_kv_heads * c.head_dim * 2)
+    mla = preset("deepseek_v3_tiny")
+    latent = mla.decode_read_bytes(4, 10) - mla.decode_read_bytes(4, 0)
+    assert latent == pytest.approx(mla.num_layers * 40 * (mla.kv_lora_rank + mla.qk_rope_head_dim) * 4)

@@ -354,3 +354,68 @@ def test_config_layer_patterns():
     assert preset("tiny").moe_blocks == (1, 2) and hash(config)
     names = checkpoint_shapes(config)
     assert "model.layers.4.mlp.gate_proj.weight" in names and "model.layers.4.mlp.gate.weight" not in names
+
+
+def test_dot_f32_differentiates_16_bit_inputs_with_16_bit_products(rng):
+    """The LM head's and dense MLP's product: float32 out, bit for bit ``jnp.dot``'s; its gradients multiply in
+    bf16 (no float32 GEMM in the backward pass) and agree with float64 to bf16 rounding. Float32 is autodiff."""
+    from moe_eplb_jax.models.layers import dot_f32
+
+    x = jnp.asarray(rng.standard_normal((2, 6, 32)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((32, 48)) / 6, jnp.bfloat16)
+    cot = rng.standard_normal((2, 6, 48)).astype(np.float32)
+    np.testing.assert_array_equal(
+        np.asarray(dot_f32(x, w)), np.asarray(jnp.dot(x, w, preferred_element_type=jnp.float32))
+    )
+    loss = lambda x, w: jnp.sum(dot_f32(x, w) * cot)
+    dx, dw = jax.grad(loss, argnums=(0, 1))(x, w)
+    assert dx.dtype == jnp.bfloat16 and dw.dtype == jnp.bfloat16
+    x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    want_dx, want_dw = cot @ w64.T, np.einsum("btk,btn->kn", x64, cot)
+    np.testing.assert_allclose(np.asarray(dx, np.float64), want_dx, rtol=3e-2, atol=3e-2 * np.abs(want_dx).max())
+    np.testing.assert_allclose(np.asarray(dw, np.float64), want_dw, rtol=3e-2, atol=3e-2 * np.abs(want_dw).max())
+    dots = [
+        e for e in jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, w).jaxpr.eqns if e.primitive.name == "dot_general"
+    ]
+    assert len(dots) == 2 and all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars)  # dx, dw
+    x32, w32 = x.astype(jnp.float32), w.astype(jnp.float32)
+    auto = jax.grad(lambda x, w: jnp.sum(jnp.dot(x, w) * cot), argnums=(0, 1))(x32, w32)
+    ours = jax.grad(lambda x, w: jnp.sum(dot_f32(x, w) * cot), argnums=(0, 1))(x32, w32)
+    for a, b in zip(ours, auto):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_embedding_gradient_adds_repeated_tokens_in_float32(rng):
+    """``embed``: the gather's values; its bf16 table gradient is the float32 sum of each token's rows, rounded
+    once (a repeated token's rows are not summed in bf16), and rows never looked up get zero."""
+    from moe_eplb_jax.models.layers import embed
+
+    table = jnp.asarray(rng.standard_normal((11, 8)), jnp.bfloat16)
+    tokens = jnp.asarray([[3, 3, 3, 0], [7, 3, 0, 10]], jnp.int32)
+    cot = rng.standard_normal((2, 4, 8)).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(embed(table, tokens)), np.asarray(table)[np.asarray(tokens)])
+    got = jax.grad(lambda t: jnp.sum(embed(t, tokens).astype(jnp.float32) * cot))(table)
+    want = np.zeros((11, 8), np.float32)
+    for position, token in enumerate(np.asarray(tokens).ravel()):
+        want[token] += np.asarray(cot.reshape(-1, 8)[position].astype(ml_dtypes.bfloat16), np.float32)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got), want.astype(ml_dtypes.bfloat16))
+
+
+def test_cross_entropy_matches_optax_and_its_gradient_scatters_nothing(rng):
+    from moe_eplb_jax.models import cross_entropy
+
+    optax = pytest.importorskip("optax")
+    logits = jnp.asarray(rng.standard_normal((3, 5, 40)) * 4, jnp.bfloat16)
+    labels = jnp.asarray(rng.integers(0, 40, (3, 5)), jnp.int32)
+    want = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
+    np.testing.assert_allclose(np.asarray(cross_entropy(logits, labels)), np.asarray(want), rtol=1e-6, atol=1e-6)
+    ours = jax.grad(lambda z: jnp.mean(cross_entropy(z, labels)))(logits.astype(jnp.float32))
+    theirs = jax.grad(lambda z: jnp.mean(optax.softmax_cross_entropy_with_integer_labels(z, labels)))(
+        logits.astype(jnp.float32)
+    )
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), rtol=1e-6, atol=1e-7)
+    jaxpr = str(jax.make_jaxpr(jax.grad(lambda z: jnp.mean(cross_entropy(z, labels))))(logits.astype(jnp.float32)))
+    assert "scatter" not in jaxpr
+    with pytest.raises(ValueError, match="labels must have shape"):
+        cross_entropy(logits, labels[:, :2])

@@ -285,6 +285,31 @@ class ModelConfig:
         )
         return 2.0 * per_token
 
+    def decode_read_bytes(self, batch: int, context: int) -> float:
+        """Bytes one decode step of ``batch`` tokens must read from memory, at ``context`` cached positions: every
+        non-expert weight, the experts the batch touches in expectation under uniform routing
+        (``E (1 - (1 - k / E) ** batch)`` of them per MoE layer), the shared expert and the KV cache, in ``dtype``.
+        Over the card's memory bandwidth it is the step's floor."""
+        d, h, item = self.dim, self.num_heads, self.jnp_dtype.itemsize
+        if self.attention == "mla":
+            qk, rank, rope = self.qk_nope_head_dim + self.qk_rope_head_dim, self.kv_lora_rank, self.qk_rope_head_dim
+            query = d * h * qk if self.q_lora_rank is None else d * self.q_lora_rank + self.q_lora_rank * h * qk
+            attention = query + d * (rank + rope) + rank * h * (self.qk_nope_head_dim + self.v_head_dim)
+            attention += h * self.v_head_dim * d
+            cached = rank + rope
+        else:
+            attention = 2 * d * h * self.head_dim + 2 * d * self.num_kv_heads * self.head_dim
+            cached = 2 * self.num_kv_heads * self.head_dim
+        touched = self.num_experts * (1 - (1 - self.top_k / self.num_experts) ** batch)
+        moe = touched * 3 * d * self.moe_hidden + d * self.num_experts + 3 * d * self.shared_hidden
+        weights = (
+            self.num_layers * attention
+            + len(self.dense_blocks) * 3 * d * self.dense_hidden
+            + self.num_moe_layers * moe
+            + d * self.vocab_size
+        )
+        return float(item * (weights + self.num_layers * batch * context * cached))
+
     @property
     def jnp_dtype(self):
         """``dtype`` as a numpy dtype (``jnp.bfloat16``'s for ``"bfloat16"``)."""

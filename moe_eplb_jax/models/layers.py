@@ -15,7 +15,7 @@ from flax import nnx
 from moe_eplb_jax.models.weights import dense_weight
 from moe_eplb_jax.transport.mesh import put_host
 
-__all__ = ["DenseMLP", "RMSNorm", "attention_mask", "replicated_param"]
+__all__ = ["DenseMLP", "RMSNorm", "attention_mask", "dot_f32", "embed", "replicated_param"]
 
 
 def replicated_param(rngs: nnx.Rngs, shape, *, fan_in: int, dtype, mesh) -> nnx.Param:
@@ -54,6 +54,67 @@ def attention_mask(key_valid, query_offset, num_queries: int):
     return key_valid[:, None, :] & (keys <= queries)
 
 
+def dot_f32(x, w):
+    """``x [..., K] @ w [K, N]`` accumulated and returned in float32, differentiated in the inputs' dtype.
+
+    Autodiff would multiply the float32 cotangent by the 16-bit operands promoted to float32 (TF32 GEMMs at a
+    fraction of the bf16 rate); here the cotangent is rounded to the inputs' dtype first, the mixed-precision rule
+    every 16-bit trainer follows, and both gradient products accumulate in float32. Float32 inputs take autodiff.
+    """
+    if x.dtype == jnp.float32 and w.dtype == jnp.float32:
+        return jnp.dot(x, w, preferred_element_type=jnp.float32)
+    return _dot_f32(x, w)
+
+
+@jax.custom_vjp
+def _dot_f32(x, w):
+    return jnp.dot(x, w, preferred_element_type=jnp.float32)
+
+
+def _dot_f32_fwd(x, w):
+    return _dot_f32(x, w), (x, w)
+
+
+def _dot_f32_bwd(residuals, grad):
+    x, w = residuals
+    dx = jnp.dot(grad.astype(x.dtype), w.T.astype(x.dtype), preferred_element_type=jnp.float32)
+    dw = jnp.einsum("...k,...n->kn", x, grad.astype(x.dtype), preferred_element_type=jnp.float32)
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+_dot_f32.defvjp(_dot_f32_fwd, _dot_f32_bwd)
+
+
+def embed(table, tokens):
+    """``table[tokens]`` (``table [vocab, D]``), its gradient added up in float32.
+
+    Autodiff's gradient of a 16-bit gather is a 16-bit scatter-add: on a GPU a compare-and-swap loop per element
+    (no native bfloat16 atomic add), and repeated tokens summed in 16 bits. Float32 tables take autodiff.
+    """
+    if table.dtype == jnp.float32:
+        return jnp.take(table, tokens, axis=0)
+    return _embed(table, tokens)
+
+
+@jax.custom_vjp
+def _embed(table, tokens):
+    return jnp.take(table, tokens, axis=0)
+
+
+def _embed_fwd(table, tokens):
+    return _embed(table, tokens), (table, tokens)
+
+
+def _embed_bwd(residuals, grad):
+    table, tokens = residuals
+    rows = grad.reshape(-1, table.shape[-1]).astype(jnp.float32)
+    summed = jnp.zeros(table.shape, jnp.float32).at[tokens.reshape(-1)].add(rows, mode="drop")
+    return summed.astype(table.dtype), None
+
+
+_embed.defvjp(_embed_fwd, _embed_bwd)
+
+
 class DenseMLP(nnx.Module):
     """SwiGLU MLP ``down(silu(x @ gate) * (x @ up))``: ``gate_proj``/``up_proj [D, F]``, ``down_proj [F, D]``."""
 
@@ -65,8 +126,7 @@ class DenseMLP(nnx.Module):
     def __call__(self, x, *, valid=None, record=True):
         """``valid`` / ``record`` are accepted so every block calls its MLP alike; a dense MLP counts nothing."""
         del valid, record
-        gate = jnp.dot(x, dense_weight(self.gate_proj.get_value(), x.dtype), preferred_element_type=jnp.float32)
-        up = jnp.dot(x, dense_weight(self.up_proj.get_value(), x.dtype), preferred_element_type=jnp.float32)
+        gate = dot_f32(x, dense_weight(self.gate_proj.get_value(), x.dtype))
+        up = dot_f32(x, dense_weight(self.up_proj.get_value(), x.dtype))
         act = (jax.nn.silu(gate) * up).astype(x.dtype)
-        down = dense_weight(self.down_proj.get_value(), x.dtype)
-        return jnp.dot(act, down, preferred_element_type=jnp.float32).astype(x.dtype)
+        return dot_f32(act, dense_weight(self.down_proj.get_value(), x.dtype)).astype(x.dtype)

@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as PS
 from moe_eplb_jax.flax import MoELayer
 from moe_eplb_jax.models.attention import attention_module
 from moe_eplb_jax.models.config import ModelConfig
-from moe_eplb_jax.models.layers import DenseMLP, RMSNorm, attention_mask, replicated_param
+from moe_eplb_jax.models.layers import DenseMLP, RMSNorm, attention_mask, dot_f32, embed, replicated_param
 from moe_eplb_jax.moe import DispatchConfig
 
 __all__ = ["DecoderBlock", "KVCache", "MoECausalLM"]
@@ -289,7 +289,7 @@ class MoECausalLM(nnx.Module):
         return valid
 
     def _embed(self, tokens):
-        return jnp.take(self.embed_tokens.get_value(), tokens, axis=0)
+        return embed(self.embed_tokens.get_value(), tokens)
 
     def _logits(self, x):
         x = self.norm(x)
@@ -297,4 +297,4 @@ class MoECausalLM(nnx.Module):
             head = self.embed_tokens.get_value().T
         else:
             head = self.lm_head.get_value()
-        return jnp.dot(x, head, preferred_element_type=jnp.float32)
+        return dot_f32(x, head)
