@@ -341,14 +341,15 @@ def _moved(reports):
 
 def _train_step(trainable):
     """One jitted step for every row: the rows' models share a structure, so they share compilations."""
-    import optax
     from flax import nnx
+
+    from moe_eplb_jax.models import cross_entropy
 
     @nnx.jit
     def train_step(model, optimizer, batch, record):
         def loss_fn(model):
             logits = model(batch[:, :-1], record=record)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+            return cross_entropy(logits, batch[:, 1:]).mean()
 
         loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, trainable))(model)
         optimizer.update(model, grads)

@@ -53,6 +53,7 @@ def parse_args(argv=None):
     p.add_argument("--new-tokens", type=int, default=33)
     p.add_argument("--tokens-per-call", type=int, default=16, help="decode passes per host round trip (looped rows)")
     p.add_argument("--cpu", action="store_true", help="run on the CPU (smoke run)")
+    p.add_argument("--profile", type=int, default=0, help="print the N costliest kernels of each phase (device time)")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
@@ -80,6 +81,40 @@ def timed(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+KERNEL_KINDS = (
+    ("attention", ("cudnn", "flash", "fmha", "sdpa")),
+    ("grouped matmul", ("gmm", "grouped", "ragged", "qgmm")),
+    ("routing", ("map_and_count", "expert_rank", "tile_counts", "alias", "boundary")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "dot")),
+    ("copy", ("memcpy", "memset", "copy", "transpose")),
+    ("fusion", ("fusion", "loop_", "input_", "reduce", "convert", "select", "scatter", "gather")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
+
+
+def profile(fn, top: int, calls: int = 3) -> dict:
+    """Device time of ``fn()`` per call, by kernel kind and for the ``top`` costliest kernels."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _timing import device_seconds
+
+    total, per_kernel = device_seconds(fn, calls=calls, warmup=1)
+    if total is None:
+        return {}
+    kinds: dict[str, float] = {}
+    for name, seconds in per_kernel.items():
+        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + seconds
+    return {
+        "device_ms": total * 1e3,
+        "kinds_ms": {k: v * 1e3 for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+        "kernels_ms": {name[:90]: v * 1e3 for name, v in list(per_kernel.items())[:top]},
+        "launches": len(per_kernel),
+    }
+
+
 def build(config, mesh, remat=False):
     from flax import nnx
 
@@ -94,16 +129,14 @@ def phase_train(args, config, mesh, rng, peak):
     import optax
     from flax import nnx
 
+    from moe_eplb_jax.models import cross_entropy
+
     model = build(config, mesh, args.remat)
     optimizer = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
 
     @nnx.jit(donate_argnums=(0, 1))
     def step(model, optimizer, tokens):
-        def loss_fn(model):
-            logits = model(tokens[:, :-1])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-
-        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        loss, grads = nnx.value_and_grad(loss_fn_of(tokens, cross_entropy))(model)
         optimizer.update(model, grads)
         return loss
 
@@ -115,14 +148,54 @@ def phase_train(args, config, mesh, rng, peak):
     n = args.train_batch * args.seq
     flops = 3 * n * forward_flops_per_token(config, (args.seq + 1) / 2)
     stats = jax.devices()[0].memory_stats() or {}
+    prof = profile(lambda: step(model, optimizer, tokens), args.profile) if args.profile else {}
+    cached = nnx.cached_partial(step, model, optimizer)  # the graph traversed once, not every call
+    cached_seconds = timed(lambda: jax.block_until_ready(cached(tokens)), args.steps)
+    pure_seconds = _pure_step_seconds(model, optimizer, cross_entropy, tokens, args.steps)
     return {
+        "profile": prof,
         "ms_per_step": seconds * 1e3,
+        "ms_per_step_cached_partial": cached_seconds * 1e3,
+        "ms_per_step_pure_jit": pure_seconds * 1e3,
+        "mfu_pure_jit": flops / pure_seconds / peak if peak else None,
         "tokens_per_s": n / seconds,
         "tflops": flops / seconds / 1e12,
         "mfu": flops / seconds / peak if peak else None,
         "first_step_s": compile_s,
         "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30,
     }
+
+
+def loss_fn_of(tokens, cross_entropy):
+    return lambda model: cross_entropy(model(tokens[:, :-1]), tokens[:, 1:]).mean()
+
+
+def _pure_step_seconds(model, optimizer, cross_entropy, tokens, steps: int) -> float:
+    """The same step as ``jax.jit`` over the split state: no per-call graph traversal on the host (what
+    ``nnx.jit`` adds to every call), the state donated."""
+    import functools
+
+    import jax
+    from flax import nnx
+
+    graphdef, state = nnx.split((model, optimizer))
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def pure_step(state, tokens):
+        model, optimizer = nnx.merge(graphdef, state)
+        loss, grads = nnx.value_and_grad(loss_fn_of(tokens, cross_entropy))(model)
+        optimizer.update(model, grads)
+        return nnx.state((model, optimizer)), loss
+
+    box = [state]
+
+    def run():
+        box[0], loss = pure_step(box[0], tokens)
+        return jax.block_until_ready(loss)
+
+    seconds = timed(run, steps)
+    nnx.update((model, optimizer), box[0])
+    return seconds
 
 
 def _prompts(rng, batch, longest, vocab):
@@ -140,30 +213,15 @@ def phase_prefill(args, config, mesh, rng, peak):
         generate(model, prompts, max_new_tokens=1, prompt_width=args.prompt).prefill_seconds for _ in range(5)
     )[2]
     flops = sum(len(p) * forward_flops_per_token(config, (len(p) + 1) / 2) for p in prompts)
+    run = lambda: generate(model, prompts, max_new_tokens=1, prompt_width=args.prompt).tokens
+    prof = profile(run, args.profile) if args.profile else {}
     return {
+        "profile": prof,
         "ms": seconds * 1e3,
         "tokens_per_s": real / seconds,
         "tflops": flops / seconds / 1e12,
         "mfu": flops / seconds / peak if peak else None,
     }
-
-
-def decode_floor_bytes(config, batch: int, context: int) -> float:
-    """Bytes one decode step must read: the non-expert weights, the experts ``batch`` tokens touch in expectation
-    under uniform routing, and the KV cache (bf16)."""
-    c, b = config, 2
-    expert = 3 * c.dim * c.moe_hidden * b
-    touched = c.num_experts * (1 - (1 - c.top_k / c.num_experts) ** batch)
-    attention = c.dim * (2 * c.num_heads + 2 * c.num_kv_heads) * c.head_dim * b
-    per_moe = touched * expert + c.dim * c.num_experts * b + 3 * c.dim * c.shared_hidden * b
-    weights = (
-        c.num_layers * attention
-        + c.first_dense_layers * 3 * c.dim * c.dense_hidden * b
-        + c.num_moe_layers * per_moe
-        + c.dim * c.vocab_size * b
-    )
-    cache = c.num_layers * 2 * batch * context * c.num_kv_heads * c.head_dim * b
-    return weights + cache
 
 
 def phase_decode(args, config, mesh, rng, hbm):
@@ -191,7 +249,11 @@ def phase_decode(args, config, mesh, rng, hbm):
                 generate(model, prompts, max_new_tokens=args.new_tokens, prompt_width=16, **options) for _ in range(3)
             ]
             row[f"ms_{name}"] = sorted(r.decode_seconds for r in runs)[1] / steps * 1e3
-        floor = decode_floor_bytes(config, batch, 16 + args.new_tokens)
+        if args.profile:
+            looped = variants["looped"]
+            run = lambda: generate(model, prompts, max_new_tokens=args.new_tokens, prompt_width=16, **looped).tokens
+            row["profile_per_generate"] = profile(run, args.profile, calls=1)
+        floor = config.decode_read_bytes(batch, 16 + args.new_tokens)
         row["floor_ms"] = floor / hbm * 1e3 if hbm else None
         row["x_floor"] = row["ms_looped"] / row["floor_ms"] if hbm else None
         row["controller_overhead"] = row["ms_looped_controller"] / row["ms_looped"] - 1
@@ -206,7 +268,12 @@ def phase_gmm(args, rng, peak, hbm):
     from moe_eplb_jax.moe import grouped_matmul as gmm
 
     out = {}
-    cases = {"train 65536x1024->512 G64": (65536, 1024, 512, 64), "decode 256x2048->1536 G128": (256, 2048, 1536, 128)}
+    cases = {
+        "train 65536x1024->512 G64": (65536, 1024, 512, 64),
+        "prefill 8192x1024->1024 G64": (8192, 1024, 1024, 64),
+        "decode-256 2048x1024->1024 G64": (2048, 1024, 1024, 64),
+        "decode 256x2048->1536 G128": (256, 2048, 1536, 128),
+    }
     for label, (n, k, m, g) in cases.items():
         x = jnp.asarray(rng.standard_normal((n, k)), jnp.bfloat16)
         w = jnp.asarray(rng.standard_normal((g, k, m)) / k**0.5, jnp.bfloat16)
@@ -236,7 +303,7 @@ def phase_gmm(args, rng, peak, hbm):
         out[f"{label} floor"] = {
             "fwd_ms": max(flops / peak, (weight_bytes + (n * k + n * m) * 2) / hbm) * 1e3 if peak and hbm else None
         }
-        if label.startswith("decode"):
+        if label.startswith("decode "):
             out.update(_quantized_gmm_rows(label, x, w, sizes, hbm))
     return out
 
@@ -293,9 +360,9 @@ def main(argv=None):
         print(f"== {phase} ({time.perf_counter() - start:.0f} s)")
         print(json.dumps(results[phase], indent=1, default=lambda v: round(v, 4) if isinstance(v, float) else v))
         sys.stdout.flush()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+        if args.json:  # after every phase: a run cut short keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

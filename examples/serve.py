@@ -53,6 +53,9 @@ from _runtime import (
     unit_interval,
 )
 
+# HBM bandwidth by card, the vendors' figures: a decode step's floor is the bytes it reads over it.
+MEMORY_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}
+
 
 def parse_args(argv=None):
     from moe_eplb_jax.models import PRESETS
@@ -303,6 +306,24 @@ def compare_recompute(args, requests: Requests):
     return timed[True], timed[False]
 
 
+def _decode_floor_line(args, ranks, tokens_per_second):
+    """One GPU: the decode step next to its floor, the bytes it must read over the card's memory bandwidth."""
+    import jax
+    import numpy as np
+
+    kind = jax.devices()[0].device_kind
+    bandwidth = next((bw for name, bw in MEMORY_BANDWIDTH.items() if name in kind), None)
+    measured = [tps for tps in tokens_per_second if np.isfinite(tps) and tps > 0]
+    if ranks != 1 or bandwidth is None or not measured:
+        return None
+    step = args.batch / float(np.mean(measured))
+    floor = args.model_config.decode_read_bytes(args.batch, args.max_prompt + args.new_tokens // 2) / bandwidth
+    return (
+        f"decode step {step * 1e3:.3f} ms against its floor {floor * 1e3:.3f} ms (the weights and KV cache it reads "
+        f"over {kind}'s {bandwidth / 1e12:.2f} TB/s): {floor / step:.0%} of the floor's speed"
+    )
+
+
 def print_summary(args, ranks, eplb, held, controller, served, reports, warmup, last, compare, compiled_mid_run):
     """The run's summary: balancedness before and after, the rearrangements, throughput, what was written."""
     import jax
@@ -354,6 +375,9 @@ def print_summary(args, ranks, eplb, held, controller, served, reports, warmup, 
             f"{mean_tps([r[0] for r in served if r[2] == 0 and not r[3]])} on the initial placement, "
             f"{mean_tps([r[0] for r in served if r[1] >= 1])} on the EPLB placement"
         )
+    floor_line = _decode_floor_line(args, ranks, [row[0] for row in served])
+    if floor_line:
+        print(floor_line)
     if jax.devices()[0].platform == "cpu" and args.devices:
         print("(CPU simulated devices: throughput does not show the balance)")
     if compare is not None:

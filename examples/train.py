@@ -191,14 +191,15 @@ def make_train_step(trainable, rt):
     """The jitted AdamW step on ``trainable`` (the router biases held out); the loss replicated on ``rt``'s mesh
     (read when the step traces, so a resize's retrace follows the new mesh)."""
     import jax
-    import optax
     from flax import nnx
+
+    from moe_eplb_jax.models import cross_entropy
 
     @nnx.jit
     def train_step(model, optimizer, tokens):
         def loss_fn(model):
             logits = model(tokens[:, :-1])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+            return cross_entropy(logits, tokens[:, 1:]).mean()
 
         loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, trainable))(model)
         optimizer.update(model, grads)
@@ -226,15 +227,14 @@ def scale(args, rt, model, controller, vocab_size: int, step: int) -> None:
     """Elastic EP: the run moves to the first --scale-to devices; prints the held-out loss before and after."""
     import jax
     import numpy as np
-    import optax
     from flax import nnx
 
-    from moe_eplb_jax.models import zipf_tokens
+    from moe_eplb_jax.models import cross_entropy, zipf_tokens
 
     @nnx.jit
     def held_out_loss(model, tokens):
         logits = model(tokens[:, :-1], record=False)
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+        loss = cross_entropy(logits, tokens[:, 1:]).mean()
         return jax.lax.with_sharding_constraint(loss, rt.replicated)
 
     held_out = zipf_tokens(np.random.default_rng([args.seed, 0]), args.batch, args.seq + 1, vocab_size)
