@@ -148,6 +148,7 @@ def _window_fields(controller):
     return {name: np.asarray(getattr(state, name)) for name in ("pass_load", "window", "window_pos", "total_steps")}
 
 
+@pytest.mark.slow  # about 50 s of compiles on 2 cores
 def test_decode_loops_on_the_device_with_the_same_tokens_and_loads(rng):
     """Several passes per host call: the tokens of one pass per call, every pass a step of the controller's window
     (the same window, bit for bit, as ``controller.step()`` after each pass), and no recompilation per call."""
