@@ -35,6 +35,9 @@ import time
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import device_seconds
+
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12}
 HBM = {"H100": 3.35e12, "H200": 4.8e12}
 
@@ -98,9 +101,6 @@ def kernel_kind(name: str) -> str:
 
 def profile(fn, top: int, calls: int = 3) -> dict:
     """Device time of ``fn()`` per call, by kernel kind and for the ``top`` costliest kernels."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from _timing import device_seconds
-
     total, per_kernel = device_seconds(fn, calls=calls, warmup=1)
     if total is None:
         return {}

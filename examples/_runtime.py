@@ -348,6 +348,15 @@ def counting_compiles():
         jax.monitoring.unregister_event_duration_listener(listener)
 
 
+def memory_bandwidth() -> float | None:
+    """The first device's memory bandwidth in bytes/s (H100 SXM 3.35 TB/s, H200 4.8 TB/s), or ``None`` where
+    unknown: a decode step's floor is the bytes it reads over it."""
+    import jax
+
+    kind = jax.devices()[0].device_kind
+    return 4.8e12 if "H200" in kind else 3.35e12 if "H100" in kind else None
+
+
 def dense_bf16_peak() -> float | None:
     """The device's dense bf16 peak in FLOP/s for MFU (H100 / H200 SXM: 989 TFLOP/s), or ``None`` where unknown."""
     import jax

@@ -44,6 +44,7 @@ from _runtime import (
     check_runtime_args,
     counting_compiles,
     eplb_fields,
+    memory_bandwidth,
     nonnegative_float,
     nonnegative_int,
     output_file_problem,
@@ -52,9 +53,6 @@ from _runtime import (
     prepare_devices,
     unit_interval,
 )
-
-# HBM bandwidth by card, the vendors' figures: a decode step's floor is the bytes it reads over it.
-MEMORY_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}
 
 
 def parse_args(argv=None):
@@ -312,7 +310,7 @@ def _decode_floor_line(args, ranks, tokens_per_second):
     import numpy as np
 
     kind = jax.devices()[0].device_kind
-    bandwidth = next((bw for name, bw in MEMORY_BANDWIDTH.items() if name in kind), None)
+    bandwidth = memory_bandwidth()
     measured = [tps for tps in tokens_per_second if np.isfinite(tps) and tps > 0]
     if ranks != 1 or bandwidth is None or not measured:
         return None

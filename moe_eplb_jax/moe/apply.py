@@ -295,8 +295,9 @@ def routed_experts(x, physical, weights, experts, *, axis: str, num_ranks: int, 
         return _dispatch.combine_local(y, order, physical, weights, out_dtype=x.dtype)
 
     def grouped(experts, rows, row_slot):
-        order, group_sizes = _dispatch.sort_by_slot(row_slot, slots_per_rank)
-        return _dispatch.unsort(mlp(_dispatch.permute_rows(rows, order), experts, group_sizes=group_sizes), order)
+        return _dispatch.apply_by_slot(
+            lambda rows, sizes: mlp(rows, experts, group_sizes=sizes), rows, row_slot, slots_per_rank
+        )
 
     capacity = dispatch.capacity(physical.size, num_ranks)
     if isinstance(experts.get("gate"), quant.Fp8Experts) and dispatch.activation_scaling == "dynamic":

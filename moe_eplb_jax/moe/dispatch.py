@@ -46,6 +46,7 @@ __all__ = [
     "combine_local",
     "dispatch",
     "exchange",
+    "apply_by_slot",
     "exchange_apply",
     "gather_local",
     "inverse_permutation",
@@ -460,6 +461,15 @@ def sort_by_slot(recv_slot, num_slots: int):
     return order, onehot.sum(0, dtype=jnp.int32)
 
 
+def apply_by_slot(fn, rows, row_slot, num_slots: int):
+    """``fn(rows grouped by slot [N, D], group_sizes [num_slots]) -> [N, D']`` with its results back in arrival
+    order: the received rows' grouped MLP (:func:`sort_by_slot`, then both permutations as gathers, the inverse
+    computed once)."""
+    order, group_sizes = sort_by_slot(row_slot, num_slots)
+    inverse = inverse_permutation(order)
+    return _permute(fn(_permute(rows, order, inverse), group_sizes), inverse, order)
+
+
 def unsort(sorted_rows, order):
     """Inverse of ``rows[order]``: puts sorted rows back in arrival order (a gather; so is its gradient)."""
     return _permute(sorted_rows, inverse_permutation(order), order)
@@ -486,11 +496,10 @@ def _permute(x, order, inverse):
 
 
 def _permute_fwd(x, order, inverse):
-    return x[order], (order, inverse)
+    return x[order], inverse
 
 
-def _permute_bwd(residuals, grad):
-    order, inverse = residuals
+def _permute_bwd(inverse, grad):
     return grad[inverse], None, None
 
 

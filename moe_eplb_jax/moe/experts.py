@@ -193,10 +193,8 @@ def waterfill_shared_mlp(
     )
 
     def rows_mlp(shared, rows, row_slot):
-        order, group_sizes = _dispatch.sort_by_slot(row_slot, 1)
-        return _dispatch.unsort(
-            shared_mlp(_dispatch.permute_rows(rows, order), shared, group_sizes, implementation=implementation), order
-        )
+        mlp = lambda rows, sizes: shared_mlp(rows, shared, sizes, implementation=implementation)
+        return _dispatch.apply_by_slot(mlp, rows, row_slot, 1)
 
     out = _dispatch.exchange_apply(
         rows_mlp,

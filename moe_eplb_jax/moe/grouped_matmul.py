@@ -80,9 +80,8 @@ def _backend(
     implementation: str, x_shape, w_shape, dtype, *, min_mosaic_rows: int = 1024, min_mosaic_group_rows: int = 128
 ) -> str:
     """The backend for this product: a ``_KERNELS`` name, ``"dense"`` or ``"ragged_dot"``. Mosaic from
-    ``min_mosaic_rows`` rows and ``min_mosaic_group_rows`` rows per group on average (at or ahead of Triton from
-    1,024 rows of 1024 x 1024 on an H100; behind it at decode, 32 rows per group over 64 groups: 0.78 ms against
-    the weight read's 0.4 ms a step)."""
+    ``min_mosaic_rows`` rows and ``min_mosaic_group_rows`` rows per group on average, where its large tiles fill;
+    with fewer rows per group (decode) Triton's small tiles read the weights faster (``docs/kernels.md``)."""
     if implementation == "auto":
         implementation = "pallas" if on_gpu() else "dense"
     if implementation == "pallas_interpret":

@@ -84,20 +84,23 @@ def _precision(dtype):
     return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
 
-def _fits(block: int, size: int) -> bool:
-    block = min(block, size)
+def _tiles(block: int, size: int) -> bool:
+    """Whether ``size`` splits into Triton blocks of ``block``: a power of two >= 16 that divides it."""
     return block >= 16 and not block & (block - 1) and size % block == 0
 
 
 def supports(depth: int, width: int, config: Config = Config()) -> bool:
     """Whether the product ``[N, depth] x [depth, width]``, its input gradient and its weight gradient tile with
     ``config``'s blocks (clipped to the matrix): sizes below 16 or off the power-of-two blocks do not."""
-    return all(_fits(config.block_k, k) and _fits(config.block_cols, m) for k, m in ((depth, width), (width, depth)))
+    return all(
+        _tiles(min(config.block_k, k), k) and _tiles(min(config.block_cols, m), m)
+        for k, m in ((depth, width), (width, depth))
+    )
 
 
 def _check_blocks(**blocks_and_sizes) -> None:
     for name, (block, size) in blocks_and_sizes.items():
-        if block < 16 or block & (block - 1) or size % block:
+        if not _tiles(block, size):
             raise ValueError(
                 f"matrix sizes must be multiples of power-of-two blocks >= 16 (Triton); got {name}={block} for {size}"
             )
