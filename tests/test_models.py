@@ -495,3 +495,7 @@ def test_decode_read_bytes_counts_weights_experts_touched_and_cache():
     mla = preset("deepseek_v3_tiny")
     latent = mla.decode_read_bytes(4, 10) - mla.decode_read_bytes(4, 0)
     assert latent == pytest.approx(mla.num_layers * 40 * (mla.kv_lora_rank + mla.qk_rope_head_dim) * 4)
+    with pytest.raises(ValueError, match="decode_read_bytes batch must be an integer >= 1"):
+        c.decode_read_bytes(0, 10)
+    with pytest.raises(ValueError, match="decode_read_bytes context"):
+        c.decode_read_bytes(4, -1)

@@ -75,6 +75,10 @@ def test_permutations_are_gathers_both_ways(dtype, rng):
         np.testing.assert_array_equal(np.asarray(grad(ours)(x), np.float32), np.asarray(grad(autodiff)(x), np.float32))
         jaxpr = str(jax.make_jaxpr(grad(ours))(x))
         assert "scatter-add" not in jaxpr and "scatter_add" not in jaxpr
+    with pytest.raises(ValueError, match="permutation of x's"):
+        dispatch.permute_rows(x, order[:-1])
+    with pytest.raises(ValueError, match="1-D integer permutation"):
+        dispatch.inverse_permutation(order.astype(jnp.float32))
 
 
 def test_one_rank_gather_sums_each_tokens_gradient_over_its_assignments(rng):

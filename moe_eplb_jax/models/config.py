@@ -290,6 +290,8 @@ class ModelConfig:
         non-expert weight, the experts the batch touches in expectation under uniform routing
         (``E (1 - (1 - k / E) ** batch)`` of them per MoE layer), the shared expert and the KV cache, in ``dtype``.
         Over the card's memory bandwidth it is the step's floor."""
+        _check_int("decode_read_bytes batch", batch, minimum=1)
+        _check_int("decode_read_bytes context", context, minimum=0)
         d, h, item = self.dim, self.num_heads, self.jnp_dtype.itemsize
         if self.attention == "mla":
             qk, rank, rope = self.qk_nope_head_dim + self.qk_rope_head_dim, self.kv_lora_rank, self.qk_rope_head_dim

@@ -477,6 +477,8 @@ def unsort(sorted_rows, order):
 
 def inverse_permutation(order):
     """``inverse`` with ``inverse[order[i]] = i`` for ``order`` a permutation ``[N]`` (a scatter of ``N`` ints)."""
+    if order.ndim != 1 or not jnp.issubdtype(order.dtype, jnp.integer):
+        raise ValueError(f"order must be a 1-D integer permutation, got {order.dtype} {order.shape}")
     positions = jnp.arange(order.shape[0], dtype=order.dtype)
     return jnp.zeros_like(order).at[order].set(positions, unique_indices=True)
 
@@ -487,6 +489,8 @@ def permute_rows(x, order):
     Autodiff would transpose the gather into a scatter-add, atomic on a GPU and several times slower than a gather
     of the same rows; a permutation's transpose is the inverse permutation.
     """
+    if x.ndim < 1 or order.shape != (x.shape[0],):
+        raise ValueError(f"order must be a permutation of x's {x.shape[:1]} rows, got shape {order.shape}")
     return _permute(x, order, inverse_permutation(order))
 
 
