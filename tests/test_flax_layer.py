@@ -150,6 +150,25 @@ def test_tie_replicas_sums_gradients_over_replicas(rng):
     assert np.array_equal(np.asarray(grad)[0], np.asarray(grad)[3])
 
 
+def test_tie_replicas_one_replica_each_passes_gradient_through(rng):
+    phy2log = jnp.asarray([2, 0, 1], jnp.int32)
+    w = jnp.asarray(rng.standard_normal((3, 4)).astype(np.float32))
+    coef = jnp.asarray(rng.standard_normal((3, 4)).astype(np.float32))
+    grad = jax.grad(lambda w: jnp.sum(tie_replicas(w, phy2log, num_logical=3) * coef))(w)
+    assert np.array_equal(np.asarray(grad), np.asarray(coef))
+    jaxpr = str(jax.make_jaxpr(jax.grad(lambda w: jnp.sum(tie_replicas(w, phy2log, num_logical=3))))(w))
+    assert "scatter" not in jaxpr
+
+
+def test_tie_replicas_sums_bfloat16_gradients_in_float32():
+    phy2log = jnp.asarray([0, 0, 0, 1], jnp.int32)
+    coef = jnp.asarray([[1.0], [2.0**-8], [2.0**-8], [3.0]], jnp.bfloat16)  # bf16 sums would round each 2**-8 away
+    w = jnp.zeros((4, 1), jnp.bfloat16)
+    grad = jax.grad(lambda w: jnp.sum((tie_replicas(w, phy2log, num_logical=2) * coef).astype(jnp.float32)))(w)
+    assert grad.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(grad, np.float32)[:, 0], [1.0 + 2.0**-7] * 3 + [3.0])
+
+
 @pytest.mark.parametrize(
     "router, layer, dispatch, match",
     [

@@ -180,7 +180,8 @@ class MoELayer(nnx.Module):
         phy2log = self.phy2log.get_value()
         if self.quant_format is None:
             experts = {
-                name: tie_replicas(var.get_value(), phy2log) for name, var in self.eplb_expert_variables().items()
+                name: tie_replicas(var.get_value(), phy2log, num_logical=self.num_experts)
+                for name, var in self.eplb_expert_variables().items()
             }
         else:  # quantized experts are frozen (serving): nothing to tie
             experts = {name: var.get_value() for name, var in self.eplb_expert_variables().items()}

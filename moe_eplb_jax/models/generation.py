@@ -9,7 +9,7 @@ no per-row scatter) and the last column holds every row's newest token.
 Padding is marked invalid: it is never attended to, never routed to an
 expert and never counted as expert load; a request that produced ``eos_id``
 turns into padding too. The batch is padded with empty rows to a multiple of
-the EP size. Prefill and decode are jitted once per shape; the cache is
+the EP size, and to two rows per rank at least. Prefill and decode are jitted once per shape; the cache is
 donated, so each step updates it in place. A decode call runs
 ``tokens_per_call`` passes in a ``fori_loop`` on the device, so the host
 dispatches once per call. With a ``controller`` every pass still closes one
@@ -188,7 +188,10 @@ def generate(
         if value is not None and not 0 <= value < vocab:
             raise ValueError(f"{name}={value} is outside the vocabulary [0, {vocab})")
     ranks = model.mesh.shape[model.axis]
-    tokens, lengths = left_pad(prompts, width=prompt_width, batch_multiple=ranks, pad_id=pad_id)
+    # At least two rows per rank: XLA rewrites a one-row matmul as a multiply and a reduction that write and
+    # reread a weight-sized product, several times the bytes of the weights' read that bounds decode.
+    multiple = 2 * ranks if len(prompts) <= ranks else ranks
+    tokens, lengths = left_pad(prompts, width=prompt_width, batch_multiple=multiple, pad_id=pad_id)
     if tokens.min() < 0 or tokens.max() >= vocab:
         raise ValueError(f"prompt token ids must be in [0, {vocab}), got ids in [{tokens.min()}, {tokens.max()}]")
     width = tokens.shape[1]

@@ -29,14 +29,26 @@ __all__ = ["expert_mlp", "shared_mlp", "tie_replicas", "waterfill_shared_mlp"]
 
 
 # ------------------------------------------------------------------ replicas
-@jax.custom_vjp
-def tie_replicas(w, phy2log):
+def tie_replicas(w, phy2log, *, num_logical: int | None = None):
     """Identity on expert weights ``w [P, ...]`` whose gradient is summed over the replicas of each expert.
 
     Every replica of an expert then gets the same gradient (the expert's
     total) and, from the same optimizer state, the same update: replicas stay
     bit-identical through training, so any replica can serve any token.
+
+    Args:
+      w: ``[P, ...]`` weights of the ``P`` physical slots (an array or a pytree of them).
+      phy2log: ``[P]`` int32 logical expert of each slot.
+      num_logical: the number of logical experts ``E``, when known. ``E == P``
+        gives every expert exactly one replica (each has at least one), so there
+        is nothing to tie and the gradient passes through untouched.
     """
+    untied = lambda leaf: num_logical is not None and num_logical == leaf.shape[0]
+    return jax.tree.map(lambda leaf: leaf if untied(leaf) else _tied(leaf, phy2log), w)
+
+
+@jax.custom_vjp
+def _tied(w, phy2log):
     return w
 
 
@@ -46,11 +58,12 @@ def _tie_fwd(w, phy2log):
 
 def _tie_bwd(phy2log, grad):
     num_logical = grad.shape[0]  # an upper bound on the expert ids held by P slots
-    total = jax.ops.segment_sum(grad, phy2log, num_segments=num_logical)
-    return total[phy2log], None
+    # float32 sums: a bf16 scatter-add rounds per replica and runs as slow atomics
+    total = jax.ops.segment_sum(grad.astype(jnp.float32), phy2log, num_segments=num_logical)
+    return total[phy2log].astype(grad.dtype), None
 
 
-tie_replicas.defvjp(_tie_fwd, _tie_bwd)
+_tied.defvjp(_tie_fwd, _tie_bwd)
 
 
 # ----------------------------------------------------------------- experts

@@ -115,17 +115,12 @@ def _product(x, w, group_sizes, backend: str, *, transpose_rhs: bool = False):
     return jnp.where(live[:, None], y.astype(x.dtype), jnp.zeros((), x.dtype))
 
 
-def _zero_tail(rows, group_sizes, window: int):
-    """``rows`` with the (at most ``window``) rows after the last group zeroed, in place: the rows a
-    weight-gradient kernel's last tile reads past its group (and masks by multiplying, which passes a NaN)."""
-    num_rows = rows.shape[0]
-    window = min(window, num_rows)
-    total = jnp.sum(group_sizes.astype(jnp.int32))
-    start = jnp.minimum(total, num_rows - window)  # the slice must fit; rows before `total` keep their values
-    tail = jax.lax.dynamic_slice_in_dim(rows, start, window)
-    keep = (start + jnp.arange(window, dtype=jnp.int32)) < total
-    tail = jnp.where(keep[:, None], tail, jnp.zeros((), rows.dtype))
-    return jax.lax.dynamic_update_slice_in_dim(rows, tail, start, axis=0)
+def _zero_padding(rows, group_sizes):
+    """``rows`` with every row past the groups zeroed: the rows a Mosaic weight-gradient tile reads past its
+    group (and masks by multiplying, which would pass a NaN). A select that fuses into the rows' producer (the
+    SwiGLU's backward, the permutation's gather), where zeroing a window in place made XLA write both versions."""
+    live = jnp.arange(rows.shape[0], dtype=jnp.int32) < jnp.sum(group_sizes.astype(jnp.int32))
+    return jnp.where(live[:, None], rows, jnp.zeros((), rows.dtype))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -140,13 +135,12 @@ def _kernel_matmul_fwd(x, w, group_sizes, backend):
 def _kernel_matmul_bwd(backend, residuals, dy):
     x, w, group_sizes = residuals
     dy = dy.astype(x.dtype)
-    dx = _product(dy, w, group_sizes, backend, transpose_rhs=True)
-    if backend == "mosaic":
-        window = max(mosaic.WEIGHT_GRADIENT.block_k, 1)
-        dw = mosaic.transposed_grouped_matmul(
-            _zero_tail(x, group_sizes, window), _zero_tail(dy, group_sizes, window), group_sizes
-        )
+    if backend == "mosaic":  # one zeroed cotangent for both products: padding rows of dx come out zero anyway
+        dy = _zero_padding(dy, group_sizes)
+        dx = _product(dy, w, group_sizes, backend, transpose_rhs=True)
+        dw = mosaic.transposed_grouped_matmul(_zero_padding(x, group_sizes), dy, group_sizes)
     else:  # masked loads: rows past a group are never read
+        dx = _product(dy, w, group_sizes, backend, transpose_rhs=True)
         dw = _triton().transposed_grouped_matmul(x, dy, group_sizes, interpret=backend == "interpret")
     return dx, dw.astype(w.dtype), None
 
