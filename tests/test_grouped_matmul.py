@@ -147,6 +147,21 @@ def test_triton_tilings_in_interpret_mode(rng):
     assert not triton.supports(24, 64) and not triton.supports(64, 8) and not triton.supports(96, 64)
 
 
+def test_triton_default_tiling_follows_rows_per_group(rng):
+    """Fewer rows than groups (small-batch decode) take 16-row tiles with deep loads; its product stays exact."""
+    from moe_eplb_jax.moe._gmm import triton
+
+    decode = triton.Config(block_rows=16, block_k=256, block_cols=64, num_warps=4, num_stages=3)
+    assert triton.default_config(8, 1024, 64) == triton.default_config(64, 1024, 64) == decode
+    assert triton.default_config(256, 1024, 64) == triton.Config()
+    assert triton.default_config(65536, 1024, 64).block_rows == 128
+    x = rng.standard_normal((6, 64)).astype(np.float32)
+    w = rng.standard_normal((8, 64, 128)).astype(np.float32)
+    sizes = np.array([0, 1, 0, 2, 0, 0, 1, 0], np.int32)  # 4 live rows, 2 padding rows
+    got = np.asarray(triton.grouped_matmul(x, w, sizes, interpret=True))
+    assert _relative(got[:4], _oracle(x, w, sizes)[:4]) < 1e-5
+
+
 def test_bad_inputs_are_refused(rng):
     x, w, sizes = _case(rng, "dense", jnp.float32)
     with pytest.raises(ValueError, match="unknown grouped matmul"):
