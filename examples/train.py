@@ -187,15 +187,16 @@ def save(manager, step, model, optimizer, controller):
     manager.wait_until_finished()
 
 
-def make_train_step(trainable, rt):
-    """The jitted AdamW step on ``trainable`` (the router biases held out); the loss replicated on ``rt``'s mesh
-    (read when the step traces, so a resize's retrace follows the new mesh)."""
+def make_train_step(model, optimizer, trainable, rt):
+    """The jitted AdamW step ``step(tokens) -> loss`` on ``trainable`` (the router biases held out), ``model`` and
+    ``optimizer`` bound: their variables are flattened once, not traversed on every call as ``nnx.jit`` does
+    (a host cost of several ms a step), and read afresh at each call, so a rearrangement's moved weights and
+    optimizer state are what the next step sees. The loss is replicated on ``rt``'s mesh."""
     import jax
     from flax import nnx
 
     from moe_eplb_jax.models import cross_entropy
 
-    @nnx.jit
     def train_step(model, optimizer, tokens):
         def loss_fn(model):
             logits = model(tokens[:, :-1])
@@ -205,7 +206,7 @@ def make_train_step(trainable, rt):
         optimizer.update(model, grads)
         return jax.lax.with_sharding_constraint(loss, rt.replicated)
 
-    return train_step
+    return nnx.jit_partial(train_step, model, optimizer, graph=False)
 
 
 def print_summary(args, config, controller, start, losses, step_seconds):
@@ -312,7 +313,7 @@ def main(argv=None):
     elif main_process:
         print("EP = 1: one rank holds every expert, so there is nothing to balance; the placement is held")
 
-    train_step = make_train_step(trainable, rt)
+    train_step = make_train_step(model, optimizer, trainable, rt)
 
     losses, step_seconds = [], []
     say(f"step {start + 1}: compiling the train step (the first step; the others reuse it) ...", flush=True)
@@ -320,7 +321,7 @@ def main(argv=None):
         rng = np.random.default_rng([args.seed, step])  # batch n is the same whether or not the run resumed
         tokens = rt.global_batch(zipf_tokens(rng, args.batch, args.seq + 1, config.vocab_size))
         began = time.perf_counter()
-        loss = float(train_step(model, optimizer, tokens))
+        loss = float(train_step(tokens))
         step_seconds.append(time.perf_counter() - began)
         losses.append((step, loss))
         report = controller.step()
@@ -335,6 +336,7 @@ def main(argv=None):
             print(f"step {step}: loss {loss:.4f}", flush=True)
         if args.scale_to is not None and step == args.scale_at:
             scale(args, rt, model, controller, config.vocab_size, step)
+            train_step = make_train_step(model, optimizer, trainable, rt)  # bound to the resized variables
         if manager is not None and (step % args.checkpoint_every == 0 or step == args.steps):
             save(manager, step, model, optimizer, controller)
             if main_process:
