@@ -190,7 +190,7 @@ def save(manager, step, model, optimizer, controller):
 def make_train_step(model, optimizer, trainable, rt):
     """The jitted AdamW step ``step(tokens) -> loss`` on ``trainable`` (the router biases held out), ``model`` and
     ``optimizer`` bound: their variables are flattened once, not traversed on every call as ``nnx.jit`` does
-    (a host cost of several ms a step), and read afresh at each call, so a rearrangement's moved weights and
+    (host work on every step), and read afresh at each call, so a rearrangement's moved weights and
     optimizer state are what the next step sees. The loss is replicated on ``rt``'s mesh."""
     import jax
     from flax import nnx

@@ -158,6 +158,9 @@ def test_tie_replicas_one_replica_each_passes_gradient_through(rng):
     assert np.array_equal(np.asarray(grad), np.asarray(coef))
     jaxpr = str(jax.make_jaxpr(jax.grad(lambda w: jnp.sum(tie_replicas(w, phy2log, num_logical=3))))(w))
     assert "scatter" not in jaxpr
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match="num_logical must be a positive int"):
+            tie_replicas(w, phy2log, num_logical=bad)
 
 
 def test_tie_replicas_sums_bfloat16_gradients_in_float32():

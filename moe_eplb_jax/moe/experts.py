@@ -43,6 +43,10 @@ def tie_replicas(w, phy2log, *, num_logical: int | None = None):
         gives every expert exactly one replica (each has at least one), so there
         is nothing to tie and the gradient passes through untouched.
     """
+    if num_logical is not None and (
+        isinstance(num_logical, bool) or not isinstance(num_logical, int) or num_logical < 1
+    ):
+        raise ValueError(f"num_logical must be a positive int or None, got {num_logical!r}")
     untied = lambda leaf: num_logical is not None and num_logical == leaf.shape[0]
     return jax.tree.map(lambda leaf: leaf if untied(leaf) else _tied(leaf, phy2log), w)
 

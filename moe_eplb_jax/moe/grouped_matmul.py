@@ -111,14 +111,14 @@ def _product(x, w, group_sizes, backend: str, *, transpose_rhs: bool = False):
         y = mosaic.grouped_matmul(x, w, group_sizes, transpose_rhs=transpose_rhs)
     else:
         y = _triton().grouped_matmul(x, w, group_sizes, transpose_rhs=transpose_rhs, interpret=backend == "interpret")
-    live = jnp.arange(x.shape[0], dtype=jnp.int32) < jnp.sum(group_sizes.astype(jnp.int32))
-    return jnp.where(live[:, None], y.astype(x.dtype), jnp.zeros((), x.dtype))
+    return _zero_padding(y.astype(x.dtype), group_sizes)
 
 
 def _zero_padding(rows, group_sizes):
-    """``rows`` with every row past the groups zeroed: the rows a Mosaic weight-gradient tile reads past its
-    group (and masks by multiplying, which would pass a NaN). A select that fuses into the rows' producer (the
-    SwiGLU's backward, the permutation's gather), where zeroing a window in place made XLA write both versions."""
+    """``rows`` with every row past the groups zeroed (a Mosaic weight-gradient tile reads rows past its group and
+    masks by multiplying, which would pass a NaN). A select over the whole buffer fuses into the rows' producer
+    (the SwiGLU's backward, the permutation's gather); zeroing a window in place would make XLA write both the
+    zeroed and the plain buffer."""
     live = jnp.arange(rows.shape[0], dtype=jnp.int32) < jnp.sum(group_sizes.astype(jnp.int32))
     return jnp.where(live[:, None], rows, jnp.zeros((), rows.dtype))
 
@@ -137,10 +137,10 @@ def _kernel_matmul_bwd(backend, residuals, dy):
     dy = dy.astype(x.dtype)
     if backend == "mosaic":  # one zeroed cotangent for both products: padding rows of dx come out zero anyway
         dy = _zero_padding(dy, group_sizes)
-        dx = _product(dy, w, group_sizes, backend, transpose_rhs=True)
+    dx = _product(dy, w, group_sizes, backend, transpose_rhs=True)
+    if backend == "mosaic":
         dw = mosaic.transposed_grouped_matmul(_zero_padding(x, group_sizes), dy, group_sizes)
     else:  # masked loads: rows past a group are never read
-        dx = _product(dy, w, group_sizes, backend, transpose_rhs=True)
         dw = _triton().transposed_grouped_matmul(x, dy, group_sizes, interpret=backend == "interpret")
     return dx, dw.astype(w.dtype), None
 

@@ -55,11 +55,11 @@ class Config:
                 raise ValueError(f"Config.{name} must be an int >= {least}, got {value!r}")
 
 
-def default_config(num_rows: int, width: int, num_groups: int = 1) -> Config:
+def default_config(num_rows: int, width: int, num_groups: int) -> Config:
     """The measured tiling for ``num_rows`` rows over ``num_groups`` groups and ``width`` output columns
     (``docs/kernels.md``): 128 x 256 tiles at training sizes (1.3-1.4x the small tiles on an H100); with fewer
     rows than groups (small-batch decode: one work item per touched group) 16-row tiles with 256-deep loads,
-    more bytes in flight per program (2x the default there); small tiles between."""
+    more bytes in flight per program; small tiles between."""
     if num_rows >= 4096 and width % 256 == 0:
         return Config(block_rows=128, block_k=64, block_cols=256, num_warps=8, num_stages=3)
     if num_rows <= num_groups:
