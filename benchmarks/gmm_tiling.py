@@ -1,13 +1,16 @@
-"""The Triton grouped matmul's tilings at decode shapes: each tiling next to the default one and the weight-read floor.
+"""The Triton grouped matmuls' tilings at decode shapes: each tiling next to the default one and the weight-read floor.
 
     PYTHONPATH=. python3 benchmarks/gmm_tiling.py                  # one GPU, the small preset's expert shapes
     PYTHONPATH=. python3 benchmarks/gmm_tiling.py --json tiling.json
+    PYTHONPATH=. python3 benchmarks/gmm_tiling.py --format fp8,mxfp4 --batches 256 --groups 32 --dim 7168 --hidden 2048
+                                                                   # the quantized kernel, DeepSeek-V3's expert shape
 
 For the batch sizes of ``--batches`` (rows = batch x top-k, spread over ``--groups`` experts: at batch 1 each
 row its own expert, above that multinomial), both expert products (``--dim`` -> ``2 x --hidden`` and ``--hidden``
 -> ``--dim``): microseconds per call from the profiler's kernel records, the fraction of the floor (the touched
-experts' weights and the rows over the card's HBM bandwidth) and the largest difference from a float32 product.
-``moe._gmm.triton.default_config`` is chosen from these figures.
+experts' weights -- their packed bytes and scales for a quantized ``--format`` -- and the rows over the card's
+HBM bandwidth) and the largest difference from a float32 product of the same (dequantized) weights.
+``moe._gmm.triton.default_config`` and ``moe._qgmm.config.default_config`` are chosen from these figures.
 """
 
 from __future__ import annotations
@@ -33,15 +36,56 @@ def parse_args(argv=None):
     p.add_argument("--groups", type=int, default=64)
     p.add_argument("--dim", type=int, default=1024)
     p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--format", default="bf16", help="comma-separated: bf16 and/or moe_eplb_jax.quant formats")
     p.add_argument("--show", type=int, default=5, help="tilings printed per case, fastest first")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
 
-def tilings(triton, rows_per_group: float):
+def tilings(config_type, rows_per_group: float, quantized: bool):
+    """The tilings swept: every bf16 one; for a quantized format fewer (each compiles longer) but wider column
+    tiles (every column tile rereads its rows' activations, the bytes a packed format does not shrink), 8 warps
+    tried on the largest tiles."""
     block_rows = (16,) if rows_per_group <= 4 else (16, 32, 64)
-    for rows, cols, depth, stages in itertools.product(block_rows, (32, 64, 128), (64, 128, 256), (2, 3, 4)):
-        yield triton.Config(block_rows=rows, block_cols=cols, block_k=depth, num_warps=4, num_stages=stages)
+    if not quantized:
+        for rows, cols, depth, stages in itertools.product(block_rows, (32, 64, 128), (64, 128, 256), (2, 3, 4)):
+            yield config_type(block_rows=rows, block_cols=cols, block_k=depth, num_warps=4, num_stages=stages)
+        return
+    for rows, cols, depth, stages in itertools.product(block_rows[::2], (64, 128, 256), (128, 256), (3, 4)):
+        for warps in (4, 8) if rows >= 64 and cols >= 128 else (4,):
+            yield config_type(block_rows=rows, block_cols=cols, block_k=depth, num_warps=warps, num_stages=stages)
+
+
+def kernel_case(fmt: str, x, w):
+    """``(call(config, x, group_sizes), default_config(rows, width, groups), weights as float32 [g, depth, width],
+    weight bytes per group)`` for ``fmt``: bf16 through ``moe._gmm.triton``, a quantized format through
+    ``moe._qgmm.triton`` on the packed weights (``w`` transposed: the contraction axis last)."""
+    import jax
+    import jax.numpy as jnp
+
+    from moe_eplb_jax import quant
+
+    if fmt == "bf16":
+        from moe_eplb_jax.moe._gmm import triton
+
+        call = lambda config, x, sizes: triton.grouped_matmul(x, w, sizes, config=config)
+        per_group = w[0].size * 2
+        return call, triton.default_config, np.asarray(w, np.float32), per_group, triton.Config
+    from moe_eplb_jax.moe._qgmm import config as qconfig
+    from moe_eplb_jax.moe._qgmm import triton as qtriton
+
+    q = quant.quantize_experts(jnp.swapaxes(w, 1, 2).astype(jnp.float32), fmt)
+    # Weight-only formats multiply x itself; fp8 multiplies e4m3 activations (input scale 1: x is in range).
+    lhs_of = (lambda x: x.astype(jnp.float8_e4m3fn).astype(jnp.bfloat16)) if fmt == "fp8" else (lambda x: x)
+    factor = q.global_scale if fmt == "nvfp4" else (q.alpha if fmt == "fp8" else jnp.ones((w.shape[0],)))
+    call = lambda config, x, sizes: qtriton.grouped_matmul(lhs_of(x), q, sizes, factor, config=config)
+    default = lambda rows, width, groups: qconfig.default_config(rows, groups)
+    dense = np.swapaxes(np.asarray(quant.dequantize_experts(q), np.float32), 1, 2)
+    scale = np.asarray(factor, np.float32).reshape(-1)[:, None, None] if fmt in ("fp8", "nvfp4") else 1.0
+    if fmt == "fp8":
+        dense = np.swapaxes(np.asarray(q.weight, np.float32), 1, 2) * scale  # e4m3 values times alpha
+    per_group = sum(leaf.size * jax.dtypes.itemsize_bits(leaf.dtype) // 8 for leaf in jax.tree.leaves(q)) // w.shape[0]
+    return call, default, dense, per_group, qconfig.Config
 
 
 def main(argv=None):
@@ -49,15 +93,13 @@ def main(argv=None):
     import jax
     import jax.numpy as jnp
 
-    from moe_eplb_jax.moe._gmm import triton
-
     if jax.default_backend() != "gpu":
         raise SystemExit("gmm_tiling.py times Triton kernels: run it on a GPU")
     kind = jax.devices()[0].device_kind
     hbm = next((v for k, v in HBM.items() if k in kind), None)
     rng = np.random.default_rng(0)
     results = {"device": kind}
-    for batch in (int(b) for b in args.batches.split(",")):
+    for fmt, batch in itertools.product(args.format.split(","), (int(b) for b in args.batches.split(","))):
         rows, g = batch * args.top_k, args.groups
         if batch == 1:
             sizes = np.zeros(g, np.int32)
@@ -67,30 +109,33 @@ def main(argv=None):
         for depth, width in ((args.dim, 2 * args.hidden), (args.hidden, args.dim)):
             x = jnp.asarray(rng.standard_normal((rows, depth)), jnp.bfloat16)
             w = jnp.asarray(rng.standard_normal((g, depth, width)) / depth**0.5, jnp.bfloat16)
+            call, default_of, dense, per_group, config_type = kernel_case(fmt, x, w)
             group_sizes = jnp.asarray(sizes)
             slot = np.repeat(np.arange(g), sizes)
-            want = np.einsum("nk,nkm->nm", np.asarray(x, np.float32), np.asarray(w, np.float32)[slot])
-            floor_bytes = int((sizes > 0).sum()) * depth * width * 2 + rows * (depth + width) * 2
-            default = triton.default_config(rows, width, g)
+            lhs = np.asarray(x.astype(jnp.float8_e4m3fn) if fmt == "fp8" else x, np.float32)
+            want = np.concatenate([lhs[slot == s] @ dense[s] for s in range(g)])  # rows sorted by group
+            floor_bytes = int((sizes > 0).sum()) * per_group + rows * (depth + width) * 2
+            default = default_of(rows, width, g)
             rows_out = []
-            for config in [default, *tilings(triton, rows / g)]:
-                f = jax.jit(lambda x, w, s, config=config: triton.grouped_matmul(x, w, s, config=config))
+            for config in [default, *tilings(config_type, rows / g, fmt != "bf16")]:
+                f = jax.jit(lambda x, s, config=config: call(config, x, s))
                 try:
-                    got = np.asarray(f(x, w, group_sizes), np.float32)
-                    seconds, _ = device_seconds(f, x, w, group_sizes, calls=20, warmup=1)
+                    got = np.asarray(f(x, group_sizes), np.float32)
+                    seconds, _ = device_seconds(f, x, group_sizes, calls=20, warmup=1)
                 except Exception as e:  # a tiling this Triton cannot compile
                     print(f"  skipped {config}: {type(e).__name__}")
                     continue
                 rows_out.append(
                     {
-                        "config": f"{config.block_rows}x{config.block_cols}x{config.block_k} s{config.num_stages}",
+                        "config": f"{config.block_rows}x{config.block_cols}x{config.block_k} "
+                        f"w{config.num_warps} s{config.num_stages}",
                         "default": config == default,
                         "us": seconds * 1e6,
                         "x_floor": seconds * hbm / floor_bytes if hbm else float("nan"),
-                        "max_error": float(np.max(np.abs(got - want))),
+                        "max_error": float(np.max(np.abs(got[: len(slot)] - want))),
                     }
                 )
-            label = f"batch {batch}: {rows} rows over {g} groups, {depth} -> {width}"
+            label = f"{fmt}, batch {batch}: {rows} rows over {g} groups, {depth} -> {width}"
             results[label] = rows_out
             floor_us = floor_bytes / hbm * 1e6 if hbm else float("nan")
             print(f"== {label}; floor {floor_us:.1f} us")
@@ -98,13 +143,13 @@ def main(argv=None):
             for row in best[: args.show] + [r for r in rows_out if r["default"]]:
                 tag = " (default)" if row["default"] else ""
                 print(
-                    f"  {row['config']:>16}{tag:10} {row['us']:8.1f} us  {row['x_floor']:.2f}x floor  "
+                    f"  {row['config']:>20}{tag:10} {row['us']:8.1f} us  {row['x_floor']:.2f}x floor  "
                     f"max error {row['max_error']:.1e}"
                 )
             sys.stdout.flush()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+            if args.json:  # after every case: a run cut short keeps what it measured
+                with open(args.json, "w") as f:
+                    json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

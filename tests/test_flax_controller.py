@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as PS
 
 from moe_eplb_jax.config import EplbConfig
 from moe_eplb_jax.flax import EplbController, MoELayer, find_moe_layers
-from moe_eplb_jax.models import MoECausalLM, preset, skew_routers, zipf_tokens
+from moe_eplb_jax.models import MoECausalLM, generate, preset, skew_routers, zipf_tokens
 from moe_eplb_jax.moe import DispatchConfig
 from moe_eplb_jax.placement import Placement
 
@@ -291,3 +291,26 @@ def test_deferred_load_sum_equals_per_step_psum(rng):
         "all-reduce"
         not in ctl._loop.window.close.lower(ctl.state, loads, ctl._loop.window.dummy(False)).compile().as_text()
     )
+
+
+@pytest.mark.parametrize("ranks", [1, G])
+def test_generate_hands_the_window_back_without_a_copy(ranks, rng):
+    """``generate``'s on-device loop returns the window in the controller's own shardings (the form a jitted
+    program writes them in), so ``steps_closed`` keeps the very arrays it is handed: no ``device_put`` per call."""
+    mesh = jax.make_mesh((ranks,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
+    lm = MoECausalLM(MODEL, mesh=mesh, num_redundant_experts=P - E, rngs=nnx.Rngs(0))
+    ctl = EplbController(lm, mesh, EplbConfig(num_redundant_experts=P - E, window_size=4, num_gpus=ranks))
+    handed, taken = [], []
+    steps_closed = ctl.steps_closed
+
+    def spy(state, num_steps):
+        handed.append(state)
+        report = steps_closed(state, num_steps)
+        taken.append(ctl.state)
+        return report
+
+    ctl.steps_closed = spy
+    generate(lm, [rng.integers(0, 64, 5) for _ in range(4)], max_new_tokens=4, tokens_per_call=2, controller=ctl)
+    assert len(handed) == 3 and ctl.total_steps == 4  # the prefill and two calls of two passes
+    for state, kept in zip(handed, taken):
+        assert all(a is b for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(kept)))

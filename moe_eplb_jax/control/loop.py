@@ -287,9 +287,13 @@ class ControlLoop:
         (:func:`close_step` in its own jitted loop, ``dummy`` from :meth:`LoadWindow.dummy` of ``run.moving``),
         and counts them on the host; the balance report of the last of them that logs (while its row is still in
         the window)."""
-        # The caller's program may write an equivalent sharding another way; the window's own, without a copy,
-        # keeps its jitted updates from compiling again.
-        run.state = jax.device_put(state, self.window.sharding)
+        # A caller's program writes the window's own shardings (``window.as_written``); one that wrote an
+        # equivalent sharding another way gets the window's, so its jitted updates do not compile again.
+        wanted = jax.tree.leaves(self.window.sharding)
+        if all(leaf.sharding == want for leaf, want in zip(jax.tree.leaves(state), wanted, strict=True)):
+            run.state = state
+        else:
+            run.state = jax.device_put(state, self.window.sharding)
         logged = None
         for _ in range(num_steps):
             run.schedule.tick()

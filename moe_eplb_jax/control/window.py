@@ -33,7 +33,7 @@ from moe_eplb_jax.config import EplbConfig
 from moe_eplb_jax.state import EplbState
 from moe_eplb_jax.transport.mesh import put_host
 
-__all__ = ["LoadWindow", "close_step", "host_value", "sum_rank_rows", "split_rank_rows"]
+__all__ = ["LoadWindow", "as_written", "close_step", "host_value", "split_rank_rows", "sum_rank_rows"]
 
 
 def close_step(state: EplbState, loads, *, dummy=False) -> EplbState:
@@ -113,9 +113,7 @@ class LoadWindow:
         make = functools.partial(eplb_state.init_state, config, self.num_layers, self.num_physical, per_rank=True)
         sharding = jax.tree.map(lambda _: replicated, jax.eval_shape(make))
         self.sharding = dataclasses.replace(
-            sharding,
-            pass_load=NamedSharding(mesh, PS(None, axis, None)),
-            window=NamedSharding(mesh, PS(None, None, axis, None)),
+            sharding, pass_load=as_written(mesh, None, axis, None), window=as_written(mesh, None, None, axis, None)
         )
         self.fresh = jax.jit(make, out_shardings=self.sharding)
         # Donated: the window ([W, L, G, P]) is updated in place, not copied every step.
@@ -163,6 +161,16 @@ class LoadWindow:
 
 
 _FIELDS = dataclasses.fields(EplbState)
+
+
+def as_written(mesh: jax.sharding.Mesh, *axes) -> NamedSharding:
+    """``NamedSharding(mesh, PS(*axes))`` in the form a jitted program writes on its outputs (mesh axes of size
+    one and trailing ``None`` dropped): a caller's loop that returns the window returns this very sharding, so
+    taking the window back needs no ``device_put``, and nothing compiles again."""
+    kept = [a if a is not None and mesh.shape[a] > 1 else None for a in axes]
+    while kept and kept[-1] is None:
+        kept.pop()
+    return NamedSharding(mesh, PS(*kept))
 
 
 def _per_step(loads):
