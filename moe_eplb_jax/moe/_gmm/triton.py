@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-__all__ = ["Config", "default_config", "grouped_matmul", "supports", "transposed_grouped_matmul", "work_items"]
+__all__ = ["Config", "default_config", "grouped_matmul", "supports", "transposed_grouped_matmul", "max_items", "padded_sizes", "work_item"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -67,21 +67,35 @@ def default_config(num_rows: int, width: int, num_groups: int) -> Config:
     return Config()
 
 
-def work_items(group_sizes, num_rows: int, block_rows: int):
-    """``(item_group, item_tile, num_items)`` -- int32 ``[cdiv(N, bm) + S]``, same, ``[1]``."""
+def padded_sizes(group_sizes):
+    """``group_sizes`` as int32 padded with empty groups to a power of two >= 16: a Triton block, read whole."""
     sizes = group_sizes.astype(jnp.int32)
-    num_groups = sizes.shape[0]
+    return jnp.pad(sizes, (0, (1 << max(4, (sizes.shape[0] - 1).bit_length())) - sizes.shape[0]))
+
+
+def max_items(num_rows: int, num_groups: int, block_rows: int) -> int:
+    """The grid's rows: at most ``cdiv(N, bm) + S`` work items (each group adds at most one straddling tile)."""
+    return pl.cdiv(num_rows, block_rows) + num_groups
+
+
+def work_item(sizes_ref, item, block_rows: int):
+    """Inside a kernel: ``(live, group, first_row, start, end)`` of work item ``item`` -- whether it exists, its
+    group, the first row of its tile and its group's rows ``[start, end)`` -- from ``padded_sizes``' ref.
+
+    Computed by every program from the group sizes (a scan over at most a few hundred groups), so no kernel
+    before this one has to build an item table.
+    """
+    sizes = sizes_ref[...]
     ends = jnp.cumsum(sizes)
     starts = ends - sizes
     first = starts // block_rows
     tiles = jnp.where(sizes > 0, (ends - 1) // block_rows - first + 1, 0)
     item_end = jnp.cumsum(tiles)
-    max_items = pl.cdiv(num_rows, block_rows) + num_groups
-    item = jnp.arange(max_items, dtype=jnp.int32)
-    group = jnp.sum(item[:, None] >= item_end[None, :], axis=1, dtype=jnp.int32)
-    safe = jnp.minimum(group, num_groups - 1)
-    tile = first[safe] + item - (item_end[safe] - tiles[safe])
-    return safe, tile, item_end[-1:]
+    group = jnp.sum((item >= item_end).astype(jnp.int32))
+    at_group = jnp.arange(sizes.shape[0], dtype=jnp.int32) == group
+    pick = lambda v: jnp.sum(jnp.where(at_group, v, 0))
+    tile = pick(first) + item - (pick(item_end) - pick(tiles))
+    return item < jnp.sum(tiles), group, tile * block_rows, pick(starts), pick(ends)
 
 
 def _precision(dtype):
@@ -110,18 +124,16 @@ def _check_blocks(**blocks_and_sizes) -> None:
             )
 
 
-def _gmm_kernel(x_ref, w_ref, group_ref, tile_ref, count_ref, starts_ref, ends_ref, out_ref, **static):
+def _gmm_kernel(x_ref, w_ref, sizes_ref, out_ref, **static):
     block_rows, block_k, block_cols = static["block_rows"], static["block_k"], static["block_cols"]
     depth, width, transpose = static["depth"], static["width"], static["transpose"]
-    item = pl.program_id(0)
+    live, group, first_row, start, end = work_item(sizes_ref, pl.program_id(0), block_rows)
     col = pl.program_id(1)
 
-    @pl.when(item < count_ref[0])
+    @pl.when(live)
     def _():
-        group = group_ref[item]
-        first_row = tile_ref[item] * block_rows
         rows = first_row + jnp.arange(block_rows, dtype=jnp.int32)
-        mine = (rows >= starts_ref[group]) & (rows < ends_ref[group])
+        mine = (rows >= start) & (rows < end)
 
         def step(k, acc):
             a = plgpu.load(
@@ -157,9 +169,6 @@ def grouped_matmul(x, w, group_sizes, *, transpose_rhs: bool = False, config: Co
     config = config or default_config(num_rows, width, w.shape[0])
     block_rows, block_k, block_cols = config.block_rows, min(config.block_k, depth), min(config.block_cols, width)
     _check_blocks(block_k=(block_k, depth), block_cols=(block_cols, width), block_rows=(block_rows, block_rows))
-    group, tile, count = work_items(group_sizes, num_rows, block_rows)
-    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
-    starts = ends - group_sizes.astype(jnp.int32)
     kernel = functools.partial(
         _gmm_kernel,
         block_rows=block_rows,
@@ -173,14 +182,14 @@ def grouped_matmul(x, w, group_sizes, *, transpose_rhs: bool = False, config: Co
     whole = pl.no_block_spec
     return pl.pallas_call(
         kernel,
-        grid=(group.shape[0], width // block_cols),
-        in_specs=[whole] * 7,
+        grid=(max_items(num_rows, w.shape[0], block_rows), width // block_cols),
+        in_specs=[whole] * 3,
         out_specs=whole,
         out_shape=jax.ShapeDtypeStruct((num_rows, width), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="grouped_matmul",
-    )(x, w.reshape(-1, w.shape[2]), group, tile, count, starts, ends)
+    )(x, w.reshape(-1, w.shape[2]), padded_sizes(group_sizes))
 
 
 def _tgmm_kernel(x_ref, dy_ref, starts_ref, ends_ref, out_ref, *, block_rows, block_k, block_cols, depth, precision):

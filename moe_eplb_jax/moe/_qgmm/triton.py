@@ -16,7 +16,7 @@ What a tile decodes to, exactly (``lhs`` bfloat16 or float32):
   255 to NaN), exact in bfloat16 but for float32-subnormal products.
 * ``nvfp4``: e2m1 times the block's e4m3 scale (exact in bfloat16); the global scale is ``factor``.
 
-Work items follow ``sum(group_sizes)`` as in ``moe._gmm.triton`` (``work_items``): a rank that received
+Work items follow ``sum(group_sizes)`` as in ``moe._gmm.triton`` (``work_item``): a rank that received
 few rows does little work, and each row runs the same instruction sequence wherever it sits. Rows outside
 every group are never written.
 """
@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from moe_eplb_jax import quant
-from moe_eplb_jax.moe._gmm.triton import work_items
+from moe_eplb_jax.moe._gmm.triton import max_items, padded_sizes, work_item
 from moe_eplb_jax.moe._qgmm.config import Config, default_config
 
 __all__ = ["grouped_matmul", "operands"]
@@ -84,18 +84,16 @@ def _decode_tile(w_ref, s_ref, first, k, *, fmt, block_k, block_cols):
     return values * _spread(scale, block)
 
 
-def _kernel(lhs_ref, w_ref, s_ref, factor_ref, group_ref, tile_ref, count_ref, starts_ref, ends_ref, out_ref, **st):
+def _kernel(lhs_ref, w_ref, s_ref, factor_ref, sizes_ref, out_ref, **st):
     block_rows, block_k, block_cols = st["block_rows"], st["block_k"], st["block_cols"]
     fmt, width, depth = st["fmt"], st["width"], st["depth"]
-    item = pl.program_id(0)
+    live, group, first_row, start, end = work_item(sizes_ref, pl.program_id(0), block_rows)
     col = pl.program_id(1)
 
-    @pl.when(item < count_ref[0])
+    @pl.when(live)
     def _():
-        group = group_ref[item]
-        first_row = tile_ref[item] * block_rows
         rows = first_row + jnp.arange(block_rows, dtype=jnp.int32)
-        mine = (rows >= starts_ref[group]) & (rows < ends_ref[group])
+        mine = (rows >= start) & (rows < end)
         first = group * width + col * block_cols  # the tile's first weight row in w [S * M, ...]
 
         def step(k, acc):
@@ -163,9 +161,6 @@ def grouped_matmul(lhs, q, group_sizes, factor, *, config: Config | None = None,
     fmt, w, scales, tile = operands(q)
     config = config or default_config(num_rows, num_slots)
     block_k, block_cols = _blocks(config, fmt, width, depth, tile)
-    group, row_tile, count = work_items(group_sizes, num_rows, config.block_rows)
-    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
-    starts = ends - group_sizes.astype(jnp.int32)
     kernel = functools.partial(
         _kernel,
         block_rows=config.block_rows,
@@ -180,11 +175,11 @@ def grouped_matmul(lhs, q, group_sizes, factor, *, config: Config | None = None,
     whole = pl.no_block_spec
     return pl.pallas_call(
         kernel,
-        grid=(group.shape[0], width // block_cols),
-        in_specs=[whole] * 9,
+        grid=(max_items(num_rows, num_slots, config.block_rows), width // block_cols),
+        in_specs=[whole] * 5,
         out_specs=whole,
         out_shape=jax.ShapeDtypeStruct((num_rows, width), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name=f"quantized_grouped_matmul_{fmt}",
-    )(lhs, w, scales, factor.astype(jnp.float32), group, row_tile, count, starts, ends)
+    )(lhs, w, scales, factor.astype(jnp.float32), padded_sizes(group_sizes))
