@@ -8,7 +8,10 @@ median of ``--repeats`` runs of ``--calls`` calls each, so a busy host shows as 
 * ``trivial_jit_mesh``: the same on the EP mesh's devices (the floor of a program over ``--ranks`` devices);
 * ``window_update``: the jitted window update alone (``LoadWindow.close`` on a window of the controller's shape);
 * ``step``: ``controller.step()`` with nothing due: the loads read and reset, the window update, the counters;
-* ``schedule_tick``: the functional API's per-step host work (``Schedule.tick()`` and ``due``).
+* ``schedule_tick``: the functional API's per-step host work (``Schedule.tick()`` and ``due``);
+* ``loop_and_steps_closed``: 16 steps closed in a caller's own on-device loop, as ``generate(controller=)``
+  runs them once per call: the loop's dispatch (a jitted call, as ``trivial_jit``) and
+  ``controller.steps_closed(state, 16)`` (the window taken back, the steps counted, the loads reset).
 
 No step reads the device or uploads to it (``tests/test_control_loop.py`` holds that under a transfer guard).
 
@@ -59,7 +62,7 @@ def main(argv=None):
     from flax import nnx
 
     from moe_eplb_jax.config import EplbConfig
-    from moe_eplb_jax.control import LoadWindow, Schedule
+    from moe_eplb_jax.control import LoadWindow, Schedule, close_step
     from moe_eplb_jax.flax import EplbController, MoELayer
     from moe_eplb_jax.transport import ep_mesh, put_host
 
@@ -92,6 +95,14 @@ def main(argv=None):
         held[0] = window.close(held[0], loads, dummy)
 
     schedule = Schedule(config)
+    # A caller's on-device loop of 16 steps; its window comes back to the controller between two of them.
+    looped = jax.jit(
+        lambda state, dummy: jax.lax.fori_loop(0, 16, lambda _, s: close_step(s, loads, dummy=dummy), state),
+        donate_argnums=0,
+    )
+
+    def loop_and_steps_closed():
+        controller.steps_closed(looped(*controller.device_window()), 16)
 
     def schedule_tick():
         schedule.tick()
@@ -103,6 +114,7 @@ def main(argv=None):
         "window_update": window_update,
         "step": controller.step,
         "schedule_tick": schedule_tick,
+        "loop_and_steps_closed": loop_and_steps_closed,
     }
     result = {
         "device": jax.devices()[0].device_kind,
