@@ -1,0 +1,74 @@
+"""Every Triton grouped matmul lowers to Triton IR for a Hopper GPU, on a machine without one.
+
+The interpreter tests run each kernel's jaxpr on the CPU; this lowers the same kernels as a GPU compile would
+(``jax.export`` for ``cuda``, the card's compute capability given), so a primitive without a Triton lowering
+fails here and not only on a GPU. It also holds the call's shape: the kernel alone, no XLA ops building a work
+item table before it.
+"""
+
+from __future__ import annotations
+
+import types
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import export
+
+from moe_eplb_jax import quant
+from moe_eplb_jax.moe._gmm import triton as gmm_triton
+from moe_eplb_jax.moe._qgmm import triton as qgmm_triton
+
+try:
+    from jax._src.pallas.triton import pallas_call_registration as _registration
+except ImportError:  # another jax layout: nothing to hook
+    _registration = None
+
+TRITON_CALL = "__gpu$xla.gpu.triton"
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    """Lowering as for an sm90 card (Pallas asks the local GPU for its compute capability)."""
+    info = getattr(_registration, "gpu_info_lib", None)
+    if info is None or not hasattr(info, "get_gpu_info"):
+        pytest.skip("this jax's Pallas Triton lowering has no GPU-info hook to stand in for a card")
+    monkeypatch.setattr(info, "get_gpu_info", lambda: types.SimpleNamespace(compute_capability=90))
+
+
+def lowered_for_cuda(fn, *shapes) -> str:
+    checks = [export.DisabledSafetyCheck.custom_call(TRITON_CALL)]
+    return export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*shapes).mlir_module()
+
+
+def ops_around_kernels(module: str) -> int:
+    """StableHLO ops in the module other than the Triton calls themselves."""
+    return module.count("stablehlo.") - module.count(f"stablehlo.custom_call @{TRITON_CALL}")
+
+
+@pytest.mark.parametrize(
+    ("rows", "groups", "transpose"), [(8, 64, False), (256, 64, True), (4096, 12, False), (4096, 300, False)]
+)
+def test_grouped_matmul_lowers_for_hopper_with_nothing_before_it(hopper, rows, groups, transpose):
+    x = jax.ShapeDtypeStruct((rows, 256), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((groups, 128, 256) if transpose else (groups, 256, 128), jnp.bfloat16)
+    sizes = jax.ShapeDtypeStruct((groups,), jnp.int32)
+    module = lowered_for_cuda(lambda x, w, s: gmm_triton.grouped_matmul(x, w, s, transpose_rhs=transpose), x, w, sizes)
+    assert module.count(TRITON_CALL) == 1
+    assert ops_around_kernels(module) <= 6, module  # reshapes and the sizes' padding only
+
+
+def test_weight_gradient_lowers_for_hopper(hopper):
+    x, dy = jax.ShapeDtypeStruct((512, 256), jnp.bfloat16), jax.ShapeDtypeStruct((512, 128), jnp.bfloat16)
+    sizes = jax.ShapeDtypeStruct((16,), jnp.int32)
+    module = lowered_for_cuda(gmm_triton.transposed_grouped_matmul, x, dy, sizes)
+    assert module.count(TRITON_CALL) == 1
+
+
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+def test_quantized_grouped_matmul_lowers_for_hopper(hopper, fmt):
+    w = jnp.ones((4, 128, 256), jnp.float32)
+    q = quant.quantize_experts(w, fmt, block_size=(32, 64)) if fmt == "fp8_block" else quant.quantize_experts(w, fmt)
+    x, sizes = jax.ShapeDtypeStruct((64, 256), jnp.bfloat16), jax.ShapeDtypeStruct((4,), jnp.int32)
+    module = lowered_for_cuda(lambda x, s: qgmm_triton.grouped_matmul(x, q, s, jnp.ones((4,))), x, sizes)
+    assert module.count(TRITON_CALL) == 1
