@@ -33,7 +33,16 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-__all__ = ["Config", "default_config", "grouped_matmul", "supports", "transposed_grouped_matmul", "max_items", "padded_sizes", "work_item"]
+__all__ = [
+    "Config",
+    "default_config",
+    "grouped_matmul",
+    "max_items",
+    "padded_sizes",
+    "supports",
+    "transposed_grouped_matmul",
+    "work_item",
+]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
