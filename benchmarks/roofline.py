@@ -102,7 +102,11 @@ def kernel_kind(name: str) -> str:
 
 def profile(fn, top: int, calls: int = 3) -> dict:
     """Device time of ``fn()`` per call, by kernel kind and for the ``top`` costliest kernels."""
-    total, per_kernel = device_seconds(fn, calls=calls, warmup=1)
+    return summary(*device_seconds(fn, calls=calls, warmup=1), top)
+
+
+def summary(total, per_kernel: dict, top: int) -> dict:
+    """``device_seconds``' figures by kernel kind and for the ``top`` costliest kernels, in ms."""
     if total is None:
         return {}
     kinds: dict[str, float] = {}
@@ -113,6 +117,22 @@ def profile(fn, top: int, calls: int = 3) -> dict:
         "kinds_ms": {k: v * 1e3 for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
         "kernels_ms": {name[:90]: v * 1e3 for name, v in list(per_kernel.items())[:top]},
         "launches": len(per_kernel),
+    }
+
+
+def kernel_difference(base, other, top: int) -> dict:
+    """Device ms ``other`` spends beyond ``base`` (each ``device_seconds``' pair): in all and for the ``top``
+    kernels whose time differs most."""
+    (base_total, base_kernels), (other_total, other_kernels) = base, other
+    if base_total is None or other_total is None:
+        return {}
+    names = set(base_kernels) | set(other_kernels)
+    delta = {name: other_kernels.get(name, 0.0) - base_kernels.get(name, 0.0) for name in names}
+    largest = sorted(delta.items(), key=lambda kv: -abs(kv[1]))[:top]
+    return {
+        "device_ms": (other_total - base_total) * 1e3,
+        "launches": len(other_kernels) - len(base_kernels),
+        "kernels_ms": {name[:90]: value * 1e3 for name, value in largest},
     }
 
 
@@ -251,9 +271,14 @@ def phase_decode(args, config, mesh, rng, hbm):
             ]
             row[f"ms_{name}"] = sorted(r.decode_seconds for r in runs)[1] / steps * 1e3
         if args.profile:
-            looped = variants["looped"]
-            run = lambda: generate(model, prompts, max_new_tokens=args.new_tokens, prompt_width=16, **looped).tokens
-            row["profile_per_generate"] = profile(run, args.profile, calls=1)
+            # Both loops profiled: what the controller adds on the device is the difference, kernel by kernel.
+            measured = {}
+            for name in ("looped", "looped_controller"):
+                options = variants[name]
+                run = lambda o=options: generate(model, prompts, max_new_tokens=args.new_tokens, prompt_width=16, **o)
+                measured[name] = device_seconds(lambda r=run: r().tokens, calls=1, warmup=1)
+            row["profile_per_generate"] = summary(*measured["looped"], args.profile)
+            row["controller_adds_per_generate"] = kernel_difference(*measured.values(), args.profile)
         floor = config.decode_read_bytes(batch, 16 + args.new_tokens)
         row["floor_ms"] = floor / hbm * 1e3 if hbm else None
         row["x_floor"] = row["ms_looped"] / row["floor_ms"] if hbm else None
