@@ -57,9 +57,10 @@ def tilings(config_type, rows_per_group: float, quantized: bool):
 
 
 def kernel_case(fmt: str, x, w):
-    """``(call(config, x, group_sizes), default_config(rows, width, groups), weights as float32 [g, depth, width],
-    weight bytes per group)`` for ``fmt``: bf16 through ``moe._gmm.triton``, a quantized format through
-    ``moe._qgmm.triton`` on the packed weights (``w`` transposed: the contraction axis last)."""
+    """``(call(config, x, group_sizes), default_config(rows, width, groups), the weights as float32 [g, depth,
+    width] (dequantized), weight bytes per group, the Config type)`` for ``fmt``: bf16 through
+    ``moe._gmm.triton``, a quantized format through ``moe._qgmm.triton`` on the packed weights (``w``
+    transposed: the contraction axis last)."""
     import jax
     import jax.numpy as jnp
 
@@ -81,9 +82,8 @@ def kernel_case(fmt: str, x, w):
     call = lambda config, x, sizes: qtriton.grouped_matmul(lhs_of(x), q, sizes, factor, config=config)
     default = lambda rows, width, groups: qconfig.default_config(rows, groups)
     dense = np.swapaxes(np.asarray(quant.dequantize_experts(q), np.float32), 1, 2)
-    scale = np.asarray(factor, np.float32).reshape(-1)[:, None, None] if fmt in ("fp8", "nvfp4") else 1.0
-    if fmt == "fp8":
-        dense = np.swapaxes(np.asarray(q.weight, np.float32), 1, 2) * scale  # e4m3 values times alpha
+    if fmt == "fp8":  # the kernel's product: e4m3 values times alpha
+        dense = np.swapaxes(np.asarray(q.weight, np.float32), 1, 2) * np.asarray(factor, np.float32)[:, None, None]
     per_group = sum(leaf.size * jax.dtypes.itemsize_bits(leaf.dtype) // 8 for leaf in jax.tree.leaves(q)) // w.shape[0]
     return call, default, dense, per_group, qconfig.Config
 
