@@ -274,9 +274,10 @@ def phase_decode(args, config, mesh, rng, hbm):
             # Both loops profiled: what the controller adds on the device is the difference, kernel by kernel.
             measured = {}
             for name in ("looped", "looped_controller"):
-                options = variants[name]
-                run = lambda o=options: generate(model, prompts, max_new_tokens=args.new_tokens, prompt_width=16, **o)
-                measured[name] = device_seconds(lambda r=run: r().tokens, calls=1, warmup=1)
+                run = lambda o=variants[name]: (
+                    generate(model, prompts, max_new_tokens=args.new_tokens, prompt_width=16, **o).tokens
+                )
+                measured[name] = device_seconds(run, calls=1, warmup=1)
             row["profile_per_generate"] = summary(*measured["looped"], args.profile)
             row["controller_adds_per_generate"] = kernel_difference(*measured.values(), args.profile)
         floor = config.decode_read_bytes(batch, 16 + args.new_tokens)
