@@ -3,6 +3,7 @@ a rearranged model equals the model loaded from the permuted checkpoint; samplin
 
 import _models_reference as reference
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from _models import ep_mesh, tiny_model
@@ -185,6 +186,58 @@ def test_decode_loops_on_the_device_with_the_same_tokens_and_loads(rng):
     generate(looped, prompts, max_new_tokens=NEW, prompt_width=12, tokens_per_call=3)
     for a, b in zip(plain.moe_layers, looped.moe_layers):
         np.testing.assert_array_equal(np.asarray(a.expert_load.get_value()), np.asarray(b.expert_load.get_value()))
+
+
+def _primitives(jaxpr, found=None):
+    """Every primitive of ``jaxpr`` and the jaxprs inside it, a Pallas kernel's body excluded."""
+    found = set() if found is None else found
+    for eqn in jaxpr.eqns:
+        found.add(eqn.primitive.name)
+        if eqn.primitive.name == "pallas_call":
+            continue
+        for param in eqn.params.values():
+            for inner in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(inner, "jaxpr", inner)
+                if hasattr(inner, "eqns"):
+                    _primitives(inner, found)
+    return found
+
+
+def test_the_decode_loop_never_waits_for_the_device_on_the_host():
+    """XLA's GPU runtime reads a ``while`` condition of unknown trip count and a ``cond`` predicate on the host,
+    a wait for the device in every pass: the decode loop (one rank, controller stepping every pass) has a
+    static trip count and no conditional."""
+    from moe_eplb_jax.models import generation
+
+    mesh = ep_mesh(1)
+    model = tiny_model(CONFIG, mesh, redundant=R)
+    controller = EplbController(model, mesh, EplbConfig(num_redundant_experts=R, num_gpus=1, window_size=8))
+    window, dummy = controller.device_window()
+    graphdef, variables = nnx.split(model)
+
+    def loop(variables, token, active, cache, window):
+        return generation._decode_loop(
+            nnx.merge(graphdef, variables),
+            token,
+            active,
+            cache,
+            jax.random.key(0),
+            jnp.int32(0),
+            jnp.asarray(True),
+            window,
+            dummy,
+            count=3,
+            max_tokens=4,
+            sampling=Sampling(),
+            eos_id=jnp.int32(-1),
+            pad_id=jnp.int32(0),
+        )
+
+    token, active = jnp.zeros(2, jnp.int32), jnp.ones(2, bool)
+    jaxpr = jax.make_jaxpr(loop)(variables, token, active, model.init_cache(2, 8), window).jaxpr
+    found = _primitives(jaxpr)
+    assert "cond" not in found and "while" not in found, sorted(found)
+    assert [eqn.params["length"] for eqn in jaxpr.eqns if eqn.primitive.name == "scan"] == [3]
 
 
 @pytest.mark.slow

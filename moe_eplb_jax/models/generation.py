@@ -162,7 +162,8 @@ def generate(
       tokens_per_call: decode passes per host round trip, run in one
         on-device loop: the host dispatches once per ``tokens_per_call``
         tokens and the GPU does not wait for it in between. The tokens are
-        the same whatever the value.
+        the same whatever the value. The loop's length is compiled in, so a
+        shorter last call (``max_new_tokens - 1`` not a multiple) compiles once more.
       controller: the model's ``EplbController``: every pass's load goes
         into its window (on the device, inside the loop), and its step runs
         between calls -- a rearrangement due partway through a call happens
@@ -243,10 +244,10 @@ def generate(
                 key,
                 counter,
                 recording,
-                jnp.int32(count),
                 window,
                 dummy,
                 sampling=sampling,
+                count=count,
                 max_tokens=int(tokens_per_call),
                 **ids,
             )
@@ -295,7 +296,7 @@ def _compiled(step, model: MoECausalLM, donate: tuple[str, ...]):
     key = (step, structure, tuple(map(id, leaves)))
     compiled = _COMPILED.setdefault(model, {})
     if key not in compiled:
-        static = ("sampling", "max_tokens") if step is _decode_loop else ("sampling",)
+        static = ("sampling", "count", "max_tokens") if step is _decode_loop else ("sampling",)
         compiled[key] = nnx.jit_partial(step, model, static_argnames=static, donate_argnames=donate, graph=False)
     return compiled[key]
 
@@ -344,10 +345,10 @@ def _decode_loop(
     key,
     counter,
     record,
-    count,
     window,
     dummy,
     *,
+    count,
     max_tokens,
     sampling,
     eos_id,
@@ -355,6 +356,10 @@ def _decode_loop(
 ):
     """``count`` (at most ``max_tokens``) decode passes in one on-device loop -> ``([max_tokens, B] tokens, token,
     active, cache, counter, window)``; rows of the block past ``count`` are unspecified.
+
+    ``count`` is static: XLA's GPU runtime waits for the device before every pass of a loop whose trip count it
+    does not know (it reads the condition on the host), so the host could not queue the next pass's kernels
+    while the GPU runs this one. A shorter last call compiles once more.
 
     Only the expert loads are carried between passes (the weights are read in place). With a ``window`` (an
     ``EplbState``) each pass's loads close one of its steps and the load variables restart from zero; without,
@@ -383,12 +388,18 @@ def _decode_loop(
 def _close_window_step(model, window, dummy, record):
     """With a ``window`` (an ``EplbState``): the pass's loads close one of its steps and every load variable
     restarts from zero. Unrecorded passes leave the window as it was -- the same program, so an unrecorded
-    warm-up call compiles what recording calls run."""
+    warm-up call compiles what recording calls run.
+
+    Selects rather than ``lax.cond``: XLA's GPU runtime reads a conditional's predicate on the host, a wait for
+    the device in every pass. An unrecorded pass rewrites the window's row with itself (a dummy step) and keeps
+    the old counters."""
     if window is None:
         return None
     variables = [ref.module.eplb_load_variable() for ref in find_moe_layers(model)]
     loads = [variable.get_value() for variable in variables]
-    window = jax.lax.cond(record, lambda w: close_step(w, loads, dummy=dummy), lambda w: w, window)
+    closed = close_step(window, loads, dummy=jnp.logical_or(dummy, jnp.logical_not(record)))
+    counters = jax.tree.map(lambda new, old: jnp.where(record, new, old), closed, window)
+    window = dataclasses.replace(counters, window=closed.window)  # no select over the whole window
     for variable, load in zip(variables, loads):
         variable.set_value(jnp.zeros_like(load))
     return window
