@@ -194,7 +194,7 @@ def checked_counts(name: str, load) -> jax.Array:
     return jnp.asarray(load).astype(jnp.int32)
 
 
-def end_step(state: EplbState, *, dummy=False) -> EplbState:
+def end_step(state: EplbState, *, dummy: bool | jax.Array = False) -> EplbState:
     """Closes a step: pushes the step's load into the window (unless ``dummy``) and advances the counters.
 
     ``dummy`` is a bool or a (possibly traced) boolean scalar array; anything

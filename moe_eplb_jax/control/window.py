@@ -36,7 +36,7 @@ from moe_eplb_jax.transport.mesh import put_host
 __all__ = ["LoadWindow", "as_written", "close_step", "host_value", "split_rank_rows", "sum_rank_rows"]
 
 
-def close_step(state: EplbState, loads, *, dummy=False) -> EplbState:
+def close_step(state: EplbState, loads, *, dummy: bool | jax.Array = False) -> EplbState:
     """Records one step's per-layer loads and closes the step; pure, for use inside a jitted step.
 
     ``loads``: one array per MoE layer (or one ``[L, ...]`` array), each
