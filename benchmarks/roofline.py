@@ -3,6 +3,8 @@
     PYTHONPATH=. python benchmarks/roofline.py                        # one GPU, the small preset, every phase
     PYTHONPATH=. python benchmarks/roofline.py --preset deepseek_v3_small --phases prefill,decode
     PYTHONPATH=. python benchmarks/roofline.py --preset tiny --cpu    # CPU smoke run (figures meaningless)
+    PYTHONPATH=. python benchmarks/roofline.py --phases decode --profile 25 --hlo /tmp/hlo
+                                                                      # each profiled kernel's HLO instruction
 
 One model (``moe_eplb_jax.models``, bf16, EP = 1), side by side in one run:
 
@@ -39,6 +41,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _hlo import describe, with_dump
 from _timing import device_seconds
 
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12}
@@ -60,6 +63,13 @@ def parse_args(argv=None):
     p.add_argument("--tokens-per-call", type=int, default=16, help="decode passes per host round trip (looped rows)")
     p.add_argument("--cpu", action="store_true", help="run on the CPU (smoke run)")
     p.add_argument("--profile", type=int, default=0, help="print the N costliest kernels of each phase (device time)")
+    p.add_argument(
+        "--hlo",
+        default=None,
+        metavar="DIR",
+        help="dump XLA's optimized modules into DIR and name each profiled kernel's HLO instruction (shape, JAX op, "
+        "source line)",
+    )
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
@@ -134,6 +144,19 @@ def summary(total, per_kernel: dict, top: int) -> dict:
         "kernels_ms": {name[:90]: v * 1e3 for name, v in list(per_kernel.items())[:top]},
         "launches": len(per_kernel),
     }
+
+
+def name_kernels(figures, directory: str) -> None:
+    """Adds ``kernels_hlo`` beside every ``kernels_ms`` in ``figures`` (nested dicts): each kernel's HLO instruction
+    from the modules dumped in ``directory``, one line per module holding it."""
+    if not isinstance(figures, dict):
+        return
+    if isinstance(figures.get("kernels_ms"), dict):
+        figures["kernels_hlo"] = {
+            name: "; ".join(lines) for name, lines in describe(directory, figures["kernels_ms"]).items() if lines
+        }
+    for value in list(figures.values()):
+        name_kernels(value, directory)
 
 
 def kernel_difference(base, other, top: int) -> dict:
@@ -381,6 +404,8 @@ def main(argv=None):
     args = parse_args(argv)
     if args.cpu:
         os.environ["JAX_PLATFORMS"] = "cpu"
+    if args.hlo:  # read when the backend starts, below
+        os.environ["XLA_FLAGS"] = with_dump(os.environ.get("XLA_FLAGS", ""), args.hlo)
     from moe_eplb_jax import models, transport
 
     kind, peak, hbm = card()
@@ -402,6 +427,8 @@ def main(argv=None):
             results[phase] = phase_gmm(args, rng, peak, hbm)
         else:
             raise SystemExit(f"unknown phase {phase!r}")
+        if args.hlo:
+            name_kernels(results[phase], args.hlo)
         print(f"== {phase} ({time.perf_counter() - start:.0f} s)")
         print(json.dumps(results[phase], indent=1, default=lambda v: round(v, 4) if isinstance(v, float) else v))
         sys.stdout.flush()
