@@ -178,7 +178,32 @@ def test_absorbed_decode_equals_expanded_attention(rng):
 def test_latent_cache_holds_kv_lora_rank_plus_rope_dims_per_token():
     mla, gqa = _model(V3).init_cache(4, 16), _model(preset("tiny")).init_cache(4, 16)
     assert [tuple(a.shape for a in layer) for layer in mla.layers] == [((4, 16, 32 + 8),)] * V3.num_layers
-    assert [tuple(a.shape for a in layer) for layer in gqa.layers] == [((4, 16, 2, 16),) * 2] * 3
+    assert [tuple(a.shape for a in layer) for layer in gqa.layers] == [((4, 2, 16, 16),) * 2] * 3  # [B, K, S, Dh]
+
+
+def test_a_decode_step_reads_the_kv_cache_where_it_lies():
+    """The cache is head-major, the layout of the attention's product over (batch, head): a decode step writes
+    one position and copies no cache-sized array (position-major, XLA transposed the whole cache in every layer
+    of every step). The cache is donated, as `generate` donates it."""
+    import re
+
+    one_rank = jax.make_mesh((1,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
+    model = MoECausalLM(preset("tiny"), mesh=one_rank, rngs=nnx.Rngs(0))  # the compiled shapes are the global ones
+    cache = model.init_cache(4, 64)
+    graphdef, variables = nnx.split(model)
+
+    def decode(variables, token, cache):
+        return nnx.merge(graphdef, variables).call_cached(token, cache)
+
+    text = jax.jit(decode, donate_argnums=2).lower(variables, jnp.zeros((4, 1), jnp.int32), cache).compile().as_text()
+    sides = sorted(cache.layers[0][0].shape)  # the cache's array in any order of its sides
+    moved = [
+        line.strip()[:120]
+        for line in text.splitlines()
+        for shape in re.findall(r"= \w+\[([\d,]+)\]\S* (?:copy|transpose)\(", line)
+        if sorted(int(n) for n in shape.split(",")) == sides
+    ]
+    assert not moved, moved
 
 
 @pytest.mark.slow

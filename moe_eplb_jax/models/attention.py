@@ -86,14 +86,18 @@ def _attend_cudnn(q, k, v, mask, scale):
 
 def _attend_xla(q, k, v, mask, scale):
     b, t, h, dk = q.shape
-    groups = h // k.shape[2]
+    dtype, groups = q.dtype, h // k.shape[2]
+    if jax.default_backend() == "cpu":
+        # XLA's CPU runtime fails on some 16-bit products with a float32 result ("Unsupported element type for
+        # DotThunk"); the values are the same in float32 (a product of two 16-bit floats is exact in it).
+        q, k, v = (a.astype(jnp.float32) for a in (q, k, v))
     q = q.reshape(b, t, k.shape[2], groups, dk)
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * jnp.float32(scale)
     # A finite floor, not -inf: a padding query that sees no key gets a harmless uniform average, not NaN.
     scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dtype).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
-    return out.reshape(b, t, h, v.shape[-1]).astype(q.dtype)
+    return out.reshape(b, t, h, v.shape[-1]).astype(dtype)
 
 
 def _bias(size: int, enabled: bool, *, dtype, mesh):
@@ -104,9 +108,9 @@ def _value(var):
     return None if var is None else var.get_value()
 
 
-def _write(cache, new, index):
-    """``new [B, T, ...]`` written into ``cache [B, S, ...]`` at position ``index``."""
-    start = (0, index) + (0,) * (cache.ndim - 2)
+def _write(cache, new, index, *, axis: int = 1):
+    """``new`` written into ``cache`` at position ``index`` of the positions ``axis`` (their other sides equal)."""
+    start = tuple(index if a == axis else 0 for a in range(cache.ndim))
     return jax.lax.dynamic_update_slice(cache, new.astype(cache.dtype), start)
 
 
@@ -117,7 +121,9 @@ class Attention(nnx.Module):
     ``o_proj [H*Dh, D]``; ``q_bias``/``k_bias``/``v_bias`` (``qkv_bias``) and
     ``o_bias`` (``o_bias``); ``q_norm``/``k_norm`` over ``Dh`` (``qk_norm``,
     before RoPE). RoPE rotates the first ``config.rotary_dim`` dimensions of
-    each head. Cache: ``(keys, values)``, each ``[B, S, K, Dh]``.
+    each head. Cache: ``(keys, values)``, each ``[B, K, S, Dh]``: head-major, the layout the decode step's
+    product over (batch, head) reads in place; position-major, XLA copied the whole cache into it in every
+    layer of every step.
     """
 
     def __init__(self, config, *, mesh, rngs: nnx.Rngs):
@@ -141,16 +147,17 @@ class Attention(nnx.Module):
 
     def cache_shapes(self, batch: int, max_len: int) -> tuple[tuple[int, ...], ...]:
         """Shapes of this layer's cache arrays."""
-        shape = (batch, max_len, self.num_kv_heads, self.head_dim)
+        shape = (batch, self.num_kv_heads, max_len, self.head_dim)
         return shape, shape
 
     def __call__(self, x, positions, mask, cache=None, cache_index: jax.Array | int = 0):
         """``x [B, T, D]`` at ``positions [B, T]`` -> ``(out [B, T, D], cache)``.
 
-        Without a cache the returned cache is this call's keys and values and
-        ``mask`` is ``[B, T, T]``. With ``cache`` the new keys and values are
-        written at ``cache_index``, the queries attend to all ``S`` positions
-        through ``mask [B, T, S]``, and the updated arrays are returned.
+        Without a cache the returned cache is this call's keys and values
+        (``[B, K, T, Dh]``) and ``mask`` is ``[B, T, T]``. With ``cache`` the new
+        keys and values are written at ``cache_index``, the queries attend to all
+        ``S`` positions through ``mask [B, T, S]``, and the updated arrays are
+        returned.
         """
         b, t, _ = x.shape
         q = linear(x, self.q_proj.get_value(), _value(self.q_bias)).reshape(b, t, self.num_heads, self.head_dim)
@@ -162,10 +169,12 @@ class Attention(nnx.Module):
         inv_freq, factor = rope_frequencies(rotary_dim, theta, scaling)
         q = apply_rope(q, positions, inv_freq, attention_factor=factor, interleaved=interleaved)
         k = apply_rope(k, positions, inv_freq, attention_factor=factor, interleaved=interleaved)
+        keys, values = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
         if cache is not None:
-            k, v = _write(cache[0], k, cache_index), _write(cache[1], v, cache_index)
+            keys, values = _write(cache[0], keys, cache_index, axis=2), _write(cache[1], values, cache_index, axis=2)
+            k, v = jnp.swapaxes(keys, 1, 2), jnp.swapaxes(values, 1, 2)  # a view: XLA reads the stored layout
         out = attend(q, k, v, mask, scale=self.head_dim**-0.5)
-        return linear(out.reshape(b, t, -1), self.o_proj.get_value(), _value(self.o_bias)), (k, v)
+        return linear(out.reshape(b, t, -1), self.o_proj.get_value(), _value(self.o_bias)), (keys, values)
 
 
 class MultiLatentAttention(nnx.Module):

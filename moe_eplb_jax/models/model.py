@@ -43,10 +43,10 @@ class KVCache:
     """A preallocated attention cache of every block for ``B`` sequences of up to ``S`` positions.
 
     Attributes:
-      layers: per block, its attention's cache arrays in the model dtype, each
-        ``[B, S, ...]`` (batch sharded over the EP axis): grouped-query
-        attention ``(keys, values)``, each ``[B, S, K, Dh]``; MLA
-        ``(latent,)``, ``[B, S, kv_lora_rank + qk_rope_head_dim]``.
+      layers: per block, its attention's cache arrays in the model dtype, batch
+        first (sharded over the EP axis): grouped-query attention ``(keys,
+        values)``, each ``[B, K, S, Dh]``; MLA ``(latent,)``,
+        ``[B, S, kv_lora_rank + qk_rope_head_dim]``.
       valid: ``[B, S]`` bool, positions that hold a real token (padding and unwritten positions: ``False``).
       index: ``[]`` int32, the next position written (the same for every row: prompts are left-padded).
     """
