@@ -15,7 +15,7 @@ One model (``moe_eplb_jax.models``, bf16, EP = 1), side by side in one run:
   H100 or H200 SXM).
 * prefill: ``--prefill-batch`` prompts of ``--prompt / 2`` to ``--prompt`` tokens (left-padded), one pass with the
   KV cache; FLOPs of the real tokens only.
-* decode: ms per step at each ``--decode-batches`` size, next to the floor: the bytes of weights the step must read
+* decode: ms per step at each ``--decode-batches`` size (prompts up to ``--decode-prompt`` wide), next to the floor: the bytes of weights the step must read
   (every non-expert weight, the experts the batch's routing touched, the KV cache) over the card's HBM
   bandwidth (H100 3.35 TB/s, H200 4.8 TB/s); with ``EplbController.step()`` after every step (recording on,
   nothing due) and without.
@@ -59,6 +59,7 @@ def parse_args(argv=None):
     p.add_argument("--prefill-batch", type=int, default=32)
     p.add_argument("--prompt", type=int, default=1024)
     p.add_argument("--decode-batches", default="1,32,256")
+    p.add_argument("--decode-prompt", type=int, default=16, help="decode prompts' width (the context the cache holds)")
     p.add_argument("--new-tokens", type=int, default=33)
     p.add_argument("--tokens-per-call", type=int, default=16, help="decode passes per host round trip (looped rows)")
     p.add_argument("--cpu", action="store_true", help="run on the CPU (smoke run)")
@@ -295,7 +296,7 @@ def phase_decode(args, config, mesh, rng, hbm):
     controller = EplbController(model, mesh, EplbConfig(num_gpus=1))
     out = {}
     for batch in [int(b) for b in args.decode_batches.split(",")]:
-        prompts = _prompts(rng, batch, 16, config.vocab_size)
+        prompts = _prompts(rng, batch, args.decode_prompt, config.vocab_size)
         steps = args.new_tokens - 1
         row = {}
         # One pass per host call (the host between every two tokens), then on-device loops, bare and with the
@@ -306,9 +307,10 @@ def phase_decode(args, config, mesh, rng, hbm):
             "looped_controller": {"tokens_per_call": args.tokens_per_call, "controller": controller},
         }
         for name, options in variants.items():
-            generate(model, prompts, max_new_tokens=args.new_tokens, prompt_width=16, **options)
+            generate(model, prompts, max_new_tokens=args.new_tokens, prompt_width=args.decode_prompt, **options)
             runs = [
-                generate(model, prompts, max_new_tokens=args.new_tokens, prompt_width=16, **options) for _ in range(3)
+                generate(model, prompts, max_new_tokens=args.new_tokens, prompt_width=args.decode_prompt, **options)
+                for _ in range(3)
             ]
             row[f"ms_{name}"] = sorted(r.decode_seconds for r in runs)[1] / steps * 1e3
         if args.profile:
@@ -316,12 +318,14 @@ def phase_decode(args, config, mesh, rng, hbm):
             measured = {}
             for name in ("looped", "looped_controller"):
                 run = lambda o=variants[name]: (
-                    generate(model, prompts, max_new_tokens=args.new_tokens, prompt_width=16, **o).tokens
+                    generate(
+                        model, prompts, max_new_tokens=args.new_tokens, prompt_width=args.decode_prompt, **o
+                    ).tokens
                 )
                 measured[name] = device_seconds(run, calls=1, warmup=1)
             row["profile_per_generate"] = summary(*measured["looped"], args.profile)
             row["controller_adds_per_generate"] = kernel_difference(*measured.values(), args.profile)
-        floor = config.decode_read_bytes(batch, 16 + args.new_tokens)
+        floor = config.decode_read_bytes(batch, args.decode_prompt + args.new_tokens)
         row["floor_ms"] = floor / hbm * 1e3 if hbm else None
         row["x_floor"] = row["ms_looped"] / row["floor_ms"] if hbm else None
         row["controller_overhead"] = row["ms_looped_controller"] / row["ms_looped"] - 1
