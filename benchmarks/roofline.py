@@ -15,10 +15,10 @@ One model (``moe_eplb_jax.models``, bf16, EP = 1), side by side in one run:
   H100 or H200 SXM).
 * prefill: ``--prefill-batch`` prompts of ``--prompt / 2`` to ``--prompt`` tokens (left-padded), one pass with the
   KV cache; FLOPs of the real tokens only.
-* decode: ms per step at each ``--decode-batches`` size (prompts up to ``--decode-prompt`` wide), next to the floor: the bytes of weights the step must read
-  (every non-expert weight, the experts the batch's routing touched, the KV cache) over the card's HBM
-  bandwidth (H100 3.35 TB/s, H200 4.8 TB/s); with ``EplbController.step()`` after every step (recording on,
-  nothing due) and without.
+* decode: ms per step at each ``--decode-batches`` size (prompts up to ``--decode-prompt`` wide), next to the
+  floor: the bytes of weights the step must read (every non-expert weight, the experts the batch's routing
+  touched, the KV cache) over the card's HBM bandwidth (H100 3.35 TB/s, H200 4.8 TB/s); with the controller
+  stepping every pass into its window (recording on, nothing due) and without.
 * gmm: the grouped matmul alone at a training shape (forward, forward + backward, TFLOP/s) and a decode shape
   (GB/s against HBM), for each implementation next to XLA's ``ragged_dot``; at the decode shape also the
   quantized grouped matmul per format (``moe.quantized_matmul``, the kernel reading packed weights) against
