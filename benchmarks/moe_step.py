@@ -186,8 +186,13 @@ class Bench:
     def dispatch_config(self, matmul, factor, load_reduce="none"):
         from moe_eplb_jax import moe
 
+        # one_round_rows=0: a factor's rounds at every size, the mechanism this script measures.
         return moe.DispatchConfig(
-            matmul=matmul, map_implementation=self.args.map_impl, capacity_factor=factor, load_reduce=load_reduce
+            matmul=matmul,
+            map_implementation=self.args.map_impl,
+            capacity_factor=factor,
+            one_round_rows=0,
+            load_reduce=load_reduce,
         )
 
     def stepper(self, routing, matmul, factor, load_reduce="none"):

@@ -54,6 +54,8 @@ def test_router_config_checks_the_experts_it_routes():
         ({"capacity_factor": 0.0}, "DispatchConfig.capacity_factor must be positive and finite or None"),
         ({"capacity_factor": float("inf")}, "DispatchConfig.capacity_factor"),
         ({"capacity_factor": "1.25"}, "DispatchConfig.capacity_factor"),
+        ({"one_round_rows": -1}, "DispatchConfig.one_round_rows must be an integer >= 0"),
+        ({"one_round_rows": 1.5}, "DispatchConfig.one_round_rows must be an integer"),
         ({"load_reduce": "mean"}, "DispatchConfig.load_reduce must be one of \\('none', 'psum'\\)"),
         ({"shared_expert": "remote"}, "DispatchConfig.shared_expert must be one of \\('local', 'waterfill'\\)"),
         ({"batch_axes": ("data", "data")}, "DispatchConfig.batch_axes must name distinct mesh axes"),
@@ -78,7 +80,13 @@ def test_dispatch_config_resolves_axes_and_capacity():
         DispatchConfig().token_axes(mesh, "tp")
     # ceil(f * A / G) rows per rank pair, at least 1, at most A; None: one worst-case exchange.
     assert DispatchConfig().capacity(64, 4) is None
-    assert [DispatchConfig(capacity_factor=f).capacity(64, 4) for f in (1.0, 1.25, 0.01, 100.0)] == [16, 20, 1, 64]
+    rounds = [DispatchConfig(capacity_factor=f, one_round_rows=0).capacity(64, 4) for f in (1.0, 1.25, 0.01, 100.0)]
+    assert rounds == [16, 20, 1, 64]
+    # A worst case of at most one_round_rows rows (G * A) goes in one round: no loop of rounds at decode sizes.
+    assert DispatchConfig(capacity_factor=1.0).capacity(64, 4) is None  # 256 <= 4096
+    assert DispatchConfig(capacity_factor=1.0).capacity(2048, 4) == 512  # 8192 > 4096
+    assert DispatchConfig(capacity_factor=1.0, one_round_rows=256).capacity(64, 4) is None
+    assert DispatchConfig(capacity_factor=1.0, one_round_rows=255).capacity(64, 4) == 16
     # Frozen and hashable: a static argument of a jitted function.
     assert hash(DispatchConfig()) == hash(DispatchConfig()) and hash(RouterConfig(top_k=2))
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -39,7 +39,7 @@ def _worst_case(x, physical, weights, experts):
 def _rounds(factor):
     def path(x, physical, weights, experts):
         num_ranks = jax.lax.axis_size("ep")
-        config = DispatchConfig(matmul="dense", capacity_factor=factor)
+        config = DispatchConfig(matmul="dense", capacity_factor=factor, one_round_rows=0)
         return routed_experts(x, physical, weights, experts, axis="ep", num_ranks=num_ranks, dispatch=config)
 
     return path
@@ -107,7 +107,7 @@ def test_rounds_equal_the_worst_case_exchange(num_ranks, factors, rng):
     reference = [worst_case(operands) for operands in skews]
     rounds = set()
     for factor in factors:
-        capacity = DispatchConfig(capacity_factor=factor).capacity(TOKENS * TOP_K, num_ranks)
+        capacity = DispatchConfig(capacity_factor=factor, one_round_rows=0).capacity(TOKENS * TOP_K, num_ranks)
         run = _compiled(_rounds(factor), mesh)
         for operands, (ref_out, ref_grads) in zip(skews, reference):
             rounds.add(_rounds_needed(np.asarray(operands[1]), num_ranks, capacity))
@@ -162,7 +162,7 @@ def test_rounds_buffers_are_sized_by_the_capacity():
     all-to-alls ``[G, C, D]``."""
     mesh, tokens, dim = _mesh(8), 32, 64
     worst = 8 * tokens * TOP_K * dim  # G * A * D
-    capacity = DispatchConfig(capacity_factor=1.0).capacity(tokens * TOP_K, 8)
+    capacity = DispatchConfig(capacity_factor=1.0, one_round_rows=0).capacity(tokens * TOP_K, 8)
     assert capacity is not None
     largest, exchanged, temp = _compiled_buffers(_rounds(1.0), mesh, tokens, dim)
     ref_largest, ref_exchanged, ref_temp = _compiled_buffers(_worst_case, mesh, tokens, dim)
@@ -190,7 +190,7 @@ def test_quantized_experts_in_rounds_equal_the_worst_case(scaling, rng):
     weights = jnp.asarray(rng.random((num_ranks * TOKENS, TOP_K)), jnp.float32)
 
     def run(factor):
-        config = DispatchConfig(capacity_factor=factor, activation_scaling=scaling)
+        config = DispatchConfig(capacity_factor=factor, activation_scaling=scaling, one_round_rows=0)
 
         def f(x):
             body = functools.partial(routed_experts, axis="ep", num_ranks=num_ranks, dispatch=config)

@@ -102,6 +102,10 @@ class DispatchConfig:
         ``A``: a rank's assignments); a factor ``f`` exchanges and computes the rows in rounds of
         ``C = ceil(f * A / G)`` rows per rank pair, as many as the fullest pair needs (one when balanced and
         ``f >= 1``): buffers of ``[A, D]`` and ``[G, C, D]``, still dropless, same results.
+      one_round_rows: with a ``capacity_factor``, a rank whose worst case is at most this many rows (``G * A``;
+        4096 by default, decode batches) exchanges it in one round all the same: no loop of rounds, whose trip
+        count XLA's GPU runtime reads on the host, a wait for the device in every layer of every step. ``0``:
+        rounds at every size.
       load_reduce: ``"none"``: each rank returns its own counts, ``load [G, P]`` sharded over EP (no collective
         over EP in the step; summed when read); ``"psum"``: ``load [P]`` summed every pass, replicated.
       shared_expert: where the shared expert runs: ``"local"`` (each rank its own tokens, padding included) or
@@ -116,6 +120,7 @@ class DispatchConfig:
     quant_impl: str = "auto"
     activation_scaling: str = "dynamic"
     capacity_factor: float | None = None
+    one_round_rows: int = 4096
     load_reduce: str = "none"
     shared_expert: str = "local"
     batch_axes: tuple[str, ...] | None = None
@@ -139,6 +144,7 @@ class DispatchConfig:
             or not (math.isfinite(factor) and factor > 0)
         ):
             raise ValueError(f"DispatchConfig.capacity_factor must be positive and finite or None, got {factor!r}")
+        _check_int("DispatchConfig.one_round_rows", self.one_round_rows, minimum=0)
         _check_choice("DispatchConfig.load_reduce", self.load_reduce, LOAD_REDUCTIONS)
         _check_choice("DispatchConfig.shared_expert", self.shared_expert, SHARED_EXPERTS)
         if self.batch_axes is not None:
@@ -162,7 +168,7 @@ class DispatchConfig:
 
     def capacity(self, num_assign: int, num_ranks: int) -> int | None:
         """Rows per rank pair and exchange round for ``num_assign`` assignments per rank (``None``: one round)."""
-        if self.capacity_factor is None:
+        if self.capacity_factor is None or num_ranks * num_assign <= self.one_round_rows:
             return None
         per_pair = -(-int(np.ceil(self.capacity_factor * num_assign)) // num_ranks)
         return int(min(num_assign, max(1, per_pair)))
