@@ -12,6 +12,7 @@ from flax import nnx
 from moe_eplb_jax.config import EplbConfig
 from moe_eplb_jax.flax import EplbController
 from moe_eplb_jax.models import Sampling, generate, left_pad, load_checkpoint, preset, sample
+from moe_eplb_jax.moe import DispatchConfig
 
 G, R = 4, 4
 pytestmark = pytest.mark.devices(G)  # skipped on fewer devices, where MESH is None
@@ -203,15 +204,18 @@ def _primitives(jaxpr, found=None):
     return found
 
 
-def test_the_decode_loop_never_waits_for_the_device_on_the_host():
+@pytest.mark.parametrize("ranks, capacity_factor", [(1, None), (G, 1.25)])
+def test_the_decode_loop_never_waits_for_the_device_on_the_host(ranks, capacity_factor):
     """XLA's GPU runtime reads a ``while`` condition of unknown trip count and a ``cond`` predicate on the host,
-    a wait for the device in every pass: the decode loop (one rank, controller stepping every pass) has a
-    static trip count and no conditional."""
+    a wait for the device in every pass: the decode loop (the controller stepping every pass) has a static trip
+    count and no conditional, also over several ranks with a capacity factor (a decode batch's exchange fits
+    ``DispatchConfig.one_round_rows``: no loop of rounds)."""
     from moe_eplb_jax.models import generation
 
-    mesh = ep_mesh(1)
-    model = tiny_model(CONFIG, mesh, redundant=R)
-    controller = EplbController(model, mesh, EplbConfig(num_redundant_experts=R, num_gpus=1, window_size=8))
+    mesh = ep_mesh(ranks)
+    model = tiny_model(CONFIG, mesh, redundant=R, dispatch=DispatchConfig(capacity_factor=capacity_factor))
+    config = EplbConfig(num_redundant_experts=R, num_gpus=ranks, window_size=8)
+    controller = EplbController(model, mesh, config)
     window, dummy = controller.device_window()
     graphdef, variables = nnx.split(model)
 
@@ -233,8 +237,8 @@ def test_the_decode_loop_never_waits_for_the_device_on_the_host():
             pad_id=jnp.int32(0),
         )
 
-    token, active = jnp.zeros(2, jnp.int32), jnp.ones(2, bool)
-    jaxpr = jax.make_jaxpr(loop)(variables, token, active, model.init_cache(2, 8), window).jaxpr
+    token, active = jnp.zeros(2 * ranks, jnp.int32), jnp.ones(2 * ranks, bool)
+    jaxpr = jax.make_jaxpr(loop)(variables, token, active, model.init_cache(2 * ranks, 8), window).jaxpr
     found = _primitives(jaxpr)
     assert "cond" not in found and "while" not in found, sorted(found)
     assert [eqn.params["length"] for eqn in jaxpr.eqns if eqn.primitive.name == "scan"] == [3]
