@@ -12,7 +12,8 @@
   (``moves``);
 * ``ExpertSource``, ``ResizeStore`` -- moves to a mesh of another EP size
   (``ControlLoop.resized``; ``elastic``);
-* ``LoadWindow`` -- the per-rank load window on the mesh (``window``);
+* ``LoadWindow`` -- the per-rank load window on the mesh; ``close_step`` / ``step_loads`` + ``close_steps`` for
+  a caller's own jitted step or loop (``window``);
 * ``checkpoint`` -- the EPLB state as a validated Orbax item.
 """
 
@@ -29,7 +30,7 @@ from moe_eplb_jax.control.loop import (
 )
 from moe_eplb_jax.control.moves import ExpertStore, Mover, Rearrangement, RearrangementError
 from moe_eplb_jax.control.pytrees import BalanceState, ExpertLayout, PytreeStore, RouteTables
-from moe_eplb_jax.control.window import LoadWindow, close_step, host_value
+from moe_eplb_jax.control.window import LoadWindow, close_step, close_steps, host_value, step_loads
 
 __all__ = [
     "BalanceState",
@@ -50,7 +51,9 @@ __all__ = [
     "check_slot_leaf",
     "checkpoint",
     "close_step",
+    "close_steps",
     "host_value",
+    "step_loads",
     "rehearsal_load",
     "rehearsal_targets",
 ]

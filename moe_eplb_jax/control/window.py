@@ -33,7 +33,16 @@ from moe_eplb_jax.config import EplbConfig
 from moe_eplb_jax.state import EplbState
 from moe_eplb_jax.transport.mesh import put_host
 
-__all__ = ["LoadWindow", "as_written", "close_step", "host_value", "split_rank_rows", "sum_rank_rows"]
+__all__ = [
+    "LoadWindow",
+    "as_written",
+    "close_step",
+    "close_steps",
+    "host_value",
+    "split_rank_rows",
+    "step_loads",
+    "sum_rank_rows",
+]
 
 
 def close_step(state: EplbState, loads, *, dummy: bool | jax.Array = False) -> EplbState:
@@ -45,6 +54,12 @@ def close_step(state: EplbState, loads, *, dummy: bool | jax.Array = False) -> E
     are unchanged). ``dummy`` (a traced bool allowed) advances the step
     counters without writing the window.
     """
+    return eplb_state.end_step(eplb_state.record(state, step_loads(state, loads)), dummy=dummy)
+
+
+def step_loads(state: EplbState, loads) -> jax.Array:
+    """One step's per-layer ``loads`` (as :func:`close_step` takes them) as the ``[L, G, P]`` int32 row the
+    per-rank ``state`` records."""
     num_layers, num_ranks, num_physical = state.pass_load.shape
     sequence = isinstance(loads, (list, tuple)) or getattr(loads, "ndim", 0) >= 1  # no asarray: may hold tracers
     if not sequence or len(loads) != num_layers:
@@ -62,7 +77,42 @@ def close_step(state: EplbState, loads, *, dummy: bool | jax.Array = False) -> E
         if load.ndim == 1:
             load = jnp.where(jnp.arange(num_ranks)[:, None] == 0, load[None, :], 0)
         rows.append(load)
-    return eplb_state.end_step(eplb_state.record(state, jnp.stack(rows)), dummy=dummy)
+    return jnp.stack(rows)
+
+
+def close_steps(state: EplbState, steps, *, dummy: bool | jax.Array = False) -> EplbState:
+    """Closes ``n`` steps at once: the state of ``n`` calls of :func:`close_step`, for a caller's loop that keeps
+    each step's row (:func:`step_loads`) and closes them after it, with one write into the window.
+
+    ``steps``: ``[n, L, G, P]`` integer counts, ``n`` static; the first joins what the open step recorded
+    before. ``dummy`` (a traced bool allowed) as in :func:`close_step`, for every one of the steps.
+    """
+    n = int(np.shape(steps)[0]) if np.ndim(steps) == 4 else 0
+    if n < 1 or tuple(np.shape(steps)[1:]) != tuple(state.pass_load.shape):
+        raise ValueError(
+            f"steps must have shape [n >= 1, L, G, P] = [n, {', '.join(map(str, state.pass_load.shape))}], got "
+            f"{tuple(np.shape(steps))}"
+        )
+    steps = eplb_state.checked_counts("steps", steps)
+    closed = eplb_state.end_step(eplb_state.record(state, steps[0]), dummy=dummy)  # checks state and dummy
+    if n == 1:
+        return closed
+    dummy = jnp.asarray(dummy, jnp.bool_)
+    size = state.window.shape[0]
+    kept = min(n - 1, size)  # of steps 2..n; any before them are overwritten within the call
+    slots = (closed.window_pos + (n - 1 - kept) + jnp.arange(kept, dtype=jnp.int32)) % size
+    # A dummy call rewrites the rows with themselves: one scatter of ``kept`` rows either way, never a select over
+    # the window.
+    rows = jnp.where(dummy, closed.window[slots], steps[n - kept :])
+    advance = jnp.where(dummy, 0, n - 1).astype(jnp.int32)
+    return dataclasses.replace(
+        closed,
+        window=closed.window.at[slots].set(rows, unique_indices=True),
+        window_pos=(closed.window_pos + advance) % size,
+        window_filled=jnp.minimum(closed.window_filled + advance, size),
+        step=closed.step + (n - 1),
+        total_steps=closed.total_steps + (n - 1),
+    )
 
 
 def sum_rank_rows(state: EplbState) -> EplbState:

@@ -34,7 +34,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as PS
 
-from moe_eplb_jax.control import close_step
+from moe_eplb_jax.control import close_steps, step_loads
 from moe_eplb_jax.flax import EplbController, ExpertLoad, find_moe_layers
 from moe_eplb_jax.models.model import MoECausalLM
 from moe_eplb_jax.transport.mesh import put_host
@@ -362,47 +362,61 @@ def _decode_loop(
     while the GPU runs this one. A shorter last call compiles once more.
 
     Only the expert loads are carried between passes (the weights are read in place). With a ``window`` (an
-    ``EplbState``) each pass's loads close one of its steps and the load variables restart from zero; without,
-    they add up in the model as in single passes.
+    ``EplbState``) each pass's loads become one row of a ``[max_tokens, L, G, P]`` block carried through the loop
+    and the load variables restart from zero; after the loop the rows close ``count`` steps of the window at once
+    (one write, not a window update per pass). Without, the loads add up in the model as in single passes.
     """
     graphdef, loads, rest = nnx.split(model, ExpertLoad, ...)
 
     def one_pass(i, carry):
-        token, active, cache, counter, loads, window, block = carry
+        token, active, cache, counter, loads, rows, block = carry
         stepped = nnx.merge(graphdef, loads, rest)
         token, active, cache, counter = _decode(
             stepped, token, active, cache, key, counter, record, sampling=sampling, eos_id=eos_id, pad_id=pad_id
         )
-        window = _close_window_step(stepped, window, dummy, record)
+        if rows is not None:
+            rows = jax.lax.dynamic_update_index_in_dim(rows, _take_loads(stepped, window), i, axis=0)
         block = jax.lax.dynamic_update_index_in_dim(block, token, i, axis=0)
-        return token, active, cache, counter, nnx.state(stepped, ExpertLoad), window, block
+        return token, active, cache, counter, nnx.state(stepped, ExpertLoad), rows, block
 
     block = jnp.zeros((max_tokens, *token.shape), token.dtype)
-    carry = (token, active, cache, counter, loads, window, block)
-    token, active, cache, counter, loads, window, block = jax.lax.fori_loop(0, count, one_pass, carry)
+    rows = None if window is None else jnp.zeros((max_tokens, *window.pass_load.shape), jnp.int32)
+    carry = (token, active, cache, counter, loads, rows, block)
+    token, active, cache, counter, loads, rows, block = jax.lax.fori_loop(0, count, one_pass, carry)
     nnx.update(model, loads)
+    if window is not None:
+        window = _close_window_steps(window, rows[:count], dummy, record)
     replicated = NamedSharding(model.mesh, PS())
     return jax.lax.with_sharding_constraint(block, replicated), token, active, cache, counter, window
 
 
-def _close_window_step(model, window, dummy, record):
-    """With a ``window`` (an ``EplbState``): the pass's loads close one of its steps and every load variable
-    restarts from zero. Unrecorded passes leave the window as it was -- the same program, so an unrecorded
-    warm-up call compiles what recording calls run.
-
-    Selects rather than ``lax.cond``: XLA's GPU runtime reads a conditional's predicate on the host, a wait for
-    the device in every pass. An unrecorded pass rewrites the window's row with itself (a dummy step) and keeps
-    the old counters."""
-    if window is None:
-        return None
+def _take_loads(model, window):
+    """The pass's loads as one ``[L, G, P]`` window row; every load variable restarts from zero."""
     variables = [ref.module.eplb_load_variable() for ref in find_moe_layers(model)]
     loads = [variable.get_value() for variable in variables]
-    closed = close_step(window, loads, dummy=jnp.logical_or(dummy, jnp.logical_not(record)))
-    counters = jax.tree.map(lambda new, old: jnp.where(record, new, old), closed, window)
-    window = dataclasses.replace(counters, window=closed.window)  # no select over the whole window
     for variable, load in zip(variables, loads):
         variable.set_value(jnp.zeros_like(load))
-    return window
+    return step_loads(window, loads)
+
+
+def _close_window_step(model, window, dummy, record):
+    """With a ``window`` (an ``EplbState``): the pass's loads close one of its steps and every load variable
+    restarts from zero (see :func:`_close_window_steps`)."""
+    if window is None:
+        return None
+    return _close_window_steps(window, _take_loads(model, window)[None], dummy, record)
+
+
+def _close_window_steps(window, rows, dummy, record):
+    """``rows [n, L, G, P]`` close ``n`` steps of ``window``. Unrecorded passes leave the window as it was -- the
+    same program, so an unrecorded warm-up call compiles what recording calls run.
+
+    Selects rather than ``lax.cond``: XLA's GPU runtime reads a conditional's predicate on the host, a wait for
+    the device. An unrecorded call rewrites the window's rows with themselves (dummy steps) and keeps the old
+    counters."""
+    closed = close_steps(window, rows, dummy=jnp.logical_or(dummy, jnp.logical_not(record)))
+    counters = jax.tree.map(lambda new, old: jnp.where(record, new, old), closed, window)
+    return dataclasses.replace(counters, window=closed.window)  # no select over the whole window
 
 
 def _check_controller(controller, model) -> None:
