@@ -206,7 +206,9 @@ class EplbController:
 
         Inside its jitted loop, after each forward pass, the caller applies
         ``control.close_step(state, loads, dummy=dummy)`` to every layer's load of that pass (layer order of
-        :attr:`layers`, each load variable left at zero), then hands the new state to :meth:`steps_closed`.
+        :attr:`layers`, each load variable left at zero) -- or keeps each pass's ``control.step_loads`` row and
+        applies ``control.close_steps`` to them after the loop, the same state in one write -- then hands the new
+        state to :meth:`steps_closed`.
         ``state`` may be donated: the controller holds nothing else of it until then.
         """
         return self._run.state, self._loop.window.dummy(self._run.moving is not None)
