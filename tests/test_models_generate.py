@@ -231,7 +231,6 @@ def test_the_decode_loop_never_waits_for_the_device_on_the_host(ranks, capacity_
             window,
             dummy,
             count=3,
-            max_tokens=4,
             sampling=Sampling(),
             eos_id=jnp.int32(-1),
             pad_id=jnp.int32(0),

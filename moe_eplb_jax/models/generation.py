@@ -248,10 +248,9 @@ def generate(
                 dummy,
                 sampling=sampling,
                 count=count,
-                max_tokens=int(tokens_per_call),
                 **ids,
             )
-            generated.append(block[:count])
+            generated.append(block)
             done += count
             if controller is not None:
                 controller.steps_closed(window, count if record else 0)
@@ -296,7 +295,7 @@ def _compiled(step, model: MoECausalLM, donate: tuple[str, ...]):
     key = (step, structure, tuple(map(id, leaves)))
     compiled = _COMPILED.setdefault(model, {})
     if key not in compiled:
-        static = ("sampling", "count", "max_tokens") if step is _decode_loop else ("sampling",)
+        static = ("sampling", "count") if step is _decode_loop else ("sampling",)
         compiled[key] = nnx.jit_partial(step, model, static_argnames=static, donate_argnames=donate, graph=False)
     return compiled[key]
 
@@ -349,20 +348,19 @@ def _decode_loop(
     dummy,
     *,
     count,
-    max_tokens,
     sampling,
     eos_id,
     pad_id,
 ):
-    """``count`` (at most ``max_tokens``) decode passes in one on-device loop -> ``([max_tokens, B] tokens, token,
-    active, cache, counter, window)``; rows of the block past ``count`` are unspecified.
+    """``count`` decode passes in one on-device loop -> ``([count, B] tokens, token, active, cache, counter,
+    window)``.
 
     ``count`` is static: XLA's GPU runtime waits for the device before every pass of a loop whose trip count it
     does not know (it reads the condition on the host), so the host could not queue the next pass's kernels
     while the GPU runs this one. A shorter last call compiles once more.
 
     Only the expert loads are carried between passes (the weights are read in place). With a ``window`` (an
-    ``EplbState``) each pass's loads become one row of a ``[max_tokens, L, G, P]`` block carried through the loop
+    ``EplbState``) each pass's loads become one row of a ``[count, L, G, P]`` block carried through the loop
     and the load variables restart from zero; after the loop the rows close ``count`` steps of the window at once
     (one write, not a window update per pass). Without, the loads add up in the model as in single passes.
     """
@@ -379,13 +377,13 @@ def _decode_loop(
         block = jax.lax.dynamic_update_index_in_dim(block, token, i, axis=0)
         return token, active, cache, counter, nnx.state(stepped, ExpertLoad), rows, block
 
-    block = jnp.zeros((max_tokens, *token.shape), token.dtype)
-    rows = None if window is None else jnp.zeros((max_tokens, *window.pass_load.shape), jnp.int32)
+    block = jnp.zeros((count, *token.shape), token.dtype)
+    rows = None if window is None else jnp.zeros((count, *window.pass_load.shape), jnp.int32)
     carry = (token, active, cache, counter, loads, rows, block)
     token, active, cache, counter, loads, rows, block = jax.lax.fori_loop(0, count, one_pass, carry)
     nnx.update(model, loads)
     if window is not None:
-        window = _close_window_steps(window, rows[:count], dummy, record)
+        window = _close_window_steps(window, rows, dummy, record)
     replicated = NamedSharding(model.mesh, PS())
     return jax.lax.with_sharding_constraint(block, replicated), token, active, cache, counter, window
 
