@@ -12,10 +12,10 @@ turns into padding too. The batch is padded with empty rows to a multiple of
 the EP size, and to two rows per rank at least. Prefill and decode are jitted once per shape; the cache is
 donated, so each step updates it in place. A decode call runs
 ``tokens_per_call`` passes in a ``fori_loop`` on the device, so the host
-dispatches once per call. With a ``controller`` every pass still closes one
-step of its load window (on the device, in the loop) and the controller
-decides and moves between calls -- nothing recompiles, the tables are model
-variables.
+dispatches once per call. With a ``controller`` every pass is still one step
+of its load window (closed on the device, after the call's loop) and the
+controller decides and moves between calls -- nothing recompiles (but a
+shorter last call), the tables are model variables.
 """
 
 from __future__ import annotations
