@@ -288,6 +288,8 @@ def phase_prefill(args, config, mesh, rng, peak):
 
 
 def phase_decode(args, config, mesh, rng, hbm):
+    import functools
+
     from moe_eplb_jax import EplbConfig
     from moe_eplb_jax.flax import EplbController
     from moe_eplb_jax.models import generate
@@ -306,22 +308,18 @@ def phase_decode(args, config, mesh, rng, hbm):
             "looped": {"tokens_per_call": args.tokens_per_call},
             "looped_controller": {"tokens_per_call": args.tokens_per_call, "controller": controller},
         }
+        decode = functools.partial(
+            generate, model, prompts, max_new_tokens=args.new_tokens, prompt_width=args.decode_prompt
+        )
         for name, options in variants.items():
-            generate(model, prompts, max_new_tokens=args.new_tokens, prompt_width=args.decode_prompt, **options)
-            runs = [
-                generate(model, prompts, max_new_tokens=args.new_tokens, prompt_width=args.decode_prompt, **options)
-                for _ in range(3)
-            ]
+            decode(**options)
+            runs = [decode(**options) for _ in range(3)]
             row[f"ms_{name}"] = sorted(r.decode_seconds for r in runs)[1] / steps * 1e3
         if args.profile:
             # Both loops profiled: what the controller adds on the device is the difference, kernel by kernel.
             measured = {}
             for name in ("looped", "looped_controller"):
-                run = lambda o=variants[name]: (
-                    generate(
-                        model, prompts, max_new_tokens=args.new_tokens, prompt_width=args.decode_prompt, **o
-                    ).tokens
-                )
+                run = lambda o=variants[name]: decode(**o).tokens
                 measured[name] = device_seconds(run, calls=1, warmup=1)
             row["profile_per_generate"] = summary(*measured["looped"], args.profile)
             row["controller_adds_per_generate"] = kernel_difference(*measured.values(), args.profile)
