@@ -58,5 +58,11 @@ def test_step_loads_takes_what_close_step_takes(rng):
         close_steps(state, np.zeros((0, 2, 2, 4), np.int32))
     with pytest.raises(ValueError, match="steps must hold integer token counts"):
         close_steps(state, np.zeros((1, 2, 2, 4), np.float32))
+    summed = eplb_state.init_state(EplbConfig(window_size=3, num_gpus=2), 2, 4)
+    for bad, got in ((summed, "the summed layout"), ({"pass_load": per_rank}, "dict")):
+        with pytest.raises(ValueError, match=f"state must be an EplbState in the per-rank layout .*, got {got}"):
+            close_steps(bad, np.zeros((1, 2, 2, 4), np.int32))
+        with pytest.raises(ValueError, match="state must be an EplbState in the per-rank layout"):
+            step_loads(bad, [per_rank, per_rank])
     with pytest.raises(ValueError, match="dummy must be"):
         close_steps(state, np.zeros((2, 2, 2, 4), np.int32), dummy="no")

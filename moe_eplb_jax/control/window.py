@@ -60,6 +60,7 @@ def close_step(state: EplbState, loads, *, dummy: bool | jax.Array = False) -> E
 def step_loads(state: EplbState, loads) -> jax.Array:
     """One step's per-layer ``loads`` (as :func:`close_step` takes them) as the ``[L, G, P]`` int32 row the
     per-rank ``state`` records."""
+    _check_per_rank(state)
     num_layers, num_ranks, num_physical = state.pass_load.shape
     sequence = isinstance(loads, (list, tuple)) or getattr(loads, "ndim", 0) >= 1  # no asarray: may hold tracers
     if not sequence or len(loads) != num_layers:
@@ -87,6 +88,7 @@ def close_steps(state: EplbState, steps, *, dummy: bool | jax.Array = False) -> 
     ``steps``: ``[n, L, G, P]`` integer counts, ``n`` static; the first joins what the open step recorded
     before. ``dummy`` (a traced bool allowed) as in :func:`close_step`, for every one of the steps.
     """
+    _check_per_rank(state)
     n = int(np.shape(steps)[0]) if np.ndim(steps) == 4 else 0
     if n < 1 or tuple(np.shape(steps)[1:]) != tuple(state.pass_load.shape):
         raise ValueError(
@@ -113,6 +115,12 @@ def close_steps(state: EplbState, steps, *, dummy: bool | jax.Array = False) -> 
         step=closed.step + (n - 1),
         total_steps=closed.total_steps + (n - 1),
     )
+
+
+def _check_per_rank(state) -> None:
+    if not isinstance(state, EplbState) or not state.per_rank:
+        got = "the summed layout" if isinstance(state, EplbState) else type(state).__name__
+        raise ValueError(f"state must be an EplbState in the per-rank layout (pass_load [L, G, P]), got {got}")
 
 
 def sum_rank_rows(state: EplbState) -> EplbState:
