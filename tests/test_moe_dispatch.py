@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as PS
 
-from moe_eplb_jax.moe import DispatchConfig, dispatch, expert_mlp, routed_experts
+from moe_eplb_jax.moe import DispatchConfig, dispatch, expert_mlp, local, routed_experts
 
 
 def _exchanged(x, physical, weights, experts):
@@ -46,14 +46,14 @@ def test_one_rank_path_equals_the_exchange(dtype, rng):
         grads = jax.jit(jax.grad(lambda x, e: jnp.sum(f(x, e).astype(jnp.float32) ** 2), argnums=(0, 1)))(x, experts)
         return out, grads
 
-    local = run(lambda x, p, w, e: routed_experts(x, p, w, e, axis="ep", num_ranks=1, dispatch=config))
+    one_rank = run(lambda x, p, w, e: routed_experts(x, p, w, e, axis="ep", num_ranks=1, dispatch=config))
     exchanged = run(_exchanged)
-    for a, b in zip(jax.tree.leaves(local), jax.tree.leaves(exchanged)):
+    for a, b in zip(jax.tree.leaves(one_rank), jax.tree.leaves(exchanged)):
         tolerance = 1e-6 if dtype == jnp.float32 else 1e-2
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=tolerance, atol=tolerance)
     unsent = (physical < 0).all(axis=1)
     if unsent.any():
-        np.testing.assert_array_equal(np.asarray(local[0], np.float32)[unsent], 0.0)
+        np.testing.assert_array_equal(np.asarray(one_rank[0], np.float32)[unsent], 0.0)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
@@ -89,8 +89,8 @@ def test_one_rank_gather_sums_each_tokens_gradient_over_its_assignments(rng):
     physical = rng.integers(0, slots, (tokens, top_k)).astype(np.int32)
     physical[rng.random((tokens, top_k)) < 0.25] = -1
     cot = jnp.asarray(rng.standard_normal((tokens * top_k, dim)), jnp.float32)
-    rows_of = lambda x: dispatch.gather_local(x, jnp.asarray(physical), slots)[0]
-    _, order, sizes = dispatch.gather_local(x, jnp.asarray(physical), slots)
+    rows_of = lambda x: local.gather_local(x, jnp.asarray(physical), slots)[0]
+    _, order, sizes = local.gather_local(x, jnp.asarray(physical), slots)
     assert int(sizes.sum()) == int((physical >= 0).sum())
     got = np.asarray(jax.grad(lambda x: jnp.sum(rows_of(x) * cot))(x))
     sent = np.asarray(order) < tokens * top_k  # every row of the permutation
@@ -101,3 +101,50 @@ def test_one_rank_gather_sums_each_tokens_gradient_over_its_assignments(rng):
             want[assignment // top_k] += np.asarray(cot)[position]
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     assert "scatter-add" not in str(jax.make_jaxpr(jax.grad(lambda x: jnp.sum(rows_of(x) * cot)))(x))
+
+
+def test_one_rank_combine_gradients_are_gathers_and_ignore_the_padding_rows(rng):
+    """``combine_local``: each token's weighted sum in router order, and the gradients of the grouped results and of
+    the router weights, against loops over the assignments -- with NaN in the padding rows (an expert MLP leaves
+    them unspecified), which reach neither the output nor a gradient."""
+    tokens, top_k, dim, slots = 17, 4, 5, 3
+    physical = rng.integers(0, slots, (tokens, top_k)).astype(np.int32)
+    physical[rng.random((tokens, top_k)) < 0.3] = -1
+    x = jnp.asarray(rng.standard_normal((tokens, dim)), jnp.float32)
+    _, order, sizes = local.gather_local(x, jnp.asarray(physical), slots)
+    sent = int(sizes.sum())
+    y = rng.standard_normal((tokens * top_k, dim)).astype(np.float32)
+    y[sent:] = np.nan
+    weights = rng.random((tokens, top_k)).astype(np.float32)
+    cot = rng.standard_normal((tokens, dim)).astype(np.float32)
+
+    def loss(y, w):
+        return jnp.sum(local.combine_local(y, order, jnp.asarray(physical), w) * cot)
+
+    out = np.asarray(local.combine_local(jnp.asarray(y), order, jnp.asarray(physical), jnp.asarray(weights)))
+    dy, dw = jax.grad(loss, argnums=(0, 1))(jnp.asarray(y), jnp.asarray(weights))
+    row_of = np.empty(tokens * top_k, np.int64)
+    row_of[np.asarray(order)] = np.arange(tokens * top_k)  # assignment -> its sorted row
+    want_out = np.zeros((tokens, dim), np.float32)
+    want_dy = np.zeros_like(y)
+    want_dw = np.zeros_like(weights)
+    for t in range(tokens):
+        for j in range(top_k):
+            if physical[t, j] < 0:
+                continue
+            row = row_of[t * top_k + j]
+            want_out[t] += weights[t, j] * y[row]
+            want_dy[row] = weights[t, j] * cot[t]
+            want_dw[t, j] = np.dot(cot[t], y[row])
+    np.testing.assert_allclose(out, want_out, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(dy), want_dy, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(dw), want_dw, rtol=1e-5, atol=1e-5)
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(jnp.asarray(y), jnp.asarray(weights)))
+    assert "scatter-add" not in jaxpr
+
+
+def test_one_rank_gather_checks_its_shapes():
+    with pytest.raises(ValueError, match="x must have shape"):
+        local.gather_local(jnp.zeros((4, 3)), jnp.zeros((5, 2), jnp.int32), 2)
+    with pytest.raises(ValueError, match="rows and weights"):
+        local.combine_local(jnp.zeros((8, 3)), jnp.arange(8), jnp.zeros((4, 2), jnp.int32), jnp.zeros((4, 3)))

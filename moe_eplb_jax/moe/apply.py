@@ -77,6 +77,7 @@ from jax.sharding import PartitionSpec as PS
 
 from moe_eplb_jax import quant
 from moe_eplb_jax.moe import dispatch as _dispatch
+from moe_eplb_jax.moe import local as _local
 from moe_eplb_jax.moe.config import DispatchConfig, RouterConfig, axes_size
 from moe_eplb_jax.moe.experts import expert_mlp, shared_mlp, waterfill_shared_mlp
 from moe_eplb_jax.moe.router import route
@@ -290,9 +291,9 @@ def routed_experts(x, physical, weights, experts, *, axis: str, num_ranks: int, 
         axis_name=axis,
     )
     if num_ranks == 1:  # every slot is here: no plan, no exchange, one sort
-        rows, order, group_sizes = _dispatch.gather_local(x, physical, slots_per_rank)
+        rows, order, group_sizes = _local.gather_local(x, physical, slots_per_rank)
         y = mlp(rows, experts, group_sizes=group_sizes)
-        return _dispatch.combine_local(y, order, physical, weights, out_dtype=x.dtype)
+        return _local.combine_local(y, order, physical, weights, out_dtype=x.dtype)
 
     def grouped(experts, rows, row_slot):
         return _dispatch.apply_by_slot(

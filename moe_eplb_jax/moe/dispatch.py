@@ -43,12 +43,10 @@ __all__ = [
     "DispatchPlan",
     "RoundPlan",
     "combine",
-    "combine_local",
     "dispatch",
     "exchange",
     "apply_by_slot",
     "exchange_apply",
-    "gather_local",
     "inverse_permutation",
     "permute_rows",
     "plan_dispatch",
@@ -194,34 +192,6 @@ def dispatch(x, physical_ids, *, slots_per_rank: int, axis_name, num_ranks: int,
     recv_x = exchange(send_x, axis_name=axis_name, rounds=rounds, capacity=capacity)
     recv_slot = exchange(plan.send_slot + 1, axis_name=axis_name, rounds=rounds, capacity=capacity) - 1
     return recv_x.reshape(-1, x.shape[1]), recv_slot.reshape(-1), plan
-
-
-def gather_local(x, physical_ids, num_slots: int):
-    """One EP rank (``G = 1``): every assignment's row, grouped by slot, with no plan and no exchange.
-
-    ``physical_ids [T, k]`` (``-1``: an assignment to no slot). Returns ``(rows [T * k, D], order [T * k],
-    group_sizes [num_slots])``: the rows of slot 0, then slot 1, ... in assignment order, the unsent ones last
-    (zero rows); ``combine_local(y, order, ...)`` takes the grouped results back.
-    """
-    flat = physical_ids.reshape(-1).astype(jnp.int32)
-    key = jnp.where(flat < 0, jnp.int32(num_slots), flat)
-    order = jnp.argsort(key, stable=True).astype(jnp.int32)
-    group_sizes = (key[:, None] == jnp.arange(num_slots, dtype=jnp.int32)[None, :]).sum(0, dtype=jnp.int32)
-    sent = (key[order] < num_slots)[:, None]
-    tokens, top_k = physical_ids.shape
-    per_assign = jnp.broadcast_to(x[:, None, :], (tokens, top_k, x.shape[-1])).reshape(tokens * top_k, -1)
-    rows = jnp.where(sent, permute_rows(per_assign, order), jnp.zeros((), x.dtype))
-    return rows, order, group_sizes
-
-
-def combine_local(y, order, physical_ids, weights, *, out_dtype=None):
-    """``gather_local``'s inverse and the weighted sum: ``[T, D]``, ``sum_j weights[t, j] * y_j`` added in router order
-    ``j = 0..k-1`` (the same sum as :func:`combine`), unsent assignments adding zero."""
-    tokens, top_k = weights.shape
-    per_assign = unsort(y, order)
-    sent = (physical_ids.reshape(-1) >= 0)[:, None]
-    per_assign = jnp.where(sent, per_assign, 0).reshape(tokens, top_k, -1).astype(jnp.float32)
-    return _weighted_sum(per_assign, weights).astype(out_dtype or y.dtype)
 
 
 def _weighted_sum(per_assign, weights):
