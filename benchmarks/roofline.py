@@ -61,6 +61,7 @@ def parse_args(argv=None):
     )
     p.add_argument("--prefill-batch", type=int, default=32)
     p.add_argument("--prompt", type=int, default=1024)
+    p.add_argument("--prefill-matmuls", default="auto", help="grouped matmuls to prefill with (DispatchConfig.matmul)")
     p.add_argument("--decode-batches", default="1,32,256")
     p.add_argument("--decode-prompt", type=int, default=16, help="decode prompts' width (the context the cache holds)")
     p.add_argument("--new-tokens", type=int, default=33)
@@ -179,12 +180,13 @@ def kernel_difference(base, other, top: int) -> dict:
     }
 
 
-def build(config, mesh, remat=False):
+def build(config, mesh, remat=False, matmul="auto"):
     from flax import nnx
 
     from moe_eplb_jax.models import MoECausalLM
+    from moe_eplb_jax.moe import DispatchConfig
 
-    return MoECausalLM(config, mesh=mesh, remat=remat, rngs=nnx.Rngs(0))
+    return MoECausalLM(config, mesh=mesh, remat=remat, dispatch=DispatchConfig(matmul=matmul), rngs=nnx.Rngs(0))
 
 
 def phase_train(args, config, mesh, rng, peak):
@@ -271,25 +273,31 @@ def _prompts(rng, batch, longest, vocab):
 
 
 def phase_prefill(args, config, mesh, rng, peak):
+    """The prefill with each grouped matmul of ``--prefill-matmuls`` (the first one profiled): the padding
+    positions' rows are in the buffer, which the Mosaic kernel computes and the Triton kernel skips."""
     from moe_eplb_jax.models import generate
 
-    model = build(config, mesh)
     prompts = _prompts(rng, args.prefill_batch, args.prompt, config.vocab_size)
     real = sum(len(p) for p in prompts)
-    generate(model, prompts, max_new_tokens=1, prompt_width=args.prompt)  # compiles
-    seconds = sorted(
-        generate(model, prompts, max_new_tokens=1, prompt_width=args.prompt).prefill_seconds for _ in range(5)
-    )[2]
     flops = sum(len(p) * forward_flops_per_token(config, (len(p) + 1) / 2) for p in prompts)
-    run = lambda: generate(model, prompts, max_new_tokens=1, prompt_width=args.prompt).tokens
-    prof = profile(run, args.profile) if args.profile else {}
-    return {
-        "profile": prof,
-        "ms": seconds * 1e3,
-        "tokens_per_s": real / seconds,
-        "tflops": flops / seconds / 1e12,
-        "mfu": flops / seconds / peak if peak else None,
-    }
+    out = {}
+    for index, matmul in enumerate(args.prefill_matmuls.split(",")):
+        model = build(config, mesh, matmul=matmul)
+        prefill = lambda: generate(model, prompts, max_new_tokens=1, prompt_width=args.prompt)
+        prefill()  # compiles
+        seconds = sorted(prefill().prefill_seconds for _ in range(5))[2]
+        row = {
+            "ms": seconds * 1e3,
+            "tokens_per_s": real / seconds,
+            "tflops": flops / seconds / 1e12,
+            "mfu": flops / seconds / peak if peak else None,
+        }
+        if index == 0:
+            row["profile"] = profile(lambda: prefill().tokens, args.profile) if args.profile else {}
+            out.update(row)
+        else:
+            out[f"matmul_{matmul}"] = row
+    return out
 
 
 def phase_decode(args, config, mesh, rng, hbm):
