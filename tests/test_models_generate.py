@@ -204,6 +204,41 @@ def _primitives(jaxpr, found=None):
     return found
 
 
+def _programs_run(fn) -> dict[str, int]:
+    """``{XLA module name: executions}`` of every program ``fn()`` ran, from a profiler trace."""
+    import collections
+    import glob
+    import tempfile
+
+    from jax.profiler import ProfileData
+
+    directory = tempfile.mkdtemp(prefix="programs_")
+    with jax.profiler.trace(directory):
+        fn()
+    runs = set()
+    for path in glob.glob(f"{directory}/**/*.xplane.pb", recursive=True):
+        for plane in ProfileData.from_file(path).planes:
+            for line in plane.lines:
+                for event in line.events:
+                    stats = {name: value for name, value in event.stats}
+                    if "hlo_module" in stats and "run_id" in stats:
+                        runs.add((stats["hlo_module"], stats["run_id"]))
+    return dict(collections.Counter(module for module, _ in runs))
+
+
+@pytest.mark.filterwarnings("ignore:builtin type event_stats has no __module__")  # the profiler's C types
+def test_generate_runs_one_program_per_host_call(rng):
+    """Before the prefill's program, no programs of their own: the KV cache is made inside it and the ids and
+    counters go in as host scalars (each a dispatch before the first kernel otherwise); the tokens are joined on
+    the host. Besides the key's seeding, the prefill and one decode loop per ``tokens_per_call`` tokens."""
+    model = _model()
+    run = lambda: generate(model, _prompts(rng), max_new_tokens=9, tokens_per_call=4)
+    run()
+    programs = _programs_run(run)
+    assert programs.pop("jit__prefill") == 1 and programs.pop("jit__decode_loop") == 2, programs
+    assert sum(programs.values()) <= 2, programs  # the key from the seed (and a scalar staged for it)
+
+
 @pytest.mark.parametrize("ranks, capacity_factor", [(1, None), (G, 1.25)])
 def test_the_decode_loop_never_waits_for_the_device_on_the_host(ranks, capacity_factor):
     """XLA's GPU runtime reads a ``while`` condition of unknown trip count and a ``cond`` predicate on the host,

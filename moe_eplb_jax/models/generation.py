@@ -204,31 +204,31 @@ def generate(
     valid = np.arange(width)[None, :] >= (width - lengths)[:, None]
     rows = PS(model.axis)
     key = jax.random.key(seed)
-    # Traced, so a new eos or pad id does not recompile; -1 matches no token.
-    ids = {"eos_id": jnp.int32(-1 if eos_id is None else eos_id), "pad_id": jnp.int32(pad_id)}
-    recording = jnp.asarray(bool(record))
+    # Traced, so a new eos or pad id does not recompile; -1 matches no token. Host scalars, not device arrays:
+    # each jnp scalar made here would be a dispatch of its own before the prefill.
+    ids = {"eos_id": np.int32(-1 if eos_id is None else eos_id), "pad_id": np.int32(pad_id)}
+    recording = np.bool_(record)
     step = functools.partial(_step_callback, on_step)
-    counter = jnp.int32(0)  # the step index, carried on the device: it folds into the sampling key
+    counter = np.int32(0)  # the step index, carried on the device: it folds into the sampling key
     start = time.perf_counter()
     if use_cache:
-        cache = model.init_cache(tokens.shape[0], total - 1)
-        prefill = _compiled(_prefill, model, ("cache", "window"))
+        prefill = _compiled(_prefill, model, ("window",))
         decode = _compiled(_decode_loop, model, ("cache", "window"))
         window, dummy = controller.device_window() if controller is not None else (None, None)
         out, active, cache, counter, window = prefill(
             put_host(tokens, model.mesh, rows),
             put_host(valid, model.mesh, rows),
             put_host(lengths > 0, model.mesh, PS()),
-            cache,
             key,
             counter,
             recording,
             window,
             dummy,
+            max_len=total - 1,
             sampling=sampling,
             **ids,
         )
-        generated = [jax.block_until_ready(out)[None]]
+        generated = [jax.block_until_ready(out)]
         prefill_seconds = time.perf_counter() - start
         if controller is not None:
             controller.steps_closed(window, 1 if record else 0)
@@ -261,19 +261,20 @@ def generate(
         buffer_valid = np.concatenate([valid, np.zeros((tokens.shape[0], max_new_tokens), bool)], axis=1)
         buffer, buffer_valid = put_host(buffer, model.mesh, rows), put_host(buffer_valid, model.mesh, rows)
         active = put_host(lengths > 0, model.mesh, PS())
-        generated, prefill_seconds, prompt_end = [], 0.0, jnp.int32(width)
+        generated, prefill_seconds, prompt_end = [], 0.0, np.int32(width)
         for n in range(max_new_tokens):
             out, active, buffer, buffer_valid, counter = recompute(
                 buffer, buffer_valid, active, prompt_end, key, counter, recording, sampling=sampling, **ids
             )
-            generated.append(out[None])
+            generated.append(out)
             if n == 0:
                 jax.block_until_ready(out)
                 prefill_seconds = time.perf_counter() - start
             if controller is not None and record:
                 controller.step()
             step(n + 1)
-    result = np.asarray(jax.device_get(jnp.concatenate(generated, axis=0))).T
+    # Joined on the host: a device concatenate would be one more dispatch (and program) per shape.
+    result = np.concatenate([np.reshape(part, (-1, part.shape[-1])) for part in jax.device_get(generated)]).T
     decode_seconds = time.perf_counter() - start - prefill_seconds
     count = len(prompts)
     num_generated = np.full(result.shape[0], max_new_tokens, np.int32)
@@ -295,7 +296,7 @@ def _compiled(step, model: MoECausalLM, donate: tuple[str, ...]):
     key = (step, structure, tuple(map(id, leaves)))
     compiled = _COMPILED.setdefault(model, {})
     if key not in compiled:
-        static = ("sampling", "count") if step is _decode_loop else ("sampling",)
+        static = {_decode_loop: ("sampling", "count"), _prefill: ("sampling", "max_len")}.get(step, ("sampling",))
         compiled[key] = nnx.jit_partial(step, model, static_argnames=static, donate_argnames=donate, graph=False)
     return compiled[key]
 
@@ -317,7 +318,10 @@ def _next(logits, active, key, counter, *, mesh, sampling, eos_id, pad_id):
     return jax.lax.with_sharding_constraint(picked, replicated), jax.lax.with_sharding_constraint(active, replicated)
 
 
-def _prefill(model, tokens, valid, active, cache, key, counter, record, window, dummy, *, sampling, eos_id, pad_id):
+def _prefill(model, tokens, valid, active, key, counter, record, window, dummy, *, max_len, sampling, eos_id, pad_id):
+    """The prompts' pass: the KV cache of ``max_len`` positions is made here, inside the program, rather than
+    by its own dispatches before it."""
+    cache = model.init_cache(tokens.shape[0], max_len)
     logits, cache = model.call_cached(tokens, cache, valid=valid, record=record)
     picked, active = _next(
         logits, active, key, counter, mesh=model.mesh, sampling=sampling, eos_id=eos_id, pad_id=pad_id

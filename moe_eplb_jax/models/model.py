@@ -20,6 +20,7 @@ unpadded sequence.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +59,15 @@ class KVCache:
     @property
     def max_len(self) -> int:
         return int(self.valid.shape[1])
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
+def _empty_cache(shapes, dtype, valid_shape, rows, replicated) -> KVCache:
+    """The zero cache as one program, compiled once per shape: called eagerly, one dispatch rather than one per
+    array; inside a jitted step (the prefill), no dispatch of its own."""
+    zeros = lambda shape, dtype, sharding: jax.lax.with_sharding_constraint(jnp.zeros(shape, dtype), sharding)
+    layers = tuple(tuple(zeros(shape, dtype, rows) for shape in block) for block in shapes)
+    return KVCache(layers, zeros(valid_shape, jnp.bool_, rows), zeros((), jnp.int32, replicated))
 
 
 class DecoderBlock(nnx.Module):
@@ -265,15 +275,11 @@ class MoECausalLM(nnx.Module):
             raise ValueError(f"max_len must be a positive integer, got {max_len!r}")
         if max_len > self.config.max_seq_len:
             raise ValueError(f"max_len={max_len} exceeds the model's max_seq_len={self.config.max_seq_len}")
-        dtype = self.config.jnp_dtype
-        shapes = [block.self_attn.cache_shapes(int(batch), int(max_len)) for block in self.layers]
+        shapes = tuple(block.self_attn.cache_shapes(int(batch), int(max_len)) for block in self.layers)
         rows = NamedSharding(self.mesh, PS(self.axis))
-        replicated = NamedSharding(self.mesh, PS())
-
-        # Each array made where it lives, by a program JAX compiles once per shape (not per call).
-        layers = tuple(tuple(jnp.zeros(shape, dtype, device=rows) for shape in block) for block in shapes)
-        valid = jnp.zeros((int(batch), int(max_len)), jnp.bool_, device=rows)
-        return KVCache(layers, valid, jnp.zeros((), jnp.int32, device=replicated))
+        return _empty_cache(
+            shapes, self.config.jnp_dtype, (int(batch), int(max_len)), rows, NamedSharding(self.mesh, PS())
+        )
 
     # -------------------------------------------------------------- helpers
     def _check_tokens(self, tokens, valid):
