@@ -129,6 +129,11 @@ def _kernel_matmul(x, w, group_sizes, backend):
 
 
 def _kernel_matmul_fwd(x, w, group_sizes, backend):
+    if backend == "mosaic":
+        # The weight gradient's tiles read past their group: its rows must be zero there. Zeroed here, the select
+        # fuses into the rows' producer (the dispatch's gather, the SwiGLU); in the backward it would be a pass of
+        # its own over the saved rows.
+        x = _zero_padding(x, group_sizes)
     return _product(x, w, group_sizes, backend), (x, w, group_sizes)
 
 
@@ -139,7 +144,7 @@ def _kernel_matmul_bwd(backend, residuals, dy):
         dy = _zero_padding(dy, group_sizes)
     dx = _product(dy, w, group_sizes, backend, transpose_rhs=True)
     if backend == "mosaic":
-        dw = mosaic.transposed_grouped_matmul(_zero_padding(x, group_sizes), dy, group_sizes)
+        dw = mosaic.transposed_grouped_matmul(x, dy, group_sizes)  # x zeroed past the groups in the forward
     else:  # masked loads: rows past a group are never read
         dw = _triton().transposed_grouped_matmul(x, dy, group_sizes, interpret=backend == "interpret")
     return dx, dw.astype(w.dtype), None
