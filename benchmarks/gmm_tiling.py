@@ -135,6 +135,7 @@ def main(argv=None):
                         "max_error": float(np.max(np.abs(got[: len(slot)] - want))),
                     }
                 )
+                print(f"  . {rows_out[-1]['config']} {rows_out[-1]['us']:.1f} us", flush=True)  # a cut run shows these
             label = f"{fmt}, batch {batch}: {rows} rows over {g} groups, {depth} -> {width}"
             results[label] = rows_out
             floor_us = floor_bytes / hbm * 1e6 if hbm else float("nan")
