@@ -241,6 +241,25 @@ def test_generate_runs_one_program_per_host_call(rng):
     assert sum(programs.values()) <= 2, programs  # the key from the seed (and a scalar staged for it)
 
 
+def test_generate_compiles_its_prefill_and_its_decode_loop_once(rng):
+    """Over several ranks the decode loop hands its token and flags back laid out as the prefill does: its
+    second call reuses the first call's compilation (XLA compiles per input layout)."""
+    import collections
+
+    compiled = collections.Counter()
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled[kwargs.get("fun_name")] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        generate(_model(), _prompts(rng), max_new_tokens=13, tokens_per_call=4)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compiled["jit(_prefill)"] == 1 and compiled["jit(_decode_loop)"] == 1, dict(compiled)
+
+
 @pytest.mark.parametrize("ranks, capacity_factor", [(1, None), (G, 1.25)])
 def test_the_decode_loop_never_waits_for_the_device_on_the_host(ranks, capacity_factor):
     """XLA's GPU runtime reads a ``while`` condition of unknown trip count and a ``cond`` predicate on the host,

@@ -388,8 +388,9 @@ def _decode_loop(
     nnx.update(model, loads)
     if window is not None:
         window = _close_window_steps(window, rows, dummy, record)
-    replicated = NamedSharding(model.mesh, PS())
-    return jax.lax.with_sharding_constraint(block, replicated), token, active, cache, counter, window
+    # Laid out as the prefill hands them over: the next call then reuses this compilation.
+    block, token, active = jax.lax.with_sharding_constraint((block, token, active), NamedSharding(model.mesh, PS()))
+    return block, token, active, cache, counter, window
 
 
 def _take_loads(model, window):
