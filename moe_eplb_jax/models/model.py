@@ -65,7 +65,10 @@ class KVCache:
 def _empty_cache(shapes, dtype, valid_shape, rows, replicated) -> KVCache:
     """The zero cache as one program, compiled once per shape: called eagerly, one dispatch rather than one per
     array; inside a jitted step (the prefill), no dispatch of its own."""
-    zeros = lambda shape, dtype, sharding: jax.lax.with_sharding_constraint(jnp.zeros(shape, dtype), sharding)
+
+    def zeros(shape, element_type, sharding):
+        return jax.lax.with_sharding_constraint(jnp.zeros(shape, element_type), sharding)
+
     layers = tuple(tuple(zeros(shape, dtype, rows) for shape in block) for block in shapes)
     return KVCache(layers, zeros(valid_shape, jnp.bool_, rows), zeros((), jnp.int32, replicated))
 
