@@ -122,7 +122,7 @@ class Attention(nnx.Module):
     ``o_bias`` (``o_bias``); ``q_norm``/``k_norm`` over ``Dh`` (``qk_norm``,
     before RoPE). RoPE rotates the first ``config.rotary_dim`` dimensions of
     each head. Cache: ``(keys, values)``, each ``[B, K, S, Dh]``: head-major, the layout the decode step's
-    product over (batch, head) reads in place; position-major, XLA copied the whole cache into it in every
+    product over (batch, head) reads in place; position-major, XLA would copy the whole cache into it in every
     layer of every step.
     """
 
