@@ -227,6 +227,44 @@ def test_cache_equals_recompute_token_for_token(tmp_path, rng, config):
         np.testing.assert_allclose(np.asarray(logits)[real], full[real, i], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("config", [V3, GLM], ids=["deepseek-v3", "glm"])
+def test_prefill_equals_the_cached_call_on_left_padded_prompts(tmp_path, rng, config):
+    """``prefill`` (right-padded, causal over each prompt) gives the logits and, for the decode steps after it, the
+    same cache contents as ``call_cached`` over the left-padded prompts; a row of length 0 stays finite."""
+    model = _model(config)
+    load_checkpoint(model, _write(tmp_path, reference.random_tensors(config, rng)))
+    lengths, width, max_len = np.array([5, 9, 0, 7]), 9, 12
+    left, valid = _left_padded(rng, config, lengths, width)
+    right = np.take_along_axis(left, (np.arange(width)[None, :] - lengths[:, None]) % width, axis=1)
+    step = nnx.jit(lambda m, t, c, v: m.call_cached(t, c, valid=v))
+    prefill = nnx.jit(lambda m, t, n: m.prefill(t, n, max_len=max_len))
+    want, want_cache = step(model, jnp.asarray(left), model.init_cache(4, max_len), jnp.asarray(valid))
+    got, cache = prefill(model, jnp.asarray(right), jnp.asarray(lengths, jnp.int32))
+    real = lengths > 0
+    assert np.isfinite(np.asarray(got)).all()
+    np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], rtol=1e-5, atol=1e-5)
+    assert int(cache.index) == width == int(want_cache.index)
+    assert np.array_equal(np.asarray(cache.valid[:, :width]), np.arange(width)[None, :] < lengths[:, None])
+    assert not np.asarray(cache.valid[:, width:]).any()
+    for _ in range(3):  # the same decode steps from either cache
+        token = jnp.asarray(rng.integers(0, config.vocab_size, (4, 1)), jnp.int32)
+        on = jnp.ones((4, 1), bool)
+        want, want_cache = step(model, token, want_cache, on)
+        got, cache = step(model, token, cache, on)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_rejects_bad_lengths():
+    model = _model(GLM)
+    tokens = jnp.zeros((4, 6), jnp.int32)
+    with pytest.raises(ValueError, match=r"lengths must be an integer \[4\] array"):
+        model.prefill(tokens, jnp.zeros((4, 1), jnp.int32), max_len=8)
+    with pytest.raises(ValueError, match="lengths must be an integer"):
+        model.prefill(tokens, jnp.zeros(4, jnp.float32), max_len=8)
+    with pytest.raises(ValueError, match="6 tokens do not fit a cache of 5 positions"):
+        model.prefill(tokens, jnp.zeros(4, jnp.int32), max_len=5)
+
+
 # -------------------------------------------------------------- checkpoints
 @pytest.mark.parametrize("config", [V3, GLM, QWEN_PATTERN], ids=["deepseek-v3", "glm", "qwen3-pattern"])
 def test_bf16_checkpoint_into_float32_model_exports_the_same_bytes(tmp_path, rng, config):

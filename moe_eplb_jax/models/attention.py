@@ -27,6 +27,8 @@ another order.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -36,9 +38,25 @@ from moe_eplb_jax.models.rope import apply_rope, rope_frequencies, softmax_mscal
 from moe_eplb_jax.models.weights import dense_weight, linear
 from moe_eplb_jax.transport.mesh import put_host
 
-__all__ = ["Attention", "MLA_NORM_EPS", "MultiLatentAttention", "attend", "attention_module"]
+__all__ = ["Attention", "CausalPrefix", "MLA_NORM_EPS", "MultiLatentAttention", "attend", "attention_module"]
 
 MLA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: DeepSeek's code builds them with the default epsilon
+
+
+class CausalPrefix(NamedTuple):
+    """The mask of a prefill into an empty cache, right-padded: query ``i`` sees key ``j`` iff ``j <= i`` and
+    ``j < max(lengths, 1)``, so a padding query (or a row of length 0) averages finite keys rather than none.
+
+    Held as the lengths, not as a ``[B, T, S]`` array: cuDNN's fused kernel then skips the blocks the mask hides.
+    """
+
+    lengths: jax.Array  # [B] int32: each row's real tokens, at its first positions
+
+    def dense(self, num_queries: int, num_keys: int):
+        """The same mask as a ``[B, T, S]`` bool array."""
+        keys = jnp.arange(num_keys)[None, None, :]
+        seen = jnp.maximum(self.lengths, 1)[:, None, None]
+        return (keys <= jnp.arange(num_queries)[None, :, None]) & (keys < seen)
 
 
 def attend(q, k, v, mask, *, scale: float, implementation: str | None = None):
@@ -46,8 +64,8 @@ def attend(q, k, v, mask, *, scale: float, implementation: str | None = None):
 
     ``H / K`` query heads share each key/value head; ``mask [B, T, S]`` bool
     marks the keys each query sees (``None``: causal over ``S = T`` keys, no
-    padding). ``implementation``: ``"xla"`` (the reference, every backend;
-    scores and softmax in float32), ``"cudnn"`` (cuDNN's fused flash attention
+    padding; a ``CausalPrefix``: causal over each row's first keys).
+    ``implementation``: ``"xla"`` (the reference, every backend; scores and softmax in float32), ``"cudnn"`` (cuDNN's fused flash attention
     through ``jax.nn.dot_product_attention``: 16-bit floats on a GPU) or
     ``None``: cuDNN where it applies (a GPU, 16-bit, more than one query, head
     widths up to 256), else XLA.
@@ -63,6 +81,8 @@ def attend(q, k, v, mask, *, scale: float, implementation: str | None = None):
     if mask is None:
         causal = jnp.tril(jnp.ones((q.shape[1], k.shape[1]), jnp.bool_))
         mask = jnp.broadcast_to(causal, (q.shape[0], q.shape[1], k.shape[1]))
+    elif isinstance(mask, CausalPrefix):
+        mask = mask.dense(q.shape[1], k.shape[1])
     return _attend_xla(q, k, v, mask, scale)
 
 
@@ -75,6 +95,11 @@ def _attend_cudnn(q, k, v, mask, scale):
             q, k = jnp.pad(q, pad), jnp.pad(k, pad)
     if mask is None:
         out = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation="cudnn")
+    elif isinstance(mask, CausalPrefix):
+        seen = jnp.maximum(mask.lengths, 1).astype(jnp.int32)
+        out = jax.nn.dot_product_attention(
+            q, k, v, scale=scale, is_causal=True, key_value_seq_lengths=seen, implementation="cudnn"
+        )
     else:
         # A query that sees no key (padding) sees key 0 instead: it averages one finite row rather than giving a
         # NaN that a zero probability could carry into real rows. Real queries are unchanged.
@@ -157,7 +182,8 @@ class Attention(nnx.Module):
         (``[B, K, T, Dh]``) and ``mask`` is ``[B, T, T]``. With ``cache`` the new
         keys and values are written at ``cache_index``, the queries attend to all
         ``S`` positions through ``mask [B, T, S]``, and the updated arrays are
-        returned.
+        returned; with a ``CausalPrefix`` (a prefill: the cache was empty) they
+        attend to the new keys only.
         """
         b, t, _ = x.shape
         q = linear(x, self.q_proj.get_value(), _value(self.q_bias)).reshape(b, t, self.num_heads, self.head_dim)
@@ -172,7 +198,8 @@ class Attention(nnx.Module):
         keys, values = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
         if cache is not None:
             keys, values = _write(cache[0], keys, cache_index, axis=2), _write(cache[1], values, cache_index, axis=2)
-            k, v = jnp.swapaxes(keys, 1, 2), jnp.swapaxes(values, 1, 2)  # a view: XLA reads the stored layout
+            if not isinstance(mask, CausalPrefix):
+                k, v = jnp.swapaxes(keys, 1, 2), jnp.swapaxes(values, 1, 2)  # a view: XLA reads the stored layout
         out = attend(q, k, v, mask, scale=self.head_dim**-0.5)
         return linear(out.reshape(b, t, -1), self.o_proj.get_value(), _value(self.o_bias)), (keys, values)
 
@@ -241,12 +268,14 @@ class MultiLatentAttention(nnx.Module):
         q_rope = apply_rope(q[..., dn:], positions, inv_freq, attention_factor=factor, interleaved=interleaved)
         k_rope = apply_rope(kv[:, :, None, r:], positions, inv_freq, attention_factor=factor, interleaved=interleaved)
         latent = jnp.concatenate([self.kv_a_layernorm(kv[..., :r]), k_rope[:, :, 0]], axis=-1)
+        seen = latent
         if cache is not None:
             latent = _write(cache[0], latent, cache_index)
+            seen = seen if isinstance(mask, CausalPrefix) else latent
         if absorb is None:
             absorb = cache is not None and t == 1
         attended = self._absorbed if absorb else self._expanded
-        out = attended(q[..., :dn], q_rope, latent.astype(x.dtype), mask)
+        out = attended(q[..., :dn], q_rope, seen.astype(x.dtype), mask)
         return linear(out.reshape(b, t, -1), self.o_proj.get_value(), _value(self.o_bias)), (latent,)
 
     def _expanded(self, q_nope, q_rope, latent, mask):

@@ -1,12 +1,13 @@
-"""Batched generation with a preallocated KV cache: left-padded prefill, then on-device loops of decode passes.
+"""Batched generation with a preallocated KV cache: a right-padded prefill, then on-device loops of decode passes.
 
     result = generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=32, sampling=Sampling(temperature=0.7, top_p=0.9),
                       tokens_per_call=8, controller=controller)
 
-Prompts of different lengths are **left-padded** to one width, so every row
-writes the same cache position at every step (one ``dynamic_update_slice``,
-no per-row scatter) and the last column holds every row's newest token.
-Padding is marked invalid: it is never attended to, never routed to an
+Prompts of different lengths are padded to one width ``W``. The prefill runs
+them right-padded, each from position 0, so its attention is causal over each
+prompt (``MoECausalLM.prefill``: cuDNN skips what the mask hides); decode pass
+``n`` then writes cache position ``W + n`` for every row (one
+``dynamic_update_slice``, no per-row scatter). Padding is marked invalid: it is never attended to, never routed to an
 expert and never counted as expert load; a request that produced ``eos_id``
 turns into padding too. The batch is padded with empty rows to a multiple of
 the EP size, and to two rows per rank at least. Prefill and decode are jitted once per shape; the cache is
@@ -201,7 +202,6 @@ def generate(
         raise ValueError(
             f"prompt width {width} + max_new_tokens {max_new_tokens} - 1 exceeds max_seq_len={model.config.max_seq_len}"
         )
-    valid = np.arange(width)[None, :] >= (width - lengths)[:, None]
     rows = PS(model.axis)
     key = jax.random.key(seed)
     # Traced, so a new eos or pad id does not recompile; -1 matches no token. Host scalars, not device arrays:
@@ -215,9 +215,11 @@ def generate(
         prefill = _compiled(_prefill, model, ("window",))
         decode = _compiled(_decode_loop, model, ("cache", "window"))
         window, dummy = controller.device_window() if controller is not None else (None, None)
+        # The prefill runs right-padded (each prompt from position 0): its attention is causal over each prompt.
+        right_padded = np.take_along_axis(tokens, (np.arange(width)[None, :] - lengths[:, None]) % width, axis=1)
         out, active, cache, counter, window = prefill(
-            put_host(tokens, model.mesh, rows),
-            put_host(valid, model.mesh, rows),
+            put_host(right_padded, model.mesh, rows),
+            put_host(lengths, model.mesh, rows),
             put_host(lengths > 0, model.mesh, PS()),
             key,
             counter,
@@ -256,6 +258,7 @@ def generate(
                 controller.steps_closed(window, count if record else 0)
             step(done)
     else:
+        valid = np.arange(width)[None, :] >= (width - lengths)[:, None]
         recompute = _compiled(_recompute, model, ("buffer", "valid"))
         buffer = np.concatenate([tokens, np.full((tokens.shape[0], max_new_tokens), pad_id, np.int32)], axis=1)
         buffer_valid = np.concatenate([valid, np.zeros((tokens.shape[0], max_new_tokens), bool)], axis=1)
@@ -318,11 +321,10 @@ def _next(logits, active, key, counter, *, mesh, sampling, eos_id, pad_id):
     return jax.lax.with_sharding_constraint(picked, replicated), jax.lax.with_sharding_constraint(active, replicated)
 
 
-def _prefill(model, tokens, valid, active, key, counter, record, window, dummy, *, max_len, sampling, eos_id, pad_id):
-    """The prompts' pass: the KV cache of ``max_len`` positions is made here, inside the program, rather than
-    by its own dispatches before it."""
-    cache = model.init_cache(tokens.shape[0], max_len)
-    logits, cache = model.call_cached(tokens, cache, valid=valid, record=record)
+def _prefill(model, tokens, lengths, active, key, counter, record, window, dummy, *, max_len, sampling, eos_id, pad_id):
+    """The prompts' pass, right-padded: the KV cache of ``max_len`` positions is made here, inside the program,
+    rather than by its own dispatches before it."""
+    logits, cache = model.prefill(tokens, lengths, max_len=max_len, record=record)
     picked, active = _next(
         logits, active, key, counter, mesh=model.mesh, sampling=sampling, eos_id=eos_id, pad_id=pad_id
     )

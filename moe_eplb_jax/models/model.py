@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as PS
 
 from moe_eplb_jax.flax import MoELayer
-from moe_eplb_jax.models.attention import attention_module
+from moe_eplb_jax.models.attention import CausalPrefix, attention_module
 from moe_eplb_jax.models.config import ModelConfig
 from moe_eplb_jax.models.layers import DenseMLP, RMSNorm, attention_mask, dot_f32, embed, replicated_param
 from moe_eplb_jax.moe import DispatchConfig
@@ -268,6 +268,37 @@ class MoECausalLM(nnx.Module):
             layers.append(tuple(state))
         new = KVCache(tuple(layers), kv_valid, cache.index + tokens.shape[1])
         return self._logits(x[:, -1:])[:, 0], new
+
+    def prefill(self, tokens, lengths, *, max_len: int, record=True):
+        """The prompts' pass into a new cache -> ``(logits of each row's last prompt token [B, vocab], cache)``.
+
+        ``tokens [B, T]`` are right-padded: row ``b`` holds its prompt in its
+        first ``lengths[b]`` positions (``[B]`` int32, 0 for an empty row); the
+        cache has ``max_len >= T`` positions, the prompts at ``[0, T)`` and the
+        next token at ``T`` for every row. The same values as ``call_cached`` on
+        an empty cache with those tokens marked valid, but each query attends to
+        the new keys through a ``CausalPrefix``: cuDNN's fused kernel skips the
+        blocks above the diagonal and past each prompt instead of reading a
+        ``[B, T, S]`` mask over the whole cache.
+        """
+        batch, width = tokens.shape
+        if lengths.shape != (batch,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
+            raise ValueError(f"lengths must be an integer [{batch}] array, got shape {lengths.shape} {lengths.dtype}")
+        if width > max_len:
+            raise ValueError(f"{width} tokens do not fit a cache of {max_len} positions")
+        lengths = lengths.astype(jnp.int32)
+        valid = self._check_tokens(tokens, jnp.arange(width, dtype=jnp.int32)[None, :] < lengths[:, None])
+        cache = self.init_cache(batch, max_len)
+        positions = jnp.minimum(jnp.arange(width, dtype=jnp.int32)[None, :], jnp.maximum(lengths - 1, 0)[:, None])
+        mask = CausalPrefix(lengths)
+        x = self._embed(tokens)
+        layers = []
+        for block, state in zip(self.layers, cache.layers):
+            x, state = block(x, positions, mask, valid=valid, record=record, cache=state, cache_index=0)
+            layers.append(tuple(state))
+        kv_valid = jax.lax.dynamic_update_slice(cache.valid, valid, (0, 0))
+        last = jnp.take_along_axis(x, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)
+        return self._logits(last)[:, 0], KVCache(tuple(layers), kv_valid, cache.index + width)
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         """An empty cache for ``batch`` sequences (divisible by ``G``) of up to ``max_len`` positions, on the mesh."""
