@@ -260,6 +260,36 @@ def test_generate_compiles_its_prefill_and_its_decode_loop_once(rng):
     assert compiled["jit(_prefill)"] == 1 and compiled["jit(_decode_loop)"] == 1, dict(compiled)
 
 
+@pytest.mark.parametrize(
+    "use_cache, controlled, placed",
+    [(True, False, 3), (True, True, 3), (False, False, 5)],
+    ids=["cached", "controller", "recompute"],
+)
+def test_generate_sends_host_values_once_before_its_first_program(rng, monkeypatch, use_cache, controlled, placed):
+    """No call takes a host scalar (an implicit transfer per call, which waits for the device on a GPU): the
+    prompts and one array of scalars are placed before the first program, however many calls follow, the
+    controller's steps included."""
+    from moe_eplb_jax.models import generation
+
+    model, prompts = _model(), _prompts(rng)
+    config = EplbConfig(num_redundant_experts=R, num_gpus=G, window_size=8, step_interval=10**6)
+    controller = EplbController(model, MESH, config) if controlled else None
+    kwargs = dict(max_new_tokens=7, tokens_per_call=2, eos_id=3, seed=7, use_cache=use_cache, controller=controller)
+    want = generate(model, prompts, **kwargs)
+    placements, place = [], generation.put_host
+
+    def put_host(value, *args):  # the one way in, counted
+        placements.append(value)
+        with jax.transfer_guard_host_to_device("allow"):
+            return place(value, *args)
+
+    monkeypatch.setattr(generation, "put_host", put_host)
+    with jax.transfer_guard_host_to_device("disallow"):
+        got = generate(model, prompts, **kwargs)
+    assert np.array_equal(got.tokens, want.tokens)
+    assert len(placements) == placed, [np.shape(p) for p in placements]
+
+
 @pytest.mark.parametrize("ranks, capacity_factor", [(1, None), (G, 1.25)])
 def test_the_decode_loop_never_waits_for_the_device_on_the_host(ranks, capacity_factor):
     """XLA's GPU runtime reads a ``while`` condition of unknown trip count and a ``cond`` predicate on the host,
@@ -283,13 +313,11 @@ def test_the_decode_loop_never_waits_for_the_device_on_the_host(ranks, capacity_
             cache,
             jax.random.key(0),
             jnp.int32(0),
-            jnp.asarray(True),
+            jnp.asarray(generation._scalars(0, None, 0, True, 8)),
             window,
             dummy,
             count=3,
             sampling=Sampling(),
-            eos_id=jnp.int32(-1),
-            pad_id=jnp.int32(0),
         )
 
     token, active = jnp.zeros(2 * ranks, jnp.int32), jnp.ones(2 * ranks, bool)

@@ -202,33 +202,28 @@ def generate(
         raise ValueError(
             f"prompt width {width} + max_new_tokens {max_new_tokens} - 1 exceeds max_seq_len={model.config.max_seq_len}"
         )
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
     rows = PS(model.axis)
-    key = jax.random.key(seed)
-    # Traced, so a new eos or pad id does not recompile; -1 matches no token. Host scalars, not device arrays:
-    # each jnp scalar made here would be a dispatch of its own before the prefill.
-    ids = {"eos_id": np.int32(-1 if eos_id is None else eos_id), "pad_id": np.int32(pad_id)}
-    recording = np.bool_(record)
     step = functools.partial(_step_callback, on_step)
-    counter = np.int32(0)  # the step index, carried on the device: it folds into the sampling key
     start = time.perf_counter()
+    # Every scalar the programs read, traced (a new eos or pad id does not recompile) and sent once: a host
+    # scalar passed to each call would be a transfer per call, which waits for the device.
+    scalars = put_host(_scalars(seed, eos_id, pad_id, record, width), model.mesh)
     if use_cache:
         prefill = _compiled(_prefill, model, ("window",))
         decode = _compiled(_decode_loop, model, ("cache", "window"))
         window, dummy = controller.device_window() if controller is not None else (None, None)
         # The prefill runs right-padded (each prompt from position 0): its attention is causal over each prompt.
         right_padded = np.take_along_axis(tokens, (np.arange(width)[None, :] - lengths[:, None]) % width, axis=1)
-        out, active, cache, counter, window = prefill(
+        out, active, cache, key, counter, window = prefill(
             put_host(right_padded, model.mesh, rows),
             put_host(lengths, model.mesh, rows),
-            put_host(lengths > 0, model.mesh, PS()),
-            key,
-            counter,
-            recording,
+            scalars,
             window,
             dummy,
             max_len=total - 1,
             sampling=sampling,
-            **ids,
         )
         generated = [jax.block_until_ready(out)]
         prefill_seconds = time.perf_counter() - start
@@ -240,17 +235,7 @@ def generate(
             count = min(int(tokens_per_call), max_new_tokens - done)
             window, dummy = controller.device_window() if controller is not None else (None, None)
             block, out, active, cache, counter, window = decode(
-                out,
-                active,
-                cache,
-                key,
-                counter,
-                recording,
-                window,
-                dummy,
-                sampling=sampling,
-                count=count,
-                **ids,
+                out, active, cache, key, counter, scalars, window, dummy, sampling=sampling, count=count
             )
             generated.append(block)
             done += count
@@ -260,14 +245,15 @@ def generate(
     else:
         valid = np.arange(width)[None, :] >= (width - lengths)[:, None]
         recompute = _compiled(_recompute, model, ("buffer", "valid"))
+        key, counter = None, put_host(np.int32(0), model.mesh)
         buffer = np.concatenate([tokens, np.full((tokens.shape[0], max_new_tokens), pad_id, np.int32)], axis=1)
         buffer_valid = np.concatenate([valid, np.zeros((tokens.shape[0], max_new_tokens), bool)], axis=1)
         buffer, buffer_valid = put_host(buffer, model.mesh, rows), put_host(buffer_valid, model.mesh, rows)
         active = put_host(lengths > 0, model.mesh, PS())
-        generated, prefill_seconds, prompt_end = [], 0.0, np.int32(width)
+        generated, prefill_seconds = [], 0.0
         for n in range(max_new_tokens):
             out, active, buffer, buffer_valid, counter = recompute(
-                buffer, buffer_valid, active, prompt_end, key, counter, recording, sampling=sampling, **ids
+                buffer, buffer_valid, active, counter, scalars, sampling=sampling
             )
             generated.append(out)
             if n == 0:
@@ -313,6 +299,18 @@ def _step_callback(on_step, n):
         on_step(n)
 
 
+def _scalars(seed: int, eos_id: int | None, pad_id: int, record: bool, width: int) -> np.ndarray:
+    """``[5]`` int32: the seed's low 32 bits (what ``jax.random.key`` keeps of it), the eos id (-1: none, matching
+    no token), the pad id, whether to record, the prompt width."""
+    fields = [int(seed) & 0xFFFFFFFF, -1 if eos_id is None else eos_id, pad_id, int(bool(record)), width]
+    return np.array(fields, np.int64).astype(np.int32)
+
+
+def _unpack(scalars):
+    """``(key, eos_id, pad_id, record, width)`` from ``_scalars``' array, inside a program."""
+    return jax.random.key(scalars[0]), scalars[1], scalars[2], scalars[3] > 0, scalars[4]
+
+
 def _next(logits, active, key, counter, *, mesh, sampling, eos_id, pad_id):
     """Picks the next tokens; rows no longer active get ``pad_id``; returns replicated ``(tokens, active)``."""
     picked = jnp.where(active, sample(logits, jax.random.fold_in(key, counter), sampling), pad_id)
@@ -321,14 +319,18 @@ def _next(logits, active, key, counter, *, mesh, sampling, eos_id, pad_id):
     return jax.lax.with_sharding_constraint(picked, replicated), jax.lax.with_sharding_constraint(active, replicated)
 
 
-def _prefill(model, tokens, lengths, active, key, counter, record, window, dummy, *, max_len, sampling, eos_id, pad_id):
-    """The prompts' pass, right-padded: the KV cache of ``max_len`` positions is made here, inside the program,
-    rather than by its own dispatches before it."""
+def _prefill(model, tokens, lengths, scalars, window, dummy, *, max_len, sampling):
+    """The prompts' pass, right-padded -> ``(tokens, active, cache, key, counter, window)``: the KV cache of
+    ``max_len`` positions and the sampling key are made here, inside the program, rather than by dispatches of
+    their own before it."""
+    key, eos_id, pad_id, record, _ = _unpack(scalars)
+    counter = jnp.int32(0)  # the step index, carried on the device: it folds into the sampling key
     logits, cache = model.prefill(tokens, lengths, max_len=max_len, record=record)
+    active = jax.lax.with_sharding_constraint(lengths > 0, NamedSharding(model.mesh, PS()))
     picked, active = _next(
         logits, active, key, counter, mesh=model.mesh, sampling=sampling, eos_id=eos_id, pad_id=pad_id
     )
-    return picked, active, cache, counter + 1, _close_window_step(model, window, dummy, record)
+    return picked, active, cache, key, counter + 1, _close_window_step(model, window, dummy, record)
 
 
 def _decode(model, token, active, cache, key, counter, record, *, sampling, eos_id, pad_id):
@@ -342,22 +344,7 @@ def _decode(model, token, active, cache, key, counter, record, *, sampling, eos_
     return picked, active, cache, counter + 1
 
 
-def _decode_loop(
-    model,
-    token,
-    active,
-    cache,
-    key,
-    counter,
-    record,
-    window,
-    dummy,
-    *,
-    count,
-    sampling,
-    eos_id,
-    pad_id,
-):
+def _decode_loop(model, token, active, cache, key, counter, scalars, window, dummy, *, count, sampling):
     """``count`` decode passes in one on-device loop -> ``([count, B] tokens, token, active, cache, counter,
     window)``.
 
@@ -370,6 +357,7 @@ def _decode_loop(
     and the load variables restart from zero; after the loop the rows close ``count`` steps of the window at once
     (one write, not a window update per pass). Without, the loads add up in the model as in single passes.
     """
+    _, eos_id, pad_id, record, _ = _unpack(scalars)
     graphdef, loads, rest = nnx.split(model, ExpertLoad, ...)
 
     def one_pass(i, carry):
@@ -434,8 +422,9 @@ def _check_controller(controller, model) -> None:
         raise ValueError("controller must be the EplbController of this model (its MoE layers are another model's)")
 
 
-def _recompute(model, buffer, valid, active, width, key, counter, record, *, sampling, eos_id, pad_id):
+def _recompute(model, buffer, valid, active, counter, scalars, *, sampling):
     """One token by running the whole buffer (no cache); writes it at position ``width + counter``."""
+    key, eos_id, pad_id, record, width = _unpack(scalars)
     position = width + counter
     logits = model(buffer, valid=valid, record=record)
     last = jax.lax.dynamic_index_in_dim(logits, position - 1, axis=1, keepdims=False)
