@@ -124,11 +124,16 @@ def apply_rope(x, positions, inv_freq, *, attention_factor: float = 1.0, interle
     cos = jnp.cos(angle) * jnp.float32(attention_factor)
     sin = jnp.sin(angle) * jnp.float32(attention_factor)
     rot = x[..., : 2 * half].astype(jnp.float32)
-    if interleaved:
-        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+    lead = rot.shape[:-1]
+    # Each rotated pair (x1, x2) as one [2, half] block, out = pairs * cos + (-x2, x1) * sin: no slices joined by
+    # a concatenate, which XLA's GPU fusion would split into a kernel per half and one to join them.
+    if interleaved:  # pairs (x[2i], x[2i + 1]), written back half-split as DeepSeek's code does
+        pairs = jnp.swapaxes(rot.reshape(*lead, half, 2), -1, -2)
     else:
-        x1, x2 = rot[..., :half], rot[..., half:]
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+        pairs = rot.reshape(*lead, 2, half)
+    sign = jnp.asarray([-1.0, 1.0], jnp.float32).reshape((1,) * len(lead) + (2, 1))
+    partner = jnp.flip(pairs, axis=-2) * sign
+    out = (pairs * cos[..., None, :] + partner * sin[..., None, :]).reshape(*lead, 2 * half).astype(x.dtype)
     if 2 * half == x.shape[-1]:
         return out
     return jnp.concatenate([out, x[..., 2 * half :]], axis=-1)
