@@ -133,7 +133,7 @@ def test_sample_filters(rng):
         ({"prompts": [[1, 2], []]}, "prompt 1"),
         ({"prompts": [[1, 999]]}, r"token ids must be in \[0, 256\)"),
         ({"tokens_per_call": 0}, "tokens_per_call must be a positive integer"),
-        ({"tokens_per_call": 2.0}, "tokens_per_call must be a positive integer"),
+        ({"tokens_per_call": 2.0}, "tokens_per_call must be a positive integer or None"),
         ({"controller": "step"}, "controller must be an EplbController"),
     ],
 )
@@ -183,10 +183,34 @@ def test_decode_loops_on_the_device_with_the_same_tokens_and_loads(rng):
         assert report["balancedness"] == pytest.approx(expected_report["balancedness"])
     # Without a controller the loads add up in the model, as one pass per call does.
     plain, looped = _model(4), _model(4)
-    generate(plain, prompts, max_new_tokens=NEW, prompt_width=12)
+    generate(plain, prompts, max_new_tokens=NEW, prompt_width=12, tokens_per_call=1)
     generate(looped, prompts, max_new_tokens=NEW, prompt_width=12, tokens_per_call=3)
     for a, b in zip(plain.moe_layers, looped.moe_layers):
         np.testing.assert_array_equal(np.asarray(a.expert_load.get_value()), np.asarray(b.expert_load.get_value()))
+
+
+def test_generate_loops_16_passes_per_call_unless_on_step_wants_the_host_every_token(rng, monkeypatch):
+    """The default ``tokens_per_call``: 16 decode passes per host call (a shorter last one), and one per call with
+    ``on_step``, which is then called after every token."""
+    from moe_eplb_jax.models import generation
+
+    counts, compiled = [], generation._compiled
+
+    def counting(step, model, donate):
+        run = compiled(step, model, donate)
+        if step is not generation._decode_loop:
+            return run
+        return lambda *args, **kwargs: counts.append(kwargs["count"]) or run(*args, **kwargs)
+
+    monkeypatch.setattr(generation, "_compiled", counting)
+    model, prompts = _model(), _prompts(rng)
+    default = generate(model, prompts, max_new_tokens=20, prompt_width=12)
+    assert counts == [16, 3]
+    counts.clear()
+    steps = []
+    stepped = generate(model, prompts, max_new_tokens=20, prompt_width=12, on_step=steps.append)
+    assert counts == [1] * 19 and steps == list(range(1, 21))
+    np.testing.assert_array_equal(default.tokens, stepped.tokens)
 
 
 def _primitives(jaxpr, found=None):

@@ -90,7 +90,10 @@ def test_one_rank_gather_sums_each_tokens_gradient_over_its_assignments(rng):
     physical[rng.random((tokens, top_k)) < 0.25] = -1
     cot = jnp.asarray(rng.standard_normal((tokens * top_k, dim)), jnp.float32)
     rows_of = lambda x: local.gather_local(x, jnp.asarray(physical), slots)[0]
-    _, order, sizes = local.gather_local(x, jnp.asarray(physical), slots)
+    _, order, inverse, sizes = local.gather_local(x, jnp.asarray(physical), slots)
+    flat = np.where(physical < 0, slots, physical).reshape(-1)
+    np.testing.assert_array_equal(np.asarray(order), np.argsort(flat, kind="stable"))
+    np.testing.assert_array_equal(np.asarray(inverse)[np.asarray(order)], np.arange(tokens * top_k))
     assert int(sizes.sum()) == int((physical >= 0).sum())
     got = np.asarray(jax.grad(lambda x: jnp.sum(rows_of(x) * cot))(x))
     sent = np.asarray(order) < tokens * top_k  # every row of the permutation
@@ -111,7 +114,7 @@ def test_one_rank_combine_gradients_are_gathers_and_ignore_the_padding_rows(rng)
     physical = rng.integers(0, slots, (tokens, top_k)).astype(np.int32)
     physical[rng.random((tokens, top_k)) < 0.3] = -1
     x = jnp.asarray(rng.standard_normal((tokens, dim)), jnp.float32)
-    _, order, sizes = local.gather_local(x, jnp.asarray(physical), slots)
+    _, order, inverse, sizes = local.gather_local(x, jnp.asarray(physical), slots)
     sent = int(sizes.sum())
     y = rng.standard_normal((tokens * top_k, dim)).astype(np.float32)
     y[sent:] = np.nan
@@ -119,9 +122,9 @@ def test_one_rank_combine_gradients_are_gathers_and_ignore_the_padding_rows(rng)
     cot = rng.standard_normal((tokens, dim)).astype(np.float32)
 
     def loss(y, w):
-        return jnp.sum(local.combine_local(y, order, jnp.asarray(physical), w) * cot)
+        return jnp.sum(local.combine_local(y, order, inverse, jnp.asarray(physical), w) * cot)
 
-    out = np.asarray(local.combine_local(jnp.asarray(y), order, jnp.asarray(physical), jnp.asarray(weights)))
+    out = np.asarray(local.combine_local(jnp.asarray(y), order, inverse, jnp.asarray(physical), jnp.asarray(weights)))
     dy, dw = jax.grad(loss, argnums=(0, 1))(jnp.asarray(y), jnp.asarray(weights))
     row_of = np.empty(tokens * top_k, np.int64)
     row_of[np.asarray(order)] = np.arange(tokens * top_k)  # assignment -> its sorted row
@@ -147,4 +150,10 @@ def test_one_rank_gather_checks_its_shapes():
     with pytest.raises(ValueError, match="x must have shape"):
         local.gather_local(jnp.zeros((4, 3)), jnp.zeros((5, 2), jnp.int32), 2)
     with pytest.raises(ValueError, match="rows and weights"):
-        local.combine_local(jnp.zeros((8, 3)), jnp.arange(8), jnp.zeros((4, 2), jnp.int32), jnp.zeros((4, 3)))
+        local.combine_local(
+            jnp.zeros((8, 3)), jnp.arange(8), jnp.arange(8), jnp.zeros((4, 2), jnp.int32), jnp.zeros((4, 3))
+        )
+    with pytest.raises(ValueError, match="order and inverse"):
+        local.combine_local(
+            jnp.zeros((8, 3)), jnp.arange(8), jnp.arange(7), jnp.zeros((4, 2), jnp.int32), jnp.zeros((4, 2))
+        )

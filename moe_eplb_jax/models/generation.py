@@ -141,7 +141,7 @@ def generate(
     prompt_width: int | None = None,
     use_cache: bool = True,
     record: bool = True,
-    tokens_per_call: int = 1,
+    tokens_per_call: int | None = None,
     controller: EplbController | None = None,
     on_step: Callable[[int], object] | None = None,
 ) -> Generation:
@@ -163,7 +163,8 @@ def generate(
       tokens_per_call: decode passes per host round trip, run in one
         on-device loop: the host dispatches once per ``tokens_per_call``
         tokens and the GPU does not wait for it in between. The tokens are
-        the same whatever the value. The loop's length is compiled in, so a
+        the same whatever the value. ``None``: 16, or 1 with ``on_step``
+        (the host every token). The loop's length is compiled in, so a
         shorter last call (``max_new_tokens - 1`` not a multiple) compiles once more.
       controller: the model's ``EplbController``: every pass's load goes
         into its window (on the device, inside the loop), and its step runs
@@ -180,8 +181,12 @@ def generate(
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     if not isinstance(sampling, Sampling):
         raise ValueError(f"sampling must be a Sampling, got {type(sampling).__name__}")
+    if tokens_per_call is None:
+        # Enough passes to hide the host's dispatch behind the device's work; a rearrangement due partway through a
+        # call waits at most this many steps, for the call's end.
+        tokens_per_call = 1 if on_step is not None else 16
     if isinstance(tokens_per_call, bool) or not isinstance(tokens_per_call, (int, np.integer)) or tokens_per_call < 1:
-        raise ValueError(f"tokens_per_call must be a positive integer, got {tokens_per_call!r}")
+        raise ValueError(f"tokens_per_call must be a positive integer or None, got {tokens_per_call!r}")
     _check_controller(controller, model)
     vocab = model.config.vocab_size
     for name, value in (("eos_id", eos_id), ("pad_id", pad_id)):

@@ -206,7 +206,10 @@ def _per_rank(
     ids, weights = route(x, router_w, router, bias=router_bias)
     # map_and_count neither maps nor counts an id outside [0, E): padding goes nowhere.
     ids = jnp.where(valid[:, None], ids, jnp.int32(-1))
-    physical, load = map_replicas(
+    # On one rank every counted assignment is a row of this rank's grouped matmul: the load, counted whether or
+    # not it is recorded, is the matmul's group sizes too (no second count), and recording only gates it.
+    one_rank = num_ranks == 1
+    physical, counts = map_replicas(
         ids,
         log2phy,
         logcnt,
@@ -214,16 +217,26 @@ def _per_rank(
         num_physical=num_physical,
         axis=axis,
         batch_axes=batch_axes,
-        record=record,
+        record=True if one_rank else record,
         lookup=lookup,
         replica_shares=replica_shares,
         implementation=dispatch.map_implementation,
     )
+    load = jnp.where(record, counts, jnp.zeros_like(counts)) if one_rank else counts
     if dispatch.load_reduce == "psum":
         load = jax.lax.psum(load, (*batch_axes, axis))
     else:
         load = (jax.lax.psum(load, batch_axes) if batch_axes else load)[None]
-    out = routed_experts(x, physical, weights, experts, axis=axis, num_ranks=num_ranks, dispatch=dispatch)
+    out = routed_experts(
+        x,
+        physical,
+        weights,
+        experts,
+        axis=axis,
+        num_ranks=num_ranks,
+        dispatch=dispatch,
+        group_sizes=counts if one_rank else None,
+    )
     if shared is not None:
         out = out + _shared_expert(x, valid, physical, experts, shared, dispatch, axis, num_ranks).astype(out.dtype)
     return out, load
@@ -273,14 +286,17 @@ def map_replicas(
     return physical, load.astype(jnp.int32)
 
 
-def routed_experts(x, physical, weights, experts, *, axis: str, num_ranks: int, dispatch: DispatchConfig):
+def routed_experts(
+    x, physical, weights, experts, *, axis: str, num_ranks: int, dispatch: DispatchConfig, group_sizes=None
+):
     """Per rank, inside ``shard_map`` over ``axis``: dispatch by physical slot -> grouped expert MLP -> combine.
 
     ``x [T, D]``, ``physical [T, k]`` (``-1``: sent nowhere), ``weights [T, k]``, ``experts`` this rank's
     ``P / G`` slots -> ``[T, D]`` in ``x.dtype``. ``moe_apply``'s exchange and compute without its routing (what
     ``benchmarks/moe_step.py`` times with the EPLB mapping and counting left out). Over several ranks the rows
     move in rounds of ``dispatch.capacity`` rows per rank pair (``dispatch.exchange_apply``), each round's rows
-    through the grouped MLP on their own.
+    through the grouped MLP on their own. ``group_sizes``: on one rank, each slot's assignments where the caller
+    has counted them (``map_and_count``'s load, every assignment counted).
     """
     slots_per_rank = jax.tree.leaves(experts)[0].shape[0]
     mlp = functools.partial(
@@ -291,9 +307,9 @@ def routed_experts(x, physical, weights, experts, *, axis: str, num_ranks: int, 
         axis_name=axis,
     )
     if num_ranks == 1:  # every slot is here: no plan, no exchange, one sort
-        rows, order, group_sizes = _local.gather_local(x, physical, slots_per_rank)
+        rows, order, inverse, group_sizes = _local.gather_local(x, physical, slots_per_rank, group_sizes=group_sizes)
         y = mlp(rows, experts, group_sizes=group_sizes)
-        return _local.combine_local(y, order, physical, weights, out_dtype=x.dtype)
+        return _local.combine_local(y, order, inverse, physical, weights, out_dtype=x.dtype)
 
     def grouped(experts, rows, row_slot):
         return _dispatch.apply_by_slot(

@@ -39,6 +39,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moe_eplb_jax.moe._ranks import stable_argsort
+
 __all__ = [
     "DispatchPlan",
     "RoundPlan",
@@ -99,7 +101,7 @@ def plan_dispatch(physical_ids, *, slots_per_rank: int, num_ranks: int) -> Dispa
     dest = jnp.where(flat >= 0, flat // jnp.int32(slots_per_rank), jnp.int32(num_ranks))  # unsent: sorted last
     local = flat % jnp.int32(slots_per_rank)
     # Stable sort by destination: each destination's assignments become one contiguous run, in order.
-    order = jnp.argsort(dest, stable=True).astype(jnp.int32)
+    order, _ = stable_argsort(dest)
     onehot = dest[:, None] == jnp.arange(num_ranks, dtype=jnp.int32)[None, :]
     counts = onehot.sum(0, dtype=jnp.int32)  # [G]
     starts = jnp.cumsum(counts) - counts
@@ -254,11 +256,10 @@ def plan_rounds(physical_ids, *, slots_per_rank: int, num_ranks: int, capacity: 
     flat = physical_ids.reshape(-1).astype(jnp.int32)
     num_assign = flat.shape[0]
     dest = jnp.where(flat >= 0, flat // jnp.int32(slots_per_rank), jnp.int32(num_ranks))  # unsent: sorted last
-    order = jnp.argsort(dest, stable=True).astype(jnp.int32)
+    order, place = stable_argsort(dest)
     counts = (dest[:, None] == jnp.arange(num_ranks, dtype=jnp.int32)[None, :]).sum(0, dtype=jnp.int32)
     starts = (jnp.cumsum(counts) - counts).astype(jnp.int32)
     # Each assignment's place in its destination's run (unsent ones: meaningless, masked below).
-    place = jnp.zeros((num_assign,), jnp.int32).at[order].set(jnp.arange(num_assign, dtype=jnp.int32))
     place = place - jnp.concatenate([starts, jnp.zeros((1,), jnp.int32)])[dest]
     if capacity >= num_assign:  # one round holds the worst case: no collective to agree on the count
         rounds = jnp.ones((), jnp.int32)
@@ -425,18 +426,23 @@ def sort_by_slot(recv_slot, num_slots: int):
     rows of slot 0, then slot 1, ... in arrival order, empty rows (slot ``-1``)
     last; ``group_sizes`` counts each slot's rows.
     """
+    order, _, group_sizes = _sorted_by_slot(recv_slot, num_slots)
+    return order, group_sizes
+
+
+def _sorted_by_slot(recv_slot, num_slots: int):
+    """``sort_by_slot``'s ``(order, inverse, group_sizes)``."""
     key = jnp.where(recv_slot < 0, jnp.int32(num_slots), recv_slot.astype(jnp.int32))
-    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    order, inverse = stable_argsort(key)
     onehot = key[:, None] == jnp.arange(num_slots, dtype=jnp.int32)[None, :]
-    return order, onehot.sum(0, dtype=jnp.int32)
+    return order, inverse, onehot.sum(0, dtype=jnp.int32)
 
 
 def apply_by_slot(fn, rows, row_slot, num_slots: int):
     """``fn(rows grouped by slot [N, D], group_sizes [num_slots]) -> [N, D']`` with its results back in arrival
     order: the received rows' grouped MLP (:func:`sort_by_slot`, then both permutations as gathers, the inverse
     computed once)."""
-    order, group_sizes = sort_by_slot(row_slot, num_slots)
-    inverse = inverse_permutation(order)
+    order, inverse, group_sizes = _sorted_by_slot(row_slot, num_slots)
     return _permute(fn(_permute(rows, order, inverse), group_sizes), inverse, order)
 
 

@@ -16,54 +16,63 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from moe_eplb_jax.moe.dispatch import inverse_permutation
+from moe_eplb_jax.moe._ranks import stable_argsort
 
 __all__ = ["combine_local", "gather_local"]
 
 
-def _sort(physical_ids, num_slots: int):
+def _sort(physical_ids, num_slots: int, group_sizes=None):
     """``(order, inverse, group_sizes, sent)``: assignments by slot (unsent last), its inverse, rows per slot, and
-    how many sorted rows are real."""
+    how many sorted rows are real. At decode sizes the sort is counted (``_ranks``): no sort kernel, no scatter."""
     flat = physical_ids.reshape(-1).astype(jnp.int32)
     key = jnp.where(flat < 0, jnp.int32(num_slots), flat)
-    order = jnp.argsort(key, stable=True).astype(jnp.int32)
-    group_sizes = (key[:, None] == jnp.arange(num_slots, dtype=jnp.int32)[None, :]).sum(0, dtype=jnp.int32)
-    return order, inverse_permutation(order), group_sizes, jnp.sum(group_sizes)
+    order, inverse = stable_argsort(key)
+    if group_sizes is None:
+        group_sizes = (key[:, None] == jnp.arange(num_slots, dtype=jnp.int32)[None, :]).sum(0, dtype=jnp.int32)
+    group_sizes = group_sizes.astype(jnp.int32)
+    return order, inverse, group_sizes, jnp.sum(group_sizes)
 
 
-def gather_local(x, physical_ids, num_slots: int):
+def gather_local(x, physical_ids, num_slots: int, *, group_sizes=None):
     """Every assignment's row, grouped by slot.
 
     Args:
       x: ``[T, D]`` the rank's tokens.
       physical_ids: ``[T, k]`` slot of each assignment (``-1``: sent nowhere).
       num_slots: the rank's slots ``S``.
+      group_sizes: ``[S]`` the assignments of each slot, where the caller has counted them already
+        (``map_and_count``'s load); counted here when ``None``.
 
     Returns:
-      ``(rows [T * k, D], order [T * k], group_sizes [S])``: the rows of slot 0, then slot 1, ... in assignment
-      order, the unsent ones last (zero rows); ``combine_local(y, order, ...)`` takes the grouped results back.
+      ``(rows [T * k, D], order [T * k], inverse [T * k], group_sizes [S])``: the rows of slot 0, then slot 1, ...
+      in assignment order, the unsent ones last (zero rows); row ``i`` is assignment ``order[i]`` and assignment
+      ``a`` sits in row ``inverse[a]``. ``combine_local(y, order, inverse, ...)`` takes the grouped results back.
     """
     if x.ndim != 2 or physical_ids.ndim != 2 or x.shape[0] != physical_ids.shape[0]:
         raise ValueError(f"x must have shape [T={physical_ids.shape[0]}, D], got {x.shape}")
-    order, inverse, group_sizes, sent = _sort(physical_ids, num_slots)
-    return _gather(x, order, inverse, sent, physical_ids.shape[1]), order, group_sizes
+    if group_sizes is not None and group_sizes.shape != (num_slots,):
+        raise ValueError(f"group_sizes must have shape [{num_slots}], got {group_sizes.shape}")
+    order, inverse, group_sizes, sent = _sort(physical_ids, num_slots, group_sizes)
+    return _gather(x, order, inverse, sent, physical_ids.shape[1]), order, inverse, group_sizes
 
 
-def combine_local(y, order, physical_ids, weights, *, out_dtype=None):
+def combine_local(y, order, inverse, physical_ids, weights, *, out_dtype=None):
     """``gather_local``'s inverse and the weighted sum: ``[T, D]``, ``sum_j weights[t, j] * y_j`` added in router
     order ``j = 0..k-1`` in float32, unsent assignments adding zero.
 
     Args:
       y: ``[T * k, D]`` results in ``gather_local``'s row order.
-      order: ``gather_local``'s ``order``.
+      order, inverse: ``gather_local``'s.
       physical_ids: ``[T, k]`` as given to ``gather_local``.
       weights: ``[T, k]`` router weights.
       out_dtype: the result's dtype (default ``y.dtype``).
     """
     if weights.shape != physical_ids.shape or y.shape[0] != physical_ids.size:
         raise ValueError(f"y must have {physical_ids.size} rows and weights shape {physical_ids.shape}")
+    if order.shape != (y.shape[0],) or inverse.shape != (y.shape[0],):
+        raise ValueError(f"order and inverse must have shape [{y.shape[0]}], got {order.shape} and {inverse.shape}")
     sent = jnp.sum(physical_ids >= 0, dtype=jnp.int32)
-    return _combine(y, weights, order, inverse_permutation(order), sent).astype(out_dtype or y.dtype)
+    return _combine(y, weights, order, inverse, sent).astype(out_dtype or y.dtype)
 
 
 def _token_sum(rows, inverse, sent, top_k: int, scale=None):

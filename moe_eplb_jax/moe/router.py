@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_eplb_jax.moe._gmm.reference import row_invariant_dot
+from moe_eplb_jax.moe._ranks import top_k_indices
 from moe_eplb_jax.moe.config import RouterConfig
 
 __all__ = ["route"]
@@ -47,12 +48,13 @@ def route(x, router_w, config: RouterConfig, *, bias=None):
         if scoring == "softmax":
             group_score = per_group.max(-1)
         else:
-            group_score = jax.lax.top_k(per_group, min(2, per_group.shape[-1]))[0].sum(-1)
-        _, keep = jax.lax.top_k(group_score, topk_groups)  # [T, topk_groups]
+            best = top_k_indices(per_group, min(2, per_group.shape[-1]))
+            group_score = jnp.take_along_axis(per_group, best, axis=-1).sum(-1)
+        keep = top_k_indices(group_score, topk_groups)  # [T, topk_groups]
         group_mask = (keep[:, :, None] == jnp.arange(num_groups)[None, None, :]).any(1)  # [T, groups]
         mask = jnp.repeat(group_mask, num_experts // num_groups, axis=1)
         choice = jnp.where(mask, choice, -jnp.inf)  # never picked
-    _, ids = jax.lax.top_k(choice, top_k)
+    ids = top_k_indices(choice, top_k)
     weights = jnp.take_along_axis(scores, ids, axis=-1)
     if config.renormalize:
         weights = weights / (weights.sum(-1, keepdims=True) + jnp.float32(1e-20))

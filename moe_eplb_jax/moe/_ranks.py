@@ -1,0 +1,77 @@
+"""A stable argsort and a top-k by counting, for the small arrays of a decode step on a GPU.
+
+XLA's GPU sort is a kernel plus a copy of every operand, several launches for a few hundred entries; an entry's
+rank counted over all pairs is one fused reduction. The pairs grow as the square of the size, so past
+``MAX_PAIRS`` comparisons (and on a CPU, which launches nothing) the sort serves. Both ways give exactly what
+``jnp.argsort(stable=True)`` and ``jax.lax.top_k`` give.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from moe_eplb_jax._kernels import on_gpu
+
+__all__ = ["MAX_PAIRS", "stable_argsort", "top_k_indices"]
+
+MAX_PAIRS = 1 << 22
+
+
+def _ordered(values):
+    """int32 keys in the order ``jax.lax.top_k`` and ``jnp.argsort`` compare: IEEE total order for floats (-NaN <
+    -inf < -0 < +0 < inf < NaN)."""
+    if jnp.issubdtype(values.dtype, jnp.floating):
+        bits = jax.lax.bitcast_convert_type(values.astype(jnp.float32), jnp.int32)
+        return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+    return values.astype(jnp.int32)
+
+
+def _counts(values, pairs: int, counted: bool | None) -> bool:
+    """Whether to count: asked for, or by default on a GPU within ``MAX_PAIRS``; only for dtypes ``_ordered``
+    keeps in order (floats and signed integers of up to 32 bits, narrower unsigned ones)."""
+    dtype = jnp.dtype(values.dtype)
+    if jnp.issubdtype(dtype, jnp.unsignedinteger):
+        orderable = dtype.itemsize < 4
+    else:
+        orderable = dtype.itemsize <= 4 and (
+            jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.signedinteger)
+        )
+    wanted = (on_gpu() and pairs <= MAX_PAIRS) if counted is None else counted
+    return orderable and wanted
+
+
+def _ranks(keys, *, descending: bool):
+    """``[..., n]`` int32: each entry's place in the stable order of the last axis (ties: lower index first)."""
+    index = jnp.arange(keys.shape[-1], dtype=jnp.int32)
+    other, this = keys[..., None, :], keys[..., :, None]
+    ahead = (other > this) if descending else (other < this)
+    earlier_tie = (other == this) & jnp.broadcast_to(index[None, :] < index[:, None], ahead.shape)
+    return jnp.sum(ahead | earlier_tie, axis=-1, dtype=jnp.int32)
+
+
+def stable_argsort(keys, *, counted: bool | None = None):
+    """``(order, inverse)`` of a 1-D array: ``order = jnp.argsort(keys, stable=True)`` and ``inverse[order[i]] = i``,
+    both int32. ``counted``: force (``True``) or forbid (``False``) counting; ``None`` decides by the size. Float
+    keys always sort (``argsort`` puts every NaN last, not in total order)."""
+    size = keys.shape[0]
+    index = jnp.arange(size, dtype=jnp.int32)
+    if jnp.issubdtype(keys.dtype, jnp.floating) or not _counts(keys, size * size, counted):
+        order = jnp.argsort(keys, stable=True).astype(jnp.int32)
+        return order, jnp.zeros_like(order).at[order].set(index, unique_indices=True)
+    inverse = _ranks(_ordered(keys), descending=False)
+    order = jnp.sum(jnp.where(inverse[None, :] == index[:, None], index[None, :], 0), axis=1, dtype=jnp.int32)
+    return order, inverse
+
+
+def top_k_indices(values, k: int, *, counted: bool | None = None):
+    """``jax.lax.top_k(values, k)[1]`` (int32 ``[..., k]``: the largest first, ties by lower index). ``counted`` as
+    in :func:`stable_argsort`."""
+    width = values.shape[-1]
+    if not _counts(values, values.size * width, counted):
+        return jax.lax.top_k(values, k)[1].astype(jnp.int32)
+    rank = _ranks(_ordered(values), descending=True)
+    places = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32)[:, None], (*rank.shape[:-1], k, 1))
+    hit = rank[..., None, :] == places  # [..., k, n]: one entry per place
+    index = jnp.arange(width, dtype=jnp.int32)
+    return jnp.sum(jnp.where(hit, jnp.broadcast_to(index, hit.shape), 0), axis=-1, dtype=jnp.int32)
