@@ -217,7 +217,6 @@ def generate(
     scalars = put_host(_scalars(seed, eos_id, pad_id, record, width), model.mesh)
     if use_cache:
         prefill = _compiled(_prefill, model, ("window",))
-        decode = _compiled(_decode_loop, model, ("cache", "window"))
         window, dummy = controller.device_window() if controller is not None else (None, None)
         # The prefill runs right-padded (each prompt from position 0): its attention is causal over each prompt.
         right_padded = np.take_along_axis(tokens, (np.arange(width)[None, :] - lengths[:, None]) % width, axis=1)
@@ -230,6 +229,7 @@ def generate(
             max_len=total - 1,
             sampling=sampling,
         )
+        decode = _compiled(_decode_loop, model, ("cache", "window"))  # looked up while the prefill runs
         generated = [jax.block_until_ready(out)]
         prefill_seconds = time.perf_counter() - start
         if controller is not None:
