@@ -357,31 +357,39 @@ def _decode_loop(model, token, active, cache, key, counter, scalars, window, dum
     does not know (it reads the condition on the host), so the host could not queue the next pass's kernels
     while the GPU runs this one. A shorter last call compiles once more.
 
-    Only the expert loads are carried between passes (the weights are read in place). With a ``window`` (an
-    ``EplbState``) each pass's loads become one row of a ``[count, L, G, P]`` block carried through the loop
-    and the load variables restart from zero; after the loop the rows close ``count`` steps of the window at once
-    (one write, not a window update per pass). Without, the loads add up in the model as in single passes.
+    Without a ``window`` the expert loads are carried between passes and add up in the model, as in single passes
+    (the weights are read in place). With one (an ``EplbState``) each pass starts from zero loads -- constants, not
+    carried: no pass reads or clears a load variable -- and its loads become one row of a ``[count, L, G, P]``
+    block, the loads held before the loop joining the first; after the loop the rows close ``count`` steps of the
+    window at once (one write, not a window update per pass) and the load variables are zero.
     """
     _, eos_id, pad_id, record, _ = _unpack(scalars)
     graphdef, loads, rest = nnx.split(model, ExpertLoad, ...)
 
     def one_pass(i, carry):
-        token, active, cache, counter, loads, rows, block = carry
-        stepped = nnx.merge(graphdef, loads, rest)
+        token, active, cache, counter, carried, rows, block = carry
+        # Made inside the pass: variables the pass changes must belong to its trace.
+        start = jax.tree.map(jnp.zeros_like, loads) if window is not None else carried
+        stepped = nnx.merge(graphdef, start, rest)
         token, active, cache, counter = _decode(
             stepped, token, active, cache, key, counter, record, sampling=sampling, eos_id=eos_id, pad_id=pad_id
         )
-        if rows is not None:
+        if window is not None:
             rows = jax.lax.dynamic_update_index_in_dim(rows, _take_loads(stepped, window), i, axis=0)
+        else:
+            carried = nnx.state(stepped, ExpertLoad)
         block = jax.lax.dynamic_update_index_in_dim(block, token, i, axis=0)
-        return token, active, cache, counter, nnx.state(stepped, ExpertLoad), rows, block
+        return token, active, cache, counter, carried, rows, block
 
     block = jnp.zeros((count, *token.shape), token.dtype)
     rows = None if window is None else jnp.zeros((count, *window.pass_load.shape), jnp.int32)
-    carry = (token, active, cache, counter, loads, rows, block)
-    token, active, cache, counter, loads, rows, block = jax.lax.fori_loop(0, count, one_pass, carry)
-    nnx.update(model, loads)
-    if window is not None:
+    carry = (token, active, cache, counter, None if window is not None else loads, rows, block)
+    token, active, cache, counter, carried, rows, block = jax.lax.fori_loop(0, count, one_pass, carry)
+    if window is None:
+        nnx.update(model, carried)
+    else:
+        nnx.update(model, loads)
+        rows = rows.at[0].add(_take_loads(model, window))  # what the variables held before the loop; now zero
         window = _close_window_steps(window, rows, dummy, record)
     # Laid out as the prefill hands them over: the next call then reuses this compilation.
     block, token, active = jax.lax.with_sharding_constraint((block, token, active), NamedSharding(model.mesh, PS()))
