@@ -148,12 +148,14 @@ def test_triton_tilings_in_interpret_mode(rng):
 
 
 def test_triton_default_tiling_follows_rows_per_group(rng):
-    """Fewer rows than groups (small-batch decode) take 16-row tiles with deep loads; its product stays exact."""
+    """Fewer rows than groups (small-batch decode) take 16-row tiles with deep loads, 16 rows per group and more a
+    third stage; the product stays exact."""
     from moe_eplb_jax.moe._gmm import triton
 
     decode = triton.Config(block_rows=16, block_k=256, block_cols=64, num_warps=4, num_stages=3)
     assert triton.default_config(8, 1024, 64) == triton.default_config(64, 1024, 64) == decode
     assert triton.default_config(256, 1024, 64) == triton.Config()
+    assert triton.default_config(2048, 1024, 64) == triton.Config(num_stages=3)
     assert triton.default_config(65536, 1024, 64).block_rows == 128
     x = rng.standard_normal((6, 64)).astype(np.float32)
     w = rng.standard_normal((8, 64, 128)).astype(np.float32)
