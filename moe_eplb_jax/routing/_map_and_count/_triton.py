@@ -67,6 +67,7 @@ def _map_kernel(
     compact,
     rank_tile,
     expert_bins,
+    store_load=False,
 ):
     """Maps and counts this program's ``tile`` entries.
 
@@ -75,9 +76,10 @@ def _map_kernel(
     boundary positions (``point_from="positions"``). ``"quota"``'s point: the flat index (positions), else
     ``base + in-tile rank`` (``"ranks"``: ``base_ref [tiles * E_pad]`` and ``rank_ref [N]``; ``"lookback"``:
     ``base_ref`` is this program's own ``[E_pad]`` bases, a value). ``per_entry``: each counted entry adds itself
-    to the loads (too many bins for shared memory), else one atomic per bin at the end.
+    to the loads (too many bins for shared memory), else one atomic per bin at the end -- or, with ``store_load``
+    (the only program: a decode step's few entries), one store of its histogram, ``zeros_ref`` then unused.
     """
-    del zeros_ref  # aliased to load_ref: the loads start at zero
+    del zeros_ref  # aliased to load_ref (the loads start at zero), or unused
     program = pl.program_id(0)
     count_limit, rank_limit, token_offset = limits_ref[0], limits_ref[1], limits_ref[2]
 
@@ -149,9 +151,11 @@ def _map_kernel(
 
     bins = 32 if per_entry else _histogram_bins(num_physical)
     hist = jax.lax.fori_loop(0, tile // sub, step, jnp.zeros((bins,), jnp.int32))
-    if not per_entry:
+    at = jnp.arange(bins, dtype=jnp.int32)
+    if store_load:
+        plgpu.store(load_ref.at[pl.ds(0, bins)], hist, mask=at < num_physical)
+    elif not per_entry:
         # Each lane its own address: lanes adding to one address in one instruction serialise.
-        at = jnp.arange(bins, dtype=jnp.int32)
         atomic_add_int(load_ref, at, hist, at < num_physical)
 
 
@@ -414,14 +418,16 @@ def _launch(ids, lookup, table, base, rank, limits, map_options, launch, build):
             name="map_and_count",
         )(ids, lookup, table, limits, zeros, board_zeros)
         return phys, load
+    # One program (a decode step) stores its histogram: no zeroed buffer to fill and copy in before the kernel.
+    store_load = num_tiles == 1 and not map_options["per_entry"]
     return pl.pallas_call(
-        functools.partial(_map_kernel, **map_options),
+        functools.partial(_map_kernel, store_load=store_load, **map_options),
         grid=(num_tiles,),
         in_specs=[whole] * 7,
         out_specs=[whole, whole],
         out_shape=outputs,
-        input_output_aliases={6: 1},
+        input_output_aliases={} if store_load else {6: 1},
         compiler_params=params,
         interpret=interpret,
         name="map_and_count",
-    )(ids, lookup, table, base, rank, limits, zeros)
+    )(ids, lookup, table, base, rank, limits, base if store_load else zeros)
