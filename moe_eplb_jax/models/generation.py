@@ -219,9 +219,8 @@ def generate(
         prefill = _compiled(_prefill, model, ("window",))
         window, dummy = controller.device_window() if controller is not None else (None, None)
         # The prefill runs right-padded (each prompt from position 0): its attention is causal over each prompt.
-        right_padded = np.take_along_axis(tokens, (np.arange(width)[None, :] - lengths[:, None]) % width, axis=1)
         out, active, cache, key, counter, window = prefill(
-            put_host(right_padded, model.mesh, rows),
+            put_host(tokens, model.mesh, rows),
             put_host(lengths, model.mesh, rows),
             scalars,
             window,
@@ -325,11 +324,14 @@ def _next(logits, active, key, counter, *, mesh, sampling, eos_id, pad_id):
 
 
 def _prefill(model, tokens, lengths, scalars, window, dummy, *, max_len, sampling):
-    """The prompts' pass, right-padded -> ``(tokens, active, cache, key, counter, window)``: the KV cache of
-    ``max_len`` positions and the sampling key are made here, inside the program, rather than by dispatches of
-    their own before it."""
+    """The prompts' pass -> ``(tokens, active, cache, key, counter, window)``. ``tokens`` come left-padded (as
+    ``left_pad`` makes them) and run right-padded, each row turned here, inside the program; the KV cache of
+    ``max_len`` positions and the sampling key are made here too, rather than by dispatches of their own."""
     key, eos_id, pad_id, record, _ = _unpack(scalars)
     counter = jnp.int32(0)  # the step index, carried on the device: it folds into the sampling key
+    width = tokens.shape[1]
+    turned = (jnp.arange(width, dtype=jnp.int32)[None, :] - lengths[:, None]) % jnp.int32(width)
+    tokens = jnp.take_along_axis(tokens, turned, axis=1)  # right-padded: each prompt from position 0
     logits, cache = model.prefill(tokens, lengths, max_len=max_len, record=record)
     active = jax.lax.with_sharding_constraint(lengths > 0, NamedSharding(model.mesh, PS()))
     picked, active = _next(
