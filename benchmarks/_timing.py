@@ -8,6 +8,14 @@ import statistics
 import tempfile
 import time
 
+# The cards' HBM bandwidth (the vendors' figures): every memory floor's denominator.
+HBM_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}
+
+
+def hbm_bandwidth(device_kind: str) -> float | None:
+    """Bytes per second of the card ``device_kind`` names (``jax.devices()[0].device_kind``); ``None`` off the table."""
+    return next((value for card, value in HBM_BANDWIDTH.items() if card in device_kind), None)
+
 
 def median_seconds(fn, *args, reps: int = 10, warmup: int = 2) -> float:
     """Median seconds of ``fn(*args)`` over ``reps`` calls, after ``warmup`` calls (compilation, caches).

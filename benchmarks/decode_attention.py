@@ -21,9 +21,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import device_seconds
-
-HBM = {"H100": 3.35e12, "H200": 4.8e12}
+from _timing import device_seconds, hbm_bandwidth
 
 
 def parse_args(argv=None):
@@ -49,7 +47,7 @@ def main(argv=None):
     if jax.default_backend() != "gpu":
         raise SystemExit("decode_attention.py times a GPU kernel: no GPU here")
     name = jax.devices()[0].device_kind
-    hbm = next((v for k, v in HBM.items() if k in name), None)
+    hbm = hbm_bandwidth(name)
     rng = np.random.default_rng(0)
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):

@@ -24,9 +24,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import device_seconds
-
-HBM = {"H100": 3.35e12, "H200": 4.8e12}
+from _timing import device_seconds, hbm_bandwidth
 
 
 def parse_args(argv=None):
@@ -96,7 +94,7 @@ def main(argv=None):
     if jax.default_backend() != "gpu":
         raise SystemExit("gmm_tiling.py times Triton kernels: run it on a GPU")
     kind = jax.devices()[0].device_kind
-    hbm = next((v for k, v in HBM.items() if k in kind), None)
+    hbm = hbm_bandwidth(kind)
     rng = np.random.default_rng(0)
     results = {"device": kind}
     for fmt, batch in itertools.product(args.format.split(","), (int(b) for b in args.batches.split(","))):

@@ -39,7 +39,7 @@ from moe_eplb_jax.moe import expert_mlp
 from moe_eplb_jax.moe import grouped_matmul as gmm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import device_seconds, median_seconds
+from _timing import device_seconds, hbm_bandwidth, median_seconds
 
 
 def leaf_bytes(tree) -> int:
@@ -354,14 +354,7 @@ def _mlp_step_times(xs, layers, failed, shape, ceilings, log):
     return rows
 
 
-# HBM bandwidth by card (the weight-read floor of section 5): the vendors' figures.
-CARD_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}
 RAGGED_TARGETS = {"fp8": 1.6, "mxfp4": 2.5}  # speed-up over bf16 the ragged kernel should reach at decode
-
-
-def card_bandwidth(device) -> float | None:
-    kind = device.device_kind
-    return next((bw for name, bw in CARD_BANDWIDTH.items() if name in kind), None)
 
 
 def dense_quantized_mlp(x, experts, sizes):
@@ -398,7 +391,7 @@ def _ragged_time(fn, args, on_gpu):
 def ragged_mlp(dev, small: bool, log):
     """Section 5: ``(ok, rows)`` -- per format the ragged kernel, the dense path, bf16 and the weight-read floor."""
     on_gpu = dev.platform == "gpu"
-    bandwidth = card_bandwidth(dev)
+    bandwidth = hbm_bandwidth(dev.device_kind)
     dim, hidden = (256, 128) if small else (7168, 2048)
     shapes = [("decode", 4, 8)] if small else [("decode", 8, 64), ("decode", 32, 64), ("prefill", 8, 2048)]
     kernel = "auto" if on_gpu else "pallas_interpret"

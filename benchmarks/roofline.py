@@ -42,10 +42,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _hlo import describe, with_dump
-from _timing import device_seconds
+from _timing import device_seconds, hbm_bandwidth
 
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12}
-HBM = {"H100": 3.35e12, "H200": 4.8e12}
 
 
 def parse_args(argv=None):
@@ -88,7 +87,7 @@ def card():
 
     kind = jax.devices()[0].device_kind
     name = "H200" if "H200" in kind else "H100" if "H100" in kind else None
-    return kind, PEAK_BF16.get(name), HBM.get(name)
+    return kind, PEAK_BF16.get(name), hbm_bandwidth(kind)
 
 
 def pipelined(fn, reps: int) -> float:
