@@ -152,8 +152,8 @@ def _map_kernel(
     bins = 32 if per_entry else _histogram_bins(num_physical)
     hist = jax.lax.fori_loop(0, tile // sub, step, jnp.zeros((bins,), jnp.int32))
     at = jnp.arange(bins, dtype=jnp.int32)
-    if store_load:
-        plgpu.store(load_ref.at[pl.ds(0, bins)], hist, mask=at < num_physical)
+    if store_load:  # the loads' buffer holds every bin here: the bins past the slots are zero
+        load_ref[...] = hist
     elif not per_entry:
         # Each lane its own address: lanes adding to one address in one instruction serialise.
         atomic_add_int(load_ref, at, hist, at < num_physical)
@@ -418,9 +418,12 @@ def _launch(ids, lookup, table, base, rank, limits, map_options, launch, build):
             name="map_and_count",
         )(ids, lookup, table, limits, zeros, board_zeros)
         return phys, load
-    # One program (a decode step) stores its histogram: no zeroed buffer to fill and copy in before the kernel.
+    # One program (a decode step) stores its histogram, every bin of it: no zeroed buffer to fill and copy in
+    # before the kernel.
     store_load = num_tiles == 1 and not map_options["per_entry"]
-    return pl.pallas_call(
+    if store_load:
+        outputs[1] = out_struct((_histogram_bins(num_physical),), jnp.int32)
+    phys, load = pl.pallas_call(
         functools.partial(_map_kernel, store_load=store_load, **map_options),
         grid=(num_tiles,),
         in_specs=[whole] * 7,
@@ -431,3 +434,4 @@ def _launch(ids, lookup, table, base, rank, limits, map_options, launch, build):
         interpret=interpret,
         name="map_and_count",
     )(ids, lookup, table, base, rank, limits, base if store_load else zeros)
+    return phys, load[:num_physical]
