@@ -18,7 +18,8 @@ One model (``moe_eplb_jax.models``, bf16, EP = 1), side by side in one run:
 * decode: ms per step at each ``--decode-batches`` size (prompts up to ``--decode-prompt`` wide), next to the
   floor: the bytes of weights the step must read (every non-expert weight, the experts the batch's routing
   touched, the KV cache) over the card's HBM bandwidth (H100 3.35 TB/s, H200 4.8 TB/s); with the controller
-  stepping every pass into its window (recording on, nothing due) and without.
+  stepping every pass into its window (recording on, nothing due) and without, and one pass per host call; the
+  three take turns over five rounds (the median of each).
 * gmm: the grouped matmul alone at a training shape (forward, forward + backward, TFLOP/s) and a decode shape
   (GB/s against HBM), for each implementation next to XLA's ``ragged_dot``; at the decode shape also the
   quantized grouped matmul per format (``moe.quantized_matmul``, the kernel reading packed weights) against
@@ -323,10 +324,16 @@ def phase_decode(args, config, mesh, rng, hbm):
         decode = functools.partial(
             generate, model, prompts, max_new_tokens=args.new_tokens, prompt_width=args.decode_prompt
         )
-        for name, options in variants.items():
-            decode(**options)
-            runs = [decode(**options) for _ in range(3)]
-            row[f"ms_{name}"] = sorted(r.decode_seconds for r in runs)[1] / steps * 1e3
+        for options in variants.values():
+            decode(**options)  # compiles
+        # The variants take turns, five rounds: a drift of the card's clocks falls on each alike, where timing one
+        # variant after the other would read it as the controller's cost.
+        runs = {name: [] for name in variants}
+        for _ in range(5):
+            for name, options in variants.items():
+                runs[name].append(decode(**options).decode_seconds)
+        for name, seconds in runs.items():
+            row[f"ms_{name}"] = sorted(seconds)[2] / steps * 1e3
         if args.profile:
             # Both loops profiled: what the controller adds on the device is the difference, kernel by kernel.
             measured = {}
