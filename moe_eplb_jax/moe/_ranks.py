@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from moe_eplb_jax._kernels import on_gpu
 
-__all__ = ["MAX_PAIRS", "stable_argsort", "top_k_indices"]
+__all__ = ["MAX_PAIRS", "inverse_permutation", "stable_argsort", "top_k_indices"]
 
 MAX_PAIRS = 1 << 22
 
@@ -50,16 +50,24 @@ def _ranks(keys, *, descending: bool):
     return jnp.sum(ahead | earlier_tie, axis=-1, dtype=jnp.int32)
 
 
+def inverse_permutation(order):
+    """``inverse`` with ``inverse[order[i]] = i`` for ``order`` a permutation ``[N]`` (a scatter of ``N`` ints)."""
+    if order.ndim != 1 or not jnp.issubdtype(order.dtype, jnp.integer):
+        raise ValueError(f"order must be a 1-D integer permutation, got {order.dtype} {order.shape}")
+    positions = jnp.arange(order.shape[0], dtype=order.dtype)
+    return jnp.zeros_like(order).at[order].set(positions, unique_indices=True)
+
+
 def stable_argsort(keys, *, counted: bool | None = None):
     """``(order, inverse)`` of a 1-D array: ``order = jnp.argsort(keys, stable=True)`` and ``inverse[order[i]] = i``,
     both int32. ``counted``: force (``True``) or forbid (``False``) counting; ``None`` decides by the size. Float
     keys always sort (``argsort`` puts every NaN last, not in total order)."""
     size = keys.shape[0]
-    index = jnp.arange(size, dtype=jnp.int32)
     if jnp.issubdtype(keys.dtype, jnp.floating) or not _counts(keys, size * size, counted):
         order = jnp.argsort(keys, stable=True).astype(jnp.int32)
-        return order, jnp.zeros_like(order).at[order].set(index, unique_indices=True)
+        return order, inverse_permutation(order)
     inverse = _ranks(_ordered(keys), descending=False)
+    index = jnp.arange(size, dtype=jnp.int32)
     order = jnp.sum(jnp.where(inverse[None, :] == index[:, None], index[None, :], 0), axis=1, dtype=jnp.int32)
     return order, inverse
 

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_eplb_jax.moe._ranks import stable_argsort
+from moe_eplb_jax.moe._ranks import inverse_permutation, stable_argsort
 
 __all__ = [
     "DispatchPlan",
@@ -449,14 +449,6 @@ def apply_by_slot(fn, rows, row_slot, num_slots: int):
 def unsort(sorted_rows, order):
     """Inverse of ``rows[order]``: puts sorted rows back in arrival order (a gather; so is its gradient)."""
     return _permute(sorted_rows, inverse_permutation(order), order)
-
-
-def inverse_permutation(order):
-    """``inverse`` with ``inverse[order[i]] = i`` for ``order`` a permutation ``[N]`` (a scatter of ``N`` ints)."""
-    if order.ndim != 1 or not jnp.issubdtype(order.dtype, jnp.integer):
-        raise ValueError(f"order must be a 1-D integer permutation, got {order.dtype} {order.shape}")
-    positions = jnp.arange(order.shape[0], dtype=order.dtype)
-    return jnp.zeros_like(order).at[order].set(positions, unique_indices=True)
 
 
 def permute_rows(x, order):

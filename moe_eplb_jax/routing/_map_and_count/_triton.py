@@ -151,11 +151,11 @@ def _map_kernel(
 
     bins = 32 if per_entry else _histogram_bins(num_physical)
     hist = jax.lax.fori_loop(0, tile // sub, step, jnp.zeros((bins,), jnp.int32))
-    at = jnp.arange(bins, dtype=jnp.int32)
     if store_load:  # the loads' buffer holds every bin here: the bins past the slots are zero
         load_ref[...] = hist
     elif not per_entry:
         # Each lane its own address: lanes adding to one address in one instruction serialise.
+        at = jnp.arange(bins, dtype=jnp.int32)
         atomic_add_int(load_ref, at, hist, at < num_physical)
 
 
