@@ -118,7 +118,7 @@ def timed(fn, reps: int) -> float:
 
 KERNEL_KINDS = (
     ("attention", ("cudnn", "flash", "fmha", "sdpa")),
-    ("grouped matmul", ("gmm", "grouped", "ragged", "qgmm")),
+    ("grouped matmul", ("gmm", "grouped", "ragged", "qgmm", "swiglu_matmul", "mosaic_gpu")),
     ("routing", ("map_and_count", "expert_rank", "tile_counts", "alias", "boundary")),
     ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "dot")),
     ("copy", ("memcpy", "memset", "copy", "transpose")),

@@ -1,6 +1,7 @@
 """Helpers shared by the package's Pallas kernels (``routing/_map_and_count/``, ``routing/``, ``transport/``, ``flax/``).
 
 * :func:`join_varying` -- inputs and output types of a ``pallas_call`` inside ``shard_map``;
+* :func:`fused_unless_differentiated` -- a fused inference kernel beside the composite whose gradients are written;
 * :func:`pallas_default` / :func:`probed` -- whether a kernel's Pallas implementation may serve here: once a
   probe of it ran and agreed with its XLA implementation (``pallas_default``: and only on a GPU). Pallas'
   Triton backend is deprecated and leans on JAX internals, so a kernel that cannot lower or compile falls
@@ -16,7 +17,7 @@ from collections.abc import Callable
 
 import jax
 
-__all__ = ["join_varying", "on_gpu", "pallas_default", "probed"]
+__all__ = ["fused_unless_differentiated", "join_varying", "on_gpu", "pallas_default", "probed"]
 
 
 def join_varying(*arrays):
@@ -36,6 +37,26 @@ def join_varying(*arrays):
         cast.append(jax.lax.pcast(array, missing, to="varying") if missing else array)
     mat = jax.sharding.ManualAxisType(varying=axes)
     return cast, functools.partial(jax.ShapeDtypeStruct, manual_axis_type=mat)
+
+
+def fused_unless_differentiated(fused: Callable, plain: Callable) -> Callable:
+    """A function of ``fused``'s and ``plain``'s arguments that runs ``fused(*args)`` where nothing differentiates
+    the call, and ``plain``'s forward pass and VJP under ``jax.vjp`` / ``jax.grad`` -- for a fused kernel with no
+    gradient of its own beside the composite of differentiable parts it replaces (the two compute the same
+    function; no forward-mode derivative)."""
+
+    @jax.custom_vjp
+    def call(*args):
+        return fused(*args)
+
+    def forward(*args):
+        return jax.vjp(plain, *args)
+
+    def backward(vjp, cotangent):
+        return vjp(cotangent)
+
+    call.defvjp(forward, backward)
+    return call
 
 
 def on_gpu() -> bool:

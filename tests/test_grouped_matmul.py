@@ -194,3 +194,56 @@ def test_kernel_paths_are_placement_invariant(rng):
         x2 = np.concatenate([x[rows], x[live:]])
         y2 = np.asarray(gmm.grouped_matmul(x2, w[order], sizes[order], implementation=implementation), np.float32)
         np.testing.assert_array_equal(y2[:live], y[rows])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_swiglu_kernel_in_interpret_mode(dtype, rng):
+    """``swiglu_matmul`` (gate and up products and SwiGLU in one kernel, rows read from their tokens or given)
+    against a float64 oracle under several tilings: tiles straddling groups, an empty group, a tail tile, padding
+    rows whose tokens are never read (out of range here), and large, tiny and signed-zero inputs."""
+    from moe_eplb_jax.moe._gmm import triton, triton_swiglu
+
+    tokens, depth, hidden, top_k = 50, 32, 32, 3
+    x = rng.standard_normal((tokens, depth)).astype(np.float32)
+    x[0, :4] = [0.0, -0.0, 1e-39, -1e-39]  # zeros and float32 subnormals
+    x[1] *= 40.0  # products far out in the sigmoid's tails
+    sizes = _sizes(rng, 4, tokens * top_k, tokens * top_k - 17)
+    live = int(sizes.sum())
+    row_tokens = rng.integers(0, tokens, tokens * top_k).astype(np.int32)
+    row_tokens[live:] = np.iinfo(np.int32).max  # padding rows: the kernel must not read their tokens
+    row_tokens[:3] = [0, 1, 0]
+    w_in = (rng.standard_normal((4, depth, 2 * hidden)) / np.sqrt(depth)).astype(np.float32)
+    x, w_in = np.asarray(jnp.asarray(x, dtype)), np.asarray(jnp.asarray(w_in, dtype))
+    h = _oracle(x[np.minimum(row_tokens, tokens - 1)], w_in, sizes)[:live]
+    if dtype == jnp.bfloat16:  # the kernel rounds the products to bf16 before the SwiGLU, as the two-kernel path
+        h = np.asarray(jnp.asarray(h, jnp.bfloat16), np.float64)
+    want = h[:, :hidden] / (1 + np.exp(-h[:, :hidden])) * h[:, hidden:]
+    tolerance = 1e-5 if dtype == jnp.float32 else 1e-2
+    configs = (triton.Config(block_k=16, block_cols=32), triton.Config(block_rows=16, block_k=32), None)
+    for config in configs:
+        got = triton_swiglu.swiglu_matmul(x, w_in, sizes, row_tokens, config=config, interpret=True)
+        assert got.shape == (tokens * top_k, hidden) and got.dtype == dtype
+        assert _relative(np.asarray(got, np.float32)[:live], want) < tolerance
+        rows = x[np.minimum(row_tokens, tokens - 1)]
+        given = triton_swiglu.swiglu_matmul(rows, w_in, sizes, config=config, interpret=True)
+        np.testing.assert_array_equal(np.asarray(given)[:live], np.asarray(got)[:live])
+    with pytest.raises(ValueError, match="w_in"):
+        triton_swiglu.swiglu_matmul(x, w_in[:, :, :-1], sizes, row_tokens, interpret=True)
+    with pytest.raises(ValueError, match="multiples"):
+        triton_swiglu.swiglu_matmul(x[:, :24], w_in[:, :24], sizes, row_tokens, interpret=True)
+    assert triton_swiglu.supports(4096, 1024, 512, 64) and not triton_swiglu.supports(64, 24, 32, 4)
+
+
+@gpu
+def test_pallas_runs_triton_without_gradients_and_mosaic_with(rng):
+    """At Mosaic's sizes ``"pallas"`` runs the Triton kernel where nothing differentiates the product (the same
+    rows as ``"triton"``'s, bit for bit) and Mosaic's kernels under ``jax.grad``."""
+    x, w, sizes = _case(rng, "pallas", jnp.bfloat16)
+    live = int(sizes.sum())
+    product = lambda x: gmm.grouped_matmul(x, w, sizes, implementation="pallas")
+    want = np.asarray(gmm.grouped_matmul(x, w, sizes, implementation="triton"), np.float32)
+    np.testing.assert_array_equal(np.asarray(jax.jit(product)(x), np.float32)[:live], want[:live])
+    inference = jax.jit(product).lower(x).as_text()
+    training = jax.jit(jax.grad(lambda x: jnp.sum(product(x).astype(jnp.float32)))).lower(x).as_text()
+    assert "triton" in inference and "mosaic" not in inference.lower()
+    assert "mosaic" in training.lower() and "xla.gpu.triton" not in training

@@ -157,3 +157,48 @@ def test_one_rank_gather_checks_its_shapes():
         local.combine_local(
             jnp.zeros((8, 3)), jnp.arange(8), jnp.arange(7), jnp.zeros((4, 2), jnp.int32), jnp.zeros((4, 2))
         )
+
+
+def test_one_rank_path_reads_token_rows_inside_the_kernel(rng):
+    """On a Triton backend the one-rank MLP reads each row from its token inside one kernel (gate, up, SwiGLU)
+    when nothing differentiates it: the outputs equal the gathered path's to float32 rounding, and gradients
+    take the gathered path (its VJPs; equal to float32 rounding, as XLA fuses them in or out of ``shard_map``)."""
+    tokens, top_k, dim, hidden, slots = 20, 3, 32, 16, 5
+    x = jnp.asarray(rng.standard_normal((tokens, dim)), jnp.float32)
+    physical = rng.integers(0, slots - 1, (tokens, top_k)).astype(np.int32)  # the last slot gets nothing
+    physical[rng.random((tokens, top_k)) < 0.2] = -1
+    weights = jnp.asarray(rng.random((tokens, top_k)), jnp.float32)
+    experts = {
+        "w_in": jnp.asarray(rng.standard_normal((slots, dim, 2 * hidden)) / 6, jnp.float32),
+        "w_out": jnp.asarray(rng.standard_normal((slots, hidden, dim)) / 4, jnp.float32),
+    }
+    mesh = jax.make_mesh((1,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
+
+    def layer(matmul):
+        config = DispatchConfig(matmul=matmul)
+
+        def f(x, experts):
+            body = lambda x, e: routed_experts(x, physical, weights, e, axis="ep", num_ranks=1, dispatch=config)
+            specs = (PS("ep"), PS("ep"))
+            return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=PS("ep"), check_vma=False)(x, experts)
+
+        return f
+
+    loss = lambda f: jax.grad(lambda x, e: jnp.sum(f(x, e) ** 2), argnums=(0, 1))
+    fused, dense = layer("pallas_interpret"), layer("dense")
+    assert "swiglu_matmul" in str(jax.make_jaxpr(fused)(x, experts))
+    assert "swiglu_matmul" not in str(jax.make_jaxpr(loss(fused))(x, experts))
+    want = np.asarray(jax.jit(dense)(x, experts))
+    np.testing.assert_allclose(np.asarray(jax.jit(fused)(x, experts)), want, rtol=1e-5, atol=1e-5)
+    unsent = (physical < 0).all(axis=1)
+    np.testing.assert_array_equal(np.asarray(jax.jit(fused)(x, experts))[unsent], 0.0)
+
+    def gathered(x, experts):  # the same layer with the rows gathered first (no fused kernel anywhere)
+        order, inverse, sizes = local.sort_local(jnp.asarray(physical), slots)
+        rows = local.gather_rows(x, order, inverse, sizes, top_k)
+        y = expert_mlp(rows, experts, sizes, implementation="pallas_interpret")
+        return local.combine_local(y, order, inverse, jnp.asarray(physical), weights)
+
+    grads = jax.jit(loss(fused))(x, experts), jax.jit(loss(gathered))(x, experts)
+    for got, expect in zip(*map(jax.tree.leaves, grads)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(expect), rtol=1e-5, atol=1e-6)

@@ -66,9 +66,7 @@ def attend(q, k, v, mask, *, scale: float, implementation: str | None = None):
     marks the keys each query sees (``None``: causal over ``S = T`` keys, no
     padding; a ``CausalPrefix``: causal over each row's first keys).
     ``implementation``: ``"xla"`` (the reference, every backend; scores and softmax in float32), ``"cudnn"`` (cuDNN's fused flash attention
-    through ``jax.nn.dot_product_attention``: 16-bit floats on a GPU), ``"pallas"`` (one query per sequence over
-    a mask array, a decode step: ``decode_attention``'s kernel on a GPU) or
-    ``None``: cuDNN where it applies (a GPU, 16-bit, more than one query, head
+    through ``jax.nn.dot_product_attention``: 16-bit floats on a GPU) or ``None``: cuDNN where it applies (a GPU, 16-bit, more than one query, head
     widths up to 256), else XLA.
     """
     if implementation is None:
@@ -77,18 +75,8 @@ def attend(q, k, v, mask, *, scale: float, implementation: str | None = None):
         implementation = "cudnn" if fused and q.shape[-1] % 8 == 0 and v.shape[-1] % 8 == 0 and widths <= 256 else "xla"
     if implementation == "cudnn":
         return _attend_cudnn(q, k, v, mask, scale)
-    if implementation == "pallas":
-        if q.shape[1] != 1 or mask is None or isinstance(mask, CausalPrefix):
-            raise ValueError(
-                f"implementation 'pallas' attends one query per sequence through a mask array, got {q.shape}"
-            )
-        # Imported here: Pallas' Triton backend is deprecated and may be missing where this path is not asked for.
-        from moe_eplb_jax.models.decode_attention import decode_attention
-
-        keys, values = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # the cache's own layout: no copy
-        return decode_attention(q[:, 0], keys, values, mask[:, 0, :], scale=float(scale))[:, None]
     if implementation != "xla":
-        raise ValueError(f"implementation must be 'xla', 'cudnn', 'pallas' or None, got {implementation!r}")
+        raise ValueError(f"implementation must be 'xla', 'cudnn' or None, got {implementation!r}")
     if mask is None:
         causal = jnp.tril(jnp.ones((q.shape[1], k.shape[1]), jnp.bool_))
         mask = jnp.broadcast_to(causal, (q.shape[0], q.shape[1], k.shape[1]))

@@ -76,10 +76,11 @@ import numpy as np
 from jax.sharding import PartitionSpec as PS
 
 from moe_eplb_jax import quant
+from moe_eplb_jax._kernels import fused_unless_differentiated
 from moe_eplb_jax.moe import dispatch as _dispatch
 from moe_eplb_jax.moe import local as _local
 from moe_eplb_jax.moe.config import DispatchConfig, RouterConfig, axes_size
-from moe_eplb_jax.moe.experts import expert_mlp, shared_mlp, waterfill_shared_mlp
+from moe_eplb_jax.moe.experts import expert_mlp, reads_token_rows, shared_mlp, waterfill_shared_mlp
 from moe_eplb_jax.moe.router import route
 from moe_eplb_jax.routing import RoutingMode, batch_quotas, map_and_count, routing_mode
 
@@ -286,6 +287,23 @@ def map_replicas(
     return physical, load.astype(jnp.int32)
 
 
+def _local_mlp(mlp, x, experts, order, inverse, group_sizes, top_k: int, implementation: str):
+    """The grouped MLP of one rank's assignment rows ``[T * k, D]``: read from the tokens inside the MLP's first
+    kernel where it can (``expert_mlp(row_tokens=)``, when nothing differentiates the call), else gathered first."""
+
+    def gathered(x, experts, order, inverse, group_sizes):
+        rows = _local.gather_rows(x, order, inverse, group_sizes, top_k)
+        return mlp(rows, experts, group_sizes=group_sizes)
+
+    if not reads_token_rows(x, experts, order.shape[0], implementation=implementation):
+        return gathered(x, experts, order, inverse, group_sizes)
+
+    def from_tokens(x, experts, order, inverse, group_sizes):
+        return mlp(x, experts, group_sizes=group_sizes, row_tokens=order // jnp.int32(top_k))
+
+    return fused_unless_differentiated(from_tokens, gathered)(x, experts, order, inverse, group_sizes)
+
+
 def routed_experts(
     x, physical, weights, experts, *, axis: str, num_ranks: int, dispatch: DispatchConfig, group_sizes=None
 ):
@@ -307,8 +325,8 @@ def routed_experts(
         axis_name=axis,
     )
     if num_ranks == 1:  # every slot is here: no plan, no exchange, one sort
-        rows, order, inverse, group_sizes = _local.gather_local(x, physical, slots_per_rank, group_sizes=group_sizes)
-        y = mlp(rows, experts, group_sizes=group_sizes)
+        order, inverse, group_sizes = _local.sort_local(physical, slots_per_rank, group_sizes=group_sizes)
+        y = _local_mlp(mlp, x, experts, order, inverse, group_sizes, physical.shape[1], dispatch.matmul)
         return _local.combine_local(y, order, inverse, physical, weights, out_dtype=x.dtype)
 
     def grouped(experts, rows, row_slot):

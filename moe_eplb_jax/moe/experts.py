@@ -20,12 +20,13 @@ import jax
 import jax.numpy as jnp
 
 from moe_eplb_jax import quant
+from moe_eplb_jax._kernels import fused_unless_differentiated
 from moe_eplb_jax.moe import dispatch as _dispatch
 from moe_eplb_jax.moe import grouped_matmul as _gmm
 from moe_eplb_jax.moe import quantized_matmul as _qmm
 from moe_eplb_jax.routing import waterfill_assign
 
-__all__ = ["expert_mlp", "shared_mlp", "tie_replicas", "waterfill_shared_mlp"]
+__all__ = ["expert_mlp", "reads_token_rows", "shared_mlp", "tie_replicas", "waterfill_shared_mlp"]
 
 
 # ------------------------------------------------------------------ replicas
@@ -80,11 +81,13 @@ def expert_mlp(
     quant_impl: str = "auto",
     activation_scaling: str = "dynamic",
     axis_name=None,
+    row_tokens=None,
 ):
     """Gated (SwiGLU) MLP of rows grouped by slot.
 
     Args:
-      x: ``[N, D]`` rows sorted by slot; rows past ``sum(group_sizes)`` are padding (zero).
+      x: ``[N, D]`` rows sorted by slot; rows past ``sum(group_sizes)`` are padding (zero). With ``row_tokens``:
+        ``[T, D]`` tokens, row ``i`` being ``x[row_tokens[i]]``.
       experts: the ``S`` local slots' weights: ``{"w_in": [S, D, 2H], "w_out": [S, H, D]}`` (float), or
         ``{"gate": q [S, H, D], "up": q [S, H, D], "down": q [S, D, H]}`` quantized pytrees of
         ``moe_eplb_jax.quant`` (contraction axis last).
@@ -99,10 +102,16 @@ def expert_mlp(
         ``quant.expert_mlp`` with that impl densely (every row through every local slot). Dynamic
         activation scales cover exactly the real rows, max-reduced over ``axis_name``, so they do not
         depend on the placement.
+      row_tokens: ``[N]`` int32 token of each row (valid indices for padding rows too), or ``None``. Float
+        experts on a Triton backend read the rows from the tokens inside the first kernel (the gate and up
+        products and the SwiGLU are one kernel wherever the rows come from, when nothing differentiates the
+        call); elsewhere the rows are gathered first.
 
     Returns:
       ``[N, D]`` in ``x.dtype``; padding rows hold unspecified values.
     """
+    if row_tokens is not None and "gate" in experts:
+        x = x[row_tokens]
     if "gate" in experts and quant_impl == "auto":
         return _quantized_mlp(x, experts, group_sizes, implementation, activation_scaling, axis_name)
     if "gate" in experts:
@@ -124,11 +133,38 @@ def expert_mlp(
     matmul = _gmm.get(implementation)
     w_in, w_out = experts["w_in"], experts["w_out"]
     hidden = w_out.shape[1]
-    h = matmul(x, w_in, group_sizes).astype(jnp.float32)  # the gate in float32 whatever the kernel wrote
-    act = (jax.nn.silu(h[:, :hidden]) * h[:, hidden:]).astype(x.dtype)
+
+    def swiglu(x, w_in, group_sizes, row_tokens):
+        rows = x if row_tokens is None else x[row_tokens]
+        h = matmul(rows, w_in, group_sizes).astype(jnp.float32)  # the gate in float32 whatever the kernel wrote
+        return (jax.nn.silu(h[:, :hidden]) * h[:, hidden:]).astype(x.dtype)
+
+    backend = _swiglu_backend(x, w_in, implementation, row_tokens)
+    if backend is not None:
+        fused = functools.partial(_gmm.swiglu_matmul, backend=backend)
+        swiglu = fused_unless_differentiated(fused, swiglu)
+    act = swiglu(x, w_in, group_sizes, row_tokens)
     # No masking of the padding rows here: callers never read them (and on XLA:CPU, fusing a mask into
     # the matmul may change how real rows round).
     return matmul(act, w_out, group_sizes).astype(x.dtype)
+
+
+def _swiglu_backend(x, w_in, implementation: str, row_tokens) -> str | None:
+    num_rows = x.shape[0] if row_tokens is None else row_tokens.shape[0]
+    if x.dtype != w_in.dtype:
+        return None
+    tokens = None if row_tokens is None else x.shape[0]
+    return _gmm.swiglu_backend(implementation, num_rows, w_in.shape, x.dtype, tokens=tokens)
+
+
+def reads_token_rows(x, experts, num_rows: int, *, implementation: str = "auto") -> bool:
+    """Whether ``expert_mlp(x, experts, ..., row_tokens=[num_rows])`` reads its rows from the tokens inside its
+    first kernel (float experts on a kernel that fuses the gather) rather than gathering them first: where it
+    does, a caller saves writing and reading the ``[num_rows, D]`` rows."""
+    if "w_in" not in experts:  # quantized experts gather first on every path
+        return False
+    row_tokens = jax.ShapeDtypeStruct((num_rows,), jnp.int32)
+    return _swiglu_backend(x, experts["w_in"], implementation, row_tokens) is not None
 
 
 _QUANTIZED_BACKEND = {"pallas_interpret": "pallas_interpret", "dense": "reference", "ragged_dot": "reference"}

@@ -17,13 +17,18 @@ Implementations (``implementation=``):
 * ``"pallas"`` -- the GPU kernels, the gradient by a custom VJP (the input
   gradient is the same product with ``w`` transposed, the weight gradient a
   per-group ``x^T dy``): JAX's Mosaic GPU kernels (wgmma) for 16-bit
-  training-size buffers, the Triton kernels -- whose cost follows the rows a
-  rank received -- for fewer rows, float32 (full precision) and other shapes;
+  training-size buffers under differentiation, the Triton kernels -- whose cost
+  follows the rows a rank received -- for inference, fewer rows, float32 (full
+  precision) and other shapes;
   ``"dense"`` for widths neither tiles (below 16, off their power-of-two blocks).
   Where no kernel compiles (no GPU, Pallas' Triton backend missing: a
   first-use probe) ``"dense"`` serves, with one warning.
 * ``"triton"`` / ``"mosaic"`` -- one of those kernel families, forced.
 * ``"pallas_interpret"`` -- the Triton kernels in Pallas' interpreter (CPU tests).
+
+``swiglu_matmul`` is the expert MLP's first half (gate and up products, SwiGLU,
+rows optionally read from their tokens) in one Triton kernel, no gradient:
+``moe.expert_mlp`` runs it where ``swiglu_backend`` names a backend.
 
 The result is float32 from ``dense`` and ``ragged_dot`` and in the inputs'
 dtype from the kernels (float32 accumulation): a bf16 product writes and its
@@ -40,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_eplb_jax._kernels import on_gpu, probed
+from moe_eplb_jax._kernels import fused_unless_differentiated, on_gpu, probed
 from moe_eplb_jax.moe._gmm import mosaic
 from moe_eplb_jax.moe._gmm.reference import dense, ragged_dot, select_own_slot, slot_of_row, transposed_dense
 
@@ -53,6 +58,8 @@ __all__ = [
     "ragged_dot",
     "select_own_slot",
     "slot_of_row",
+    "swiglu_backend",
+    "swiglu_matmul",
     "transposed_dense",
 ]
 
@@ -73,7 +80,18 @@ def grouped_matmul(x, w, group_sizes, *, implementation: str = "auto") -> jax.Ar
         return dense(x, w, group_sizes)
     if backend == "ragged_dot":
         return ragged_dot(x, w, group_sizes)
+    if backend == "mosaic" and _inference_on_triton(implementation, x.shape, w.shape):
+        # Without gradients the Triton kernel wins at Mosaic's sizes too: it skips the padding rows' tiles and
+        # writes the same 16-bit rows; Mosaic's kernels keep the training step (docs/kernels.md).
+        inference = lambda x, w, group_sizes: _product(x, w, group_sizes, "triton")
+        training = lambda x, w, group_sizes: _kernel_matmul(x, w, group_sizes, "mosaic")
+        return fused_unless_differentiated(inference, training)(x, w, group_sizes)
     return _kernel_matmul(x, w, group_sizes, backend)
+
+
+def _inference_on_triton(implementation: str, x_shape, w_shape) -> bool:
+    """Whether ``"pallas"`` (or ``"auto"``) runs a product it gives Mosaic on Triton where nothing differentiates it."""
+    return implementation in ("auto", "pallas") and _triton().supports(x_shape[1], w_shape[2])
 
 
 def _backend(
@@ -100,6 +118,33 @@ def _backend(
     if implementation == "pallas" and not _triton().supports(x_shape[1], w_shape[2]):
         return "dense"  # widths the kernels cannot tile (below 16, off their power-of-two blocks)
     return "triton"
+
+
+def swiglu_backend(implementation: str, num_rows: int, w_in_shape, dtype, *, tokens: int | None = None) -> str | None:
+    """The kernel backend (``"triton"``, ``"interpret"``) on which :func:`swiglu_matmul` is one kernel for
+    ``num_rows`` rows through ``w_in [S, D, 2H]`` -- read from ``tokens`` rows of ``x`` where given -- or ``None``
+    where it is not: another backend for these rows (dense, Mosaic at training sizes), widths the kernel cannot
+    tile, or an ``x`` too large to index in int32."""
+    num_groups, depth, width = w_in_shape
+    backend = _backend(implementation, (num_rows, depth), w_in_shape, dtype)
+    if backend == "mosaic" and implementation in ("auto", "pallas"):
+        backend = "triton"  # without gradients (where this kernel runs) Triton wins at Mosaic's sizes too
+    if backend not in ("triton", "interpret") or width % 2:
+        return None
+    if tokens is not None and tokens * depth >= 2**31:
+        return None
+    from moe_eplb_jax.moe._gmm import triton_swiglu
+
+    return backend if triton_swiglu.supports(num_rows, depth, width // 2, num_groups) else None
+
+
+def swiglu_matmul(x, w_in, group_sizes, row_tokens=None, *, backend: str):
+    """``silu(rows @ gate_s) * (rows @ up_s)`` per slot ``s`` (``w_in [S, D, 2H]``: gate columns, then up) in one
+    kernel on ``backend`` (:func:`swiglu_backend`'s), rows ``x[row_tokens]`` (``None``: ``x``) -> ``[N, H]`` in
+    ``x.dtype``, padding rows unspecified. No gradient: ``moe.expert_mlp`` runs it where nothing differentiates."""
+    from moe_eplb_jax.moe._gmm import triton_swiglu
+
+    return triton_swiglu.swiglu_matmul(x, w_in, group_sizes, row_tokens, interpret=backend == "interpret")
 
 
 def _product(x, w, group_sizes, backend: str, *, transpose_rhs: bool = False):

@@ -18,23 +18,29 @@ import jax.numpy as jnp
 
 from moe_eplb_jax.moe._ranks import stable_argsort
 
-__all__ = ["combine_local", "gather_local"]
+__all__ = ["combine_local", "gather_local", "gather_rows", "sort_local"]
 
 
-def _sort(physical_ids, num_slots: int, group_sizes=None):
-    """``(order, inverse, group_sizes, sent)``: assignments by slot (unsent last), its inverse, rows per slot, and
-    how many sorted rows are real. At decode sizes the sort is counted (``_ranks``): no sort kernel, no scatter."""
+def sort_local(physical_ids, num_slots: int, *, group_sizes=None):
+    """``(order, inverse, group_sizes)``: the assignments ``[T * k]`` by slot (unsent last), its inverse, and the
+    rows of each slot (``map_and_count``'s load where the caller has it). At decode sizes the sort is counted
+    (``_ranks``): no sort kernel, no scatter."""
     flat = physical_ids.reshape(-1).astype(jnp.int32)
     key = jnp.where(flat < 0, jnp.int32(num_slots), flat)
     order, inverse = stable_argsort(key)
     if group_sizes is None:
         group_sizes = (key[:, None] == jnp.arange(num_slots, dtype=jnp.int32)[None, :]).sum(0, dtype=jnp.int32)
-    group_sizes = group_sizes.astype(jnp.int32)
-    return order, inverse, group_sizes, jnp.sum(group_sizes)
+    return order, inverse, group_sizes.astype(jnp.int32)
+
+
+def gather_rows(x, order, inverse, group_sizes, top_k: int):
+    """``[T * k, D]``: row ``i`` is token ``order[i] // top_k`` of ``x [T, D]``, rows past the groups zero; its
+    gradient sums each token's ``k`` row gradients in float32 in router order (gathers, no scatter-add)."""
+    return _gather(x, order, inverse, jnp.sum(group_sizes), top_k)
 
 
 def gather_local(x, physical_ids, num_slots: int, *, group_sizes=None):
-    """Every assignment's row, grouped by slot.
+    """Every assignment's row, grouped by slot: :func:`sort_local`, then :func:`gather_rows`.
 
     Args:
       x: ``[T, D]`` the rank's tokens.
@@ -52,8 +58,8 @@ def gather_local(x, physical_ids, num_slots: int, *, group_sizes=None):
         raise ValueError(f"x must have shape [T={physical_ids.shape[0]}, D], got {x.shape}")
     if group_sizes is not None and group_sizes.shape != (num_slots,):
         raise ValueError(f"group_sizes must have shape [{num_slots}], got {group_sizes.shape}")
-    order, inverse, group_sizes, sent = _sort(physical_ids, num_slots, group_sizes)
-    return _gather(x, order, inverse, sent, physical_ids.shape[1]), order, inverse, group_sizes
+    order, inverse, group_sizes = sort_local(physical_ids, num_slots, group_sizes=group_sizes)
+    return gather_rows(x, order, inverse, group_sizes, physical_ids.shape[1]), order, inverse, group_sizes
 
 
 def combine_local(y, order, inverse, physical_ids, weights, *, out_dtype=None):

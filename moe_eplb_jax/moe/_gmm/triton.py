@@ -1,6 +1,6 @@
 """Grouped matmuls in Pallas (Triton backend) whose cost follows the real row count.
 
-``grouped_matmul(x [N, K], w [S, K, M], group_sizes [S]) -> [N, M] float32``:
+``grouped_matmul(x [N, K], w [S, K, M], group_sizes [S]) -> [N, M]`` in ``x.dtype`` (float32 accumulation):
 rows ``[start_s, end_s)`` (the runs of ``group_sizes``) times ``w[s]``
 (``transpose_rhs=True``: ``w [S, M, K]`` read transposed, the input gradient's
 product). ``transposed_grouped_matmul(x [N, K], dy [N, M], group_sizes) ->
@@ -35,11 +35,14 @@ from jax.experimental.pallas import triton as plgpu
 
 __all__ = [
     "Config",
+    "check_blocks",
     "default_config",
     "grouped_matmul",
     "max_items",
     "padded_sizes",
+    "precision",
     "supports",
+    "tiles",
     "transposed_grouped_matmul",
     "work_item",
 ]
@@ -109,11 +112,12 @@ def work_item(sizes_ref, item, block_rows: int):
     return item < jnp.sum(tiles), group, tile * block_rows, pick(starts), pick(ends)
 
 
-def _precision(dtype):
+def precision(dtype):
+    """The dot's precision: full float32 for float32 operands (Triton would take TF32)."""
     return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
 
-def _tiles(block: int, size: int) -> bool:
+def tiles(block: int, size: int) -> bool:
     """Whether ``size`` splits into Triton blocks of ``block``: a power of two >= 16 that divides it."""
     return block >= 16 and not block & (block - 1) and size % block == 0
 
@@ -122,14 +126,15 @@ def supports(depth: int, width: int, config: Config = Config()) -> bool:
     """Whether the product ``[N, depth] x [depth, width]``, its input gradient and its weight gradient tile with
     ``config``'s blocks (clipped to the matrix): sizes below 16 or off the power-of-two blocks do not."""
     return all(
-        _tiles(min(config.block_k, k), k) and _tiles(min(config.block_cols, m), m)
+        tiles(min(config.block_k, k), k) and tiles(min(config.block_cols, m), m)
         for k, m in ((depth, width), (width, depth))
     )
 
 
-def _check_blocks(**blocks_and_sizes) -> None:
+def check_blocks(**blocks_and_sizes) -> None:
+    """``ValueError`` unless each ``name=(block, size)`` pair tiles (:func:`tiles`)."""
     for name, (block, size) in blocks_and_sizes.items():
-        if not _tiles(block, size):
+        if not tiles(block, size):
             raise ValueError(
                 f"matrix sizes must be multiples of power-of-two blocks >= 16 (Triton); got {name}={block} for {size}"
             )
@@ -161,7 +166,7 @@ def _gmm_kernel(x_ref, w_ref, sizes_ref, out_ref, **static):
         acc = jax.lax.fori_loop(0, depth // block_k, step, jnp.zeros((block_rows, block_cols), jnp.float32))
         plgpu.store(
             out_ref.at[pl.ds(first_row, block_rows), pl.ds(col * block_cols, block_cols)],
-            acc,
+            acc.astype(out_ref.dtype),
             mask=jnp.broadcast_to(mine[:, None], (block_rows, block_cols)),
         )
 
@@ -179,7 +184,7 @@ def grouped_matmul(x, w, group_sizes, *, transpose_rhs: bool = False, config: Co
     width = w.shape[1] if transpose_rhs else w.shape[2]
     config = config or default_config(num_rows, width, w.shape[0])
     block_rows, block_k, block_cols = config.block_rows, min(config.block_k, depth), min(config.block_cols, width)
-    _check_blocks(block_k=(block_k, depth), block_cols=(block_cols, width), block_rows=(block_rows, block_rows))
+    check_blocks(block_k=(block_k, depth), block_cols=(block_cols, width), block_rows=(block_rows, block_rows))
     kernel = functools.partial(
         _gmm_kernel,
         block_rows=block_rows,
@@ -188,7 +193,7 @@ def grouped_matmul(x, w, group_sizes, *, transpose_rhs: bool = False, config: Co
         depth=depth,
         width=width,
         transpose=transpose_rhs,
-        precision=_precision(x.dtype),
+        precision=precision(x.dtype),
     )
     whole = pl.no_block_spec
     return pl.pallas_call(
@@ -196,7 +201,7 @@ def grouped_matmul(x, w, group_sizes, *, transpose_rhs: bool = False, config: Co
         grid=(max_items(num_rows, w.shape[0], block_rows), width // block_cols),
         in_specs=[whole] * 3,
         out_specs=whole,
-        out_shape=jax.ShapeDtypeStruct((num_rows, width), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((num_rows, width), x.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="grouped_matmul",
@@ -243,7 +248,7 @@ def transposed_grouped_matmul(x, dy, group_sizes, *, config: Config = Config(), 
     depth, width = x.shape[1], dy.shape[1]
     num_groups = group_sizes.shape[0]
     block_k, block_cols = min(config.block_k, depth), min(config.block_cols, width)
-    _check_blocks(block_k=(block_k, depth), block_cols=(block_cols, width))
+    check_blocks(block_k=(block_k, depth), block_cols=(block_cols, width))
     ends = jnp.cumsum(group_sizes.astype(jnp.int32))
     starts = ends - group_sizes.astype(jnp.int32)
     kernel = functools.partial(
@@ -252,7 +257,7 @@ def transposed_grouped_matmul(x, dy, group_sizes, *, config: Config = Config(), 
         block_k=block_k,
         block_cols=block_cols,
         depth=depth,
-        precision=_precision(x.dtype),
+        precision=precision(x.dtype),
     )
     whole = pl.no_block_spec
     out = pl.pallas_call(
