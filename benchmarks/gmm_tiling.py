@@ -4,13 +4,17 @@
     PYTHONPATH=. python3 benchmarks/gmm_tiling.py --json tiling.json
     PYTHONPATH=. python3 benchmarks/gmm_tiling.py --format fp8,mxfp4 --batches 256 --groups 32 --dim 7168 --hidden 2048
                                                                    # the quantized kernel, DeepSeek-V3's expert shape
+    PYTHONPATH=. python3 benchmarks/gmm_tiling.py --format swiglu  # the fused first half (gate, up, SwiGLU)
 
 For the batch sizes of ``--batches`` (rows = batch x top-k, spread over ``--groups`` experts: at batch 1 each
 row its own expert, above that multinomial), both expert products (``--dim`` -> ``2 x --hidden`` and ``--hidden``
 -> ``--dim``): microseconds per call from the profiler's kernel records, the fraction of the floor (the touched
 experts' weights -- their packed bytes and scales for a quantized ``--format`` -- and the rows over the card's
 HBM bandwidth) and the largest difference from a float32 product of the same (dequantized) weights.
-``moe._gmm.triton.default_config`` and ``moe._qgmm.config.default_config`` are chosen from these figures.
+``--format swiglu``: the first product only, as ``moe._gmm.triton_swiglu.swiglu_matmul`` runs it (rows read from
+their tokens, the SwiGLU applied; ``Config.block_cols`` counts both products' columns).
+``moe._gmm.triton.default_config``, ``moe._gmm.triton_swiglu.default_config`` and
+``moe._qgmm.config.default_config`` are chosen from these figures.
 """
 
 from __future__ import annotations
@@ -34,10 +38,36 @@ def parse_args(argv=None):
     p.add_argument("--groups", type=int, default=64)
     p.add_argument("--dim", type=int, default=1024)
     p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--format", default="bf16", help="comma-separated: bf16 and/or moe_eplb_jax.quant formats")
+    p.add_argument("--format", default="bf16", help="comma-separated: bf16, swiglu and/or moe_eplb_jax.quant formats")
+    p.add_argument(
+        "--configs",
+        default=None,
+        help="comma-separated tilings ROWSxCOLSxK/wWARPS/sSTAGES (e.g. 64x256x128/w8/s3) instead of the sweep",
+    )
     p.add_argument("--show", type=int, default=5, help="tilings printed per case, fastest first")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
+
+
+def parse_configs(text: str, config_type) -> list:
+    """``--configs``' tilings; ``SystemExit`` naming a malformed one."""
+    configs = []
+    for item in text.split(","):
+        try:
+            blocks, warps, stages = item.split("/")
+            rows, cols, depth = (int(v) for v in blocks.split("x"))
+            configs.append(
+                config_type(
+                    block_rows=rows,
+                    block_cols=cols,
+                    block_k=depth,
+                    num_warps=int(warps.removeprefix("w")),
+                    num_stages=int(stages.removeprefix("s")),
+                )
+            )
+        except ValueError as err:
+            raise SystemExit(f"--configs: {item!r} is not ROWSxCOLSxK/wWARPS/sSTAGES ({err})") from None
+    return configs
 
 
 def tilings(config_type, rows_per_group: float, quantized: bool):
@@ -52,6 +82,12 @@ def tilings(config_type, rows_per_group: float, quantized: bool):
     for rows, cols, depth, stages in itertools.product(block_rows[::2], (64, 128, 256), (128, 256), (3, 4)):
         for warps in (4, 8) if rows >= 64 and cols >= 128 else (4,):
             yield config_type(block_rows=rows, block_cols=cols, block_k=depth, num_warps=warps, num_stages=stages)
+
+
+def swiglu_tokens(rows: int):
+    """The token each row of the ``swiglu`` case reads: a fixed permutation, as a decode step's rows sorted by slot
+    read tokens in no order."""
+    return np.random.default_rng(1).permutation(rows)
 
 
 def kernel_case(fmt: str, x, w):
@@ -70,6 +106,13 @@ def kernel_case(fmt: str, x, w):
         call = lambda config, x, sizes: triton.grouped_matmul(x, w, sizes, config=config)
         per_group = w[0].size * 2
         return call, triton.default_config, np.asarray(w, np.float32), per_group, triton.Config
+    if fmt == "swiglu":
+        from moe_eplb_jax.moe._gmm import triton, triton_swiglu
+
+        tokens = jnp.asarray(swiglu_tokens(x.shape[0]), jnp.int32)  # each row read from another token
+        call = lambda config, x, sizes: triton_swiglu.swiglu_matmul(x, w, sizes, tokens, config=config)
+        default = lambda rows, width, groups: triton_swiglu.default_config(rows, width // 2, groups)
+        return call, default, np.asarray(w, np.float32), w[0].size * 2, triton.Config
     from moe_eplb_jax.moe._qgmm import config as qconfig
     from moe_eplb_jax.moe._qgmm import triton as qtriton
 
@@ -104,18 +147,34 @@ def main(argv=None):
             sizes[rng.choice(g, min(rows, g), replace=False)] = 1
         else:
             sizes = rng.multinomial(rows, [1 / g] * g).astype(np.int32)
-        for depth, width in ((args.dim, 2 * args.hidden), (args.hidden, args.dim)):
+        products = (
+            ((args.dim, 2 * args.hidden),)
+            if fmt == "swiglu"
+            else ((args.dim, 2 * args.hidden), (args.hidden, args.dim))
+        )
+        for depth, width in products:
             x = jnp.asarray(rng.standard_normal((rows, depth)), jnp.bfloat16)
             w = jnp.asarray(rng.standard_normal((g, depth, width)) / depth**0.5, jnp.bfloat16)
             call, default_of, dense, per_group, config_type = kernel_case(fmt, x, w)
             group_sizes = jnp.asarray(sizes)
             slot = np.repeat(np.arange(g), sizes)
             lhs = np.asarray(x.astype(jnp.float8_e4m3fn) if fmt == "fp8" else x, np.float32)
+            if fmt == "swiglu":
+                lhs = lhs[swiglu_tokens(rows)]
             want = np.concatenate([lhs[slot == s] @ dense[s] for s in range(g)])  # rows sorted by group
-            floor_bytes = int((sizes > 0).sum()) * per_group + rows * (depth + width) * 2
+            if fmt == "swiglu":
+                gate, up = want[:, : width // 2], want[:, width // 2 :]
+                want = gate / (1 + np.exp(-gate)) * up
+            out_width = width // 2 if fmt == "swiglu" else width
+            floor_bytes = int((sizes > 0).sum()) * per_group + rows * (depth + out_width) * 2
             default = default_of(rows, width, g)
             rows_out = []
-            for config in [default, *tilings(config_type, rows / g, fmt != "bf16")]:
+            swept = (
+                parse_configs(args.configs, config_type)
+                if args.configs
+                else tilings(config_type, rows / g, fmt not in ("bf16", "swiglu"))
+            )
+            for config in [default, *swept]:
                 f = jax.jit(lambda x, s, config=config: call(config, x, s))
                 try:
                     got = np.asarray(f(x, group_sizes), np.float32)

@@ -1,0 +1,116 @@
+"""The warp-specialized Mosaic grouped matmul (``moe/_gmm/mosaic_ws.py``) against JAX's Mosaic and Triton kernels.
+
+    PYTHONPATH=. python3 benchmarks/gmm_mosaic.py                  # one GPU: the training shape, both directions
+    PYTHONPATH=. python3 benchmarks/gmm_mosaic.py --configs 128x64x64/s4/t4,128x128x64/s3/t4 --json ws.json
+
+At ``--rows`` rows of ``--depth`` -> ``--width`` over ``--groups`` groups (multinomial sizes, ``--real`` of the rows
+real, the rest padding), bf16: the forward product and the input gradient's (``transpose_rhs``), microseconds per
+call from the profiler's kernel records and TFLOP/s over the real rows, for each ``--configs`` tiling
+(``BLOCK_MxBLOCK_NxBLOCK_K/sSTAGES/tGRID_TILE_WIDTH``; ``BLOCK_N`` per compute warpgroup), JAX's
+``ragged_dot_mgpu`` as ``moe._gmm.mosaic`` runs it, the Triton kernel, and the floor at 989 TFLOP/s; each
+with its largest difference from a float32 product on the real rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import device_seconds
+
+PEAK_FLOPS = 989e12
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, default=65536)
+    p.add_argument("--depth", type=int, default=1024)
+    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--groups", type=int, default=64)
+    p.add_argument("--real", type=float, default=1.0)
+    p.add_argument("--configs", default="128x64x64/s4/t4,128x128x64/s3/t4,128x64x64/s6/t8,64x128x64/s4/t4")
+    p.add_argument("--json", default=None)
+    return p.parse_args(argv)
+
+
+def parse_configs(text: str):
+    """``--configs``' tilings; ``SystemExit`` naming a malformed one."""
+    from moe_eplb_jax.moe._gmm.mosaic_ws import Config
+
+    configs = []
+    for item in text.split(","):
+        try:
+            blocks, stages, width = item.split("/")
+            block_m, block_n, block_k = (int(v) for v in blocks.split("x"))
+            configs.append(
+                Config(
+                    block_m=block_m,
+                    block_n=block_n,
+                    block_k=block_k,
+                    max_concurrent_steps=int(stages.removeprefix("s")),
+                    grid_tile_width=int(width.removeprefix("t")),
+                )
+            )
+        except ValueError as err:
+            raise SystemExit(f"--configs: {item!r} is not BLOCK_MxBLOCK_NxBLOCK_K/sSTAGES/tWIDTH ({err})") from None
+    return configs
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    configs = parse_configs(args.configs)
+    import jax
+    import jax.numpy as jnp
+
+    from moe_eplb_jax.moe._gmm import mosaic, mosaic_ws, triton
+
+    if jax.default_backend() != "gpu":
+        raise SystemExit("gmm_mosaic.py times Mosaic GPU kernels: no GPU here")
+    rng = np.random.default_rng(0)
+    live = int(args.rows * args.real)
+    sizes = jnp.asarray(rng.multinomial(live, [1 / args.groups] * args.groups), jnp.int32)
+    x = jnp.asarray(rng.standard_normal((args.rows, args.depth)), jnp.bfloat16)
+    results = []
+    for transpose in (False, True):
+        shape = (args.groups, args.width, args.depth) if transpose else (args.groups, args.depth, args.width)
+        w = jnp.asarray(rng.standard_normal(shape) / args.depth**0.5, jnp.bfloat16)
+        dense = np.asarray(jnp.swapaxes(w, 1, 2) if transpose else w, np.float32)
+        slot = np.repeat(np.arange(args.groups), np.asarray(sizes))
+        xs = np.asarray(x, np.float32)[:live]
+        want = np.concatenate([xs[slot == s] @ dense[s] for s in range(args.groups)])
+        flops = 2 * live * args.depth * args.width
+        variants = {
+            f"ws {c.block_m}x{c.block_n}x{c.block_k}/s{c.max_concurrent_steps}/t{c.grid_tile_width}": c for c in configs
+        }
+        calls = {
+            name: jax.jit(lambda x, w, s, c=c: mosaic_ws.grouped_matmul(x, w, s, transpose_rhs=transpose, config=c))
+            for name, c in variants.items()
+        }
+        calls["ragged_dot_mgpu"] = jax.jit(lambda x, w, s: mosaic.grouped_matmul(x, w, s, transpose_rhs=transpose))
+        calls["triton"] = jax.jit(lambda x, w, s: triton.grouped_matmul(x, w, s, transpose_rhs=transpose))
+        for name, call in calls.items():
+            row = {"transpose_rhs": transpose, "kernel": name, "floor_us": flops / PEAK_FLOPS * 1e6}
+            try:
+                got = np.asarray(call(x, w, sizes), np.float32)[:live]
+                seconds, _ = device_seconds(call, x, w, sizes, calls=10)
+                row |= {
+                    "us": seconds * 1e6,
+                    "tflops": flops / seconds / 1e12,
+                    "max_diff": float(np.abs(got - want).max()),
+                }
+            except Exception as err:  # a tiling past shared memory, a kernel that cannot compile here
+                row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+            results.append(row)
+            print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,204 @@
+"""A warp-specialized grouped matmul for Hopper in Pallas Mosaic GPU: one warpgroup loads, two multiply.
+
+``grouped_matmul(x [N, K], w [S, K, M], group_sizes [S]) -> [N, M]`` in ``x.dtype`` (float32 accumulation;
+``transpose_rhs``: ``w [S, M, K]`` read transposed). A persistent grid walks work items -- a row tile of
+``Config.block_m`` rows inside one group (a tile straddling two groups is an item of each) times a column band of
+``2 * Config.block_n`` columns; a memory warpgroup streams the row tile and the group's weight band through
+``max_concurrent_steps`` shared-memory stages while two compute warpgroups each multiply one half of the band
+(wgmma), so loads and products overlap where JAX's ``ragged_dot_mgpu`` (one warpgroup) alternates them. Items
+past the real rows -- a prefill's padding, the tiles an empty group would add -- do no work, and each item writes
+only its own group's rows (TMA stores of power-of-two row counts), so padding rows are never written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+__all__ = ["Config", "grouped_matmul", "supports"]
+
+DTYPES = (jnp.bfloat16, jnp.float16)
+H100_SMS = 132
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    """Tiling: ``block_m`` rows by ``2 * block_n`` columns per work item (``block_n`` per compute warpgroup), the
+    contraction in ``block_k`` chunks through ``max_concurrent_steps`` stages, ``grid_tile_width`` column bands per
+    row stripe of the snake order."""
+
+    block_m: int = 128
+    block_n: int = 64
+    block_k: int = 64
+    max_concurrent_steps: int = 4
+    grid_tile_width: int = 4
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Config.{field.name} must be a positive int, got {value!r}")
+
+
+def supports(x_shape, w_shape, dtype, *, transpose_rhs: bool = False, config: Config = Config()) -> bool:
+    """Whether the kernel takes this product: 16-bit floats, the contraction a multiple of ``block_k`` and the
+    output width of ``2 * block_n``."""
+    if jnp.dtype(dtype) not in [jnp.dtype(d) for d in DTYPES] or len(x_shape) != 2 or len(w_shape) != 3:
+        return False
+    depth, width = (w_shape[2], w_shape[1]) if transpose_rhs else (w_shape[1], w_shape[2])
+    return x_shape[1] == depth and depth % config.block_k == 0 and width % (2 * config.block_n) == 0
+
+
+def _item_rows(sizes_ref, num_groups: int, row_tile, block_m: int):
+    """``(group, first_row, start, size)`` of the work item in row-tile slot ``row_tile``: its group, the first row of
+    its tile and the rows of the group inside the tile (``size`` 0: no such item). Items are numbered group by
+    group, each group taking the tiles its rows touch."""
+
+    def visit(group, carry):
+        end_before, items_before, found = carry
+        size = sizes_ref[group]
+        start, end = end_before, end_before + size
+        first_tile = lax.div(start, jnp.int32(block_m))
+        tiles = jnp.where(size > 0, lax.div(end - 1, jnp.int32(block_m)) - first_tile + 1, 0)
+        mine = (row_tile >= items_before) & (row_tile < items_before + tiles)
+        tile = first_tile + row_tile - items_before
+        lo = jnp.maximum(start, tile * block_m)
+        hi = jnp.minimum(end, (tile + 1) * block_m)
+        picked = (group, tile * block_m, lo, hi - lo)
+        found = tuple(jnp.where(mine, new, old) for new, old in zip(picked, found))
+        return end, items_before + tiles, found
+
+    zero = jnp.int32(0)
+    _, _, found = lax.fori_loop(0, num_groups, visit, (zero, zero, (zero, zero, zero, zero)))
+    return found
+
+
+def _kernel(sizes_ref, x_ref, w_ref, out_ref, *, config: Config, transpose_rhs: bool, num_row_tiles: int):
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    num_rows, depth = x_ref.shape
+    num_groups = w_ref.shape[0]
+    width = w_ref.shape[1] if transpose_rhs else w_ref.shape[2]
+    block_m, block_n, block_k = config.block_m, config.block_n, config.block_k
+    band = 2 * block_n
+    num_bands = width // band
+    swizzle = plgpu.find_swizzle(block_k * jnp.dtype(x_ref.dtype).itemsize * 8)
+    tiling = plgpu.TilingTransform((8, swizzle // jnp.dtype(x_ref.dtype).itemsize))  # pyright: ignore[reportAbstractUsage]
+    tiled = (tiling, plgpu.SwizzleTransform(swizzle))  # pyright: ignore[reportAbstractUsage]
+    w_block, w_index = ((band, block_k), lambda k: (0, k)) if transpose_rhs else ((block_k, band), lambda k: (k, 0))
+
+    def pipeline(body, compute_context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body,
+            grid=(depth // block_k,),
+            memory_registers=40,
+            in_specs=[
+                plgpu.BlockSpec((block_m, block_k), lambda k: (0, k), transforms=tiled, memory_space=plgpu.SMEM),
+                plgpu.BlockSpec(w_block, w_index, transforms=tiled, memory_space=plgpu.SMEM),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=config.max_concurrent_steps,
+            compute_context=compute_context,
+        )
+
+    nothing = lambda *_, **__: None
+    row_view = x_ref.at[pl.ds(0, block_m), :]
+    w_view = w_ref.at[0, :, pl.ds(0, band)] if not transpose_rhs else w_ref.at[0, pl.ds(0, band), :]
+
+    @functools.partial(
+        pl.run_scoped,
+        allocations=pipeline(nothing, nothing).get_allocations(row_view, w_view),
+        out_smem=plgpu.SMEM((2, block_m, block_n), out_ref.dtype),
+        collective_axes="wg",
+    )
+    def _scope(allocations, out_smem):
+        wg = lax.axis_index("wg")
+
+        @plgpu.nd_loop((num_row_tiles * num_bands,), collective_axes="sm")
+        def _items(loop):
+            row_tile, band_index = plgpu.planar_snake(
+                loop.index[0], (num_row_tiles, num_bands), 1, config.grid_tile_width
+            )
+            group, first_row, start, size = _item_rows(sizes_ref, num_groups, row_tile, block_m)
+            first_row = pl.multiple_of(first_row, block_m)
+            columns = pl.ds(band_index * band, band)
+            own_columns = pl.ds(band_index * band + wg * block_n, block_n)
+
+            def compute_context(run_pipeline):
+                accumulator = plgpu.ACC((block_m, block_n), jnp.float32)  # pyright: ignore[reportPrivateImportUsage]
+
+                @functools.partial(pl.run_scoped, acc=accumulator)
+                def _acc(acc):
+                    run_pipeline(acc)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this buffer's previous stores have read it
+                    out_smem[wg] = acc[...].astype(out_ref.dtype)
+                    plgpu.commit_smem()
+                    offset = start - first_row
+                    rows = min(block_m, num_rows)
+                    while rows:  # the item's rows as TMA stores of power-of-two row counts, largest first
+
+                        @pl.when(size & rows != 0)
+                        def _store(rows=rows, offset=offset):
+                            plgpu.copy_smem_to_gmem(
+                                out_smem.at[wg, pl.ds(offset, rows)],
+                                out_ref.at[pl.ds(first_row + offset, rows), own_columns],
+                            )
+
+                        offset = offset + (size & rows)
+                        rows //= 2
+
+            def multiply(_, x_smem, w_smem, acc):
+                half = pl.ds(wg * block_n, block_n)
+                rhs = w_smem.at[half, :].transpose((1, 0)) if transpose_rhs else w_smem.at[:, half]
+                plgpu.wgmma(acc, x_smem, rhs)
+                plgpu.wgmma_wait(0)
+                return acc
+
+            @pl.when(size > 0)
+            def _run():
+                weights = w_ref.at[group, columns, :] if transpose_rhs else w_ref.at[group, :, columns]
+                pipeline(multiply, compute_context)(
+                    x_ref.at[pl.ds(first_row, block_m), :], weights, allocations=allocations
+                )
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def grouped_matmul(x, w, group_sizes, *, transpose_rhs: bool = False, config: Config = Config()):
+    """See the module docstring. ``K`` and ``M`` must tile (:func:`supports`); ``N`` off a multiple of ``block_m``
+    costs a padded copy of ``x``."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if not supports(x.shape, w.shape, x.dtype, transpose_rhs=transpose_rhs, config=config) or x.dtype != w.dtype:
+        raise ValueError(
+            f"mosaic_ws takes 16-bit x [N, K] and w [S, K, M] that tile {config}; got {x.shape}, {w.shape}"
+        )
+    if group_sizes.shape != (w.shape[0],):
+        raise ValueError(f"group_sizes must have shape [S]=({w.shape[0]},), got {group_sizes.shape}")
+    num_rows = x.shape[0]
+    if num_rows % config.block_m:  # every row tile's load inside the array
+        x = jnp.pad(x, ((0, -num_rows % config.block_m), (0, 0)))
+    width = w.shape[1] if transpose_rhs else w.shape[2]
+    devices = jax.devices()
+    sms = devices[0].core_count if devices[0].platform == "gpu" else H100_SMS
+    kernel = plgpu.kernel(
+        functools.partial(
+            _kernel,
+            config=config,
+            transpose_rhs=transpose_rhs,
+            num_row_tiles=pl.cdiv(x.shape[0], config.block_m) + w.shape[0] - 1,
+        ),
+        out_type=jax.ShapeDtypeStruct((x.shape[0], width), x.dtype),
+        grid=(sms,),
+        grid_names=("sm",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )
+    return kernel(group_sizes.astype(jnp.int32), x, w)[:num_rows]
