@@ -129,15 +129,18 @@ class MoELayer(nnx.Module):
         keys = [rngs.params() for _ in range(5)]
         placement = Placement.linear(1, num_experts, num_physical)
         phy2log = placement.phy2log[0]
-        w_in = jax.random.normal(keys[0], (num_experts, dim, 2 * hidden), jnp.float32) * dim**-0.5
-        w_out = jax.random.normal(keys[1], (num_experts, hidden, dim), jnp.float32) * hidden**-0.5
         slots = NamedSharding(mesh, PS(axis))
         self.router = nnx.Param(
             put_host(np.asarray(jax.random.normal(keys[2], (dim, num_experts)) * dim**-0.5), mesh, PS())
         )
         self.router_bias = nnx.Param(put_host(np.zeros(num_experts, np.float32), mesh, PS()))
+        # One float32 draw on the device at a time: at DeepSeek-V3 widths each is gigabytes.
+        w_in = jax.random.normal(keys[0], (num_experts, dim, 2 * hidden), jnp.float32) * dim**-0.5
         self.w_in = nnx.Param(put_host(np.asarray(w_in.astype(dtype))[phy2log], mesh, slots.spec))
+        del w_in
+        w_out = jax.random.normal(keys[1], (num_experts, hidden, dim), jnp.float32) * hidden**-0.5
         self.w_out = nnx.Param(put_host(np.asarray(w_out.astype(dtype))[phy2log], mesh, slots.spec))
+        del w_out
         if shared_hidden:
             s_in = jax.random.normal(keys[3], (dim, 2 * shared_hidden), jnp.float32) * dim**-0.5
             s_out = jax.random.normal(keys[4], (shared_hidden, dim), jnp.float32) * shared_hidden**-0.5
