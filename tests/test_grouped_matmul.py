@@ -232,6 +232,8 @@ def test_swiglu_kernel_in_interpret_mode(dtype, rng):
     with pytest.raises(ValueError, match="multiples"):
         triton_swiglu.swiglu_matmul(x[:, :24], w_in[:, :24], sizes, row_tokens, interpret=True)
     assert triton_swiglu.supports(4096, 1024, 512, 64) and not triton_swiglu.supports(64, 24, 32, 4)
+    with pytest.raises(ValueError, match="backend"):
+        gmm.swiglu_matmul(x, w_in, sizes, row_tokens, backend="mosaic")
 
 
 @gpu

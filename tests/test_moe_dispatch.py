@@ -149,6 +149,12 @@ def test_one_rank_combine_gradients_are_gathers_and_ignore_the_padding_rows(rng)
 def test_one_rank_gather_checks_its_shapes():
     with pytest.raises(ValueError, match="x must have shape"):
         local.gather_local(jnp.zeros((4, 3)), jnp.zeros((5, 2), jnp.int32), 2)
+    with pytest.raises(ValueError, match="group_sizes must have shape"):
+        local.sort_local(jnp.zeros((4, 2), jnp.int32), 2, group_sizes=jnp.zeros(3, jnp.int32))
+    with pytest.raises(ValueError, match="physical_ids must have shape"):
+        local.sort_local(jnp.zeros(8, jnp.int32), 2)
+    with pytest.raises(ValueError, match="order, inverse"):
+        local.gather_rows(jnp.zeros((4, 3)), jnp.arange(8), jnp.arange(7), jnp.zeros(2, jnp.int32), 2)
     with pytest.raises(ValueError, match="rows and weights"):
         local.combine_local(
             jnp.zeros((8, 3)), jnp.arange(8), jnp.arange(8), jnp.zeros((4, 2), jnp.int32), jnp.zeros((4, 3))

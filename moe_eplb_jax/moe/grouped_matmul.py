@@ -80,18 +80,19 @@ def grouped_matmul(x, w, group_sizes, *, implementation: str = "auto") -> jax.Ar
         return dense(x, w, group_sizes)
     if backend == "ragged_dot":
         return ragged_dot(x, w, group_sizes)
-    if backend == "mosaic" and _inference_on_triton(implementation, x.shape, w.shape):
-        # Without gradients the Triton kernel wins at Mosaic's sizes too: it skips the padding rows' tiles and
-        # writes the same 16-bit rows; Mosaic's kernels keep the training step (docs/kernels.md).
-        inference = lambda x, w, group_sizes: _product(x, w, group_sizes, "triton")
-        training = lambda x, w, group_sizes: _kernel_matmul(x, w, group_sizes, "mosaic")
-        return fused_unless_differentiated(inference, training)(x, w, group_sizes)
+    inference = _inference_backend(implementation, backend)
+    if inference != backend and _triton().supports(x.shape[1], w.shape[2]):
+        forward = lambda x, w, group_sizes: _product(x, w, group_sizes, inference)
+        training = lambda x, w, group_sizes: _kernel_matmul(x, w, group_sizes, backend)
+        return fused_unless_differentiated(forward, training)(x, w, group_sizes)
     return _kernel_matmul(x, w, group_sizes, backend)
 
 
-def _inference_on_triton(implementation: str, x_shape, w_shape) -> bool:
-    """Whether ``"pallas"`` (or ``"auto"``) runs a product it gives Mosaic on Triton where nothing differentiates it."""
-    return implementation in ("auto", "pallas") and _triton().supports(x_shape[1], w_shape[2])
+def _inference_backend(implementation: str, backend: str) -> str:
+    """The backend of a product nothing differentiates: ``"pallas"`` (or ``"auto"``) takes Triton where it gives a
+    differentiated one Mosaic -- the Triton kernels skip the padding rows' tiles and write the same 16-bit rows,
+    while Mosaic's weight gradient keeps the training step (``docs/kernels.md``)."""
+    return "triton" if backend == "mosaic" and implementation in ("auto", "pallas") else backend
 
 
 def _backend(
@@ -123,12 +124,10 @@ def _backend(
 def swiglu_backend(implementation: str, num_rows: int, w_in_shape, dtype, *, tokens: int | None = None) -> str | None:
     """The kernel backend (``"triton"``, ``"interpret"``) on which :func:`swiglu_matmul` is one kernel for
     ``num_rows`` rows through ``w_in [S, D, 2H]`` -- read from ``tokens`` rows of ``x`` where given -- or ``None``
-    where it is not: another backend for these rows (dense, Mosaic at training sizes), widths the kernel cannot
-    tile, or an ``x`` too large to index in int32."""
+    where it is not: another backend for these rows (dense, a forced Mosaic), widths the kernel cannot tile, or
+    an ``x`` too large to index in int32. The kernel runs where nothing differentiates it: the inference backend."""
     num_groups, depth, width = w_in_shape
-    backend = _backend(implementation, (num_rows, depth), w_in_shape, dtype)
-    if backend == "mosaic" and implementation in ("auto", "pallas"):
-        backend = "triton"  # without gradients (where this kernel runs) Triton wins at Mosaic's sizes too
+    backend = _inference_backend(implementation, _backend(implementation, (num_rows, depth), w_in_shape, dtype))
     if backend not in ("triton", "interpret") or width % 2:
         return None
     if tokens is not None and tokens * depth >= 2**31:
@@ -142,6 +141,8 @@ def swiglu_matmul(x, w_in, group_sizes, row_tokens=None, *, backend: str):
     """``silu(rows @ gate_s) * (rows @ up_s)`` per slot ``s`` (``w_in [S, D, 2H]``: gate columns, then up) in one
     kernel on ``backend`` (:func:`swiglu_backend`'s), rows ``x[row_tokens]`` (``None``: ``x``) -> ``[N, H]`` in
     ``x.dtype``, padding rows unspecified. No gradient: ``moe.expert_mlp`` runs it where nothing differentiates."""
+    if backend not in ("triton", "interpret"):
+        raise ValueError(f"backend must be 'triton' or 'interpret' (swiglu_backend's), got {backend!r}")
     from moe_eplb_jax.moe._gmm import triton_swiglu
 
     return triton_swiglu.swiglu_matmul(x, w_in, group_sizes, row_tokens, interpret=backend == "interpret")

@@ -25,6 +25,10 @@ def sort_local(physical_ids, num_slots: int, *, group_sizes=None):
     """``(order, inverse, group_sizes)``: the assignments ``[T * k]`` by slot (unsent last), its inverse, and the
     rows of each slot (``map_and_count``'s load where the caller has it). At decode sizes the sort is counted
     (``_ranks``): no sort kernel, no scatter."""
+    if physical_ids.ndim != 2:
+        raise ValueError(f"physical_ids must have shape [T, k], got {physical_ids.shape}")
+    if group_sizes is not None and group_sizes.shape != (num_slots,):
+        raise ValueError(f"group_sizes must have shape [{num_slots}], got {group_sizes.shape}")
     flat = physical_ids.reshape(-1).astype(jnp.int32)
     key = jnp.where(flat < 0, jnp.int32(num_slots), flat)
     order, inverse = stable_argsort(key)
@@ -36,6 +40,11 @@ def sort_local(physical_ids, num_slots: int, *, group_sizes=None):
 def gather_rows(x, order, inverse, group_sizes, top_k: int):
     """``[T * k, D]``: row ``i`` is token ``order[i] // top_k`` of ``x [T, D]``, rows past the groups zero; its
     gradient sums each token's ``k`` row gradients in float32 in router order (gathers, no scatter-add)."""
+    rows = x.shape[0] * top_k if x.ndim == 2 else None
+    if rows is None or order.shape != (rows,) or inverse.shape != (rows,):
+        raise ValueError(
+            f"need x [T, D] and order, inverse [T * {top_k}], got {x.shape}, {order.shape} and {inverse.shape}"
+        )
     return _gather(x, order, inverse, jnp.sum(group_sizes), top_k)
 
 
@@ -56,8 +65,6 @@ def gather_local(x, physical_ids, num_slots: int, *, group_sizes=None):
     """
     if x.ndim != 2 or physical_ids.ndim != 2 or x.shape[0] != physical_ids.shape[0]:
         raise ValueError(f"x must have shape [T={physical_ids.shape[0]}, D], got {x.shape}")
-    if group_sizes is not None and group_sizes.shape != (num_slots,):
-        raise ValueError(f"group_sizes must have shape [{num_slots}], got {group_sizes.shape}")
     order, inverse, group_sizes = sort_local(physical_ids, num_slots, group_sizes=group_sizes)
     return gather_rows(x, order, inverse, group_sizes, physical_ids.shape[1]), order, inverse, group_sizes
 
