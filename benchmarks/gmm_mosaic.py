@@ -91,7 +91,9 @@ def main(argv=None):
             name: jax.jit(lambda x, w, s, c=c: mosaic_ws.grouped_matmul(x, w, s, transpose_rhs=transpose, config=c))
             for name, c in variants.items()
         }
-        calls["ragged_dot_mgpu"] = jax.jit(lambda x, w, s: mosaic.grouped_matmul(x, w, s, transpose_rhs=transpose))
+        calls["ragged_dot_mgpu"] = jax.jit(
+            lambda x, w, s: mosaic.grouped_matmul(x, w, s, transpose_rhs=transpose, config=mosaic.FORWARD)
+        )
         calls["triton"] = jax.jit(lambda x, w, s: triton.grouped_matmul(x, w, s, transpose_rhs=transpose))
         for name, call in calls.items():
             row = {"transpose_rhs": transpose, "kernel": name, "floor_us": flops / PEAK_FLOPS * 1e6}

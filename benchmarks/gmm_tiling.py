@@ -91,10 +91,11 @@ def swiglu_tokens(rows: int):
 
 
 def kernel_case(fmt: str, x, w):
-    """``(call(config, x, group_sizes), default_config(rows, width, groups), the weights as float32 [g, depth,
-    width] (dequantized), weight bytes per group, the Config type)`` for ``fmt``: bf16 through
-    ``moe._gmm.triton``, a quantized format through ``moe._qgmm.triton`` on the packed weights (``w``
-    transposed: the contraction axis last)."""
+    """``(call(config, x, group_sizes, operand), operand, default_config(rows, width, groups), the weights as
+    float32 [g, depth, width] (dequantized) on the device, weight bytes per group, the Config type)`` for
+    ``fmt``: bf16 through ``moe._gmm.triton``, a quantized format through ``moe._qgmm.triton`` on the packed
+    weights (``w`` transposed: the contraction axis last). The weights are the calls' argument, not a constant
+    the compiled call would carry."""
     import jax
     import jax.numpy as jnp
 
@@ -103,30 +104,47 @@ def kernel_case(fmt: str, x, w):
     if fmt == "bf16":
         from moe_eplb_jax.moe._gmm import triton
 
-        call = lambda config, x, sizes: triton.grouped_matmul(x, w, sizes, config=config)
-        per_group = w[0].size * 2
-        return call, triton.default_config, np.asarray(w, np.float32), per_group, triton.Config
+        call = lambda config, x, sizes, w: triton.grouped_matmul(x, w, sizes, config=config)
+        return call, w, triton.default_config, w.astype(jnp.float32), w[0].size * 2, triton.Config
     if fmt == "swiglu":
         from moe_eplb_jax.moe._gmm import triton, triton_swiglu
 
         tokens = jnp.asarray(swiglu_tokens(x.shape[0]), jnp.int32)  # each row read from another token
-        call = lambda config, x, sizes: triton_swiglu.swiglu_matmul(x, w, sizes, tokens, config=config)
+        call = lambda config, x, sizes, w: triton_swiglu.swiglu_matmul(x, w, sizes, tokens, config=config)
         default = lambda rows, width, groups: triton_swiglu.default_config(rows, width // 2, groups)
-        return call, default, np.asarray(w, np.float32), w[0].size * 2, triton.Config
+        return call, w, default, w.astype(jnp.float32), w[0].size * 2, triton.Config
     from moe_eplb_jax.moe._qgmm import config as qconfig
     from moe_eplb_jax.moe._qgmm import triton as qtriton
 
     q = quant.quantize_experts(jnp.swapaxes(w, 1, 2).astype(jnp.float32), fmt)
-    # Weight-only formats multiply x itself; fp8 multiplies e4m3 activations (input scale 1: x is in range).
-    lhs_of = (lambda x: x.astype(jnp.float8_e4m3fn).astype(jnp.bfloat16)) if fmt == "fp8" else (lambda x: x)
+    # Weight-only formats multiply x itself; fp8 multiplies e4m3 rows (input scale 1: x is in range).
+    lhs_of = (lambda x: x.astype(jnp.float8_e4m3fn)) if fmt == "fp8" else (lambda x: x)
     factor = q.global_scale if fmt == "nvfp4" else (q.alpha if fmt == "fp8" else jnp.ones((w.shape[0],)))
-    call = lambda config, x, sizes: qtriton.grouped_matmul(lhs_of(x), q, sizes, factor, config=config)
+    call = lambda config, x, sizes, q: qtriton.grouped_matmul(lhs_of(x), q, sizes, factor, config=config)
     default = lambda rows, width, groups: qconfig.default_config(rows, groups)
-    dense = np.swapaxes(np.asarray(quant.dequantize_experts(q), np.float32), 1, 2)
+    dense = jnp.swapaxes(quant.dequantize_experts(q).astype(jnp.float32), 1, 2)
     if fmt == "fp8":  # the kernel's product: e4m3 values times alpha
-        dense = np.swapaxes(np.asarray(q.weight, np.float32), 1, 2) * np.asarray(factor, np.float32)[:, None, None]
+        dense = jnp.swapaxes(q.weight.astype(jnp.float32), 1, 2) * factor.astype(jnp.float32)[:, None, None]
     per_group = sum(leaf.size * jax.dtypes.itemsize_bits(leaf.dtype) // 8 for leaf in jax.tree.leaves(q)) // w.shape[0]
-    return call, default, dense, per_group, qconfig.Config
+    return call, q, default, dense, per_group, qconfig.Config
+
+
+def expected(fmt: str, x, dense, sizes):
+    """The float32 product of each group's rows (read from their tokens for ``swiglu``, then the SwiGLU), on the
+    device at full float32 precision: the rows sorted by group, ``[sum(sizes), width]`` as numpy."""
+    import jax
+    import jax.numpy as jnp
+
+    lhs = (x.astype(jnp.float8_e4m3fn) if fmt == "fp8" else x).astype(jnp.float32)
+    if fmt == "swiglu":
+        lhs = lhs[swiglu_tokens(x.shape[0])]
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    with jax.default_matmul_precision("float32"):
+        want = jnp.concatenate([lhs[starts[s] : starts[s + 1]] @ dense[s] for s in range(len(sizes))])
+    if fmt == "swiglu":
+        gate, up = jnp.split(want, 2, axis=1)
+        want = jax.nn.silu(gate) * up
+    return np.asarray(want)
 
 
 def main(argv=None):
@@ -152,19 +170,14 @@ def main(argv=None):
             if fmt == "swiglu"
             else ((args.dim, 2 * args.hidden), (args.hidden, args.dim))
         )
-        for depth, width in products:
-            x = jnp.asarray(rng.standard_normal((rows, depth)), jnp.bfloat16)
-            w = jnp.asarray(rng.standard_normal((g, depth, width)) / depth**0.5, jnp.bfloat16)
-            call, default_of, dense, per_group, config_type = kernel_case(fmt, x, w)
+        for index, (depth, width) in enumerate(products):
+            keys = jax.random.split(jax.random.key(len(results) * 8 + index), 2)
+            x = jax.random.normal(keys[0], (rows, depth), jnp.float32).astype(jnp.bfloat16)
+            w = (jax.random.normal(keys[1], (g, depth, width), jnp.float32) / depth**0.5).astype(jnp.bfloat16)
+            call, operand, default_of, dense, per_group, config_type = kernel_case(fmt, x, w)
             group_sizes = jnp.asarray(sizes)
-            slot = np.repeat(np.arange(g), sizes)
-            lhs = np.asarray(x.astype(jnp.float8_e4m3fn) if fmt == "fp8" else x, np.float32)
-            if fmt == "swiglu":
-                lhs = lhs[swiglu_tokens(rows)]
-            want = np.concatenate([lhs[slot == s] @ dense[s] for s in range(g)])  # rows sorted by group
-            if fmt == "swiglu":
-                gate, up = want[:, : width // 2], want[:, width // 2 :]
-                want = gate / (1 + np.exp(-gate)) * up
+            want = expected(fmt, x, dense, sizes)
+            del dense
             out_width = width // 2 if fmt == "swiglu" else width
             floor_bytes = int((sizes > 0).sum()) * per_group + rows * (depth + out_width) * 2
             default = default_of(rows, width, g)
@@ -175,10 +188,10 @@ def main(argv=None):
                 else tilings(config_type, rows / g, fmt not in ("bf16", "swiglu"))
             )
             for config in [default, *swept]:
-                f = jax.jit(lambda x, s, config=config: call(config, x, s))
+                f = jax.jit(lambda x, s, operand, config=config: call(config, x, s, operand))
                 try:
-                    got = np.asarray(f(x, group_sizes), np.float32)
-                    seconds, _ = device_seconds(f, x, group_sizes, calls=20, warmup=1)
+                    got = np.asarray(f(x, group_sizes, operand), np.float32)
+                    seconds, _ = device_seconds(f, x, group_sizes, operand, calls=20, warmup=1)
                 except Exception as e:  # a tiling this Triton cannot compile
                     print(f"  skipped {config}: {type(e).__name__}")
                     continue
@@ -189,7 +202,7 @@ def main(argv=None):
                         "default": config == default,
                         "us": seconds * 1e6,
                         "x_floor": seconds * hbm / floor_bytes if hbm else float("nan"),
-                        "max_error": float(np.max(np.abs(got[: len(slot)] - want))),
+                        "max_error": float(np.max(np.abs(got[: len(want)] - want))),
                     }
                 )
                 print(f"  . {rows_out[-1]['config']} {rows_out[-1]['us']:.1f} us", flush=True)  # a cut run shows these

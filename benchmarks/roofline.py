@@ -20,8 +20,8 @@ One model (``moe_eplb_jax.models``, bf16, EP = 1), side by side in one run:
   touched, the KV cache) over the card's HBM bandwidth (H100 3.35 TB/s, H200 4.8 TB/s); with the controller
   stepping every pass into its window (recording on, nothing due) and without, and one pass per host call; the
   three take turns over five rounds (the median of each).
-* gmm: the grouped matmul alone at a training shape (forward, forward + backward, TFLOP/s) and a decode shape
-  (GB/s against HBM), for each implementation next to XLA's ``ragged_dot``; at the decode shape also the
+* gmm: the grouped matmul alone at a training shape (forward, forward + both gradients, TFLOP/s, device time of
+  the kernels) and a decode shape (GB/s against HBM), for each implementation next to XLA's ``ragged_dot``; at the decode shape also the
   quantized grouped matmul per format (``moe.quantized_matmul``, the kernel reading packed weights) against
   its weight-read floor (packed weights and scales over HBM bandwidth).
 
@@ -103,6 +103,18 @@ def pipelined(fn, reps: int) -> float:
         out = fn()
     jax.block_until_ready(out)
     return (time.perf_counter() - start) / reps
+
+
+def kernel_seconds(fn, *args) -> tuple[float, float | None]:
+    """``(all kernels, the grouped-matmul kernels alone)``: device seconds per call of ``fn(*args)`` from the
+    profiler's kernel records (a product's time, not its launch's: one call of a 0.2 ms kernel is mostly host
+    time); host-timed, and ``None`` for the second, where no GPU plane is recorded."""
+    import jax
+
+    seconds, per_kernel = device_seconds(fn, *args, calls=10, warmup=1)
+    if seconds is None:
+        return timed(lambda: jax.block_until_ready(fn(*args)), 5), None
+    return seconds, sum(t for name, t in per_kernel.items() if kernel_kind(name) == "grouped matmul")
 
 
 def timed(fn, reps: int) -> float:
@@ -374,20 +386,25 @@ def phase_gmm(args, rng, peak, hbm):
                 continue
             row = {}
             try:
-                f = jax.jit(lambda x, w, s, impl=impl: gmm.grouped_matmul(x, w, s, implementation=impl))
-                row["fwd_ms"] = timed(lambda: jax.block_until_ready(f(x, w, sizes)), 5) * 1e3
-                loss = lambda x, w, impl=impl: jnp.sum(
-                    gmm.grouped_matmul(x, w, sizes, implementation=impl).astype(jnp.float32) * cot
-                )
-                gr = jax.jit(jax.grad(loss, argnums=(0, 1)))
-                row["fwd_bwd_ms"] = timed(lambda: jax.block_until_ready(gr(x, w)), 5) * 1e3
+                product = lambda x, w, impl=impl: gmm.grouped_matmul(x, w, sizes, implementation=impl)
+
+                def both(x, w, dy, product=product):  # the forward and both gradients, no loss around them
+                    y, pull = jax.vjp(product, x, w)
+                    return y, *pull(dy.astype(y.dtype))
+
+                for part, fn, inputs in (("fwd", jax.jit(product), (x, w)), ("fwd_bwd", jax.jit(both), (x, w, cot))):
+                    total, products = kernel_seconds(fn, *inputs)
+                    row[f"{part}_ms"] = total * 1e3
+                    if products:  # the padding rows' zeroing fuses into a model's next op, not here
+                        row[f"{part}_kernels_ms"] = products * 1e3
             except Exception as e:  # an implementation that cannot take the shape (memory, backend)
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            for part, passes in (("fwd", 1), ("fwd_bwd", 3)):
+                for timing in ("", "_kernels"):
+                    if f"{part}{timing}_ms" in row:
+                        row[f"{part}{timing}_tflops"] = passes * flops / row[f"{part}{timing}_ms"] / 1e9
             if "fwd_ms" in row:
-                row["fwd_tflops"] = flops / row["fwd_ms"] / 1e9
                 row["fwd_gbs"] = (weight_bytes + (n * k + n * m) * 2) / row["fwd_ms"] / 1e6
-            if "fwd_bwd_ms" in row:
-                row["fwd_bwd_tflops"] = 3 * flops / row["fwd_bwd_ms"] / 1e9
             out[f"{label} {impl}"] = row
         out[f"{label} floor"] = {
             "fwd_ms": max(flops / peak, (weight_bytes + (n * k + n * m) * 2) / hbm) * 1e3 if peak and hbm else None
@@ -413,7 +430,8 @@ def _quantized_gmm_rows(label, x, w, sizes, hbm):
         f = jax.jit(lambda x, q, s: qmm.quantized_grouped_matmul(x, q, s, implementation=impl))
         row = {"weight_mib": packed / 2**20}
         try:
-            row["fwd_ms"] = timed(lambda: jax.block_until_ready(f(x, q, sizes)), 5) * 1e3
+            row["fwd_ms"] = kernel_seconds(f, x, q, sizes)[0] * 1e3
+            row["kernel"] = impl == "auto" and qmm.kernel_available()  # else the dequantized reference served
             row["floor_ms"] = packed / hbm * 1e3 if hbm else None
         except Exception as e:
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"

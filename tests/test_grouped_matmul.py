@@ -281,6 +281,22 @@ def test_warp_specialized_mosaic_kernel_lowers_for_hopper(transpose_rhs):
     assert not mosaic_ws.supports((64, 256), (2, 256, 128), jnp.float32)
 
 
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["forward", "transposed"])
+def test_mosaic_products_take_the_warp_specialized_kernel_where_its_bands_tile(transpose_rhs):
+    """No GPU needed: ``_gmm.mosaic``'s forward and input-gradient products lower to the warp-specialized kernel
+    where the output width is a multiple of its 256-column bands, to JAX's ``ragged_dot_mgpu`` where it is not."""
+    checks = [jax.export.DisabledSafetyCheck.custom_call(name) for name in ("mosaic_gpu", "mosaic_gpu_v2")]
+    for width, warp_specialized in ((512, True), (384, False)):
+        w_shape = (8, width, 256) if transpose_rhs else (8, 256, width)
+        args = [
+            jax.ShapeDtypeStruct(s, d)
+            for s, d in (((4096, 256), jnp.bfloat16), (w_shape, jnp.bfloat16), ((8,), jnp.int32))
+        ]
+        call = jax.jit(lambda x, w, s: mosaic.grouped_matmul(x, w, s, transpose_rhs=transpose_rhs))
+        module = jax.export.export(call, platforms=["cuda"], disabled_checks=checks)(*args).mlir_module()
+        assert ("grouped_matmul_ws" in module) == warp_specialized
+
+
 @gpu
 @pytest.mark.parametrize("transpose_rhs", [False, True], ids=["forward", "transposed"])
 def test_warp_specialized_mosaic_kernel_matches_float64(transpose_rhs, rng):

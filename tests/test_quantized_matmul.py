@@ -272,8 +272,10 @@ def test_bad_inputs_raise_naming_the_argument():
 
 @slow
 def test_probe_agrees_in_the_interpreter():
-    """The first-use probe (its shapes, tolerance and every format) passes where the kernel is right."""
+    """The first-use probes (their shapes, tolerance and every format; fp8 with e4m3 rows too) pass where the
+    kernel is right."""
     assert qmm._probe(interpret=True)
+    assert qmm._probe(interpret=True, formats=("fp8",), e4m3_rows=True)
 
 
 def _spec_experts(fmt, slots, width, depth):

@@ -72,3 +72,11 @@ def test_quantized_grouped_matmul_lowers_for_hopper(hopper, fmt):
     x, sizes = jax.ShapeDtypeStruct((64, 256), jnp.bfloat16), jax.ShapeDtypeStruct((4,), jnp.int32)
     module = lowered_for_cuda(lambda x, s: qgmm_triton.grouped_matmul(x, q, s, jnp.ones((4,))), x, sizes)
     assert module.count(TRITON_CALL) == 1
+
+
+def test_fp8_rows_lower_for_hopper_as_an_e4m3_product(hopper):
+    """W8A8: e4m3 rows multiply the e4m3 weights as they are (an fp8 ``tt.dot``), nothing decoded to 16 bits."""
+    q = quant.quantize_experts(jnp.ones((4, 128, 256), jnp.float32), "fp8")
+    x, sizes = jax.ShapeDtypeStruct((64, 256), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((4,), jnp.int32)
+    module = lowered_for_cuda(lambda x, s: qgmm_triton.grouped_matmul(x, q, s, jnp.ones((4,))), x, sizes)
+    assert module.count(TRITON_CALL) == 1

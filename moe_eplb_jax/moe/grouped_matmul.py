@@ -16,8 +16,8 @@ Implementations (``implementation=``):
   on GPU).
 * ``"pallas"`` -- the GPU kernels, the gradient by a custom VJP (the input
   gradient is the same product with ``w`` transposed, the weight gradient a
-  per-group ``x^T dy``): JAX's Mosaic GPU kernels (wgmma) for 16-bit
-  training-size buffers under differentiation, the Triton kernels -- whose cost
+  per-group ``x^T dy``): Mosaic GPU kernels (wgmma; ``_gmm/mosaic.py``) for
+  16-bit training-size buffers under differentiation, the Triton kernels -- whose cost
   follows the rows a rank received -- for inference, fewer rows, float32 (full
   precision) and other shapes;
   ``"dense"`` for widths neither tiles (below 16, off their power-of-two blocks).

@@ -70,7 +70,7 @@ def _check(x, q, group_sizes, implementation, activation_scaling, compute_dtype)
 def prepare(x, q, group_sizes, live, *, compute_dtype, activation_scaling: str, axis_name):
     """``(lhs [N, K], factor [S] float32)``: the activations the matmul multiplies and the per-slot factor.
 
-    ``fp8``: ``x`` quantized to e4m3 (held in bfloat16, exactly) with each row's slot's activation scale
+    ``fp8``: ``x`` quantized to e4m3 (float8_e4m3fn) with each row's slot's activation scale
     (padding rows zero); ``factor`` is ``alpha`` (dynamic: ``weight_scale`` times the EP-wide scale of the
     real rows). Other formats: ``x`` in ``compute_dtype``, ``factor`` the NVFP4 global scale or ones.
     """
@@ -83,7 +83,7 @@ def prepare(x, q, group_sizes, live, *, compute_dtype, activation_scaling: str, 
             alpha = q.weight_scale * input_scale
         row_scale = input_scale[jnp.minimum(slot_of_row(group_sizes, x.shape[0]), q.shape[0] - 1)]
         x_q = quant.quantize_activation_fp8(x[:, None, :], row_scale)[:, 0, :]
-        return x_q.astype(jnp.bfloat16), alpha.astype(jnp.float32)
+        return x_q, alpha.astype(jnp.float32)
     lhs = x.astype(compute_dtype or x.dtype)
     if isinstance(q, quant.Nvfp4Experts):
         return lhs, q.global_scale.astype(jnp.float32)
@@ -125,6 +125,7 @@ def quantized_grouped_matmul(
         q,
         group_sizes,
         backend=backend,
+        e4m3_rows=backend != "triton" or e4m3_rows_available(),
         compute_dtype=None if compute_dtype is None else jnp.dtype(compute_dtype),
         activation_scaling=activation_scaling,
         axis_name=axis_name,
@@ -138,12 +139,16 @@ def _backend(implementation: str) -> str:
     return implementation
 
 
-@functools.partial(jax.jit, static_argnames=("backend", "compute_dtype", "activation_scaling", "axis_name", "config"))
-def _matmul(x, q, group_sizes, *, backend, compute_dtype, activation_scaling, axis_name, config):
+@functools.partial(
+    jax.jit, static_argnames=("backend", "e4m3_rows", "compute_dtype", "activation_scaling", "axis_name", "config")
+)
+def _matmul(x, q, group_sizes, *, backend, e4m3_rows, compute_dtype, activation_scaling, axis_name, config):
     live = jnp.arange(x.shape[0], dtype=jnp.int32) < jnp.sum(group_sizes.astype(jnp.int32))
     lhs, factor = prepare(
         x, q, group_sizes, live, compute_dtype=compute_dtype, activation_scaling=activation_scaling, axis_name=axis_name
     )
+    if lhs.dtype == jnp.float8_e4m3fn and not e4m3_rows:  # the same values, decoded to bfloat16 in the kernel
+        lhs = lhs.astype(jnp.bfloat16)
     if backend == "reference":
         y = reference.grouped_matmul(lhs, q, group_sizes, factor)
     else:
@@ -163,14 +168,23 @@ def kernel_available() -> bool:
     return probed("quantized_grouped_matmul", _probe)
 
 
-def _probe(*, interpret: bool = False) -> bool:
+def e4m3_rows_available() -> bool:
+    """Whether the kernel's fp8 path multiplying e4m3 rows on the tensor cores compiles here and agrees with the
+    reference (probed once); where not, fp8 rows go to the kernel in bfloat16 and its weights are decoded."""
+    return kernel_available() and probed(
+        "quantized_grouped_matmul", functools.partial(_probe, formats=("fp8",), e4m3_rows=True), case="e4m3 rows"
+    )
+
+
+def _probe(*, interpret: bool = False, formats=quant.FORMATS, e4m3_rows: bool = False) -> bool:
     """Each format's kernel, compiled ahead of time outside any trace, against the reference on a small case
-    (``interpret``: in Pallas' interpreter, to test the probe itself on a CPU)."""
+    (``interpret``: in Pallas' interpreter, to test the probe itself on a CPU; fp8's rows in bfloat16 unless
+    ``e4m3_rows``)."""
     rng = np.random.default_rng(0)
     sizes = jnp.asarray([20, 0, 28], jnp.int32)  # then 16 padding rows
     x = jnp.asarray(rng.standard_normal((64, 128)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((3, 64, 128)) * 0.1, jnp.float32)
-    for fmt in quant.FORMATS:
+    for fmt in formats:
         q = (
             quant.quantize_experts(w, fmt, block_size=(32, 64))
             if fmt == "fp8_block"
@@ -179,6 +193,8 @@ def _probe(*, interpret: bool = False) -> bool:
         lhs, factor = prepare(
             x, q, sizes, jnp.arange(64) < 48, compute_dtype=None, activation_scaling="static", axis_name=None
         )
+        if lhs.dtype == jnp.float8_e4m3fn and not e4m3_rows:
+            lhs = lhs.astype(jnp.bfloat16)
         config = Config(block_rows=16, block_k=64)
         kernel = jax.jit(functools.partial(_triton().grouped_matmul, config=config, interpret=interpret))
         got = np.asarray(kernel.lower(lhs, q, sizes, factor).compile()(lhs, q, sizes, factor))[:48]

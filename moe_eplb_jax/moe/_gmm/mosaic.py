@@ -1,10 +1,10 @@
-"""Grouped matmuls on Hopper through JAX's Pallas Mosaic GPU kernels (wgmma, TMA, a persistent grid).
+"""Grouped matmuls on Hopper in Pallas Mosaic GPU (wgmma, TMA, a persistent grid), with their gradients' products.
 
-JAX ships them in ``jax.experimental.pallas.ops.gpu`` (``ragged_dot_mgpu``,
-``transposed_ragged_dot_mgpu``); this module fixes their tiling per product and
-says which shapes they take. Outputs are in the inputs' dtype, accumulated in
-float32. They compute every row tile of the buffer, padding rows included: the
-Triton kernels serve where the cost must follow the rows a rank received.
+The forward and input-gradient products run the project's warp-specialized kernel (``mosaic_ws``: one warpgroup
+loads while two multiply, items past the real rows skipped) where the output width tiles its 256-column bands, and
+JAX's ``ragged_dot_mgpu`` (one warpgroup alternating loads and products, every row tile computed) elsewhere; the
+weight gradient is JAX's ``transposed_ragged_dot_mgpu``. This module fixes their tilings per product and says
+which shapes they take. Outputs are in the inputs' dtype, accumulated in float32.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from moe_eplb_jax.moe._gmm import mosaic_ws
 
 __all__ = ["Config", "grouped_matmul", "supports", "transposed_grouped_matmul"]
 
@@ -42,6 +44,7 @@ class Config:
 
 FORWARD = Config()
 WEIGHT_GRADIENT = Config(grid_block_n=1)
+WARP_SPECIALIZED = mosaic_ws.Config(block_n=128, max_concurrent_steps=3, grid_tile_width=4)
 
 
 def _ops():
@@ -60,9 +63,16 @@ def supports(x_shape, w_shape, dtype, *, transpose_rhs: bool = False, config: Co
     return all(side % tile == 0 for side in (depth, width) for tile in tiles) and x_shape[1] == depth
 
 
-def grouped_matmul(x, w, group_sizes, *, transpose_rhs: bool = False, config: Config = FORWARD):
+def grouped_matmul(x, w, group_sizes, *, transpose_rhs: bool = False, config: Config | mosaic_ws.Config | None = None):
     """``x [N, K] @ w[s]`` per group run (``transpose_rhs``: ``w [S, M, K]`` read transposed) -> ``[N, M]`` in
-    ``x.dtype``; rows past the groups are not written."""
+    ``x.dtype``; rows past the groups are not written. ``config``: a ``mosaic_ws.Config`` runs the warp-specialized
+    kernel, a :class:`Config` JAX's; ``None`` the warp-specialized one where its bands tile the width (it measured
+    faster, ``docs/kernels.md``), else JAX's."""
+    if config is None:
+        fits = mosaic_ws.supports(x.shape, w.shape, x.dtype, transpose_rhs=transpose_rhs, config=WARP_SPECIALIZED)
+        config = WARP_SPECIALIZED if fits and x.dtype == w.dtype else FORWARD
+    if isinstance(config, mosaic_ws.Config):
+        return mosaic_ws.grouped_matmul(x, w, group_sizes, transpose_rhs=transpose_rhs, config=config)
     ragged_dot, _ = _ops()
     width = w.shape[1] if transpose_rhs else w.shape[2]
     if (width // config.block_n) % config.grid_block_n:

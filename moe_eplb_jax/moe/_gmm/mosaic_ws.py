@@ -199,6 +199,7 @@ def grouped_matmul(x, w, group_sizes, *, transpose_rhs: bool = False, config: Co
         grid_names=("sm",),
         num_threads=3,
         thread_name="wg",
+        kernel_name="grouped_matmul_ws_transposed" if transpose_rhs else "grouped_matmul_ws",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
     return kernel(group_sizes.astype(jnp.int32), x, w)[:num_rows]

@@ -1,7 +1,8 @@
 """A grouped matmul in Pallas (Triton backend) that decodes quantized expert weights from their packed bytes.
 
 ``grouped_matmul(lhs [N, K], q [S, M, K], group_sizes [S], factor [S]) -> [N, M] float32``: rows
-``[start_s, end_s)`` times slot ``s``'s weights, times ``factor[s]``. Weight-only: each program loads a
+``[start_s, end_s)`` times slot ``s``'s weights, times ``factor[s]``. ``fp8`` with e4m3 rows (W8A8) multiplies
+the weights' bytes as they are on the tensor cores (e4m3 x e4m3, float32 accumulation). Otherwise weight-only: each program loads a
 ``[block_cols, block_k]`` tile of the packed weights (e4m3 bytes, or e2m1 pairs: even element in the low
 nibble) and its scales, decodes them in registers (e4m3 by Triton's conversion, e2m1 through it too,
 e8m0 as a float32 exponent) to ``lhs.dtype`` and runs a 16-bit (or float32) MMA with float32 accumulation. Decode is memory
@@ -102,7 +103,12 @@ def _kernel(lhs_ref, w_ref, s_ref, factor_ref, sizes_ref, out_ref, **st):
                 mask=jnp.broadcast_to(mine[:, None], (block_rows, block_k)),
                 other=0,
             )
-            b = _decode_tile(w_ref, s_ref, first, k, fmt=fmt, block_k=block_k, block_cols=block_cols)
+            if st["e4m3_rows"]:  # W8A8: e4m3 times e4m3 on the tensor cores, nothing decoded
+                a = jax.lax.bitcast_convert_type(a, jnp.float8_e4m3fn)  # loaded as codes: a masked load fills 0
+                codes = w_ref[pl.ds(first, block_cols), pl.ds(k * block_k, block_k)]
+                b = jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn)
+            else:
+                b = _decode_tile(w_ref, s_ref, first, k, fmt=fmt, block_k=block_k, block_cols=block_cols)
             part = jnp.dot(a, b.astype(a.dtype).T, preferred_element_type=jnp.float32, precision=st["precision"])
             if fmt == "fp8_block":  # one float32 scale per (tile row block, contraction block)
                 bn, bk = st["tile"]
@@ -154,11 +160,17 @@ def _blocks(config: Config, fmt: str, width: int, depth: int, tile) -> tuple[int
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
 def grouped_matmul(lhs, q, group_sizes, factor, *, config: Config | None = None, interpret: bool = False):
-    """See the module docstring. ``lhs`` bfloat16 or float32; ``K`` and ``M`` multiples of the clipped blocks;
-    ``factor [S]`` multiplies each slot's float32 result."""
+    """See the module docstring. ``lhs`` bfloat16 or float32 (float8_e4m3fn for ``fp8``: the e4m3 product on the
+    tensor cores, half the activation bytes); ``K`` and ``M`` multiples of the clipped blocks; ``factor [S]``
+    multiplies each slot's float32 result."""
     num_rows, depth = lhs.shape
     num_slots, width, _ = q.shape
     fmt, w, scales, tile = operands(q)
+    if lhs.dtype == jnp.float8_e4m3fn and fmt != "fp8":
+        raise ValueError(f"quantized_grouped_matmul: float8_e4m3fn rows multiply fp8 weights only, not {fmt!r}")
+    e4m3_rows = lhs.dtype == jnp.float8_e4m3fn
+    if e4m3_rows:
+        lhs = jax.lax.bitcast_convert_type(lhs, jnp.uint8)
     config = config or default_config(num_rows, num_slots)
     block_k, block_cols = _blocks(config, fmt, width, depth, tile)
     kernel = functools.partial(
@@ -170,6 +182,7 @@ def grouped_matmul(lhs, q, group_sizes, factor, *, config: Config | None = None,
         width=width,
         depth=depth,
         tile=tile,
+        e4m3_rows=e4m3_rows,
         precision=jax.lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else None,
     )
     whole = pl.no_block_spec
