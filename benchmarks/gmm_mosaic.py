@@ -1,4 +1,4 @@
-"""The warp-specialized Mosaic grouped matmul (``moe/_gmm/mosaic_ws.py``) against JAX's Mosaic and Triton kernels.
+"""The warp-specialized Mosaic grouped matmuls (``moe/_gmm/mosaic_ws.py``) against JAX's Mosaic and Triton kernels.
 
     PYTHONPATH=. python3 benchmarks/gmm_mosaic.py                  # one GPU: the training shape, both directions
     PYTHONPATH=. python3 benchmarks/gmm_mosaic.py --configs 128x64x64/s4/t4,128x128x64/s3/t4 --json ws.json
@@ -8,7 +8,8 @@ real, the rest padding), bf16: the forward product and the input gradient's (``t
 call from the profiler's kernel records and TFLOP/s over the real rows, for each ``--configs`` tiling
 (``BLOCK_MxBLOCK_NxBLOCK_K/sSTAGES/tGRID_TILE_WIDTH``; ``BLOCK_N`` per compute warpgroup), JAX's
 ``ragged_dot_mgpu`` as ``moe._gmm.mosaic`` runs it, the Triton kernel, and the floor at 989 TFLOP/s; each
-with its largest difference from a float32 product on the real rows.
+with its largest difference from a float32 product on the real rows. Then the weight gradient (``x_s^T dy_s``,
+``mosaic_ws.transposed_grouped_matmul``) against JAX's ``transposed_ragged_dot_mgpu`` and Triton's.
 """
 
 from __future__ import annotations
@@ -109,9 +110,49 @@ def main(argv=None):
                 row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
             results.append(row)
             print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    results += weight_gradient_rows(args, configs, x, sizes, rng)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+
+
+def weight_gradient_rows(args, configs, x, sizes, rng):
+    """The weight gradient ``x_s^T dy_s`` per group: each ``mosaic_ws`` tiling, JAX's
+    ``transposed_ragged_dot_mgpu`` (``moe._gmm.mosaic``) and Triton's, against a float32 product of each group."""
+    import jax
+    import jax.numpy as jnp
+
+    from moe_eplb_jax.moe._gmm import mosaic, mosaic_ws, triton
+
+    live = int(np.asarray(sizes).sum())
+    dy = jnp.asarray(rng.standard_normal((args.rows, args.width)), jnp.bfloat16)
+    # Rows past the groups zeroed, as the training path hands them over (JAX's kernel masks by multiplying).
+    x = x.at[live:].set(0)
+    dy = dy.at[live:].set(0)
+    ends = np.cumsum(np.asarray(sizes))
+    xs, dys = np.asarray(x, np.float32), np.asarray(dy, np.float32)
+    want = np.stack([xs[e - n : e].T @ dys[e - n : e] for n, e in zip(np.asarray(sizes), ends)])
+    flops = 2 * live * args.depth * args.width
+    calls = {
+        f"ws {c.block_m}x{c.block_n}x{c.block_k}/s{c.max_concurrent_steps}/t{c.grid_tile_width}": jax.jit(
+            lambda x, dy, s, c=c: mosaic_ws.transposed_grouped_matmul(x, dy, s, config=c)
+        )
+        for c in configs
+    }
+    calls["transposed_ragged_dot_mgpu"] = jax.jit(mosaic.transposed_grouped_matmul)
+    calls["triton"] = jax.jit(triton.transposed_grouped_matmul)
+    rows = []
+    for name, call in calls.items():
+        row = {"product": "weight gradient", "kernel": name, "floor_us": flops / PEAK_FLOPS * 1e6}
+        try:
+            got = np.asarray(call(x, dy, sizes), np.float32)
+            seconds, _ = device_seconds(call, x, dy, sizes, calls=10)
+            row |= {"us": seconds * 1e6, "tflops": flops / seconds / 1e12, "max_diff": float(np.abs(got - want).max())}
+        except Exception as err:  # a tiling past shared memory, a kernel that cannot compile here
+            row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+        rows.append(row)
+        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    return rows
 
 
 if __name__ == "__main__":

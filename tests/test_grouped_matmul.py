@@ -311,3 +311,50 @@ def test_warp_specialized_mosaic_kernel_matches_float64(transpose_rhs, rng):
         got = jax.jit(_warp_specialized(x.shape, weights.shape, transpose_rhs))(x, weights, sizes)
         assert got.shape == (num_rows, 384) and got.dtype == jnp.bfloat16
         assert _relative(np.asarray(got, np.float32)[:live], _oracle(x, w, sizes)[:live]) < 1e-2
+
+
+def test_warp_specialized_weight_gradient_lowers_for_hopper():
+    """No GPU needed: the warp-specialized weight gradient's Mosaic GPU module builds (a chunk count read from the
+    group sizes, the masked first and last chunks) for a row count off the chunk and a wider tiling; bad shapes
+    are refused first."""
+    from moe_eplb_jax.moe._gmm import mosaic_ws
+
+    checks = [jax.export.DisabledSafetyCheck.custom_call(name) for name in ("mosaic_gpu", "mosaic_gpu_v2")]
+    for rows, config in ((1000, mosaic_ws.Config()), (4096, mosaic_ws.Config(block_n=128, max_concurrent_steps=3))):
+        args = [
+            jax.ShapeDtypeStruct(s, d)
+            for s, d in (((rows, 256), jnp.bfloat16), ((rows, 512), jnp.bfloat16), ((8,), jnp.int32))
+        ]
+        call = jax.jit(lambda x, dy, s, config=config: mosaic_ws.transposed_grouped_matmul(x, dy, s, config=config))
+        module = jax.export.export(call, platforms=["cuda"], disabled_checks=checks)(*args).mlir_module()
+        assert "transposed_grouped_matmul_ws" in module
+    with pytest.raises(ValueError, match="tile"):
+        mosaic_ws.transposed_grouped_matmul(
+            jnp.zeros((64, 96), jnp.bfloat16), jnp.zeros((64, 256), jnp.bfloat16), jnp.zeros(2, jnp.int32)
+        )
+    assert not mosaic_ws.supports_transposed((64, 256), (64, 256), jnp.float32)
+    assert not mosaic_ws.supports_transposed((64, 256), (32, 256), jnp.bfloat16)
+
+
+@gpu
+def test_warp_specialized_weight_gradient_matches_float64(rng):
+    """On the card: each group's ``x^T dy`` against a float64 oracle -- an empty group (zeros), groups sharing
+    their first and last chunks, a row count off the chunk, non-finite-free padding rows after the groups."""
+    from moe_eplb_jax.moe._gmm import mosaic_ws
+
+    for num_rows, groups in ((2500, 7), (300, 3)):
+        sizes = _sizes(rng, groups, num_rows, num_rows - 41)
+        live = int(sizes.sum())
+        x = np.asarray(jnp.asarray(rng.standard_normal((num_rows, 256)), jnp.bfloat16))
+        dy = np.asarray(jnp.asarray(rng.standard_normal((num_rows, 512)), jnp.bfloat16))
+        got = jax.jit(mosaic_ws.transposed_grouped_matmul)(x, dy, sizes)
+        assert got.shape == (groups, 256, 512) and got.dtype == jnp.bfloat16
+        ends = np.cumsum(sizes)
+        for group, (start, end) in enumerate(zip(ends - sizes, ends)):
+            want = x[start:end].astype(np.float64).T @ dy[start:end].astype(np.float64)
+            part = np.asarray(got[group], np.float32)
+            if end == start:
+                assert not part.any()
+            else:
+                assert _relative(part, want) < 1e-2, (group, start, end)
+        assert live < num_rows

@@ -8,6 +8,13 @@
 (wgmma), so loads and products overlap where JAX's ``ragged_dot_mgpu`` (one warpgroup) alternates them. Items
 past the real rows -- a prefill's padding, the tiles an empty group would add -- do no work, and each item writes
 only its own group's rows (TMA stores of power-of-two row counts), so padding rows are never written.
+
+``transposed_grouped_matmul(x [N, K], dy [N, M], group_sizes [S]) -> [S, K, M]``, the weight gradient ``x_s^T dy_s``
+per group: a work item is one group's ``block_m`` x ``2 * block_n`` output tile, the contraction its group's rows
+in ``block_k``-row chunks (as many as the group spans); the chunks at the group's ends are shared with the next
+groups, and each compute warpgroup zeroes the other groups' rows of its half of the ``dy`` chunk before it
+multiplies (a select, not a product: no NaN passes). Rows past the groups must be finite (``x`` enters the
+product unmasked); an empty group's tile is written as zeros.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-__all__ = ["Config", "grouped_matmul", "supports"]
+__all__ = ["Config", "grouped_matmul", "supports", "supports_transposed", "transposed_grouped_matmul"]
 
 DTYPES = (jnp.bfloat16, jnp.float16)
 H100_SMS = 132
@@ -203,3 +210,151 @@ def grouped_matmul(x, w, group_sizes, *, transpose_rhs: bool = False, config: Co
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
     return kernel(group_sizes.astype(jnp.int32), x, w)[:num_rows]
+
+
+def supports_transposed(x_shape, dy_shape, dtype, *, config: Config = Config()) -> bool:
+    """Whether :func:`transposed_grouped_matmul` takes ``x [N, K]`` and ``dy [N, M]``: 16-bit floats, ``K`` a
+    multiple of ``block_m`` and ``M`` of ``2 * block_n``."""
+    if jnp.dtype(dtype) not in [jnp.dtype(d) for d in DTYPES] or len(x_shape) != 2 or len(dy_shape) != 2:
+        return False
+    return x_shape[0] == dy_shape[0] and x_shape[1] % config.block_m == 0 and dy_shape[1] % (2 * config.block_n) == 0
+
+
+def _transposed_kernel(
+    sizes_ref, starts_ref, x_ref, dy_ref, out_ref, *, config: Config, num_groups: int, num_out_tiles: int
+):
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    depth, width = x_ref.shape[1], dy_ref.shape[1]
+    block_m, block_n, block_k = config.block_m, config.block_n, config.block_k
+    band = 2 * block_n
+    num_bands = width // band
+    swizzle = plgpu.find_swizzle(block_m * jnp.dtype(x_ref.dtype).itemsize * 8)
+    elements = swizzle // jnp.dtype(x_ref.dtype).itemsize
+    tiled = (plgpu.TilingTransform((8, elements)), plgpu.SwizzleTransform(swizzle))  # pyright: ignore[reportAbstractUsage]
+    dy_swizzle = plgpu.find_swizzle(block_n * jnp.dtype(dy_ref.dtype).itemsize * 8)
+    dy_elements = dy_swizzle // jnp.dtype(dy_ref.dtype).itemsize
+    dy_tiled = (plgpu.TilingTransform((8, dy_elements)), plgpu.SwizzleTransform(dy_swizzle))  # pyright: ignore[reportAbstractUsage]
+
+    def pipeline(body, compute_context, num_steps):
+        return plgpu.emit_pipeline_warp_specialized(
+            body,
+            grid=(num_steps,),
+            memory_registers=40,
+            in_specs=[
+                plgpu.BlockSpec((block_k, block_m), lambda r: (r, 0), transforms=tiled, memory_space=plgpu.SMEM),
+                plgpu.BlockSpec((block_k, band), lambda r: (r, 0), transforms=dy_tiled, memory_space=plgpu.SMEM),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=config.max_concurrent_steps,
+            compute_context=compute_context,
+        )
+
+    nothing = lambda *_, **__: None
+    x_view = x_ref.at[pl.ds(0, block_k), pl.ds(0, block_m)]
+    dy_view = dy_ref.at[pl.ds(0, block_k), pl.ds(0, band)]
+
+    @functools.partial(
+        pl.run_scoped,
+        allocations=pipeline(nothing, nothing, 1).get_allocations(x_view, dy_view),
+        out_smem=plgpu.SMEM((2, block_m, block_n), out_ref.dtype),
+        collective_axes="wg",
+    )
+    def _scope(allocations, out_smem):
+        wg = lax.axis_index("wg")
+
+        @plgpu.nd_loop((num_groups * num_out_tiles,), collective_axes="sm")
+        def _items(loop):
+            group = lax.div(loop.index[0], jnp.int32(num_out_tiles))
+            tile, band_index = plgpu.planar_snake(
+                lax.rem(loop.index[0], jnp.int32(num_out_tiles)),
+                (depth // block_m, num_bands),
+                1,
+                config.grid_tile_width,
+            )
+            start, size = starts_ref[group], sizes_ref[group]
+            first_chunk = lax.div(start, jnp.int32(block_k))
+            num_chunks = lax.div(start + size + block_k - 1, jnp.int32(block_k)) - first_chunk
+            own_columns = pl.ds(band_index * band + wg * block_n, block_n)
+
+            def store(values):
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this buffer's previous store has read it
+                out_smem[wg] = values.astype(out_ref.dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(out_smem.at[wg], out_ref.at[group, pl.ds(tile * block_m, block_m), own_columns])
+
+            def compute_context(run_pipeline):
+                accumulator = plgpu.ACC((block_m, block_n), jnp.float32)  # pyright: ignore[reportPrivateImportUsage]
+
+                @functools.partial(pl.run_scoped, acc=accumulator)
+                def _acc(acc):
+                    run_pipeline(acc)
+                    store(acc[...])
+
+            def multiply(index, x_smem, dy_smem, acc):
+                chunk = index[0]
+                dy_half = dy_smem.at[:, pl.ds(wg * block_n, block_n)]
+
+                @pl.when((chunk == 0) | (chunk == num_chunks - 1))
+                def _mask():  # the chunk holds other groups' rows: zero them in this warpgroup's half
+                    rows = (first_chunk + chunk) * block_k + plgpu.layout_cast(
+                        lax.broadcasted_iota(jnp.int32, (block_k, block_n), 0), plgpu.Layout.WGMMA
+                    )
+                    mine = (rows >= start) & (rows < start + size)
+                    dy_half[...] = jnp.where(mine, dy_half[...], jnp.zeros((), dy_ref.dtype))
+                    plgpu.commit_smem()
+
+                plgpu.wgmma(acc, x_smem.transpose((1, 0)), dy_half)
+                plgpu.wgmma_wait(0)
+                return acc
+
+            @pl.when(size > 0)
+            def _run():
+                # A static length past the array's end for later groups: the pipeline loads only its num_chunks chunks.
+                rows = pl.ds(pl.multiple_of(first_chunk * block_k, block_k), x_ref.shape[0])
+                pipeline(multiply, compute_context, num_chunks)(
+                    x_ref.at[rows, pl.ds(tile * block_m, block_m)],
+                    dy_ref.at[rows, pl.ds(band_index * band, band)],
+                    allocations=allocations,
+                )
+
+            @pl.when((size == 0) & (wg < 2))
+            def _empty():
+                store(plgpu.layout_cast(jnp.zeros((block_m, block_n), jnp.float32), plgpu.Layout.WGMMA))
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def transposed_grouped_matmul(x, dy, group_sizes, *, config: Config = Config()):
+    """See the module docstring: ``[S, K, M]`` in ``x.dtype``. ``K`` and ``M`` must tile
+    (:func:`supports_transposed`); ``N`` off a multiple of ``block_k`` costs padded copies of ``x`` and ``dy``."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if not supports_transposed(x.shape, dy.shape, x.dtype, config=config) or x.dtype != dy.dtype:
+        raise ValueError(f"mosaic_ws takes 16-bit x [N, K] and dy [N, M] that tile {config}; got {x.shape}, {dy.shape}")
+    num_groups = group_sizes.shape[0]
+    if x.shape[0] % config.block_k:  # every chunk's load inside the arrays
+        pad = ((0, -x.shape[0] % config.block_k), (0, 0))
+        x, dy = jnp.pad(x, pad), jnp.pad(dy, pad)
+    sizes = group_sizes.astype(jnp.int32)
+    starts = jnp.cumsum(sizes) - sizes
+    devices = jax.devices()
+    sms = devices[0].core_count if devices[0].platform == "gpu" else H100_SMS
+    depth, width = x.shape[1], dy.shape[1]
+    kernel = plgpu.kernel(
+        functools.partial(
+            _transposed_kernel,
+            config=config,
+            num_groups=num_groups,
+            num_out_tiles=(depth // config.block_m) * (width // (2 * config.block_n)),
+        ),
+        out_type=jax.ShapeDtypeStruct((num_groups, depth, width), x.dtype),
+        grid=(sms,),
+        grid_names=("sm",),
+        num_threads=3,
+        thread_name="wg",
+        kernel_name="transposed_grouped_matmul_ws",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )
+    return kernel(sizes, starts, x, dy)
