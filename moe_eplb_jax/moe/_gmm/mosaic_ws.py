@@ -257,7 +257,9 @@ def _transposed_kernel(
 
     @functools.partial(
         pl.run_scoped,
-        allocations=pipeline(nothing, nothing, 1).get_allocations(x_view, dy_view),
+        # A static grid as long as the stages: the allocations hold every stage's buffers, as the dynamic
+        # pipelines below use them (a shorter static grid would clip the stages to its length).
+        allocations=pipeline(nothing, nothing, config.max_concurrent_steps).get_allocations(x_view, dy_view),
         out_smem=plgpu.SMEM((2, block_m, block_n), out_ref.dtype),
         collective_axes="wg",
     )
