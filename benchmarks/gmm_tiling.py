@@ -42,7 +42,8 @@ def parse_args(argv=None):
     p.add_argument(
         "--configs",
         default=None,
-        help="comma-separated tilings ROWSxCOLSxK/wWARPS/sSTAGES (e.g. 64x256x128/w8/s3) instead of the sweep",
+        help="comma-separated tilings ROWSxCOLSxK/wWARPS/sSTAGES (e.g. 64x256x128/w8/s3) instead of the sweep; a "
+        "quantized format's may end /bf16 (Config.decode_bfloat16)",
     )
     p.add_argument("--show", type=int, default=5, help="tilings printed per case, fastest first")
     p.add_argument("--json", default=None)
@@ -54,7 +55,9 @@ def parse_configs(text: str, config_type) -> list:
     configs = []
     for item in text.split(","):
         try:
-            blocks, warps, stages = item.split("/")
+            blocks, warps, stages, *decode = item.split("/")
+            if decode not in ([], ["bf16"]):
+                raise ValueError("the only suffix is /bf16")
             rows, cols, depth = (int(v) for v in blocks.split("x"))
             configs.append(
                 config_type(
@@ -63,10 +66,11 @@ def parse_configs(text: str, config_type) -> list:
                     block_k=depth,
                     num_warps=int(warps.removeprefix("w")),
                     num_stages=int(stages.removeprefix("s")),
+                    **({"decode_bfloat16": True} if decode else {}),
                 )
             )
-        except ValueError as err:
-            raise SystemExit(f"--configs: {item!r} is not ROWSxCOLSxK/wWARPS/sSTAGES ({err})") from None
+        except (TypeError, ValueError) as err:
+            raise SystemExit(f"--configs: {item!r} is not ROWSxCOLSxK/wWARPS/sSTAGES[/bf16] ({err})") from None
     return configs
 
 
@@ -198,7 +202,8 @@ def main(argv=None):
                 rows_out.append(
                     {
                         "config": f"{config.block_rows}x{config.block_cols}x{config.block_k} "
-                        f"w{config.num_warps} s{config.num_stages}",
+                        f"w{config.num_warps} s{config.num_stages}"
+                        + (" bf16" if getattr(config, "decode_bfloat16", False) else ""),
                         "default": config == default,
                         "us": seconds * 1e6,
                         "x_floor": seconds * hbm / floor_bytes if hbm else float("nan"),

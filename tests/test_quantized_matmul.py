@@ -12,6 +12,7 @@ activations. On CPU: ``reference`` and the Triton kernel in Pallas' interpreter
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -162,6 +163,50 @@ def test_decoders_match_the_formats_tables():
     e8m0 = np.asarray(qtriton._e8m0(codes))
     assert e8m0[0] == 0 and np.isnan(e8m0[255])
     np.testing.assert_array_equal(e8m0[1:255], np.exp2(np.arange(1, 255) - 127.0).astype(np.float32))
+
+
+def test_bfloat16_decoders_match_the_float32_ones():
+    """``Config.decode_bfloat16``'s decoders give the float32 decoders' values, each exact in bfloat16."""
+    codes = jnp.arange(256, dtype=jnp.int32)
+    pairs = [
+        (qtriton._e4m3(codes.astype(jnp.uint8)), qtriton._e4m3(codes.astype(jnp.uint8), jnp.bfloat16)),
+        *zip(qtriton._e2m1_pair(codes.astype(jnp.uint8)), qtriton._e2m1_pair(codes.astype(jnp.uint8), jnp.bfloat16)),
+        (qtriton._e8m0(codes), qtriton._e8m0(codes, jnp.bfloat16)),
+    ]
+    for wide, narrow in pairs:
+        assert narrow.dtype == jnp.bfloat16
+        wide, narrow = np.asarray(wide), np.asarray(narrow, np.float32)
+        np.testing.assert_array_equal(np.isnan(narrow), np.isnan(wide))
+        keep = ~np.isnan(wide)
+        np.testing.assert_array_equal(narrow.view(np.uint32)[keep], wide.view(np.uint32)[keep])  # -0.0 too
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("implementation", ["pallas_interpret", pytest.param("triton", marks=gpu)])
+def test_decoding_in_bfloat16_gives_the_same_bits(implementation, fmt, rng):
+    """With bfloat16 rows the kernel decoding in bfloat16 writes what it writes decoding in float32, bit for bit:
+    tiny block scales (MX code 0, subnormal products), signed zeros and a NaN row included."""
+    sizes = np.array([20, 28], np.int32)
+    x, _ = _case(rng, fmt, jnp.bfloat16, sizes)
+    w = rng.standard_normal((2, WIDTH, DEPTH)).astype(np.float32)
+    w[0] *= np.float32(1e-33)
+    w[1, :4, :32] = np.float32(1e-39)
+    w[1, 8:10] = -0.0
+    x[3, 9] = np.nan
+    q = _quantize(w, fmt)
+    outputs = [
+        np.asarray(
+            qmm.quantized_grouped_matmul(
+                jnp.asarray(x),
+                q,
+                jnp.asarray(sizes),
+                implementation=implementation,
+                config=dataclasses.replace(CONFIG, decode_bfloat16=flag),
+            )
+        )
+        for flag in (False, True)
+    ]
+    np.testing.assert_array_equal(outputs[1].view(np.uint32), outputs[0].view(np.uint32))
 
 
 @pytest.mark.parametrize("implementation", ["reference", "pallas_interpret"])

@@ -19,6 +19,9 @@ class Config:
       block_k: contraction elements decoded per loop step (at least one scale block: 32 for MX, 16 for NVFP4).
       block_cols: output columns per tile (weight rows decoded per step).
       num_warps, num_stages: Triton's warps and software-pipelining stages.
+      decode_bfloat16: with bfloat16 rows, decode the weights and apply their block scales in bfloat16 rather
+        than float32 (the same bits: every decoded value and power-of-two or e4m3 scale product is exact in
+        bfloat16, or rounds once either way) -- fewer conversions per element where decoding bounds the kernel.
     """
 
     block_rows: int = 64
@@ -26,8 +29,11 @@ class Config:
     block_cols: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    decode_bfloat16: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.decode_bfloat16, bool):
+            raise ValueError(f"Config.decode_bfloat16 must be a bool, got {self.decode_bfloat16!r}")
         for name in ("block_rows", "block_k", "block_cols", "num_warps", "num_stages"):
             value = getattr(self, name)
             least = 16 if name.startswith("block") else 1

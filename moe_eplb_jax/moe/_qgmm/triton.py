@@ -40,14 +40,14 @@ __all__ = ["grouped_matmul", "operands"]
 _SCALE_BLOCK = {"mxfp8": 32, "mxfp4": 32, "nvfp4": 16}
 
 
-def _e4m3(code):
-    """uint8 e4m3fn codes -> float32 (NaN for 0x7F / 0xFF): Triton's ``fp_to_fp``, the hardware conversion on
-    Hopper (subnormals exact, no flush)."""
-    return jax.lax.bitcast_convert_type(code, jnp.float8_e4m3fn).astype(jnp.float32)
+def _e4m3(code, dtype=jnp.float32):
+    """uint8 e4m3fn codes -> ``dtype`` (NaN for 0x7F / 0xFF): Triton's ``fp_to_fp``, the hardware conversion on
+    Hopper (subnormals exact, no flush; every e4m3 value is exact in bfloat16 too)."""
+    return jax.lax.bitcast_convert_type(code, jnp.float8_e4m3fn).astype(dtype)
 
 
-def _e2m1_pair(packed):
-    """uint8 bytes of two e2m1 codes -> float32 ``(even, odd)`` elements (the even one in the low nibble).
+def _e2m1_pair(packed, dtype=jnp.float32):
+    """uint8 bytes of two e2m1 codes -> ``dtype`` ``(even, odd)`` elements (the even one in the low nibble).
 
     Each code's fields moved into an e4m3 byte (sign to bit 7, exponent and mantissa two bits up) make an
     e4m3 value of exactly ``e2m1 * 2**-6`` -- the subnormal codes too, as both formats' subnormals line up --
@@ -55,13 +55,17 @@ def _e2m1_pair(packed):
     """
     low = ((packed & 0x08) << 4) | ((packed & 0x07) << 2)
     high = (packed & 0x80) | ((packed & 0x70) >> 2)
-    return _e4m3(low) * jnp.float32(64), _e4m3(high) * jnp.float32(64)
+    return _e4m3(low, dtype) * jnp.asarray(64, dtype), _e4m3(high, dtype) * jnp.asarray(64, dtype)
 
 
-def _e8m0(code):
-    """int32 e8m0 codes -> float32 ``2**(code - 127)``; code 0 gives 0 (float32 subnormal), 255 NaN."""
-    value = jax.lax.bitcast_convert_type(code << 23, jnp.float32)
-    return jnp.where(code == 255, jnp.float32(jnp.nan), value)
+def _e8m0(code, dtype=jnp.float32):
+    """int32 e8m0 codes -> ``dtype`` (float32 or bfloat16, one exponent width) ``2**(code - 127)``; code 0 gives
+    0 (a subnormal, below the exponent range), 255 NaN."""
+    if dtype == jnp.bfloat16:
+        value = jax.lax.bitcast_convert_type((code << 7).astype(jnp.uint16), jnp.bfloat16)
+    else:
+        value = jax.lax.bitcast_convert_type(code << 23, jnp.float32)
+    return jnp.where(code == 255, jnp.asarray(jnp.nan, dtype), value)
 
 
 def _spread(scale, block: int):
@@ -70,18 +74,19 @@ def _spread(scale, block: int):
     return jnp.broadcast_to(scale[:, :, None], (cols, blocks, block)).reshape(cols, blocks * block)
 
 
-def _decode_tile(w_ref, s_ref, first, k, *, fmt, block_k, block_cols):
-    """The weight tile ``[block_cols, block_k]`` (weight rows from ``first``, contraction step ``k``) as float32."""
+def _decode_tile(w_ref, s_ref, first, k, *, fmt, block_k, block_cols, dtype=jnp.float32):
+    """The weight tile ``[block_cols, block_k]`` (weight rows from ``first``, contraction step ``k``) in ``dtype``
+    (float32, or bfloat16: the same values, see ``Config.decode_bfloat16``)."""
     if fmt in ("mxfp4", "nvfp4"):
         packed = w_ref[pl.ds(first, block_cols), pl.ds(k * (block_k // 2), block_k // 2)]
-        values = jax.lax.stack(_e2m1_pair(packed), axis=2).reshape(block_cols, block_k)
+        values = jax.lax.stack(_e2m1_pair(packed, dtype), axis=2).reshape(block_cols, block_k)
     else:
-        values = _e4m3(w_ref[pl.ds(first, block_cols), pl.ds(k * block_k, block_k)])
+        values = _e4m3(w_ref[pl.ds(first, block_cols), pl.ds(k * block_k, block_k)], dtype)
     if fmt not in _SCALE_BLOCK:
         return values
     block = _SCALE_BLOCK[fmt]
     codes = s_ref[pl.ds(first, block_cols), pl.ds(k * (block_k // block), block_k // block)]
-    scale = _e4m3(codes) if fmt == "nvfp4" else _e8m0(codes.astype(jnp.int32))
+    scale = _e4m3(codes, dtype) if fmt == "nvfp4" else _e8m0(codes.astype(jnp.int32), dtype)
     return values * _spread(scale, block)
 
 
@@ -108,7 +113,9 @@ def _kernel(lhs_ref, w_ref, s_ref, factor_ref, sizes_ref, out_ref, **st):
                 codes = w_ref[pl.ds(first, block_cols), pl.ds(k * block_k, block_k)]
                 b = jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn)
             else:
-                b = _decode_tile(w_ref, s_ref, first, k, fmt=fmt, block_k=block_k, block_cols=block_cols)
+                b = _decode_tile(
+                    w_ref, s_ref, first, k, fmt=fmt, block_k=block_k, block_cols=block_cols, dtype=st["decode_dtype"]
+                )
             part = jnp.dot(a, b.astype(a.dtype).T, preferred_element_type=jnp.float32, precision=st["precision"])
             if fmt == "fp8_block":  # one float32 scale per (tile row block, contraction block)
                 bn, bk = st["tile"]
@@ -183,6 +190,7 @@ def grouped_matmul(lhs, q, group_sizes, factor, *, config: Config | None = None,
         depth=depth,
         tile=tile,
         e4m3_rows=e4m3_rows,
+        decode_dtype=jnp.bfloat16 if config.decode_bfloat16 and lhs.dtype == jnp.bfloat16 else jnp.float32,
         precision=jax.lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else None,
     )
     whole = pl.no_block_spec
