@@ -43,11 +43,14 @@ def parse_args(argv=None):
         "--configs",
         default=None,
         help="comma-separated tilings ROWSxCOLSxK/wWARPS/sSTAGES (e.g. 64x256x128/w8/s3) instead of the sweep; a "
-        "quantized format's may end /bf16 (Config.decode_bfloat16)",
+        "quantized format's may end /bf16 (Config.decode_bfloat16) and /pairs (Config.split_pairs)",
     )
     p.add_argument("--show", type=int, default=5, help="tilings printed per case, fastest first")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
+
+
+QUANTIZED_SUFFIXES = {"bf16": "decode_bfloat16", "pairs": "split_pairs"}  # --configs' switches of moe._qgmm.Config
 
 
 def parse_configs(text: str, config_type) -> list:
@@ -55,9 +58,10 @@ def parse_configs(text: str, config_type) -> list:
     configs = []
     for item in text.split(","):
         try:
-            blocks, warps, stages, *decode = item.split("/")
-            if decode not in ([], ["bf16"]):
-                raise ValueError("the only suffix is /bf16")
+            blocks, warps, stages, *suffixes = item.split("/")
+            options = {QUANTIZED_SUFFIXES[suffix]: True for suffix in suffixes if suffix in QUANTIZED_SUFFIXES}
+            if len(options) != len(suffixes):
+                raise ValueError(f"suffixes are {sorted(QUANTIZED_SUFFIXES)}, each at most once")
             rows, cols, depth = (int(v) for v in blocks.split("x"))
             configs.append(
                 config_type(
@@ -66,11 +70,11 @@ def parse_configs(text: str, config_type) -> list:
                     block_k=depth,
                     num_warps=int(warps.removeprefix("w")),
                     num_stages=int(stages.removeprefix("s")),
-                    **({"decode_bfloat16": True} if decode else {}),
+                    **options,
                 )
             )
         except (TypeError, ValueError) as err:
-            raise SystemExit(f"--configs: {item!r} is not ROWSxCOLSxK/wWARPS/sSTAGES[/bf16] ({err})") from None
+            raise SystemExit(f"--configs: {item!r} is not ROWSxCOLSxK/wWARPS/sSTAGES[/bf16][/pairs] ({err})") from None
     return configs
 
 
@@ -203,7 +207,7 @@ def main(argv=None):
                     {
                         "config": f"{config.block_rows}x{config.block_cols}x{config.block_k} "
                         f"w{config.num_warps} s{config.num_stages}"
-                        + (" bf16" if getattr(config, "decode_bfloat16", False) else ""),
+                        + "".join(f" {k}" for k, v in QUANTIZED_SUFFIXES.items() if getattr(config, v, False)),
                         "default": config == default,
                         "us": seconds * 1e6,
                         "x_floor": seconds * hbm / floor_bytes if hbm else float("nan"),

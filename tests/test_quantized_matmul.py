@@ -209,6 +209,38 @@ def test_decoding_in_bfloat16_gives_the_same_bits(implementation, fmt, rng):
     np.testing.assert_array_equal(outputs[1].view(np.uint32), outputs[0].view(np.uint32))
 
 
+@pytest.mark.parametrize("decode_bfloat16", [False, True], ids=["float32-decode", "bfloat16-decode"])
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("implementation", ["pallas_interpret", pytest.param("triton", marks=gpu)])
+def test_split_pairs_match_the_oracle(implementation, fmt, decode_bfloat16, rng):
+    """``Config.split_pairs``: each packed byte's even and odd elements through two products over the
+    contraction's halves -- the oracle's values (another summation order), empty groups, shared tiles, NaN
+    padding rows reaching nothing, a row with a NaN giving NaNs where the oracle's does."""
+    sizes = np.array([13, 0, 20, 3], np.int32)
+    x, q = _case(rng, fmt, jnp.bfloat16, sizes)
+    x[36:] = np.nan
+    x[5, 3] = np.nan
+    config = qmm.Config(block_rows=16, block_k=32, block_cols=16, split_pairs=True, decode_bfloat16=decode_bfloat16)
+    got = np.asarray(
+        qmm.quantized_grouped_matmul(
+            jnp.asarray(x), q, jnp.asarray(sizes), implementation=implementation, config=config
+        )
+    )
+    want = _oracle(x, q, sizes)
+    np.testing.assert_array_equal(np.isnan(got[:36]), np.isnan(want[:36]))
+    clean = np.ones(36, bool)
+    clean[5] = False
+    _assert_close(got[:36][clean], want[:36][clean], int(clean.sum()))
+    with pytest.raises(ValueError, match="K=64 needs a power-of-two block >= 32"):
+        qmm.quantized_grouped_matmul(
+            jnp.asarray(x),
+            q,
+            jnp.asarray(sizes),
+            implementation="pallas_interpret",
+            config=dataclasses.replace(config, block_k=16),
+        )
+
+
 @pytest.mark.parametrize("implementation", ["reference", "pallas_interpret"])
 def test_rows_compute_alike_wherever_they_sit(implementation, rng):
     """A row's result does not depend on its slot's index, its neighbours or the padding (bit for bit)."""

@@ -66,13 +66,17 @@ def test_weight_gradient_lowers_for_hopper(hopper):
     assert module.count(TRITON_CALL) == 1
 
 
-@pytest.mark.parametrize("decode_bfloat16", [False, True], ids=["float32-decode", "bfloat16-decode"])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"decode_bfloat16": True}, {"split_pairs": True}, {"split_pairs": True, "decode_bfloat16": True}],
+    ids=["float32-decode", "bfloat16-decode", "split-pairs", "split-pairs-bfloat16"],
+)
 @pytest.mark.parametrize("fmt", quant.FORMATS)
-def test_quantized_grouped_matmul_lowers_for_hopper(hopper, fmt, decode_bfloat16):
+def test_quantized_grouped_matmul_lowers_for_hopper(hopper, fmt, options):
     w = jnp.ones((4, 128, 256), jnp.float32)
     q = quant.quantize_experts(w, fmt, block_size=(32, 64)) if fmt == "fp8_block" else quant.quantize_experts(w, fmt)
     x, sizes = jax.ShapeDtypeStruct((64, 256), jnp.bfloat16), jax.ShapeDtypeStruct((4,), jnp.int32)
-    config = qgmm_config.Config(decode_bfloat16=decode_bfloat16)
+    config = qgmm_config.Config(**options)
     module = lowered_for_cuda(lambda x, s: qgmm_triton.grouped_matmul(x, q, s, jnp.ones((4,)), config=config), x, sizes)
     assert module.count(TRITON_CALL) == 1
 

@@ -22,6 +22,9 @@ class Config:
       decode_bfloat16: with bfloat16 rows, decode the weights and apply their block scales in bfloat16 rather
         than float32 (the same bits: every decoded value and power-of-two or e4m3 scale product is exact in
         bfloat16, or rounds once either way) -- fewer conversions per element where decoding bounds the kernel.
+      split_pairs: for the e2m1 formats (mxfp4, nvfp4), multiply each packed byte's even and odd elements as two
+        products over the contraction's even and odd halves (the rows loaded at stride 2), rather than
+        interleaving the two nibbles' values into one tile first; the same products summed in another order.
     """
 
     block_rows: int = 64
@@ -30,10 +33,12 @@ class Config:
     num_warps: int = 4
     num_stages: int = 3
     decode_bfloat16: bool = False
+    split_pairs: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.decode_bfloat16, bool):
-            raise ValueError(f"Config.decode_bfloat16 must be a bool, got {self.decode_bfloat16!r}")
+        for name in ("decode_bfloat16", "split_pairs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Config.{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("block_rows", "block_k", "block_cols", "num_warps", "num_stages"):
             value = getattr(self, name)
             least = 16 if name.startswith("block") else 1

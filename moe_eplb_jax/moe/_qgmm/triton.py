@@ -90,6 +90,17 @@ def _decode_tile(w_ref, s_ref, first, k, *, fmt, block_k, block_cols, dtype=jnp.
     return values * _spread(scale, block)
 
 
+def _decode_pairs(w_ref, s_ref, first, k, *, fmt, block_k, block_cols, dtype=jnp.float32):
+    """An e2m1 weight tile as ``(even, odd)`` ``[block_cols, block_k // 2]`` in ``dtype``: the contraction's even
+    and odd elements of step ``k``, each with its block's scale, not interleaved."""
+    packed = w_ref[pl.ds(first, block_cols), pl.ds(k * (block_k // 2), block_k // 2)]
+    block = _SCALE_BLOCK[fmt]
+    codes = s_ref[pl.ds(first, block_cols), pl.ds(k * (block_k // block), block_k // block)]
+    scale = _e4m3(codes, dtype) if fmt == "nvfp4" else _e8m0(codes.astype(jnp.int32), dtype)
+    spread = _spread(scale, block // 2)  # a block's 16 (8) even and 16 (8) odd elements share its scale
+    return tuple(values * spread for values in _e2m1_pair(packed, dtype))
+
+
 def _kernel(lhs_ref, w_ref, s_ref, factor_ref, sizes_ref, out_ref, **st):
     block_rows, block_k, block_cols = st["block_rows"], st["block_k"], st["block_cols"]
     fmt, width, depth = st["fmt"], st["width"], st["depth"]
@@ -102,12 +113,28 @@ def _kernel(lhs_ref, w_ref, s_ref, factor_ref, sizes_ref, out_ref, **st):
         mine = (rows >= start) & (rows < end)
         first = group * width + col * block_cols  # the tile's first weight row in w [S * M, ...]
 
-        def step(k, acc):
-            a = plgpu.load(
-                lhs_ref.at[pl.ds(first_row, block_rows), pl.ds(k * block_k, block_k)],
-                mask=jnp.broadcast_to(mine[:, None], (block_rows, block_k)),
+        def rows_of(*columns, size):
+            shape = (block_rows, size) + (1,) * (len(columns) - 1)
+            loaded = plgpu.load(
+                lhs_ref.at[(pl.ds(first_row, block_rows), *columns)],
+                mask=jnp.broadcast_to(mine.reshape(block_rows, *(1,) * (len(shape) - 1)), shape),
                 other=0,
             )
+            return loaded.reshape(block_rows, size)
+
+        def pairs_step(k, acc):  # split_pairs: the even and the odd half of the contraction, two products
+            halves = _decode_pairs(
+                w_ref, s_ref, first, k, fmt=fmt, block_k=block_k, block_cols=block_cols, dtype=st["decode_dtype"]
+            )
+            for parity, half in enumerate(halves):  # lhs [N, K // 2, 2]: the pairs' elements on the last axis
+                a = rows_of(pl.ds(k * (block_k // 2), block_k // 2), pl.ds(parity, 1), size=block_k // 2)
+                acc = acc + jnp.dot(
+                    a, half.astype(a.dtype).T, preferred_element_type=jnp.float32, precision=st["precision"]
+                )
+            return acc
+
+        def step(k, acc):
+            a = rows_of(pl.ds(k * block_k, block_k), size=block_k)
             if st["e4m3_rows"]:  # W8A8: e4m3 times e4m3 on the tensor cores, nothing decoded
                 a = jax.lax.bitcast_convert_type(a, jnp.float8_e4m3fn)  # loaded as codes: a masked load fills 0
                 codes = w_ref[pl.ds(first, block_cols), pl.ds(k * block_k, block_k)]
@@ -122,7 +149,8 @@ def _kernel(lhs_ref, w_ref, s_ref, factor_ref, sizes_ref, out_ref, **st):
                 part = part * s_ref[(group * width + col * block_cols) // bn, (k * block_k) // bk]
             return acc + part
 
-        acc = jax.lax.fori_loop(0, depth // block_k, step, jnp.zeros((block_rows, block_cols), jnp.float32))
+        body = pairs_step if st["split_pairs"] else step
+        acc = jax.lax.fori_loop(0, depth // block_k, body, jnp.zeros((block_rows, block_cols), jnp.float32))
         plgpu.store(
             out_ref.at[pl.ds(first_row, block_rows), pl.ds(col * block_cols, block_cols)],
             acc * factor_ref[group],
@@ -154,6 +182,8 @@ def _blocks(config: Config, fmt: str, width: int, depth: int, tile) -> tuple[int
     if tile is not None:
         block_k, block_cols = min(block_k, tile[1]), min(block_cols, tile[0])
     least_k = max(16, _SCALE_BLOCK.get(fmt, 16))
+    if config.split_pairs and fmt in ("mxfp4", "nvfp4"):
+        least_k = max(least_k, 32)  # each half a product of its own, 16 deep at least
     for name, block, size, least in (("K", block_k, depth, least_k), ("M", block_cols, width, 16)):
         if block < least or block & (block - 1) or size % block:
             raise ValueError(
@@ -180,6 +210,8 @@ def grouped_matmul(lhs, q, group_sizes, factor, *, config: Config | None = None,
         lhs = jax.lax.bitcast_convert_type(lhs, jnp.uint8)
     config = config or default_config(num_rows, num_slots)
     block_k, block_cols = _blocks(config, fmt, width, depth, tile)
+    split_pairs = config.split_pairs and fmt in ("mxfp4", "nvfp4")
+    rows = lhs.reshape(num_rows, depth // 2, 2) if split_pairs else lhs  # a view: the pairs' two elements apart
     kernel = functools.partial(
         _kernel,
         block_rows=config.block_rows,
@@ -190,6 +222,7 @@ def grouped_matmul(lhs, q, group_sizes, factor, *, config: Config | None = None,
         depth=depth,
         tile=tile,
         e4m3_rows=e4m3_rows,
+        split_pairs=split_pairs,
         decode_dtype=jnp.bfloat16 if config.decode_bfloat16 and lhs.dtype == jnp.bfloat16 else jnp.float32,
         precision=jax.lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else None,
     )
@@ -203,4 +236,4 @@ def grouped_matmul(lhs, q, group_sizes, factor, *, config: Config | None = None,
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name=f"quantized_grouped_matmul_{fmt}",
-    )(lhs, w, scales, factor.astype(jnp.float32), padded_sizes(group_sizes))
+    )(rows, w, scales, factor.astype(jnp.float32), padded_sizes(group_sizes))
