@@ -2,11 +2,12 @@
 
 ``grouped_matmul(lhs [N, K], q [S, M, K], group_sizes [S], factor [S]) -> [N, M] float32``: rows
 ``[start_s, end_s)`` times slot ``s``'s weights, times ``factor[s]``. ``fp8`` with e4m3 rows (W8A8) multiplies
-the weights' bytes as they are on the tensor cores (e4m3 x e4m3, float32 accumulation). Otherwise weight-only: each program loads a
-``[block_cols, block_k]`` tile of the packed weights (e4m3 bytes, or e2m1 pairs: even element in the low
-nibble) and its scales, decodes them in registers (e4m3 by Triton's conversion, e2m1 through it too,
-e8m0 as a float32 exponent) to ``lhs.dtype`` and runs a 16-bit (or float32) MMA with float32 accumulation. Decode is memory
-bound: the weights are read once per work item, in their packed size, never written back dequantized.
+the weights' bytes as they are on the tensor cores (e4m3 x e4m3, float32 accumulation). Otherwise weight-only:
+each program loads a ``[block_cols, block_k]`` tile of the packed weights (e4m3 bytes, or e2m1 pairs: even
+element in the low nibble) and its scales, decodes them in registers (e4m3 by Triton's conversion, e2m1 through
+it too, e8m0 as an exponent; in float32, or bfloat16 with ``Config.decode_bfloat16``) to ``lhs.dtype`` and runs
+a 16-bit (or float32) MMA with float32 accumulation. Decode is memory bound: the weights are read once per work
+item, in their packed size, never written back dequantized.
 
 What a tile decodes to, exactly (``lhs`` bfloat16 or float32):
 
