@@ -76,40 +76,24 @@ def main(argv=None):
     live = int(args.rows * args.real)
     sizes = jnp.asarray(rng.multinomial(live, [1 / args.groups] * args.groups), jnp.int32)
     x = jnp.asarray(rng.standard_normal((args.rows, args.depth)), jnp.bfloat16)
+    slot = np.repeat(np.arange(args.groups), np.asarray(sizes))
+    xs = np.asarray(x, np.float32)[:live]
+    flops = 2 * live * args.depth * args.width
     results = []
     for transpose in (False, True):
         shape = (args.groups, args.width, args.depth) if transpose else (args.groups, args.depth, args.width)
         w = jnp.asarray(rng.standard_normal(shape) / args.depth**0.5, jnp.bfloat16)
         dense = np.asarray(jnp.swapaxes(w, 1, 2) if transpose else w, np.float32)
-        slot = np.repeat(np.arange(args.groups), np.asarray(sizes))
-        xs = np.asarray(x, np.float32)[:live]
         want = np.concatenate([xs[slot == s] @ dense[s] for s in range(args.groups)])
-        flops = 2 * live * args.depth * args.width
-        variants = {
-            f"ws {c.block_m}x{c.block_n}x{c.block_k}/s{c.max_concurrent_steps}/t{c.grid_tile_width}": c for c in configs
-        }
         calls = {
-            name: jax.jit(lambda x, w, s, c=c: mosaic_ws.grouped_matmul(x, w, s, transpose_rhs=transpose, config=c))
-            for name, c in variants.items()
+            label(c): jax.jit(lambda x, w, s, c=c: mosaic_ws.grouped_matmul(x, w, s, transpose_rhs=transpose, config=c))
+            for c in configs
         }
         calls["ragged_dot_mgpu"] = jax.jit(
             lambda x, w, s: mosaic.grouped_matmul(x, w, s, transpose_rhs=transpose, config=mosaic.FORWARD)
         )
         calls["triton"] = jax.jit(lambda x, w, s: triton.grouped_matmul(x, w, s, transpose_rhs=transpose))
-        for name, call in calls.items():
-            row = {"transpose_rhs": transpose, "kernel": name, "floor_us": flops / PEAK_FLOPS * 1e6}
-            try:
-                got = np.asarray(call(x, w, sizes), np.float32)[:live]
-                seconds, _ = device_seconds(call, x, w, sizes, calls=10)
-                row |= {
-                    "us": seconds * 1e6,
-                    "tflops": flops / seconds / 1e12,
-                    "max_diff": float(np.abs(got - want).max()),
-                }
-            except Exception as err:  # a tiling past shared memory, a kernel that cannot compile here
-                row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
-            results.append(row)
-            print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+        results += timed_rows(calls, (x, w, sizes), want, flops, {"transpose_rhs": transpose}, rows=live)
     results += weight_gradient_rows(args, configs, x, sizes, rng)
     if args.json:
         with open(args.json, "w") as f:
@@ -134,25 +118,36 @@ def weight_gradient_rows(args, configs, x, sizes, rng):
     want = np.stack([xs[e - n : e].T @ dys[e - n : e] for n, e in zip(np.asarray(sizes), ends)])
     flops = 2 * live * args.depth * args.width
     calls = {
-        f"ws {c.block_m}x{c.block_n}x{c.block_k}/s{c.max_concurrent_steps}/t{c.grid_tile_width}": jax.jit(
-            lambda x, dy, s, c=c: mosaic_ws.transposed_grouped_matmul(x, dy, s, config=c)
-        )
+        label(c): jax.jit(lambda x, dy, s, c=c: mosaic_ws.transposed_grouped_matmul(x, dy, s, config=c))
         for c in configs
     }
     calls["transposed_ragged_dot_mgpu"] = jax.jit(mosaic.transposed_grouped_matmul)
     calls["triton"] = jax.jit(triton.transposed_grouped_matmul)
-    rows = []
+    return timed_rows(calls, (x, dy, sizes), want, flops, {"product": "weight gradient"})
+
+
+def label(config) -> str:
+    """A ``mosaic_ws.Config`` as ``--configs`` writes it."""
+    c = config
+    return f"ws {c.block_m}x{c.block_n}x{c.block_k}/s{c.max_concurrent_steps}/t{c.grid_tile_width}"
+
+
+def timed_rows(calls: dict, inputs: tuple, want, flops: int, fields: dict, *, rows: int | None = None) -> list:
+    """One printed row per call: ``fields``, microseconds per call from the profiler, TFLOP/s at ``flops``, the
+    floor at 989 TFLOP/s and the largest difference from ``want`` over the first ``rows`` output rows (all where
+    ``None``) -- or the error of a call that cannot compile or run here."""
+    out = []
     for name, call in calls.items():
-        row = {"product": "weight gradient", "kernel": name, "floor_us": flops / PEAK_FLOPS * 1e6}
+        row = {**fields, "kernel": name, "floor_us": flops / PEAK_FLOPS * 1e6}
         try:
-            got = np.asarray(call(x, dy, sizes), np.float32)
-            seconds, _ = device_seconds(call, x, dy, sizes, calls=10)
+            got = np.asarray(call(*inputs), np.float32)[:rows]
+            seconds, _ = device_seconds(call, *inputs, calls=10)
             row |= {"us": seconds * 1e6, "tflops": flops / seconds / 1e12, "max_diff": float(np.abs(got - want).max())}
         except Exception as err:  # a tiling past shared memory, a kernel that cannot compile here
             row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
-        rows.append(row)
+        out.append(row)
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
-    return rows
+    return out
 
 
 if __name__ == "__main__":

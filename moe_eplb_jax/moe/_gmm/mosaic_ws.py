@@ -61,6 +61,12 @@ def supports(x_shape, w_shape, dtype, *, transpose_rhs: bool = False, config: Co
     return x_shape[1] == depth and depth % config.block_k == 0 and width % (2 * config.block_n) == 0
 
 
+def _num_sms() -> int:
+    """The persistent grid's size: the card's SM count (an H100's where no GPU is attached, for lowering on a CPU)."""
+    device = jax.devices()[0]
+    return device.core_count if device.platform == "gpu" else H100_SMS
+
+
 def _item_rows(sizes_ref, num_groups: int, row_tile, block_m: int):
     """``(group, first_row, start, size)`` of the work item in row-tile slot ``row_tile``: its group, the first row of
     its tile and the rows of the group inside the tile (``size`` 0: no such item). Items are numbered group by
@@ -192,8 +198,6 @@ def grouped_matmul(x, w, group_sizes, *, transpose_rhs: bool = False, config: Co
     if num_rows % config.block_m:  # every row tile's load inside the array
         x = jnp.pad(x, ((0, -num_rows % config.block_m), (0, 0)))
     width = w.shape[1] if transpose_rhs else w.shape[2]
-    devices = jax.devices()
-    sms = devices[0].core_count if devices[0].platform == "gpu" else H100_SMS
     kernel = plgpu.kernel(
         functools.partial(
             _kernel,
@@ -202,7 +206,7 @@ def grouped_matmul(x, w, group_sizes, *, transpose_rhs: bool = False, config: Co
             num_row_tiles=pl.cdiv(x.shape[0], config.block_m) + w.shape[0] - 1,
         ),
         out_type=jax.ShapeDtypeStruct((x.shape[0], width), x.dtype),
-        grid=(sms,),
+        grid=(_num_sms(),),
         grid_names=("sm",),
         num_threads=3,
         thread_name="wg",
@@ -341,8 +345,6 @@ def transposed_grouped_matmul(x, dy, group_sizes, *, config: Config = Config()):
         x, dy = jnp.pad(x, pad), jnp.pad(dy, pad)
     sizes = group_sizes.astype(jnp.int32)
     starts = jnp.cumsum(sizes) - sizes
-    devices = jax.devices()
-    sms = devices[0].core_count if devices[0].platform == "gpu" else H100_SMS
     depth, width = x.shape[1], dy.shape[1]
     kernel = plgpu.kernel(
         functools.partial(
@@ -352,7 +354,7 @@ def transposed_grouped_matmul(x, dy, group_sizes, *, config: Config = Config()):
             num_out_tiles=(depth // config.block_m) * (width // (2 * config.block_n)),
         ),
         out_type=jax.ShapeDtypeStruct((num_groups, depth, width), x.dtype),
-        grid=(sms,),
+        grid=(_num_sms(),),
         grid_names=("sm",),
         num_threads=3,
         thread_name="wg",

@@ -85,20 +85,23 @@ def _decode_tile(w_ref, s_ref, first, k, *, fmt, block_k, block_cols, dtype=jnp.
         values = _e4m3(w_ref[pl.ds(first, block_cols), pl.ds(k * block_k, block_k)], dtype)
     if fmt not in _SCALE_BLOCK:
         return values
+    scale = _block_scales(s_ref, first, k, fmt=fmt, block_k=block_k, block_cols=block_cols, dtype=dtype)
+    return values * _spread(scale, _SCALE_BLOCK[fmt])
+
+
+def _block_scales(s_ref, first, k, *, fmt, block_k, block_cols, dtype):
+    """The tile's block scales ``[block_cols, block_k // block]`` in ``dtype`` (MX: e8m0, NVFP4: e4m3)."""
     block = _SCALE_BLOCK[fmt]
     codes = s_ref[pl.ds(first, block_cols), pl.ds(k * (block_k // block), block_k // block)]
-    scale = _e4m3(codes, dtype) if fmt == "nvfp4" else _e8m0(codes.astype(jnp.int32), dtype)
-    return values * _spread(scale, block)
+    return _e4m3(codes, dtype) if fmt == "nvfp4" else _e8m0(codes.astype(jnp.int32), dtype)
 
 
 def _decode_pairs(w_ref, s_ref, first, k, *, fmt, block_k, block_cols, dtype=jnp.float32):
     """An e2m1 weight tile as ``(even, odd)`` ``[block_cols, block_k // 2]`` in ``dtype``: the contraction's even
     and odd elements of step ``k``, each with its block's scale, not interleaved."""
     packed = w_ref[pl.ds(first, block_cols), pl.ds(k * (block_k // 2), block_k // 2)]
-    block = _SCALE_BLOCK[fmt]
-    codes = s_ref[pl.ds(first, block_cols), pl.ds(k * (block_k // block), block_k // block)]
-    scale = _e4m3(codes, dtype) if fmt == "nvfp4" else _e8m0(codes.astype(jnp.int32), dtype)
-    spread = _spread(scale, block // 2)  # a block's 16 (8) even and 16 (8) odd elements share its scale
+    scale = _block_scales(s_ref, first, k, fmt=fmt, block_k=block_k, block_cols=block_cols, dtype=dtype)
+    spread = _spread(scale, _SCALE_BLOCK[fmt] // 2)  # a block's 16 (8) even and 16 (8) odd elements share its scale
     return tuple(values * spread for values in _e2m1_pair(packed, dtype))
 
 
