@@ -332,6 +332,10 @@ def test_warp_specialized_weight_gradient_lowers_for_hopper():
         mosaic_ws.transposed_grouped_matmul(
             jnp.zeros((64, 96), jnp.bfloat16), jnp.zeros((64, 256), jnp.bfloat16), jnp.zeros(2, jnp.int32)
         )
+    with pytest.raises(ValueError, match="group_sizes"):
+        mosaic_ws.transposed_grouped_matmul(
+            jnp.zeros((64, 128), jnp.bfloat16), jnp.zeros((64, 256), jnp.bfloat16), jnp.zeros((2, 1), jnp.int32)
+        )
     assert not mosaic_ws.supports_transposed((64, 256), (64, 256), jnp.float32)
     assert not mosaic_ws.supports_transposed((64, 256), (32, 256), jnp.bfloat16)
 

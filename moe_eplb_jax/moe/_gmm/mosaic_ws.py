@@ -339,6 +339,8 @@ def transposed_grouped_matmul(x, dy, group_sizes, *, config: Config = Config()):
 
     if not supports_transposed(x.shape, dy.shape, x.dtype, config=config) or x.dtype != dy.dtype:
         raise ValueError(f"mosaic_ws takes 16-bit x [N, K] and dy [N, M] that tile {config}; got {x.shape}, {dy.shape}")
+    if group_sizes.ndim != 1:
+        raise ValueError(f"group_sizes must have shape [S], got {group_sizes.shape}")
     num_groups = group_sizes.shape[0]
     if x.shape[0] % config.block_k:  # every chunk's load inside the arrays
         pad = ((0, -x.shape[0] % config.block_k), (0, 0))
