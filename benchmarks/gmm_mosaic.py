@@ -121,7 +121,9 @@ def weight_gradient_rows(args, configs, x, sizes, rng):
         label(c): jax.jit(lambda x, dy, s, c=c: mosaic_ws.transposed_grouped_matmul(x, dy, s, config=c))
         for c in configs
     }
-    calls["transposed_ragged_dot_mgpu"] = jax.jit(mosaic.transposed_grouped_matmul)
+    calls["transposed_ragged_dot_mgpu"] = jax.jit(
+        lambda x, dy, s: mosaic.transposed_grouped_matmul(x, dy, s, config=mosaic.WEIGHT_GRADIENT)
+    )
     calls["triton"] = jax.jit(triton.transposed_grouped_matmul)
     return timed_rows(calls, (x, dy, sizes), want, flops, {"product": "weight gradient"})
 

@@ -42,15 +42,11 @@ def parse_args(argv=None):
     p.add_argument(
         "--configs",
         default=None,
-        help="comma-separated tilings ROWSxCOLSxK/wWARPS/sSTAGES (e.g. 64x256x128/w8/s3) instead of the sweep; a "
-        "quantized format's may end /bf16 (Config.decode_bfloat16) and /pairs (Config.split_pairs)",
+        help="comma-separated tilings ROWSxCOLSxK/wWARPS/sSTAGES (e.g. 64x256x128/w8/s3) instead of the sweep",
     )
     p.add_argument("--show", type=int, default=5, help="tilings printed per case, fastest first")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
-
-
-QUANTIZED_SUFFIXES = {"bf16": "decode_bfloat16", "pairs": "split_pairs"}  # --configs' switches of moe._qgmm.Config
 
 
 def parse_configs(text: str, config_type) -> list:
@@ -58,10 +54,7 @@ def parse_configs(text: str, config_type) -> list:
     configs = []
     for item in text.split(","):
         try:
-            blocks, warps, stages, *suffixes = item.split("/")
-            options = {QUANTIZED_SUFFIXES[suffix]: True for suffix in suffixes if suffix in QUANTIZED_SUFFIXES}
-            if len(options) != len(suffixes):
-                raise ValueError(f"suffixes are {sorted(QUANTIZED_SUFFIXES)}, each at most once")
+            blocks, warps, stages = item.split("/")
             rows, cols, depth = (int(v) for v in blocks.split("x"))
             configs.append(
                 config_type(
@@ -70,11 +63,10 @@ def parse_configs(text: str, config_type) -> list:
                     block_k=depth,
                     num_warps=int(warps.removeprefix("w")),
                     num_stages=int(stages.removeprefix("s")),
-                    **options,
                 )
             )
         except (TypeError, ValueError) as err:
-            raise SystemExit(f"--configs: {item!r} is not ROWSxCOLSxK/wWARPS/sSTAGES[/bf16][/pairs] ({err})") from None
+            raise SystemExit(f"--configs: {item!r} is not ROWSxCOLSxK/wWARPS/sSTAGES ({err})") from None
     return configs
 
 
@@ -129,7 +121,7 @@ def kernel_case(fmt: str, x, w):
     lhs_of = (lambda x: x.astype(jnp.float8_e4m3fn)) if fmt == "fp8" else (lambda x: x)
     factor = q.global_scale if fmt == "nvfp4" else (q.alpha if fmt == "fp8" else jnp.ones((w.shape[0],)))
     call = lambda config, x, sizes, q: qtriton.grouped_matmul(lhs_of(x), q, sizes, factor, config=config)
-    default = lambda rows, width, groups: qconfig.default_config(rows, groups)
+    default = lambda rows, width, groups: qconfig.default_config(rows, groups, fmt)
     dense = jnp.swapaxes(quant.dequantize_experts(q).astype(jnp.float32), 1, 2)
     if fmt == "fp8":  # the kernel's product: e4m3 values times alpha
         dense = jnp.swapaxes(q.weight.astype(jnp.float32), 1, 2) * factor.astype(jnp.float32)[:, None, None]
@@ -206,8 +198,7 @@ def main(argv=None):
                 rows_out.append(
                     {
                         "config": f"{config.block_rows}x{config.block_cols}x{config.block_k} "
-                        f"w{config.num_warps} s{config.num_stages}"
-                        + "".join(f" {k}" for k, v in QUANTIZED_SUFFIXES.items() if getattr(config, v, False)),
+                        f"w{config.num_warps} s{config.num_stages}",
                         "default": config == default,
                         "us": seconds * 1e6,
                         "x_floor": seconds * hbm / floor_bytes if hbm else float("nan"),

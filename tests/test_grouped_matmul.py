@@ -281,20 +281,34 @@ def test_warp_specialized_mosaic_kernel_lowers_for_hopper(transpose_rhs):
     assert not mosaic_ws.supports((64, 256), (2, 256, 128), jnp.float32)
 
 
-@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["forward", "transposed"])
-def test_mosaic_products_take_the_warp_specialized_kernel_where_its_bands_tile(transpose_rhs):
-    """No GPU needed: ``_gmm.mosaic``'s forward and input-gradient products lower to the warp-specialized kernel
-    where the output width is a multiple of its 256-column bands, to JAX's ``ragged_dot_mgpu`` where it is not."""
+@pytest.mark.parametrize("product", ["forward", "transposed", "weight_gradient"])
+def test_mosaic_products_take_the_warp_specialized_kernel_where_its_bands_tile(product):
+    """No GPU needed: ``_gmm.mosaic``'s three products lower to the warp-specialized kernels where the output width
+    is a multiple of their 256-column bands, to JAX's ``ragged_dot_mgpu`` where it is not (the weight gradient's
+    fallback, JAX's ``transposed_ragged_dot_mgpu``, reads the device's SM count: it lowers on a card only)."""
+    from moe_eplb_jax.moe._gmm import mosaic_ws
+
     checks = [jax.export.DisabledSafetyCheck.custom_call(name) for name in ("mosaic_gpu", "mosaic_gpu_v2")]
     for width, warp_specialized in ((512, True), (384, False)):
-        w_shape = (8, width, 256) if transpose_rhs else (8, 256, width)
+        if product == "weight_gradient":
+            if not warp_specialized:
+                fits = mosaic_ws.supports_transposed(
+                    (4096, 256), (4096, width), jnp.bfloat16, config=mosaic.WARP_SPECIALIZED
+                )
+                assert not fits
+                continue
+            second, kernel_name = (4096, width), "transposed_grouped_matmul_ws"
+            call = jax.jit(mosaic.transposed_grouped_matmul)
+        else:
+            transpose_rhs = product == "transposed"
+            second, kernel_name = ((8, width, 256) if transpose_rhs else (8, 256, width)), "grouped_matmul_ws"
+            call = jax.jit(lambda x, w, s, t=transpose_rhs: mosaic.grouped_matmul(x, w, s, transpose_rhs=t))
         args = [
             jax.ShapeDtypeStruct(s, d)
-            for s, d in (((4096, 256), jnp.bfloat16), (w_shape, jnp.bfloat16), ((8,), jnp.int32))
+            for s, d in (((4096, 256), jnp.bfloat16), (second, jnp.bfloat16), ((8,), jnp.int32))
         ]
-        call = jax.jit(lambda x, w, s: mosaic.grouped_matmul(x, w, s, transpose_rhs=transpose_rhs))
         module = jax.export.export(call, platforms=["cuda"], disabled_checks=checks)(*args).mlir_module()
-        assert ("grouped_matmul_ws" in module) == warp_specialized
+        assert (kernel_name in module) == warp_specialized
 
 
 @gpu

@@ -12,7 +12,6 @@ activations. On CPU: ``reference`` and the Triton kernel in Pallas' interpreter
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -165,82 +164,6 @@ def test_decoders_match_the_formats_tables():
     np.testing.assert_array_equal(e8m0[1:255], np.exp2(np.arange(1, 255) - 127.0).astype(np.float32))
 
 
-def test_bfloat16_decoders_match_the_float32_ones():
-    """``Config.decode_bfloat16``'s decoders give the float32 decoders' values, each exact in bfloat16."""
-    codes = jnp.arange(256, dtype=jnp.int32)
-    pairs = [
-        (qtriton._e4m3(codes.astype(jnp.uint8)), qtriton._e4m3(codes.astype(jnp.uint8), jnp.bfloat16)),
-        *zip(qtriton._e2m1_pair(codes.astype(jnp.uint8)), qtriton._e2m1_pair(codes.astype(jnp.uint8), jnp.bfloat16)),
-        (qtriton._e8m0(codes), qtriton._e8m0(codes, jnp.bfloat16)),
-    ]
-    for wide, narrow in pairs:
-        assert narrow.dtype == jnp.bfloat16
-        wide, narrow = np.asarray(wide), np.asarray(narrow, np.float32)
-        np.testing.assert_array_equal(np.isnan(narrow), np.isnan(wide))
-        keep = ~np.isnan(wide)
-        np.testing.assert_array_equal(narrow.view(np.uint32)[keep], wide.view(np.uint32)[keep])  # -0.0 too
-
-
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("implementation", ["pallas_interpret", pytest.param("triton", marks=gpu)])
-def test_decoding_in_bfloat16_gives_the_same_bits(implementation, fmt, rng):
-    """With bfloat16 rows the kernel decoding in bfloat16 writes what it writes decoding in float32, bit for bit:
-    tiny block scales (MX code 0, subnormal products), signed zeros and a NaN row included."""
-    sizes = np.array([20, 28], np.int32)
-    x, _ = _case(rng, fmt, jnp.bfloat16, sizes)
-    w = rng.standard_normal((2, WIDTH, DEPTH)).astype(np.float32)
-    w[0] *= np.float32(1e-33)
-    w[1, :4, :32] = np.float32(1e-39)
-    w[1, 8:10] = -0.0
-    x[3, 9] = np.nan
-    q = _quantize(w, fmt)
-    outputs = [
-        np.asarray(
-            qmm.quantized_grouped_matmul(
-                jnp.asarray(x),
-                q,
-                jnp.asarray(sizes),
-                implementation=implementation,
-                config=dataclasses.replace(CONFIG, decode_bfloat16=flag),
-            )
-        )
-        for flag in (False, True)
-    ]
-    np.testing.assert_array_equal(outputs[1].view(np.uint32), outputs[0].view(np.uint32))
-
-
-@pytest.mark.parametrize("decode_bfloat16", [False, True], ids=["float32-decode", "bfloat16-decode"])
-@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-@pytest.mark.parametrize("implementation", ["pallas_interpret", pytest.param("triton", marks=gpu)])
-def test_split_pairs_match_the_oracle(implementation, fmt, decode_bfloat16, rng):
-    """``Config.split_pairs``: each packed byte's even and odd elements through two products over the
-    contraction's halves -- the oracle's values (another summation order), empty groups, shared tiles, NaN
-    padding rows reaching nothing, a row with a NaN giving NaNs where the oracle's does."""
-    sizes = np.array([13, 0, 20, 3], np.int32)
-    x, q = _case(rng, fmt, jnp.bfloat16, sizes)
-    x[36:] = np.nan
-    x[5, 3] = np.nan
-    config = qmm.Config(block_rows=16, block_k=32, block_cols=16, split_pairs=True, decode_bfloat16=decode_bfloat16)
-    got = np.asarray(
-        qmm.quantized_grouped_matmul(
-            jnp.asarray(x), q, jnp.asarray(sizes), implementation=implementation, config=config
-        )
-    )
-    want = _oracle(x, q, sizes)
-    np.testing.assert_array_equal(np.isnan(got[:36]), np.isnan(want[:36]))
-    clean = np.ones(36, bool)
-    clean[5] = False
-    _assert_close(got[:36][clean], want[:36][clean], int(clean.sum()))
-    with pytest.raises(ValueError, match="K=64 needs a power-of-two block >= 32"):
-        qmm.quantized_grouped_matmul(
-            jnp.asarray(x),
-            q,
-            jnp.asarray(sizes),
-            implementation="pallas_interpret",
-            config=dataclasses.replace(config, block_k=16),
-        )
-
-
 @pytest.mark.parametrize("implementation", ["reference", "pallas_interpret"])
 def test_rows_compute_alike_wherever_they_sit(implementation, rng):
     """A row's result does not depend on its slot's index, its neighbours or the padding (bit for bit)."""
@@ -374,6 +297,17 @@ def _spec_experts(fmt, slots, width, depth):
     return quant.Nvfp4Experts(
         spec((slots, width, depth // 2), u8), spec((slots, width, depth // 16), f8), spec((slots,), f32)
     )
+
+
+def test_default_tiling_follows_the_rows_per_slot_and_the_format():
+    """Decode (up to 16 rows a slot) takes 16-row tiles, prefill (4096 rows and more) 128 x 128 on 8 warps; in
+    between fp8 alone takes 128-column tiles (measured: ``moe._qgmm.config.default_config``)."""
+    from moe_eplb_jax.moe._qgmm.config import default_config
+
+    assert default_config(512, 32, "fp8") == default_config(512, 32, "mxfp4") == qmm.Config(block_rows=16)
+    assert default_config(2048, 32, "fp8") == qmm.Config(block_cols=128)
+    assert all(default_config(2048, 32, fmt) == qmm.Config() for fmt in FORMATS if fmt != "fp8")
+    assert default_config(16384, 8, "fp8") == qmm.Config(block_rows=128, block_cols=128, num_warps=8)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -17,7 +17,6 @@ from jax import export
 
 from moe_eplb_jax import quant
 from moe_eplb_jax.moe._gmm import triton as gmm_triton
-from moe_eplb_jax.moe._qgmm import config as qgmm_config
 from moe_eplb_jax.moe._qgmm import triton as qgmm_triton
 
 try:
@@ -66,18 +65,12 @@ def test_weight_gradient_lowers_for_hopper(hopper):
     assert module.count(TRITON_CALL) == 1
 
 
-@pytest.mark.parametrize(
-    "options",
-    [{}, {"decode_bfloat16": True}, {"split_pairs": True}, {"split_pairs": True, "decode_bfloat16": True}],
-    ids=["float32-decode", "bfloat16-decode", "split-pairs", "split-pairs-bfloat16"],
-)
 @pytest.mark.parametrize("fmt", quant.FORMATS)
-def test_quantized_grouped_matmul_lowers_for_hopper(hopper, fmt, options):
+def test_quantized_grouped_matmul_lowers_for_hopper(hopper, fmt):
     w = jnp.ones((4, 128, 256), jnp.float32)
     q = quant.quantize_experts(w, fmt, block_size=(32, 64)) if fmt == "fp8_block" else quant.quantize_experts(w, fmt)
     x, sizes = jax.ShapeDtypeStruct((64, 256), jnp.bfloat16), jax.ShapeDtypeStruct((4,), jnp.int32)
-    config = qgmm_config.Config(**options)
-    module = lowered_for_cuda(lambda x, s: qgmm_triton.grouped_matmul(x, q, s, jnp.ones((4,)), config=config), x, sizes)
+    module = lowered_for_cuda(lambda x, s: qgmm_triton.grouped_matmul(x, q, s, jnp.ones((4,))), x, sizes)
     assert module.count(TRITON_CALL) == 1
 
 

@@ -3,8 +3,9 @@
 The forward and input-gradient products run the project's warp-specialized kernel (``mosaic_ws``: one warpgroup
 loads while two multiply, items past the real rows skipped) where the output width tiles its 256-column bands, and
 JAX's ``ragged_dot_mgpu`` (one warpgroup alternating loads and products, every row tile computed) elsewhere; the
-weight gradient is JAX's ``transposed_ragged_dot_mgpu``. This module fixes their tilings per product and says
-which shapes they take. Outputs are in the inputs' dtype, accumulated in float32.
+weight gradient likewise runs ``mosaic_ws.transposed_grouped_matmul`` where its tiles fit and JAX's
+``transposed_ragged_dot_mgpu`` elsewhere. This module fixes their tilings per product and says which shapes they
+take. Outputs are in the inputs' dtype, accumulated in float32.
 """
 
 from __future__ import annotations
@@ -81,9 +82,15 @@ def grouped_matmul(x, w, group_sizes, *, transpose_rhs: bool = False, config: Co
     return call(x, w, group_sizes=group_sizes.astype(jnp.int32))
 
 
-def transposed_grouped_matmul(x, dy, group_sizes, *, config: Config = WEIGHT_GRADIENT):
+def transposed_grouped_matmul(x, dy, group_sizes, *, config: Config | mosaic_ws.Config | None = None):
     """Per group ``x_s^T @ dy_s`` -> ``[S, K, M]`` in ``x.dtype`` (zero for an empty group). Rows outside the
-    groups must hold finite values (the kernel masks the edge tiles by multiplying by zero)."""
+    groups must hold finite values (both kernels let them into the product, masked to zero). ``config`` as in
+    :func:`grouped_matmul`: ``None`` the warp-specialized kernel where its tiles fit, else JAX's."""
+    if config is None:
+        fits = mosaic_ws.supports_transposed(x.shape, dy.shape, x.dtype, config=WARP_SPECIALIZED)
+        config = WARP_SPECIALIZED if fits and x.dtype == dy.dtype else WEIGHT_GRADIENT
+    if isinstance(config, mosaic_ws.Config):
+        return mosaic_ws.transposed_grouped_matmul(x, dy, group_sizes, config=config)
     _, transposed = _ops()
     return transposed.transposed_ragged_dot(
         x, dy, group_sizes=group_sizes.astype(jnp.int32), **dataclasses.asdict(config)

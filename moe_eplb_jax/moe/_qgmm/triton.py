@@ -5,9 +5,8 @@
 the weights' bytes as they are on the tensor cores (e4m3 x e4m3, float32 accumulation). Otherwise weight-only:
 each program loads a ``[block_cols, block_k]`` tile of the packed weights (e4m3 bytes, or e2m1 pairs: even
 element in the low nibble) and its scales, decodes them in registers (e4m3 by Triton's conversion, e2m1 through
-it too, e8m0 as an exponent; in float32, or bfloat16 with ``Config.decode_bfloat16``) to ``lhs.dtype`` and runs
-a 16-bit (or float32) MMA with float32 accumulation. Decode is memory bound: the weights are read once per work
-item, in their packed size, never written back dequantized.
+it too, e8m0 as an exponent; in float32) to ``lhs.dtype`` and runs a 16-bit (or float32) MMA with float32
+accumulation. The weights are read once per work item, in their packed size, never written back dequantized.
 
 What a tile decodes to, exactly (``lhs`` bfloat16 or float32):
 
@@ -41,14 +40,14 @@ __all__ = ["grouped_matmul", "operands"]
 _SCALE_BLOCK = {"mxfp8": 32, "mxfp4": 32, "nvfp4": 16}
 
 
-def _e4m3(code, dtype=jnp.float32):
-    """uint8 e4m3fn codes -> ``dtype`` (NaN for 0x7F / 0xFF): Triton's ``fp_to_fp``, the hardware conversion on
+def _e4m3(code):
+    """uint8 e4m3fn codes -> float32 (NaN for 0x7F / 0xFF): Triton's ``fp_to_fp``, the hardware conversion on
     Hopper (subnormals exact, no flush; every e4m3 value is exact in bfloat16 too)."""
-    return jax.lax.bitcast_convert_type(code, jnp.float8_e4m3fn).astype(dtype)
+    return jax.lax.bitcast_convert_type(code, jnp.float8_e4m3fn).astype(jnp.float32)
 
 
-def _e2m1_pair(packed, dtype=jnp.float32):
-    """uint8 bytes of two e2m1 codes -> ``dtype`` ``(even, odd)`` elements (the even one in the low nibble).
+def _e2m1_pair(packed):
+    """uint8 bytes of two e2m1 codes -> float32 ``(even, odd)`` elements (the even one in the low nibble).
 
     Each code's fields moved into an e4m3 byte (sign to bit 7, exponent and mantissa two bits up) make an
     e4m3 value of exactly ``e2m1 * 2**-6`` -- the subnormal codes too, as both formats' subnormals line up --
@@ -56,17 +55,13 @@ def _e2m1_pair(packed, dtype=jnp.float32):
     """
     low = ((packed & 0x08) << 4) | ((packed & 0x07) << 2)
     high = (packed & 0x80) | ((packed & 0x70) >> 2)
-    return _e4m3(low, dtype) * jnp.asarray(64, dtype), _e4m3(high, dtype) * jnp.asarray(64, dtype)
+    return _e4m3(low) * jnp.float32(64), _e4m3(high) * jnp.float32(64)
 
 
-def _e8m0(code, dtype=jnp.float32):
-    """int32 e8m0 codes -> ``dtype`` (float32 or bfloat16, one exponent width) ``2**(code - 127)``; code 0 gives
-    0 (a subnormal, below the exponent range), 255 NaN."""
-    if dtype == jnp.bfloat16:
-        value = jax.lax.bitcast_convert_type((code << 7).astype(jnp.uint16), jnp.bfloat16)
-    else:
-        value = jax.lax.bitcast_convert_type(code << 23, jnp.float32)
-    return jnp.where(code == 255, jnp.asarray(jnp.nan, dtype), value)
+def _e8m0(code):
+    """int32 e8m0 codes -> float32 ``2**(code - 127)``; code 0 gives 0 (a subnormal, below float32's exponent
+    range), 255 NaN."""
+    return jnp.where(code == 255, jnp.float32(jnp.nan), jax.lax.bitcast_convert_type(code << 23, jnp.float32))
 
 
 def _spread(scale, block: int):
@@ -75,34 +70,19 @@ def _spread(scale, block: int):
     return jnp.broadcast_to(scale[:, :, None], (cols, blocks, block)).reshape(cols, blocks * block)
 
 
-def _decode_tile(w_ref, s_ref, first, k, *, fmt, block_k, block_cols, dtype=jnp.float32):
-    """The weight tile ``[block_cols, block_k]`` (weight rows from ``first``, contraction step ``k``) in ``dtype``
-    (float32, or bfloat16: the same values, see ``Config.decode_bfloat16``)."""
+def _decode_tile(w_ref, s_ref, first, k, *, fmt, block_k, block_cols):
+    """The weight tile ``[block_cols, block_k]`` (weight rows from ``first``, contraction step ``k``) in float32."""
     if fmt in ("mxfp4", "nvfp4"):
         packed = w_ref[pl.ds(first, block_cols), pl.ds(k * (block_k // 2), block_k // 2)]
-        values = jax.lax.stack(_e2m1_pair(packed, dtype), axis=2).reshape(block_cols, block_k)
+        values = jax.lax.stack(_e2m1_pair(packed), axis=2).reshape(block_cols, block_k)
     else:
-        values = _e4m3(w_ref[pl.ds(first, block_cols), pl.ds(k * block_k, block_k)], dtype)
+        values = _e4m3(w_ref[pl.ds(first, block_cols), pl.ds(k * block_k, block_k)])
     if fmt not in _SCALE_BLOCK:
         return values
-    scale = _block_scales(s_ref, first, k, fmt=fmt, block_k=block_k, block_cols=block_cols, dtype=dtype)
-    return values * _spread(scale, _SCALE_BLOCK[fmt])
-
-
-def _block_scales(s_ref, first, k, *, fmt, block_k, block_cols, dtype):
-    """The tile's block scales ``[block_cols, block_k // block]`` in ``dtype`` (MX: e8m0, NVFP4: e4m3)."""
     block = _SCALE_BLOCK[fmt]
     codes = s_ref[pl.ds(first, block_cols), pl.ds(k * (block_k // block), block_k // block)]
-    return _e4m3(codes, dtype) if fmt == "nvfp4" else _e8m0(codes.astype(jnp.int32), dtype)
-
-
-def _decode_pairs(w_ref, s_ref, first, k, *, fmt, block_k, block_cols, dtype=jnp.float32):
-    """An e2m1 weight tile as ``(even, odd)`` ``[block_cols, block_k // 2]`` in ``dtype``: the contraction's even
-    and odd elements of step ``k``, each with its block's scale, not interleaved."""
-    packed = w_ref[pl.ds(first, block_cols), pl.ds(k * (block_k // 2), block_k // 2)]
-    scale = _block_scales(s_ref, first, k, fmt=fmt, block_k=block_k, block_cols=block_cols, dtype=dtype)
-    spread = _spread(scale, _SCALE_BLOCK[fmt] // 2)  # a block's 16 (8) even and 16 (8) odd elements share its scale
-    return tuple(values * spread for values in _e2m1_pair(packed, dtype))
+    scale = _e4m3(codes) if fmt == "nvfp4" else _e8m0(codes.astype(jnp.int32))
+    return values * _spread(scale, block)
 
 
 def _kernel(lhs_ref, w_ref, s_ref, factor_ref, sizes_ref, out_ref, **st):
@@ -126,17 +106,6 @@ def _kernel(lhs_ref, w_ref, s_ref, factor_ref, sizes_ref, out_ref, **st):
             )
             return loaded.reshape(block_rows, size)
 
-        def pairs_step(k, acc):  # split_pairs: the even and the odd half of the contraction, two products
-            halves = _decode_pairs(
-                w_ref, s_ref, first, k, fmt=fmt, block_k=block_k, block_cols=block_cols, dtype=st["decode_dtype"]
-            )
-            for parity, half in enumerate(halves):  # lhs [N, K // 2, 2]: the pairs' elements on the last axis
-                a = rows_of(pl.ds(k * (block_k // 2), block_k // 2), pl.ds(parity, 1), size=block_k // 2)
-                acc = acc + jnp.dot(
-                    a, half.astype(a.dtype).T, preferred_element_type=jnp.float32, precision=st["precision"]
-                )
-            return acc
-
         def step(k, acc):
             a = rows_of(pl.ds(k * block_k, block_k), size=block_k)
             if st["e4m3_rows"]:  # W8A8: e4m3 times e4m3 on the tensor cores, nothing decoded
@@ -144,17 +113,14 @@ def _kernel(lhs_ref, w_ref, s_ref, factor_ref, sizes_ref, out_ref, **st):
                 codes = w_ref[pl.ds(first, block_cols), pl.ds(k * block_k, block_k)]
                 b = jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn)
             else:
-                b = _decode_tile(
-                    w_ref, s_ref, first, k, fmt=fmt, block_k=block_k, block_cols=block_cols, dtype=st["decode_dtype"]
-                )
+                b = _decode_tile(w_ref, s_ref, first, k, fmt=fmt, block_k=block_k, block_cols=block_cols)
             part = jnp.dot(a, b.astype(a.dtype).T, preferred_element_type=jnp.float32, precision=st["precision"])
             if fmt == "fp8_block":  # one float32 scale per (tile row block, contraction block)
                 bn, bk = st["tile"]
                 part = part * s_ref[(group * width + col * block_cols) // bn, (k * block_k) // bk]
             return acc + part
 
-        body = pairs_step if st["split_pairs"] else step
-        acc = jax.lax.fori_loop(0, depth // block_k, body, jnp.zeros((block_rows, block_cols), jnp.float32))
+        acc = jax.lax.fori_loop(0, depth // block_k, step, jnp.zeros((block_rows, block_cols), jnp.float32))
         plgpu.store(
             out_ref.at[pl.ds(first_row, block_rows), pl.ds(col * block_cols, block_cols)],
             acc * factor_ref[group],
@@ -186,8 +152,6 @@ def _blocks(config: Config, fmt: str, width: int, depth: int, tile) -> tuple[int
     if tile is not None:
         block_k, block_cols = min(block_k, tile[1]), min(block_cols, tile[0])
     least_k = max(16, _SCALE_BLOCK.get(fmt, 16))
-    if config.split_pairs and fmt in ("mxfp4", "nvfp4"):
-        least_k = max(least_k, 32)  # each half a product of its own, 16 deep at least
     for name, block, size, least in (("K", block_k, depth, least_k), ("M", block_cols, width, 16)):
         if block < least or block & (block - 1) or size % block:
             raise ValueError(
@@ -212,10 +176,8 @@ def grouped_matmul(lhs, q, group_sizes, factor, *, config: Config | None = None,
     e4m3_rows = lhs.dtype == jnp.float8_e4m3fn
     if e4m3_rows:
         lhs = jax.lax.bitcast_convert_type(lhs, jnp.uint8)
-    config = config or default_config(num_rows, num_slots)
+    config = config or default_config(num_rows, num_slots, fmt)
     block_k, block_cols = _blocks(config, fmt, width, depth, tile)
-    split_pairs = config.split_pairs and fmt in ("mxfp4", "nvfp4")
-    rows = lhs.reshape(num_rows, depth // 2, 2) if split_pairs else lhs  # a view: the pairs' two elements apart
     kernel = functools.partial(
         _kernel,
         block_rows=config.block_rows,
@@ -226,8 +188,6 @@ def grouped_matmul(lhs, q, group_sizes, factor, *, config: Config | None = None,
         depth=depth,
         tile=tile,
         e4m3_rows=e4m3_rows,
-        split_pairs=split_pairs,
-        decode_dtype=jnp.bfloat16 if config.decode_bfloat16 and lhs.dtype == jnp.bfloat16 else jnp.float32,
         precision=jax.lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else None,
     )
     whole = pl.no_block_spec
@@ -240,4 +200,4 @@ def grouped_matmul(lhs, q, group_sizes, factor, *, config: Config | None = None,
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name=f"quantized_grouped_matmul_{fmt}",
-    )(rows, w, scales, factor.astype(jnp.float32), padded_sizes(group_sizes))
+    )(lhs, w, scales, factor.astype(jnp.float32), padded_sizes(group_sizes))
