@@ -200,7 +200,7 @@ def test_one_rank_path_reads_token_rows_inside_the_kernel(rng):
     np.testing.assert_array_equal(np.asarray(jax.jit(fused)(x, experts))[unsent], 0.0)
 
     def gathered(x, experts):  # the same layer with the rows gathered first (no fused kernel anywhere)
-        order, inverse, sizes = local.sort_local(jnp.asarray(physical), slots)
+        order, inverse, sizes, _ = local.sort_local(jnp.asarray(physical), slots)
         rows = local.gather_rows(x, order, inverse, sizes, top_k)
         y = expert_mlp(rows, experts, sizes, implementation="pallas_interpret")
         return local.combine_local(y, order, inverse, jnp.asarray(physical), weights)

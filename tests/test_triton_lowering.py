@@ -80,3 +80,15 @@ def test_fp8_rows_lower_for_hopper_as_an_e4m3_product(hopper):
     x, sizes = jax.ShapeDtypeStruct((64, 256), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((4,), jnp.int32)
     module = lowered_for_cuda(lambda x, s: qgmm_triton.grouped_matmul(x, q, s, jnp.ones((4,))), x, sizes)
     assert module.count(TRITON_CALL) == 1
+
+
+@pytest.mark.parametrize("entries", [200, 2048])
+def test_slot_sort_lowers_for_hopper(hopper, entries):
+    """The decode sort: one Triton kernel (its scatters by place included) reading the slots and writing the three
+    outputs as they are, no XLA op around it."""
+    from moe_eplb_jax.moe._slot_sort import triton as slot_sort
+
+    physical = jax.ShapeDtypeStruct((entries,), jnp.int32)
+    module = lowered_for_cuda(lambda p: slot_sort.slot_sort(p, 64, 8), physical)
+    assert module.count(TRITON_CALL) == 1
+    assert ops_around_kernels(module) == 0, module

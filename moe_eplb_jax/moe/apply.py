@@ -287,21 +287,21 @@ def map_replicas(
     return physical, load.astype(jnp.int32)
 
 
-def _local_mlp(mlp, x, experts, order, inverse, group_sizes, top_k: int, implementation: str):
+def _local_mlp(mlp, x, experts, order, inverse, group_sizes, tokens, top_k: int, implementation: str):
     """The grouped MLP of one rank's assignment rows ``[T * k, D]``: read from the tokens inside the MLP's first
     kernel where it can (``expert_mlp(row_tokens=)``, when nothing differentiates the call), else gathered first."""
 
-    def gathered(x, experts, order, inverse, group_sizes):
+    def gathered(x, experts, order, inverse, group_sizes, tokens):
         rows = _local.gather_rows(x, order, inverse, group_sizes, top_k)
         return mlp(rows, experts, group_sizes=group_sizes)
 
     if not reads_token_rows(x, experts, order.shape[0], implementation=implementation):
-        return gathered(x, experts, order, inverse, group_sizes)
+        return gathered(x, experts, order, inverse, group_sizes, tokens)
 
-    def from_tokens(x, experts, order, inverse, group_sizes):
-        return mlp(x, experts, group_sizes=group_sizes, row_tokens=order // jnp.int32(top_k))
+    def from_tokens(x, experts, order, inverse, group_sizes, tokens):
+        return mlp(x, experts, group_sizes=group_sizes, row_tokens=tokens)
 
-    return fused_unless_differentiated(from_tokens, gathered)(x, experts, order, inverse, group_sizes)
+    return fused_unless_differentiated(from_tokens, gathered)(x, experts, order, inverse, group_sizes, tokens)
 
 
 def routed_experts(
@@ -325,8 +325,8 @@ def routed_experts(
         axis_name=axis,
     )
     if num_ranks == 1:  # every slot is here: no plan, no exchange, one sort
-        order, inverse, group_sizes = _local.sort_local(physical, slots_per_rank, group_sizes=group_sizes)
-        y = _local_mlp(mlp, x, experts, order, inverse, group_sizes, physical.shape[1], dispatch.matmul)
+        order, inverse, group_sizes, tokens = _local.sort_local(physical, slots_per_rank, group_sizes=group_sizes)
+        y = _local_mlp(mlp, x, experts, order, inverse, group_sizes, tokens, physical.shape[1], dispatch.matmul)
         return _local.combine_local(y, order, inverse, physical, weights, out_dtype=x.dtype)
 
     def grouped(experts, rows, row_slot):

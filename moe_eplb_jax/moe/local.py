@@ -16,25 +16,41 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from moe_eplb_jax._kernels import pallas_default
 from moe_eplb_jax.moe._ranks import stable_argsort
 
 __all__ = ["combine_local", "gather_local", "gather_rows", "sort_local"]
 
 
 def sort_local(physical_ids, num_slots: int, *, group_sizes=None):
-    """``(order, inverse, group_sizes)``: the assignments ``[T * k]`` by slot (unsent last), its inverse, and the
-    rows of each slot (``map_and_count``'s load where the caller has it). At decode sizes the sort is counted
-    (``_ranks``): no sort kernel, no scatter."""
+    """``(order, inverse, group_sizes, tokens)``: the assignments ``[T * k]`` by slot (unsent last), its inverse,
+    the rows of each slot (``map_and_count``'s load where the caller has it) and each sorted row's token
+    (``order // k``). At decode sizes on a GPU one kernel sorts (``_slot_sort``); elsewhere the sort is counted
+    where the pairs are few (``_ranks``), or XLA's."""
     if physical_ids.ndim != 2:
         raise ValueError(f"physical_ids must have shape [T, k], got {physical_ids.shape}")
     if group_sizes is not None and group_sizes.shape != (num_slots,):
         raise ValueError(f"group_sizes must have shape [{num_slots}], got {group_sizes.shape}")
     flat = physical_ids.reshape(-1).astype(jnp.int32)
     key = jnp.where(flat < 0, jnp.int32(num_slots), flat)
-    order, inverse = stable_argsort(key)
+    top_k = physical_ids.shape[1]
     if group_sizes is None:
         group_sizes = (key[:, None] == jnp.arange(num_slots, dtype=jnp.int32)[None, :]).sum(0, dtype=jnp.int32)
-    return order, inverse, group_sizes.astype(jnp.int32)
+    if _slot_sort_serves(flat.shape[0], num_slots):
+        from moe_eplb_jax.moe._slot_sort import triton as slot_sort
+
+        order, inverse, tokens = slot_sort.slot_sort(flat, num_slots, top_k)
+    else:
+        order, inverse = stable_argsort(key)
+        tokens = order // jnp.int32(top_k)
+    return order, inverse, group_sizes.astype(jnp.int32), tokens
+
+
+def _slot_sort_serves(num_entries: int, num_slots: int) -> bool:
+    """Whether the one-kernel sort serves: a GPU where its probe passed, and a size it takes."""
+    from moe_eplb_jax.moe._slot_sort import triton as slot_sort
+
+    return slot_sort.applies(num_entries, num_slots) and pallas_default("slot_sort", slot_sort.probe)
 
 
 def gather_rows(x, order, inverse, group_sizes, top_k: int):
@@ -65,7 +81,7 @@ def gather_local(x, physical_ids, num_slots: int, *, group_sizes=None):
     """
     if x.ndim != 2 or physical_ids.ndim != 2 or x.shape[0] != physical_ids.shape[0]:
         raise ValueError(f"x must have shape [T={physical_ids.shape[0]}, D], got {x.shape}")
-    order, inverse, group_sizes = sort_local(physical_ids, num_slots, group_sizes=group_sizes)
+    order, inverse, group_sizes, _ = sort_local(physical_ids, num_slots, group_sizes=group_sizes)
     return gather_rows(x, order, inverse, group_sizes, physical_ids.shape[1]), order, inverse, group_sizes
 
 
