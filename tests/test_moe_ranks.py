@@ -71,3 +71,50 @@ def test_counted_paths_lower_to_no_sort_and_no_scatter():
     assert "sort" not in text and "scatter" not in text
     text = jax.jit(lambda v: _ranks.top_k_indices(v, 8, counted=True)).lower(jnp.zeros((32, 64))).as_text()
     assert "sort" not in text and "top_k" not in text and "topk" not in text.lower()
+
+
+@pytest.mark.parametrize("implementation", ["interpret", pytest.param("triton", marks=pytest.mark.gpu)])
+def test_top_k_take_kernel_equals_lax_top_k_and_the_gather(implementation, rng):
+    """``moe._top_k``: the ids of ``lax.top_k`` and the taken values' bits, on every edge value (signed zeros, NaN
+    payloads, infinities, ties), rows and widths off a power of two, k = 1 and k = E."""
+    from moe_eplb_jax.moe._top_k import triton as fused
+
+    for rows, width, k in ((32, 64, 8), (5, 24, 6), (70, 256, 8), (1, 3, 3), (33, 7, 1), (3, 1000, 9)):
+        choice = _floats(rng, (rows, width))
+        choice[0] = choice[0, 0]  # a row of one value: the lowest indices win
+        taken = _floats(rng, (rows, width))
+        ids, values = fused.top_k_take(
+            jnp.asarray(choice), jnp.asarray(taken), k, interpret=implementation == "interpret"
+        )
+        want = np.asarray(jax.lax.top_k(jnp.asarray(choice), k)[1])
+        assert ids.dtype == jnp.int32 and ids.shape == (rows, k) and values.dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(ids), want, err_msg=f"{rows} x {width}, k={k}")
+        picked = np.take_along_axis(taken, want, axis=1)
+        np.testing.assert_array_equal(np.asarray(values).view(np.uint32), picked.view(np.uint32))
+
+
+def test_top_k_take_refuses_what_it_does_not_take():
+    from moe_eplb_jax.moe._top_k import triton as fused
+
+    assert fused.applies((32, 64), 8, jnp.float32, jnp.float32) and fused.applies((1, 1024), 1, jnp.float32, jnp.int32)
+    assert not fused.applies((32, 64), 8, jnp.bfloat16, jnp.float32)
+    assert not fused.applies((32, 64), 8, jnp.float32, jnp.bfloat16)
+    assert not fused.applies((32, 64), 65, jnp.float32, jnp.float32)
+    assert not fused.applies((32, 2048), 8, jnp.float32, jnp.float32)
+    assert not fused.applies((2, 32, 64), 8, jnp.float32, jnp.float32)
+    with pytest.raises(ValueError, match="top_k_take"):
+        fused.top_k_take(jnp.zeros((4, 8)), jnp.zeros((4, 9)), 2, interpret=True)
+    for bad in ({"block_rows": 3}, {"num_warps": 0}):
+        with pytest.raises(ValueError, match="power of two"):
+            fused.Config(**bad)
+
+
+@pytest.mark.parametrize("counted", [True, False, None])
+def test_top_k_take_equals_top_k_and_the_gather(rng, counted):
+    choice, taken = _floats(rng, (16, 40)), _floats(rng, (16, 40))
+    ids, values = _ranks.top_k_take(jnp.asarray(choice), jnp.asarray(taken), 5, counted=counted)
+    want = np.asarray(jax.lax.top_k(jnp.asarray(choice), 5)[1])
+    np.testing.assert_array_equal(np.asarray(ids), want)
+    np.testing.assert_array_equal(
+        np.asarray(values).view(np.uint32), np.take_along_axis(taken, want, 1).view(np.uint32)
+    )

@@ -92,3 +92,13 @@ def test_slot_sort_lowers_for_hopper(hopper, entries):
     module = lowered_for_cuda(lambda p: slot_sort.slot_sort(p, 64, 8), physical)
     assert module.count(TRITON_CALL) == 1
     assert ops_around_kernels(module) == 0, module
+
+
+def test_top_k_take_lowers_for_hopper(hopper):
+    """The router's top-k and gather: one Triton kernel, nothing around it but the bitcasts of its operands."""
+    from moe_eplb_jax.moe._top_k import triton as fused
+
+    scores = jax.ShapeDtypeStruct((32, 64), jnp.float32)
+    module = lowered_for_cuda(lambda c, s: fused.top_k_take(c, s, 8), scores, scores)
+    assert module.count(TRITON_CALL) == 1
+    assert ops_around_kernels(module) <= 3, module

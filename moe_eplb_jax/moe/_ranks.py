@@ -11,9 +11,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from moe_eplb_jax._kernels import on_gpu
+from moe_eplb_jax._kernels import on_gpu, pallas_default
 
-__all__ = ["MAX_PAIRS", "inverse_permutation", "stable_argsort", "top_k_indices"]
+__all__ = ["MAX_PAIRS", "inverse_permutation", "stable_argsort", "top_k_indices", "top_k_take"]
 
 MAX_PAIRS = 1 << 22
 
@@ -83,3 +83,17 @@ def top_k_indices(values, k: int, *, counted: bool | None = None):
     hit = rank[..., None, :] == places  # [..., k, n]: one entry per place
     index = jnp.arange(width, dtype=jnp.int32)
     return jnp.sum(jnp.where(hit, jnp.broadcast_to(index, hit.shape), 0), axis=-1, dtype=jnp.int32)
+
+
+def top_k_take(values, taken, k: int, *, counted: bool | None = None):
+    """``(top_k_indices(values, k), take_along_axis(taken, those indices))`` for ``[T, E]`` arrays. Where the top-k
+    would be counted on a GPU (``counted`` as in :func:`stable_argsort`), one kernel (``moe._top_k``) picks and
+    takes both, where the counted form is three."""
+    from moe_eplb_jax.moe._top_k import triton as fused
+
+    serves = counted is None and _counts(values, values.size * values.shape[-1], None)
+    if serves and fused.applies(values.shape, k, values.dtype, taken.dtype):
+        if pallas_default("top_k_take", fused.probe):
+            return fused.top_k_take(values, taken, k)
+    ids = top_k_indices(values, k, counted=counted)
+    return ids, jnp.take_along_axis(taken, ids, axis=-1)

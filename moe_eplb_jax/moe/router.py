@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_eplb_jax.moe._gmm.reference import row_invariant_dot
-from moe_eplb_jax.moe._ranks import top_k_indices
+from moe_eplb_jax.moe._ranks import top_k_indices, top_k_take
 from moe_eplb_jax.moe.config import RouterConfig
 
 __all__ = ["route"]
@@ -54,8 +54,7 @@ def route(x, router_w, config: RouterConfig, *, bias=None):
         group_mask = (keep[:, :, None] == jnp.arange(num_groups)[None, None, :]).any(1)  # [T, groups]
         mask = jnp.repeat(group_mask, num_experts // num_groups, axis=1)
         choice = jnp.where(mask, choice, -jnp.inf)  # never picked
-    ids = top_k_indices(choice, top_k)
-    weights = jnp.take_along_axis(scores, ids, axis=-1)
+    ids, weights = top_k_take(choice, scores, top_k)
     if config.renormalize:
         weights = weights / (weights.sum(-1, keepdims=True) + jnp.float32(1e-20))
     if config.routed_scaling_factor != 1.0:

@@ -1,0 +1,109 @@
+"""The router's top-k experts and their scores at decode sizes, in one Pallas (Triton) kernel.
+
+``top_k_take(choice [T, E], taken [T, E], k) -> (ids [T, k] int32, taken_at [T, k])``: ``ids`` is
+``jax.lax.top_k(choice, k)[1]`` -- the largest first in IEEE total order (``-NaN < -inf < -0 < +0 < inf < NaN``),
+ties to the lower index -- and ``taken_at`` is ``take_along_axis(taken, ids)``, bit for bit. The XLA form
+(``moe._ranks``' counted top-k, then the gather) is three kernels in every MoE layer of a decode step; here a
+program holds ``Config.block_rows`` rows of both in registers and picks the ``k`` places in ``k`` rounds (the
+largest key still free, the lowest index among equals), storing each id and its value as it goes: one launch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from moe_eplb_jax._kernels import join_varying
+
+__all__ = ["MAX_WIDTH", "Config", "applies", "probe", "top_k_take"]
+
+MAX_WIDTH = 1024  # a row of keys in one program's registers
+_INT32_MIN = np.iinfo(np.int32).min
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    """Tiling: ``block_rows`` rows per program on ``num_warps`` warps (powers of two)."""
+
+    block_rows: int = 32
+    num_warps: int = 4
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
+                raise ValueError(f"Config.{field.name} must be a positive power of two, got {value!r}")
+
+
+def applies(shape, k: int, choice_dtype, taken_dtype) -> bool:
+    """Whether the kernel takes ``[T, E]`` float32 choices and 32-bit scores for ``1 <= k <= E <= MAX_WIDTH``."""
+    if len(shape) != 2 or jnp.dtype(choice_dtype) != jnp.float32 or jnp.dtype(taken_dtype).itemsize != 4:
+        return False
+    return shape[0] >= 1 and 1 <= k <= shape[1] <= MAX_WIDTH
+
+
+def _kernel(choice_ref, taken_ref, ids_ref, out_ref, *, num_rows, width, padded, block_rows, k):
+    first = pl.program_id(0) * block_rows
+    rows = first + jnp.arange(block_rows, dtype=jnp.int32)
+    cols = jnp.arange(padded, dtype=jnp.int32)
+    live = (rows < num_rows)[:, None] & (cols < width)[None, :]
+    window = (pl.ds(first, block_rows), pl.ds(0, padded))
+    bits = plgpu.load(choice_ref.at[window], mask=live, other=0)
+    taken = plgpu.load(taken_ref.at[window], mask=live, other=0)
+    keys = jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)  # IEEE total order as int32 order
+    free = live
+    for place in range(k):
+        best = jnp.max(jnp.where(free, keys, jnp.int32(_INT32_MIN)), axis=1)
+        index = jnp.min(jnp.where(free & (keys == best[:, None]), cols, jnp.int32(padded)), axis=1)
+        picked = cols[None, :] == index[:, None]
+        value = jnp.sum(jnp.where(picked, taken, 0), axis=1)  # the one picked word: an exact copy of its bits
+        column = (pl.ds(first, block_rows), pl.ds(place, 1))
+        plgpu.store(ids_ref.at[column], index[:, None], mask=(rows < num_rows)[:, None])
+        plgpu.store(out_ref.at[column], value[:, None], mask=(rows < num_rows)[:, None])
+        free = free & ~picked
+
+
+@functools.partial(jax.jit, static_argnames=("k", "config", "interpret"))
+def top_k_take(choice, taken, k: int, *, config: Config = Config(), interpret: bool = False):
+    """See the module docstring. ``choice [T, E]`` float32, ``taken [T, E]`` a 32-bit type; ``applies`` must hold."""
+    if choice.shape != taken.shape or not applies(choice.shape, k, choice.dtype, taken.dtype):
+        raise ValueError(
+            f"top_k_take takes float32 choices and 32-bit scores of one shape [T, E <= {MAX_WIDTH}] and "
+            f"1 <= k <= E, got {choice.dtype} {choice.shape}, {taken.dtype} {taken.shape}, k={k}"
+        )
+    num_rows, width = choice.shape
+    padded = max(16, pl.next_power_of_2(width))
+    block_rows = min(config.block_rows, max(16, pl.next_power_of_2(num_rows)))
+    as_int = lambda a: jax.lax.bitcast_convert_type(a, jnp.int32)
+    (bits, words), out_struct = join_varying(as_int(choice), as_int(taken))
+    kernel = functools.partial(_kernel, num_rows=num_rows, width=width, padded=padded, block_rows=block_rows, k=k)
+    ids, values = pl.pallas_call(
+        kernel,
+        grid=(pl.cdiv(num_rows, block_rows),),
+        in_specs=[pl.no_block_spec] * 2,
+        out_specs=[pl.no_block_spec] * 2,
+        out_shape=[out_struct((num_rows, k), jnp.int32)] * 2,
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps),
+        interpret=interpret,
+        name="top_k_take",
+    )(bits, words)
+    return ids, jax.lax.bitcast_convert_type(values, taken.dtype)
+
+
+def probe() -> bool:
+    """Whether the kernel compiles here and equals ``lax.top_k`` and the gather on a small case (outside a trace)."""
+    rng = np.random.default_rng(0)
+    choice = rng.standard_normal((40, 24)).astype(np.float32)
+    choice[3, :5] = choice[3, 5]  # ties
+    taken = rng.standard_normal((40, 24)).astype(np.float32)
+    spec = jax.ShapeDtypeStruct(choice.shape, jnp.float32)
+    call = jax.jit(functools.partial(top_k_take, k=6)).lower(spec, spec).compile()
+    ids, values = (np.asarray(a) for a in call(choice, taken))
+    want = np.asarray(jax.lax.top_k(choice, 6)[1])
+    return bool((ids == want).all() and (values == np.take_along_axis(taken, want, axis=1)).all())
