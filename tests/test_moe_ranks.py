@@ -118,3 +118,35 @@ def test_top_k_take_equals_top_k_and_the_gather(rng, counted):
     np.testing.assert_array_equal(
         np.asarray(values).view(np.uint32), np.take_along_axis(taken, want, 1).view(np.uint32)
     )
+
+
+@pytest.mark.parametrize("implementation", ["interpret", pytest.param("triton", marks=pytest.mark.gpu)])
+def test_top_k_take_kernel_renormalizes_scales_and_masks_as_the_router(implementation, rng):
+    """With the router's options: each row's picked scores over their sum (plus 1e-20) times the scale, in float32;
+    the rows ``valid`` marks false get ids -1 (their weights as computed)."""
+    from moe_eplb_jax.moe._top_k import triton as fused
+
+    rows, width, k = 37, 64, 8
+    scores = rng.random((rows, width), dtype=np.float32)
+    scores[1] = 0.0  # a row summing to zero: the 1e-20 keeps it finite
+    valid = rng.random(rows) < 0.7
+    ids, weights = fused.top_k_take(
+        jnp.asarray(scores),
+        jnp.asarray(scores),
+        k,
+        valid=jnp.asarray(valid),
+        renormalize=True,
+        scale=2.5,
+        interpret=implementation == "interpret",
+    )
+    want_ids = np.asarray(jax.lax.top_k(jnp.asarray(scores), k)[1])
+    picked = np.take_along_axis(scores, want_ids, axis=1)
+    total = np.zeros(rows, np.float32)
+    for place in range(k):
+        total = (total + picked[:, place]).astype(np.float32)
+    want = (picked / (total + np.float32(1e-20))[:, None]).astype(np.float32) * np.float32(2.5)
+    np.testing.assert_array_equal(np.asarray(ids), np.where(valid[:, None], want_ids, -1))
+    # XLA may fold the division and the scaling into one another (and the card's division may round otherwise):
+    # two units in the last place, as between this and the XLA router
+    np.testing.assert_array_max_ulp(np.asarray(weights), want, maxulp=2)
+    assert np.isfinite(np.asarray(weights)).all()

@@ -95,10 +95,12 @@ def test_slot_sort_lowers_for_hopper(hopper, entries):
 
 
 def test_top_k_take_lowers_for_hopper(hopper):
-    """The router's top-k and gather: one Triton kernel, nothing around it but the bitcasts of its operands."""
+    """The router's top-k, gather, renormalization, scaling and mask as the router asks for them: one Triton kernel,
+    nothing around it but the bitcasts of its operands and the mask's conversion."""
     from moe_eplb_jax.moe._top_k import triton as fused
 
-    scores = jax.ShapeDtypeStruct((32, 64), jnp.float32)
-    module = lowered_for_cuda(lambda c, s: fused.top_k_take(c, s, 8), scores, scores)
+    scores, valid = jax.ShapeDtypeStruct((32, 64), jnp.float32), jax.ShapeDtypeStruct((32,), jnp.bool_)
+    call = lambda c, s, v: fused.top_k_take(c, s, 8, valid=v, renormalize=True, scale=2.5)
+    module = lowered_for_cuda(call, scores, scores, valid)
     assert module.count(TRITON_CALL) == 1
-    assert ops_around_kernels(module) <= 3, module
+    assert ops_around_kernels(module) <= 4, module

@@ -85,15 +85,24 @@ def top_k_indices(values, k: int, *, counted: bool | None = None):
     return jnp.sum(jnp.where(hit, jnp.broadcast_to(index, hit.shape), 0), axis=-1, dtype=jnp.int32)
 
 
-def top_k_take(values, taken, k: int, *, counted: bool | None = None):
-    """``(top_k_indices(values, k), take_along_axis(taken, those indices))`` for ``[T, E]`` arrays. Where the top-k
-    would be counted on a GPU (``counted`` as in :func:`stable_argsort`), one kernel (``moe._top_k``) picks and
-    takes both, where the counted form is three."""
+def top_k_take(values, taken, k: int, *, valid=None, renormalize: bool = False, scale: float = 1.0, counted=None):
+    """``(ids, taken_at)`` for ``[T, E]`` arrays: ``ids = top_k_indices(values, k)`` (``-1`` in the rows ``valid
+    [T]`` marks false) and ``taken_at = take_along_axis(taken, ids)``, divided by its row's sum plus ``1e-20`` with
+    ``renormalize`` and times ``scale``. Where the top-k would be counted on a GPU (``counted`` as in
+    :func:`stable_argsort`), one kernel (``moe._top_k``) does all of it, where the counted form is four or five
+    (the sum's order may differ there in the last bit)."""
     from moe_eplb_jax.moe._top_k import triton as fused
 
     serves = counted is None and _counts(values, values.size * values.shape[-1], None)
-    if serves and fused.applies(values.shape, k, values.dtype, taken.dtype):
+    if serves and fused.applies(values.shape, k, values.dtype, taken.dtype) and taken.dtype == jnp.float32:
         if pallas_default("top_k_take", fused.probe):
-            return fused.top_k_take(values, taken, k)
+            return fused.top_k_take(values, taken, k, valid=valid, renormalize=renormalize, scale=scale)
     ids = top_k_indices(values, k, counted=counted)
-    return ids, jnp.take_along_axis(taken, ids, axis=-1)
+    taken_at = jnp.take_along_axis(taken, ids, axis=-1)
+    if renormalize:
+        taken_at = taken_at / (taken_at.sum(-1, keepdims=True) + jnp.float32(1e-20))
+    if scale != 1.0:
+        taken_at = taken_at * jnp.float32(scale)
+    if valid is not None:
+        ids = jnp.where(valid[..., None], ids, jnp.int32(-1))
+    return ids, taken_at

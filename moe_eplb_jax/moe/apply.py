@@ -204,9 +204,8 @@ def _per_rank(
     num_physical,
 ):
     """``moe_apply`` on one device's tokens, inside ``shard_map``: ``(out [T, D], load)``."""
-    ids, weights = route(x, router_w, router, bias=router_bias)
-    # map_and_count neither maps nor counts an id outside [0, E): padding goes nowhere.
-    ids = jnp.where(valid[:, None], ids, jnp.int32(-1))
+    # map_and_count neither maps nor counts an id outside [0, E): padding (ids -1) goes nowhere.
+    ids, weights = route(x, router_w, router, bias=router_bias, valid=valid)
     # On one rank every counted assignment is a row of this rank's grouped matmul: the load, counted whether or
     # not it is recorded, is the matmul's group sizes too (no second count), and recording only gates it.
     one_rank = num_ranks == 1

@@ -12,7 +12,7 @@ from moe_eplb_jax.moe.config import RouterConfig
 __all__ = ["route"]
 
 
-def route(x, router_w, config: RouterConfig, *, bias=None):
+def route(x, router_w, config: RouterConfig, *, bias=None, valid=None):
     """Top-k routing in the two styles of released MoE models, as ``config`` says.
 
     ``scoring="softmax"`` (Qwen3-MoE; group-limited as DeepSeek-V2): scores
@@ -28,6 +28,7 @@ def route(x, router_w, config: RouterConfig, *, bias=None):
       config: ``top_k``, the groups, the scoring and the weights' scaling
         (``RouterConfig``; ``E`` divisible by ``num_groups``: ``config.check_experts(E)``).
       bias: optional ``[E]`` router bias (see ``scoring``).
+      valid: optional ``[T]`` bool: the rows it marks false get ids ``-1`` (padding, routed nowhere).
 
     Returns:
       ``(ids [T, k] int32, weights [T, k] float32)``.
@@ -54,9 +55,11 @@ def route(x, router_w, config: RouterConfig, *, bias=None):
         group_mask = (keep[:, :, None] == jnp.arange(num_groups)[None, None, :]).any(1)  # [T, groups]
         mask = jnp.repeat(group_mask, num_experts // num_groups, axis=1)
         choice = jnp.where(mask, choice, -jnp.inf)  # never picked
-    ids, weights = top_k_take(choice, scores, top_k)
-    if config.renormalize:
-        weights = weights / (weights.sum(-1, keepdims=True) + jnp.float32(1e-20))
-    if config.routed_scaling_factor != 1.0:
-        weights = weights * jnp.float32(config.routed_scaling_factor)
-    return ids.astype(jnp.int32), weights
+    return top_k_take(
+        choice,
+        scores,
+        top_k,
+        valid=valid,
+        renormalize=config.renormalize,
+        scale=config.routed_scaling_factor,
+    )

@@ -1,11 +1,13 @@
-"""The router's top-k experts and their scores at decode sizes, in one Pallas (Triton) kernel.
+"""The router's top-k experts and their weights at decode sizes, in one Pallas (Triton) kernel.
 
 ``top_k_take(choice [T, E], taken [T, E], k) -> (ids [T, k] int32, taken_at [T, k])``: ``ids`` is
 ``jax.lax.top_k(choice, k)[1]`` -- the largest first in IEEE total order (``-NaN < -inf < -0 < +0 < inf < NaN``),
-ties to the lower index -- and ``taken_at`` is ``take_along_axis(taken, ids)``, bit for bit. The XLA form
-(``moe._ranks``' counted top-k, then the gather) is three kernels in every MoE layer of a decode step; here a
-program holds ``Config.block_rows`` rows of both in registers and picks the ``k`` places in ``k`` rounds (the
-largest key still free, the lowest index among equals), storing each id and its value as it goes: one launch.
+ties to the lower index -- and ``taken_at`` is ``take_along_axis(taken, ids)``, bit for bit. Optionally, as the
+router goes on: ``renormalize`` divides each row's values by their sum (added in place order) plus ``1e-20``,
+``scale`` multiplies them, and ``valid [T]`` turns the ids of the rows it marks false into ``-1``. The XLA form
+(``moe._ranks``' counted top-k, the gather, the sum, the mask) is four or five kernels in every MoE layer of a
+decode step; here a program holds ``Config.block_rows`` rows of both in registers and picks the ``k`` places in
+``k`` rounds (the largest key still free, the lowest index among equals): one launch.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ def applies(shape, k: int, choice_dtype, taken_dtype) -> bool:
     return shape[0] >= 1 and 1 <= k <= shape[1] <= MAX_WIDTH
 
 
-def _kernel(choice_ref, taken_ref, ids_ref, out_ref, *, num_rows, width, padded, block_rows, k):
+def _kernel(choice_ref, taken_ref, valid_ref, ids_ref, out_ref, **static):
+    num_rows, width, padded, block_rows, k = (static[n] for n in ("num_rows", "width", "padded", "block_rows", "k"))
     first = pl.program_id(0) * block_rows
     rows = first + jnp.arange(block_rows, dtype=jnp.int32)
     cols = jnp.arange(padded, dtype=jnp.int32)
@@ -57,42 +60,87 @@ def _kernel(choice_ref, taken_ref, ids_ref, out_ref, *, num_rows, width, padded,
     bits = plgpu.load(choice_ref.at[window], mask=live, other=0)
     taken = plgpu.load(taken_ref.at[window], mask=live, other=0)
     keys = jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)  # IEEE total order as int32 order
+    places = jnp.arange(static["places"], dtype=jnp.int32)[None, :]
+    ids = jnp.zeros((block_rows, static["places"]), jnp.int32)
+    words = jnp.zeros((block_rows, static["places"]), jnp.int32)
+    total = jnp.zeros((block_rows,), jnp.float32)
     free = live
     for place in range(k):
         best = jnp.max(jnp.where(free, keys, jnp.int32(_INT32_MIN)), axis=1)
         index = jnp.min(jnp.where(free & (keys == best[:, None]), cols, jnp.int32(padded)), axis=1)
         picked = cols[None, :] == index[:, None]
-        value = jnp.sum(jnp.where(picked, taken, 0), axis=1)  # the one picked word: an exact copy of its bits
-        column = (pl.ds(first, block_rows), pl.ds(place, 1))
-        plgpu.store(ids_ref.at[column], index[:, None], mask=(rows < num_rows)[:, None])
-        plgpu.store(out_ref.at[column], value[:, None], mask=(rows < num_rows)[:, None])
+        word = jnp.sum(jnp.where(picked, taken, 0), axis=1)  # the one picked word: an exact copy of its bits
+        ids = jnp.where(places == place, index[:, None], ids)
+        words = jnp.where(places == place, word[:, None], words)
+        if static["renormalize"]:
+            total = total + jax.lax.bitcast_convert_type(word, jnp.float32)  # in place order
         free = free & ~picked
+    out = words
+    if static["renormalize"] or static["scale"] != 1.0:
+        values = jax.lax.bitcast_convert_type(words, jnp.float32)
+        if static["renormalize"]:
+            values = values / (total + jnp.float32(1e-20))[:, None]
+        if static["scale"] != 1.0:
+            values = values * jnp.float32(static["scale"])
+        out = jax.lax.bitcast_convert_type(values, jnp.int32)
+    row_live = rows < num_rows
+    valid = plgpu.load(valid_ref.at[pl.ds(first, block_rows)], mask=row_live, other=0)
+    ids = jnp.where((valid != 0)[:, None], ids, jnp.int32(-1))
+    stored = row_live[:, None] & (places < k)
+    plgpu.store(ids_ref.at[pl.ds(first, block_rows), pl.ds(0, static["places"])], ids, mask=stored)
+    plgpu.store(out_ref.at[pl.ds(first, block_rows), pl.ds(0, static["places"])], out, mask=stored)
 
 
-@functools.partial(jax.jit, static_argnames=("k", "config", "interpret"))
-def top_k_take(choice, taken, k: int, *, config: Config = Config(), interpret: bool = False):
-    """See the module docstring. ``choice [T, E]`` float32, ``taken [T, E]`` a 32-bit type; ``applies`` must hold."""
+@functools.partial(jax.jit, static_argnames=("k", "renormalize", "scale", "config", "interpret"))
+def top_k_take(
+    choice,
+    taken,
+    k: int,
+    *,
+    valid=None,
+    renormalize: bool = False,
+    scale: float = 1.0,
+    config: Config = Config(),
+    interpret: bool = False,
+):
+    """See the module docstring. ``choice [T, E]`` float32, ``taken [T, E]`` a 32-bit type (float32 with
+    ``renormalize`` or ``scale``), ``valid [T]`` bool or ``None``; ``applies`` must hold."""
     if choice.shape != taken.shape or not applies(choice.shape, k, choice.dtype, taken.dtype):
         raise ValueError(
             f"top_k_take takes float32 choices and 32-bit scores of one shape [T, E <= {MAX_WIDTH}] and "
             f"1 <= k <= E, got {choice.dtype} {choice.shape}, {taken.dtype} {taken.shape}, k={k}"
         )
+    if (renormalize or scale != 1.0) and taken.dtype != jnp.float32:
+        raise ValueError(f"top_k_take renormalizes and scales float32 values only, got {taken.dtype}")
     num_rows, width = choice.shape
+    if valid is not None and valid.shape != (num_rows,):
+        raise ValueError(f"valid must have shape [{num_rows}], got {valid.shape}")
+    valid = jnp.ones((num_rows,), jnp.int32) if valid is None else valid.astype(jnp.int32)
     padded = max(16, pl.next_power_of_2(width))
     block_rows = min(config.block_rows, max(16, pl.next_power_of_2(num_rows)))
     as_int = lambda a: jax.lax.bitcast_convert_type(a, jnp.int32)
-    (bits, words), out_struct = join_varying(as_int(choice), as_int(taken))
-    kernel = functools.partial(_kernel, num_rows=num_rows, width=width, padded=padded, block_rows=block_rows, k=k)
+    (bits, words, valid), out_struct = join_varying(as_int(choice), as_int(taken), valid)
+    kernel = functools.partial(
+        _kernel,
+        num_rows=num_rows,
+        width=width,
+        padded=padded,
+        block_rows=block_rows,
+        k=k,
+        places=max(16, pl.next_power_of_2(k)),
+        renormalize=renormalize,
+        scale=float(scale),
+    )
     ids, values = pl.pallas_call(
         kernel,
         grid=(pl.cdiv(num_rows, block_rows),),
-        in_specs=[pl.no_block_spec] * 2,
+        in_specs=[pl.no_block_spec] * 3,
         out_specs=[pl.no_block_spec] * 2,
         out_shape=[out_struct((num_rows, k), jnp.int32)] * 2,
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps),
         interpret=interpret,
         name="top_k_take",
-    )(bits, words)
+    )(bits, words, valid)
     return ids, jax.lax.bitcast_convert_type(values, taken.dtype)
 
 
