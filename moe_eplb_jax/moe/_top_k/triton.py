@@ -53,10 +53,13 @@ def applies(shape, k: int, choice_dtype, taken_dtype) -> bool:
 def _kernel(choice_ref, taken_ref, valid_ref, ids_ref, out_ref, **static):
     num_rows, width, padded, block_rows, k = (static[n] for n in ("num_rows", "width", "padded", "block_rows", "k"))
     first = pl.program_id(0) * block_rows
+    # A traced first column: the masked columns past the width lie outside the arrays, which jax checks a static
+    # slice for.
+    first_col = pl.program_id(0) * 0
     rows = first + jnp.arange(block_rows, dtype=jnp.int32)
     cols = jnp.arange(padded, dtype=jnp.int32)
     live = (rows < num_rows)[:, None] & (cols < width)[None, :]
-    window = (pl.ds(first, block_rows), pl.ds(0, padded))
+    window = (pl.ds(first, block_rows), pl.ds(first_col, padded))
     bits = plgpu.load(choice_ref.at[window], mask=live, other=0)
     taken = plgpu.load(taken_ref.at[window], mask=live, other=0)
     keys = jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)  # IEEE total order as int32 order
@@ -87,8 +90,8 @@ def _kernel(choice_ref, taken_ref, valid_ref, ids_ref, out_ref, **static):
     valid = plgpu.load(valid_ref.at[pl.ds(first, block_rows)], mask=row_live, other=0)
     ids = jnp.where((valid != 0)[:, None], ids, jnp.int32(-1))
     stored = row_live[:, None] & (places < k)
-    plgpu.store(ids_ref.at[pl.ds(first, block_rows), pl.ds(0, static["places"])], ids, mask=stored)
-    plgpu.store(out_ref.at[pl.ds(first, block_rows), pl.ds(0, static["places"])], out, mask=stored)
+    plgpu.store(ids_ref.at[pl.ds(first, block_rows), pl.ds(first_col, static["places"])], ids, mask=stored)
+    plgpu.store(out_ref.at[pl.ds(first, block_rows), pl.ds(first_col, static["places"])], out, mask=stored)
 
 
 @functools.partial(jax.jit, static_argnames=("k", "renormalize", "scale", "config", "interpret"))
