@@ -8,6 +8,7 @@ message even where Python refuses to (an integer of thousands of digits);
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import os
@@ -20,6 +21,7 @@ __all__ = [
     "INT32_MAX",
     "check_fits",
     "check_int",
+    "check_powers_of_two",
     "check_real",
     "device_memory_bytes",
     "host_memory_bytes",
@@ -61,6 +63,15 @@ def check_int(name: str, value, *, minimum: int | None = None, maximum: int | No
     if maximum is not None and value > maximum:
         raise ValueError(f"{name} must be <= {maximum}, got {show(value)}")
     return value
+
+
+def check_powers_of_two(config) -> None:
+    """Every field of the dataclass ``config`` a positive power-of-two ``int`` (a kernel tiling), or a
+    ``ValueError`` naming the first that is not."""
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
+            raise ValueError(f"{type(config).__name__}.{field.name} must be a positive power of two, got {value!r}")
 
 
 def host_memory_bytes() -> int:

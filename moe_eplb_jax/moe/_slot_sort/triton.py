@@ -23,6 +23,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from moe_eplb_jax._checks import check_powers_of_two
 from moe_eplb_jax._kernels import join_varying
 
 __all__ = ["MAX_ENTRIES", "Config", "applies", "probe", "slot_sort"]
@@ -41,10 +42,7 @@ class Config:
     num_warps: int = 4
 
     def __post_init__(self):
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
-                raise ValueError(f"Config.{field.name} must be a positive power of two, got {value!r}")
+        check_powers_of_two(self)
 
 
 def _padded(num_entries: int) -> int:

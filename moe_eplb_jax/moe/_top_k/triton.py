@@ -21,6 +21,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from moe_eplb_jax._checks import check_powers_of_two
 from moe_eplb_jax._kernels import join_varying
 
 __all__ = ["MAX_WIDTH", "Config", "applies", "probe", "top_k_take"]
@@ -37,10 +38,7 @@ class Config:
     num_warps: int = 4
 
     def __post_init__(self):
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
-                raise ValueError(f"Config.{field.name} must be a positive power of two, got {value!r}")
+        check_powers_of_two(self)
 
 
 def applies(shape, k: int, choice_dtype, taken_dtype) -> bool:
