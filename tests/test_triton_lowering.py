@@ -104,3 +104,17 @@ def test_top_k_take_lowers_for_hopper(hopper):
     module = lowered_for_cuda(call, scores, scores, valid)
     assert module.count(TRITON_CALL) == 1
     assert ops_around_kernels(module) <= 4, module
+
+
+def test_decode_attention_lowers_for_hopper(hopper):
+    """A decode step's attention and cache write: one Triton kernel updating the caches in place (aliased), nothing
+    around it but the mask's conversion and the index's reshape."""
+    from moe_eplb_jax.models._decode_attention import triton as decode
+
+    spec = jax.ShapeDtypeStruct
+    args = [spec((32, 16, 64), jnp.bfloat16)] + [spec((32, 4, 64), jnp.bfloat16)] * 2
+    args += [spec((32, 4, 48, 64), jnp.bfloat16)] * 2 + [spec((), jnp.int32), spec((32, 48), jnp.bool_)]
+    module = lowered_for_cuda(lambda *a: decode.decode_attention(*a, scale=0.125), *args)
+    aliases = module.count("stablehlo.output_operand_alias<")
+    assert module.count(TRITON_CALL) == 1 and aliases == 2
+    assert ops_around_kernels(module) - aliases <= 2, module

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from moe_eplb_jax._kernels import pallas_default
 from moe_eplb_jax.models.layers import RMSNorm, replicated_param
 from moe_eplb_jax.models.rope import apply_rope, rope_frequencies, softmax_mscale
 from moe_eplb_jax.models.weights import dense_weight, linear
@@ -154,6 +155,8 @@ class Attention(nnx.Module):
         d, h, k, dh = config.dim, config.num_heads, config.num_kv_heads, config.head_dim
         dtype = config.jnp_dtype
         self.num_heads, self.num_kv_heads, self.head_dim = h, k, dh
+        # The fused decode kernel runs unpartitioned: on a one-device mesh only (a sharded batch keeps XLA's).
+        self.one_device = mesh.size == 1
         self.rope = (config.rotary_dim, config.rope_theta, config.rope_scaling, config.rope_interleave)
         self.q_proj = replicated_param(rngs, (d, h * dh), fan_in=d, dtype=dtype, mesh=mesh)
         self.k_proj = replicated_param(rngs, (d, k * dh), fan_in=d, dtype=dtype, mesh=mesh)
@@ -194,6 +197,13 @@ class Attention(nnx.Module):
         inv_freq, factor = rope_frequencies(rotary_dim, theta, scaling)
         q = apply_rope(q, positions, inv_freq, attention_factor=factor, interleaved=interleaved)
         k = apply_rope(k, positions, inv_freq, attention_factor=factor, interleaved=interleaved)
+        if cache is not None and t == 1 and not isinstance(mask, CausalPrefix) and self._fused_decode(q, cache[0]):
+            from moe_eplb_jax.models._decode_attention import triton as decode
+
+            out, keys, values = decode.decode_attention(
+                q[:, 0], k[:, 0], v[:, 0], cache[0], cache[1], cache_index, mask[:, 0], scale=self.head_dim**-0.5
+            )
+            return linear(out.reshape(b, t, -1), self.o_proj.get_value(), _value(self.o_bias)), (keys, values)
         keys, values = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
         if cache is not None:
             keys, values = _write(cache[0], keys, cache_index, axis=2), _write(cache[1], values, cache_index, axis=2)
@@ -201,6 +211,14 @@ class Attention(nnx.Module):
                 k, v = jnp.swapaxes(keys, 1, 2), jnp.swapaxes(values, 1, 2)  # a view: XLA reads the stored layout
         out = attend(q, k, v, mask, scale=self.head_dim**-0.5)
         return linear(out.reshape(b, t, -1), self.o_proj.get_value(), _value(self.o_bias)), (keys, values)
+
+    def _fused_decode(self, q, keys) -> bool:
+        """Whether a decode step's attention and cache write run as one kernel (``_decode_attention``): on a GPU
+        where its probe passed, a one-device mesh, a cache it takes (short: ``MAX_KEYS`` positions)."""
+        from moe_eplb_jax.models._decode_attention import triton as decode
+
+        shapes = decode.applies((q.shape[0], q.shape[2], q.shape[3]), keys.shape, keys.dtype) and q.dtype == keys.dtype
+        return self.one_device and shapes and pallas_default("decode_attention", decode.probe)
 
 
 class MultiLatentAttention(nnx.Module):
