@@ -42,7 +42,7 @@ def _reference(q, k, v, keys, values, index, mask, scale):
     ("heads", "kv_heads", "positions", "width", "dtype"),
     [
         (16, 4, 48, 64, jnp.bfloat16),
-        (4, 4, 37, 16, jnp.bfloat16),
+        (4, 4, 37, 32, jnp.bfloat16),
         (16, 1, 512, 128, jnp.float16),
         (8, 2, 1, 64, jnp.bfloat16),
     ],
@@ -73,6 +73,7 @@ def test_decode_attention_refuses_what_it_does_not_take():
     assert not decode.applies((2, 16, 64), (2, 4, decode.MAX_KEYS + 1, 64), jnp.bfloat16)  # long caches: XLA's
     assert not decode.applies((2, 16, 64), (2, 4, 48, 64), jnp.float32)
     assert not decode.applies((2, 16, 48), (2, 4, 48, 48), jnp.bfloat16)  # a width off a power of two
+    assert not decode.applies((2, 16, 16), (2, 4, 48, 16), jnp.bfloat16)  # halves narrower than a product
     assert not decode.applies((2, 34, 64), (2, 2, 48, 64), jnp.bfloat16)  # 17 query heads a group
     assert not decode.applies((2, 16, 64), (3, 4, 48, 64), jnp.bfloat16)
     with pytest.raises(ValueError, match="decode_attention takes"):
@@ -87,15 +88,21 @@ def test_decode_attention_refuses_what_it_does_not_take():
         )  # fmt: skip
 
 
-def test_attention_module_decodes_through_the_kernel_as_through_xla(monkeypatch, rng):
-    """The module's wiring: a decode step through the kernel (interpreted, as if its probe had passed on a card)
-    gives the XLA step's output within rounding and the same caches; prefills and CPUs keep XLA's."""
+@pytest.mark.parametrize(
+    "changes",
+    [{}, {"qk_norm": False}, {"partial_rotary_factor": 0.5}],
+    ids=["norms-and-rope-inside", "rope-inside", "partial-rope-outside"],
+)
+def test_attention_module_decodes_through_the_kernel_as_through_xla(monkeypatch, changes, rng):
+    """The module's wiring: a decode step through the kernel (interpreted, as if its probe had passed on a card) --
+    the q/k norms and a whole-head RoPE inside it, a partial RoPE before it -- gives the XLA step's output within
+    rounding and the same caches; a CPU keeps XLA's."""
     from flax import nnx
 
     from moe_eplb_jax import models, transport
     from moe_eplb_jax.models import attention
 
-    config = models.preset("tiny", dtype="bfloat16", num_heads=4, num_kv_heads=2, head_dim=16)
+    config = models.preset("tiny", dtype="bfloat16", num_heads=4, num_kv_heads=2, head_dim=32, **changes)
     module = attention.Attention(config, mesh=transport.ep_mesh(1), rngs=nnx.Rngs(0))
     batch, positions = 3, 20
     x = jnp.asarray(rng.standard_normal((batch, 1, config.dim)), jnp.bfloat16)
@@ -103,8 +110,8 @@ def test_attention_module_decodes_through_the_kernel_as_through_xla(monkeypatch,
         jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for shape in module.cache_shapes(batch, positions)
     )
     mask = jnp.asarray(rng.random((batch, 1, positions)) < 0.7).at[:, :, 9].set(True)
-    pos = jnp.full((batch, 1), 9, jnp.int32)
-    assert not module._fused_decode(jnp.zeros((batch, 1, 4, 16), jnp.bfloat16), cache[0])  # no GPU here
+    pos = jnp.asarray([[9], [3], [9]], jnp.int32)  # rows at different positions: each row's own rotation
+    assert not module._fused_decode(jnp.zeros((batch, 1, 4, 32), jnp.bfloat16), cache[0])  # no GPU here
     want, want_cache = module(x, pos, mask, cache, jnp.int32(9))
     monkeypatch.setattr(attention, "pallas_default", lambda *args, **kwargs: True)
     monkeypatch.setattr(decode, "decode_attention", functools.partial(decode.decode_attention, interpret=True))
@@ -112,3 +119,9 @@ def test_attention_module_decodes_through_the_kernel_as_through_xla(monkeypatch,
     for have, expected in zip(got_cache, want_cache):
         np.testing.assert_array_equal(np.asarray(have), np.asarray(expected))
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=1e-2, rtol=1e-2)
+
+
+def test_probe_agrees_in_the_interpreter(monkeypatch):
+    """The probe a card runs first -- both forms, ready queries and the norms and RoPE inside -- holds interpreted."""
+    monkeypatch.setattr(decode, "decode_attention", functools.partial(decode.decode_attention, interpret=True))
+    assert decode.probe()

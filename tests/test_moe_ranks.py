@@ -2,6 +2,8 @@
 for bit, on values with every edge: signed zeros, subnormals, infinities, NaNs with payloads and signs, ties, ids at
 the int32 limits."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -150,3 +152,10 @@ def test_top_k_take_kernel_renormalizes_scales_and_masks_as_the_router(implement
     # two units in the last place, as between this and the XLA router
     np.testing.assert_array_max_ulp(np.asarray(weights), want, maxulp=2)
     assert np.isfinite(np.asarray(weights)).all()
+
+
+def test_top_k_take_probe_agrees_in_the_interpreter(monkeypatch):
+    from moe_eplb_jax.moe._top_k import triton as fused
+
+    monkeypatch.setattr(fused, "top_k_take", functools.partial(fused.top_k_take, interpret=True))
+    assert fused.probe()

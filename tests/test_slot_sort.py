@@ -2,6 +2,8 @@
 every place, the inverse and each row's token, for sizes off a power of two, unsent entries, one slot holding
 everything, slot ids at the packing's int32 limit; and ``local.sort_local`` returning the same on either path."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -70,3 +72,8 @@ def test_sort_local_returns_each_rows_token(rng):
     np.testing.assert_array_equal(np.asarray(inverse), want_inverse)
     np.testing.assert_array_equal(np.asarray(tokens), want_tokens)
     np.testing.assert_array_equal(np.asarray(sizes), np.bincount(physical[physical >= 0], minlength=16))
+
+
+def test_probe_agrees_in_the_interpreter(monkeypatch):
+    monkeypatch.setattr(slot_sort, "slot_sort", functools.partial(slot_sort.slot_sort, interpret=True))
+    assert slot_sort.probe()

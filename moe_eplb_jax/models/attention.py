@@ -31,6 +31,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from moe_eplb_jax._kernels import pallas_default
@@ -191,19 +192,15 @@ class Attention(nnx.Module):
         q = linear(x, self.q_proj.get_value(), _value(self.q_bias)).reshape(b, t, self.num_heads, self.head_dim)
         k = linear(x, self.k_proj.get_value(), _value(self.k_bias)).reshape(b, t, self.num_kv_heads, self.head_dim)
         v = linear(x, self.v_proj.get_value(), _value(self.v_bias)).reshape(b, t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
         rotary_dim, theta, scaling, interleaved = self.rope
         inv_freq, factor = rope_frequencies(rotary_dim, theta, scaling)
+        if cache is not None and t == 1 and not isinstance(mask, CausalPrefix) and self._fused_decode(q, cache[0]):
+            out, keys, values = self._decode(q, k, v, positions, inv_freq, factor, cache, cache_index, mask)
+            return linear(out.reshape(b, t, -1), self.o_proj.get_value(), _value(self.o_bias)), (keys, values)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, positions, inv_freq, attention_factor=factor, interleaved=interleaved)
         k = apply_rope(k, positions, inv_freq, attention_factor=factor, interleaved=interleaved)
-        if cache is not None and t == 1 and not isinstance(mask, CausalPrefix) and self._fused_decode(q, cache[0]):
-            from moe_eplb_jax.models._decode_attention import triton as decode
-
-            out, keys, values = decode.decode_attention(
-                q[:, 0], k[:, 0], v[:, 0], cache[0], cache[1], cache_index, mask[:, 0], scale=self.head_dim**-0.5
-            )
-            return linear(out.reshape(b, t, -1), self.o_proj.get_value(), _value(self.o_bias)), (keys, values)
         keys, values = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
         if cache is not None:
             keys, values = _write(cache[0], keys, cache_index, axis=2), _write(cache[1], values, cache_index, axis=2)
@@ -211,6 +208,31 @@ class Attention(nnx.Module):
                 k, v = jnp.swapaxes(keys, 1, 2), jnp.swapaxes(values, 1, 2)  # a view: XLA reads the stored layout
         out = attend(q, k, v, mask, scale=self.head_dim**-0.5)
         return linear(out.reshape(b, t, -1), self.o_proj.get_value(), _value(self.o_bias)), (keys, values)
+
+    def _decode(self, q, k, v, positions, inv_freq, factor, cache, cache_index, mask):
+        """One decode step in one kernel (``_decode_attention``): the norms and a whole-head rotate-half RoPE inside
+        it, any other RoPE applied here first. ``q``, ``k``, ``v`` as projected, ``[B, 1, heads, D]``."""
+        from moe_eplb_jax.models._decode_attention import triton as decode
+
+        rotary_dim, _, _, interleaved = self.rope
+        whole_rope = rotary_dim == self.head_dim and not interleaved
+        norms, q_norm, k_norm = {}, self.q_norm, self.k_norm
+        if q_norm is not None and k_norm is not None:
+            if whole_rope and q_norm.eps == k_norm.eps:  # one epsilon in the kernel, before its RoPE
+                norms = dict(q_norm=q_norm.weight.get_value(), k_norm=k_norm.weight.get_value(), eps=q_norm.eps)
+            else:
+                q, k = q_norm(q), k_norm(k)
+        rope = None
+        if whole_rope:
+            angle = positions[:, 0].astype(jnp.float32)[:, None] * jnp.asarray(np.asarray(inv_freq, np.float32))[None]
+            rope = jnp.stack([jnp.cos(angle), jnp.sin(angle)], axis=1) * jnp.float32(factor)  # as apply_rope
+        else:
+            q = apply_rope(q, positions, inv_freq, attention_factor=factor, interleaved=interleaved)
+            k = apply_rope(k, positions, inv_freq, attention_factor=factor, interleaved=interleaved)
+        return decode.decode_attention(
+            q[:, 0], k[:, 0], v[:, 0], cache[0], cache[1], cache_index, mask[:, 0], scale=self.head_dim**-0.5,
+            rope=rope, **norms,
+        )  # fmt: skip
 
     def _fused_decode(self, q, keys) -> bool:
         """Whether a decode step's attention and cache write run as one kernel (``_decode_attention``): on a GPU
