@@ -100,18 +100,18 @@ def combine_local(y, order, inverse, physical_ids, weights, *, out_dtype=None):
         raise ValueError(f"y must have {physical_ids.size} rows and weights shape {physical_ids.shape}")
     if order.shape != (y.shape[0],) or inverse.shape != (y.shape[0],):
         raise ValueError(f"order and inverse must have shape [{y.shape[0]}], got {order.shape} and {inverse.shape}")
-    sent = jnp.sum(physical_ids >= 0, dtype=jnp.int32)
-    return _combine(y, weights, order, inverse, sent).astype(out_dtype or y.dtype)
+    # Which assignments went anywhere, as a mask beside the sum rather than a count of them (a kernel of its own).
+    return _combine(y, weights, order, inverse, physical_ids >= 0).astype(out_dtype or y.dtype)
 
 
 def _token_sum(rows, inverse, sent, top_k: int, scale=None):
     """``[T, D]`` float32: for each token ``t``, ``sum_j scale[t, j] * rows[inverse[t k + j]]`` over its real
-    assignments, in order ``j``."""
+    assignments (``sent [T, k]`` bool), in order ``j``."""
     tokens = inverse.shape[0] // top_k
     at = inverse.reshape(tokens, top_k)
 
     def term(j):
-        row = jnp.where((at[:, j] < sent)[:, None], rows[at[:, j]].astype(jnp.float32), 0.0)
+        row = jnp.where(sent[:, j, None], rows[at[:, j]].astype(jnp.float32), 0.0)
         return row if scale is None else scale[:, j, None].astype(jnp.float32) * row
 
     total = term(0)
@@ -133,7 +133,8 @@ def _gather_fwd(x, order, inverse, sent, top_k):
 def _gather_bwd(top_k, residuals, grad):
     # A token's gradient is the sum of its k rows' gradients: k gathers summed, where autodiff scatter-adds.
     inverse, sent = residuals
-    return _token_sum(grad, inverse, sent, top_k).astype(grad.dtype), None, None, None
+    assigned = inverse.reshape(-1, top_k) < sent  # the rows past the sent ones are the unsent assignments'
+    return _token_sum(grad, inverse, assigned, top_k).astype(grad.dtype), None, None, None
 
 
 _gather.defvjp(_gather_fwd, _gather_bwd)
@@ -153,12 +154,12 @@ def _combine_bwd(residuals, grad):
     top_k = weights.shape[1]
     grad = grad.astype(jnp.float32)
     # Row i carries assignment order[i] = (t, j): its gradient is weights[t, j] * grad[t], a gather of grad.
-    live = jnp.arange(order.shape[0], dtype=jnp.int32) < sent
+    live = jnp.arange(order.shape[0], dtype=jnp.int32) < jnp.sum(sent, dtype=jnp.int32)
     scale = weights.reshape(-1)[order].astype(jnp.float32)
     dy = jnp.where(live[:, None], scale[:, None] * grad[order // jnp.int32(top_k)], 0.0).astype(y.dtype)
     at = inverse.reshape(weights.shape)
     products = jnp.sum(grad[:, None, :] * y[at].astype(jnp.float32), axis=-1)  # [T, k]: one gather-reduce
-    dweights = jnp.where(at < sent, products, 0.0).astype(weights.dtype)
+    dweights = jnp.where(sent, products, 0.0).astype(weights.dtype)
     return dy, dweights, None, None, None
 
 
