@@ -129,9 +129,9 @@ def timed(fn, reps: int) -> float:
 
 
 KERNEL_KINDS = (
-    ("attention", ("cudnn", "flash", "fmha", "sdpa")),
+    ("attention", ("cudnn", "flash", "fmha", "sdpa", "decode_attention")),
     ("grouped matmul", ("gmm", "grouped", "ragged", "qgmm", "swiglu_matmul", "mosaic_gpu")),
-    ("routing", ("map_and_count", "expert_rank", "tile_counts", "alias", "boundary")),
+    ("routing", ("map_and_count", "expert_rank", "tile_counts", "alias", "boundary", "top_k_take", "slot_sort")),
     ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "dot")),
     ("copy", ("memcpy", "memset", "copy", "transpose")),
     ("fusion", ("fusion", "loop_", "input_", "reduce", "convert", "select", "scatter", "gather")),
