@@ -91,6 +91,16 @@ def _item_rows(sizes_ref, num_groups: int, row_tile, block_m: int):
     return found
 
 
+def _swizzled(minor: int, dtype):
+    """The shared-memory transforms of a block whose rows hold ``minor`` elements of ``dtype``: 8-row tiles, the
+    widest swizzle those rows allow (what TMA and wgmma read without bank conflicts)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = plgpu.find_swizzle(minor * itemsize * 8)
+    return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))  # pyright: ignore[reportAbstractUsage]
+
+
 def _kernel(sizes_ref, x_ref, w_ref, out_ref, *, config: Config, transpose_rhs: bool, num_row_tiles: int):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -100,9 +110,7 @@ def _kernel(sizes_ref, x_ref, w_ref, out_ref, *, config: Config, transpose_rhs: 
     block_m, block_n, block_k = config.block_m, config.block_n, config.block_k
     band = 2 * block_n
     num_bands = width // band
-    swizzle = plgpu.find_swizzle(block_k * jnp.dtype(x_ref.dtype).itemsize * 8)
-    tiling = plgpu.TilingTransform((8, swizzle // jnp.dtype(x_ref.dtype).itemsize))  # pyright: ignore[reportAbstractUsage]
-    tiled = (tiling, plgpu.SwizzleTransform(swizzle))  # pyright: ignore[reportAbstractUsage]
+    tiled = _swizzled(block_k, x_ref.dtype)
     w_block, w_index = ((band, block_k), lambda k: (0, k)) if transpose_rhs else ((block_k, band), lambda k: (k, 0))
 
     def pipeline(body, compute_context):
@@ -233,12 +241,7 @@ def _transposed_kernel(
     block_m, block_n, block_k = config.block_m, config.block_n, config.block_k
     band = 2 * block_n
     num_bands = width // band
-    swizzle = plgpu.find_swizzle(block_m * jnp.dtype(x_ref.dtype).itemsize * 8)
-    elements = swizzle // jnp.dtype(x_ref.dtype).itemsize
-    tiled = (plgpu.TilingTransform((8, elements)), plgpu.SwizzleTransform(swizzle))  # pyright: ignore[reportAbstractUsage]
-    dy_swizzle = plgpu.find_swizzle(block_n * jnp.dtype(dy_ref.dtype).itemsize * 8)
-    dy_elements = dy_swizzle // jnp.dtype(dy_ref.dtype).itemsize
-    dy_tiled = (plgpu.TilingTransform((8, dy_elements)), plgpu.SwizzleTransform(dy_swizzle))  # pyright: ignore[reportAbstractUsage]
+    tiled, dy_tiled = _swizzled(block_m, x_ref.dtype), _swizzled(block_n, dy_ref.dtype)
 
     def pipeline(body, compute_context, num_steps):
         return plgpu.emit_pipeline_warp_specialized(
