@@ -59,9 +59,9 @@ def _e2m1_pair(packed):
 
 
 def _e8m0(code):
-    """int32 e8m0 codes -> float32 ``2**(code - 127)``; code 0 gives 0 (a subnormal, below float32's exponent
-    range), 255 NaN."""
-    return jnp.where(code == 255, jnp.float32(jnp.nan), jax.lax.bitcast_convert_type(code << 23, jnp.float32))
+    """int32 e8m0 codes -> float32 ``2**(code - 127)``; code 0 gives 0 (float32 subnormal), 255 NaN."""
+    value = jax.lax.bitcast_convert_type(code << 23, jnp.float32)
+    return jnp.where(code == 255, jnp.float32(jnp.nan), value)
 
 
 def _spread(scale, block: int):
@@ -71,7 +71,7 @@ def _spread(scale, block: int):
 
 
 def _decode_tile(w_ref, s_ref, first, k, *, fmt, block_k, block_cols):
-    """The weight tile ``[block_cols, block_k]`` (weight rows from ``first``, contraction step ``k``) in float32."""
+    """The weight tile ``[block_cols, block_k]`` (weight rows from ``first``, contraction step ``k``) as float32."""
     if fmt in ("mxfp4", "nvfp4"):
         packed = w_ref[pl.ds(first, block_cols), pl.ds(k * (block_k // 2), block_k // 2)]
         values = jax.lax.stack(_e2m1_pair(packed), axis=2).reshape(block_cols, block_k)
@@ -97,17 +97,12 @@ def _kernel(lhs_ref, w_ref, s_ref, factor_ref, sizes_ref, out_ref, **st):
         mine = (rows >= start) & (rows < end)
         first = group * width + col * block_cols  # the tile's first weight row in w [S * M, ...]
 
-        def rows_of(*columns, size):
-            shape = (block_rows, size) + (1,) * (len(columns) - 1)
-            loaded = plgpu.load(
-                lhs_ref.at[(pl.ds(first_row, block_rows), *columns)],
-                mask=jnp.broadcast_to(mine.reshape(block_rows, *(1,) * (len(shape) - 1)), shape),
+        def step(k, acc):
+            a = plgpu.load(
+                lhs_ref.at[pl.ds(first_row, block_rows), pl.ds(k * block_k, block_k)],
+                mask=jnp.broadcast_to(mine[:, None], (block_rows, block_k)),
                 other=0,
             )
-            return loaded.reshape(block_rows, size)
-
-        def step(k, acc):
-            a = rows_of(pl.ds(k * block_k, block_k), size=block_k)
             if st["e4m3_rows"]:  # W8A8: e4m3 times e4m3 on the tensor cores, nothing decoded
                 a = jax.lax.bitcast_convert_type(a, jnp.float8_e4m3fn)  # loaded as codes: a masked load fills 0
                 codes = w_ref[pl.ds(first, block_cols), pl.ds(k * block_k, block_k)]
