@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import jax
 
-__all__ = ["fused_unless_differentiated", "join_varying", "on_gpu", "pallas_default", "probed"]
+__all__ = ["fused_unless_differentiated", "join_varying", "on_gpu", "pallas_default", "probed", "traced_zero"]
 
 
 def join_varying(*arrays):
@@ -57,6 +57,14 @@ def fused_unless_differentiated(fused: Callable, plain: Callable) -> Callable:
 
     call.defvjp(forward, backward)
     return call
+
+
+def traced_zero():
+    """Inside a Pallas kernel: 0 as a traced value, the start of a masked window that reaches past an array's end
+    (jax refuses a static slice past the end; the mask keeps the loads and stores inside)."""
+    from jax.experimental import pallas as pl
+
+    return pl.program_id(0) * 0
 
 
 def on_gpu() -> bool:

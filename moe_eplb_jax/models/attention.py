@@ -31,12 +31,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from moe_eplb_jax._kernels import pallas_default
 from moe_eplb_jax.models.layers import RMSNorm, replicated_param
-from moe_eplb_jax.models.rope import apply_rope, rope_frequencies, softmax_mscale
+from moe_eplb_jax.models.rope import apply_rope, rope_frequencies, rotation, softmax_mscale
 from moe_eplb_jax.models.weights import dense_weight, linear
 from moe_eplb_jax.transport.mesh import put_host
 
@@ -224,8 +223,7 @@ class Attention(nnx.Module):
                 q, k = q_norm(q), k_norm(k)
         rope = None
         if whole_rope:
-            angle = positions[:, 0].astype(jnp.float32)[:, None] * jnp.asarray(np.asarray(inv_freq, np.float32))[None]
-            rope = jnp.stack([jnp.cos(angle), jnp.sin(angle)], axis=1) * jnp.float32(factor)  # as apply_rope
+            rope = jnp.stack(rotation(positions[:, 0], inv_freq, factor), axis=1)
         else:
             q = apply_rope(q, positions, inv_freq, attention_factor=factor, interleaved=interleaved)
             k = apply_rope(k, positions, inv_freq, attention_factor=factor, interleaved=interleaved)

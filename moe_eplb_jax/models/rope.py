@@ -23,7 +23,7 @@ import numpy as np
 
 from moe_eplb_jax._checks import check_real, show
 
-__all__ = ["YarnScaling", "apply_rope", "rope_frequencies", "softmax_mscale", "yarn_mscale"]
+__all__ = ["YarnScaling", "apply_rope", "rope_frequencies", "rotation", "softmax_mscale", "yarn_mscale"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,16 +113,21 @@ def softmax_mscale(scaling: YarnScaling | None) -> float:
     return yarn_mscale(scaling.factor, scaling.mscale_all_dim) ** 2
 
 
+def rotation(positions, inv_freq, attention_factor: float = 1.0):
+    """``(cos, sin)``, each ``positions.shape + [len(inv_freq)]`` float32: the angles ``position * inv_freq``'s
+    cosine and sine times ``attention_factor`` -- what :func:`apply_rope` rotates by."""
+    freq = jnp.asarray(np.asarray(inv_freq, np.float32))
+    angle = positions.astype(jnp.float32)[..., None] * freq.reshape((1,) * positions.ndim + freq.shape)
+    return jnp.cos(angle) * jnp.float32(attention_factor), jnp.sin(angle) * jnp.float32(attention_factor)
+
+
 def apply_rope(x, positions, inv_freq, *, attention_factor: float = 1.0, interleaved: bool = False):
     """Rotates the first ``2 * len(inv_freq)`` dimensions of ``x [B, T, heads, Dh]`` at ``positions [B, T]``.
 
     The rest of each head passes through. Computed in float32, returned in ``x.dtype``.
     """
     half = inv_freq.shape[0]
-    freq = jnp.asarray(np.asarray(inv_freq, np.float32))
-    angle = positions.astype(jnp.float32)[:, :, None, None] * freq[None, None, None, :]  # [B, T, 1, half]
-    cos = jnp.cos(angle) * jnp.float32(attention_factor)
-    sin = jnp.sin(angle) * jnp.float32(attention_factor)
+    cos, sin = (c[:, :, None, :] for c in rotation(positions, inv_freq, attention_factor))  # [B, T, 1, half]
     rot = x[..., : 2 * half].astype(jnp.float32)
     lead = rot.shape[:-1]
     # Each rotated pair (x1, x2) as one [2, half] block, out = pairs * cos + (-x2, x1) * sin: no slices joined by

@@ -13,12 +13,12 @@ import jax.numpy as jnp
 
 from moe_eplb_jax._kernels import on_gpu, pallas_default
 
-__all__ = ["MAX_PAIRS", "inverse_permutation", "stable_argsort", "top_k_indices", "top_k_take"]
+__all__ = ["MAX_PAIRS", "inverse_permutation", "ordered_keys", "stable_argsort", "top_k_indices", "top_k_take"]
 
 MAX_PAIRS = 1 << 22
 
 
-def _ordered(values):
+def ordered_keys(values):
     """int32 keys in the order ``jax.lax.top_k`` and ``jnp.argsort`` compare: IEEE total order for floats (-NaN <
     -inf < -0 < +0 < inf < NaN)."""
     if jnp.issubdtype(values.dtype, jnp.floating):
@@ -28,7 +28,7 @@ def _ordered(values):
 
 
 def _counts(values, pairs: int, counted: bool | None) -> bool:
-    """Whether to count: asked for, or by default on a GPU within ``MAX_PAIRS``; only for dtypes ``_ordered``
+    """Whether to count: asked for, or by default on a GPU within ``MAX_PAIRS``; only for dtypes ``ordered_keys``
     keeps in order (floats and signed integers of up to 32 bits, narrower unsigned ones)."""
     dtype = jnp.dtype(values.dtype)
     if jnp.issubdtype(dtype, jnp.unsignedinteger):
@@ -66,7 +66,7 @@ def stable_argsort(keys, *, counted: bool | None = None):
     if jnp.issubdtype(keys.dtype, jnp.floating) or not _counts(keys, size * size, counted):
         order = jnp.argsort(keys, stable=True).astype(jnp.int32)
         return order, inverse_permutation(order)
-    inverse = _ranks(_ordered(keys), descending=False)
+    inverse = _ranks(ordered_keys(keys), descending=False)
     index = jnp.arange(size, dtype=jnp.int32)
     order = jnp.sum(jnp.where(inverse[None, :] == index[:, None], index[None, :], 0), axis=1, dtype=jnp.int32)
     return order, inverse
@@ -78,7 +78,7 @@ def top_k_indices(values, k: int, *, counted: bool | None = None):
     width = values.shape[-1]
     if not _counts(values, values.size * width, counted):
         return jax.lax.top_k(values, k)[1].astype(jnp.int32)
-    rank = _ranks(_ordered(values), descending=True)
+    rank = _ranks(ordered_keys(values), descending=True)
     places = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32)[:, None], (*rank.shape[:-1], k, 1))
     hit = rank[..., None, :] == places  # [..., k, n]: one entry per place
     index = jnp.arange(width, dtype=jnp.int32)

@@ -25,6 +25,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from moe_eplb_jax._kernels import traced_zero
+
 __all__ = ["MAX_KEYS", "applies", "decode_attention", "probe"]
 
 MAX_KEYS = 512
@@ -75,7 +77,7 @@ def _kernel(
     positions, padded, group, width = (static[n] for n in ("positions", "padded", "group", "width"))
     half = width // 2
     row, head = pl.program_id(0), pl.program_id(1)
-    zero = pl.program_id(0) * 0  # a traced start: the masked window past the positions lies outside the arrays
+    zero = traced_zero()  # the masked window past the positions lies outside the arrays
     index = index_ref[0]
     sides = (pl.ds(0, half), pl.ds(half, half))
     heads = jnp.arange(16, dtype=jnp.int32) < group
@@ -175,7 +177,7 @@ def probe() -> bool:
     """Whether the kernel compiles here and agrees with XLA's attention on a small case, with the queries and key
     ready and with the norms and RoPE inside it (outside any trace)."""
     from moe_eplb_jax.models.attention import attend
-    from moe_eplb_jax.models.rope import apply_rope
+    from moe_eplb_jax.models.rope import apply_rope, rotation
 
     rng = np.random.default_rng(0)
     draw = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
@@ -183,8 +185,7 @@ def probe() -> bool:
     weight, positions, index = draw(64), jnp.asarray([[6], [2]], jnp.int32), 6
     mask = jnp.asarray(np.arange(40)[None, :] < np.array([[30], [7]]))
     inv_freq = 10000.0 ** (-np.arange(32) / 32.0)
-    angle = positions[:, 0].astype(jnp.float32)[:, None] * jnp.asarray(inv_freq, jnp.float32)[None]
-    rope = jnp.stack([jnp.cos(angle), jnp.sin(angle)], axis=1)
+    rope = jnp.stack(rotation(positions[:, 0], inv_freq), axis=1)
 
     def ready(x):  # what the attention module does before the XLA attention
         x32 = x.astype(jnp.float32)

@@ -22,7 +22,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from moe_eplb_jax._checks import check_powers_of_two
-from moe_eplb_jax._kernels import join_varying
+from moe_eplb_jax._kernels import join_varying, traced_zero
+from moe_eplb_jax.moe._ranks import ordered_keys
 
 __all__ = ["MAX_WIDTH", "Config", "applies", "probe", "top_k_take"]
 
@@ -51,16 +52,13 @@ def applies(shape, k: int, choice_dtype, taken_dtype) -> bool:
 def _kernel(choice_ref, taken_ref, valid_ref, ids_ref, out_ref, **static):
     num_rows, width, padded, block_rows, k = (static[n] for n in ("num_rows", "width", "padded", "block_rows", "k"))
     first = pl.program_id(0) * block_rows
-    # A traced first column: the masked columns past the width lie outside the arrays, which jax checks a static
-    # slice for.
-    first_col = pl.program_id(0) * 0
+    first_col = traced_zero()  # the masked columns past the width lie outside the arrays
     rows = first + jnp.arange(block_rows, dtype=jnp.int32)
     cols = jnp.arange(padded, dtype=jnp.int32)
     live = (rows < num_rows)[:, None] & (cols < width)[None, :]
     window = (pl.ds(first, block_rows), pl.ds(first_col, padded))
-    bits = plgpu.load(choice_ref.at[window], mask=live, other=0)
+    keys = ordered_keys(plgpu.load(choice_ref.at[window], mask=live, other=0))  # lax.top_k's order, as int32
     taken = plgpu.load(taken_ref.at[window], mask=live, other=0)
-    keys = jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)  # IEEE total order as int32 order
     places = jnp.arange(static["places"], dtype=jnp.int32)[None, :]
     ids = jnp.zeros((block_rows, static["places"]), jnp.int32)
     words = jnp.zeros((block_rows, static["places"]), jnp.int32)
@@ -120,7 +118,7 @@ def top_k_take(
     padded = max(16, pl.next_power_of_2(width))
     block_rows = min(config.block_rows, max(16, pl.next_power_of_2(num_rows)))
     as_int = lambda a: jax.lax.bitcast_convert_type(a, jnp.int32)
-    (bits, words, valid), out_struct = join_varying(as_int(choice), as_int(taken), valid)
+    (choice, words, valid), out_struct = join_varying(choice, as_int(taken), valid)
     kernel = functools.partial(
         _kernel,
         num_rows=num_rows,
@@ -141,7 +139,7 @@ def top_k_take(
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps),
         interpret=interpret,
         name="top_k_take",
-    )(bits, words, valid)
+    )(choice, words, valid)
     return ids, jax.lax.bitcast_convert_type(values, taken.dtype)
 
 
