@@ -33,6 +33,26 @@ def test_router_config_rejects_bad_fields_by_name(fields, message):
         RouterConfig(**{"top_k": 2} | fields)
 
 
+def test_route_marks_padding_rows_routed_nowhere():
+    """``route(valid=)``: the rows it marks false get ids -1 and keep their weights; a mask of another length is
+    refused by name."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from moe_eplb_jax.moe import route
+
+    config = RouterConfig(top_k=2)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((5, 8)), jnp.float32)
+    router_w = jnp.asarray(np.random.default_rng(1).standard_normal((8, 6)), jnp.float32)
+    valid = jnp.asarray([True, False, True, True, False])
+    ids, weights = route(x, router_w, config)
+    masked_ids, masked_weights = route(x, router_w, config, valid=valid)
+    np.testing.assert_array_equal(np.asarray(masked_ids), np.where(np.asarray(valid)[:, None], ids, -1))
+    np.testing.assert_array_equal(np.asarray(masked_weights), np.asarray(weights))
+    with pytest.raises(ValueError, match=r"valid must have shape \[T=5\]"):
+        route(x, router_w, config, valid=valid[:4])
+
+
 def test_router_config_checks_the_experts_it_routes():
     RouterConfig(top_k=8, num_groups=8, topk_groups=4).check_experts(256)  # DeepSeek-V3
     for config, message in [

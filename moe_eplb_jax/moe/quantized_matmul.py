@@ -67,12 +67,13 @@ def _check(x, q, group_sizes, implementation, activation_scaling, compute_dtype)
         raise ValueError(f"{name}: compute_dtype must be bfloat16, float16 or float32, got {compute_dtype!r}")
 
 
-def prepare(x, q, group_sizes, live, *, compute_dtype, activation_scaling: str, axis_name):
+def prepare(x, q, group_sizes, live, *, compute_dtype, activation_scaling: str, axis_name, e4m3_rows: bool = True):
     """``(lhs [N, K], factor [S] float32)``: the activations the matmul multiplies and the per-slot factor.
 
-    ``fp8``: ``x`` quantized to e4m3 (float8_e4m3fn) with each row's slot's activation scale
-    (padding rows zero); ``factor`` is ``alpha`` (dynamic: ``weight_scale`` times the EP-wide scale of the
-    real rows). Other formats: ``x`` in ``compute_dtype``, ``factor`` the NVFP4 global scale or ones.
+    ``fp8``: ``x`` quantized to e4m3 with each row's slot's activation scale (padding rows zero), as
+    float8_e4m3fn -- or, without ``e4m3_rows``, the same values in bfloat16, exactly; ``factor`` is ``alpha``
+    (dynamic: ``weight_scale`` times the EP-wide scale of the real rows). Other formats: ``x`` in
+    ``compute_dtype``, ``factor`` the NVFP4 global scale or ones.
     """
     x = jnp.where(live[:, None], x, jnp.zeros((), x.dtype))
     if isinstance(q, quant.Fp8Experts):
@@ -83,7 +84,7 @@ def prepare(x, q, group_sizes, live, *, compute_dtype, activation_scaling: str, 
             alpha = q.weight_scale * input_scale
         row_scale = input_scale[jnp.minimum(slot_of_row(group_sizes, x.shape[0]), q.shape[0] - 1)]
         x_q = quant.quantize_activation_fp8(x[:, None, :], row_scale)[:, 0, :]
-        return x_q, alpha.astype(jnp.float32)
+        return (x_q if e4m3_rows else x_q.astype(jnp.bfloat16)), alpha.astype(jnp.float32)
     lhs = x.astype(compute_dtype or x.dtype)
     if isinstance(q, quant.Nvfp4Experts):
         return lhs, q.global_scale.astype(jnp.float32)
@@ -145,10 +146,15 @@ def _backend(implementation: str) -> str:
 def _matmul(x, q, group_sizes, *, backend, e4m3_rows, compute_dtype, activation_scaling, axis_name, config):
     live = jnp.arange(x.shape[0], dtype=jnp.int32) < jnp.sum(group_sizes.astype(jnp.int32))
     lhs, factor = prepare(
-        x, q, group_sizes, live, compute_dtype=compute_dtype, activation_scaling=activation_scaling, axis_name=axis_name
+        x,
+        q,
+        group_sizes,
+        live,
+        compute_dtype=compute_dtype,
+        activation_scaling=activation_scaling,
+        axis_name=axis_name,
+        e4m3_rows=e4m3_rows,
     )
-    if lhs.dtype == jnp.float8_e4m3fn and not e4m3_rows:  # the same values, decoded to bfloat16 in the kernel
-        lhs = lhs.astype(jnp.bfloat16)
     if backend == "reference":
         y = reference.grouped_matmul(lhs, q, group_sizes, factor)
     else:
@@ -191,10 +197,15 @@ def _probe(*, interpret: bool = False, formats=quant.FORMATS, e4m3_rows: bool = 
             else quant.quantize_experts(w, fmt)
         )
         lhs, factor = prepare(
-            x, q, sizes, jnp.arange(64) < 48, compute_dtype=None, activation_scaling="static", axis_name=None
+            x,
+            q,
+            sizes,
+            jnp.arange(64) < 48,
+            compute_dtype=None,
+            activation_scaling="static",
+            axis_name=None,
+            e4m3_rows=e4m3_rows,
         )
-        if lhs.dtype == jnp.float8_e4m3fn and not e4m3_rows:
-            lhs = lhs.astype(jnp.bfloat16)
         config = Config(block_rows=16, block_k=64)
         kernel = jax.jit(functools.partial(_triton().grouped_matmul, config=config, interpret=interpret))
         got = np.asarray(kernel.lower(lhs, q, sizes, factor).compile()(lhs, q, sizes, factor))[:48]

@@ -33,6 +33,8 @@ def route(x, router_w, config: RouterConfig, *, bias=None, valid=None):
     Returns:
       ``(ids [T, k] int32, weights [T, k] float32)``.
     """
+    if valid is not None and jnp.shape(valid) != (x.shape[0],):
+        raise ValueError(f"valid must have shape [T={x.shape[0]}], got {jnp.shape(valid)}")
     top_k, num_groups, topk_groups, scoring = config.top_k, config.num_groups, config.topk_groups, config.scoring
     num_experts = router_w.shape[1]
     # Row-invariant: a token's logits do not depend on how many tokens its rank holds (the EP size).
