@@ -65,7 +65,7 @@ def parse_configs(text: str, config_type) -> list:
                     num_stages=int(stages.removeprefix("s")),
                 )
             )
-        except (TypeError, ValueError) as err:
+        except ValueError as err:
             raise SystemExit(f"--configs: {item!r} is not ROWSxCOLSxK/wWARPS/sSTAGES ({err})") from None
     return configs
 
