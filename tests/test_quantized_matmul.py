@@ -325,6 +325,54 @@ def test_kernel_lowers_to_triton_ir(fmt, h100_lowering):
             assert exported.mlir_module().count("xla.gpu.triton") == 1, (rows, dtype, width)
 
 
+MOSAIC_LOWERING = [jax.export.DisabledSafetyCheck.custom_call(n) for n in ("mosaic_gpu", "mosaic_gpu_v2")]
+
+
+def test_fp8_mosaic_path_lowers_for_hopper_and_refuses_what_it_cannot_take():
+    """No GPU needed: fp8's Mosaic path builds its module at a decode and a prefill shape (both tilings, rows off
+    the tile), and refuses other formats and sides off its blocks by name before any work."""
+    spec = jax.ShapeDtypeStruct
+    for rows, slots in ((2048, 32), (16400, 8)):
+        q = _spec_experts("fp8", slots, 512, 1024)
+        fn = jax.jit(lambda x, q, s: qmm.quantized_grouped_matmul(x, q, s, implementation="mosaic"))
+        args = (spec((rows, 1024), jnp.bfloat16), q, spec((slots,), jnp.int32))
+        module = jax.export.export(fn, platforms=["cuda"], disabled_checks=MOSAIC_LOWERING)(*args).mlir_module()
+        assert "mosaic_gpu" in module and "xla.gpu.triton" not in module
+    x, sizes = jnp.ones((8, 64), jnp.bfloat16), jnp.array([4, 4], jnp.int32)
+    for q in (_quantize(np.ones((2, 32, 64), np.float32), "mxfp4"), _quantize(np.ones((2, 32, 64), np.float32), "fp8")):
+        with pytest.raises(ValueError, match="implementation 'mosaic' multiplies fp8 experts"):
+            qmm.quantized_grouped_matmul(x, q, sizes, implementation="mosaic")
+
+
+def test_fp8_mosaic_tiling_follows_the_rows_per_slot():
+    """Under 128 rows a slot (decode) 64-row tiles, else 128; e4m3's 128-byte contraction chunks either way."""
+    from moe_eplb_jax.moe._qgmm.config import mosaic_config
+
+    assert mosaic_config(2048, 32).block_m == 64 and mosaic_config(16384, 8).block_m == 128
+    assert {mosaic_config(n, 8).block_k for n in (64, 1 << 16)} == {128}
+
+
+@gpu
+@pytest.mark.parametrize("rows_per_slot", [3, 64, 300], ids=["decode", "mid", "prefill"])
+def test_fp8_mosaic_path_matches_float64_oracle(rows_per_slot, rng):
+    """On a card: e4m3 rows times e4m3 weights on the Mosaic kernel against float64, static and dynamic scales,
+    with an empty slot, slots straddling tiles and NaN padding rows that reach nothing."""
+    sizes = np.array([rows_per_slot, 0, rows_per_slot + 5, 1, rows_per_slot], np.int32)
+    live = int(sizes.sum())
+    x = np.array(jnp.asarray(rng.standard_normal((live + 20, 1024)), jnp.bfloat16))
+    x[live:] = np.nan
+    w = rng.standard_normal((5, 512, 1024)) * np.exp2(rng.integers(-4, 4, (5, 512, 1)))
+    q = _quantize(w.astype(np.float32), "fp8")
+    for scaling in ("static", "dynamic"):
+        got = np.asarray(
+            qmm.quantized_grouped_matmul(
+                jnp.asarray(x), q, jnp.asarray(sizes), implementation="mosaic", activation_scaling=scaling
+            )
+        )
+        _assert_close(got, _oracle(x, q, sizes, activation_scaling=scaling), live)
+    assert qmm.mosaic_available()
+
+
 @pytest.mark.parametrize("implementation", ["dense", pytest.param("pallas_interpret", marks=slow)])
 def test_dynamic_scales_inside_shard_map_follow_the_rows_not_the_placement(implementation, rng):
     """Per rank inside ``shard_map``, with padding rows: the dynamic fp8 scales cover the EP group's real rows, so
@@ -362,3 +410,70 @@ def test_dynamic_scales_inside_shard_map_follow_the_rows_not_the_placement(imple
     )
     np.testing.assert_allclose(per_rank[real], whole, rtol=1e-6, atol=1e-6 * np.abs(whole).max())
     assert not np.allclose(run(None)[real], whole, rtol=1e-3)
+
+
+def _run_ptx(text: str, registers: dict) -> dict:
+    """A reference interpreter of the handful of PTX instructions the e2m1 decoder uses, on uint32 registers."""
+    import ml_dtypes
+
+    def bf16_pair(word):
+        halves = np.array([word & 0xFFFF, word >> 16], np.uint16).view(ml_dtypes.bfloat16)
+        return halves.astype(np.float32)
+
+    value = lambda op: registers[op] if op in registers else int(op, 0)
+    for statement in text.replace("\n", " ").strip("{} ").split(";"):
+        if not statement.strip() or statement.strip().startswith(".reg"):
+            continue
+        opcode, operands = statement.split(None, 1)
+        dest, *srcs = [o.strip() for o in operands.split(",")]
+        args = [value(o) for o in srcs]
+        if opcode == "mov.b32":
+            out = args[0]
+        elif opcode == "prmt.b32":
+            pool = (args[0] | args[1] << 32).to_bytes(8, "little")
+            out = int.from_bytes(bytes(pool[(args[2] >> (4 * i)) & 7] for i in range(4)), "little")
+        elif opcode == "shl.b32":
+            out = (args[0] << args[1]) & 0xFFFFFFFF
+        elif opcode == "and.b32":
+            out = args[0] & args[1]
+        elif opcode == "or.b32":
+            out = args[0] | args[1]
+        elif opcode == "mul.rn.bf16x2":
+            with np.errstate(over="ignore"):
+                product = (bf16_pair(args[0]) * bf16_pair(args[1])).astype(ml_dtypes.bfloat16).view(np.uint16)
+            out = int(product[0]) | int(product[1]) << 16
+        else:
+            raise AssertionError(f"unexpected PTX {opcode}")
+        registers[dest] = out
+    return registers
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_e2m1_ptx_decodes_every_byte_times_its_scale_exactly(fmt):
+    """The inline PTX's decode, run by a reference interpreter on every byte and edge scales (MX codes 0, 1, 127,
+    254, 255; NVFP4 subnormal, largest and NaN e4m3), equals the e2m1 table times the scale ``_scale_bfloat16``
+    gives, which equals the float32 decode's scale; signed zeros and NaN kept."""
+    import ml_dtypes
+
+    codes = np.array([0, 1, 127, 130, 254, 255] if fmt == "mxfp4" else [0, 1, 0x38, 0x7E, 0xFE, 0x7F], np.uint8)
+    scales = np.asarray(qtriton._scale_bfloat16(jnp.asarray(codes), fmt)).astype(np.float32)
+    reference_scales = np.asarray(
+        qtriton._e8m0(jnp.asarray(codes, jnp.int32)) if fmt == "mxfp4" else qtriton._e4m3(jnp.asarray(codes))
+    )
+    np.testing.assert_array_equal(scales.view(np.uint32), reference_scales.view(np.uint32))
+    table = quant.E2M1_VALUES
+    for nibble in ("low", "high"):
+        text = qtriton._e2m1_to_bfloat16(nibble)
+        for scale in scales:
+            scale_bits = int(np.array([scale], ml_dtypes.bfloat16).view(np.uint16)[0])
+            for first in range(0, 256, 4):
+                word = int.from_bytes(bytes(range(first, first + 4)), "little")
+                out = _run_ptx(text, {"$2": word, "$3": scale_bits * 0x10001, "$4": scale_bits * 0x10001})
+                got = np.array([out["$0"], out["$1"]], np.uint32).view(np.uint16).view(ml_dtypes.bfloat16)
+                got = got.astype(np.float32)
+                element = np.arange(first, first + 4) & 15 if nibble == "low" else np.arange(first, first + 4) >> 4
+                with np.errstate(over="ignore"):  # MX code 254 times 6 overflows to inf, in bfloat16 as in float32
+                    want = (table[element].astype(np.float32) * scale).astype(ml_dtypes.bfloat16).astype(np.float32)
+                np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+                ok = ~np.isnan(want)
+                np.testing.assert_array_equal(got[ok].view(np.uint32), want[ok].view(np.uint32))

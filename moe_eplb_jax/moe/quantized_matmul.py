@@ -17,12 +17,15 @@ weights, up to float32 summation order, with the activations in
   ``x.dtype``), the weights decoded exactly (MX scale code 0 aside, which
   decodes to 0) with their block scales, float32 accumulation.
 
-Implementations (``implementation=``): ``"auto"`` -- ``"triton"`` on a GPU
-where a first-use probe compiles and agrees with the reference, else
-``"reference"``; ``"reference"`` -- the slots' weights dequantized once to
+Implementations (``implementation=``): ``"auto"`` -- on a GPU, ``"mosaic"`` for
+fp8 where its tiles fit and ``"triton"`` otherwise, each where a first-use probe
+compiles and agrees with the reference; else ``"reference"``; ``"reference"`` -- the slots' weights dequantized once to
 float32 and the float ``dense`` grouped matmul (exact; the CPU path and the
 oracle); ``"triton"`` -- the Pallas Triton kernel (``moe._qgmm.triton``) that
 decodes the packed bytes in registers, its work following the real row count;
+``"mosaic"`` -- fp8 only: the e4m3 rows times the e4m3 weights on the project's
+warp-specialized Mosaic GPU kernel (``moe._gmm.mosaic_ws``: TMA loads overlapping
+wgmma, where Triton's fp8 product stays near twice its weight-read floor);
 ``"pallas_interpret"`` -- that kernel in Pallas' interpreter (CPU tests).
 Not differentiable (serving).
 """
@@ -37,13 +40,14 @@ import numpy as np
 
 from moe_eplb_jax import quant
 from moe_eplb_jax._kernels import on_gpu, probed
+from moe_eplb_jax.moe._gmm import mosaic_ws
 from moe_eplb_jax.moe._gmm.reference import slot_of_row
 from moe_eplb_jax.moe._qgmm import reference
-from moe_eplb_jax.moe._qgmm.config import Config
+from moe_eplb_jax.moe._qgmm.config import Config, mosaic_config
 
 __all__ = ["IMPLEMENTATIONS", "Config", "kernel_available", "quantized_grouped_matmul"]
 
-IMPLEMENTATIONS = ("auto", "reference", "triton", "pallas_interpret")
+IMPLEMENTATIONS = ("auto", "reference", "triton", "mosaic", "pallas_interpret")
 _FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
@@ -65,6 +69,11 @@ def _check(x, q, group_sizes, implementation, activation_scaling, compute_dtype)
         raise ValueError(f"{name}: group_sizes must be integers, got dtype {group_sizes.dtype}")
     if compute_dtype is not None and not any(jnp.dtype(compute_dtype) == d for d in _FLOATS):
         raise ValueError(f"{name}: compute_dtype must be bfloat16, float16 or float32, got {compute_dtype!r}")
+    if implementation == "mosaic" and not _mosaic_fits(x.shape[0], q):
+        raise ValueError(
+            f"{name}: implementation 'mosaic' multiplies fp8 experts whose K and M tile its blocks; got "
+            f"{type(q).__name__} {q.shape}"
+        )
 
 
 def prepare(x, q, group_sizes, live, *, compute_dtype, activation_scaling: str, axis_name, e4m3_rows: bool = True):
@@ -100,7 +109,7 @@ def quantized_grouped_matmul(
     compute_dtype=None,
     activation_scaling: str = "static",
     axis_name=None,
-    config: Config | None = None,
+    config: Config | mosaic_ws.Config | None = None,
 ) -> jax.Array:
     """See the module docstring.
 
@@ -112,7 +121,8 @@ def quantized_grouped_matmul(
       compute_dtype: the activations' dtype in the MMA, bfloat16, float16 or float32 (``None``: ``x.dtype``; fp8 always
         multiplies e4m3 values, exact in bfloat16).
       activation_scaling, axis_name: fp8's activation scale (``quant.expert_mlp``'s meaning).
-      config: the kernel's tiling (``None``: ``moe._qgmm.config.default_config``).
+      config: the kernel's tiling: a ``Config`` for the Triton kernel, a ``mosaic_ws.Config`` for fp8's Mosaic one
+        (``None``: ``moe._qgmm.config.default_config`` or ``mosaic_config``).
 
     Returns:
       ``[N, M]`` float32, padding rows zero.
@@ -120,7 +130,7 @@ def quantized_grouped_matmul(
     _check(x, q, group_sizes, implementation, activation_scaling, compute_dtype)
     if compute_dtype is None and not any(x.dtype == d for d in _FLOATS):
         compute_dtype = jnp.float32
-    backend = _backend(implementation)
+    backend = _backend(implementation, x.shape[0], q, config)
     return _matmul(
         x,
         q,
@@ -134,10 +144,23 @@ def quantized_grouped_matmul(
     )
 
 
-def _backend(implementation: str) -> str:
-    if implementation == "auto":
-        return "triton" if on_gpu() and kernel_available() else "reference"
-    return implementation
+def _backend(implementation: str, num_rows: int, q, config) -> str:
+    if implementation != "auto":
+        return implementation
+    if not on_gpu():
+        return "reference"
+    if not isinstance(config, Config) and _mosaic_fits(num_rows, q, config) and mosaic_available():
+        return "mosaic"
+    return "triton" if kernel_available() else "reference"
+
+
+def _mosaic_fits(num_rows: int, q, config=None) -> bool:
+    """Whether ``q`` is fp8 whose sides tile the Mosaic kernel's blocks."""
+    if not isinstance(q, quant.Fp8Experts):
+        return False
+    config = config if isinstance(config, mosaic_ws.Config) else mosaic_config(num_rows, q.shape[0])
+    rows = (num_rows, q.shape[2])
+    return mosaic_ws.supports(rows, q.shape, jnp.float8_e4m3fn, transpose_rhs=True, config=config)
 
 
 @functools.partial(
@@ -157,6 +180,11 @@ def _matmul(x, q, group_sizes, *, backend, e4m3_rows, compute_dtype, activation_
     )
     if backend == "reference":
         y = reference.grouped_matmul(lhs, q, group_sizes, factor)
+    elif backend == "mosaic":
+        tiling = config if isinstance(config, mosaic_ws.Config) else mosaic_config(x.shape[0], q.shape[0])
+        y = mosaic_ws.grouped_matmul(
+            lhs, q.weight, group_sizes, transpose_rhs=True, factor=factor, out_dtype=jnp.float32, config=tiling
+        )
     else:
         y = _triton().grouped_matmul(lhs, q, group_sizes, factor, config=config, interpret=backend != "triton")
     return jnp.where(live[:, None], y, jnp.float32(0))
@@ -172,6 +200,29 @@ def _triton():
 def kernel_available() -> bool:
     """Whether the Triton kernel compiles here and agrees with the reference for every format (probed once)."""
     return probed("quantized_grouped_matmul", _probe)
+
+
+def mosaic_available() -> bool:
+    """Whether fp8's Mosaic GPU kernel compiles here and agrees with the reference (probed once)."""
+    return probed("quantized_grouped_matmul", _mosaic_probe, case="mosaic fp8")
+
+
+def _mosaic_probe() -> bool:
+    """fp8's Mosaic kernel, compiled ahead of time outside any trace, against the reference on a small case."""
+    rng = np.random.default_rng(0)
+    sizes = jnp.asarray([100, 0, 120, 36], jnp.int32)  # then 32 padding rows
+    x = jnp.asarray(rng.standard_normal((288, 256)), jnp.bfloat16)
+    q = quant.quantize_experts(jnp.asarray(rng.standard_normal((4, 256, 256)) * 0.1, jnp.float32), "fp8")
+    assert isinstance(q, quant.Fp8Experts)
+    live = jnp.arange(288) < 256
+    lhs, factor = prepare(x, q, sizes, live, compute_dtype=None, activation_scaling="static", axis_name=None)
+    call = functools.partial(
+        mosaic_ws.grouped_matmul, transpose_rhs=True, out_dtype=jnp.float32, config=mosaic_config(288, 4)
+    )
+    args = (lhs, q.weight, sizes)
+    got = np.asarray(jax.jit(call).lower(*args, factor=factor).compile()(*args, factor=factor))[:256]
+    want = np.asarray(reference.grouped_matmul(lhs, q, sizes, factor))[:256]
+    return bool(np.allclose(got, want, rtol=2e-3, atol=2e-3 * float(np.abs(want).max())))
 
 
 def e4m3_rows_available() -> bool:

@@ -1,7 +1,8 @@
 """A warp-specialized grouped matmul for Hopper in Pallas Mosaic GPU: one warpgroup loads, two multiply.
 
 ``grouped_matmul(x [N, K], w [S, K, M], group_sizes [S]) -> [N, M]`` in ``x.dtype`` (float32 accumulation;
-``transpose_rhs``: ``w [S, M, K]`` read transposed). A persistent grid walks work items -- a row tile of
+``transpose_rhs``: ``w [S, M, K]`` read transposed; float8_e4m3fn operands, both K-major as fp8 wgmma needs them,
+with ``transpose_rhs`` only, into ``out_dtype`` times a per-group ``factor``). A persistent grid walks work items -- a row tile of
 ``Config.block_m`` rows inside one group (a tile straddling two groups is an item of each) times a column band of
 ``2 * Config.block_n`` columns; a memory warpgroup streams the row tile and the group's weight band through
 ``max_concurrent_steps`` shared-memory stages while two compute warpgroups each multiply one half of the band
@@ -30,6 +31,7 @@ from jax.experimental import pallas as pl
 __all__ = ["Config", "grouped_matmul", "supports", "supports_transposed", "transposed_grouped_matmul"]
 
 DTYPES = (jnp.bfloat16, jnp.float16)
+FP8 = jnp.float8_e4m3fn
 H100_SMS = 132
 
 
@@ -53,9 +55,10 @@ class Config:
 
 
 def supports(x_shape, w_shape, dtype, *, transpose_rhs: bool = False, config: Config = Config()) -> bool:
-    """Whether the kernel takes this product: 16-bit floats, the contraction a multiple of ``block_k`` and the
-    output width of ``2 * block_n``."""
-    if jnp.dtype(dtype) not in [jnp.dtype(d) for d in DTYPES] or len(x_shape) != 2 or len(w_shape) != 3:
+    """Whether the kernel takes this product: 16-bit floats (or e4m3 with ``transpose_rhs``), the contraction a
+    multiple of ``block_k`` and the output width of ``2 * block_n``."""
+    fp8 = jnp.dtype(dtype) == jnp.dtype(FP8) and transpose_rhs
+    if not (fp8 or jnp.dtype(dtype) in [jnp.dtype(d) for d in DTYPES]) or len(x_shape) != 2 or len(w_shape) != 3:
         return False
     depth, width = (w_shape[2], w_shape[1]) if transpose_rhs else (w_shape[1], w_shape[2])
     return x_shape[1] == depth and depth % config.block_k == 0 and width % (2 * config.block_n) == 0
@@ -101,7 +104,7 @@ def _swizzled(minor: int, dtype):
     return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))  # pyright: ignore[reportAbstractUsage]
 
 
-def _kernel(sizes_ref, x_ref, w_ref, out_ref, *, config: Config, transpose_rhs: bool, num_row_tiles: int):
+def _kernel(sizes_ref, factor_ref, x_ref, w_ref, out_ref, *, config, transpose_rhs, num_row_tiles, scaled):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     num_rows, depth = x_ref.shape
@@ -158,7 +161,8 @@ def _kernel(sizes_ref, x_ref, w_ref, out_ref, *, config: Config, transpose_rhs: 
                 def _acc(acc):
                     run_pipeline(acc)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this buffer's previous stores have read it
-                    out_smem[wg] = acc[...].astype(out_ref.dtype)
+                    values = acc[...] * factor_ref[group] if scaled else acc[...]
+                    out_smem[wg] = values.astype(out_ref.dtype)
                     plgpu.commit_smem()
                     offset = start - first_row
                     rows = min(block_m, num_rows)
@@ -191,17 +195,26 @@ def _kernel(sizes_ref, x_ref, w_ref, out_ref, *, config: Config, transpose_rhs: 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def grouped_matmul(x, w, group_sizes, *, transpose_rhs: bool = False, config: Config = Config()):
+def grouped_matmul(
+    x, w, group_sizes, *, transpose_rhs: bool = False, factor=None, out_dtype=None, config: Config = Config()
+):
     """See the module docstring. ``K`` and ``M`` must tile (:func:`supports`); ``N`` off a multiple of ``block_m``
-    costs a padded copy of ``x``."""
+    costs a padded copy of ``x``. ``factor [S]`` (float32) multiplies each group's float32 result before it is
+    cast to ``out_dtype`` (default ``x.dtype``; e4m3 operands need one: float32, bfloat16 or float16)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     if not supports(x.shape, w.shape, x.dtype, transpose_rhs=transpose_rhs, config=config) or x.dtype != w.dtype:
         raise ValueError(
-            f"mosaic_ws takes 16-bit x [N, K] and w [S, K, M] that tile {config}; got {x.shape}, {w.shape}"
+            f"mosaic_ws takes 16-bit (or, transposed, e4m3) x [N, K] and w [S, K, M] that tile {config}; "
+            f"got {x.dtype}{x.shape}, {w.dtype}{w.shape}"
         )
     if group_sizes.shape != (w.shape[0],):
         raise ValueError(f"group_sizes must have shape [S]=({w.shape[0]},), got {group_sizes.shape}")
+    if factor is not None and factor.shape != (w.shape[0],):
+        raise ValueError(f"factor must have shape [S]=({w.shape[0]},), got {factor.shape}")
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    if out_dtype not in [jnp.dtype(d) for d in (jnp.float32, *DTYPES)]:
+        raise ValueError(f"out_dtype must be float32, bfloat16 or float16, got {out_dtype}")
     num_rows = x.shape[0]
     if num_rows % config.block_m:  # every row tile's load inside the array
         x = jnp.pad(x, ((0, -num_rows % config.block_m), (0, 0)))
@@ -212,8 +225,9 @@ def grouped_matmul(x, w, group_sizes, *, transpose_rhs: bool = False, config: Co
             config=config,
             transpose_rhs=transpose_rhs,
             num_row_tiles=pl.cdiv(x.shape[0], config.block_m) + w.shape[0] - 1,
+            scaled=factor is not None,
         ),
-        out_type=jax.ShapeDtypeStruct((x.shape[0], width), x.dtype),
+        out_type=jax.ShapeDtypeStruct((x.shape[0], width), out_dtype),
         grid=(_num_sms(),),
         grid_names=("sm",),
         num_threads=3,
@@ -221,7 +235,8 @@ def grouped_matmul(x, w, group_sizes, *, transpose_rhs: bool = False, config: Co
         kernel_name="grouped_matmul_ws_transposed" if transpose_rhs else "grouped_matmul_ws",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
-    return kernel(group_sizes.astype(jnp.int32), x, w)[:num_rows]
+    factor = jnp.ones((w.shape[0],), jnp.float32) if factor is None else factor.astype(jnp.float32)
+    return kernel(group_sizes.astype(jnp.int32), factor, x, w)[:num_rows]
 
 
 def supports_transposed(x_shape, dy_shape, dtype, *, config: Config = Config()) -> bool:

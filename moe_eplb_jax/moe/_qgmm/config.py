@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["Config", "default_config"]
+from moe_eplb_jax.moe._gmm import mosaic_ws
+
+__all__ = ["Config", "default_config", "mosaic_config"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -50,3 +52,12 @@ def default_config(num_rows: int, num_slots: int, fmt: str | None = None) -> Con
     if num_rows >= 4096:
         return Config(block_rows=128, block_cols=128, num_warps=8)
     return Config(block_cols=128) if fmt == "fp8" else Config()
+
+
+def mosaic_config(num_rows: int, num_slots: int) -> mosaic_ws.Config:
+    """fp8's Mosaic tiling for ``num_rows`` buffer rows over ``num_slots`` slots: 64-row tiles where a slot holds
+    under 128 rows (decode: a 128-row tile would load the next slot's rows for nothing), 128 rows otherwise; 128-byte
+    contraction chunks (one swizzle row of e4m3), the float32 epilogue's buffer inside shared memory."""
+    if num_rows < 128 * num_slots:
+        return mosaic_ws.Config(block_m=64, block_n=128, block_k=128, max_concurrent_steps=3)
+    return mosaic_ws.Config(block_m=128, block_n=64, block_k=128, max_concurrent_steps=4)

@@ -6,7 +6,8 @@ the weights' bytes as they are on the tensor cores (e4m3 x e4m3, float32 accumul
 each program loads a ``[block_cols, block_k]`` tile of the packed weights (e4m3 bytes, or e2m1 pairs: even
 element in the low nibble) and its scales, decodes them in registers (e4m3 by Triton's conversion, e2m1 through
 it too, e8m0 as an exponent; in float32) to ``lhs.dtype`` and runs a 16-bit (or float32) MMA with float32
-accumulation. The weights are read once per work item, in their packed size, never written back dequantized.
+accumulation. On a GPU, e2m1 bytes decode to bfloat16 in a few integer and packed-bfloat16 instructions of
+inline PTX per pair (``_E2M1_TO_BFLOAT16``), where the float32 route costs several conversions per element. The weights are read once per work item, in their packed size, never written back dequantized.
 
 What a tile decodes to, exactly (``lhs`` bfloat16 or float32):
 
@@ -64,14 +65,67 @@ def _e8m0(code):
     return jnp.where(code == 255, jnp.float32(jnp.nan), value)
 
 
+def _e2m1_to_bfloat16(nibble: str) -> str:
+    """PTX decoding the ``nibble`` (``"low"``: even elements, ``"high"``: odd) of 4 packed bytes ($2) to bfloat16
+    pairs ($0: bytes 0-1, $1: bytes 2-3) times their block scales ($3, $4, bfloat16 pairs alike).
+
+    The magnitude bits land at the bottom of bfloat16's exponent -- the value e2m1 * 2**-126, the subnormal codes
+    too -- and the sign at bit 15; then times 2**126 and times the scale, both exact in bfloat16.
+    """
+    magnitude, sign = (6, 12) if nibble == "low" else (2, 8)
+    pair = """shl.b32 m, {0}, {2}; and.b32 m, m, 0x01C001C0; shl.b32 s, {0}, {3}; and.b32 s, s, 0x80008000;
+or.b32 m, m, s; mul.rn.bf16x2 m, m, bias; mul.rn.bf16x2 {1}, m, {4};"""
+    return "\n".join(
+        [
+            "{",
+            ".reg .b32 lo, hi, m, s, bias, zero;",
+            "mov.b32 bias, 0x7E807E80;",  # 2**126 in both halves
+            "mov.b32 zero, 0;",
+            "prmt.b32 lo, $2, zero, 0x4140;",  # bytes 0 and 1 to the low byte of each half
+            "prmt.b32 hi, $2, zero, 0x4342;",  # bytes 2 and 3
+            pair.format("lo", "$0", magnitude, sign, "$3"),
+            pair.format("hi", "$1", magnitude, sign, "$4"),
+            "}",
+        ]
+    )
+
+
+def _e2m1_bfloat16(packed, scale):
+    """``(even, odd)`` bfloat16 elements of ``packed`` bytes times ``scale`` (bfloat16, one per byte), by PTX."""
+    like = [jax.ShapeDtypeStruct(packed.shape, jnp.bfloat16)]
+    return tuple(
+        plgpu.elementwise_inline_asm(
+            _e2m1_to_bfloat16(nibble), args=[packed, scale], constraints="=r,=r,r,r,r", pack=4, result_shape_dtypes=like
+        )[0]
+        for nibble in ("low", "high")
+    )
+
+
+def _scale_bfloat16(codes, fmt: str):
+    """Block scale codes -> bfloat16 (exact): NVFP4's e4m3 values, or MX's ``2**(code - 127)`` as its exponent bits
+    (code 0 to 0 as ``_e8m0`` decodes it, 255 to NaN)."""
+    if fmt == "nvfp4":
+        return _e4m3(codes).astype(jnp.bfloat16)
+    code = codes.astype(jnp.int32)
+    bits = jnp.where(code == 255, 0x7FC0, code << 7).astype(jnp.uint16)
+    return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
+
+
 def _spread(scale, block: int):
     """``[C, nb]`` block scales -> ``[C, nb * block]``, each repeated over its block's elements."""
     cols, blocks = scale.shape
     return jnp.broadcast_to(scale[:, :, None], (cols, blocks, block)).reshape(cols, blocks * block)
 
 
-def _decode_tile(w_ref, s_ref, first, k, *, fmt, block_k, block_cols):
-    """The weight tile ``[block_cols, block_k]`` (weight rows from ``first``, contraction step ``k``) as float32."""
+def _decode_tile(w_ref, s_ref, first, k, *, fmt, block_k, block_cols, ptx=False):
+    """The weight tile ``[block_cols, block_k]`` (weight rows from ``first``, contraction step ``k``) as float32, or
+    with ``ptx`` (e2m1 formats on a GPU) as bfloat16."""
+    if ptx:
+        block = _SCALE_BLOCK[fmt]
+        packed = w_ref[pl.ds(first, block_cols), pl.ds(k * (block_k // 2), block_k // 2)]
+        codes = s_ref[pl.ds(first, block_cols), pl.ds(k * (block_k // block), block_k // block)]
+        even, odd = _e2m1_bfloat16(packed, _spread(_scale_bfloat16(codes, fmt), block // 2))
+        return jax.lax.stack((even, odd), axis=2).reshape(block_cols, block_k)
     if fmt in ("mxfp4", "nvfp4"):
         packed = w_ref[pl.ds(first, block_cols), pl.ds(k * (block_k // 2), block_k // 2)]
         values = jax.lax.stack(_e2m1_pair(packed), axis=2).reshape(block_cols, block_k)
@@ -108,7 +162,7 @@ def _kernel(lhs_ref, w_ref, s_ref, factor_ref, sizes_ref, out_ref, **st):
                 codes = w_ref[pl.ds(first, block_cols), pl.ds(k * block_k, block_k)]
                 b = jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn)
             else:
-                b = _decode_tile(w_ref, s_ref, first, k, fmt=fmt, block_k=block_k, block_cols=block_cols)
+                b = _decode_tile(w_ref, s_ref, first, k, fmt=fmt, block_k=block_k, block_cols=block_cols, ptx=st["ptx"])
             part = jnp.dot(a, b.astype(a.dtype).T, preferred_element_type=jnp.float32, precision=st["precision"])
             if fmt == "fp8_block":  # one float32 scale per (tile row block, contraction block)
                 bn, bk = st["tile"]
@@ -183,6 +237,7 @@ def grouped_matmul(lhs, q, group_sizes, factor, *, config: Config | None = None,
         depth=depth,
         tile=tile,
         e4m3_rows=e4m3_rows,
+        ptx=not interpret and fmt in ("mxfp4", "nvfp4") and lhs.dtype == jnp.bfloat16,
         precision=jax.lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else None,
     )
     whole = pl.no_block_spec
