@@ -117,15 +117,27 @@ def _spread(scale, block: int):
     return jnp.broadcast_to(scale[:, :, None], (cols, blocks, block)).reshape(cols, blocks * block)
 
 
-def _decode_tile(w_ref, s_ref, first, k, *, fmt, block_k, block_cols, ptx=False):
-    """The weight tile ``[block_cols, block_k]`` (weight rows from ``first``, contraction step ``k``) as float32, or
-    with ``ptx`` (e2m1 formats on a GPU) as bfloat16."""
+def _decode_pairs(w_ref, s_ref, first, k, *, fmt, block_k, block_cols, ptx):
+    """The e2m1 weight tile's ``(even, odd)`` elements, each ``[block_cols, block_k // 2]`` bfloat16 times its
+    block scale: by inline PTX (``ptx``) or through float32."""
+    block = _SCALE_BLOCK[fmt]
+    packed = w_ref[pl.ds(first, block_cols), pl.ds(k * (block_k // 2), block_k // 2)]
+    codes = s_ref[pl.ds(first, block_cols), pl.ds(k * (block_k // block), block_k // block)]
     if ptx:
-        block = _SCALE_BLOCK[fmt]
-        packed = w_ref[pl.ds(first, block_cols), pl.ds(k * (block_k // 2), block_k // 2)]
-        codes = s_ref[pl.ds(first, block_cols), pl.ds(k * (block_k // block), block_k // block)]
-        even, odd = _e2m1_bfloat16(packed, _spread(_scale_bfloat16(codes, fmt), block // 2))
-        return jax.lax.stack((even, odd), axis=2).reshape(block_cols, block_k)
+        return _e2m1_bfloat16(packed, _spread(_scale_bfloat16(codes, fmt), block // 2))
+    scale = _spread(_e4m3(codes) if fmt == "nvfp4" else _e8m0(codes.astype(jnp.int32)), block // 2)
+    return tuple((v * scale).astype(jnp.bfloat16) for v in _e2m1_pair(packed))
+
+
+def _pairs_apart(lhs, block_k: int):
+    """``lhs [N, K]`` with each ``block_k`` chunk's even columns first, then its odd ones: the order the kernel's
+    two half-depth products take the decoded ``(even, odd)`` weights in (no interleave of registers)."""
+    n, depth = lhs.shape
+    return lhs.reshape(n, depth // block_k, block_k // 2, 2).swapaxes(2, 3).reshape(n, depth)
+
+
+def _decode_tile(w_ref, s_ref, first, k, *, fmt, block_k, block_cols):
+    """The weight tile ``[block_cols, block_k]`` (weight rows from ``first``, contraction step ``k``) as float32."""
     if fmt in ("mxfp4", "nvfp4"):
         packed = w_ref[pl.ds(first, block_cols), pl.ds(k * (block_k // 2), block_k // 2)]
         values = jax.lax.stack(_e2m1_pair(packed), axis=2).reshape(block_cols, block_k)
@@ -151,18 +163,28 @@ def _kernel(lhs_ref, w_ref, s_ref, factor_ref, sizes_ref, out_ref, **st):
         mine = (rows >= start) & (rows < end)
         first = group * width + col * block_cols  # the tile's first weight row in w [S * M, ...]
 
-        def step(k, acc):
-            a = plgpu.load(
-                lhs_ref.at[pl.ds(first_row, block_rows), pl.ds(k * block_k, block_k)],
-                mask=jnp.broadcast_to(mine[:, None], (block_rows, block_k)),
+        def rows_of(start, depth):
+            return plgpu.load(
+                lhs_ref.at[pl.ds(first_row, block_rows), pl.ds(start, depth)],
+                mask=jnp.broadcast_to(mine[:, None], (block_rows, depth)),
                 other=0,
             )
+
+        def step(k, acc):
+            if st["pairs_apart"]:  # bfloat16 rows, e2m1 weights: even and odd elements as two half-depth products
+                half = block_k // 2
+                even, odd = _decode_pairs(
+                    w_ref, s_ref, first, k, fmt=fmt, block_k=block_k, block_cols=block_cols, ptx=st["ptx"]
+                )
+                acc = acc + jnp.dot(rows_of(k * block_k, half), even.T, preferred_element_type=jnp.float32)
+                return acc + jnp.dot(rows_of(k * block_k + half, half), odd.T, preferred_element_type=jnp.float32)
+            a = rows_of(k * block_k, block_k)
             if st["e4m3_rows"]:  # W8A8: e4m3 times e4m3 on the tensor cores, nothing decoded
                 a = jax.lax.bitcast_convert_type(a, jnp.float8_e4m3fn)  # loaded as codes: a masked load fills 0
                 codes = w_ref[pl.ds(first, block_cols), pl.ds(k * block_k, block_k)]
                 b = jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn)
             else:
-                b = _decode_tile(w_ref, s_ref, first, k, fmt=fmt, block_k=block_k, block_cols=block_cols, ptx=st["ptx"])
+                b = _decode_tile(w_ref, s_ref, first, k, fmt=fmt, block_k=block_k, block_cols=block_cols)
             part = jnp.dot(a, b.astype(a.dtype).T, preferred_element_type=jnp.float32, precision=st["precision"])
             if fmt == "fp8_block":  # one float32 scale per (tile row block, contraction block)
                 bn, bk = st["tile"]
@@ -227,6 +249,9 @@ def grouped_matmul(lhs, q, group_sizes, factor, *, config: Config | None = None,
         lhs = jax.lax.bitcast_convert_type(lhs, jnp.uint8)
     config = config or default_config(num_rows, num_slots, fmt)
     block_k, block_cols = _blocks(config, fmt, width, depth, tile)
+    pairs_apart = fmt in ("mxfp4", "nvfp4") and lhs.dtype == jnp.bfloat16
+    if pairs_apart:
+        lhs = _pairs_apart(lhs, block_k)
     kernel = functools.partial(
         _kernel,
         block_rows=config.block_rows,
@@ -237,7 +262,8 @@ def grouped_matmul(lhs, q, group_sizes, factor, *, config: Config | None = None,
         depth=depth,
         tile=tile,
         e4m3_rows=e4m3_rows,
-        ptx=not interpret and fmt in ("mxfp4", "nvfp4") and lhs.dtype == jnp.bfloat16,
+        pairs_apart=pairs_apart,
+        ptx=pairs_apart and not interpret,
         precision=jax.lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else None,
     )
     whole = pl.no_block_spec
