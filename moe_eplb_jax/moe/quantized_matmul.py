@@ -25,7 +25,10 @@ oracle); ``"triton"`` -- the Pallas Triton kernel (``moe._qgmm.triton``) that
 decodes the packed bytes in registers, its work following the real row count;
 ``"mosaic"`` -- fp8 only: the e4m3 rows times the e4m3 weights on the project's
 warp-specialized Mosaic GPU kernel (``moe._gmm.mosaic_ws``: TMA loads overlapping
-wgmma, where Triton's fp8 product stays near twice its weight-read floor);
+wgmma; 2.8x Triton's speed at a prefill's size). Hopper's fp8 wgmma sums each
+128-element chunk with about 14 mantissa bits before the float32 sum, so its
+result is within ``MOSAIC_TOLERANCE`` (relative) of the exact product of the
+e4m3 values, where Triton's is float32-exact;
 ``"pallas_interpret"`` -- that kernel in Pallas' interpreter (CPU tests).
 Not differentiable (serving).
 """
@@ -48,6 +51,9 @@ from moe_eplb_jax.moe._qgmm.config import Config, mosaic_config
 __all__ = ["IMPLEMENTATIONS", "Config", "kernel_available", "quantized_grouped_matmul"]
 
 IMPLEMENTATIONS = ("auto", "reference", "triton", "mosaic", "pallas_interpret")
+# fp8 wgmma accumulates each 128-element chunk with about 14 bits before the float32 sum: the relative error to
+# the exact product of the e4m3 values that "auto" accepts from the Mosaic path.
+MOSAIC_TOLERANCE = 2e-4
 _FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
@@ -222,7 +228,7 @@ def _mosaic_probe() -> bool:
     args = (lhs, q.weight, sizes)
     got = np.asarray(jax.jit(call).lower(*args, factor=factor).compile()(*args, factor=factor))[:256]
     want = np.asarray(reference.grouped_matmul(lhs, q, sizes, factor))[:256]
-    return bool(np.allclose(got, want, rtol=2e-3, atol=2e-3 * float(np.abs(want).max())))
+    return bool(np.linalg.norm(got - want) <= MOSAIC_TOLERANCE * np.linalg.norm(want))
 
 
 def e4m3_rows_available() -> bool:

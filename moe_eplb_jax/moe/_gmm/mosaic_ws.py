@@ -109,6 +109,9 @@ def _kernel(sizes_ref, factor_ref, x_ref, w_ref, out_ref, *, config, transpose_r
 
     num_rows, depth = x_ref.shape
     num_groups = w_ref.shape[0]
+    # Hopper's fp8 wgmma accumulates with about 14 bits of mantissa: each block_k chunk's product goes to a fresh
+    # accumulator and is added in float32, as DeepSeek-V3 promotes its FP8 GEMMs.
+    promote = x_ref.dtype == FP8
     width = w_ref.shape[1] if transpose_rhs else w_ref.shape[2]
     block_m, block_n, block_k = config.block_m, config.block_n, config.block_k
     band = 2 * block_n
@@ -154,33 +157,48 @@ def _kernel(sizes_ref, factor_ref, x_ref, w_ref, out_ref, *, config, transpose_r
             columns = pl.ds(band_index * band, band)
             own_columns = pl.ds(band_index * band + wg * block_n, block_n)
 
+            def epilogue(values):
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this buffer's previous stores have read it
+                out_smem[wg] = (values * factor_ref[group] if scaled else values).astype(out_ref.dtype)
+                plgpu.commit_smem()
+                offset = start - first_row
+                rows = min(block_m, num_rows)
+                while rows:  # the item's rows as TMA stores of power-of-two row counts, largest first
+
+                    @pl.when(size & rows != 0)
+                    def _store(rows=rows, offset=offset):
+                        plgpu.copy_smem_to_gmem(
+                            out_smem.at[wg, pl.ds(offset, rows)],
+                            out_ref.at[pl.ds(first_row + offset, rows), own_columns],
+                        )
+
+                    offset = offset + (size & rows)
+                    rows //= 2
+
             def compute_context(run_pipeline):
+                if promote:  # the float32 sum lives in registers; each chunk's product in an accumulator of its own
+                    zeros = jnp.zeros((block_m, block_n), jnp.float32)
+                    epilogue(run_pipeline(plgpu.layout_cast(zeros, plgpu.Layout.WGMMA)))
+                    return
                 accumulator = plgpu.ACC((block_m, block_n), jnp.float32)  # pyright: ignore[reportPrivateImportUsage]
 
                 @functools.partial(pl.run_scoped, acc=accumulator)
                 def _acc(acc):
                     run_pipeline(acc)
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this buffer's previous stores have read it
-                    values = acc[...] * factor_ref[group] if scaled else acc[...]
-                    out_smem[wg] = values.astype(out_ref.dtype)
-                    plgpu.commit_smem()
-                    offset = start - first_row
-                    rows = min(block_m, num_rows)
-                    while rows:  # the item's rows as TMA stores of power-of-two row counts, largest first
-
-                        @pl.when(size & rows != 0)
-                        def _store(rows=rows, offset=offset):
-                            plgpu.copy_smem_to_gmem(
-                                out_smem.at[wg, pl.ds(offset, rows)],
-                                out_ref.at[pl.ds(first_row + offset, rows), own_columns],
-                            )
-
-                        offset = offset + (size & rows)
-                        rows //= 2
+                    epilogue(acc[...])
 
             def multiply(_, x_smem, w_smem, acc):
                 half = pl.ds(wg * block_n, block_n)
                 rhs = w_smem.at[half, :].transpose((1, 0)) if transpose_rhs else w_smem.at[:, half]
+                if promote:
+
+                    def product(part):
+                        plgpu.wgmma(part, x_smem, rhs)
+                        plgpu.wgmma_wait(0)
+                        return part[...]
+
+                    fresh = plgpu.ACC((block_m, block_n), jnp.float32)  # pyright: ignore[reportPrivateImportUsage]
+                    return acc + pl.run_scoped(product, fresh)
                 plgpu.wgmma(acc, x_smem, rhs)
                 plgpu.wgmma_wait(0)
                 return acc

@@ -43,15 +43,18 @@ def default_config(num_rows: int, num_slots: int, fmt: str | None = None) -> Con
     """A tiling for ``num_rows`` buffer rows over ``num_slots`` groups of format ``fmt``.
 
     Few rows per slot (decode) make reading the weights the cost: 16-row tiles waste the least MMA work on
-    a short group; many rows (prefill) take larger tiles for reuse of each decoded weight tile. Between the two,
-    fp8 (nothing to decode) takes 128-column tiles, each re-reading its rows half as often: 537 against 590 us on
-    an H100 at 64 rows per slot, 7168 -> 4096 (``benchmarks/gmm_tiling.py``), where mxfp4's decode gained nothing.
+    a short group; many rows (prefill) take larger tiles for reuse of each decoded weight tile, e2m1's 256 columns
+    wide (2,577 against 3,517 us at 8 slots x 2048 rows, 7168 -> 4096, an H100). Between the two, fp8 and the e2m1
+    formats take 128-column tiles, each re-reading its rows half as often: fp8 537 against 590 us, mxfp4 437 against
+    651, nvfp4 476 against 615 at 64 rows per slot, 7168 -> 4096 (H100s; ``benchmarks/gmm_tiling.py``).
     """
+    wide = fmt in ("fp8", "mxfp4", "nvfp4")
     if num_rows <= 16 * num_slots:
         return Config(block_rows=16)
     if num_rows >= 4096:
-        return Config(block_rows=128, block_cols=128, num_warps=8)
-    return Config(block_cols=128) if fmt == "fp8" else Config()
+        columns = 256 if fmt in ("mxfp4", "nvfp4") else 128
+        return Config(block_rows=128, block_cols=columns, num_warps=8)
+    return Config(block_cols=128) if wide else Config()
 
 
 def mosaic_config(num_rows: int, num_slots: int) -> mosaic_ws.Config:
