@@ -19,13 +19,13 @@ weights, up to float32 summation order, with the activations in
 
 Implementations (``implementation=``): ``"auto"`` -- on a GPU, ``"mosaic"`` for
 fp8 where its tiles fit and ``"triton"`` otherwise, each where a first-use probe
-compiles and agrees with the reference; else ``"reference"``; ``"reference"`` -- the slots' weights dequantized once to
-float32 and the float ``dense`` grouped matmul (exact; the CPU path and the
+compiles and agrees with the reference; else ``"reference"``; ``"reference"`` --
+the slots' weights dequantized once to float32 and the float ``dense`` grouped matmul (exact; the CPU path and the
 oracle); ``"triton"`` -- the Pallas Triton kernel (``moe._qgmm.triton``) that
 decodes the packed bytes in registers, its work following the real row count;
 ``"mosaic"`` -- fp8 only: the e4m3 rows times the e4m3 weights on the project's
 warp-specialized Mosaic GPU kernel (``moe._gmm.mosaic_ws``: TMA loads overlapping
-wgmma; 2.8x Triton's speed at a prefill's size). Hopper's fp8 wgmma sums each
+wgmma, faster than Triton's at every size measured, ``docs/kernels.md``). Hopper's fp8 wgmma sums each
 128-element chunk with about 14 mantissa bits before the float32 sum, so its
 result is within ``MOSAIC_TOLERANCE`` (relative) of the exact product of the
 e4m3 values, where Triton's is float32-exact;
@@ -48,7 +48,14 @@ from moe_eplb_jax.moe._gmm.reference import slot_of_row
 from moe_eplb_jax.moe._qgmm import reference
 from moe_eplb_jax.moe._qgmm.config import Config, mosaic_config
 
-__all__ = ["IMPLEMENTATIONS", "Config", "kernel_available", "quantized_grouped_matmul"]
+__all__ = [
+    "IMPLEMENTATIONS",
+    "MOSAIC_TOLERANCE",
+    "Config",
+    "kernel_available",
+    "mosaic_available",
+    "quantized_grouped_matmul",
+]
 
 IMPLEMENTATIONS = ("auto", "reference", "triton", "mosaic", "pallas_interpret")
 # fp8 wgmma accumulates each 128-element chunk with about 14 bits before the float32 sum: the relative error to
@@ -57,7 +64,7 @@ MOSAIC_TOLERANCE = 2e-4
 _FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
-def _check(x, q, group_sizes, implementation, activation_scaling, compute_dtype) -> None:
+def _check(x, q, group_sizes, implementation, activation_scaling, compute_dtype, config) -> None:
     name = "quantized_grouped_matmul"
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"{name}: unknown implementation {implementation!r}; known: {list(IMPLEMENTATIONS)}")
@@ -75,7 +82,7 @@ def _check(x, q, group_sizes, implementation, activation_scaling, compute_dtype)
         raise ValueError(f"{name}: group_sizes must be integers, got dtype {group_sizes.dtype}")
     if compute_dtype is not None and not any(jnp.dtype(compute_dtype) == d for d in _FLOATS):
         raise ValueError(f"{name}: compute_dtype must be bfloat16, float16 or float32, got {compute_dtype!r}")
-    if implementation == "mosaic" and not _mosaic_fits(x.shape[0], q):
+    if implementation == "mosaic" and not _mosaic_fits(x.shape[0], q, config):
         raise ValueError(
             f"{name}: implementation 'mosaic' multiplies fp8 experts whose K and M tile its blocks; got "
             f"{type(q).__name__} {q.shape}"
@@ -133,7 +140,7 @@ def quantized_grouped_matmul(
     Returns:
       ``[N, M]`` float32, padding rows zero.
     """
-    _check(x, q, group_sizes, implementation, activation_scaling, compute_dtype)
+    _check(x, q, group_sizes, implementation, activation_scaling, compute_dtype, config)
     if compute_dtype is None and not any(x.dtype == d for d in _FLOATS):
         compute_dtype = jnp.float32
     backend = _backend(implementation, x.shape[0], q, config)
@@ -160,13 +167,17 @@ def _backend(implementation: str, num_rows: int, q, config) -> str:
     return "triton" if kernel_available() else "reference"
 
 
-def _mosaic_fits(num_rows: int, q, config=None) -> bool:
+def _mosaic_tiling(num_rows: int, num_slots: int, config) -> mosaic_ws.Config:
+    """``config`` where it is a Mosaic tiling, else the default one for the rows per slot."""
+    return config if isinstance(config, mosaic_ws.Config) else mosaic_config(num_rows, num_slots)
+
+
+def _mosaic_fits(num_rows: int, q, config) -> bool:
     """Whether ``q`` is fp8 whose sides tile the Mosaic kernel's blocks."""
     if not isinstance(q, quant.Fp8Experts):
         return False
-    config = config if isinstance(config, mosaic_ws.Config) else mosaic_config(num_rows, q.shape[0])
-    rows = (num_rows, q.shape[2])
-    return mosaic_ws.supports(rows, q.shape, jnp.float8_e4m3fn, transpose_rhs=True, config=config)
+    tiling = _mosaic_tiling(num_rows, q.shape[0], config)
+    return mosaic_ws.supports((num_rows, q.shape[2]), q.shape, jnp.float8_e4m3fn, transpose_rhs=True, config=tiling)
 
 
 @functools.partial(
@@ -187,7 +198,7 @@ def _matmul(x, q, group_sizes, *, backend, e4m3_rows, compute_dtype, activation_
     if backend == "reference":
         y = reference.grouped_matmul(lhs, q, group_sizes, factor)
     elif backend == "mosaic":
-        tiling = config if isinstance(config, mosaic_ws.Config) else mosaic_config(x.shape[0], q.shape[0])
+        tiling = _mosaic_tiling(x.shape[0], q.shape[0], config)
         y = mosaic_ws.grouped_matmul(
             lhs, q.weight, group_sizes, transpose_rhs=True, factor=factor, out_dtype=jnp.float32, config=tiling
         )

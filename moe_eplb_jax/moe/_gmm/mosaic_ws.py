@@ -2,8 +2,8 @@
 
 ``grouped_matmul(x [N, K], w [S, K, M], group_sizes [S]) -> [N, M]`` in ``x.dtype`` (float32 accumulation;
 ``transpose_rhs``: ``w [S, M, K]`` read transposed; float8_e4m3fn operands, both K-major as fp8 wgmma needs them,
-with ``transpose_rhs`` only, into ``out_dtype`` times a per-group ``factor``). A persistent grid walks work items -- a row tile of
-``Config.block_m`` rows inside one group (a tile straddling two groups is an item of each) times a column band of
+with ``transpose_rhs`` only, into ``out_dtype`` times a per-group ``factor``). A persistent grid walks work items
+-- a row tile of ``Config.block_m`` rows inside one group (a tile straddling two groups is an item of each) times a column band of
 ``2 * Config.block_n`` columns; a memory warpgroup streams the row tile and the group's weight band through
 ``max_concurrent_steps`` shared-memory stages while two compute warpgroups each multiply one half of the band
 (wgmma), so loads and products overlap where JAX's ``ragged_dot_mgpu`` (one warpgroup) alternates them. Items

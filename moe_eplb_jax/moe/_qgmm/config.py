@@ -44,9 +44,8 @@ def default_config(num_rows: int, num_slots: int, fmt: str | None = None) -> Con
 
     Few rows per slot (decode) make reading the weights the cost: 16-row tiles waste the least MMA work on
     a short group; many rows (prefill) take larger tiles for reuse of each decoded weight tile, e2m1's 256 columns
-    wide (2,577 against 3,517 us at 8 slots x 2048 rows, 7168 -> 4096, an H100). Between the two, fp8 and the e2m1
-    formats take 128-column tiles, each re-reading its rows half as often: fp8 537 against 590 us, mxfp4 437 against
-    651, nvfp4 476 against 615 at 64 rows per slot, 7168 -> 4096 (H100s; ``benchmarks/gmm_tiling.py``).
+    wide. Between the two, fp8 and the e2m1 formats take 128-column tiles, each re-reading its rows half as often
+    (the measurements: ``docs/kernels.md``, ``benchmarks/RESULTS.md``).
     """
     wide = fmt in ("fp8", "mxfp4", "nvfp4")
     if num_rows <= 16 * num_slots:

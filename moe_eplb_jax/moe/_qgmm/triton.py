@@ -6,8 +6,9 @@ the weights' bytes as they are on the tensor cores (e4m3 x e4m3, float32 accumul
 each program loads a ``[block_cols, block_k]`` tile of the packed weights (e4m3 bytes, or e2m1 pairs: even
 element in the low nibble) and its scales, decodes them in registers (e4m3 by Triton's conversion, e2m1 through
 it too, e8m0 as an exponent; in float32) to ``lhs.dtype`` and runs a 16-bit (or float32) MMA with float32
-accumulation. On a GPU, e2m1 bytes decode to bfloat16 in a few integer and packed-bfloat16 instructions of
-inline PTX per pair (``_E2M1_TO_BFLOAT16``), where the float32 route costs several conversions per element. The weights are read once per work item, in their packed size, never written back dequantized.
+accumulation. On a GPU, e2m1 bytes with bfloat16 rows decode to bfloat16 in a few integer and packed-bfloat16
+instructions of inline PTX per pair (``_e2m1_to_bfloat16``), where the float32 route costs several conversions
+per element. The weights are read once per work item, in their packed size, never written back dequantized.
 
 What a tile decodes to, exactly (``lhs`` bfloat16 or float32):
 
@@ -101,11 +102,16 @@ def _e2m1_bfloat16(packed, scale):
     )
 
 
+def _block_scale(codes, fmt: str):
+    """Block scale codes -> float32: NVFP4's e4m3 values, MX's e8m0 powers of two."""
+    return _e4m3(codes) if fmt == "nvfp4" else _e8m0(codes.astype(jnp.int32))
+
+
 def _scale_bfloat16(codes, fmt: str):
     """Block scale codes -> bfloat16 (exact): NVFP4's e4m3 values, or MX's ``2**(code - 127)`` as its exponent bits
     (code 0 to 0 as ``_e8m0`` decodes it, 255 to NaN)."""
     if fmt == "nvfp4":
-        return _e4m3(codes).astype(jnp.bfloat16)
+        return _block_scale(codes, fmt).astype(jnp.bfloat16)
     code = codes.astype(jnp.int32)
     bits = jnp.where(code == 255, 0x7FC0, code << 7).astype(jnp.uint16)
     return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
@@ -125,7 +131,7 @@ def _decode_pairs(w_ref, s_ref, first, k, *, fmt, block_k, block_cols, ptx):
     codes = s_ref[pl.ds(first, block_cols), pl.ds(k * (block_k // block), block_k // block)]
     if ptx:
         return _e2m1_bfloat16(packed, _spread(_scale_bfloat16(codes, fmt), block // 2))
-    scale = _spread(_e4m3(codes) if fmt == "nvfp4" else _e8m0(codes.astype(jnp.int32)), block // 2)
+    scale = _spread(_block_scale(codes, fmt), block // 2)
     return tuple((v * scale).astype(jnp.bfloat16) for v in _e2m1_pair(packed))
 
 
@@ -147,8 +153,7 @@ def _decode_tile(w_ref, s_ref, first, k, *, fmt, block_k, block_cols):
         return values
     block = _SCALE_BLOCK[fmt]
     codes = s_ref[pl.ds(first, block_cols), pl.ds(k * (block_k // block), block_k // block)]
-    scale = _e4m3(codes) if fmt == "nvfp4" else _e8m0(codes.astype(jnp.int32))
-    return values * _spread(scale, block)
+    return values * _spread(_block_scale(codes, fmt), block)
 
 
 def _kernel(lhs_ref, w_ref, s_ref, factor_ref, sizes_ref, out_ref, **st):

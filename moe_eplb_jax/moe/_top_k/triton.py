@@ -34,8 +34,7 @@ _INT32_MIN = np.iinfo(np.int32).min
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
     """Tiling: ``block_rows`` rows per program on ``num_warps`` warps (powers of two). Each of the ``k`` rounds waits
-    on three row reductions, so more programs of fewer rows finish sooner: 5.1 us against 9.1 with 32 rows (32 x 64,
-    top-8, an H100; 1 or 2 warps 8.6-28.7)."""
+    on three row reductions, so more programs of fewer rows finish sooner (``benchmarks/RESULTS.md``)."""
 
     block_rows: int = 16
     num_warps: int = 4
