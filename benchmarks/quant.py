@@ -2,7 +2,7 @@
 
 Run:  PYTHONPATH=. python3 benchmarks/quant.py            (GPU if present, plus the host CPU)
       PYTHONPATH=. python3 benchmarks/quant.py --small    (tiny shapes, a quick CPU smoke run)
-      PYTHONPATH=. python3 benchmarks/quant.py --ragged [--small]   (only section 5)
+      PYTHONPATH=. python3 benchmarks/quant.py --ragged [--small] [--shapes 32x64,8x2048]   (only section 5)
 
 Prints, side by side in one run:
 1. checks: GPU bytes == CPU bytes of every leaf for every format; each fast MLP path vs the float32
@@ -388,12 +388,21 @@ def _ragged_time(fn, args, on_gpu):
     return sec if sec is not None else median_seconds(fn, *args)
 
 
-def ragged_mlp(dev, small: bool, log):
-    """Section 5: ``(ok, rows)`` -- per format the ragged kernel, the dense path, bf16 and the weight-read floor."""
+RAGGED_SHAPES = ((8, 64), (32, 64), (8, 2048))  # (slots, rows per slot): decode at 8 and 32 slots, a prefill
+
+
+def ragged_mlp(dev, small: bool, log, sizes_per_slot=RAGGED_SHAPES):
+    """Section 5: ``(ok, rows)`` -- per format the ragged kernel, the dense path, bf16 and the weight-read floor.
+
+    Args:
+      sizes_per_slot: ``(slots, rows per slot)`` pairs; under 512 rows a slot counts as decode.
+    """
     on_gpu = dev.platform == "gpu"
     bandwidth = hbm_bandwidth(dev.device_kind)
     dim, hidden = (256, 128) if small else (7168, 2048)
-    shapes = [("decode", 4, 8)] if small else [("decode", 8, 64), ("decode", 32, 64), ("prefill", 8, 2048)]
+    if small:
+        sizes_per_slot = ((4, 8),)
+    shapes = [("decode" if t < 512 else "prefill", s, t) for s, t in sizes_per_slot]
     kernel = "auto" if on_gpu else "pallas_interpret"
     ok, rows = True, []
     for phase, slots, per_slot in shapes:
@@ -473,7 +482,18 @@ def main():
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--diag", action="store_true", help="only the diagnostics (see diagnose)")
     parser.add_argument("--ragged", action="store_true", help="only section 5 (the MoE layer's expert MLP)")
+    parser.add_argument(
+        "--shapes",
+        default=",".join(f"{s}x{t}" for s, t in RAGGED_SHAPES),
+        help="section 5's SLOTSxROWS pairs (rows per slot), comma-separated",
+    )
     args = parser.parse_args()
+    try:
+        shapes = tuple(tuple(int(n) for n in pair.split("x")) for pair in args.shapes.split(","))
+        if any(len(pair) != 2 or min(pair) < 1 for pair in shapes):
+            raise ValueError
+    except ValueError:
+        parser.error(f"--shapes: expected SLOTSxROWS pairs such as 32x64,8x2048, got {args.shapes!r}")
     lines: list[str] = []
 
     def log(msg=""):
@@ -495,7 +515,7 @@ def main():
             f.write("\n".join(lines) + "\n")
         return 0
     if args.ragged:
-        ok, results["ragged"] = ragged_mlp(dev, args.small, log)
+        ok, results["ragged"] = ragged_mlp(dev, args.small, log, shapes)
         log(f"checks {'PASSED' if ok else 'FAILED'}")
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "quant_ragged.json"), "w") as f:
@@ -532,7 +552,7 @@ def main():
     with jax.default_device(dev):
         results["mlp"] = _mlp_step_times(xs, layers, failed, (e, h, i), ceilings, log)
     # 5. the MoE layer's expert MLP: ragged kernel vs the dense path vs bf16
-    ragged_ok, results["ragged"] = ragged_mlp(dev, args.small, log)
+    ragged_ok, results["ragged"] = ragged_mlp(dev, args.small, log, shapes)
     ok &= ragged_ok
 
     log("")

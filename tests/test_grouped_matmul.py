@@ -147,6 +147,29 @@ def test_triton_tilings_in_interpret_mode(rng):
     assert not triton.supports(24, 64) and not triton.supports(64, 8) and not triton.supports(96, 64)
 
 
+def test_work_items_tile_each_group_from_its_first_row(rng):
+    """Each group is ``cdiv(n, block_rows)`` items whose tiles start at its first row (its weights read that many
+    times), items past the count are dead, and the grid has room for every item."""
+    from moe_eplb_jax.moe._gmm import triton
+
+    for _ in range(20):
+        sizes = rng.integers(0, 40, size=int(rng.integers(1, 24))).astype(np.int32)
+        sizes[rng.random(sizes.shape) < 0.3] = 0
+        block_rows = int(rng.choice([16, 32, 64]))
+        padded = triton.padded_sizes(jnp.asarray(sizes))
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        want = [(g, starts[g] + j * block_rows) for g in range(len(sizes)) for j in range(-(-sizes[g] // block_rows))]
+        grid = triton.max_items(int(sizes.sum()), len(sizes), block_rows)
+        assert grid >= len(want)
+        got = []
+        for item in range(grid):
+            live, group, first_row, start, end = (int(v) for v in triton.work_item(padded, item, block_rows))
+            if live:
+                assert (start, end) == (starts[group], starts[group] + sizes[group])
+                got.append((group, first_row))
+        assert got == want
+
+
 def test_triton_default_tiling_follows_rows_per_group(rng):
     """Fewer rows than groups (small-batch decode) take 16-row tiles with deep loads, 16 rows per group and more a
     third stage; the product stays exact."""
@@ -219,7 +242,10 @@ def test_swiglu_kernel_in_interpret_mode(dtype, rng):
         h = np.asarray(jnp.asarray(h, jnp.bfloat16), np.float64)
     want = h[:, :hidden] / (1 + np.exp(-h[:, :hidden])) * h[:, hidden:]
     tolerance = 1e-5 if dtype == jnp.float32 else 1e-2
-    configs = (triton.Config(block_k=16, block_cols=32), triton.Config(block_rows=16, block_k=32), None)
+    decode = triton_swiglu.default_config(256, 512, 64)  # four rows a group: 16-row tiles, 128 columns a product
+    assert decode == triton.Config(block_rows=16, block_k=64, block_cols=256, num_warps=4, num_stages=4)
+    assert triton_swiglu.default_config(2048, 512, 64) == triton.Config(num_stages=3)
+    configs = (triton.Config(block_k=16, block_cols=32), triton.Config(block_rows=16, block_k=32), decode, None)
     for config in configs:
         got = triton_swiglu.swiglu_matmul(x, w_in, sizes, row_tokens, config=config, interpret=True)
         assert got.shape == (tokens * top_k, hidden) and got.dtype == dtype

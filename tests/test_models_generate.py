@@ -351,6 +351,35 @@ def test_the_decode_loop_never_waits_for_the_device_on_the_host(ranks, capacity_
     assert [eqn.params["length"] for eqn in jaxpr.eqns if eqn.primitive.name == "scan"] == [3]
 
 
+def test_the_decode_loop_joins_each_layers_query_key_value_weights_once_per_call():
+    """A decode step projects q, k and v with one product of the three weights side by side; XLA joins the weights
+    before the loop (they do not change in it), not in every pass: no join of their shape in the loop's body."""
+    import re
+
+    from moe_eplb_jax.models import generation
+
+    mesh = ep_mesh(1)
+    model = tiny_model(CONFIG, mesh)
+    graphdef, variables = nnx.split(model)
+
+    def loop(variables, token, active, cache):
+        return generation._decode_loop(
+            nnx.merge(graphdef, variables), token, active, cache, jax.random.key(0), jnp.int32(0),
+            jnp.asarray(generation._scalars(0, None, 0, True, 8)), None, None, count=3, sampling=Sampling(),
+        )  # fmt: skip
+
+    token, active = jnp.zeros(2, jnp.int32), jnp.ones(2, bool)
+    text = jax.jit(loop).lower(variables, token, active, model.init_cache(2, 8)).compile().as_text()
+    c = CONFIG
+    joined = f"[{c.dim},{(c.num_heads + 2 * c.num_kv_heads) * c.head_dim}]"
+    computations = re.split(r"\n(?=\S)", text)
+    entry = [body for body in computations if body.startswith("ENTRY")]
+    assert len(entry) == 1 and "while(" in entry[0]
+    joins = [line for body in computations for line in body.splitlines() if joined in line and "concatenate(" in line]
+    assert len(joins) == len(model.layers), joins
+    assert all(line in entry[0] for line in joins)
+
+
 @pytest.mark.slow
 def test_a_rearrangement_due_inside_a_loop_happens_at_its_end(rng):
     prompts = _prompts(rng)

@@ -13,6 +13,7 @@ activations. On CPU: ``reference`` and the Triton kernel in Pallas' interpreter
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -106,6 +107,23 @@ def test_matches_float64_oracle(implementation, fmt, dtype, rng):
     for scaling in ("static", "dynamic") if fmt == "fp8" else ("static",):
         got = _matmul(implementation, x, q, sizes, activation_scaling=scaling)
         _assert_close(got, _oracle(x, q, sizes, activation_scaling=scaling), 36)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_a_16_bit_result_is_the_float32_one_rounded_once(implementation, rng):
+    """``out_dtype``: the float32 result rounded to bfloat16 or float16 as the kernel stores it, bit for bit;
+    padding rows zero; any other dtype refused by name."""
+    sizes = np.array([13, 0, 20, 3], np.int32)
+    for fmt in ("fp8", "mxfp4", "nvfp4"):
+        x, q = _case(rng, fmt, jnp.bfloat16, sizes)
+        x[36:] = np.nan
+        full = _matmul(implementation, x, q, sizes)
+        for dtype in (jnp.bfloat16, jnp.float16):
+            got = _matmul(implementation, x, q, sizes, out_dtype=dtype)
+            assert got.dtype == dtype
+            np.testing.assert_array_equal(got, np.asarray(jnp.asarray(full, dtype)))
+    with pytest.raises(ValueError, match="out_dtype"):
+        _matmul(implementation, x, q, sizes, out_dtype=jnp.int32)
 
 
 @pytest.mark.parametrize(
@@ -335,9 +353,11 @@ def test_fp8_mosaic_path_lowers_for_hopper_and_refuses_what_it_cannot_take():
     """No GPU needed: fp8's Mosaic path builds its module at a decode and a prefill shape (both tilings, rows off
     the tile), and refuses other formats and sides off its blocks by name before any work."""
     spec = jax.ShapeDtypeStruct
-    for rows, slots in ((2048, 32), (16400, 8)):
+    for (rows, slots), out_dtype in itertools.product(((2048, 32), (16400, 8)), (jnp.float32, jnp.bfloat16)):
         q = _spec_experts("fp8", slots, 512, 1024)
-        fn = jax.jit(lambda x, q, s: qmm.quantized_grouped_matmul(x, q, s, implementation="mosaic"))
+        fn = jax.jit(
+            lambda x, q, s: qmm.quantized_grouped_matmul(x, q, s, implementation="mosaic", out_dtype=out_dtype)
+        )
         args = (spec((rows, 1024), jnp.bfloat16), q, spec((slots,), jnp.int32))
         module = jax.export.export(fn, platforms=["cuda"], disabled_checks=MOSAIC_LOWERING)(*args).mlir_module()
         assert "mosaic_gpu" in module and "xla.gpu.triton" not in module
@@ -375,6 +395,11 @@ def test_fp8_mosaic_path_matches_float64_oracle(rows_per_slot, rng):
         # fp8 wgmma's own accumulation inside each 128-element chunk: ~1e-4 of the exact product of the e4m3
         # values (whose own rounding, 2**-4 per element, is far larger).
         _assert_close(got, _oracle(x, q, sizes, activation_scaling=scaling), live, tol=qmm.MOSAIC_TOLERANCE)
+        rounded = qmm.quantized_grouped_matmul(
+            jnp.asarray(x), q, jnp.asarray(sizes), implementation="mosaic", activation_scaling=scaling,
+            out_dtype=jnp.bfloat16,
+        )  # fmt: skip
+        np.testing.assert_array_equal(np.asarray(rounded), np.asarray(jnp.asarray(got, jnp.bfloat16)))
     assert qmm.mosaic_available()
 
 

@@ -36,7 +36,7 @@ from flax import nnx
 from moe_eplb_jax._kernels import pallas_default
 from moe_eplb_jax.models.layers import RMSNorm, replicated_param
 from moe_eplb_jax.models.rope import apply_rope, rope_frequencies, rotation, softmax_mscale
-from moe_eplb_jax.models.weights import dense_weight, linear
+from moe_eplb_jax.models.weights import Fp8BlockWeight, dense_weight, linear
 from moe_eplb_jax.transport.mesh import put_host
 
 __all__ = ["Attention", "CausalPrefix", "MLA_NORM_EPS", "MultiLatentAttention", "attend", "attention_module"]
@@ -188,9 +188,9 @@ class Attention(nnx.Module):
         attend to the new keys only.
         """
         b, t, _ = x.shape
-        q = linear(x, self.q_proj.get_value(), _value(self.q_bias)).reshape(b, t, self.num_heads, self.head_dim)
-        k = linear(x, self.k_proj.get_value(), _value(self.k_bias)).reshape(b, t, self.num_kv_heads, self.head_dim)
-        v = linear(x, self.v_proj.get_value(), _value(self.v_bias)).reshape(b, t, self.num_kv_heads, self.head_dim)
+        q, k, v = self._project(x, joined=cache is not None and t == 1)
+        q = q.reshape(b, t, self.num_heads, self.head_dim)
+        k, v = (a.reshape(b, t, self.num_kv_heads, self.head_dim) for a in (k, v))
         rotary_dim, theta, scaling, interleaved = self.rope
         inv_freq, factor = rope_frequencies(rotary_dim, theta, scaling)
         if cache is not None and t == 1 and not isinstance(mask, CausalPrefix) and self._fused_decode(q, cache[0]):
@@ -207,6 +207,19 @@ class Attention(nnx.Module):
                 k, v = jnp.swapaxes(keys, 1, 2), jnp.swapaxes(values, 1, 2)  # a view: XLA reads the stored layout
         out = attend(q, k, v, mask, scale=self.head_dim**-0.5)
         return linear(out.reshape(b, t, -1), self.o_proj.get_value(), _value(self.o_bias)), (keys, values)
+
+    def _project(self, x, *, joined: bool):
+        """``(q, k, v)`` of ``x``; ``joined``: one product with the three weights side by side -- a decode step's
+        three small products are each a launch longer than its read, and the join of weights the loop does not
+        change is hoisted out of the decode loop by XLA. Block-FP8 weights stay three products."""
+        weights = [p.get_value() for p in (self.q_proj, self.k_proj, self.v_proj)]
+        biases = [_value(bias) for bias in (self.q_bias, self.k_bias, self.v_bias)]
+        if not joined or any(isinstance(w, Fp8BlockWeight) for w in weights):
+            return tuple(linear(x, w, bias) for w, bias in zip(weights, biases, strict=True))
+        bias = None if any(b is None for b in biases) else jnp.concatenate([b for b in biases if b is not None])
+        out = linear(x, jnp.concatenate(weights, axis=1), bias)
+        q_width, kv_width = weights[0].shape[1], weights[1].shape[1]
+        return out[..., :q_width], out[..., q_width : q_width + kv_width], out[..., q_width + kv_width :]
 
     def _decode(self, q, k, v, positions, inv_freq, factor, cache, cache_index, mask):
         """One decode step in one kernel (``_decode_attention``): the norms and a whole-head rotate-half RoPE inside

@@ -1,6 +1,6 @@
 """The quantized grouped matmul: rows sorted by slot times per-slot quantized weights, read in their packed bytes.
 
-``quantized_grouped_matmul(x [N, K], q [S, M, K], group_sizes [S]) -> [N, M] float32``:
+``quantized_grouped_matmul(x [N, K], q [S, M, K], group_sizes [S]) -> [N, M]`` (float32, or ``out_dtype``):
 rows ``[start_s, start_s + group_sizes[s])`` times slot ``s``'s weights of ``q``
 (a ``moe_eplb_jax.quant`` pytree, contraction axis last); rows past
 ``sum(group_sizes)`` are padding and come out zero. It computes what
@@ -123,6 +123,7 @@ def quantized_grouped_matmul(
     activation_scaling: str = "static",
     axis_name=None,
     config: Config | mosaic_ws.Config | None = None,
+    out_dtype=jnp.float32,
 ) -> jax.Array:
     """See the module docstring.
 
@@ -136,11 +137,15 @@ def quantized_grouped_matmul(
       activation_scaling, axis_name: fp8's activation scale (``quant.expert_mlp``'s meaning).
       config: the kernel's tiling: a ``Config`` for the Triton kernel, a ``mosaic_ws.Config`` for fp8's Mosaic one
         (``None``: ``moe._qgmm.config.default_config`` or ``mosaic_config``).
+      out_dtype: the result's dtype, float32, bfloat16 or float16: the float32 sums rounded once, as the kernel
+        stores them (a 16-bit result writes half the bytes, with no conversion pass after).
 
     Returns:
-      ``[N, M]`` float32, padding rows zero.
+      ``[N, M]`` in ``out_dtype``, padding rows zero.
     """
     _check(x, q, group_sizes, implementation, activation_scaling, compute_dtype, config)
+    if not any(jnp.dtype(out_dtype) == d for d in _FLOATS):
+        raise ValueError(f"quantized_grouped_matmul: out_dtype must be float32, bfloat16 or float16, got {out_dtype!r}")
     if compute_dtype is None and not any(x.dtype == d for d in _FLOATS):
         compute_dtype = jnp.float32
     backend = _backend(implementation, x.shape[0], q, config)
@@ -154,6 +159,7 @@ def quantized_grouped_matmul(
         activation_scaling=activation_scaling,
         axis_name=axis_name,
         config=config,
+        out_dtype=jnp.dtype(out_dtype),
     )
 
 
@@ -181,9 +187,10 @@ def _mosaic_fits(num_rows: int, q, config) -> bool:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("backend", "e4m3_rows", "compute_dtype", "activation_scaling", "axis_name", "config")
+    jax.jit,
+    static_argnames=("backend", "e4m3_rows", "compute_dtype", "activation_scaling", "axis_name", "config", "out_dtype"),
 )
-def _matmul(x, q, group_sizes, *, backend, e4m3_rows, compute_dtype, activation_scaling, axis_name, config):
+def _matmul(x, q, group_sizes, *, backend, e4m3_rows, compute_dtype, activation_scaling, axis_name, config, out_dtype):
     live = jnp.arange(x.shape[0], dtype=jnp.int32) < jnp.sum(group_sizes.astype(jnp.int32))
     lhs, factor = prepare(
         x,
@@ -196,15 +203,18 @@ def _matmul(x, q, group_sizes, *, backend, e4m3_rows, compute_dtype, activation_
         e4m3_rows=e4m3_rows,
     )
     if backend == "reference":
-        y = reference.grouped_matmul(lhs, q, group_sizes, factor)
+        y = reference.grouped_matmul(lhs, q, group_sizes, factor).astype(out_dtype)
     elif backend == "mosaic":
         tiling = _mosaic_tiling(x.shape[0], q.shape[0], config)
         y = mosaic_ws.grouped_matmul(
-            lhs, q.weight, group_sizes, transpose_rhs=True, factor=factor, out_dtype=jnp.float32, config=tiling
+            lhs, q.weight, group_sizes, transpose_rhs=True, factor=factor, out_dtype=out_dtype, config=tiling
         )
     else:
-        y = _triton().grouped_matmul(lhs, q, group_sizes, factor, config=config, interpret=backend != "triton")
-    return jnp.where(live[:, None], y, jnp.float32(0))
+        interpret = backend != "triton"
+        y = _triton().grouped_matmul(
+            lhs, q, group_sizes, factor, config=config, out_dtype=out_dtype, interpret=interpret
+        )
+    return jnp.where(live[:, None], y, jnp.zeros((), out_dtype))
 
 
 def _triton():

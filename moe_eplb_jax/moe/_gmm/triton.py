@@ -6,11 +6,10 @@ rows ``[start_s, end_s)`` (the runs of ``group_sizes``) times ``w[s]``
 product). ``transposed_grouped_matmul(x [N, K], dy [N, M], group_sizes) ->
 [S, K, M] float32``: per group ``x_s^T dy_s`` (the weight gradient).
 
-Work items. Rows are cut into tiles of ``Config.block_rows``; a group covers the
-tiles from ``start_s // block_rows`` to ``(end_s - 1) // block_rows``, so a
-tile straddling two groups is one item of each (each item writes only its own
-group's rows: disjoint masked stores, no race). There are at most
-``cdiv(N, block_rows) + S`` items; the grid has that many rows of programs and
+Work items. Each group's rows are cut into tiles of ``Config.block_rows`` from
+the group's first row, the last one partial; a tile reaching into the next
+group writes only its own group's rows (disjoint masked stores, no race).
+There are at most ``cdiv(N, block_rows) + S`` items; the grid has that many rows of programs and
 those past the real item count return at once. So the work done follows
 ``sum(group_sizes)``, not ``N`` -- on a rank that received few rows the
 kernel is cheap, which is what makes per-rank load visible in step time. The
@@ -88,7 +87,7 @@ def padded_sizes(group_sizes):
 
 
 def max_items(num_rows: int, num_groups: int, block_rows: int) -> int:
-    """The grid's rows: at most ``cdiv(N, bm) + S`` work items (each group adds at most one straddling tile)."""
+    """The grid's rows: at most ``cdiv(N, bm) + S`` work items (each group adds at most one partial tile)."""
     return pl.cdiv(num_rows, block_rows) + num_groups
 
 
@@ -96,20 +95,22 @@ def work_item(sizes_ref, item, block_rows: int):
     """Inside a kernel: ``(live, group, first_row, start, end)`` of work item ``item`` -- whether it exists, its
     group, the first row of its tile and its group's rows ``[start, end)`` -- from ``padded_sizes``' ref.
 
-    Computed by every program from the group sizes (a scan over at most a few hundred groups), so no kernel
-    before this one has to build an item table.
+    Tiles start at their group's first row, so a group of ``n`` rows is ``cdiv(n, block_rows)`` items and its
+    weights are read that many times: a decode step's few rows per group read each weight once (tiles cut at
+    multiples of ``block_rows`` would read a straddling group's twice). Computed by every program from the group
+    sizes (a scan over at most a few hundred groups), so no kernel before this one has to build an item table.
     """
     sizes = sizes_ref[...]
     ends = jnp.cumsum(sizes)
     starts = ends - sizes
-    first = starts // block_rows
-    tiles = jnp.where(sizes > 0, (ends - 1) // block_rows - first + 1, 0)
+    tiles = (sizes + block_rows - 1) // block_rows
     item_end = jnp.cumsum(tiles)
     group = jnp.sum((item >= item_end).astype(jnp.int32))
     at_group = jnp.arange(sizes.shape[0], dtype=jnp.int32) == group
     pick = lambda v: jnp.sum(jnp.where(at_group, v, 0))
-    tile = pick(first) + item - (pick(item_end) - pick(tiles))
-    return item < jnp.sum(tiles), group, tile * block_rows, pick(starts), pick(ends)
+    start = pick(starts)
+    first_row = start + (item - (pick(item_end) - pick(tiles))) * block_rows
+    return item < jnp.sum(tiles), group, first_row, start, pick(ends)
 
 
 def precision(dtype):

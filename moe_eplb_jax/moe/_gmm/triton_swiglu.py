@@ -39,7 +39,10 @@ def _blocks(config: triton.Config, depth: int, hidden: int) -> tuple[int, int]:
 
 def default_config(num_rows: int, hidden: int, num_groups: int) -> triton.Config:
     """``triton.default_config`` for the two products' ``2 * hidden`` columns, four stages deep with its
-    training-size 128 x 256 tiles (the measured tiling: ``docs/kernels.md``)."""
+    training-size 128 x 256 tiles; from one to four rows per group (decode at batch 8-32 for top-8 of 64) 16-row
+    tiles 128 columns wide per product, 64 deep and four stages (the measured tilings: ``docs/kernels.md``)."""
+    if num_groups < num_rows <= 4 * num_groups:
+        return triton.Config(block_rows=16, block_k=64, block_cols=256, num_warps=4, num_stages=4)
     config = triton.default_config(num_rows, 2 * hidden, num_groups)
     return dataclasses.replace(config, num_stages=4) if config.block_rows == 128 else config
 

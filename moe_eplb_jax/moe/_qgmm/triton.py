@@ -1,6 +1,6 @@
 """A grouped matmul in Pallas (Triton backend) that decodes quantized expert weights from their packed bytes.
 
-``grouped_matmul(lhs [N, K], q [S, M, K], group_sizes [S], factor [S]) -> [N, M] float32``: rows
+``grouped_matmul(lhs [N, K], q [S, M, K], group_sizes [S], factor [S]) -> [N, M]`` (float32 or ``out_dtype``): rows
 ``[start_s, end_s)`` times slot ``s``'s weights, times ``factor[s]``. ``fp8`` with e4m3 rows (W8A8) multiplies
 the weights' bytes as they are on the tensor cores (e4m3 x e4m3, float32 accumulation). Otherwise weight-only:
 each program loads a ``[block_cols, block_k]`` tile of the packed weights (e4m3 bytes, or e2m1 pairs: even
@@ -199,7 +199,7 @@ def _kernel(lhs_ref, w_ref, s_ref, factor_ref, sizes_ref, out_ref, **st):
         acc = jax.lax.fori_loop(0, depth // block_k, step, jnp.zeros((block_rows, block_cols), jnp.float32))
         plgpu.store(
             out_ref.at[pl.ds(first_row, block_rows), pl.ds(col * block_cols, block_cols)],
-            acc * factor_ref[group],
+            (acc * factor_ref[group]).astype(out_ref.dtype),
             mask=jnp.broadcast_to(mine[:, None], (block_rows, block_cols)),
         )
 
@@ -239,11 +239,13 @@ def _blocks(config: Config, fmt: str, width: int, depth: int, tile) -> tuple[int
     return block_k, block_cols
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def grouped_matmul(lhs, q, group_sizes, factor, *, config: Config | None = None, interpret: bool = False):
+@functools.partial(jax.jit, static_argnames=("config", "out_dtype", "interpret"))
+def grouped_matmul(
+    lhs, q, group_sizes, factor, *, config: Config | None = None, out_dtype=jnp.float32, interpret: bool = False
+):
     """See the module docstring. ``lhs`` bfloat16 or float32 (float8_e4m3fn for ``fp8``: the e4m3 product on the
     tensor cores, half the activation bytes); ``K`` and ``M`` multiples of the clipped blocks; ``factor [S]``
-    multiplies each slot's float32 result."""
+    multiplies each slot's float32 result, rounded once to ``out_dtype`` as it is stored."""
     num_rows, depth = lhs.shape
     num_slots, width, _ = q.shape
     fmt, w, scales, tile = operands(q)
@@ -277,7 +279,7 @@ def grouped_matmul(lhs, q, group_sizes, factor, *, config: Config | None = None,
         grid=(max_items(num_rows, num_slots, config.block_rows), width // block_cols),
         in_specs=[whole] * 5,
         out_specs=whole,
-        out_shape=jax.ShapeDtypeStruct((num_rows, width), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((num_rows, width), out_dtype),
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name=f"quantized_grouped_matmul_{fmt}",
