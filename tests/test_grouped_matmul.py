@@ -277,6 +277,29 @@ def test_pallas_runs_triton_without_gradients_and_mosaic_with(rng):
     assert "mosaic" in training.lower() and "xla.gpu.triton" not in training
 
 
+@gpu
+@pytest.mark.parametrize("batch", [1, 8, 32, 256])
+def test_decode_shapes_on_their_default_tilings(batch, rng):
+    """On the card, a decode step's two expert kernels at the ``small`` preset's shapes (top-8 of 64 experts,
+    1024 -> 2 x 512 -> 1024) on the tilings ``default_config`` picks for the batch: the fused first half reading
+    rows from their tokens, then the down product, against float64 (one row a group up to a few rows a group)."""
+    from moe_eplb_jax.moe._gmm import triton, triton_swiglu
+
+    groups, dim, hidden, rows = 64, 1024, 512, batch * 8
+    sizes = rng.multinomial(rows, [1 / groups] * groups).astype(np.int32)
+    tokens = rng.integers(0, batch, rows).astype(np.int32)
+    x = np.asarray(jnp.asarray(rng.standard_normal((batch, dim)), jnp.bfloat16))
+    w_in = np.asarray(jnp.asarray(rng.standard_normal((groups, dim, 2 * hidden)) / 32, jnp.bfloat16))
+    w_out = np.asarray(jnp.asarray(rng.standard_normal((groups, hidden, dim)) / 22, jnp.bfloat16))
+    act = np.asarray(jax.jit(triton_swiglu.swiglu_matmul)(x, w_in, sizes, tokens), np.float32)
+    h = np.asarray(jnp.asarray(_oracle(x[tokens], w_in, sizes), jnp.bfloat16), np.float64)
+    want = h[:, :hidden] / (1 + np.exp(-h[:, :hidden])) * h[:, hidden:]
+    assert _relative(act, want) < TOLERANCE[jnp.bfloat16]
+    y = np.asarray(jax.jit(triton.grouped_matmul)(act.astype(jnp.bfloat16), w_out, sizes), np.float32)
+    act16 = np.asarray(jnp.asarray(act, jnp.bfloat16))
+    assert _relative(y, _oracle(act16, w_out, sizes)) < TOLERANCE[jnp.bfloat16]
+
+
 def _warp_specialized(x_shape, w_shape, transpose_rhs, config=None):
     from moe_eplb_jax.moe._gmm import mosaic_ws
 
