@@ -351,15 +351,17 @@ def test_the_decode_loop_never_waits_for_the_device_on_the_host(ranks, capacity_
     assert [eqn.params["length"] for eqn in jaxpr.eqns if eqn.primitive.name == "scan"] == [3]
 
 
-def test_the_decode_loop_joins_each_layers_query_key_value_weights_once_per_call():
-    """A decode step projects q, k and v with one product of the three weights side by side; XLA joins the weights
-    before the loop (they do not change in it), not in every pass: no join of their shape in the loop's body."""
+@pytest.mark.parametrize("attention", ["gqa", "mla"])
+def test_the_decode_loop_joins_each_layers_projection_weights_once_per_call(attention):
+    """A decode step projects q, k and v (MLA: the query's first projection and the latent's) with one product of
+    the weights side by side; XLA joins the weights before the loop (they do not change in it), not in every pass:
+    no join of their shape in the loop's body."""
     import re
 
     from moe_eplb_jax.models import generation
 
-    mesh = ep_mesh(1)
-    model = tiny_model(CONFIG, mesh)
+    c = CONFIG if attention == "gqa" else preset("deepseek_v3_tiny")
+    model = tiny_model(c, ep_mesh(1))
     graphdef, variables = nnx.split(model)
 
     def loop(variables, token, active, cache):
@@ -370,8 +372,11 @@ def test_the_decode_loop_joins_each_layers_query_key_value_weights_once_per_call
 
     token, active = jnp.zeros(2, jnp.int32), jnp.ones(2, bool)
     text = jax.jit(loop).lower(variables, token, active, model.init_cache(2, 8)).compile().as_text()
-    c = CONFIG
-    joined = f"[{c.dim},{(c.num_heads + 2 * c.num_kv_heads) * c.head_dim}]"
+    if attention == "gqa":
+        width = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    else:
+        width = c.q_lora_rank + c.kv_lora_rank + c.qk_rope_head_dim
+    joined = f"[{c.dim},{width}]"
     computations = re.split(r"\n(?=\S)", text)
     entry = [body for body in computations if body.startswith("ENTRY")]
     assert len(entry) == 1 and "while(" in entry[0]

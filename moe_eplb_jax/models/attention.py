@@ -305,14 +305,11 @@ class MultiLatentAttention(nnx.Module):
         """
         b, t, _ = x.shape
         h, dn, r = self.num_heads, self.nope_dim, self.kv_rank
-        if self.q_proj is not None:
-            q = linear(x, self.q_proj.get_value())
-        else:
-            assert self.q_a_proj is not None and self.q_a_layernorm is not None and self.q_b_proj is not None
-            q_low = self.q_a_layernorm(linear(x, self.q_a_proj.get_value(), _value(self.q_a_bias)))
-            q = linear(q_low, self.q_b_proj.get_value())
+        q, kv = self._project(x, joined=cache is not None and t == 1)  # kv: [B, T, r + dr]
+        if self.q_proj is None:
+            assert self.q_a_layernorm is not None and self.q_b_proj is not None
+            q = linear(self.q_a_layernorm(q), self.q_b_proj.get_value())
         q = q.reshape(b, t, h, dn + self.rope_dim)
-        kv = linear(x, self.kv_a_proj_with_mqa.get_value(), _value(self.kv_a_bias))  # [B, T, r + dr]
         rotary_dim, theta, scaling, interleaved = self.rope
         inv_freq, factor = rope_frequencies(rotary_dim, theta, scaling)
         q_rope = apply_rope(q[..., dn:], positions, inv_freq, attention_factor=factor, interleaved=interleaved)
@@ -327,6 +324,24 @@ class MultiLatentAttention(nnx.Module):
         attended = self._absorbed if absorb else self._expanded
         out = attended(q[..., :dn], q_rope, seen.astype(x.dtype), mask)
         return linear(out.reshape(b, t, -1), self.o_proj.get_value(), _value(self.o_bias)), (latent,)
+
+    def _project(self, x, *, joined: bool):
+        """``(query or its low-rank projection, the latent and rotated key)`` of ``x``; ``joined``: one product with
+        the two weights side by side, as ``Attention._project`` (a decode step's small products are launch-bound;
+        XLA joins the weights once, outside the decode loop). Block-FP8 weights stay two products."""
+        query = self.q_proj if self.q_proj is not None else self.q_a_proj
+        assert query is not None
+        weights = [query.get_value(), self.kv_a_proj_with_mqa.get_value()]
+        biases = [None if self.q_proj is not None else _value(self.q_a_bias), _value(self.kv_a_bias)]
+        if (
+            not joined
+            or any(isinstance(w, Fp8BlockWeight) for w in weights)
+            or (biases[0] is None) != (biases[1] is None)
+        ):
+            return tuple(linear(x, w, bias) for w, bias in zip(weights, biases, strict=True))
+        bias = None if biases[0] is None or biases[1] is None else jnp.concatenate([biases[0], biases[1]])
+        out = linear(x, jnp.concatenate(weights, axis=1), bias)
+        return out[..., : weights[0].shape[1]], out[..., weights[0].shape[1] :]
 
     def _expanded(self, q_nope, q_rope, latent, mask):
         """Keys and values of every position and head from the latent, then attention of ``H`` heads."""
