@@ -27,6 +27,7 @@ another order.
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 import jax
@@ -133,6 +134,20 @@ def _value(var):
     return None if var is None else var.get_value()
 
 
+def _linears(x, weights, biases, *, joined: bool):
+    """``linear(x, w, bias)`` for each weight; ``joined``: one product of the weights side by side, split after --
+    a decode step's small projections are each a launch longer than its read, and XLA hoists the join of weights
+    the decode loop does not change out of the loop. Block-FP8 weights, or biases on some products only, stay
+    apart."""
+    present = [bias is not None for bias in biases]
+    if not joined or any(isinstance(w, Fp8BlockWeight) for w in weights) or any(present) != all(present):
+        return tuple(linear(x, w, bias) for w, bias in zip(weights, biases, strict=True))
+    bias = jnp.concatenate([b for b in biases if b is not None]) if all(present) else None
+    out = linear(x, jnp.concatenate(weights, axis=1), bias)
+    ends = list(itertools.accumulate(w.shape[1] for w in weights))
+    return tuple(out[..., end - w.shape[1] : end] for w, end in zip(weights, ends, strict=True))
+
+
 def _write(cache, new, index, *, axis: int = 1):
     """``new`` written into ``cache`` at position ``index`` of the positions ``axis`` (their other sides equal)."""
     start = tuple(index if a == axis else 0 for a in range(cache.ndim))
@@ -209,17 +224,9 @@ class Attention(nnx.Module):
         return linear(out.reshape(b, t, -1), self.o_proj.get_value(), _value(self.o_bias)), (keys, values)
 
     def _project(self, x, *, joined: bool):
-        """``(q, k, v)`` of ``x``; ``joined``: one product with the three weights side by side -- a decode step's
-        three small products are each a launch longer than its read, and the join of weights the loop does not
-        change is hoisted out of the decode loop by XLA. Block-FP8 weights stay three products."""
+        """``(q, k, v)`` of ``x``; ``joined``: one product (``_linears``)."""
         weights = [p.get_value() for p in (self.q_proj, self.k_proj, self.v_proj)]
-        biases = [_value(bias) for bias in (self.q_bias, self.k_bias, self.v_bias)]
-        if not joined or any(isinstance(w, Fp8BlockWeight) for w in weights):
-            return tuple(linear(x, w, bias) for w, bias in zip(weights, biases, strict=True))
-        bias = None if any(b is None for b in biases) else jnp.concatenate([b for b in biases if b is not None])
-        out = linear(x, jnp.concatenate(weights, axis=1), bias)
-        q_width, kv_width = weights[0].shape[1], weights[1].shape[1]
-        return out[..., :q_width], out[..., q_width : q_width + kv_width], out[..., q_width + kv_width :]
+        return _linears(x, weights, [_value(b) for b in (self.q_bias, self.k_bias, self.v_bias)], joined=joined)
 
     def _decode(self, q, k, v, positions, inv_freq, factor, cache, cache_index, mask):
         """One decode step in one kernel (``_decode_attention``): the norms and a whole-head rotate-half RoPE inside
@@ -326,22 +333,13 @@ class MultiLatentAttention(nnx.Module):
         return linear(out.reshape(b, t, -1), self.o_proj.get_value(), _value(self.o_bias)), (latent,)
 
     def _project(self, x, *, joined: bool):
-        """``(query or its low-rank projection, the latent and rotated key)`` of ``x``; ``joined``: one product with
-        the two weights side by side, as ``Attention._project`` (a decode step's small products are launch-bound;
-        XLA joins the weights once, outside the decode loop). Block-FP8 weights stay two products."""
+        """``(query or its low-rank projection, the latent and rotated key)`` of ``x``; ``joined``: one product
+        (``_linears``)."""
         query = self.q_proj if self.q_proj is not None else self.q_a_proj
         assert query is not None
         weights = [query.get_value(), self.kv_a_proj_with_mqa.get_value()]
         biases = [None if self.q_proj is not None else _value(self.q_a_bias), _value(self.kv_a_bias)]
-        if (
-            not joined
-            or any(isinstance(w, Fp8BlockWeight) for w in weights)
-            or (biases[0] is None) != (biases[1] is None)
-        ):
-            return tuple(linear(x, w, bias) for w, bias in zip(weights, biases, strict=True))
-        bias = None if biases[0] is None or biases[1] is None else jnp.concatenate([biases[0], biases[1]])
-        out = linear(x, jnp.concatenate(weights, axis=1), bias)
-        return out[..., : weights[0].shape[1]], out[..., weights[0].shape[1] :]
+        return _linears(x, weights, biases, joined=joined)
 
     def _expanded(self, q_nope, q_rope, latent, mask):
         """Keys and values of every position and head from the latent, then attention of ``H`` heads."""

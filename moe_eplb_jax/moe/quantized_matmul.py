@@ -64,7 +64,7 @@ MOSAIC_TOLERANCE = 2e-4
 _FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
-def _check(x, q, group_sizes, implementation, activation_scaling, compute_dtype, config) -> None:
+def _check(x, q, group_sizes, implementation, activation_scaling, compute_dtype, config, out_dtype) -> None:
     name = "quantized_grouped_matmul"
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"{name}: unknown implementation {implementation!r}; known: {list(IMPLEMENTATIONS)}")
@@ -82,6 +82,8 @@ def _check(x, q, group_sizes, implementation, activation_scaling, compute_dtype,
         raise ValueError(f"{name}: group_sizes must be integers, got dtype {group_sizes.dtype}")
     if compute_dtype is not None and not any(jnp.dtype(compute_dtype) == d for d in _FLOATS):
         raise ValueError(f"{name}: compute_dtype must be bfloat16, float16 or float32, got {compute_dtype!r}")
+    if not any(jnp.dtype(out_dtype) == d for d in _FLOATS):
+        raise ValueError(f"{name}: out_dtype must be float32, bfloat16 or float16, got {out_dtype!r}")
     if implementation == "mosaic" and not _mosaic_fits(x.shape[0], q, config):
         raise ValueError(
             f"{name}: implementation 'mosaic' multiplies fp8 experts whose K and M tile its blocks; got "
@@ -143,9 +145,7 @@ def quantized_grouped_matmul(
     Returns:
       ``[N, M]`` in ``out_dtype``, padding rows zero.
     """
-    _check(x, q, group_sizes, implementation, activation_scaling, compute_dtype, config)
-    if not any(jnp.dtype(out_dtype) == d for d in _FLOATS):
-        raise ValueError(f"quantized_grouped_matmul: out_dtype must be float32, bfloat16 or float16, got {out_dtype!r}")
+    _check(x, q, group_sizes, implementation, activation_scaling, compute_dtype, config, out_dtype)
     if compute_dtype is None and not any(x.dtype == d for d in _FLOATS):
         compute_dtype = jnp.float32
     backend = _backend(implementation, x.shape[0], q, config)
